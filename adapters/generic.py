@@ -1,0 +1,22 @@
+"""Generic adapter: any module (or callable) returning logits; asked last.
+
+The output may be a ``[B, K]`` tensor, a dict with a ``"logits"`` key, an object with a
+``.logits`` attribute, or anything else the user points at with ``wrap(model, logits=...)``.
+Inputs default to the paper's domain ``[-1, 1]``; override with ``data_range`` or ``mean``/``std``.
+"""
+from __future__ import annotations
+
+from jem_plugin.adapter import Adapter, InputDomain, domain_from_options, wants
+from jem_plugin.plugins import hookimpl
+
+
+@hookimpl(trylast=True)
+def jem_adapter(model, options):
+    if not wants(options, "generic"):
+        return None
+    return Adapter(
+        "generic",
+        domain=domain_from_options(options, InputDomain()),
+        num_classes=options.get("num_classes"),
+        logits=options.get("logits"),
+    )

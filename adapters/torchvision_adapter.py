@@ -1,0 +1,37 @@
+"""torchvision adapter: classification models from ``torchvision.models``.
+
+All torchvision classification weights use ImageNet normalisation, so the domain is ``[0, 1]``
+pixels after ImageNet ``(x - mean) / std``. The class count is read off the last linear layer.
+Inception/GoogLeNet auxiliary outputs in training mode are handled (their ``.logits``).
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from jem_plugin.adapter import (IMAGENET_MEAN, IMAGENET_STD, Adapter, InputDomain,
+                                domain_from_options, wants)
+from jem_plugin.plugins import hookimpl
+
+
+def _last_linear_out(model: nn.Module) -> int | None:
+    out = None
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            out = m.out_features
+        elif isinstance(m, nn.Conv2d) and m.kernel_size == (1, 1):
+            out = m.out_channels  # SqueezeNet's classifier is a 1x1 conv
+    return out
+
+
+@hookimpl
+def jem_adapter(model, options):
+    if not wants(options, "torchvision") or not type(model).__module__.startswith("torchvision.models"):
+        return None
+    default = InputDomain.from_normalization(IMAGENET_MEAN, IMAGENET_STD, input_size=(3, 224, 224))
+    # Spatial size is flexible for torchvision CNNs: keep only the rank (3 dims) for input checks.
+    return Adapter(
+        "torchvision",
+        domain=domain_from_options(options, default),
+        num_classes=options.get("num_classes", _last_linear_out(model)),
+        logits=options.get("logits"),
+    )

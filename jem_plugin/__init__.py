@@ -1,0 +1,23 @@
+"""jem-plugin: any PyTorch classifier as a Joint Energy-based Model (Grathwohl et al. 2019).
+
+>>> import jem_plugin as jem
+>>> jm = jem.wrap(model)          # the same network, read as an energy model
+>>> jm.log_px(x)                  # unnormalised log p(x) = logsumexp f(x)
+"""
+from __future__ import annotations
+
+from .adapter import Adapter, InputDomain
+from .errors import (CheckpointError, DivergenceError, InferenceModeError, InvalidInputError,
+                     InvalidLabelError, JEMError, NoLogitsError, NonFiniteLogitsError,
+                     UnknownNameError)
+from .model import JEM, input_grad_enabled, wrap
+from .plugins import get_plugin_manager, hookimpl, list_plugins, register, unregister
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "JEM", "wrap", "Adapter", "InputDomain", "input_grad_enabled",
+    "hookimpl", "register", "unregister", "list_plugins", "get_plugin_manager",
+    "JEMError", "NoLogitsError", "InvalidInputError", "InvalidLabelError", "NonFiniteLogitsError",
+    "DivergenceError", "CheckpointError", "UnknownNameError", "InferenceModeError",
+]

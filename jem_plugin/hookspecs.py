@@ -1,0 +1,64 @@
+"""Every hook jem-plugin calls, in one place (pluggy project name ``jem``).
+
+Built-in features register through these same hooks (see :mod:`jem_plugin.plugins`), so a
+third-party plugin is a module or object with ``@jem_plugin.hookimpl`` functions, listed in
+the ``jem`` entry-point group of its distribution::
+
+    [project.entry-points.jem]
+    my_plugin = "my_package.jem_plugin"
+
+Conventions (as in pytest, llm and datasette): ``jem_register_*`` hooks receive a
+``register(name, item, **info)`` callback for named things; ``firstresult`` hooks choose one thing.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("jem")
+
+
+@hookspec(firstresult=True)
+def jem_adapter(model: Any, options: dict) -> Any:
+    """Return an :class:`jem_plugin.adapter.Adapter` for ``model``, or ``None`` to pass.
+
+    The first non-``None`` answer wins. Plugins registered later are asked first; the
+    built-in generic adapter is ``trylast`` so any specific adapter beats it. ``options``
+    are the keyword arguments given to :func:`jem_plugin.wrap` (read, do not mutate).
+    """
+
+
+@hookspec
+def jem_register_ood_scores(register: Callable[..., None]) -> None:
+    """Register OOD scores: ``register(name, fn, needs_grad=False, description="")``.
+
+    ``fn(jm, x, **kwargs) -> Tensor[B]`` where higher means more in-distribution.
+    """
+
+
+@hookspec
+def jem_register_init_distributions(register: Callable[..., None]) -> None:
+    """Register initial distributions for SGLD chains: ``register(name, factory)``.
+
+    ``factory(**kwargs)`` returns an object with ``sample(n, shape, domain, generator, device, y=None)``.
+    """
+
+
+@hookspec
+def jem_register_loss_terms(register: Callable[..., None]) -> None:
+    """Register extra loss terms for :class:`jem_plugin.JEMLoss`: ``register(name, factory)``.
+
+    ``factory(**kwargs)`` returns a callable ``term(jm, batch) -> (loss Tensor, metrics dict)``.
+    """
+
+
+@hookspec
+def jem_sgld_step(state: Any) -> None:
+    """Observe or alter each SGLD step.
+
+    Called after every Langevin update with a :class:`jem_plugin.sampling.SGLDStepState`
+    (``step``, ``x``, ``grad``, ``step_size``, ``noise``, ``y``, ``sampler``). A plugin may
+    replace ``state.x`` (for example to project onto a constraint set). Only called when at
+    least one plugin implements it, so the hot loop pays nothing otherwise.
+    """

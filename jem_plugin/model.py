@@ -1,0 +1,217 @@
+"""The energy view of a classifier: :func:`wrap` and :class:`JEM`.
+
+Logits ``f(x)`` are reread as energies (Grathwohl et al. 2019): ``E(x, y) = -f(x)[y]``,
+``E(x) = -logsumexp_y f(x)[y]``; ``p(y|x)`` is the softmax, unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from .adapter import Adapter
+from .errors import (InferenceModeError, InvalidInputError, InvalidLabelError, NoLogitsError,
+                     NonFiniteLogitsError)
+from .plugins import get_plugin_manager
+
+__all__ = ["JEM", "wrap", "input_grad_enabled"]
+
+
+class _CallableModule(nn.Module):
+    """Holds a plain callable so it can be wrapped like any ``nn.Module``."""
+
+    def __init__(self, fn: Callable[[Tensor], Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: Tensor) -> Any:
+        return self.fn(x)
+
+
+class JEM(nn.Module):
+    """A classifier read as a Joint Energy-based Model. Build it with :func:`wrap`.
+
+    ``jm(x)`` returns the model's logits (the model's output itself when that is a tensor).
+    ``jm.model`` is the user's module: same parameters, never copied. ``state_dict()`` uses
+    the usual ``model.`` prefix; :meth:`load_state_dict` also accepts the user's own
+    checkpoints of the bare model.
+    """
+
+    def __init__(self, model: nn.Module, adapter: Adapter, check_finite: bool = True) -> None:
+        super().__init__()
+        self.model = model
+        self.adapter = adapter
+        self.check_finite = check_finite
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def domain(self):
+        """The :class:`~jem_plugin.adapter.InputDomain` of the model's inputs."""
+        return self.adapter.domain
+
+    @property
+    def num_classes(self) -> int | None:
+        return self.adapter.num_classes
+
+    def extra_repr(self) -> str:
+        return f"adapter={self.adapter.name!r}, num_classes={self.num_classes}"
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits ``f(x)``, exactly what the model computes."""
+        return self.adapter.logits(self.model(x))
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Validated logits: checks the input and the output shape, and finiteness if enabled."""
+        self._check_input(x)
+        out = self.forward(x)
+        if out.dim() != 2 or out.shape[0] != x.shape[0]:
+            raise NoLogitsError(
+                f"expected logits of shape [B={x.shape[0]}, K], the model returned shape "
+                f"{tuple(out.shape)}. Point wrap(model, logits=...) at the classification "
+                "output, or wrap a model whose head returns one score per class."
+            )
+        if self.adapter.num_classes is None:
+            self.adapter.num_classes = out.shape[1]
+        if self.check_finite and not torch.isfinite(out).all():
+            raise NonFiniteLogitsError(
+                f"the model produced {int((~torch.isfinite(out)).sum())} non-finite logits. "
+                "Check the input for NaN/inf, lower the learning rate or SGLD step size, or "
+                "add the energy L2 regulariser (JEMLoss(l2_weight=...)). "
+                "Pass wrap(model, check_finite=False) to skip this check."
+            )
+        return out
+
+    def energy(self, x: Tensor, y: Tensor | None = None) -> Tensor:
+        """``E(x) = -logsumexp f(x)`` (``[B]``), or ``E(x, y) = -f(x)[y]`` when ``y`` is given."""
+        logits = self.logits(x)
+        if y is None:
+            return -torch.logsumexp(logits, dim=1)
+        return -logits.gather(1, self._check_labels(y, logits).unsqueeze(1)).squeeze(1)
+
+    def log_px(self, x: Tensor) -> Tensor:
+        """Unnormalised ``log p(x) = logsumexp_y f(x)[y]`` (``[B]``)."""
+        return -self.energy(x)
+
+    def log_pxy(self, x: Tensor, y: Tensor) -> Tensor:
+        """Unnormalised ``log p(x, y) = f(x)[y]`` (``[B]``)."""
+        return -self.energy(x, y)
+
+    def log_py_given_x(self, x: Tensor, y: Tensor | None = None) -> Tensor:
+        """``log p(y|x)``: ``[B, K]`` log-softmax, or ``[B]`` for given labels ``y``."""
+        logp = torch.log_softmax(self.logits(x), dim=1)
+        if y is None:
+            return logp
+        return logp.gather(1, self._check_labels(y, logp).unsqueeze(1)).squeeze(1)
+
+    # ------------------------------------------------------------------ checks
+    def _check_input(self, x: Any) -> None:
+        if not isinstance(x, Tensor):
+            raise InvalidInputError(f"expected a torch.Tensor input, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise InvalidInputError(
+                f"expected a floating-point input, got dtype {x.dtype}. Convert images with "
+                "x.float() and scale them to the model's domain "
+                f"({self.domain.low} .. {self.domain.high})."
+            )
+        size = self.domain.input_size
+        if size is not None and x.dim() != len(size) + 1:
+            raise InvalidInputError(
+                f"expected a batch of shape [B, {', '.join(map(str, size))}] "
+                f"(rank {len(size) + 1}), got shape {tuple(x.shape)}"
+                + (". Add a batch dimension with x.unsqueeze(0)." if x.dim() == len(size) else ".")
+            )
+        if x.dim() < 2:
+            raise InvalidInputError(
+                f"expected a batch with a leading batch dimension, got shape {tuple(x.shape)}"
+            )
+
+    def _check_labels(self, y: Any, logits: Tensor) -> Tensor:
+        if not isinstance(y, Tensor):
+            y = torch.as_tensor(y)
+        if y.dtype.is_floating_point or y.dtype == torch.bool or y.is_complex():
+            raise InvalidLabelError(
+                f"labels must be integer class indices, got dtype {y.dtype}; use y.long()"
+                " (for one-hot labels, y.argmax(1))."
+            )
+        y = y.to(device=logits.device, dtype=torch.long)
+        if y.shape != (logits.shape[0],):
+            raise InvalidLabelError(
+                f"expected labels of shape [{logits.shape[0]}], got {tuple(y.shape)}"
+            )
+        k = logits.shape[1]
+        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= k):
+            raise InvalidLabelError(
+                f"labels must lie in [0, {k}) for a model with {k} classes; got values "
+                f"from {int(y.min())} to {int(y.max())}"
+            )
+        return y
+
+    # ------------------------------------------------------------------ state
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """Load a JEM checkpoint, or a checkpoint of the bare model (keys without ``model.``)."""
+        if state_dict and not any(k.startswith("model.") for k in state_dict):
+            return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+@contextlib.contextmanager
+def input_grad_enabled(x: Tensor) -> Iterator[Tensor]:
+    """Yield a leaf copy of ``x`` that requires grad, even under ``no_grad``/``inference_mode``.
+
+    Input gradients are what SGLD and gradient-based OOD scores need. Under
+    ``torch.inference_mode`` (as in Lightning evaluation) we step out of inference mode
+    locally; the parameters are ordinary tensors, so that is legal. Tensors *created* under
+    inference mode are copied first, since autograd cannot record them.
+    """
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            xg = x.detach().clone().requires_grad_(True)
+            yield xg
+    except RuntimeError as exc:
+        if "inference" in str(exc).lower():
+            raise InferenceModeError(
+                "input gradients are impossible here because a tensor in the computation was "
+                "created under torch.inference_mode (for example a buffer or a parameter built "
+                "inside it). Create the model outside inference_mode, or call this under "
+                "torch.no_grad() instead, which jem-plugin handles."
+            ) from exc
+        raise
+
+
+def wrap(model: nn.Module | Callable[[Tensor], Any], *, adapter: str | Adapter | None = None,
+         check_finite: bool = True, **options: Any) -> JEM:
+    """Wrap a classifier as a :class:`JEM`. The model is not copied or modified.
+
+    Parameters
+    ----------
+    model: an ``nn.Module`` (timm, torchvision, Hugging Face, your own) or a callable
+        ``x -> logits``.
+    adapter: force an adapter: an :class:`Adapter` instance, or the name of a registered one
+        (``"timm"``, ``"torchvision"``, ``"huggingface"``, ``"generic"``). By default the
+        ``jem_adapter`` plugin hook chooses (first answer wins, generic last).
+    check_finite: raise :class:`NonFiniteLogitsError` on NaN/inf logits in the checked methods.
+    **options: passed to adapters: ``logits`` (index, key, attribute or callable selecting the
+        logits from the output), ``data_range=(low, high)``, ``mean``/``std`` (normalisation
+        the inputs carry), ``input_size=(C, H, W)``, ``num_classes``.
+    """
+    if not isinstance(model, nn.Module):
+        if not callable(model):
+            raise TypeError(f"wrap() needs an nn.Module or a callable, got {type(model).__name__}")
+        model = _CallableModule(model)
+    if isinstance(adapter, Adapter):
+        chosen = adapter
+    else:
+        opts = dict(options)
+        if adapter is not None:
+            opts["adapter"] = adapter
+        chosen = get_plugin_manager().hook.jem_adapter(model=model, options=opts)
+        if chosen is None:
+            raise NoLogitsError(
+                f"no adapter accepted the model {type(model).__name__}"
+                + (f" with adapter={adapter!r}" if adapter else "")
+                + "; see `jem plugins` for the loaded adapters."
+            )
+    return JEM(model, chosen, check_finite=check_finite)
