@@ -29,6 +29,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "jem_plugin.init_distributions",
     "jem_plugin.ood_scores",
     "jem_plugin.loss_terms",
+    "jem_plugin.energy_bounded",
 )
 
 _pm: pluggy.PluginManager | None = None
