@@ -1,0 +1,38 @@
+"""Shared fixtures. Tests run on CPU with one thread: the machine (and CI) has 2 cores."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JEM_DISABLE_PLUGINS", "")  # installed third-party plugins stay visible unless a test says so
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+class TinyCNN(torch.nn.Module):
+    """A small classifier with BatchNorm and Dropout: the layers that break naive JEM code."""
+
+    def __init__(self, num_classes: int = 10, in_ch: int = 1):
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(in_ch, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.SiLU(),
+            torch.nn.Conv2d(8, 16, 3, stride=2, padding=1), torch.nn.SiLU(),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Dropout(0.1),
+        )
+        self.head = torch.nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+@pytest.fixture
+def tiny_cnn():
+    return TinyCNN()
