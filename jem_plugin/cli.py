@@ -1,0 +1,430 @@
+"""The ``jem`` command: demo, train, eval, ood, sample, plugins.
+
+Every subcommand takes ``--device``, ``--seed``, ``--out`` and ``--config FILE`` (JSON or TOML
+whose keys are option names, e.g. ``{"epochs": 5, "sgld_steps": 10}``; flags on the command line
+win). User errors (bad flags, missing paths, incompatible checkpoints) print one line and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .errors import JEMError
+
+# Model specs understood by --model: built-in nets, any timm name, or module:factory.
+BUILTIN_NETS = ("digits-cnn", "toy-mlp")
+CKPT_FORMAT = "jem-plugin/model/1"
+
+
+class CLIError(JEMError):
+    """A user error at the command line: printed as one line, exit status 2."""
+
+
+# ----------------------------------------------------------------------------- helpers
+def _load_config(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise CLIError(f"config file {path!r} does not exist")
+    text = p.read_text()
+    if p.suffix == ".toml":
+        try:
+            import tomllib
+        except ImportError as exc:  # Python 3.10
+            raise CLIError("TOML configs need Python >= 3.11; use a JSON config") from exc
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise CLIError(f"config file {path!r} is not valid TOML: {exc}") from exc
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CLIError(f"config file {path!r} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CLIError(f"config file {path!r} must hold a table/object of option names")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def _device(name: str):
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except RuntimeError as exc:
+        raise CLIError(f"unknown device {name!r} (use cpu, cuda, cuda:1, mps)") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {name} asked for CUDA but no GPU is available; use --device cpu")
+    return dev
+
+
+def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int = 0):
+    """``(dataset, domain, num_classes, sample_shape)`` for a ``--data`` spec.
+
+    Specs: ``digits``, ``toy2d`` (or ``toy2d:NAME``), ``folder:PATH``, ``cifar10:PATH``.
+    """
+    from . import data
+
+    kind, _, arg = spec.partition(":")
+    if kind == "digits":
+        ds = data.load_digits("train" if train else "test", seed=seed)
+        return ds, ds.domain, 10, (1, 8, 8)
+    if kind == "toy2d":
+        import torch
+        from torch.utils.data import TensorDataset
+
+        x, y = data.toy2d(arg or "8gaussians", n=4000 if train else 1000, seed=seed if train else seed + 1)
+        ds = TensorDataset(x, y)
+        from .adapter import InputDomain
+
+        lim = float(x.abs().max()) * 1.2
+        return ds, InputDomain.from_range(-lim, lim, input_size=(2,)), int(y.max()) + 1, (2,)
+    if kind == "folder":
+        if not arg:
+            raise CLIError("--data folder:PATH needs a path, e.g. folder:data/train")
+        ds = data.image_folder(arg, image_size=image_size)
+        return ds, ds.domain, len(ds.classes), (3, image_size, image_size)
+    if kind == "cifar10":
+        if not arg:
+            raise CLIError("--data cifar10:PATH needs the directory holding cifar-10-batches-py")
+        ds = data.cifar10(arg, train=train)
+        return ds, ds.domain, 10, (3, 32, 32)
+    raise CLIError(f"unknown --data {spec!r}; use digits, toy2d[:NAME], folder:PATH or cifar10:PATH")
+
+
+def build_model(spec: str, num_classes: int, in_chans: int):
+    """An ``nn.Module`` for a ``--model`` spec: a built-in net, a timm name, or ``module:factory``."""
+    from . import nets
+
+    if spec == "digits-cnn":
+        return nets.DigitsCNN(num_classes=num_classes)
+    if spec == "toy-mlp":
+        return nets.ToyMLP(num_classes=num_classes)
+    if ":" in spec:
+        import importlib
+
+        modname, _, attr = spec.partition(":")
+        try:
+            factory = getattr(importlib.import_module(modname), attr)
+        except (ImportError, AttributeError) as exc:
+            raise CLIError(f"cannot load --model {spec!r}: {exc}") from exc
+        return factory(num_classes=num_classes)
+    import timm
+
+    if not timm.is_model(spec):
+        raise CLIError(
+            f"unknown --model {spec!r}: not a built-in ({', '.join(BUILTIN_NETS)}), not a timm "
+            "model name (see timm.list_models()), and not a module:factory path")
+    return timm.create_model(spec, pretrained=False, num_classes=num_classes, in_chans=in_chans)
+
+
+def save_model_checkpoint(path: Path, jm, spec: dict[str, Any]) -> None:
+    """The final model: a plain dict (spec + weights) that ``torch.load(weights_only=True)`` reads."""
+    from .checkpoint import save_checkpoint
+
+    save_checkpoint(path, rng=False, format=CKPT_FORMAT, spec=spec, model=jm.model)
+
+
+def load_model_checkpoint(path: str, device=None):
+    """Rebuild the wrapped model saved by ``jem train``; returns ``(jm, spec)``."""
+    import torch
+
+    from .errors import CheckpointError
+
+    p = Path(path)
+    if not p.is_file():
+        raise CLIError(f"checkpoint {path!r} does not exist")
+    try:
+        blob = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as exc:  # corrupt, truncated, or holding code
+        raise CLIError(f"cannot read checkpoint {path!r}: {exc}") from exc
+    if not isinstance(blob, dict) or blob.get("format") != CKPT_FORMAT:
+        raise CLIError(f"{path!r} is not a model checkpoint written by `jem train` (look for model.pt in the run directory)")
+    spec = blob["spec"]
+    model = build_model(spec["model"], spec["num_classes"], spec["sample_shape"][0])
+    jm = _wrap_for_data(model, spec)
+    try:
+        jm.model.load_state_dict(blob["model"])
+    except RuntimeError as exc:
+        raise CheckpointError(f"checkpoint {path!r} does not fit model {spec['model']!r}: {exc}") from exc
+    if device is not None:
+        jm.to(device)
+    return jm.eval(), spec
+
+
+def _wrap_for_data(model, spec: dict[str, Any]):
+    """Wrap with the data's domain: the sampler must work in the space the loader yields."""
+    from . import wrap
+
+    opts: dict[str, Any] = {"input_size": tuple(spec["sample_shape"])}
+    if spec.get("mean"):
+        opts.update(mean=spec["mean"], std=spec["std"])
+    else:
+        opts["data_range"] = (spec["low"], spec["high"])
+    return wrap(model, **opts)
+
+
+# ----------------------------------------------------------------------------- commands
+def cmd_plugins(args) -> int:
+    from .plugins import list_plugins
+
+    rows = list_plugins()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        origin = "built-in" if r["builtin"] else f"external {r['version'] or ''}".strip()
+        print(f"{r['name']:<{width}}  {origin:<10}  {', '.join(r['hooks'])}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .experiments import run_digits_demo
+    from .report import write_report
+
+    out = Path(args.out or "jem-report")
+    result = run_digits_demo(out, seed=args.seed, device=args.device, progress=not args.quiet,
+                             budget_seconds=args.budget_seconds)
+    report = write_report(out, result)
+    _print_summary(result)
+    print(f"\nreport: {report}")
+    return 0
+
+
+def _print_summary(result: dict[str, Any]) -> None:
+    runs = result.get("runs", {})
+    names = list(runs)
+    if not names:
+        return
+    keys = [k for k in runs[names[0]].get("summary", {})]
+    print(f"{'metric':<28}" + "".join(f"{n:>14}" for n in names))
+    for k in keys:
+        vals = [runs[n]["summary"].get(k) for n in names]
+        print(f"{k:<28}" + "".join(f"{v:>14.4f}" if isinstance(v, (int, float)) else f"{str(v):>14}" for v in vals))
+
+
+def cmd_train(args) -> int:
+    import torch
+    from torch.utils.data import DataLoader
+
+    from .buffer import ReplayBuffer
+    from .losses import JEMLoss
+    from .sampling import SGLD
+    from .training import fit
+
+    torch.manual_seed(args.seed)
+    dev = _device(args.device)
+    ds, domain, k, shape = load_data(args.data, train=True, image_size=args.image_size, seed=args.seed)
+    spec = {"model": args.model, "data": args.data, "num_classes": k, "sample_shape": list(shape),
+            "low": list(domain.low), "high": list(domain.high),
+            "mean": list(domain.mean) if domain.mean else None,
+            "std": list(domain.std) if domain.std else None}
+    jm = _wrap_for_data(build_model(args.model, k, shape[0]), spec).to(dev)
+    loss_fn = None
+    if not args.baseline:
+        sampler = SGLD(steps=args.sgld_steps, step_size=args.step_size, noise=args.noise,
+                       grad_clip=args.grad_clip)
+        buffer = ReplayBuffer(args.buffer_size, shape, reinit_freq=args.reinit_freq, init=args.init,
+                              num_classes=k, device=dev)
+        if args.init == "gaussian":
+            xs, ys = next(iter(DataLoader(ds, batch_size=min(len(ds), 5000), shuffle=False)))
+            buffer.fit(xs, ys)
+        loss_fn = JEMLoss(sampler, buffer, ce_weight=args.ce_weight, px_weight=args.px_weight,
+                          pxy_weight=args.pxy_weight, l2_weight=args.l2_weight,
+                          data_noise=args.data_noise).to(dev)
+    g = torch.Generator().manual_seed(args.seed)
+    loader = DataLoader(ds, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=g)
+    out = Path(args.out or "runs/jem")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec.json").write_text(json.dumps(spec, indent=2))
+    history = fit(jm, loader, epochs=args.epochs, lr=args.lr, warmup_iters=args.warmup_iters,
+                  loss_fn=loss_fn, checkpoint_dir=out / "checkpoints", resume=not args.no_resume,
+                  guard_policy=args.on_divergence, progress=not args.quiet,
+                  max_seconds=args.max_seconds)
+    save_model_checkpoint(out / "model.pt", jm, spec)
+    (out / "history.json").write_text(json.dumps(history if isinstance(history, (dict, list)) else
+                                                  getattr(history, "to_dict", lambda: {})(), indent=2))
+    if loss_fn is not None:
+        loss_fn.buffer.save_grid(out / "buffer.png", domain=domain) if len(shape) == 3 else None
+    print(f"model: {out / 'model.pt'}")
+    return 0
+
+
+def _eval_data(args, spec):
+    import torch
+
+    ds, _, _, _ = load_data(args.data or spec["data"], train=False, image_size=args.image_size, seed=args.seed)
+    xs, ys = zip(*[ds[i] for i in range(len(ds))]) if not hasattr(ds, "tensors") else ds.tensors
+    x = torch.stack(list(xs)) if isinstance(xs, tuple) else xs
+    y = torch.as_tensor(ys) if isinstance(ys, tuple) else ys
+    return x, y
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    from . import calibration
+
+    jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
+    x, y = _eval_data(args, spec)
+    with torch.no_grad():
+        logits = torch.cat([jm(xb.to(next(jm.parameters()).device)).cpu() for xb in x.split(512)])
+    result = {"accuracy": float((logits.argmax(1) == y).float().mean()),
+              **calibration.calibration_report(logits, y)}
+    _emit(result, args)
+    return 0
+
+
+def cmd_ood(args) -> int:
+    import torch
+
+    from . import data, ood
+
+    jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
+    x, y = _eval_data(args, spec)
+    if spec["data"].startswith("digits"):
+        ood_sets = data.digits_ood_sets(x, y, seed=args.seed)
+    else:
+        ood_sets = {"noise": jm.domain.uniform(len(x), x.shape[1:], generator=torch.Generator().manual_seed(args.seed))}
+    result: dict[str, Any] = {}
+    for method in args.scores.split(","):
+        s_in = ood.score(jm, x, method=method, progress=not args.quiet)
+        for name, xo in ood_sets.items():
+            s_out = ood.score(jm, xo, method=method, progress=False)
+            result[f"{method}/{name}"] = ood.evaluate(s_in, s_out)
+    _emit(result, args)
+    return 0
+
+
+def cmd_sample(args) -> int:
+    import torch
+
+    from .buffer import ReplayBuffer
+    from .plotting import save_image_grid
+    from .sampling import SGLD
+
+    jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
+    g = torch.Generator().manual_seed(args.seed)
+    sampler = SGLD(steps=args.sgld_steps, step_size=args.step_size, noise=args.noise, generator=g)
+    out = Path(args.out or "samples.png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    y = None
+    if args.per_class:
+        k = spec["num_classes"]
+        y = torch.arange(k).repeat_interleave(max(1, args.n // k))
+    n = args.n if y is None else len(y)
+    x0 = jm.domain.uniform(n, spec["sample_shape"], generator=g)
+    x = sampler.sample(jm, x_init=x0, y=y)
+    save_image_grid(x, out, domain=jm.domain, nrow=(max(1, args.n // spec["num_classes"]) if y is not None else 8))
+    print(f"samples: {out}")
+    return 0
+
+
+def _emit(result: dict[str, Any], args) -> None:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+
+
+# ----------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    common.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    common.add_argument("--out", default=None, help="output path (directory or file, per command)")
+    common.add_argument("--config", default=None, help="JSON or TOML file of option defaults")
+    common.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    parser = argparse.ArgumentParser(prog="jem", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("demo", parents=[common], help="baseline vs JEM on the bundled digits, with a report")
+    p.add_argument("--budget-seconds", type=float, default=240.0, help="training budget for both runs (default 240)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("train", parents=[common], help="train a classifier with (or without) the JEM loss")
+    p.add_argument("--model", default="digits-cnn", help="digits-cnn, toy-mlp, a timm name, or module:factory")
+    p.add_argument("--data", default="digits", help="digits, toy2d[:NAME], folder:PATH, cifar10:PATH")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup-iters", type=int, default=1000)
+    p.add_argument("--baseline", action="store_true", help="plain cross-entropy, no generative loss")
+    p.add_argument("--sgld-steps", type=int, default=20)
+    p.add_argument("--step-size", type=float, default=1.0)
+    p.add_argument("--noise", type=float, default=0.01)
+    p.add_argument("--grad-clip", type=float, default=None, help="proximal SGLD: clip each update (JEM++)")
+    p.add_argument("--buffer-size", type=int, default=10000)
+    p.add_argument("--reinit-freq", type=float, default=0.05)
+    p.add_argument("--init", default="uniform", help="SGLD init distribution (uniform, gaussian, ...)")
+    p.add_argument("--ce-weight", type=float, default=1.0)
+    p.add_argument("--px-weight", type=float, default=1.0)
+    p.add_argument("--pxy-weight", type=float, default=0.0)
+    p.add_argument("--l2-weight", type=float, default=0.0)
+    p.add_argument("--data-noise", type=float, default=0.03)
+    p.add_argument("--on-divergence", choices=["raise", "rollback"], default="raise")
+    p.add_argument("--no-resume", action="store_true", help="start over even if --out holds checkpoints")
+    p.add_argument("--max-seconds", type=float, default=None, help="stop (after checkpointing) after this long")
+    p.set_defaults(func=cmd_train)
+
+    for name, func, helptext in (("eval", cmd_eval, "accuracy and calibration of a trained model"),
+                                 ("ood", cmd_ood, "OOD detection scores and metrics of a trained model")):
+        p = sub.add_parser(name, parents=[common], help=helptext)
+        p.add_argument("checkpoint", help="model.pt written by `jem train`")
+        p.add_argument("--data", default=None, help="evaluation data (default: the training data's test split)")
+        p.add_argument("--image-size", type=int, default=32)
+        if name == "ood":
+            p.add_argument("--scores", default="logpx,msp,grad_norm", help="comma-separated score names")
+        p.set_defaults(func=func)
+
+    p = sub.add_parser("sample", parents=[common], help="draw SGLD samples from a trained model")
+    p.add_argument("checkpoint", help="model.pt written by `jem train`")
+    p.add_argument("--n", type=int, default=64)
+    p.add_argument("--per-class", action="store_true", help="class-conditional: one row per class")
+    p.add_argument("--sgld-steps", type=int, default=100)
+    p.add_argument("--step-size", type=float, default=1.0)
+    p.add_argument("--noise", type=float, default=0.01)
+    p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("plugins", help="list loaded plugins and the hooks they implement")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plugins, config=None)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        # Config values become defaults; flags given on the command line still win.
+        config = _load_config(args.config)
+        subparser = parser._subparsers._group_actions[0].choices[args.command]  # noqa: SLF001
+        known = {a.dest for a in subparser._actions}  # noqa: SLF001
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise CLIError(f"config file {args.config!r} has unknown options for `jem {args.command}`: {', '.join(unknown)}")
+        subparser.set_defaults(**config)
+        args = parser.parse_args(argv)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        return args.func(args)
+    except (JEMError, FileNotFoundError, ValueError) as exc:
+        print(f"jem: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("jem: interrupted (checkpoints written so far are kept)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
