@@ -1,0 +1,352 @@
+"""The persistent replay buffer of SGLD chains (Du & Mordatch 2019; JEM; JEM++).
+
+Each training step starts its chains from stored samples (restarting a fraction ``reinit_freq``
+of them from an initial distribution) and writes the finished chains back, so short chains add up
+to long ones across steps. The buffer is part of the model's state: its samples, labels and the
+fitted initial distribution are ``nn.Module`` buffers, so ``.to(device)`` keeps them where the
+model is (no host round trip per step) and ``state_dict()`` resumes a run exactly.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from . import plugins
+from .adapter import InputDomain
+from .errors import CheckpointError, InvalidInputError, InvalidLabelError, JEMError
+
+__all__ = ["ReplayBuffer"]
+
+INIT_HOOK = "jem_register_init_distributions"
+
+
+def _draw_rand(size: Sequence[int], generator: torch.Generator | None, device) -> Tensor:
+    # A CPU generator may drive a buffer on another device: draw where the generator lives.
+    if generator is None or generator.device == device:
+        return torch.rand(size, generator=generator, device=device)
+    return torch.rand(size, generator=generator, device=generator.device).to(device)
+
+
+def _draw_randint(high: int, size: Sequence[int], generator: torch.Generator | None, device) -> Tensor:
+    if generator is None or generator.device == device:
+        return torch.randint(0, high, size, generator=generator, device=device)
+    return torch.randint(0, high, size, generator=generator, device=generator.device).to(device)
+
+
+class _CallableInit:
+    """Adapts a user function ``fn(n, shape, domain, generator, device, y=None)`` to the init protocol."""
+
+    def __init__(self, fn: Callable[..., Tensor]) -> None:
+        self.fn = fn
+
+    def sample(self, n, shape, domain, generator=None, device=None, y=None) -> Tensor:
+        return self.fn(n, shape, domain, generator, device, y=y)
+
+    def __repr__(self) -> str:
+        return f"callable {getattr(self.fn, '__qualname__', repr(self.fn))}"
+
+
+def _resolve_init(init: str | Callable | Any, kwargs: dict) -> tuple[Any, str]:
+    if isinstance(init, str):
+        factory = plugins.lookup(INIT_HOOK, init, "init distribution")["item"]
+        return factory(**kwargs), init
+    if isinstance(init, type):  # a class implementing the protocol: instantiate it
+        return init(**kwargs), init.__name__
+    if kwargs:
+        raise TypeError("init_kwargs only apply when init is a registered name or a class")
+    if hasattr(init, "sample"):
+        return init, type(init).__name__
+    if callable(init):
+        return _CallableInit(init), getattr(init, "__name__", "callable")
+    raise TypeError(
+        f"init must be the name of a registered init distribution, an object with .sample(...), or a "
+        f"callable (n, shape, domain, generator, device, y=None) -> Tensor; got {type(init).__name__}"
+    )
+
+
+class ReplayBuffer(nn.Module):
+    """Persistent SGLD chains: ``capacity`` samples of ``sample_shape``, stored as fp32 buffers.
+
+    Parameters
+    ----------
+    capacity: number of stored samples (JEM: 10000).
+    sample_shape: shape of one input, e.g. ``(3, 32, 32)``.
+    reinit_freq: probability that a drawn slot restarts from the init distribution (JEM: 0.05).
+    init: name of a registered init distribution (``"uniform"``, ``"gaussian"``, ``"normal"``, or a
+        plugin's), an object with ``sample(n, shape, domain, generator, device, y=None)``, or such a
+        callable.
+    init_kwargs: keyword arguments for a named init distribution, e.g. ``{"covariance": "full"}``.
+    num_classes: enables class-conditional sampling: the buffer is split into ``num_classes``
+        contiguous segments (slot ``i`` belongs to class ``labels[i]``) and ``sample(..., y=...)``
+        draws each chain from its class's segment.
+    device: where to keep the samples (``.to(device)`` later moves them too).
+
+    The samples are drawn lazily from the init distribution on the first :meth:`sample`, which
+    receives the model's :class:`~jem_plugin.adapter.InputDomain`.
+    """
+
+    def __init__(self, capacity: int = 10000, sample_shape: Sequence[int] = (3, 32, 32),
+                 reinit_freq: float = 0.05, *, init: str | Callable | Any = "uniform",
+                 init_kwargs: dict | None = None, num_classes: int | None = None, device=None) -> None:
+        super().__init__()
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        if isinstance(sample_shape, int):
+            sample_shape = (sample_shape,)
+        sample_shape = tuple(int(s) for s in sample_shape)
+        if not sample_shape or any(s < 1 for s in sample_shape):
+            raise ValueError(f"sample_shape must be a non-empty tuple of positive sizes, got {sample_shape}")
+        if not 0.0 <= float(reinit_freq) <= 1.0:
+            raise ValueError(f"reinit_freq is a probability in [0, 1], got {reinit_freq}")
+        if num_classes is not None:
+            if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+                raise ValueError(f"num_classes must be a positive int or None, got {num_classes!r}")
+            if capacity < num_classes:
+                raise ValueError(
+                    f"capacity {capacity} is smaller than num_classes {num_classes}: every class needs "
+                    "at least one slot; use a capacity of at least num_classes (JEM uses 10000)"
+                )
+        self.capacity = capacity
+        self.sample_shape = sample_shape
+        self.reinit_freq = float(reinit_freq)
+        self.num_classes = num_classes
+        init_obj, self.init_name = _resolve_init(init, dict(init_kwargs or {}))
+        self.init_dist = init_obj  # an nn.Module init registers as a submodule: its buffers are saved
+
+        self.register_buffer("data", torch.zeros(capacity, *sample_shape, device=device))
+        if num_classes is None:
+            labels = torch.full((capacity,), -1, dtype=torch.long, device=device)
+        else:
+            # floor(i * K / capacity): contiguous segments whose sizes differ by at most one.
+            labels = torch.arange(capacity, device=device) * num_classes // capacity
+        self.register_buffer("labels", labels)
+        self.register_buffer("initialized", torch.tensor(False, device=device))
+        if num_classes is not None:
+            size = torch.bincount(labels, minlength=num_classes)
+            self.register_buffer("_seg_size", size, persistent=False)
+            self.register_buffer("_seg_start", torch.cumsum(size, 0) - size, persistent=False)
+        if isinstance(init_obj, nn.Module):
+            init_obj.to(self.data.device)
+        self._is_init = False  # host mirror of `initialized`: no device sync per sample()
+        self._domain: InputDomain | None = None  # last domain seen, for save_grid
+
+    # ------------------------------------------------------------------ drawing
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def _init_draw(self, n: int, domain: InputDomain, generator, y: Tensor | None) -> Tensor:
+        x = self.init_dist.sample(n, self.sample_shape, domain, generator, self.data.device, y=y)
+        if not isinstance(x, Tensor) or tuple(x.shape) != (n, *self.sample_shape):
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise InvalidInputError(
+                f"init distribution {self.init_name!r} returned {got}, expected a tensor of shape "
+                f"{(n, *self.sample_shape)}"
+            )
+        return x.to(device=self.data.device, dtype=self.data.dtype)
+
+    @torch.no_grad()
+    def initialize(self, domain: InputDomain, generator: torch.Generator | None = None) -> None:
+        """Fill every slot from the init distribution (done lazily by the first :meth:`sample`)."""
+        with torch.inference_mode(False):
+            y = self.labels if self.num_classes is not None else None
+            self.data.copy_(self._init_draw(self.capacity, domain, generator, y))
+            self.initialized.fill_(True)
+        self._is_init = True
+        self._domain = domain
+
+    def reset(self) -> None:
+        """Forget the stored chains; the next :meth:`sample` draws them afresh from the init distribution."""
+        self.initialized.fill_(False)
+        self._is_init = False
+
+    def _check_y(self, y: Any, n: int | None) -> Tensor:
+        if self.num_classes is None:
+            raise InvalidLabelError(
+                "class-conditional sampling (y=...) needs a class-conditional buffer: create "
+                "ReplayBuffer(..., num_classes=K)"
+            )
+        if not isinstance(y, Tensor):
+            y = torch.as_tensor(y)
+        if y.dtype.is_floating_point or y.dtype == torch.bool or y.dim() != 1:
+            raise InvalidLabelError(
+                f"y must be a 1-D tensor of integer class indices, got dtype {y.dtype} and shape "
+                f"{tuple(y.shape)}"
+            )
+        if n is not None and y.shape[0] != n:
+            raise InvalidLabelError(f"y has {y.shape[0]} labels but n={n} samples were asked for")
+        y = y.to(device=self.data.device, dtype=torch.long)
+        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
+            raise InvalidLabelError(
+                f"labels must lie in [0, {self.num_classes}) for this buffer's {self.num_classes} "
+                f"class segments; got values from {int(y.min())} to {int(y.max())}"
+            )
+        return y
+
+    @torch.no_grad()
+    def sample(self, n: int | None = None, *, domain: InputDomain, y: Tensor | None = None,
+               generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """Draw ``n`` chain starts: ``(x [n, *shape] fp32, idx [n])``; pass ``idx`` to :meth:`update`.
+
+        Slots are drawn uniformly (within the class segments of ``y`` when given); each restarts
+        from the init distribution with probability ``reinit_freq``.
+        """
+        if y is not None:
+            y = self._check_y(y, n)
+            n = y.shape[0]
+        if n is None or isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive int (the number of chains), got {n!r}")
+        with torch.inference_mode(False):
+            if not self._is_init:
+                self.initialize(domain, generator)
+            self._domain = domain
+            dev = self.data.device
+            if y is None:
+                idx = _draw_randint(self.capacity, (n,), generator, dev)
+            else:
+                size = self._seg_size[y]
+                offset = (_draw_rand((n,), generator, dev) * size).long()
+                idx = self._seg_start[y] + torch.minimum(offset, size - 1)
+            x = self.data[idx]
+            if self.reinit_freq > 0:
+                restart = _draw_rand((n,), generator, dev) < self.reinit_freq
+                labels = y if y is not None else (self.labels[idx] if self.num_classes is not None else None)
+                fresh = self._init_draw(n, domain, generator, labels)
+                # Draw n and select rather than count restarts first: no host sync.
+                x = torch.where(restart.view(n, *(1,) * len(self.sample_shape)), fresh, x)
+        return x, idx
+
+    @torch.no_grad()
+    def update(self, idx: Tensor, x: Tensor) -> None:
+        """Write finished chains ``x`` back into slots ``idx`` (as returned by :meth:`sample`)."""
+        if tuple(x.shape[1:]) != self.sample_shape or x.shape[0] != idx.shape[0]:
+            raise InvalidInputError(
+                f"update(idx, x) needs x of shape [{idx.shape[0]}, {', '.join(map(str, self.sample_shape))}], "
+                f"got {tuple(x.shape)}"
+            )
+        with torch.inference_mode(False):
+            self.data.index_copy_(0, idx.to(self.data.device), x.detach().to(self.data.device, self.data.dtype))
+
+    # ------------------------------------------------------------------ init distribution
+    def fit(self, x: Tensor, y: Tensor | None = None) -> "ReplayBuffer":
+        """Fit the init distribution from data (the per-class ``"gaussian"`` init needs this).
+
+        Already stored chains are kept; call :meth:`reset` to redraw them from the fitted distribution.
+        """
+        fit = getattr(self.init_dist, "fit", None)
+        if fit is None:
+            raise JEMError(f"the init distribution {self.init_name!r} has nothing to fit (it has no fit())")
+        if tuple(x.shape[1:]) != self.sample_shape:
+            raise InvalidInputError(
+                f"fit(x, y) needs x of shape [N, {', '.join(map(str, self.sample_shape))}] (this "
+                f"buffer's sample_shape), got {tuple(x.shape)}"
+            )
+        kwargs = {}
+        if self.num_classes is not None and "num_classes" in inspect.signature(fit).parameters:
+            kwargs["num_classes"] = self.num_classes
+        fit(x, y, **kwargs)
+        if isinstance(self.init_dist, nn.Module):
+            self.init_dist.to(self.data.device)
+        return self
+
+    # ------------------------------------------------------------------ looking at it
+    def _require_init(self) -> None:
+        if not self._is_init:
+            raise JEMError(
+                "the replay buffer holds no samples yet: it is filled on the first "
+                "sampler.sample(jm, buffer=...) call, or call buffer.initialize(jm.domain)"
+            )
+
+    def samples(self, n: int | None = None, y: int | None = None) -> Tensor:
+        """A copy of stored samples: ``n`` evenly spaced slots (all when ``None``), of class ``y`` if given."""
+        self._require_init()
+        lo, hi = 0, self.capacity
+        if y is not None:
+            if self.num_classes is None or not 0 <= int(y) < self.num_classes:
+                raise InvalidLabelError(
+                    f"samples(y={y}) needs a class-conditional buffer and 0 <= y < num_classes "
+                    f"({self.num_classes})"
+                )
+            lo = int(self._seg_start[int(y)])
+            hi = lo + int(self._seg_size[int(y)])
+        count = hi - lo
+        if n is None or n >= count:
+            return self.data[lo:hi].clone()
+        idx = torch.linspace(lo, hi - 1, n, device=self.data.device).round().long()
+        return self.data[idx].clone()
+
+    def save_grid(self, path: str | os.PathLike, n: int = 64, nrow: int = 8,
+                  domain: InputDomain | None = None) -> str:
+        """Save ``n`` stored samples as a PNG grid (mapped to pixels through the domain); returns the path."""
+        from torchvision.utils import save_image
+
+        if len(self.sample_shape) != 3 or self.sample_shape[0] not in (1, 3):
+            raise InvalidInputError(
+                f"save_grid needs image samples of shape (1 or 3, H, W), this buffer holds {self.sample_shape}"
+            )
+        x = self.samples(n).cpu()
+        domain = domain or self._domain
+        path = os.fspath(path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if domain is not None:
+            save_image(domain.to_unit(x), path, nrow=nrow)
+        else:
+            save_image(x, path, nrow=nrow, normalize=True)
+        return path
+
+    # ------------------------------------------------------------------ state
+    def get_extra_state(self) -> dict:
+        state: dict[str, Any] = {"init": self.init_name}
+        if not isinstance(self.init_dist, nn.Module) and hasattr(self.init_dist, "state_dict"):
+            state["init_state"] = self.init_dist.state_dict()
+        return state
+
+    def set_extra_state(self, state: dict) -> None:
+        if "init_state" in state and hasattr(self.init_dist, "load_state_dict"):
+            self.init_dist.load_state_dict(state["init_state"])
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        data = state_dict.get(prefix + "data")
+        if data is not None and tuple(data.shape) != tuple(self.data.shape):
+            raise CheckpointError(
+                f"replay buffer checkpoint holds {data.shape[0]} samples of shape {tuple(data.shape[1:])}, "
+                f"this buffer has capacity {self.capacity} and sample_shape {self.sample_shape}; create "
+                f"the buffer with ReplayBuffer(capacity={data.shape[0]}, sample_shape={tuple(data.shape[1:])}) "
+                "to resume from it, or start a new buffer"
+            )
+        labels = state_dict.get(prefix + "labels")
+        if labels is not None and not torch.equal(labels.cpu(), self.labels.cpu()):
+            raise CheckpointError(
+                "replay buffer checkpoint has different class segments (num_classes) than this buffer "
+                f"(num_classes={self.num_classes}); create it with the num_classes it was saved with"
+            )
+        extra = state_dict.get(prefix + "_extra_state")
+        if isinstance(extra, dict) and extra.get("init") not in (None, self.init_name):
+            raise CheckpointError(
+                f"replay buffer checkpoint was saved with init distribution {extra['init']!r}, this buffer "
+                f"uses {self.init_name!r}; create it with init={extra['init']!r}"
+            )
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        self._is_init = bool(self.initialized)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except CheckpointError:
+            raise
+        except RuntimeError as exc:  # missing/unexpected keys: not a replay-buffer checkpoint of this kind
+            raise CheckpointError(f"could not load the replay buffer checkpoint: {exc}") from exc
+
+    def extra_repr(self) -> str:
+        return (
+            f"capacity={self.capacity}, sample_shape={self.sample_shape}, reinit_freq={self.reinit_freq}, "
+            f"init={self.init_name!r}, num_classes={self.num_classes}, "
+            f"initialized={self._is_init}, device={self.data.device}"
+        )

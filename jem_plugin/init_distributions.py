@@ -1,0 +1,199 @@
+"""Built-in initial distributions for SGLD chains (a built-in plugin, registered like any other).
+
+Every replay-buffer slot starts from, and is occasionally restarted from, an initial distribution.
+Registered through the ``jem_register_init_distributions`` hook:
+
+``uniform``
+    Uniform over the model's input domain (the JEM paper's choice).
+``gaussian``
+    Per-class Gaussian fitted from data (JEM++, Yang & Ji 2021): per-class mean and covariance,
+    diagonal by default, full covariance with ``covariance="full"`` (as JEM++'s reference code
+    does, with ``1e-4 I`` jitter), clamped to the domain. Class-conditional draws use the given
+    class; unconditional draws pick a class uniformly at random. Call ``buffer.fit(x, y)`` first.
+``normal``
+    ``N(mean, std^2)`` per pixel, clamped to the domain.
+
+A registered item is a factory ``factory(**kwargs)`` returning an object with
+``sample(n, shape, domain, generator, device, y=None) -> Tensor`` and optionally ``fit(x, y)``,
+``state_dict()``/``load_state_dict()``. The built-ins are ``nn.Module`` s so their fitted
+parameters are buffers: they move with ``.to(device)`` and are saved with the replay buffer.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .adapter import InputDomain
+from .errors import InvalidInputError, InvalidLabelError, JEMError
+from .plugins import hookimpl
+
+__all__ = ["UniformInit", "GaussianInit", "NormalInit", "jem_register_init_distributions"]
+
+
+def _draw(fn, size: Sequence[int], generator: torch.Generator | None, device) -> Tensor:
+    """``torch.rand``/``randn`` that also works when the generator lives on another device."""
+    gen_device = generator.device if generator is not None else None
+    if generator is None or device is None or torch.device(device) == gen_device:
+        return fn(size, generator=generator, device=device)
+    return fn(size, generator=generator, device=gen_device).to(device)
+
+
+class UniformInit(nn.Module):
+    """Uniform over the input domain (per channel for normalised inputs)."""
+
+    def sample(self, n: int, shape: Sequence[int], domain: InputDomain,
+               generator: torch.Generator | None = None, device=None, y: Tensor | None = None) -> Tensor:
+        u = _draw(torch.rand, (n, *shape), generator, device)
+        lo, hi = domain.bounds(u)
+        return u.mul_(hi - lo).add_(lo)
+
+    def extra_repr(self) -> str:
+        return "uniform over the input domain"
+
+
+class NormalInit(nn.Module):
+    """``N(mean, std^2)`` per pixel, clamped to the domain."""
+
+    def __init__(self, mean: float = 0.0, std: float = 1.0) -> None:
+        super().__init__()
+        if not std > 0:
+            raise ValueError(f"normal init needs std > 0, got {std}")
+        self.mean, self.std = float(mean), float(std)
+
+    def sample(self, n: int, shape: Sequence[int], domain: InputDomain,
+               generator: torch.Generator | None = None, device=None, y: Tensor | None = None) -> Tensor:
+        z = _draw(torch.randn, (n, *shape), generator, device)
+        return domain.clamp(z.mul_(self.std).add_(self.mean))
+
+    def extra_repr(self) -> str:
+        return f"mean={self.mean}, std={self.std}"
+
+
+class GaussianInit(nn.Module):
+    """Per-class Gaussian fitted from data (JEM++), clamped to the domain.
+
+    Parameters
+    ----------
+    covariance: ``"diagonal"`` (default: ``D`` numbers per class, cheap at any image size) or
+        ``"full"`` (``D x D`` per class, JEM++'s choice; stored as a Cholesky factor).
+    jitter: added to the variances (diagonal) or the covariance diagonal (full) so a constant
+        pixel or a class with one example still gives a valid distribution.
+    scale: multiplies the standard deviation (``< 1`` draws closer to the class means).
+    """
+
+    def __init__(self, covariance: str = "diagonal", jitter: float = 1e-4, scale: float = 1.0) -> None:
+        super().__init__()
+        if covariance not in ("diagonal", "full"):
+            raise ValueError(f"covariance must be 'diagonal' or 'full', got {covariance!r}")
+        self.covariance, self.jitter, self.scale = covariance, float(jitter), float(scale)
+        # Fitted parameters are buffers so they travel with .to() and state_dict; empty until fit.
+        self.register_buffer("mean", torch.empty(0))
+        self.register_buffer("std", torch.empty(0))          # [K, D] (diagonal)
+        self.register_buffer("scale_tril", torch.empty(0))   # [K, D, D] (full)
+
+    @property
+    def fitted(self) -> bool:
+        return self.mean.numel() > 0
+
+    @property
+    def num_classes(self) -> int:
+        return self.mean.shape[0] if self.fitted else 0
+
+    @torch.no_grad()
+    def fit(self, x: Tensor, y: Tensor, num_classes: int | None = None) -> "GaussianInit":
+        """Fit one Gaussian per class from data ``x`` ``[N, *shape]`` with labels ``y`` ``[N]``."""
+        if not isinstance(x, Tensor) or not isinstance(y, Tensor):
+            raise InvalidInputError("gaussian init: fit(x, y) needs tensors x [N, ...] and y [N]")
+        if y.dtype.is_floating_point or y.dim() != 1 or y.shape[0] != x.shape[0]:
+            raise InvalidLabelError(
+                f"gaussian init: labels must be integer class indices of shape [{x.shape[0]}], "
+                f"got dtype {y.dtype} and shape {tuple(y.shape)}"
+            )
+        flat = x.detach().reshape(x.shape[0], -1).to(torch.float64)  # float64: stable covariances
+        y = y.to(flat.device, torch.long)
+        if y.numel() == 0 or int(y.min()) < 0:
+            raise InvalidLabelError("gaussian init: fit(x, y) needs a non-empty y of class indices >= 0")
+        k = int(num_classes) if num_classes is not None else int(y.max()) + 1
+        counts = torch.bincount(y, minlength=k)
+        if counts.numel() > k or bool((counts == 0).any()):
+            missing = [c for c in range(k) if c >= counts.numel() or counts[c] == 0]
+            raise InvalidLabelError(
+                f"gaussian init: every class needs examples to fit its Gaussian; classes {missing} "
+                f"have none (labels must lie in [0, {k})). Fit on data covering all classes."
+            )
+        d = flat.shape[1]
+        means = torch.zeros(k, d, dtype=torch.float64, device=flat.device)
+        means.index_add_(0, y, flat)
+        means /= counts.unsqueeze(1)
+        centred = flat - means[y]
+        if self.covariance == "diagonal":
+            var = torch.zeros_like(means).index_add_(0, y, centred.square()) / counts.unsqueeze(1)
+            self.std = (var + self.jitter).sqrt().float()
+            self.scale_tril = torch.empty(0, device=flat.device)
+        else:
+            eye = torch.eye(d, dtype=torch.float64, device=flat.device)
+            trils = []
+            for c in range(k):
+                sub = centred[y == c]
+                cov = sub.T @ sub / sub.shape[0] + self.jitter * eye
+                trils.append(torch.linalg.cholesky(cov))
+            self.scale_tril = torch.stack(trils).float()
+            self.std = torch.empty(0, device=flat.device)
+        self.mean = means.float()
+        return self
+
+    @torch.no_grad()
+    def sample(self, n: int, shape: Sequence[int], domain: InputDomain,
+               generator: torch.Generator | None = None, device=None, y: Tensor | None = None) -> Tensor:
+        if not self.fitted:
+            raise JEMError(
+                "the 'gaussian' init distribution is fitted from data (JEM++): call "
+                "buffer.fit(x_train, y_train) (or init.fit(x, y)) before sampling"
+            )
+        d = self.mean.shape[1]
+        if math.prod(shape) != d:
+            raise InvalidInputError(
+                f"gaussian init was fitted on inputs of {d} values, asked for samples of shape "
+                f"{tuple(shape)} ({math.prod(shape)} values); fit it on data of that shape"
+            )
+        device = self.mean.device if device is None else device
+        if y is None:
+            y = _draw(lambda s, **kw: torch.randint(0, self.num_classes, s, **kw), (n,), generator, device)
+        else:
+            y = y.to(device=device, dtype=torch.long)
+        z = _draw(torch.randn, (n, d), generator, device)
+        mean = self.mean.to(device)
+        if self.covariance == "diagonal":
+            x = z.mul_(self.std.to(device)[y]).mul_(self.scale).add_(mean[y])
+        else:
+            # One matmul per class present: gathering [n, D, D] factors would not fit in memory.
+            tril = self.scale_tril.to(device)
+            x = torch.empty_like(z)
+            for c in torch.unique(y).tolist():
+                rows = (y == c).nonzero().squeeze(1)
+                x[rows] = z[rows] @ tril[c].T
+            x.mul_(self.scale).add_(mean[y])
+        return domain.clamp(x.reshape(n, *shape))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # The fitted tensors have data-dependent shapes: resize the empty buffers before loading.
+        for name in ("mean", "std", "scale_tril"):
+            key = prefix + name
+            if key in state_dict:
+                cur = getattr(self, name)
+                setattr(self, name, torch.empty_like(state_dict[key], device=cur.device, dtype=cur.dtype))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        fitted = f"fitted on {self.num_classes} classes of {self.mean.shape[1]} values" if self.fitted else "not fitted"
+        return f"covariance={self.covariance!r}, jitter={self.jitter}, scale={self.scale}, {fitted}"
+
+
+@hookimpl
+def jem_register_init_distributions(register):
+    register("uniform", UniformInit, description="uniform over the input domain (JEM)")
+    register("gaussian", GaussianInit, description="per-class Gaussian fitted from data (JEM++)")
+    register("normal", NormalInit, description="N(mean, std^2) per pixel, clamped to the domain")
