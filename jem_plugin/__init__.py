@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 from .adapter import Adapter, InputDomain
-from .errors import (CheckpointError, DivergenceError, InferenceModeError, InvalidInputError,
-                     InvalidLabelError, JEMError, NoLogitsError, NonFiniteLogitsError,
-                     UnknownNameError)
+from .errors import (CheckpointError, DatasetNotFoundError, DivergenceError, InferenceModeError,
+                     InvalidInputError, InvalidLabelError, InvalidScoresError, JEMError,
+                     NoLogitsError, NonFiniteLogitsError, UnknownNameError)
 from .model import JEM, input_grad_enabled, wrap
 from .plugins import get_plugin_manager, hookimpl, list_plugins, register, unregister
 
@@ -20,4 +20,5 @@ __all__ = [
     "hookimpl", "register", "unregister", "list_plugins", "get_plugin_manager",
     "JEMError", "NoLogitsError", "InvalidInputError", "InvalidLabelError", "NonFiniteLogitsError",
     "DivergenceError", "CheckpointError", "UnknownNameError", "InferenceModeError",
+    "DatasetNotFoundError", "InvalidScoresError",
 ]

@@ -16,6 +16,8 @@ __all__ = [
     "CheckpointError",
     "UnknownNameError",
     "InferenceModeError",
+    "DatasetNotFoundError",
+    "InvalidScoresError",
 ]
 
 
@@ -56,3 +58,11 @@ class UnknownNameError(JEMError, KeyError):
 
 class InferenceModeError(JEMError, RuntimeError):
     """Input gradients were requested on a tensor created under ``torch.inference_mode``."""
+
+
+class DatasetNotFoundError(JEMError, FileNotFoundError):
+    """A local dataset (image folder, CIFAR-10 copy) is missing; jem-plugin never downloads data."""
+
+
+class InvalidScoresError(JEMError, ValueError):
+    """Scores, probabilities or labels handed to a metric are empty, misshapen or non-finite."""
