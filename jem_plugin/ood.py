@@ -1,0 +1,328 @@
+"""Post-hoc out-of-distribution scoring and evaluation for any wrapped classifier.
+
+Convention, used by every score and metric here: **higher score = more in-distribution**.
+(pytorch-ood returns *outlier* scores, higher = more OOD; ours are their negatives.)
+
+>>> import jem_plugin as jem
+>>> jm = jem.wrap(model)
+>>> s_in = jem.ood.score(jm, test_loader, method="logpx")      # DataLoader or tensor
+>>> s_out = jem.ood.score(jm, svhn_loader, method="logpx")
+>>> jem.ood.evaluate(s_in, s_out)
+{'auroc': 0.91, 'aupr_in': 0.93, 'aupr_out': 0.88, 'fpr95': 0.41}
+
+Scores are looked up by name through the ``jem_register_ood_scores`` plugin hook, so a third
+party adds one with ``register(name, fn, needs_grad=..., description=...)`` in a
+``@jem_plugin.hookimpl``; :func:`available_scores` lists what is loaded. The built-ins live in
+:mod:`jem_plugin.ood_scores`.
+
+Metrics (:func:`evaluate`) come from scikit-learn, the maintained reference, not hand-written
+curves; ``fpr95`` follows pytorch-ood's ``fpr_at_tpr`` exactly (first ROC point whose TPR is
+at least 95%, no interpolation).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .errors import InvalidInputError, InvalidScoresError
+from .ood_scores import eval_mode
+from .plugins import collect, lookup
+
+__all__ = ["score", "available_scores", "evaluate", "plot_histograms", "plot_roc"]
+
+_HOOK = "jem_register_ood_scores"
+
+
+def available_scores() -> dict[str, str]:
+    """``{name: description}`` of every OOD score registered through the plugin hook, sorted."""
+    entries = collect(_HOOK)
+    return {name: entries[name].get("description", "") for name in sorted(entries)}
+
+
+def _model_device(jm) -> torch.device | None:
+    for t in jm.parameters():
+        return t.device
+    for t in jm.buffers():
+        return t.device
+    return None
+
+
+def _extract_x(item: Any) -> Tensor:
+    """The input tensor of one loader item: a tensor, ``(x, y, ...)``, or a dict with an input key."""
+    if isinstance(item, Tensor):
+        return item
+    if isinstance(item, (tuple, list)) and item and isinstance(item[0], Tensor):
+        return item[0]
+    if isinstance(item, Mapping):
+        for key in ("x", "input", "inputs", "image", "images", "pixel_values"):
+            if isinstance(item.get(key), Tensor):
+                return item[key]
+    raise InvalidInputError(
+        f"cannot find the input tensor in a batch of type {type(item).__name__}; the data "
+        "must be a tensor, or an iterable (e.g. a DataLoader) yielding tensors, (x, y) tuples "
+        "or dicts with an 'x'/'image'/'pixel_values' key"
+    )
+
+
+def _batches(data: Any, batch_size: int) -> tuple[Iterable[Tensor], int | None, bool]:
+    """``(iterator over input batches, number of batches or None, data was one tensor)``."""
+    if isinstance(data, np.ndarray):
+        data = torch.from_numpy(data)
+    if isinstance(data, Tensor):
+        if data.dim() < 2:
+            raise InvalidInputError(
+                f"expected a batch of inputs [N, ...], got a tensor of shape {tuple(data.shape)}"
+            )
+        return data.split(batch_size), -(-data.shape[0] // batch_size), True
+    if not hasattr(data, "__iter__"):
+        raise InvalidInputError(
+            f"data must be a tensor or an iterable of batches (e.g. a DataLoader), got "
+            f"{type(data).__name__}"
+        )
+    try:
+        n = len(data)
+    except TypeError:
+        n = None
+    return (_extract_x(item) for item in data), n, False
+
+
+def _check_kwargs(name: str, fn, kwargs: dict) -> None:
+    if not kwargs:
+        return
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [p for p in list(params)[2:]]
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise TypeError(
+            f"OOD score {name!r} does not take option(s) {', '.join(unknown)}; "
+            f"it accepts: {', '.join(accepted) or '(none)'}"
+        )
+
+
+def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progress: bool = True,
+          **kwargs: Any) -> Tensor:
+    """OOD score of every input in ``data``: a ``[N]`` float tensor, higher = more in-distribution.
+
+    Parameters
+    ----------
+    jm: a wrapped classifier (:func:`jem_plugin.wrap`). No training needed.
+    data: a ``[N, ...]`` tensor (scored in chunks of ``batch_size``), or an iterable such as a
+        ``DataLoader`` yielding tensors, ``(x, y, ...)`` tuples or dicts with an ``"x"`` /
+        ``"image"`` / ``"pixel_values"`` key. Batches are moved to the model's device.
+    method: a registered score name, see :func:`available_scores` (``"logpx"``, ``"msp"``,
+        ``"max_logit"``, ``"grad_norm"``, ``"logpx_sgld"``, ...).
+    progress: show a tqdm progress bar over batches.
+    **kwargs: options of the score, e.g. ``temperature=1000.0`` for ``"msp"``.
+
+    The model runs in eval mode (restored afterwards). Scores that need no input gradient run
+    under ``torch.no_grad()``; gradient scores work inside ``torch.no_grad()`` and
+    ``torch.inference_mode()`` too. The result lives on the input's device for a tensor, on
+    the CPU for an iterable.
+    """
+    from tqdm.auto import tqdm
+
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    entry = lookup(_HOOK, method, "OOD score")
+    fn, needs_grad = entry["item"], bool(entry.get("needs_grad", False))
+    _check_kwargs(method, fn, kwargs)
+
+    batches, n_batches, was_tensor = _batches(data, batch_size)
+    out_device = data.device if was_tensor else torch.device("cpu")
+    device = _model_device(jm)
+    results: list[Tensor] = []
+    with eval_mode(jm), tqdm(total=n_batches, desc=f"ood score {method}", unit="batch",
+                             disable=not progress, leave=False) as bar:
+        for x in batches:
+            if device is not None and x.device != device:
+                x = x.to(device, non_blocking=True)
+            if needs_grad:
+                s = fn(jm, x, **kwargs)
+            else:
+                with torch.no_grad():
+                    s = fn(jm, x, **kwargs)
+            if not isinstance(s, Tensor) or s.shape != (x.shape[0],):
+                raise InvalidScoresError(
+                    f"OOD score {method!r} returned "
+                    f"{tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__} for a "
+                    f"batch of {x.shape[0]} inputs; a score function must return a [B] tensor"
+                )
+            results.append(s.detach().to(out_device))
+            bar.update(1)
+    if not results:
+        raise InvalidInputError("no inputs to score: the data is empty")
+    return torch.cat(results)
+
+
+# ---------------------------------------------------------------------- metrics
+def _as_scores(s: Any, what: str) -> np.ndarray:
+    if isinstance(s, Tensor):
+        s = s.detach().cpu().double().numpy()
+    try:
+        a = np.asarray(s, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise InvalidScoresError(f"{what} must be a 1-D array of numbers: {exc}") from exc
+    if a.ndim != 1:
+        raise InvalidScoresError(
+            f"{what} must be 1-D (one score per input), got shape {a.shape}"
+            + ("; flatten it with .reshape(-1)" if a.size and max(a.shape) == a.size else "")
+        )
+    if a.size == 0:
+        raise InvalidScoresError(f"{what} is empty: need at least one score on each side")
+    bad = ~np.isfinite(a)
+    if bad.any():
+        raise InvalidScoresError(
+            f"{what} contains {int(bad.sum())} non-finite value(s) (NaN/inf) out of {a.size}; "
+            "check the model's logits on those inputs (jm.logits raises on non-finite logits)"
+        )
+    return a
+
+
+def _fpr_at_tpr(y_true: np.ndarray, y_score: np.ndarray, level: float) -> float:
+    from sklearn.metrics import roc_curve
+
+    # drop_intermediate=False: every distinct threshold is a point, so "the first point with
+    # TPR >= level" is the same one pytorch-ood's fpr_at_tpr picks (dropping collinear points
+    # could skip it on a diagonal tie segment).
+    fpr, tpr, _ = roc_curve(y_true, y_score, drop_intermediate=False)
+    return float(fpr[np.searchsorted(tpr, level, side="left")])
+
+
+def evaluate(scores_in: Any, scores_out: Any, *, positive: str = "in",
+             aupr: str = "average_precision") -> dict[str, float]:
+    """Separation of in- and out-of-distribution scores (higher score = more in-distribution).
+
+    Returns ``{"auroc", "aupr_in", "aupr_out", "fpr95"}``:
+
+    - ``auroc``: area under the ROC curve (the same for either positive class).
+    - ``aupr_in`` / ``aupr_out``: area under the precision-recall curve with in- / out-of-
+      distribution as the positive class. ``aupr="average_precision"`` (default) is
+      scikit-learn's ``average_precision_score``, as in the reference code of Hendrycks et al.
+      and Liu et al.; ``aupr="trapezoid"`` is the trapezoidal area of the PR curve, as
+      pytorch-ood's ``OODMetrics`` computes it.
+    - ``fpr95``: false positive rate at 95% true positive rate. With ``positive="in"``
+      (default; Liu et al.'s convention) the threshold keeps 95% of in-distribution inputs and
+      ``fpr95`` is the fraction of OOD inputs still accepted. With ``positive="out"`` the
+      threshold catches 95% of OOD inputs and ``fpr95`` is the fraction of in-distribution
+      inputs rejected (pytorch-ood's convention).
+
+    Scores may be tensors, arrays or lists; the two sets may differ in size. Empty, non-1-D
+    or non-finite scores raise :class:`jem_plugin.errors.InvalidScoresError`.
+    """
+    from sklearn.metrics import auc, average_precision_score, precision_recall_curve, roc_auc_score
+
+    if positive not in ("in", "out"):
+        raise ValueError(f"positive must be 'in' or 'out', got {positive!r}")
+    if aupr not in ("average_precision", "trapezoid"):
+        raise ValueError(f"aupr must be 'average_precision' or 'trapezoid', got {aupr!r}")
+    s_in = _as_scores(scores_in, "scores_in")
+    s_out = _as_scores(scores_out, "scores_out")
+    s = np.concatenate([s_in, s_out])
+    is_in = np.concatenate([np.ones(s_in.size, dtype=np.int64), np.zeros(s_out.size, dtype=np.int64)])
+
+    def area_pr(y: np.ndarray, v: np.ndarray) -> float:
+        if aupr == "average_precision":
+            return float(average_precision_score(y, v))
+        precision, recall, _ = precision_recall_curve(y, v, drop_intermediate=False)
+        return float(auc(recall, precision))
+
+    if positive == "in":
+        fpr95 = _fpr_at_tpr(is_in, s, 0.95)
+    else:
+        fpr95 = _fpr_at_tpr(1 - is_in, -s, 0.95)
+    return {
+        "auroc": float(roc_auc_score(is_in, s)),
+        "aupr_in": area_pr(is_in, s),
+        "aupr_out": area_pr(1 - is_in, -s),
+        "fpr95": fpr95,
+    }
+
+
+# ---------------------------------------------------------------------- plots
+def _out_dict(scores_out: Any) -> dict[str, np.ndarray]:
+    if isinstance(scores_out, Mapping):
+        if not scores_out:
+            raise InvalidScoresError("scores_out is an empty dict: give at least one OOD set")
+        return {str(k): _as_scores(v, f"scores_out[{k!r}]") for k, v in scores_out.items()}
+    return {"out": _as_scores(scores_out, "scores_out")}
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_histograms(scores_in: Any, scores_out: Any, path: str, title: str | None = None, *,
+                    bins: int = 50, label_in: str = "in-distribution",
+                    xlabel: str = "score (higher = more in-distribution)") -> str:
+    """Save overlaid, density-normalised histograms of in- vs out-of-distribution scores as a PNG.
+
+    ``scores_out`` is one set or ``{name: scores}`` for several OOD sets; each legend entry
+    carries the AUROC against the in-distribution scores. Returns ``path``.
+    """
+    plt = _figure()
+    s_in = _as_scores(scores_in, "scores_in")
+    outs = _out_dict(scores_out)
+    allv = np.concatenate([s_in, *outs.values()])
+    lo, hi = float(allv.min()), float(allv.max())
+    edges = np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.hist(s_in, bins=edges, density=True, alpha=0.55, label=f"{label_in} (n={s_in.size})",
+            color="C0")
+    for i, (name, s) in enumerate(outs.items(), start=1):
+        au = evaluate(s_in, s)["auroc"]
+        ax.hist(s, bins=edges, density=True, alpha=0.45, color=f"C{i}",
+                label=f"{name} (n={s.size}, AUROC {au:.3f})")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("density")
+    ax.set_title(title or "OOD scores")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_roc(scores_in: Any, scores_out: Any, path: str, title: str | None = None) -> str:
+    """Save ROC curves (in-distribution positive) for one or several OOD sets as a PNG.
+
+    x: fraction of OOD inputs accepted (FPR); y: fraction of in-distribution inputs accepted
+    (TPR). The legend gives AUROC and FPR at 95% TPR per set. Returns ``path``.
+    """
+    from sklearn.metrics import roc_curve
+
+    plt = _figure()
+    s_in = _as_scores(scores_in, "scores_in")
+    outs = _out_dict(scores_out)
+    fig, ax = plt.subplots(figsize=(5.0, 4.8))
+    for i, (name, s) in enumerate(outs.items(), start=1):
+        y = np.concatenate([np.ones(s_in.size), np.zeros(s.size)])
+        fpr, tpr, _ = roc_curve(y, np.concatenate([s_in, s]))
+        m = evaluate(s_in, s)
+        ax.plot(fpr, tpr, color=f"C{i}", lw=1.8,
+                label=f"{name}: AUROC {m['auroc']:.3f}, FPR95 {m['fpr95']:.3f}")
+    ax.plot([0, 1], [0, 1], ls="--", color="grey", lw=1, label="chance")
+    ax.axhline(0.95, ls=":", color="k", lw=0.8)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1.01)
+    ax.set_xlabel("false positive rate (OOD accepted)")
+    ax.set_ylabel("true positive rate (in-distribution accepted)")
+    ax.set_title(title or "ROC, in-distribution positive")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,146 @@
+"""Built-in OOD scores, registered through the ``jem_register_ood_scores`` hook.
+
+This module is a plugin like any third-party one: :mod:`jem_plugin.plugins` registers it at
+start-up and :func:`jem_plugin.ood.score` finds its scores by name through the hook. Every score
+is ``fn(jm, x, **kwargs) -> Tensor[B]`` and follows the library's convention:
+**higher = more in-distribution**.
+
+=============  ===========================================================  ==========
+name           score                                                        input grad
+=============  ===========================================================  ==========
+logpx          ``T * logsumexp(f(x) / T)``: negative free energy (Liu et al.  no
+               2020) = unnormalised ``log p(x)`` of JEM at ``T = 1``
+msp            ``max_y softmax(f(x) / T)`` (Hendrycks & Gimpel 2017)          no
+max_logit      ``max_y f(x)`` (Hendrycks et al. 2022)                         no
+grad_norm      ``-||d log p(x) / dx||_2`` per example: JEM's "approximate     yes
+               mass" (Grathwohl et al. 2019, Sec. 5.2)
+logpx_sgld     ``logpx`` after a few SGLD steps started at the input          yes
+msp_sgld       ``msp`` after a few SGLD steps started at the input            yes
+=============  ===========================================================  ==========
+
+Gradient scores run the model in eval mode, take gradients with respect to the input only
+(no parameter ``.grad`` is touched) and work under ``torch.no_grad()`` and
+``torch.inference_mode()`` (see :func:`jem_plugin.model.input_grad_enabled`).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from .model import input_grad_enabled
+from .plugins import hookimpl
+
+__all__ = ["logpx", "msp", "max_logit", "grad_norm", "logpx_sgld", "msp_sgld", "eval_mode"]
+
+
+@contextlib.contextmanager
+def _local_eval_mode(module: nn.Module) -> Iterator[nn.Module]:
+    # Why per-module flags: a user's model may deliberately keep some submodules in train
+    # mode; restore exactly what was there, not a blanket .train().
+    flags = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield module
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def eval_mode(module: nn.Module):
+    """Context manager: ``module`` in eval mode (BatchNorm statistics frozen, Dropout off), restored after.
+
+    Uses :func:`jem_plugin.modes.sampling_mode` when that module exists, so scoring, sampling
+    and attacks share one definition of "how the model runs while we probe its inputs".
+    """
+    try:
+        from .modes import sampling_mode  # written separately; optional until it lands
+    except ImportError:
+        return _local_eval_mode(module)
+    return sampling_mode(module)
+
+
+def _check_temperature(temperature: float) -> float:
+    t = float(temperature)
+    if not t > 0 or t != t or t == float("inf"):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    return t
+
+
+# ---------------------------------------------------------------------- logit-only scores
+def logpx(jm, x: Tensor, temperature: float = 1.0) -> Tensor:
+    """Negative free energy ``T * logsumexp(f(x) / T)``; JEM's unnormalised ``log p(x)`` at ``T = 1``."""
+    t = _check_temperature(temperature)
+    logits = jm.logits(x)
+    if t == 1.0:
+        return torch.logsumexp(logits, dim=1)
+    return t * torch.logsumexp(logits / t, dim=1)
+
+
+def msp(jm, x: Tensor, temperature: float = 1.0) -> Tensor:
+    """Maximum softmax probability of ``f(x) / T``."""
+    t = _check_temperature(temperature)
+    logits = jm.logits(x)
+    return torch.softmax(logits / t if t != 1.0 else logits, dim=1).max(dim=1).values
+
+
+def max_logit(jm, x: Tensor) -> Tensor:
+    """Largest logit ``max_y f(x)[y]``."""
+    return jm.logits(x).max(dim=1).values
+
+
+# ---------------------------------------------------------------------- gradient scores
+def grad_norm(jm, x: Tensor) -> Tensor:
+    """JEM's approximate mass ``-||d log p(x) / dx||_2`` (L2 over all input dims, per example).
+
+    In-distribution inputs sit near modes of ``p(x)`` where the gradient is small, so a
+    larger gradient norm means less in-distribution. Eval mode makes examples independent
+    (no BatchNorm batch statistics), so the gradient of the summed ``log p`` is per example.
+    """
+    with eval_mode(jm), input_grad_enabled(x) as xg:
+        lp = torch.logsumexp(jm.logits(xg), dim=1)
+        (g,) = torch.autograd.grad(lp.sum(), xg)
+    return -g.flatten(1).norm(dim=1).detach()
+
+
+def _refine(jm, x: Tensor, steps: int, step_size: float, noise: float, **sgld_kwargs) -> Tensor:
+    from .sampling import SGLD  # lazy: the sampler imports the model machinery
+
+    with eval_mode(jm):
+        return SGLD(steps=steps, step_size=step_size, noise=noise, **sgld_kwargs).run(jm, x).detach()
+
+
+def logpx_sgld(jm, x: Tensor, steps: int = 5, step_size: float = 1.0, noise: float = 0.01,
+               temperature: float = 1.0, **sgld_kwargs) -> Tensor:
+    """``logpx`` of the input after ``steps`` SGLD steps started at it (JEM-style input refinement).
+
+    Extra keyword arguments (``generator``, ...) go to :class:`jem_plugin.sampling.SGLD`.
+    """
+    x_ref = _refine(jm, x, steps, step_size, noise, **sgld_kwargs)
+    with torch.no_grad():
+        return logpx(jm, x_ref, temperature=temperature)
+
+
+def msp_sgld(jm, x: Tensor, steps: int = 5, step_size: float = 1.0, noise: float = 0.01,
+             temperature: float = 1.0, **sgld_kwargs) -> Tensor:
+    """``msp`` of the input after ``steps`` SGLD steps started at it."""
+    x_ref = _refine(jm, x, steps, step_size, noise, **sgld_kwargs)
+    with torch.no_grad():
+        return msp(jm, x_ref, temperature=temperature)
+
+
+@hookimpl
+def jem_register_ood_scores(register: Callable[..., None]) -> None:
+    register("logpx", logpx, needs_grad=False,
+             description="negative free energy T*logsumexp(f/T) = unnormalised log p(x) (temperature=)")
+    register("msp", msp, needs_grad=False,
+             description="maximum softmax probability of f/T (temperature=)")
+    register("max_logit", max_logit, needs_grad=False, description="largest logit")
+    register("grad_norm", grad_norm, needs_grad=True,
+             description="-||d log p(x)/dx||_2, JEM's approximate mass")
+    register("logpx_sgld", logpx_sgld, needs_grad=True,
+             description="logpx after a few SGLD steps from the input (steps=, step_size=, noise=)")
+    register("msp_sgld", msp_sgld, needs_grad=True,
+             description="msp after a few SGLD steps from the input (steps=, step_size=, noise=)")
