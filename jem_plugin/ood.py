@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from .errors import InvalidInputError, InvalidScoresError
-from .ood_scores import eval_mode
+from .modes import sampling_mode
 from .plugins import collect, lookup
 
 __all__ = ["score", "available_scores", "evaluate", "plot_histograms", "plot_roc"]
@@ -123,7 +123,8 @@ def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progre
     progress: show a tqdm progress bar over batches.
     **kwargs: options of the score, e.g. ``temperature=1000.0`` for ``"msp"``.
 
-    The model runs in eval mode (restored afterwards). Scores that need no input gradient run
+    The model runs in :func:`jem_plugin.modes.sampling_mode` (eval mode, frozen parameters;
+    both restored afterwards). Scores that need no input gradient run
     under ``torch.no_grad()``; gradient scores work inside ``torch.no_grad()`` and
     ``torch.inference_mode()`` too. The result lives on the input's device for a tensor, on
     the CPU for an iterable.
@@ -140,7 +141,7 @@ def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progre
     out_device = data.device if was_tensor else torch.device("cpu")
     device = _model_device(jm)
     results: list[Tensor] = []
-    with eval_mode(jm), tqdm(total=n_batches, desc=f"ood score {method}", unit="batch",
+    with sampling_mode(jm), tqdm(total=n_batches, desc=f"ood score {method}", unit="batch",
                              disable=not progress, leave=False) as bar:
         for x in batches:
             if device is not None and x.device != device:

@@ -18,48 +18,23 @@ logpx_sgld     ``logpx`` after a few SGLD steps started at the input          ye
 msp_sgld       ``msp`` after a few SGLD steps started at the input            yes
 =============  ===========================================================  ==========
 
-Gradient scores run the model in eval mode, take gradients with respect to the input only
-(no parameter ``.grad`` is touched) and work under ``torch.no_grad()`` and
+Gradient scores run the model in :func:`jem_plugin.modes.sampling_mode` (eval mode, parameters
+frozen, both restored after), take gradients with respect to the input only (no parameter
+``.grad`` is touched) and work under ``torch.no_grad()`` and
 ``torch.inference_mode()`` (see :func:`jem_plugin.model.input_grad_enabled`).
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .model import input_grad_enabled
+from .modes import sampling_mode
 from .plugins import hookimpl
 
-__all__ = ["logpx", "msp", "max_logit", "grad_norm", "logpx_sgld", "msp_sgld", "eval_mode"]
-
-
-@contextlib.contextmanager
-def _local_eval_mode(module: nn.Module) -> Iterator[nn.Module]:
-    # Why per-module flags: a user's model may deliberately keep some submodules in train
-    # mode; restore exactly what was there, not a blanket .train().
-    flags = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        yield module
-    finally:
-        for m, flag in flags:
-            m.training = flag
-
-
-def eval_mode(module: nn.Module):
-    """Context manager: ``module`` in eval mode (BatchNorm statistics frozen, Dropout off), restored after.
-
-    Uses :func:`jem_plugin.modes.sampling_mode` when that module exists, so scoring, sampling
-    and attacks share one definition of "how the model runs while we probe its inputs".
-    """
-    try:
-        from .modes import sampling_mode  # written separately; optional until it lands
-    except ImportError:
-        return _local_eval_mode(module)
-    return sampling_mode(module)
+__all__ = ["logpx", "msp", "max_logit", "grad_norm", "logpx_sgld", "msp_sgld"]
 
 
 def _check_temperature(temperature: float) -> float:
@@ -99,7 +74,7 @@ def grad_norm(jm, x: Tensor) -> Tensor:
     larger gradient norm means less in-distribution. Eval mode makes examples independent
     (no BatchNorm batch statistics), so the gradient of the summed ``log p`` is per example.
     """
-    with eval_mode(jm), input_grad_enabled(x) as xg:
+    with sampling_mode(jm), input_grad_enabled(x) as xg:
         lp = torch.logsumexp(jm.logits(xg), dim=1)
         (g,) = torch.autograd.grad(lp.sum(), xg)
     return -g.flatten(1).norm(dim=1).detach()
@@ -108,7 +83,7 @@ def grad_norm(jm, x: Tensor) -> Tensor:
 def _refine(jm, x: Tensor, steps: int, step_size: float, noise: float, **sgld_kwargs) -> Tensor:
     from .sampling import SGLD  # lazy: the sampler imports the model machinery
 
-    with eval_mode(jm):
+    with sampling_mode(jm):
         return SGLD(steps=steps, step_size=step_size, noise=noise, **sgld_kwargs).run(jm, x).detach()
 
 

@@ -171,6 +171,7 @@ def test_grad_norm_under_no_grad_and_inference_mode(model, jm, x, context):
         got = ood.score(jm, xi, "grad_norm", progress=False)
     torch.testing.assert_close(got, reference)
     assert all(p.grad is None for p in model.parameters())  # no parameter gradient touched
+    assert all(p.requires_grad for p in model.parameters())  # frozen only while scoring
     assert model.training  # mode restored
     assert (got < 0).all()
 
@@ -189,6 +190,11 @@ def test_sgld_refined_scores(jm, x):
     with torch.inference_mode():
         s2 = ood.score(jm, x, "msp_sgld", steps=2, progress=False)
     assert ((s2 > 0) & (s2 <= 1)).all()
+    # options reach the sampler: a seeded generator makes the refined score reproducible
+    a, b = (ood.score(jm, x, "logpx_sgld", steps=3, noise=0.1, progress=False,
+                      generator=torch.Generator().manual_seed(7)) for _ in range(2))
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert not torch.equal(a, s)
 
 
 # ---------------------------------------------------------------- registry and plugins
