@@ -66,7 +66,3 @@ class DatasetNotFoundError(JEMError, FileNotFoundError):
 
 class InvalidScoresError(JEMError, ValueError):
     """Scores, probabilities or labels handed to a metric are empty, misshapen or non-finite."""
-
-
-class InvalidScoresError(JEMError, ValueError):
-    """Scores, probabilities or labels handed to a metric are empty, misshapen or non-finite."""
