@@ -1,0 +1,486 @@
+"""The JEM training objective as a drop-in loss: :class:`JEMLoss` and :class:`GenerativeLossMixin`.
+
+JEM (Grathwohl et al. 2019) trains a classifier ``f`` on
+
+``L = ce_weight * CE(f(x), y)``                                    (p(y|x))
+``  + px_weight * [mean E(x_data) - mean E(x_sample)]``            (p(x), E(x) = -logsumexp f(x))
+``  + pxy_weight * -[mean f(x_data)[y] - mean f(x_cond)[y]]``      (p(x|y), chains drawn for y)
+``  + l2_weight * [mean E(x_data)^2 + mean E(x_sample)^2]``        (energy L2, the authors' fix for divergence)
+``  + sum of plugin loss terms``
+
+following the official code (wgrathwohl/JEM, ``train_wrn_ebm.py``): the data batch carries
+Gaussian noise of std ``data_noise`` (the reference adds it in its training transform, so the
+cross-entropy sees the same noisy batch); the p(x|y) chains are drawn for the batch's own labels
+(``sample_q(f, replay_buffer, y=y_lab)``) and contrasted at those labels. The energy L2 term is
+the remedy the first author recommends for divergence ("a small l2 penalty on the energy ...
+strength around .1", wgrathwohl/JEM#4), in the form of Du & Mordatch (2019).
+
+Speed: the data batch and every sample are pushed through the model in ONE forward on the
+concatenated batch (one DDP forward/backward), then split, and every metric is fetched from the
+device in one transfer at the end. A step therefore costs sampling plus one forward/backward.
+Note that a model with BatchNorm in train mode normalises that concatenated batch with shared
+statistics; models without BatchNorm (or with frozen BatchNorm) are the usual JEM choice.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import plugins
+from .errors import InvalidInputError, InvalidLabelError
+from .model import JEM, wrap
+
+__all__ = ["LossOutput", "LossBatch", "JEMLoss", "GenerativeLossMixin", "LOSS_TERMS_HOOK"]
+
+LOSS_TERMS_HOOK = "jem_register_loss_terms"
+
+# Defaults of a buffer created on the first batch (the paper's values).
+DEFAULT_BUFFER_CAPACITY = 10000
+DEFAULT_REINIT_FREQ = 0.05
+
+
+@dataclass
+class LossOutput:
+    """What :class:`JEMLoss` returns.
+
+    ``loss``: scalar tensor to call ``backward()`` on. ``metrics``: python floats (``loss``,
+    ``ce``, ``acc``, ``energy_data``, ``energy_sample``, ``energy_gap`` and the weighted terms in
+    use). ``logits``: logits of the (noisy) data batch, attached to the graph, for accuracy or
+    other metrics without another forward.
+    """
+
+    loss: Tensor
+    metrics: dict[str, float]
+    logits: Tensor | None = None
+
+
+@dataclass
+class LossBatch:
+    """Everything a plugin loss term sees; tensors are attached to the graph unless noted.
+
+    A term is ``term(jm, batch) -> (loss, metrics)``: ``loss`` a scalar tensor added to the total
+    as is (put any weight in the term's own factory arguments), ``metrics`` a dict of floats or
+    0-d tensors reported as ``"{name}/{key}"``. Terms must not run extra forwards if they can
+    avoid it: the logits of every input are here.
+
+    Fields
+    ------
+    x, y: the batch as the caller passed it (``x`` without data noise; not in the graph).
+    x_data: the data batch as fed to the model (``x`` plus data noise).
+    logits_data: ``f(x_data)``, ``[B, K]``.
+    energy_data: ``E(x_data) = -logsumexp f(x_data)``, ``[B]``.
+    x_sample, logits_sample, energy_sample: the p(x) chains (``None`` without a p(x) term).
+    y_sample: the labels the p(x) chains were drawn for (``class_conditional_px=True``), else ``None``.
+    x_cond, logits_cond, y_cond: the p(x|y) chains and their labels (``None`` without a p(x|y) term).
+    """
+
+    x: Tensor
+    y: Tensor
+    x_data: Tensor
+    logits_data: Tensor
+    energy_data: Tensor
+    x_sample: Tensor | None = None
+    logits_sample: Tensor | None = None
+    energy_sample: Tensor | None = None
+    y_sample: Tensor | None = None
+    x_cond: Tensor | None = None
+    logits_cond: Tensor | None = None
+    y_cond: Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sample_energies(self) -> Tensor | None:
+        """Marginal energies of every sampled input (p(x) and p(x|y) chains), or ``None``."""
+        parts = [e for e in (self.energy_sample, _energy(self.logits_cond)) if e is not None]
+        return torch.cat(parts) if parts else None
+
+
+def _energy(logits: Tensor | None) -> Tensor | None:
+    return None if logits is None else -torch.logsumexp(logits, dim=1)
+
+
+def _unwrap(jm: Any) -> JEM:
+    """The JEM to sample with: DDP/DataParallel wrappers are looked through (sample on the bare module)."""
+    core = jm
+    while isinstance(core, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        core = core.module
+    if not isinstance(core, JEM):
+        raise TypeError(
+            f"JEMLoss needs the energy view of the classifier, got {type(core).__name__}. Wrap the "
+            "model first: jm = jem_plugin.wrap(model); loss = loss_fn(jm, x, y)."
+        )
+    return core
+
+
+def _default_sampler():
+    from .sampling import SGLD  # imported lazily: the sampler module imports heavier things
+
+    return SGLD()
+
+
+class JEMLoss(nn.Module):
+    """JEM's objective: cross-entropy plus the energy contrast of data against SGLD samples.
+
+    Parameters
+    ----------
+    sampler: an :class:`~jem_plugin.sampling.SGLD`; default ``SGLD()`` with the paper's settings
+        (20 steps, step size 1, noise 0.01).
+    buffer: a :class:`~jem_plugin.buffer.ReplayBuffer`. When ``None`` and a sampling term is on,
+        one is created on the first batch: capacity 10000, reinit frequency 0.05, uniform init over
+        the model's input domain, sample shape ``x.shape[1:]``, on ``x``'s device, class-conditional
+        (``num_classes`` segments) when ``pxy_weight > 0`` or ``class_conditional_px``.
+        Either way the buffer is a submodule: it is saved in ``JEMLoss.state_dict()``.
+    ce_weight, px_weight, pxy_weight, l2_weight: weights of the p(y|x), p(x), p(x|y) and
+        energy-L2 terms (paper: 1, 1, 0, 0; try ``l2_weight=0.1`` .. ``1`` if training diverges).
+    data_noise: std of the Gaussian noise added to the data batch (paper: 0.03).
+    n_samples: number of p(x) chains per step (default: the batch size).
+    class_conditional_px: draw the p(x) chains from p(y)p(x|y) with uniformly random ``y`` (the
+        reference's ``--class_cond_p_x_sample``: better samples, slightly lower accuracy).
+    terms: extra loss terms registered through the ``jem_register_loss_terms`` hook, as
+        ``{name: {factory kwargs}}``, e.g. ``{"energy_l2": {"weight": 0.1}}``.
+    generator: a ``torch.Generator`` for the data noise and random labels (default: global RNG).
+    validate: check shapes, dtypes and label range (one small device sync for labels on a GPU).
+
+    ``loss_fn(jm, x, y)`` returns a :class:`LossOutput`. ``jm`` is ``jem_plugin.wrap(model)``, or a
+    ``DistributedDataParallel`` around it: samples are drawn on the bare module, the concatenated
+    batch goes through the wrapper once.
+    """
+
+    def __init__(self, sampler: Any = None, buffer: nn.Module | None = None, *,
+                 ce_weight: float = 1.0, px_weight: float = 1.0, pxy_weight: float = 0.0,
+                 l2_weight: float = 0.0, data_noise: float = 0.03, n_samples: int | None = None,
+                 class_conditional_px: bool = False, terms: dict[str, dict] | None = None,
+                 generator: torch.Generator | None = None, validate: bool = True) -> None:
+        super().__init__()
+        for name, value in (("ce_weight", ce_weight), ("px_weight", px_weight),
+                            ("pxy_weight", pxy_weight), ("l2_weight", l2_weight),
+                            ("data_noise", data_noise)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if n_samples is not None and (isinstance(n_samples, bool) or not isinstance(n_samples, int)
+                                      or n_samples < 1):
+            raise ValueError(f"n_samples must be a positive int or None, got {n_samples!r}")
+        # Plain attribute, not a submodule: its state travels through get_extra_state.
+        self.__dict__["sampler"] = sampler if sampler is not None else _default_sampler()
+        self.buffer = buffer
+        self.ce_weight = float(ce_weight)
+        self.px_weight = float(px_weight)
+        self.pxy_weight = float(pxy_weight)
+        self.l2_weight = float(l2_weight)
+        self.data_noise = float(data_noise)
+        self.n_samples = n_samples
+        self.class_conditional_px = bool(class_conditional_px)
+        self.generator = generator
+        self.validate = validate
+        self._buffer_config: dict[str, Any] | None = None  # set when we created the buffer
+        self.terms = nn.ModuleDict()
+        self._plain_terms: dict[str, Callable] = {}
+        for name, kwargs in (terms or {}).items():
+            self.add_term(name, **(kwargs or {}))
+
+    # ------------------------------------------------------------------ configuration
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "sampler":  # keep the sampler out of the module tree (see get_extra_state)
+            self.__dict__["sampler"] = value
+            return
+        super().__setattr__(name, value)
+
+    def add_term(self, name: str, **kwargs: Any) -> Callable:
+        """Add the loss term ``name`` from the ``jem_register_loss_terms`` hook; returns it."""
+        factory = plugins.lookup(LOSS_TERMS_HOOK, name, "loss term")["item"]
+        term = factory(**kwargs)
+        if isinstance(term, nn.Module):
+            self.terms[name] = term  # its parameters/buffers are saved with the loss
+        else:
+            self._plain_terms[name] = term
+        return term
+
+    def _all_terms(self) -> list[tuple[str, Callable]]:
+        return list(self.terms.items()) + list(self._plain_terms.items())
+
+    @property
+    def samples_needed(self) -> bool:
+        """True when a step draws SGLD samples (p(x) or p(x|y) on, or a term asking for samples)."""
+        return (self.px_weight > 0 or self.pxy_weight > 0
+                or any(getattr(t, "needs_samples", False) for _, t in self._all_terms()))
+
+    def extra_repr(self) -> str:
+        return (f"ce_weight={self.ce_weight}, px_weight={self.px_weight}, pxy_weight={self.pxy_weight}, "
+                f"l2_weight={self.l2_weight}, data_noise={self.data_noise}, n_samples={self.n_samples}, "
+                f"class_conditional_px={self.class_conditional_px}, sampler={self.sampler!r}")
+
+    # ------------------------------------------------------------------ checks
+    def _check_batch(self, core: JEM, x: Any, y: Any) -> Tensor:
+        core._check_input(x)
+        if not isinstance(y, Tensor):
+            y = torch.as_tensor(y, device=x.device)
+        if y.dtype.is_floating_point or y.dtype == torch.bool or y.is_complex():
+            raise InvalidLabelError(
+                f"labels must be integer class indices, got dtype {y.dtype}; use y.long()"
+                " (for one-hot labels, y.argmax(1))."
+            )
+        if y.shape != (x.shape[0],):
+            raise InvalidLabelError(
+                f"expected labels of shape [{x.shape[0]}] (one per input), got {tuple(y.shape)}"
+            )
+        if self.buffer is not None and tuple(x.shape[1:]) != tuple(self.buffer.sample_shape):
+            raise InvalidInputError(
+                f"inputs of shape {tuple(x.shape[1:])} do not match the replay buffer's sample_shape "
+                f"{tuple(self.buffer.sample_shape)}; create the buffer with "
+                f"ReplayBuffer(sample_shape={tuple(x.shape[1:])})"
+            )
+        y = y.to(device=x.device, dtype=torch.long)
+        k = core.num_classes
+        if self.validate and k is not None and y.numel():
+            lo, hi = torch.aminmax(y)  # one transfer for both bounds
+            lo, hi = torch.stack([lo, hi]).tolist()
+            if lo < 0 or hi >= k:
+                raise InvalidLabelError(
+                    f"labels must lie in [0, {k}) for a model with {k} classes; got values "
+                    f"from {lo} to {hi}"
+                )
+        return y
+
+    def _num_classes(self, core: JEM, x: Tensor) -> int:
+        k = core.num_classes
+        if k is None:
+            # Unknown until the first forward: one eval-mode, no-grad forward of one input, once.
+            from .modes import sampling_mode
+
+            with torch.no_grad(), sampling_mode(core):
+                k = int(core(x[:1]).shape[1])
+            core.adapter.num_classes = k
+        return k
+
+    def _ensure_buffer(self, core: JEM, x: Tensor) -> nn.Module:
+        if self.buffer is not None:
+            return self.buffer
+        from .buffer import ReplayBuffer
+
+        cond = self.pxy_weight > 0 or self.class_conditional_px
+        config = {
+            "capacity": DEFAULT_BUFFER_CAPACITY,
+            "sample_shape": tuple(int(s) for s in x.shape[1:]),
+            "reinit_freq": DEFAULT_REINIT_FREQ,
+            "num_classes": self._num_classes(core, x) if cond else None,
+        }
+        self.buffer = ReplayBuffer(**config, device=x.device)
+        self._buffer_config = config
+        return self.buffer
+
+    # ------------------------------------------------------------------ the loss
+    def _noise_like(self, x: Tensor) -> Tensor:
+        g = self.generator
+        if g is None or g.device == x.device:
+            return torch.randn(x.shape, generator=g, device=x.device, dtype=x.dtype)
+        return torch.randn(x.shape, generator=g, device=g.device, dtype=x.dtype).to(x.device)
+
+    def _random_labels(self, n: int, k: int, device) -> Tensor:
+        g = self.generator
+        if g is None or g.device == torch.device(device):
+            return torch.randint(0, k, (n,), generator=g, device=device)
+        return torch.randint(0, k, (n,), generator=g, device=g.device).to(device)
+
+    def forward(self, jm: Any, x: Tensor, y: Tensor) -> LossOutput:
+        """One JEM loss evaluation: samples, one forward on the concatenated batch, the terms."""
+        core = _unwrap(jm)
+        if self.validate:
+            y = self._check_batch(core, x, y)
+        else:
+            y = y.to(device=x.device, dtype=torch.long)
+        b = x.shape[0]
+
+        # 1. Samples (detached fp32; the sampler handles eval mode and parameter grads).
+        x_sample = y_sample = x_cond = y_cond = None
+        if self.samples_needed:
+            buffer = self._ensure_buffer(core, x)
+            n = self.n_samples or b
+            if self.px_weight > 0 or not self.pxy_weight > 0:
+                if self.class_conditional_px:
+                    y_sample = self._random_labels(n, self._num_classes(core, x), x.device)
+                x_sample = self.sampler.sample(core, n, buffer=buffer, y=y_sample)
+            if self.pxy_weight > 0:
+                y_cond = y if n >= b else y[:n]
+                x_cond = self.sampler.sample(core, y_cond.shape[0], buffer=buffer, y=y_cond)
+
+        # 2. One forward on [x_data; x_sample; x_cond], then split.
+        x_data = x + self.data_noise * self._noise_like(x) if self.data_noise > 0 else x
+        parts = [x_data] + [t.to(x_data.dtype) for t in (x_sample, x_cond) if t is not None]
+        logits_all = jm(torch.cat(parts) if len(parts) > 1 else x_data)
+        sizes = [p.shape[0] for p in parts]
+        if logits_all.dim() != 2 or logits_all.shape[0] != sum(sizes):
+            raise InvalidInputError(
+                f"the model returned shape {tuple(logits_all.shape)} for a batch of {sum(sizes)} "
+                "inputs; JEMLoss needs [B, K] logits (see wrap(model, logits=...))"
+            )
+        if core.adapter.num_classes is None:
+            core.adapter.num_classes = logits_all.shape[1]
+            if self.validate:  # the label range could not be checked before the first forward
+                self._check_batch(core, x, y)
+        chunks = list(torch.split(logits_all, sizes))
+        logits_data = chunks.pop(0)
+        logits_sample = chunks.pop(0) if x_sample is not None else None
+        logits_cond = chunks.pop(0) if x_cond is not None else None
+
+        # 3. Terms. Metrics stay tensors until the single transfer at the end.
+        lse_data = torch.logsumexp(logits_data, dim=1)
+        energy_data = -lse_data
+        metrics: dict[str, Tensor] = {}
+        ce = F.cross_entropy(logits_data, y)
+        loss = self.ce_weight * ce
+        metrics["ce"] = ce
+        metrics["acc"] = (logits_data.argmax(1) == y).float().mean()
+        metrics["energy_data"] = energy_data.mean()
+
+        energy_sample = _energy(logits_sample)
+        if energy_sample is not None:
+            # -(mean f(x_data) - mean f(x_q)) with f = logsumexp, exactly the reference's l_p_x.
+            px = energy_data.mean() - energy_sample.mean()
+            if self.px_weight > 0:
+                loss = loss + self.px_weight * px
+            metrics["px"] = px
+        if logits_cond is not None:
+            m = y_cond.shape[0]  # the chains were drawn for the first m labels (all by default)
+            fp = logits_data[:m].gather(1, y_cond.unsqueeze(1)).mean()
+            fq = logits_cond.gather(1, y_cond.unsqueeze(1)).mean()
+            pxy = -(fp - fq)
+            loss = loss + self.pxy_weight * pxy
+            metrics["pxy"] = pxy
+
+        batch = LossBatch(x=x, y=y, x_data=x_data, logits_data=logits_data, energy_data=energy_data,
+                          x_sample=x_sample, logits_sample=logits_sample, energy_sample=energy_sample,
+                          y_sample=y_sample, x_cond=x_cond, logits_cond=logits_cond, y_cond=y_cond)
+        all_sample_energies = batch.sample_energies
+        if all_sample_energies is not None:
+            metrics["energy_sample"] = all_sample_energies.mean()
+            metrics["energy_gap"] = metrics["energy_sample"] - metrics["energy_data"]
+        if self.l2_weight > 0:
+            l2 = energy_data.pow(2).mean()
+            if all_sample_energies is not None:
+                l2 = l2 + all_sample_energies.pow(2).mean()
+            loss = loss + self.l2_weight * l2
+            metrics["l2"] = l2
+
+        for name, term in self._all_terms():
+            t_loss, t_metrics = term(core, batch)
+            loss = loss + t_loss
+            metrics[name] = t_loss
+            for key, value in (t_metrics or {}).items():
+                metrics[f"{name}/{key}"] = value
+        metrics = {"loss": loss, **metrics}
+        return LossOutput(loss=loss, metrics=_to_floats(metrics), logits=logits_data)
+
+    # ------------------------------------------------------------------ state
+    def get_extra_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"buffer_config": self._buffer_config}
+        if self.generator is not None:
+            state["generator"] = self.generator.get_state()
+            state["generator_device"] = str(self.generator.device)
+        if hasattr(self.sampler, "state_dict"):
+            state["sampler"] = self.sampler.state_dict()
+        plain = {n: t.state_dict() for n, t in self._plain_terms.items() if hasattr(t, "state_dict")}
+        if plain:
+            state["terms"] = plain
+        return state
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        # Runs before the children are loaded: a buffer this loss created lazily on the first
+        # batch is created again here (same config), so a fresh JEMLoss resumes from a checkpoint.
+        config = state.get("buffer_config")
+        if config is not None and self.buffer is None:
+            from .buffer import ReplayBuffer
+
+            self.buffer = ReplayBuffer(**config)
+            self._buffer_config = dict(config)
+        if state.get("generator") is not None:
+            if self.generator is None:
+                self.generator = torch.Generator(device=state.get("generator_device", "cpu"))
+            self.generator.set_state(state["generator"])
+        if "sampler" in state and hasattr(self.sampler, "load_state_dict"):
+            self.sampler.load_state_dict(state["sampler"])
+        for name, term_state in state.get("terms", {}).items():
+            if name in self._plain_terms:
+                self._plain_terms[name].load_state_dict(term_state)
+
+
+def _to_floats(metrics: dict[str, Any]) -> dict[str, float]:
+    """Every metric as a python float with ONE device-to-host transfer."""
+    names, tensors, floats = [], [], {}
+    for key, value in metrics.items():
+        if isinstance(value, Tensor):
+            names.append(key)
+            tensors.append(value.detach().reshape(()).float())
+        else:
+            floats[key] = float(value)
+    if tensors:
+        values = torch.stack([t.to(tensors[0].device) for t in tensors]).tolist()
+        floats.update(zip(names, values))
+    return {k: floats[k] for k in metrics}
+
+
+class GenerativeLossMixin:
+    """Add JEM's generative loss to a class-based training loop (LightningModule, Trainer, any module).
+
+    >>> class Classifier(GenerativeLossMixin, pl.LightningModule):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.net = timm.create_model("resnet18", num_classes=10)
+    ...         self.configure_jem("net", px_weight=1.0, l2_weight=0.1)
+    ...     def training_step(self, batch, batch_idx):
+    ...         out = self.generative_loss(*batch)
+    ...         self.log_dict(out.metrics)
+    ...         return out.loss
+
+    :meth:`configure_jem` creates ``self.jem_loss`` (a :class:`JEMLoss` submodule, so the replay
+    buffer and sampler state are in the module's own ``state_dict``) and ``self.jem``, the energy
+    view of the classifier. ``self.jem`` is deliberately not a registered submodule: the classifier
+    is already one, and registering it twice would duplicate its weights in the ``state_dict``.
+    """
+
+    def configure_jem(self, classifier: nn.Module | str | JEM, sampler: Any = None,
+                      buffer: nn.Module | None = None, *, wrap_options: dict | None = None,
+                      **loss_kwargs: Any) -> JEMLoss:
+        """Set up JEM on ``classifier`` (a module, its JEM view, or an attribute name such as
+        ``"net"`` or ``"backbone.model"``); ``loss_kwargs`` go to :class:`JEMLoss`."""
+        if not isinstance(self, nn.Module):
+            raise TypeError("GenerativeLossMixin must be mixed into an nn.Module subclass")
+        if "_modules" not in self.__dict__:
+            raise TypeError("call configure_jem() after nn.Module.__init__ (i.e. after super().__init__())")
+        if isinstance(classifier, str):
+            target: Any = self
+            for part in classifier.split("."):
+                if not hasattr(target, part):
+                    raise AttributeError(
+                        f"configure_jem({classifier!r}): {type(target).__name__} has no attribute "
+                        f"{part!r}; create the classifier before calling configure_jem"
+                    )
+                target = getattr(target, part)
+            classifier = target
+        if isinstance(classifier, JEM):
+            jm = classifier
+        elif isinstance(classifier, nn.Module) or callable(classifier):
+            jm = wrap(classifier, **(wrap_options or {}))
+        else:
+            raise TypeError(f"configure_jem needs a classifier module, got {type(classifier).__name__}")
+        object.__setattr__(self, "_jem_view", jm)  # bypasses nn.Module registration on purpose
+        self.jem_loss = JEMLoss(sampler=sampler, buffer=buffer, **loss_kwargs)
+        return self.jem_loss
+
+    @property
+    def jem(self) -> JEM:
+        """The energy view of the classifier given to :meth:`configure_jem`."""
+        view = self.__dict__.get("_jem_view")
+        if view is None:
+            raise AttributeError("call self.configure_jem(classifier) before using self.jem")
+        return view
+
+    def generative_loss(self, x: Tensor, y: Tensor) -> LossOutput:
+        """The JEM loss of a batch: ``out.loss`` to backpropagate, ``out.metrics`` to log."""
+        if "jem_loss" not in getattr(self, "_modules", {}):
+            raise AttributeError("call self.configure_jem(classifier) before generative_loss()")
+        return self.jem_loss(self.jem, x, y)
