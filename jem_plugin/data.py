@@ -1,0 +1,352 @@
+"""Embedded data for experiments, tests and the demo, and local-only image datasets.
+
+Nothing here downloads anything. The digits (scikit-learn's bundled 8x8 handwritten digits)
+and the photos behind :func:`photo_patches` (scikit-learn's two bundled sample images) ship
+with scikit-learn. :func:`image_folder` and :func:`cifar10` read files the user already has
+and say where to put them when they are missing.
+
+Images follow the paper's convention: float ``[N, C, H, W]`` in ``[-1, 1]``, which is the
+default :class:`~jem_plugin.adapter.InputDomain` of ``jem.wrap``. Each dataset built here
+carries its domain as ``dataset.domain``.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset, TensorDataset
+
+from .adapter import InputDomain
+from .errors import DatasetNotFoundError
+
+__all__ = [
+    "DIGITS_DOMAIN", "DIGITS_CLASSES",
+    "load_digits", "digits_tensors",
+    "uniform_noise", "photo_patches", "blends", "transposed", "digits_ood_sets",
+    "toy2d", "toy2d_logpdf", "gaussian_mixture_logpdf", "TOY2D_NAMES",
+    "signed_domain", "normalize_transform", "image_folder", "cifar10", "CIFAR10_MEAN", "CIFAR10_STD",
+]
+
+#: Domain of the embedded digits: one channel, 8x8, values in [-1, 1].
+DIGITS_DOMAIN = InputDomain.from_range(-1.0, 1.0, input_size=(1, 8, 8))
+DIGITS_CLASSES = tuple(str(i) for i in range(10))
+
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+
+# ---------------------------------------------------------------------------- digits
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits as _sk_load_digits
+
+    d = _sk_load_digits()
+    x = d.images.astype(np.float32) / 16.0 * 2.0 - 1.0  # 0..16 -> [-1, 1]
+    return x[:, None], d.target.astype(np.int64)
+
+
+def _with_domain(ds: Dataset, domain: InputDomain, classes: Sequence[str] | None = None) -> Dataset:
+    ds.domain = domain  # type: ignore[attr-defined]
+    if classes is not None:
+        ds.classes = list(classes)  # type: ignore[attr-defined]
+    return ds
+
+
+def load_digits(split: str = "train", test_fraction: float = 0.2, seed: int = 0,
+                classes: Iterable[int] | None = None) -> TensorDataset:
+    """scikit-learn's bundled 8x8 digits as a ``TensorDataset`` of ``x [N, 1, 8, 8]`` in ``[-1, 1]``
+    and ``y [N]`` (long).
+
+    The train/test split is stratified by class and deterministic given ``seed``; ``"all"``
+    returns all 1797 images. ``classes`` keeps only those labels (labels are *not* renumbered),
+    e.g. ``classes=range(5)`` for held-out-class experiments.
+    """
+    if split not in ("train", "test", "all"):
+        raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    x, y = _digits_arrays()
+    if split != "all":
+        from sklearn.model_selection import train_test_split
+
+        idx_train, idx_test = train_test_split(
+            np.arange(len(y)), test_size=test_fraction, random_state=seed, stratify=y)
+        idx = np.sort(idx_train if split == "train" else idx_test)
+        x, y = x[idx], y[idx]
+    if classes is not None:
+        keep = np.isin(y, np.asarray(list(classes), dtype=np.int64))
+        if not keep.any():
+            raise ValueError(f"classes={list(classes)} selects no digits; labels are 0..9")
+        x, y = x[keep], y[keep]
+    ds = TensorDataset(torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y))
+    return _with_domain(ds, DIGITS_DOMAIN, DIGITS_CLASSES)  # type: ignore[return-value]
+
+
+def digits_tensors(split: str = "train", **kwargs) -> tuple[Tensor, Tensor]:
+    """``(x, y)`` tensors of :func:`load_digits` (same arguments)."""
+    x, y = load_digits(split, **kwargs).tensors
+    return x, y
+
+
+# ---------------------------------------------------------------------------- OOD sets
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(int(seed))
+
+
+def uniform_noise(n: int, shape: Sequence[int] = (1, 8, 8), seed: int = 0) -> Tensor:
+    """``n`` images of i.i.d. uniform noise over ``[-1, 1]``."""
+    return torch.rand((n, *shape), generator=_gen(seed)) * 2.0 - 1.0
+
+
+_PHOTO_GRAY: np.ndarray | None = None
+
+
+def _photos_gray() -> list[np.ndarray]:
+    global _PHOTO_GRAY
+    if _PHOTO_GRAY is None:
+        from sklearn.datasets import load_sample_images
+
+        imgs = load_sample_images().images  # two 427x640x3 uint8 photos
+        # ITU-R 601 luma, as PIL's "L" mode
+        _PHOTO_GRAY = [(im.astype(np.float32) @ np.array([0.299, 0.587, 0.114], np.float32))
+                       for im in imgs]
+    return list(_PHOTO_GRAY)
+
+
+def photo_patches(n: int, size: int = 8, seed: int = 0, patch: int = 32) -> Tensor:
+    """``n`` grayscale photo patches shaped like digits: ``[n, 1, size, size]`` in ``[-1, 1]``.
+
+    Random ``patch x patch`` crops of scikit-learn's two bundled photos are box-downsampled to
+    ``size x size`` (so they look like small images, not like magnified pixels) and each is
+    contrast-stretched to the full ``[-1, 1]`` range, as the digits are.
+    """
+    if patch % size:
+        raise ValueError(f"patch ({patch}) must be a multiple of size ({size})")
+    rng = np.random.default_rng(seed)
+    photos = _photos_gray()
+    out = np.empty((n, 1, size, size), dtype=np.float32)
+    f = patch // size
+    for i in range(n):
+        im = photos[rng.integers(len(photos))]
+        r = rng.integers(0, im.shape[0] - patch + 1)
+        c = rng.integers(0, im.shape[1] - patch + 1)
+        p = im[r:r + patch, c:c + patch].reshape(size, f, size, f).mean(axis=(1, 3))
+        lo, hi = p.min(), p.max()
+        out[i, 0] = (p - lo) / max(hi - lo, 1e-6) * 2.0 - 1.0
+    return torch.from_numpy(out)
+
+
+def blends(x: Tensor, y: Tensor, n: int, seed: int = 0) -> Tensor:
+    """``n`` averages of two images of ``x`` with *different* labels ``y``."""
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"x and y have different lengths ({x.shape[0]} vs {y.shape[0]})")
+    if y.unique().numel() < 2:
+        raise ValueError("blends need images of at least two different classes")
+    g = _gen(seed)
+    i = torch.randint(len(x), (n,), generator=g)
+    j = torch.randint(len(x), (n,), generator=g)
+    same = y[i] == y[j]
+    while same.any():  # resample partners until every pair mixes two classes
+        j[same] = torch.randint(len(x), (int(same.sum()),), generator=g)
+        same = y[i] == y[j]
+    return (x[i] + x[j]) / 2.0
+
+
+def transposed(x: Tensor) -> Tensor:
+    """Images with height and width swapped (a digit reflected about its diagonal)."""
+    return x.transpose(-1, -2).contiguous()
+
+
+def digits_ood_sets(test_x: Tensor, test_y: Tensor, seed: int = 0, n: int | None = None) -> dict[str, Tensor]:
+    """The four out-of-distribution sets of the digits experiment, each as large as the test set
+    (or ``n``): ``noise``, ``patches``, ``blends``, ``transposed``."""
+    n = len(test_x) if n is None else n
+    shape = tuple(test_x.shape[1:])
+    return {
+        "noise": uniform_noise(n, shape, seed=seed),
+        "patches": photo_patches(n, size=shape[-1], seed=seed),
+        "blends": blends(test_x, test_y, n, seed=seed),
+        "transposed": transposed(test_x)[:n],
+    }
+
+
+# ---------------------------------------------------------------------------- toy 2D
+TOY2D_NAMES = ("8gaussians", "2spirals", "checkerboard", "rings")
+
+_8G_RADIUS, _8G_STD = 2.0, 0.2
+_RING_RADII, _RING_STD = (0.75, 1.5, 2.25), 0.08
+_SPIRAL_TURNS, _SPIRAL_RMAX, _SPIRAL_STD = 1.5, 2.5, 0.1
+
+
+def _8g_means() -> Tensor:
+    a = torch.arange(8, dtype=torch.float64) * (math.pi / 4)
+    return torch.stack([torch.cos(a), torch.sin(a)], 1) * _8G_RADIUS
+
+
+def _spiral(t: Tensor, cls: int) -> Tensor:
+    # t in [0, 1] -> angle 0..turns*2pi, radius 0..rmax; class 1 is class 0 rotated by pi
+    ang = t * (_SPIRAL_TURNS * 2 * math.pi)
+    r = t * _SPIRAL_RMAX
+    pts = torch.stack([r * torch.cos(ang), r * torch.sin(ang)], -1)
+    return pts if cls == 0 else -pts
+
+
+def toy2d(name: str = "8gaussians", n: int = 1000, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """A 2D toy distribution: ``(x [n, 2] float32, y [n] long)`` with ``y`` the component
+    (gaussian, spiral arm, filled square or ring) each point came from. Deterministic given
+    ``seed``. :func:`toy2d_logpdf` gives the true log density."""
+    g = _gen(seed)
+    if name == "8gaussians":
+        y = torch.randint(8, (n,), generator=g)
+        x = _8g_means()[y] + _8G_STD * torch.randn(n, 2, generator=g, dtype=torch.float64)
+    elif name == "2spirals":
+        y = torch.randint(2, (n,), generator=g)
+        t = torch.rand(n, generator=g, dtype=torch.float64).sqrt()  # uniform-ish along the arc
+        x = torch.where(y[:, None] == 0, _spiral(t, 0), _spiral(t, 1))
+        x = x + _SPIRAL_STD * torch.randn(n, 2, generator=g, dtype=torch.float64)
+    elif name == "checkerboard":
+        # 4x4 board on [-2, 2]^2; the 8 squares with (row + col) even are filled
+        y = torch.randint(8, (n,), generator=g)
+        row, k = y // 2, y % 2
+        col = 2 * k + (row % 2)
+        u = torch.rand(n, 2, generator=g, dtype=torch.float64)
+        x = torch.stack([col + u[:, 0], row + u[:, 1]], 1) - 2.0
+    elif name == "rings":
+        y = torch.randint(len(_RING_RADII), (n,), generator=g)
+        a = torch.rand(n, generator=g, dtype=torch.float64) * 2 * math.pi
+        r = torch.tensor(_RING_RADII, dtype=torch.float64)[y]
+        r = r + _RING_STD * torch.randn(n, generator=g, dtype=torch.float64)
+        x = torch.stack([r * torch.cos(a), r * torch.sin(a)], 1)
+    else:
+        raise ValueError(f"unknown toy2d dataset {name!r}; choose one of {', '.join(TOY2D_NAMES)}")
+    return x.float(), y.long()
+
+
+def gaussian_mixture_logpdf(x: Tensor, means: Tensor, std: float | Tensor,
+                            weights: Tensor | None = None) -> Tensor:
+    """Log density of an isotropic Gaussian mixture at ``x [N, D]`` (``means [K, D]``,
+    ``std`` scalar or ``[K]``, ``weights [K]`` summing to 1, uniform by default)."""
+    x = x.to(torch.float64)
+    means = means.to(torch.float64)
+    d = x.shape[1]
+    std = torch.as_tensor(std, dtype=torch.float64).expand(means.shape[0])
+    logw = (torch.full((means.shape[0],), -math.log(means.shape[0]), dtype=torch.float64)
+            if weights is None else torch.as_tensor(weights, dtype=torch.float64).log())
+    const = logw - d * torch.log(std) - 0.5 * d * math.log(2 * math.pi)
+    chunk = max(1, 2_000_000 // max(1, means.shape[0]))  # bound the [N, K] matrix in memory
+    out = [torch.logsumexp(-0.5 * torch.cdist(xc, means).pow(2) / std**2 + const, dim=1)
+           for xc in x.split(chunk)]
+    return torch.cat(out) if out else x.new_zeros(0)
+
+
+def toy2d_logpdf(name: str, x: Tensor) -> Tensor:
+    """True log density of :func:`toy2d` ``name`` at ``x [N, 2]`` (float64; ``-inf`` off the
+    checkerboard). ``2spirals`` is evaluated as a fine mixture of Gaussians along the arms."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    if name == "8gaussians":
+        return gaussian_mixture_logpdf(x, _8g_means(), _8G_STD)
+    if name == "2spirals":
+        # t = sqrt(u) has density 2t on [0, 1]; midpoint quadrature over t
+        m = 2000
+        t = (torch.arange(m, dtype=torch.float64) + 0.5) / m
+        w = 2 * t / m
+        means = torch.cat([_spiral(t, 0), _spiral(t, 1)])
+        weights = torch.cat([w, w]) / 2
+        return gaussian_mixture_logpdf(x, means, _SPIRAL_STD, weights / weights.sum())
+    if name == "checkerboard":
+        inside = (x.abs() < 2).all(1)
+        cell = torch.floor(x + 2.0)
+        filled = ((cell[:, 0] + cell[:, 1]) % 2 == 0) & inside
+        return torch.where(filled, torch.full_like(x[:, 0], -math.log(8.0)),
+                           torch.full_like(x[:, 0], -math.inf))
+    if name == "rings":
+        # radius ~ N(r_k, s), angle uniform: p(x) = mean_k N(|x|; r_k, s) / (2 pi |x|)
+        r = x.norm(dim=1).clamp_min(1e-12)
+        radii = torch.tensor(_RING_RADII, dtype=torch.float64)
+        comp = (-0.5 * ((r[:, None] - radii) / _RING_STD) ** 2
+                - math.log(_RING_STD * math.sqrt(2 * math.pi)))
+        return torch.logsumexp(comp, 1) - math.log(len(_RING_RADII)) - torch.log(2 * math.pi * r)
+    raise ValueError(f"unknown toy2d dataset {name!r}; choose one of {', '.join(TOY2D_NAMES)}")
+
+
+# ---------------------------------------------------------------------------- local image data
+def signed_domain(channels: int = 3, input_size: Sequence[int] | None = None) -> InputDomain:
+    """The paper's domain: pixels mapped from ``[0, 1]`` to ``[-1, 1]`` (mean 0.5, std 0.5)."""
+    return InputDomain.from_normalization((0.5,) * channels, (0.5,) * channels, input_size=input_size)
+
+
+def normalize_transform(mean: Sequence[float] | None, std: Sequence[float] | None,
+                        image_size: int | Sequence[int] | None = None, channels: int = 3):
+    """``(transform, domain)``: ``ToTensor`` (+ resize/centre-crop) + ``Normalize(mean, std)`` and
+    the matching :class:`InputDomain`. ``mean=std=None`` means the paper's ``[-1, 1]``."""
+    from torchvision import transforms as T
+
+    if (mean is None) != (std is None):
+        raise ValueError("pass both mean and std, or neither (for the paper's [-1, 1] scaling)")
+    if mean is None:
+        mean, std = (0.5,) * channels, (0.5,) * channels
+    steps = []
+    size = None
+    if image_size is not None:
+        size = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+        steps += [T.Resize(size), T.CenterCrop(size)]
+    steps += [T.ToTensor(), T.Normalize(tuple(mean), tuple(std))]
+    domain = InputDomain.from_normalization(
+        tuple(mean), tuple(std), input_size=(len(tuple(mean)), *size) if size else None)
+    return T.Compose(steps), domain
+
+
+def image_folder(path: str | Path, image_size: int | Sequence[int] = 32,
+                 mean: Sequence[float] | None = None, std: Sequence[float] | None = None) -> Dataset:
+    """A ``torchvision.datasets.ImageFolder`` (``path/<class>/<image>``) resized to
+    ``image_size``, normalised by ``mean``/``std`` (default: ``[-1, 1]``); ``.domain`` is set."""
+    from torchvision.datasets import ImageFolder
+
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise DatasetNotFoundError(
+            f"image folder {str(p)!r} does not exist. Point it at a directory with one "
+            "sub-directory per class, e.g. data/train/cat/001.png, data/train/dog/002.png.")
+    transform, domain = normalize_transform(mean, std, image_size)
+    try:
+        ds = ImageFolder(str(p), transform=transform)
+    except (FileNotFoundError, RuntimeError) as exc:
+        raise DatasetNotFoundError(
+            f"no images found under {str(p)!r} ({exc}). Expected one sub-directory per class "
+            "holding .png/.jpg files, e.g. data/train/cat/001.png.") from exc
+    return _with_domain(ds, domain, ds.classes)
+
+
+def cifar10(root: str | Path, train: bool = True, mean: Sequence[float] | None = None,
+            std: Sequence[float] | None = None) -> Dataset:
+    """CIFAR-10 from a LOCAL copy (never downloaded), in ``[-1, 1]`` by default; ``.domain`` set.
+
+    ``root`` is the directory holding ``cifar-10-batches-py/`` (the extracted python version
+    of the dataset), or that directory itself.
+    """
+    from torchvision.datasets import CIFAR10
+
+    p = Path(root).expanduser()
+    if p.name == "cifar-10-batches-py":
+        p = p.parent
+    folder = p / "cifar-10-batches-py"
+    needed = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch", "batches.meta"]
+    missing = [f for f in needed if not (folder / f).is_file()]
+    if missing:
+        raise DatasetNotFoundError(
+            f"CIFAR-10 not found: {str(folder)!r} is missing {', '.join(missing)}. jem-plugin never "
+            "downloads data; get cifar-10-python.tar.gz (https://www.cs.toronto.edu/~kriz/"
+            f"cifar-10-python.tar.gz) and extract it into {str(p)!r} so that {str(folder)!r} "
+            "holds data_batch_1..5, test_batch and batches.meta.")
+    transform, domain = normalize_transform(mean, std, None)
+    try:
+        ds = CIFAR10(str(p), train=train, transform=transform, download=False)
+    except RuntimeError as exc:
+        raise DatasetNotFoundError(
+            f"CIFAR-10 files under {str(folder)!r} are corrupt or incomplete ({exc}); "
+            "re-extract cifar-10-python.tar.gz there.") from exc
+    domain = InputDomain(domain.low, domain.high, domain.mean, domain.std, (3, 32, 32))
+    return _with_domain(ds, domain, ds.classes)
