@@ -150,9 +150,18 @@ class ReplayBuffer(nn.Module):
             )
         return x.to(device=self.data.device, dtype=self.data.dtype)
 
+    def _writable(self) -> None:
+        # A buffer built inside torch.inference_mode holds inference tensors, which cannot be
+        # updated in place outside it: swap in normal copies (once).
+        if self.data.is_inference() or self.initialized.is_inference():
+            with torch.inference_mode(False):
+                self.data = self.data.clone()
+                self.initialized = self.initialized.clone()
+
     @torch.no_grad()
     def initialize(self, domain: InputDomain, generator: torch.Generator | None = None) -> None:
         """Fill every slot from the init distribution (done lazily by the first :meth:`sample`)."""
+        self._writable()
         with torch.inference_mode(False):
             y = self.labels if self.num_classes is not None else None
             self.data.copy_(self._init_draw(self.capacity, domain, generator, y))
@@ -162,7 +171,9 @@ class ReplayBuffer(nn.Module):
 
     def reset(self) -> None:
         """Forget the stored chains; the next :meth:`sample` draws them afresh from the init distribution."""
-        self.initialized.fill_(False)
+        self._writable()
+        with torch.inference_mode(False):
+            self.initialized.fill_(False)
         self._is_init = False
 
     def _check_y(self, y: Any, n: int | None) -> Tensor:
@@ -229,6 +240,7 @@ class ReplayBuffer(nn.Module):
                 f"update(idx, x) needs x of shape [{idx.shape[0]}, {', '.join(map(str, self.sample_shape))}], "
                 f"got {tuple(x.shape)}"
             )
+        self._writable()
         with torch.inference_mode(False):
             self.data.index_copy_(0, idx.to(self.data.device), x.detach().to(self.data.device, self.data.dtype))
 

@@ -1,0 +1,376 @@
+"""Stochastic Gradient Langevin Dynamics on a classifier's energy (JEM, Grathwohl et al. 2019).
+
+One step ascends the unnormalised log density and adds Gaussian noise::
+
+    x <- x + a_t * d/dx logsumexp_y f(x)[y] + s * N(0, I)      # p(x)
+    x <- x + a_t * d/dx f(x)[y]             + s * N(0, I)      # p(x|y), class-conditional
+
+with the step size ``a_t`` and the noise ``s`` decoupled, as in JEM. Options: decaying step size,
+proximal (gradient-clipped) updates from JEM++, clamping to the model's input domain, a plugin hook
+after each step, trajectories and energies for inspection.
+
+The hot loop is written to cost no more than a hand-written loop (one forward, one input-gradient
+backward, one in-place update per step): parameters are frozen for the chain (no parameter graph),
+the chain is updated in place, the noise buffer is reused, and nothing syncs with the device per
+step unless something is recorded.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from . import plugins
+from .errors import DivergenceError, InvalidInputError, InvalidLabelError
+from .init_distributions import UniformInit
+from .model import input_grad_enabled
+from .modes import sampling_mode
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .buffer import ReplayBuffer
+    from .model import JEM
+
+__all__ = ["SGLD", "SGLDStepState"]
+
+STEP_HOOK = "jem_sgld_step"
+SCHEDULES = ("constant", "poly")
+
+
+@dataclass
+class SGLDStepState:
+    """What the ``jem_sgld_step`` hook sees after each update.
+
+    ``x`` is the chain (fp32, after the update, noise and clamp). Modify it in place, or assign a
+    new tensor of the same shape to ``state.x``: the sampler continues from it.
+    """
+
+    step: int
+    x: Tensor
+    grad: Tensor
+    step_size: float
+    noise: float
+    y: Tensor | None
+    sampler: "SGLD"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _positive_float(name: str, v: Any, allow_zero: bool = False) -> float:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {type(v).__name__}") from None
+    if not math.isfinite(f) or f < 0 or (f == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} and finite, got {v!r}")
+    return f
+
+
+class SGLD:
+    """SGLD sampler for a :class:`~jem_plugin.model.JEM` (paper defaults: 20 steps, step 1, noise 0.01).
+
+    Parameters
+    ----------
+    steps: Langevin steps per chain (``0`` returns the start unchanged).
+    step_size: ``a`` in the update; or a callable ``t -> a_t`` for ``t = 0 .. steps-1`` (overrides
+        ``schedule``).
+    noise: standard deviation ``s`` of the Gaussian noise added each step.
+    schedule: ``"constant"`` (``a_t = a``), or ``"poly"``: the polynomial decay of Welling & Teh
+        (2011), ``a_t = a * (1 + t / b) ** -decay_power``. ``b = 1`` unless ``final_step_size``
+        is given, in which case ``b`` is chosen so the last step uses exactly ``final_step_size``
+        (``a_0 = a`` always).
+    decay_power: ``gamma`` of the poly schedule (Welling & Teh recommend ``(0.5, 1]``).
+    final_step_size: last step size of the poly schedule (``0 < final_step_size <= step_size``).
+    clamp: clamp the chain to the model's input domain (per channel for normalised inputs) after
+        every step.
+    grad_clip: proximal SGLD (JEM++): clamp the gradient elementwise to ``[-grad_clip, grad_clip]``
+        before the step, ``x <- x + a_t * clamp(grad, -c, c) + noise``, as JEM++'s code does
+        (``t.clamp(eta, -eps, eps) * sgld_lr``; with its default ``sgld_lr = 1`` this is also a
+        bound on the update).
+    record_trajectory: keep the chain after every step in ``last_trajectory`` (``steps + 1`` tensors).
+    record_energies: keep ``E(x)`` (or ``E(x, y)``) along the chain in ``last_energies``
+        ``[steps + 1, B]`` (costs one extra forward for the final state).
+    progress: show a tqdm progress bar over the steps.
+    generator: ``torch.Generator`` for the noise, the start and the buffer draws: the same seed
+        gives bitwise identical samples.
+    max_energy: also raise :class:`DivergenceError` when ``|E|`` of the final chain exceeds this
+        (exploding but still finite energies); ``None`` checks finiteness only.
+    """
+
+    def __init__(self, steps: int = 20, step_size: float | Callable[[int], float] = 1.0, noise: float = 0.01,
+                 *, schedule: str = "constant", decay_power: float = 0.55,
+                 final_step_size: float | None = None, clamp: bool = True, grad_clip: float | None = None,
+                 record_trajectory: bool = False, record_energies: bool = False, progress: bool = False,
+                 generator: torch.Generator | None = None, max_energy: float | None = None) -> None:
+        if not _is_int(steps) or steps < 0:
+            raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+        if not callable(step_size):
+            step_size = _positive_float("step_size", step_size)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES} (or pass a callable step_size), got {schedule!r}")
+        decay_power = _positive_float("decay_power", decay_power)
+        if final_step_size is not None:
+            if schedule != "poly" or callable(step_size):
+                raise ValueError("final_step_size only applies to schedule='poly' with a numeric step_size")
+            final_step_size = _positive_float("final_step_size", final_step_size)
+            if final_step_size > step_size:
+                raise ValueError(
+                    f"final_step_size ({final_step_size}) must not exceed step_size ({step_size}): the poly "
+                    "schedule decays"
+                )
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        self.steps = steps
+        self.step_size = step_size
+        self.noise = _positive_float("noise", noise, allow_zero=True)
+        self.schedule = schedule
+        self.decay_power = decay_power
+        self.final_step_size = final_step_size
+        self.clamp = bool(clamp)
+        self.grad_clip = None if grad_clip is None else _positive_float("grad_clip", grad_clip)
+        self.max_energy = None if max_energy is None else _positive_float("max_energy", max_energy)
+        self.record_trajectory = bool(record_trajectory)
+        self.record_energies = bool(record_energies)
+        self.progress = bool(progress)
+        self.generator = generator
+        self.last_trajectory: list[Tensor] | None = None
+        self.last_energies: Tensor | None = None
+
+    def __repr__(self) -> str:
+        a = getattr(self.step_size, "__qualname__", "callable") if callable(self.step_size) else self.step_size
+        extra = f", schedule={self.schedule!r}" if self.schedule != "constant" else ""
+        if self.grad_clip is not None:
+            extra += f", grad_clip={self.grad_clip}"
+        return f"SGLD(steps={self.steps}, step_size={a}, noise={self.noise}{extra}, clamp={self.clamp})"
+
+    # ------------------------------------------------------------------ schedule
+    def step_sizes(self) -> list[float]:
+        """The step size of every step, ``a_0 .. a_{steps-1}``."""
+        t_max = self.steps
+        if callable(self.step_size):
+            sizes = [float(self.step_size(t)) for t in range(t_max)]
+            bad = [(t, a) for t, a in enumerate(sizes) if not (math.isfinite(a) and a > 0)]
+            if bad:
+                raise ValueError(f"the step_size callable must return finite values > 0; got {bad[:3]}")
+            return sizes
+        a = float(self.step_size)
+        if self.schedule == "constant":
+            return [a] * t_max
+        b = 1.0
+        if self.final_step_size is not None and t_max > 1:
+            ratio = (a / self.final_step_size) ** (1.0 / self.decay_power) - 1.0
+            b = (t_max - 1) / ratio if ratio > 0 else math.inf
+        return [a * (1.0 + t / b) ** -self.decay_power for t in range(t_max)]
+
+    # ------------------------------------------------------------------ chains
+    def _check_y(self, jm: "JEM", y: Any, batch: int, device) -> Tensor:
+        if not isinstance(y, Tensor):
+            y = torch.as_tensor(y)
+        if y.dtype.is_floating_point or y.dtype == torch.bool or y.is_complex():
+            raise InvalidLabelError(f"y must hold integer class indices, got dtype {y.dtype}; use y.long()")
+        if y.shape != (batch,):
+            raise InvalidLabelError(f"expected y of shape [{batch}] (one class per chain), got {tuple(y.shape)}")
+        y = y.to(device=device, dtype=torch.long)
+        if y.is_inference():  # labels made under inference_mode cannot be saved for backward
+            with torch.inference_mode(False):
+                y = y.clone()
+        if jm.num_classes is not None:
+            self._check_y_range(y, jm.num_classes)
+        return y
+
+    @staticmethod
+    def _check_y_range(y: Tensor, k: int) -> None:
+        if y.numel() and bool(((y < 0) | (y >= k)).any()):
+            raise InvalidLabelError(
+                f"labels must lie in [0, {k}) for a model with {k} classes; got values from "
+                f"{int(y.min())} to {int(y.max())}"
+            )
+
+    def run(self, jm: "JEM", x: Tensor, y: Tensor | None = None) -> Tensor:
+        """Run ``steps`` Langevin updates from ``x``; returns a new detached fp32 tensor.
+
+        ``x`` itself is not modified. Works inside ``torch.no_grad()``, ``torch.inference_mode()``
+        and ``torch.autocast`` (the forward runs in the caller's autocast; the chain stays fp32).
+        Raises :class:`~jem_plugin.errors.DivergenceError` if the chain's energies are not finite.
+        """
+        if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() < 2:
+            got = f"dtype {x.dtype}, shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+            raise InvalidInputError(f"SGLD needs a floating-point batch [B, ...] to start from, got {got}")
+        # fp32 chain whatever the caller's precision (float64 chains stay float64 for float64 models).
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if y is not None:
+            y = self._check_y(jm, y, x.shape[0], x.device)
+            y_index = y.view(-1, 1)
+        sizes = self.step_sizes()
+        noise, clip, gen = self.noise, self.grad_clip, self.generator
+        domain = jm.domain
+        use_hook = bool(sizes) and plugins.has_implementations(STEP_HOOK)  # checked once per run
+        hook = plugins.get_plugin_manager().hook.jem_sgld_step if use_hook else None
+        record_x, record_e = self.record_trajectory, self.record_energies
+        trajectory: list[Tensor] = []
+        energies: list[Tensor] = []
+        grad = torch.autograd.grad
+        logsumexp = torch.logsumexp
+        last_score = None
+
+        with sampling_mode(jm.model), input_grad_enabled(x.detach().to(dtype)) as xg:
+            xd = xg.detach()  # alias of the leaf: in-place updates without autograd bookkeeping
+            if gen is not None and gen.device != xd.device:
+                raise InvalidInputError(
+                    f"the SGLD generator is on {gen.device} but the chain is on {xd.device}; create it "
+                    f"with torch.Generator(device={str(xd.device)!r})"
+                )
+            noise_buf = torch.empty_like(xd) if noise > 0 else None
+            if self.clamp:
+                lo, hi = domain.bounds(xd) if domain.is_per_channel else (domain.low[0], domain.high[0])
+                xd.clamp_(lo, hi)
+            if record_x:
+                trajectory.append(xd.clone())
+            steps_iter = range(len(sizes))
+            if self.progress:
+                from tqdm.auto import tqdm
+
+                steps_iter = tqdm(steps_iter, desc="SGLD", leave=False)
+            check_k = y is not None and jm.num_classes is None  # labels checked at the first forward
+            for t in steps_iter:
+                out = jm(xg)
+                if y is None:
+                    score = logsumexp(out, 1)
+                else:
+                    if check_k:
+                        self._check_y_range(y, out.shape[1])
+                        check_k = False
+                    score = out.gather(1, y_index)
+                g, = grad(score.sum(), xg)  # frees the graph: nothing outlives the step
+                if g.dtype != dtype:  # only under exotic autocast setups
+                    g = g.to(dtype)
+                if clip is not None:
+                    g.clamp_(-clip, clip)
+                xd.add_(g, alpha=sizes[t])
+                if noise_buf is not None:
+                    xd.add_(noise_buf.normal_(generator=gen), alpha=noise)
+                if self.clamp:
+                    xd.clamp_(lo, hi)
+                last_score = score.detach()
+                if record_e:
+                    energies.append(-last_score.reshape(-1).to(dtype))
+                if hook is not None:
+                    state = SGLDStepState(t, xd, g, sizes[t], noise, y, self)
+                    hook(state=state)
+                    if state.x is not xd:
+                        xd.copy_(state.x)
+                if record_x:
+                    trajectory.append(xd.clone())
+            if record_e:
+                with torch.no_grad():
+                    out = jm(xd)
+                    final = logsumexp(out, 1) if y is None else out.gather(1, y_index)
+                last_score = final.reshape(-1)
+                energies.append(-last_score.to(dtype))
+
+        self.last_trajectory = trajectory if record_x else None
+        self.last_energies = torch.stack(energies) if record_e else None
+        if last_score is not None:
+            self._check_divergence(xd, last_score)
+        return xd
+
+    def _check_divergence(self, x: Tensor, score: Tensor) -> None:
+        # One host sync per chain, never per step.
+        ok = torch.isfinite(x).all() & torch.isfinite(score).all()
+        if self.max_energy is not None:
+            ok &= (score.abs() <= self.max_energy).all()
+        if bool(ok):
+            return
+        finite = torch.isfinite(score)
+        what = (f"{int((~finite).sum())} of {score.numel()} chains have non-finite energies"
+                if not bool(finite.all()) else
+                f"|energy| reached {float(score.abs().max()):.3g} (max_energy={self.max_energy})"
+                if bool(torch.isfinite(x).all()) else "the chain holds NaN/inf values")
+        raise DivergenceError(
+            f"SGLD diverged: {what} after {self.steps} steps (step_size={self.step_size}, "
+            f"noise={self.noise}). Remedies: a smaller step size or fewer steps (SGLD(step_size=..., "
+            "steps=...)), proximal SGLD (SGLD(grad_clip=...)), the energy L2 regulariser "
+            "(JEMLoss(l2_weight=...)), or restart training from the last good checkpoint."
+        )
+
+    def sample(self, jm: "JEM", n: int | None = None, *, buffer: "ReplayBuffer | None" = None,
+               y: Tensor | None = None, x_init: Tensor | None = None,
+               shape: Sequence[int] | None = None) -> Tensor:
+        """Draw ``n`` samples (class-conditional when ``y`` is given).
+
+        Chains start from ``buffer`` (and the finished chains are written back), or from
+        ``x_init``, or else uniformly over ``jm.domain`` (``shape`` defaults to the domain's
+        ``input_size``).
+        """
+        if buffer is not None and x_init is not None:
+            raise ValueError("pass either buffer= (persistent chains) or x_init= (chain starts), not both")
+        if n is not None and (not _is_int(n) or n < 1):
+            raise ValueError(f"n must be a positive int, got {n!r}")
+        if y is not None:
+            if not isinstance(y, Tensor):
+                y = torch.as_tensor(y)
+            if y.dim() != 1:
+                raise InvalidLabelError(f"y must be a 1-D tensor of class indices, got shape {tuple(y.shape)}")
+            if n is not None and n != y.shape[0]:
+                raise ValueError(f"n={n} conflicts with y of {y.shape[0]} labels; pass one of them")
+            n = y.shape[0]
+        if x_init is not None:
+            if not isinstance(x_init, Tensor):
+                raise InvalidInputError(f"x_init must be a tensor, got {type(x_init).__name__}")
+            if n is not None and n != x_init.shape[0]:
+                raise ValueError(f"n={n} conflicts with x_init of batch size {x_init.shape[0]}")
+            return self.run(jm, x_init, y)
+        if n is None:
+            raise ValueError("say how many samples: sample(jm, n=64, ...) (or pass y= or x_init=)")
+        if buffer is not None:
+            x0, idx = buffer.sample(n, domain=jm.domain, y=y, generator=self.generator)
+            x = self.run(jm, x0, y)
+            buffer.update(idx, x)
+            return x
+        shape = tuple(shape) if shape is not None else jm.domain.input_size
+        if shape is None:
+            raise ValueError(
+                "the input shape is unknown: pass shape=(C, H, W), x_init=..., or a ReplayBuffer"
+            )
+        param = next(jm.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+        x0 = UniformInit().sample(n, shape, jm.domain, self.generator, device)
+        return self.run(jm, x0, y)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Configuration and generator state (plain tensors and Python values: ``weights_only``-loadable)."""
+        gen = self.generator
+        return {
+            "steps": self.steps,
+            "step_size": None if callable(self.step_size) else self.step_size,
+            "noise": self.noise,
+            "schedule": self.schedule,
+            "decay_power": self.decay_power,
+            "final_step_size": self.final_step_size,
+            "clamp": self.clamp,
+            "grad_clip": self.grad_clip,
+            "max_energy": self.max_energy,
+            "record_trajectory": self.record_trajectory,
+            "record_energies": self.record_energies,
+            "progress": self.progress,
+            "generator_state": gen.get_state() if gen is not None else None,
+            "generator_device": str(gen.device) if gen is not None else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved (a callable step size is kept: it is not saved)."""
+        for key in ("steps", "noise", "schedule", "decay_power", "final_step_size", "clamp", "grad_clip",
+                    "max_energy", "record_trajectory", "record_energies", "progress"):
+            if key in state:
+                setattr(self, key, state[key])
+        if state.get("step_size") is not None:
+            self.step_size = float(state["step_size"])
+        if state.get("generator_state") is not None:
+            if self.generator is None:
+                self.generator = torch.Generator(device=state.get("generator_device") or "cpu")
+            self.generator.set_state(state["generator_state"])
