@@ -1,0 +1,167 @@
+"""The trainer: learns, resumes exactly, honours its time budget, and records a usable history."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import jem_plugin as jem
+from jem_plugin import data as D
+from jem_plugin.nets import DigitsCNN
+from jem_plugin.training import History, evaluate_classifier, fit, warmup_schedule
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return D.load_digits("train"), D.digits_tensors("test")
+
+
+def _loader(ds, seed=0, batch_size=64, shuffle_generator=True):
+    g = torch.Generator().manual_seed(seed) if shuffle_generator else None
+    return DataLoader(ds, batch_size=batch_size, shuffle=True, drop_last=True, generator=g)
+
+
+def _model(seed=0, width=8):
+    torch.manual_seed(seed)
+    return jem.wrap(DigitsCNN(width=width))
+
+
+def _params(jm):
+    return torch.cat([p.detach().flatten() for p in jm.parameters()])
+
+
+def test_baseline_learns_digits_in_a_tiny_budget(digits):
+    train, (xt, yt) = digits
+    jm = _model(width=16)
+    hist = fit(jm, _loader(train), epochs=4, lr=3e-3, warmup_iters=10, val_data=(xt, yt), progress=False)
+    ev = evaluate_classifier(jm, xt, yt)
+    assert ev["accuracy"] > 0.8, ev
+    assert hist["val_acc"][-1] == pytest.approx(ev["accuracy"])
+    assert len(hist) == 4 and hist.stopped is None
+    assert hist["loss"][-1] < hist["loss"][0]
+    # JSON serialisable, round-trips
+    again = History.from_dict(json.loads(json.dumps(hist.to_dict())))
+    assert again["acc"] == hist["acc"]
+    assert all(r["iterations"] == len(train) // 64 for r in hist.epochs)
+
+
+def test_evaluate_classifier_matches_manual_and_restores_mode(digits):
+    _, (xt, yt) = digits
+    jm = _model()
+    jm.train()
+    ev = evaluate_classifier(jm, xt, yt, batch_size=100)
+    with torch.no_grad():
+        logits = jm(xt)
+    assert ev["accuracy"] == pytest.approx(float((logits.argmax(1) == yt).float().mean()))
+    assert ev["nll"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, yt)), rel=1e-5)
+    assert jm.training
+    loader = DataLoader(TensorDataset(xt, yt), batch_size=50)
+    assert evaluate_classifier(jm, loader)["accuracy"] == pytest.approx(ev["accuracy"])
+
+
+def test_warmup_is_linear_then_decays():
+    f = warmup_schedule(10, iters_per_epoch=5, decay_epochs=[4], decay_rate=0.5)
+    assert f(0) == pytest.approx(0.1) and f(4) == pytest.approx(0.5) and f(9) == 1.0
+    assert f(19) == 1.0 and f(20) == 0.5
+
+
+class _Crash:
+    """Raise at a given iteration, like a kill: nothing after the last checkpoint is saved."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_step_end(self, state):
+        if state.iteration == self.at:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("global_shuffle", [False, True])
+def test_resume_mid_epoch_is_exact(digits, tmp_path, global_shuffle):
+    train, (xt, yt) = digits
+    sub = TensorDataset(*[t[:320] for t in train.tensors])  # 5 batches per epoch
+
+    def run(ckpt_dir=None, callbacks=None, seed_loader=True):
+        torch.manual_seed(123)  # the global RNG drives data order when the loader has no generator
+        jm = _model(width=4)
+        dl = _loader(sub, shuffle_generator=not global_shuffle)
+        h = fit(jm, dl, epochs=3, lr=1e-3, warmup_iters=4, checkpoint_dir=ckpt_dir,
+                checkpoint_every_iters=3, callbacks=callbacks, progress=False)
+        return jm, h
+
+    ref, ref_hist = run()
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, callbacks=[_Crash(at=8)])  # last checkpoint at iteration 6 (mid epoch 2)
+    resumed, hist = run(tmp_path)
+    assert torch.equal(_params(ref), _params(resumed))
+    assert [r["loss"] for r in hist.epochs] == [r["loss"] for r in ref_hist.epochs]
+    assert any(e["event"] == "resumed" and e["iteration"] == 6 for e in hist.events)
+
+
+def test_resume_with_jem_loss_restores_buffer_and_sampler(digits, tmp_path):
+    from jem_plugin.buffer import ReplayBuffer
+    from jem_plugin.losses import JEMLoss
+    from jem_plugin.sampling import SGLD
+
+    train, _ = digits
+    sub = TensorDataset(*[t[:192] for t in train.tensors])  # 3 batches per epoch
+
+    def run(ckpt_dir=None, callbacks=None):
+        torch.manual_seed(7)
+        jm = _model(width=4)
+        loss_fn = JEMLoss(SGLD(steps=2), ReplayBuffer(200, (1, 8, 8), init="uniform"), l2_weight=0.1)
+        h = fit(jm, _loader(sub, seed=1), epochs=2, lr=1e-3, warmup_iters=2, loss_fn=loss_fn,
+                checkpoint_dir=ckpt_dir, checkpoint_every_iters=2, callbacks=callbacks, progress=False)
+        return jm, loss_fn, h
+
+    ref, ref_loss, ref_hist = run()
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, callbacks=[_Crash(at=5)])  # checkpoint at iteration 4 (epoch 2, batch 1)
+    jm, loss_fn, hist = run(tmp_path)
+    assert torch.equal(_params(ref), _params(jm))
+    assert torch.equal(ref_loss.buffer.data, loss_fn.buffer.data)
+    assert "energy_gap" in hist.last and hist["energy_gap"] == ref_hist["energy_gap"]
+
+
+def test_max_seconds_stops_cleanly_and_resume_finishes_the_run(digits, tmp_path):
+    train, _ = digits
+    sub = TensorDataset(*[t[:320] for t in train.tensors])
+
+    def slow(state):  # make each step take a while so the budget ends mid-run
+        import time
+        time.sleep(0.05)
+
+    class Slow:
+        on_step_end = staticmethod(slow)
+
+    torch.manual_seed(0)
+    ref = _model(width=4)
+    fit(ref, _loader(sub), epochs=3, lr=1e-3, warmup_iters=4, progress=False)
+
+    torch.manual_seed(0)
+    jm = _model(width=4)
+    import time
+    t0 = time.perf_counter()
+    h = fit(jm, _loader(sub), epochs=3, lr=1e-3, warmup_iters=4, checkpoint_dir=tmp_path,
+            max_seconds=0.3, callbacks=[Slow()], progress=False)
+    elapsed = time.perf_counter() - t0
+    assert h.stopped == "max_seconds" and len(h) < 3
+    assert elapsed < 0.3 + 1.0  # stops within about one step of the budget (+ the checkpoint)
+    assert any(e["event"] == "stopped" for e in h.events)
+
+    torch.manual_seed(0)
+    jm2 = _model(width=4)
+    h2 = fit(jm2, _loader(sub), epochs=3, lr=1e-3, warmup_iters=4, checkpoint_dir=tmp_path, progress=False)
+    assert h2.stopped is None and len(h2) == 3
+    assert torch.equal(_params(ref), _params(jm2))
+
+
+def test_bad_arguments_are_clear(digits):
+    train, _ = digits
+    jm = _model()
+    with pytest.raises(ValueError, match="guard_policy"):
+        fit(jm, _loader(train), epochs=1, guard_policy="ignore", progress=False)
+    with pytest.raises(ValueError, match="empty"):
+        fit(jm, [], epochs=1, progress=False)
