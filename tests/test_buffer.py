@@ -1,0 +1,261 @@
+"""Replay buffer: lazy init, reinit frequency, class segments, init distributions, state, grid PNG."""
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import jem_plugin as jem
+from jem_plugin.adapter import IMAGENET_MEAN, IMAGENET_STD, InputDomain
+from jem_plugin.buffer import ReplayBuffer
+from jem_plugin.errors import (CheckpointError, InvalidInputError, InvalidLabelError, JEMError,
+                               UnknownNameError)
+from jem_plugin.init_distributions import GaussianInit
+
+SHAPE = (1, 8, 8)
+DOMAIN = InputDomain()  # [-1, 1]
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def roundtrip(state: dict) -> dict:
+    blob = io.BytesIO()
+    torch.save(state, blob)
+    blob.seek(0)
+    return torch.load(blob, weights_only=True)  # loading never executes code from the file
+
+
+# ---------------------------------------------------------------- drawing
+def test_lazy_init_from_the_domain_and_registered_buffers():
+    domain = InputDomain.from_normalization(IMAGENET_MEAN, IMAGENET_STD)
+    buf = ReplayBuffer(50, (3, 4, 4))
+    assert not buf.initialized and {"data", "labels", "initialized"} <= set(buf.state_dict())
+    assert buf.data.dtype == torch.float32 and buf.data.shape == (50, 3, 4, 4)
+    x, idx = buf.sample(10, domain=domain, generator=gen())
+    assert buf.initialized and x.shape == (10, 3, 4, 4) and idx.shape == (10,)
+    lo, hi = domain.bounds(buf.data)
+    assert (buf.data >= lo).all() and (buf.data <= hi).all()
+    # per channel: each channel spans its own range
+    for c in range(3):
+        assert buf.data[:, c].min() < lo.flatten()[c] + 0.1 and buf.data[:, c].max() > hi.flatten()[c] - 0.1
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.2, 1.0])
+def test_reinit_frequency(rho):
+    buf = ReplayBuffer(100, SHAPE, reinit_freq=rho)
+    buf.initialize(DOMAIN)
+    buf.data.fill_(5.0)  # outside the domain: restarted chains are recognisable
+    n, draws = 500, 8
+    fresh = 0
+    g = gen(1)
+    for _ in range(draws):
+        x, _ = buf.sample(n, domain=DOMAIN, generator=g)
+        fresh += int((x.flatten(1)[:, 0] != 5.0).sum())
+    total = n * draws
+    sd = math.sqrt(total * rho * (1 - rho))
+    assert abs(fresh - rho * total) <= 4 * sd + 1e-9  # binomial, 4 standard deviations
+
+
+def test_update_writes_chains_back():
+    buf = ReplayBuffer(30, SHAPE, reinit_freq=0.0)
+    x, idx = buf.sample(5, domain=DOMAIN, generator=gen())
+    assert torch.equal(x, buf.data[idx])  # drawn from the stored slots
+    buf.update(idx, torch.full_like(x, 0.5))
+    assert (buf.data[idx] == 0.5).all()
+    assert int((buf.data == 0.5).all(dim=(1, 2, 3)).sum()) == len(set(idx.tolist()))
+    with pytest.raises(InvalidInputError, match="shape"):
+        buf.update(idx, torch.zeros(5, 2, 8, 8))
+
+
+def test_class_segments():
+    buf = ReplayBuffer(100, SHAPE, num_classes=10)
+    assert torch.equal(buf.labels, torch.arange(10).repeat_interleave(10))  # contiguous, even
+    y = torch.arange(10).repeat(30)
+    _, idx = buf.sample(domain=DOMAIN, y=y, generator=gen())
+    assert torch.equal(buf.labels[idx], y)
+    assert len(set(idx[y == 3].tolist())) == 10  # the whole segment is reachable
+    # capacity not divisible by the classes: contiguous segments differing by at most one
+    odd = ReplayBuffer(105, SHAPE, num_classes=10)
+    sizes = torch.bincount(odd.labels)
+    assert sizes.sum() == 105 and sizes.max() - sizes.min() <= 1
+    assert (odd.labels.diff() >= 0).all()
+    _, idx = odd.sample(domain=DOMAIN, y=torch.full((200,), 9), generator=gen())
+    assert (odd.labels[idx] == 9).all()
+
+
+def test_label_validation():
+    buf = ReplayBuffer(20, SHAPE, num_classes=4)
+    with pytest.raises(InvalidLabelError, match=r"\[0, 4\)"):
+        buf.sample(domain=DOMAIN, y=torch.tensor([0, 4]))
+    with pytest.raises(InvalidLabelError, match="integer"):
+        buf.sample(domain=DOMAIN, y=torch.tensor([0.5]))
+    with pytest.raises(InvalidLabelError, match="num_classes"):
+        ReplayBuffer(20, SHAPE).sample(domain=DOMAIN, y=torch.tensor([0]))
+    with pytest.raises(ValueError, match="capacity"):
+        ReplayBuffer(3, SHAPE, num_classes=4)
+    with pytest.raises(ValueError, match="reinit_freq"):
+        ReplayBuffer(10, SHAPE, reinit_freq=1.5)
+
+
+# ---------------------------------------------------------------- init distributions
+def class_data(n_per=200, k=3, seed=0):
+    g = gen(seed)
+    means = torch.tensor([-0.5, 0.0, 0.5])[:k]
+    x = torch.cat([m + 0.1 * torch.randn(n_per, *SHAPE, generator=g) for m in means])
+    y = torch.arange(k).repeat_interleave(n_per)
+    return x, y, means
+
+
+def test_gaussian_init_fit_reproduces_class_means():
+    x, y, means = class_data()
+    buf = ReplayBuffer(300, SHAPE, num_classes=3, init="gaussian").fit(x, y)
+    fitted = buf.init_dist.mean.view(3, -1).mean(1)
+    torch.testing.assert_close(fitted, means, atol=0.01, rtol=0)
+    draws = buf.init_dist.sample(3000, SHAPE, DOMAIN, gen(2), "cpu", y=torch.arange(3).repeat(1000))
+    per_class = draws.view(1000, 3, -1).mean(dim=(0, 2))
+    torch.testing.assert_close(per_class, means, atol=0.01, rtol=0)
+    assert abs(draws.view(1000, 3, -1).std(dim=(0, 2)).mean() - 0.1) < 0.01
+    # the buffer's segments start from their own class's Gaussian
+    buf.initialize(DOMAIN, gen(3))
+    seg_means = buf.data.view(3, 100, -1).mean(dim=(1, 2))
+    torch.testing.assert_close(seg_means, means, atol=0.02, rtol=0)
+    # unconditional draws mix the classes
+    mixed = buf.init_dist.sample(3000, SHAPE, DOMAIN, gen(4), "cpu").flatten(1).mean(1)
+    for m in means:
+        assert ((mixed - m).abs() < 0.05).float().mean() > 0.2
+
+
+def test_gaussian_full_covariance_keeps_pixel_correlations():
+    g = gen(0)
+    base = 0.3 * torch.randn(400, 1, generator=g)
+    x = (base + 0.01 * torch.randn(400, 64, generator=g)).view(400, *SHAPE)  # all pixels move together
+    y = torch.zeros(400, dtype=torch.long)
+    full = GaussianInit(covariance="full").fit(x, y)
+    diag = GaussianInit().fit(x, y)
+    corr = lambda s: torch.corrcoef(s.flatten(1)[:, :2].T)[0, 1]
+    assert corr(full.sample(2000, SHAPE, DOMAIN, gen(1), "cpu")) > 0.95
+    assert abs(corr(diag.sample(2000, SHAPE, DOMAIN, gen(1), "cpu"))) < 0.1
+
+
+def test_gaussian_samples_are_clamped_and_errors_are_clear():
+    x, y, _ = class_data()
+    wide = GaussianInit(scale=50.0).fit(x, y)
+    s = wide.sample(100, SHAPE, DOMAIN, gen(), "cpu")
+    assert s.min() >= -1 and s.max() <= 1 and (s.abs() == 1).any()
+    with pytest.raises(JEMError, match="fit"):
+        ReplayBuffer(10, SHAPE, init="gaussian").sample(2, domain=DOMAIN)
+    with pytest.raises(InvalidLabelError, match="classes"):
+        GaussianInit().fit(x, y, num_classes=5)  # classes 3 and 4 have no examples
+    with pytest.raises(InvalidInputError, match="sample_shape"):
+        ReplayBuffer(10, SHAPE, init="gaussian").fit(x.view(-1, 64), y)
+    with pytest.raises(JEMError, match="nothing to fit"):
+        ReplayBuffer(10, SHAPE).fit(x, y)
+
+
+def test_unknown_init_lists_available_ones():
+    with pytest.raises(UnknownNameError) as err:
+        ReplayBuffer(10, SHAPE, init="perlin")
+    assert all(name in str(err.value) for name in ("uniform", "gaussian", "normal"))
+
+
+def test_normal_init_and_user_callable():
+    buf = ReplayBuffer(400, SHAPE, init="normal", init_kwargs={"std": 0.2})
+    buf.initialize(DOMAIN, gen())
+    assert abs(buf.data.std() - 0.2) < 0.01
+    calls = []
+
+    def ramp(n, shape, domain, generator, device, y=None):
+        calls.append(None if y is None else y.clone())
+        return torch.linspace(-1, 1, n).view(n, *[1] * len(shape)).expand(n, *shape).clone()
+
+    cond = ReplayBuffer(20, SHAPE, num_classes=2, init=ramp)
+    cond.sample(domain=DOMAIN, y=torch.tensor([0, 1]))
+    assert torch.equal(cond.data[:, 0, 0, 0], torch.linspace(-1, 1, 20))
+    assert torch.equal(calls[0], cond.labels)  # the init draw knows each slot's class
+
+
+class ZerosPlugin:
+    """A third-party init distribution, registered through the hook."""
+
+    class Zeros:
+        def sample(self, n, shape, domain, generator=None, device=None, y=None):
+            return torch.zeros(n, *shape, device=device)
+
+    @jem.hookimpl
+    def jem_register_init_distributions(self, register):
+        register("zeros", lambda **kw: self.Zeros())
+
+
+def test_init_distribution_from_a_plugin():
+    jem.register(ZerosPlugin(), name="zeros-init")
+    try:
+        buf = ReplayBuffer(10, SHAPE, init="zeros")
+        buf.sample(3, domain=DOMAIN)
+        assert (buf.data == 0).all()
+    finally:
+        jem.unregister(name="zeros-init")
+    with pytest.raises(UnknownNameError):
+        ReplayBuffer(10, SHAPE, init="zeros")
+
+
+# ---------------------------------------------------------------- state
+def test_state_dict_round_trip_is_bitwise():
+    x, y, _ = class_data()
+    buf = ReplayBuffer(60, SHAPE, num_classes=3, init="gaussian", reinit_freq=0.3).fit(x, y)
+    buf.sample(domain=DOMAIN, y=torch.tensor([0, 1, 2]), generator=gen())
+    buf.update(torch.tensor([0, 1]), torch.full((2, *SHAPE), 0.123))
+    new = ReplayBuffer(60, SHAPE, num_classes=3, init="gaussian", reinit_freq=0.3)
+    new.load_state_dict(roundtrip(buf.state_dict()))
+    for key, value in buf.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, new.state_dict()[key]), key
+    assert new.initialized and "initialized=True" in repr(new)
+    a = buf.sample(domain=DOMAIN, y=torch.tensor([2, 0]), generator=gen(9))
+    b = new.sample(domain=DOMAIN, y=torch.tensor([2, 0]), generator=gen(9))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_mismatched_checkpoints_raise_checkpoint_error():
+    state = roundtrip(ReplayBuffer(20, SHAPE).state_dict())
+    with pytest.raises(CheckpointError, match="sample_shape"):
+        ReplayBuffer(20, (3, 8, 8)).load_state_dict(state)
+    with pytest.raises(CheckpointError, match="capacity=20"):
+        ReplayBuffer(40, SHAPE).load_state_dict(state)
+    with pytest.raises(CheckpointError, match="num_classes"):
+        ReplayBuffer(20, SHAPE, num_classes=2).load_state_dict(state)
+    with pytest.raises(CheckpointError, match="init"):
+        ReplayBuffer(20, SHAPE, init="normal").load_state_dict(state)
+    # also when the buffer is nested inside another module's checkpoint
+    outer = torch.nn.Module()
+    outer.buffer = ReplayBuffer(20, (3, 8, 8))
+    with pytest.raises(CheckpointError):
+        outer.load_state_dict({"buffer." + k: v for k, v in state.items()})
+
+
+# ---------------------------------------------------------------- looking at it
+def test_save_grid_writes_a_nontrivial_png(tmp_path):
+    import matplotlib.image as mpimg
+
+    buf = ReplayBuffer(100, SHAPE, num_classes=10)
+    buf.sample(domain=DOMAIN, y=torch.arange(10), generator=gen())
+    # stripes whose brightness is the class index: a visibly structured grid
+    buf.data.copy_(torch.linspace(-1, 1, 10).repeat_interleave(10).view(100, 1, 1, 1).expand_as(buf.data))
+    buf.data[:, :, ::2] *= -1
+    path = buf.save_grid(tmp_path / "grid" / "buffer.png", n=64, nrow=8)
+    img = mpimg.imread(path)
+    assert img.shape[:2] == (8 * 10 + 2, 8 * 10 + 2)  # 8x8 tiles of 8 px plus 2 px padding
+    assert np.std(img) > 0.1 and len(np.unique(img)) >= 8
+    assert buf.samples(5, y=3).shape == (5, *SHAPE) and (buf.samples(y=3) == buf.data[30:40]).all()
+    with pytest.raises(JEMError, match="no samples yet"):
+        ReplayBuffer(10, SHAPE).samples()
+
+
+def test_repr_names_the_configuration():
+    r = repr(ReplayBuffer(64, SHAPE, reinit_freq=0.1, num_classes=4))
+    for part in ("capacity=64", "sample_shape=(1, 8, 8)", "reinit_freq=0.1", "init='uniform'", "num_classes=4"):
+        assert part in r
