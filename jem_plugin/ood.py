@@ -32,7 +32,7 @@ from .errors import InvalidInputError, InvalidScoresError
 from .modes import sampling_mode
 from .plugins import collect, lookup
 
-__all__ = ["score", "available_scores", "evaluate", "plot_histograms", "plot_roc"]
+__all__ = ["score", "available_scores", "evaluate", "evaluate_all", "plot_histograms", "plot_roc"]
 
 _HOOK = "jem_register_ood_scores"
 
@@ -246,6 +246,37 @@ def evaluate(scores_in: Any, scores_out: Any, *, positive: str = "in",
         "aupr_out": area_pr(1 - is_in, -s),
         "fpr95": fpr95,
     }
+
+
+def evaluate_all(jm, data_in: Any, data_out: Mapping[str, Any],
+                 methods: Sequence[str] = ("logpx", "msp", "max_logit", "grad_norm"), *,
+                 method_kwargs: Mapping[str, Mapping[str, Any]] | None = None, positive: str = "in",
+                 batch_size: int = 256, progress: bool = True, return_scores: bool = False):
+    """Every score in ``methods`` against every OOD set: ``{method: {set name: evaluate(...)}}``.
+
+    ``data_in`` and each value of ``data_out`` are anything :func:`score` takes. The
+    in-distribution data is scored once per method. ``method_kwargs`` gives per-method
+    options, e.g. ``{"msp": {"temperature": 1000.0}}``. With ``return_scores=True`` the result
+    is ``(metrics, scores)`` with ``scores[method] = {"in": Tensor, name: Tensor, ...}``, ready
+    for :func:`plot_histograms` and :func:`plot_roc`.
+    """
+    if not isinstance(data_out, Mapping) or not data_out:
+        raise InvalidInputError("data_out must be a non-empty dict {name: OOD data}")
+    method_kwargs = dict(method_kwargs or {})
+    unknown = sorted(set(method_kwargs) - set(methods))
+    if unknown:
+        raise ValueError(f"method_kwargs names methods not in methods: {', '.join(unknown)}")
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    scores: dict[str, dict[str, Tensor]] = {}
+    for method in methods:
+        kw = dict(method_kwargs.get(method, {}))
+        s = {"in": score(jm, data_in, method, batch_size=batch_size, progress=progress, **kw)}
+        for name, data in data_out.items():
+            s[str(name)] = score(jm, data, method, batch_size=batch_size, progress=progress, **kw)
+        scores[method] = s
+        results[method] = {name: evaluate(s["in"], v, positive=positive)
+                           for name, v in s.items() if name != "in"}
+    return (results, scores) if return_scores else results
 
 
 # ---------------------------------------------------------------------- plots

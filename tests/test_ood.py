@@ -287,3 +287,19 @@ def test_plots_write_pngs(tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(InvalidScoresError):
         ood.plot_roc(s_in, {}, str(tmp_path / "x.png"))
+
+
+def test_evaluate_all_every_method_against_every_set(jm, x):
+    far = 5.0 * torch.rand_like(x) + 1.0
+    noise = torch.rand(40, 1, 8, 8)
+    res, scores = ood.evaluate_all(jm, x, {"far": far, "noise": DataLoader(TensorDataset(noise), batch_size=16)},
+                                   methods=("logpx", "msp"), method_kwargs={"msp": {"temperature": 2.0}},
+                                   progress=False, return_scores=True)
+    assert set(res) == {"logpx", "msp"} and set(res["logpx"]) == {"far", "noise"}
+    assert res["logpx"]["far"] == ood.evaluate(ood.score(jm, x, progress=False), ood.score(jm, far, progress=False))
+    torch.testing.assert_close(scores["msp"]["noise"], ood.score(jm, noise, "msp", temperature=2.0, progress=False))
+    assert set(scores["msp"]) == {"in", "far", "noise"}
+    with pytest.raises(ValueError, match="grad_norm"):
+        ood.evaluate_all(jm, x, {"far": far}, methods=("logpx",), method_kwargs={"grad_norm": {}})
+    with pytest.raises(InvalidInputError, match="non-empty dict"):
+        ood.evaluate_all(jm, x, far)
