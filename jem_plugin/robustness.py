@@ -28,7 +28,10 @@ only an *upper bound* on robust accuracy, because the attacker ignores the defen
 step refines the current point with the defence's own chains, takes the gradient of the loss of
 the chain-averaged logits at the refined points, and uses it as the gradient at the input (the
 refinement's Jacobian approximated by the identity), averaged over ``eot_samples`` independent
-refinements. It is the stronger, adaptive evaluation; report it when claiming robustness.
+refinements. It is the adaptive evaluation, but a refinement that makes the model very
+confident can saturate the cross-entropy gradient (gradient masking); ``loss="margin"`` (the
+Carlini-Wagner margin) avoids that, and ``attack="worst"`` counts an input as robust only if it
+survives both attacks. Report ``"worst"`` when claiming robustness.
 """
 from __future__ import annotations
 
@@ -95,24 +98,39 @@ def _project(z: Tensor, z0: Tensor, eps: float, norm: str, zlo: Tensor, zhi: Ten
     return torch.max(torch.min(z0 + delta, zhi), zlo)
 
 
-def _ce_grad(jm, x_eval: Tensor, y: Tensor, n_chains: int = 1) -> Tensor:
-    """Gradient of the summed cross-entropy of (chain-averaged) logits w.r.t. ``x_eval``."""
+LOSSES = ("ce", "margin")
+
+
+def _attack_loss(logits: Tensor, y: Tensor, loss: str) -> Tensor:
+    """Summed attack objective to *maximise*: cross-entropy, or the Carlini-Wagner margin."""
+    if loss == "ce":
+        return F.cross_entropy(logits, y, reduction="sum")
+    # max_{j != y} f_j - f_y: unlike cross-entropy it does not saturate (zero gradient) on
+    # inputs the model classifies with near-certainty, e.g. after an SGLD refinement.
+    true = logits.gather(1, y[:, None]).squeeze(1)
+    other = logits.masked_fill(F.one_hot(y, logits.shape[1]).bool(), float("-inf")).max(1).values
+    return (other - true).sum()
+
+
+def _loss_grad(jm, x_eval: Tensor, y: Tensor, loss: str = "ce", n_chains: int = 1) -> Tensor:
+    """Gradient of the attack loss of (chain-averaged) logits w.r.t. ``x_eval``."""
     with input_grad_enabled(x_eval) as xg:
         y = y.clone()  # a label tensor made under inference_mode cannot be saved for backward
         logits = jm(xg)
         if n_chains > 1:
             logits = logits.view(n_chains, -1, logits.shape[-1]).mean(0)
-        loss = F.cross_entropy(logits, y, reduction="sum")
-        (g,) = torch.autograd.grad(loss, xg)
+        (g,) = torch.autograd.grad(_attack_loss(logits, y, loss), xg)
     return g
 
 
 # ---------------------------------------------------------------------- attack
 def _pgd(jm, x: Tensor, y: Tensor, eps: float, norm: str, steps: int, step_size: float | None,
-         random_start: bool, generator: torch.Generator | None, eps_space: str,
+         random_start: bool, generator: torch.Generator | None, eps_space: str, loss: str = "ce",
          grad_fn: Callable[[Tensor, Tensor], Tensor] | None = None) -> Tensor:
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
     if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
@@ -133,7 +151,7 @@ def _pgd(jm, x: Tensor, y: Tensor, eps: float, norm: str, steps: int, step_size:
         z = _project(z, z0, eps, norm, zlo, zhi)
     for _ in range(steps):
         x_cur = offset + scale * z
-        g = grad_fn(x_cur, y) if grad_fn is not None else _ce_grad(jm, x_cur, y)
+        g = grad_fn(x_cur, y) if grad_fn is not None else _loss_grad(jm, x_cur, y, loss)
         g = g * scale  # chain rule: x = offset + scale * z
         if norm == "linf":
             z = z + alpha * g.sign()
@@ -145,8 +163,9 @@ def _pgd(jm, x: Tensor, y: Tensor, eps: float, norm: str, steps: int, step_size:
 
 def pgd_attack(jm, x: Tensor, y: Tensor, eps: float, norm: str = "linf", steps: int = 10,
                step_size: float | None = None, random_start: bool = True,
-               generator: torch.Generator | None = None, *, eps_space: str = "unit") -> Tensor:
-    """Untargeted PGD maximising the cross-entropy of ``jm``'s logits; returns ``x_adv`` (detached).
+               generator: torch.Generator | None = None, *, eps_space: str = "unit",
+               loss: str = "ce") -> Tensor:
+    """Untargeted PGD on ``jm``'s logits; returns ``x_adv`` (detached).
 
     Parameters
     ----------
@@ -159,6 +178,8 @@ def pgd_attack(jm, x: Tensor, y: Tensor, eps: float, norm: str = "linf", steps: 
     random_start: start uniformly in the L-inf ball, or at a random direction and radius in
         the L2 ball.
     generator: ``torch.Generator`` for the random start (reproducible attacks).
+    loss: ``"ce"`` (cross-entropy, Madry et al.) or ``"margin"`` (Carlini-Wagner
+        ``max_{j != y} f_j - f_y``, which keeps a useful gradient where cross-entropy saturates).
 
     ``x_adv`` stays within ``eps`` of ``x`` and inside the adapter's (per-channel) domain. The
     model runs in eval mode with frozen parameters (restored after); no parameter ``.grad``
@@ -166,7 +187,7 @@ def pgd_attack(jm, x: Tensor, y: Tensor, eps: float, norm: str = "linf", steps: 
     """
     x, y = _check_xy(jm, x, y)
     with sampling_mode(jm):
-        return _pgd(jm, x, y, eps, norm, steps, step_size, random_start, generator, eps_space)
+        return _pgd(jm, x, y, eps, norm, steps, step_size, random_start, generator, eps_space, loss)
 
 
 # ---------------------------------------------------------------------- defence
@@ -232,12 +253,12 @@ class SGLDDefense:
         """Predicted classes ``[B]`` of the defended classifier."""
         return self.logits(x, generator).argmax(1)
 
-    def bpda_grad(self, x: Tensor, y: Tensor, eot_samples: int = 1) -> Tensor:
-        """BPDA + EOT gradient of the defended cross-entropy at ``x`` (refinement Jacobian ~ identity)."""
+    def bpda_grad(self, x: Tensor, y: Tensor, eot_samples: int = 1, loss: str = "ce") -> Tensor:
+        """BPDA + EOT gradient of the defended attack loss at ``x`` (refinement Jacobian ~ identity)."""
         total = torch.zeros_like(x)
         for _ in range(eot_samples):
             refined = self.refine(x)
-            g = _ce_grad(self.jm, refined.to(x.dtype), y, n_chains=self.n_chains)
+            g = _loss_grad(self.jm, refined.to(x.dtype), y, loss, n_chains=self.n_chains)
             total += g.view(self.n_chains, *x.shape).sum(0)
         return total / eot_samples
 
@@ -253,17 +274,23 @@ def defended_logits(jm, x: Tensor, steps: int = 10, step_size: float = 1.0, nois
 # ---------------------------------------------------------------------- evaluation
 def robust_accuracy(jm, x: Tensor, y: Tensor, eps_list: Sequence[float], norm: str = "linf",
                     defense: SGLDDefense | Callable[[Tensor], Tensor] | None = None, *,
-                    attack: str = "transfer", steps: int = 10, step_size: float | None = None,
-                    eot_samples: int = 1, random_start: bool = True,
+                    attack: str = "transfer", loss: str = "ce", steps: int = 10,
+                    step_size: float | None = None, eot_samples: int = 1, random_start: bool = True,
                     generator: torch.Generator | None = None, eps_space: str = "unit",
                     batch_size: int = 256, progress: bool = True) -> dict[str, Any]:
     """Accuracy under PGD for every ``eps`` in ``eps_list``.
 
     Without a defence, PGD attacks ``jm`` directly (white box). With ``defense`` (an
     :class:`SGLDDefense` or any callable ``x -> logits``), predictions come from the defence
-    and the attack is ``"transfer"`` (PGD on the undefended ``jm``, an upper bound on robust
-    accuracy) or ``"bpda"`` (BPDA + EOT through an :class:`SGLDDefense`, the adaptive attack;
-    see the module docstring). ``eps = 0`` is not attacked, so its entry is clean accuracy.
+    and ``attack`` is
+
+    - ``"transfer"`` (default): PGD on the undefended ``jm``; an upper bound on robust accuracy;
+    - ``"bpda"``: BPDA + EOT through an :class:`SGLDDefense` (module docstring);
+    - ``"worst"``: an input counts as robust only if it survives both (per-example worst case,
+      the honest number: a refinement can saturate the BPDA gradient, and then transfer wins).
+
+    ``loss`` is the PGD objective (``"ce"`` or ``"margin"``, see :func:`pgd_attack`).
+    ``eps = 0`` is not attacked, so its entry is clean accuracy.
 
     Returns ``{"eps": [...], "accuracy": [...], "norm", "attack", "steps", "n"}``.
     """
@@ -273,18 +300,24 @@ def robust_accuracy(jm, x: Tensor, y: Tensor, eps_list: Sequence[float], norm: s
     eps_values = [float(e) for e in eps_list]
     if not eps_values:
         raise ValueError("eps_list is empty: give at least one budget, e.g. [0, 2/255, 8/255]")
-    if attack not in ("transfer", "bpda"):
-        raise ValueError(f"attack must be 'transfer' or 'bpda', got {attack!r}")
-    if attack == "bpda" and not isinstance(defense, SGLDDefense):
-        raise ValueError("attack='bpda' needs defense=SGLDDefense(...) (it uses the defence's chains)")
+    if attack not in ("transfer", "bpda", "worst"):
+        raise ValueError(f"attack must be 'transfer', 'bpda' or 'worst', got {attack!r}")
+    if attack in ("bpda", "worst") and not isinstance(defense, SGLDDefense):
+        raise ValueError(f"attack={attack!r} needs defense=SGLDDefense(...) (BPDA uses the defence's chains)")
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
     predict = defense if defense is not None else jm
-    label = "pgd" if defense is None else f"pgd-{attack}" + (f"-eot{eot_samples}" if attack == "bpda" else "")
+    bpda_label = f"bpda-eot{eot_samples}"
+    label = ("pgd" if defense is None else
+             {"transfer": "pgd-transfer", "bpda": f"pgd-{bpda_label}",
+              "worst": f"pgd-worst(transfer,{bpda_label})"}[attack])
+    if loss != "ce":
+        label += f"-{loss}"
 
-    grad_fn = None
-    if attack == "bpda" and defense is not None:
-        def grad_fn(x_cur: Tensor, y_b: Tensor) -> Tensor:
-            return defense.bpda_grad(x_cur, y_b, eot_samples)
+    def bpda_grad(x_cur: Tensor, y_b: Tensor) -> Tensor:
+        return defense.bpda_grad(x_cur, y_b, eot_samples, loss)
 
+    plans = {"transfer": [None], "bpda": [bpda_grad], "worst": [None, bpda_grad]}[attack if defense is not None else "transfer"]
     accs = []
     batches = list(zip(x.split(batch_size), y.split(batch_size)))
     with sampling_mode(jm), tqdm(total=len(eps_values) * len(batches), desc=f"robust acc ({norm})",
@@ -292,12 +325,13 @@ def robust_accuracy(jm, x: Tensor, y: Tensor, eps_list: Sequence[float], norm: s
         for eps in eps_values:
             correct = 0
             for xb, yb in batches:
-                if eps > 0:
-                    xb = _pgd(jm, xb, yb, eps, norm, steps, step_size, random_start, generator,
-                              eps_space, grad_fn=grad_fn)
-                with torch.no_grad():
-                    logits = predict(xb)
-                correct += int((logits.argmax(1) == yb).sum())
+                ok = torch.ones_like(yb, dtype=torch.bool)
+                for grad_fn in (plans if eps > 0 else [None]):
+                    xa = xb if eps == 0 else _pgd(jm, xb, yb, eps, norm, steps, step_size, random_start,
+                                                  generator, eps_space, loss, grad_fn=grad_fn)
+                    with torch.no_grad():
+                        ok &= predict(xa).argmax(1) == yb
+                correct += int(ok.sum())
                 bar.update(1)
             accs.append(correct / x.shape[0])
     return {"eps": eps_values, "accuracy": accs, "norm": norm, "attack": label, "steps": steps,

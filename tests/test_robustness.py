@@ -185,3 +185,25 @@ def test_robust_accuracy_with_defense_transfer_and_bpda(trained, test_data, tmp_
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     rob.plot_curve(base, str(tmp_path / "single.png"))
+
+
+def test_worst_case_over_attacks_and_margin_loss(trained, test_data):
+    _, jm = trained
+    x, y = test_data
+    x, y = x[:64], y[:64]
+    # deterministic defence and attacks, so the three evaluations see the same examples
+    d = rob.SGLDDefense(jm, steps=2, step_size=0.001, noise=0.0, n_chains=2)
+    eps = [0.0, 0.2, 0.25]
+    kw = dict(defense=d, steps=10, random_start=False, progress=False)
+    transfer = rob.robust_accuracy(jm, x, y, eps, attack="transfer", **kw)["accuracy"]
+    bpda = rob.robust_accuracy(jm, x, y, eps, attack="bpda", **kw)["accuracy"]
+    worst = rob.robust_accuracy(jm, x, y, eps, attack="worst", **kw)
+    assert worst["attack"] == "pgd-worst(transfer,bpda-eot1)"
+    for w, t, b in zip(worst["accuracy"], transfer, bpda):
+        assert w <= min(t, b)
+    assert worst["accuracy"][0] == transfer[0] == bpda[0]
+    # the Carlini-Wagner margin objective breaks the plain classifier as well as cross-entropy
+    margin = rob.robust_accuracy(jm, x, y, [0.3], loss="margin", steps=20, progress=False)
+    assert margin["accuracy"][0] < 0.1 and margin["attack"] == "pgd-margin"
+    with pytest.raises(ValueError, match="loss"):
+        rob.pgd_attack(jm, x, y, 0.1, loss="hinge")
