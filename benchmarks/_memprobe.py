@@ -25,10 +25,6 @@ def main(argv: list[str]) -> None:
         contenders = build_contenders(cfg["model"], cfg["batch"], cfg["steps"], cfg["buffer_size"],
                                       include=(cfg["impl"],))
         c = contenders[cfg["impl"]]
-    elif cfg["kind"] == "scaling":
-        from benchmarks.bench_scaling import build_contenders as build
-
-        c = build(cfg["model"], cfg["batch"], cfg["steps"])[cfg["impl"]]
     else:
         raise SystemExit(f"unknown kind {cfg['kind']!r}")
     if c.prepare is not None:  # one-time allocations (filling a replay buffer) are not the call's

@@ -123,7 +123,8 @@ def run(quick: bool = False, repeats: int | None = None, models: list[str] | Non
         entry: dict[str, Any] = {"time": stats}
         if memory:
             mem: dict[str, Any] = {}
-            for impl in contenders:
+            # Quick: one implementation only, enough to keep the subprocess path alive.
+            for impl in (["jem_plugin"] if quick else list(contenders)):
                 mem[impl] = {}
                 for s in mem_steps:
                     mem[impl][str(s)] = common.probe_memory(

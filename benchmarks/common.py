@@ -356,6 +356,7 @@ def standalone_main(name: str, run: Callable[..., dict], to_markdown: Callable[[
     args = p.parse_args(argv)
     set_threads(args.threads)
     kwargs = {k: v for k, v in vars(args).items() if k not in ("out", "threads")}
+    kwargs["out_dir"] = args.out
     res = run(**kwargs)
     res = {"machine": machine_info(), name: res}
     write_json(os.path.join(args.out, f"{name}.json"), res)

@@ -1,0 +1,240 @@
+"""Quality and cost of JEM training on the digits: the quality table and held-out classes.
+
+Digits table (via :func:`jem_plugin.experiments.run_digits`, same DigitsCNN, same epochs, one seed):
+
+- ``baseline``: cross-entropy only (trained in the same process as ``jem_5_fast``, so their cost
+  ratio is measured side by side);
+- ``jem_20``, ``jem_10``, ``jem_5``: the paper's recipe (uniform init) with 20/10/5 SGLD steps;
+- ``jem_5_gaussian``: 5 steps + per-class Gaussian initialisation (JEM++);
+- ``jem_5_proximal``: 5 steps + proximal SGLD (gradient clip 0.03, JEM++);
+- ``jem_5_fast``: the library's fast recipe (``FAST_RECIPE``: 5 steps, per-class Gaussian init,
+  proximal SGLD, energy L2 0.1).
+
+Held-out classes: train on digits 0-4 only; OOD = test digits 5-9 (a near-OOD task, much harder
+than noise). Baseline, JEM 20 steps and the fast recipe, built from the public API.
+
+Cost: training CPU seconds per epoch (process CPU time: comparable on a shared machine) and wall
+seconds per epoch; ratio to the baseline's. Budgets are configurable (``--epochs``); the LR warmup
+scales with the epochs (the paper's 1000 iterations belong to 150 epochs). Configurations run in
+``--workers`` parallel processes (1 torch thread each).
+"""
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common
+
+NAME = "quality"
+SETS = ("noise", "patches", "blends", "transposed")
+ACC_TOL, AUROC_TOL, COST_TARGET = 0.01, 0.02, 4.0
+
+FAST = {"sgld_steps": 5, "init": "gaussian", "proximal": 0.03, "l2_weight": 0.1}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "jem_5_fast": {**FAST, "baseline": True, "plots": True},  # + the baseline, same process
+    "jem_20": {"sgld_steps": 20},
+    "jem_10": {"sgld_steps": 10},
+    "jem_5": {"sgld_steps": 5},
+    "jem_5_gaussian": {"sgld_steps": 5, "init": "gaussian"},
+    "jem_5_proximal": {"sgld_steps": 5, "proximal": 0.03},
+}
+HELDOUT = {"baseline": None, "jem_20": {"sgld_steps": 20}, "jem_5_fast": dict(FAST)}
+
+
+def _warmup(epochs: int) -> int:
+    return max(1, round(1000 * epochs / 150))
+
+
+def _digits_job(name: str, kw: dict[str, Any], epochs: int, out_dir: str, threads: int) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    from jem_plugin.experiments import run_digits
+
+    kw = dict(kw)
+    baseline = kw.pop("baseline", False)
+    plots = kw.pop("plots", False)
+    t0 = time.perf_counter()
+    res = run_digits(os.path.join(out_dir, name), epochs=epochs, warmup_iters=_warmup(epochs), baseline=baseline,
+                     plots=plots, progress=False, **kw)
+    out = {name: _summary(res["runs"]["JEM"]["summary"])}
+    out[name]["recipe"] = res["runs"]["JEM"].get("recipe")
+    out[name]["stopped"] = res["runs"]["JEM"].get("stopped")
+    if baseline:
+        out["baseline"] = _summary(res["runs"]["baseline"]["summary"])
+        out[name]["cost_vs_baseline_same_process"] = res["runs"]["JEM"]["summary"].get("cost_vs_baseline")
+    out[name]["job_wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def _summary(s: dict[str, Any]) -> dict[str, Any]:
+    keep = ["accuracy", "ece", "nll", "seconds_per_epoch", "cpu_seconds_per_epoch", "epochs", "train_cpu_seconds",
+            "train_seconds", "class_sample_accuracy"]
+    keep += [k for k in s if k.startswith("auroc_")]
+    return {k: s[k] for k in keep if k in s}
+
+
+def _heldout_job(name: str, kw: dict[str, Any] | None, epochs: int, out_dir: str, threads: int,
+                 seed: int = 0) -> dict[str, Any]:
+    """Train on digits 0-4; in-distribution = test digits 0-4, OOD = test digits 5-9."""
+    torch.set_num_threads(threads)
+    import jem_plugin as jem
+    from jem_plugin import data as D
+    from jem_plugin import ood
+    from jem_plugin.buffer import ReplayBuffer
+    from jem_plugin.losses import JEMLoss
+    from jem_plugin.nets import DigitsCNN
+    from jem_plugin.sampling import SGLD
+    from jem_plugin.training import fit
+
+    train = D.load_digits("train", seed=seed, classes=range(5))
+    x_train, y_train = train.tensors
+    x_test, y_test = D.digits_tensors("test", seed=seed)
+    x_in, y_in = x_test[y_test < 5], y_test[y_test < 5]
+    x_out = x_test[y_test >= 5]
+    torch.manual_seed(seed)
+    jm = jem.wrap(DigitsCNN(5), data_range=(-1.0, 1.0), input_size=(1, 8, 8), num_classes=5)
+    loss_fn = None
+    if kw is not None:
+        sampler = SGLD(steps=kw["sgld_steps"], step_size=1.0, noise=0.01, grad_clip=kw.get("proximal"))
+        init = kw.get("init", "uniform")
+        buffer = ReplayBuffer(10000, (1, 8, 8), reinit_freq=0.05, init=init,
+                              num_classes=5 if init == "gaussian" else None)
+        if init == "gaussian":
+            buffer.fit(x_train, y_train)
+        loss_fn = JEMLoss(sampler, buffer, l2_weight=kw.get("l2_weight", 0.0), data_noise=0.03)
+    loader = torch.utils.data.DataLoader(train, batch_size=64, shuffle=True, drop_last=True,
+                                         generator=torch.Generator().manual_seed(seed))
+    torch.manual_seed(seed + 1)
+    hist = fit(jm, loader, epochs=epochs, lr=1e-4, warmup_iters=_warmup(epochs) // 2, loss_fn=loss_fn,
+               progress=False, desc=f"heldout {name}")
+    jm.eval()
+    with torch.no_grad():
+        acc = float((jm(x_in).argmax(1) == y_in).float().mean())
+    r: dict[str, Any] = {"accuracy_0_4": acc, "epochs": len(hist),
+                         "cpu_seconds_per_epoch": sum(hist["cpu_time"]) / max(1, len(hist)),
+                         "seconds_per_epoch": sum(hist["time"]) / max(1, len(hist))}
+    for method in ("logpx", "msp", "grad_norm"):
+        s_in = ood.score(jm, x_in, method, progress=False)
+        s_out = ood.score(jm, x_out, method, progress=False)
+        r[f"auroc_{method}"] = ood.evaluate(s_in, s_out)["auroc"]
+    return {name: r}
+
+
+def run(quick: bool = False, epochs: int | None = None, workers: int = 2, out_dir: str | None = None,
+        heldout: bool = True, only: list[str] | None = None, **_: Any) -> dict[str, Any]:
+    threads = torch.get_num_threads()
+    if quick:
+        epochs = epochs or 1
+        configs = {"jem_5_fast": {**CONFIGS["jem_5_fast"], "plots": False}}
+        held = {"jem_5_fast": HELDOUT["jem_5_fast"]} if heldout else {}
+        workers = 1
+    else:
+        epochs = epochs or 60
+        configs = {k: v for k, v in CONFIGS.items() if only is None or k in only}
+        held = HELDOUT if heldout else {}
+    out_dir = os.path.join(out_dir or os.path.join(common.REPO_ROOT, "benchmarks", "results"), "quality_runs")
+    t0 = time.perf_counter()
+    table: dict[str, Any] = {}
+    held_res: dict[str, Any] = {}
+    jobs = [("digits", n, kw) for n, kw in configs.items()] + [("heldout", n, kw) for n, kw in held.items()]
+    # Most expensive first, so parallel workers finish together.
+    jobs.sort(key=lambda j: -(j[2] or {}).get("sgld_steps", 0))
+    if workers <= 1:
+        for kind, n, kw in jobs:
+            fn = _digits_job if kind == "digits" else _heldout_job
+            (table if kind == "digits" else held_res).update(fn(n, kw, epochs, out_dir, threads))
+    else:
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+            futs = [(kind, ex.submit(_digits_job if kind == "digits" else _heldout_job, n, kw, epochs, out_dir,
+                                     threads)) for kind, n, kw in jobs]
+            for kind, f in futs:
+                (table if kind == "digits" else held_res).update(f.result())
+    res: dict[str, Any] = {"epochs": epochs, "warmup_iters": _warmup(epochs), "workers": workers, "seed": 0,
+                           "wall_s": time.perf_counter() - t0, "table": table, "heldout": held_res}
+    res["comparisons"] = compare(res)
+    return res
+
+
+def compare(res: dict[str, Any]) -> dict[str, Any]:
+    t = res["table"]
+    out: dict[str, Any] = {}
+    base = t.get("baseline")
+    if base:
+        for k, v in t.items():
+            v["cpu_cost_vs_baseline"] = v["cpu_seconds_per_epoch"] / base["cpu_seconds_per_epoch"]
+            v["wall_cost_vs_baseline"] = v["seconds_per_epoch"] / base["seconds_per_epoch"]
+    ref = t.get("jem_20")
+    if ref:
+        for k, v in t.items():
+            if not k.startswith("jem_5"):
+                continue
+            acc_gap = ref["accuracy"] - v["accuracy"]
+            auroc_gap = max(ref.get(f"auroc_logpx_{s}", 0) - v.get(f"auroc_logpx_{s}", 0) for s in SETS)
+            out[k] = {"acc_below_20step": acc_gap, "worst_logpx_auroc_below_20step": auroc_gap,
+                      "matches_20step": acc_gap <= ACC_TOL and auroc_gap <= AUROC_TOL}
+    fast = t.get("jem_5_fast")
+    if fast and base:
+        out["fast_recipe_cost_vs_baseline"] = fast.get("cpu_cost_vs_baseline")
+        out["fast_recipe_cost_ok"] = fast.get("cpu_cost_vs_baseline", 1e9) <= COST_TARGET
+    if ref and base:
+        out["jem_20_cost_vs_baseline"] = ref.get("cpu_cost_vs_baseline")
+    return out
+
+
+def to_markdown(res: dict) -> str:
+    order = ["baseline", "jem_20", "jem_10", "jem_5", "jem_5_gaussian", "jem_5_proximal", "jem_5_fast"]
+    t = res["table"]
+    lines = [f"Digits (sklearn 8x8), DigitsCNN, {res['epochs']} epochs each, Adam 1e-4, warmup "
+             f"{res['warmup_iters']} iterations, batch 64, one seed; {res['workers']} parallel worker(s), "
+             f"total wall {res['wall_s'] / 60:.1f} min. AUROC of log p(x) per OOD set, gradient norm on noise/"
+             "patches; cost = training CPU seconds per epoch relative to the baseline.", ""]
+    rows = []
+    for k in [k for k in order if k in t] + [k for k in t if k not in order]:
+        v = t[k]
+        rows.append([k, f"{v['accuracy']:.3f}", f"{v.get('ece', float('nan')):.3f}"]
+                    + [f"{v.get(f'auroc_logpx_{s}', float('nan')):.3f}" for s in SETS]
+                    + [f"{v.get(f'auroc_grad_norm_{s}', float('nan')):.3f}" for s in ("noise", "patches")]
+                    + [f"{v['cpu_seconds_per_epoch']:.2f}", f"{v['seconds_per_epoch']:.2f}",
+                       common.fmt_ratio(v.get("cpu_cost_vs_baseline"))])
+    lines.append(common.md_table(
+        ["run", "acc", "ECE", "logpx noise", "logpx patches", "logpx blends", "logpx transposed",
+         "gradnorm noise", "gradnorm patches", "CPU s/epoch", "wall s/epoch", "cost x baseline"], rows))
+    c = res["comparisons"]
+    lines.append("")
+    for k, v in c.items():
+        if isinstance(v, dict):
+            lines.append(f"- {k} vs jem_20: accuracy {-v['acc_below_20step'] * 100:+.1f} points, worst log p(x) "
+                         f"AUROC {-v['worst_logpx_auroc_below_20step']:+.3f} (target within {ACC_TOL * 100:.0f} "
+                         f"point / {AUROC_TOL}: {common.target_mark(v['matches_20step'])})")
+    if "fast_recipe_cost_vs_baseline" in c:
+        lines.append(f"- fast recipe cost: {c['fast_recipe_cost_vs_baseline']:.2f}x the baseline (target <= "
+                     f"{COST_TARGET}x: {common.target_mark(c['fast_recipe_cost_ok'])}); 20-step JEM: "
+                     f"{c.get('jem_20_cost_vs_baseline', float('nan')):.2f}x")
+    if res["heldout"]:
+        lines += ["", "Held-out classes (train on 0-4; OOD = test digits 5-9):", ""]
+        rows = [[k, f"{v['accuracy_0_4']:.3f}", f"{v['auroc_logpx']:.3f}", f"{v['auroc_msp']:.3f}",
+                 f"{v['auroc_grad_norm']:.3f}", f"{v['cpu_seconds_per_epoch']:.2f}"]
+                for k, v in res["heldout"].items()]
+        lines.append(common.md_table(["run", "acc (0-4)", "AUROC logpx", "AUROC msp", "AUROC grad_norm",
+                                      "CPU s/epoch"], rows))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    def _extra(p):
+        p.add_argument("--epochs", type=int, default=None, help="epochs per run (default 60; quick 1)")
+        p.add_argument("--workers", type=int, default=2, help="parallel training processes")
+        p.add_argument("--no-heldout", dest="heldout", action="store_false")
+        p.add_argument("--only", nargs="*", default=None, choices=list(CONFIGS))
+
+    common.standalone_main(NAME, run, to_markdown, extra_args=_extra)
