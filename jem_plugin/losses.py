@@ -138,7 +138,8 @@ class JEMLoss(nn.Module):
     ce_weight, px_weight, pxy_weight, l2_weight: weights of the p(y|x), p(x), p(x|y) and
         energy-L2 terms (paper: 1, 1, 0, 0; try ``l2_weight=0.1`` .. ``1`` if training diverges).
     data_noise: std of the Gaussian noise added to the data batch (paper: 0.03).
-    n_samples: number of p(x) chains per step (default: the batch size).
+    n_samples: number of chains per sampled term and step (default: the batch size); the p(x|y)
+        chains are drawn for the first ``n_samples`` labels of the batch.
     class_conditional_px: draw the p(x) chains from p(y)p(x|y) with uniformly random ``y`` (the
         reference's ``--class_cond_p_x_sample``: better samples, slightly lower accuracy).
     terms: extra loss terms registered through the ``jem_register_loss_terms`` hook, as

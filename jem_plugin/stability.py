@@ -13,8 +13,9 @@ learning rate, use more/smaller SGLD steps, or add a small L2 penalty on the ene
 ...         guard.check(out)              # non-finite / exploding loss or energies -> DivergenceError
 ...         opt.zero_grad(); out.loss.backward(); opt.step()
 
-Without the ``with`` block, ``if not guard.step(out): continue`` does the same for the checks on
-``out`` (``step`` returns ``False`` when it rolled back: skip that batch).
+Without the ``with`` block, ``if not guard.check(out): continue`` does the same for the checks on
+``out`` (``check`` returns ``False`` when it rolled back: skip that batch); a ``DivergenceError``
+raised by the sampler inside ``loss_fn`` then reaches the caller, so prefer the ``with`` block.
 
 Policies
 --------
@@ -146,6 +147,8 @@ class DivergenceGuard:
         self.snapshot_iteration: int | None = None  # iteration of the snapshot we would restore
         self.applied: list[str] = []  # human-readable log of the remedies applied
         self._history: deque[float] = deque(maxlen=window)
+        self._depth = 0  # nesting of `with guard:` blocks
+        self.last_event: dict[str, Any] = {}  # what the last rollback did (for logs)
         self._snapshot: dict[str, Any] | None = None
         # A loss owned by the model (GenerativeLossMixin) is saved and restored with it.
         self._loss_separate = loss_fn is not None and not any(m is loss_fn for m in model.modules())
@@ -180,17 +183,43 @@ class DivergenceGuard:
                         f"median {_fmt(median)} of the last {len(self._history)} iterations")
         return None
 
-    def check(self, out: Any) -> None:
-        """Inspect one iteration's :class:`~jem_plugin.losses.LossOutput` (or loss tensor/float).
+    def before_step(self, iteration: int) -> None:
+        """Align the guard's iteration counter with the training loop's (optional)."""
+        self.iteration = int(iteration)
 
-        Raises :class:`DivergenceError` on non-finite values or exploding energies; the policy is
-        applied by the ``with guard:`` block (or use :meth:`step`). On a healthy iteration, takes a
-        snapshot when one is due (policy ``"rollback"``). Uses the metrics' python floats: no
-        device sync beyond the one ``JEMLoss`` already did.
+    def check(self, out: Any, metrics: Mapping[str, float] | None = None, *,
+              iteration: int | None = None) -> bool:
+        """Inspect one iteration, before its backward and optimizer step; ``True`` when healthy.
+
+        ``out`` is the :class:`~jem_plugin.losses.LossOutput` (or a loss tensor/float, with the
+        metrics dict as ``metrics``). Non-finite values or exploding energies are a divergence:
+
+        * policy ``"raise"``: :class:`DivergenceError` naming the iteration, values and remedies;
+        * policy ``"rollback"``: restore the last snapshot, apply the safer settings, warn and return
+          ``False`` (skip this batch). Inside ``with guard:`` it raises instead, so the rest of the
+          block (the backward and optimizer step on the diverged loss) is skipped, and the guard's
+          exit does the rollback.
+
+        On a healthy iteration a snapshot is taken when one is due (policy ``"rollback"``). Reads
+        the metrics' python floats: no device sync beyond the one ``JEMLoss`` already did.
         """
+        if iteration is not None:
+            self.iteration = int(iteration)
+        try:
+            self._check(out, metrics)
+        except DivergenceError as exc:
+            if self._depth > 0:
+                raise  # the with-block's __exit__ applies the policy
+            self._handle(exc)
+            return False
+        return True
+
+    def _check(self, out: Any, metrics: Mapping[str, float] | None) -> None:
         it = self.iteration
         self.iteration += 1
-        metrics = self._metrics(out)
+        metrics = dict(metrics) if metrics is not None else self._metrics(out)
+        if "loss" not in metrics and (isinstance(out, (Tensor, float, int))):
+            metrics["loss"] = float(out.detach()) if isinstance(out, Tensor) else float(out)
         problem = self._problem(metrics)
         if problem is not None:
             shown = ", ".join(f"{k}={_fmt(metrics[k])}" for k in ("loss", *ENERGY_KEYS) if k in metrics)
@@ -199,6 +228,7 @@ class DivergenceGuard:
             )
             err.iteration = it  # type: ignore[attr-defined]
             err.metrics = metrics  # type: ignore[attr-defined]
+            err.problem = problem  # type: ignore[attr-defined]
             raise err
         energies = [abs(metrics[k]) for k in ENERGY_KEYS if k in metrics]
         if energies:
@@ -207,21 +237,22 @@ class DivergenceGuard:
                 self.snapshot_iteration is None or it - self.snapshot_iteration >= self.snapshot_every):
             self.snapshot(it)
 
-    def step(self, out: Any) -> bool:
-        """:meth:`check` plus the policy: ``True`` to go on with this batch, ``False`` after a
-        rollback (skip the batch's backward and optimizer step)."""
+    def step(self, out: Any, metrics: Mapping[str, float] | None = None) -> bool:
+        """``check`` outside a ``with guard:`` block: ``True`` to go on with this batch, ``False``
+        after a rollback (skip the batch's backward and optimizer step)."""
+        depth, self._depth = self._depth, 0
         try:
-            self.check(out)
-        except DivergenceError as exc:
-            self._handle(exc)
-            return False
-        return True
+            return self.check(out, metrics)
+        finally:
+            self._depth = depth
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> "DivergenceGuard":
+        self._depth += 1
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self._depth -= 1
         if exc is None or not isinstance(exc, DivergenceError):
             return False
         self._handle(exc)  # re-raises under policy "raise" or after max_rollbacks
@@ -264,6 +295,10 @@ class DivergenceGuard:
         changes = self._apply_remedies()
         self.rollbacks += 1
         self.applied.extend(changes)
+        self.last_event = {"problem": getattr(exc, "problem", str(exc).split(". Known remedies")[0]),
+                           "diverged_at": getattr(exc, "iteration", None),
+                           "restored_iteration": self.snapshot_iteration, "rollbacks": self.rollbacks,
+                           "changes": list(changes)}
         warnings.warn(
             f"jem-plugin: {str(exc).split('. Known remedies')[0]}. Rolled back to the snapshot of "
             f"iteration {self.snapshot_iteration} (rollback {self.rollbacks}/{self.max_rollbacks}); "

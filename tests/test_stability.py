@@ -138,11 +138,22 @@ def test_rollback_handles_sampler_divergence_and_gives_up_after_max_rollbacks():
         train_step(jm, opt, loss_fn, guard, x, y)
 
 
-def test_step_api_without_context_manager():
+def test_check_outside_a_with_block_returns_false_after_rollback():
+    """The loop style `if not guard.check(loss, metrics, iteration=i): continue` (as in fit())."""
     net, jm, opt, loss_fn, guard, (x, y) = setup(policy="rollback", snapshot_every=1)
     out = loss_fn(jm, x, y)
-    assert guard.step(out) is True
+    guard.before_step(10)
+    assert guard.check(out.loss, out.metrics, iteration=10) is True
+    assert guard.snapshot_iteration == 10
     before = {k: v.clone() for k, v in jm.state_dict().items()}
+    blow_up(net)
+    out = loss_fn(jm, x, y)
+    with pytest.warns(RuntimeWarning):
+        assert guard.check(out.loss, out.metrics, iteration=11) is False
+    assert all(torch.equal(v, before[k]) for k, v in jm.state_dict().items())
+    event = guard.last_event
+    assert event["diverged_at"] == 11 and event["restored_iteration"] == 10 and event["rollbacks"] == 1
+    assert "max_abs_energy" in event["problem"] and any("l2_weight" in c for c in event["changes"])
     blow_up(net)
     with pytest.warns(RuntimeWarning):
         assert guard.step(loss_fn(jm, x, y)) is False
