@@ -137,7 +137,6 @@ def main(argv=None) -> dict:
             if stopped or step >= total:
                 break
     if stopped:
-        jdist.cleanup()
         return {"step": step, "stopped": True}
 
     if ckpt.latest() is None or ckpt.checkpoints()[-1][0] != step:
@@ -155,9 +154,11 @@ def main(argv=None) -> dict:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         print(json.dumps(summary), flush=True)
     jdist.barrier()
-    jdist.cleanup()
     return summary
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        jdist.cleanup()

@@ -1,0 +1,302 @@
+"""JEM under DistributedDataParallel: 2 processes, gloo backend, CPU.
+
+Process launches dominate the cost (importing torch twice per launch), so one ``torchrun`` launch
+of THIS file as a script runs every in-process check and writes each rank's findings to JSON;
+the tests below assert on them. Two more launches of ``examples/train_ddp.py`` (interrupted, then
+resumed) check that a real restart continues bit for bit like the uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_ddp.py"
+SMOKE = ["--smoke", "--ckpt-every", "2"]  # 8 optimizer steps, checkpoints at 2, 4, 6, 8
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="torch.distributed with the gloo backend is not available in this build")
+
+
+def _torchrun(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+# =============================================================================== worker side
+def _gather(value):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _checksum(t: torch.Tensor) -> float:
+    return float(t.double().sum()) + float((t.double() ** 2).sum())
+
+
+def _batch(g: torch.Generator, n: int = 16):
+    return torch.rand(n, 1, 8, 8, generator=g) * 2 - 1, torch.randint(0, 10, (n,), generator=g)
+
+
+def _setup(model_cls, rank: int, steps: int = 3, buffer_size: int = 64):
+    import jem_plugin as jem
+    from jem_plugin import distributed as jdist
+
+    torch.manual_seed(0)
+    jm = jem.wrap(model_cls(), data_range=(-1.0, 1.0), input_size=(1, 8, 8))
+    sampler = jem.SGLD(steps=steps, generator=jdist.rank_generator(0))
+    loss_fn = jem.JEMLoss(sampler, jem.ReplayBuffer(buffer_size, (1, 8, 8)))
+    return jm, loss_fn, torch.Generator().manual_seed(100 + rank)
+
+
+def _worker(out_dir: str) -> None:  # pragma: no cover - runs in the torchrun children
+    import torch.distributed as dist
+
+    from jem_plugin import distributed as jdist
+    from jem_plugin.nets import DigitsCNN
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from conftest import TinyCNN  # BatchNorm + Dropout: the layers that break naive code
+
+    torch.set_num_threads(1)
+    info = jdist.init_distributed()
+    rank = info.rank
+    res: dict = {"rank": rank, "world_size": info.world_size}
+
+    # 1. DDP + JEMLoss on a BatchNorm model with static_graph=True (where sampling through the
+    #    wrapper would desynchronise the ranks): parameters identical, buffers per rank.
+    jm, loss_fn, g = _setup(TinyCNN, rank)
+    ddp = jdist.wrap_ddp(jm, static_graph=True)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    start = [p.detach().clone() for p in jm.parameters()]
+    for _ in range(3):
+        x, y = _batch(g)
+        out = loss_fn(ddp, x, y)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    res["ddp_in_sync"] = jdist.params_in_sync(ddp)
+    res["ddp_params_moved"] = any(not torch.equal(a, b) for a, b in zip(start, jm.parameters()))
+    res["ddp_buffer_sums"] = _gather(_checksum(loss_fn.buffer.data))
+    res["ddp_loss_finite"] = bool(torch.isfinite(out.loss))
+    res["ddp_module_mode_restored"] = jm.training and all(m.training for m in jm.modules())
+
+    # 2. Gradient accumulation: no all-reduce under no_sync, one on the last micro-batch.
+    jm, loss_fn, g = _setup(DigitsCNN, rank)
+    ddp = jdist.wrap_ddp(jm)
+    x1, y1 = _batch(g)
+    x2, y2 = _batch(g)
+    with jdist.maybe_no_sync(ddp, sync=False):
+        loss_fn(ddp, x1, y1).loss.backward()
+    g_first = torch.cat([p.grad.flatten() for p in jm.parameters()])
+    with jdist.maybe_no_sync(ddp, sync=True):
+        loss_fn(ddp, x2, y2).loss.backward()
+    g_final = torch.cat([p.grad.flatten() for p in jm.parameters()])
+    res["nosync_grads_differ"] = _gather(_checksum(g_first))
+    res["sync_grads"] = _gather(_checksum(g_final))
+
+    # 3. A replay buffer inside the DDP-wrapped module (the mixin pattern) keeps its own chains.
+    from torch import nn
+
+    import jem_plugin as jem
+
+    class WithBuffer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = DigitsCNN(width=4)
+            self.buffer = jem.ReplayBuffer(8, (1, 8, 8))
+
+        def forward(self, x):
+            return self.net(x)
+
+    holder = WithBuffer()
+    holder.buffer.data.fill_(float(rank + 1))
+    ignored = jdist.ignore_replay_buffers(holder)
+    wrapped = torch.nn.parallel.DistributedDataParallel(holder)  # broadcast_buffers=True (default)
+    wrapped(torch.zeros(2, 1, 8, 8)).sum().backward()
+    res["ignored_names"] = ignored
+    res["inner_buffer_value"] = float(holder.buffer.data.mean())
+
+    # 4. PerRankState: rank 0 receives every rank's state; each rank loads its own back.
+    _, lf, _ = _setup(DigitsCNN, rank, buffer_size=8)
+    lf.buffer.data.fill_(float(10 + rank))
+    state = jdist.PerRankState(lf).state_dict()
+    objs = _gather(state["states"] if rank == 0 else None)
+    full = objs[0]
+    res["per_rank_values"] = [float(s["buffer.data"].mean()) for s in full]
+    lf.buffer.data.zero_()
+    jdist.PerRankState(lf).load_state_dict({"format": state["format"], "world_size": 2, "states": full})
+    res["per_rank_restored"] = float(lf.buffer.data.mean())
+
+    # 5. FSDP2 (fully_shard) on CPU/gloo: trains with JEMLoss, ranks in sync, close to DDP.
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        res["fsdp"] = "unavailable"
+    else:
+        finals = {}
+        for kind in ("ddp", "fsdp2"):
+            jm, loss_fn, g = _setup(DigitsCNN, rank)
+            model = jdist.wrap_ddp(jm) if kind == "ddp" else jm
+            if kind == "fsdp2":
+                fully_shard(jm)
+            opt = torch.optim.SGD(jm.parameters(), lr=0.1)
+            for _ in range(2):
+                x, y = _batch(g)
+                out = loss_fn(model, x, y)
+                opt.zero_grad()
+                out.loss.backward()
+                opt.step()
+            params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in jm.parameters()]
+            finals[kind] = torch.cat([p.flatten() for p in params])
+        ref = finals["fsdp2"].clone()
+        dist.broadcast(ref, src=0)
+        res["fsdp_in_sync"] = bool(torch.equal(ref, finals["fsdp2"]))
+        res["fsdp_vs_ddp_maxdiff"] = float((finals["fsdp2"] - finals["ddp"]).abs().max())
+
+    Path(out_dir, f"results-rank{rank}.json").write_text(json.dumps(res))
+
+    # 6. The example: interrupted after step 3 (the test resumes it in new processes), and
+    #    uninterrupted, as the reference.
+    sys.path.insert(0, str(EXAMPLE.parent))
+    import train_ddp
+
+    stopped = train_ddp.main([*SMOKE, "--out", str(Path(out_dir, "interrupted")), "--stop-after", "3"])
+    summary = train_ddp.main([*SMOKE, "--out", str(Path(out_dir, "uninterrupted"))])
+    Path(out_dir, f"example-rank{rank}.json").write_text(json.dumps(
+        {"stopped": stopped, "in_sync": summary["in_sync"], "step": summary["step"]}))
+    jdist.cleanup()
+
+
+# =============================================================================== tests
+@pytest.fixture(scope="module")
+def worker_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    _torchrun([__file__, str(out)])
+    results = [json.loads(Path(out, f"results-rank{r}.json").read_text()) for r in range(2)]
+    return out, results
+
+
+def test_ranks_stay_in_sync_and_buffers_are_per_rank(worker_results):
+    _, (r0, r1) = worker_results
+    assert r0["world_size"] == r1["world_size"] == 2
+    for r in (r0, r1):
+        assert r["ddp_in_sync"], "parameters differ across ranks after DDP JEM steps"
+        assert r["ddp_params_moved"] and r["ddp_loss_finite"]
+        assert r["ddp_module_mode_restored"], "sampling left the model in eval mode"
+    a, b = r0["ddp_buffer_sums"]
+    assert a != b, "both ranks hold the same replay buffer: seed the sampler per rank"
+
+
+def test_no_sync_accumulation_reduces_only_on_the_last_micro_batch(worker_results):
+    _, (r0, _) = worker_results
+    first, final = r0["nosync_grads_differ"], r0["sync_grads"]
+    assert first[0] != first[1], "gradients were all-reduced inside no_sync()"
+    assert final[0] == final[1], "gradients were not all-reduced on the synced micro-batch"
+
+
+def test_replay_buffer_inside_ddp_module_is_not_broadcast(worker_results):
+    _, (r0, r1) = worker_results
+    assert r0["ignored_names"] == ["buffer.data", "buffer.labels", "buffer.initialized"]
+    assert r0["inner_buffer_value"] == 1.0
+    assert r1["inner_buffer_value"] == 2.0, "DDP replaced rank 1's replay buffer with rank 0's"
+
+
+def test_per_rank_state_gathers_and_restores_each_rank(worker_results):
+    _, (r0, r1) = worker_results
+    assert r0["per_rank_values"] == [10.0, 11.0]
+    assert (r0["per_rank_restored"], r1["per_rank_restored"]) == (10.0, 11.0)
+
+
+def test_fsdp2_trains_a_jem_on_cpu(worker_results):
+    _, (r0, r1) = worker_results
+    if r0.get("fsdp") == "unavailable":
+        pytest.skip("torch.distributed.fsdp.fully_shard is not in this torch")
+    assert r0["fsdp_in_sync"] and r1["fsdp_in_sync"]
+    # Same data, samples and SGD steps as DDP; only the reduction order differs.
+    assert r0["fsdp_vs_ddp_maxdiff"] < 1e-5
+
+
+def _flat(obj, prefix=""):
+    out = {}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else []
+    for k, v in items:
+        if isinstance(v, torch.Tensor):
+            out[f"{prefix}{k}"] = v
+        else:
+            out.update(_flat(v, f"{prefix}{k}."))
+    return out
+
+
+def test_example_resumes_bit_for_bit_after_a_restart(worker_results):
+    out, _ = worker_results
+    for r in range(2):
+        done = json.loads(Path(out, f"example-rank{r}.json").read_text())
+        assert done == {"stopped": {"step": 3, "stopped": True}, "in_sync": True, "step": 8}
+    run = out / "interrupted"
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    # Stopped after step 3: the last complete checkpoint is step 2 (step 3's work is replayed).
+    assert ckpts == ["ckpt-000000002.pt", "ckpt-000000002.rank0.pt", "ckpt-000000002.rank1.pt"]
+    second = _torchrun([str(EXAMPLE), *SMOKE, "--out", str(run)])
+    assert "resumed at step 2" in second.stdout
+    ref = out / "uninterrupted" / "checkpoints"
+    for name in ("ckpt-000000008.pt", "ckpt-000000008.rank0.pt", "ckpt-000000008.rank1.pt"):
+        a = _flat(torch.load(ref / name, weights_only=True)["objects"])
+        b = _flat(torch.load(run / "checkpoints" / name, weights_only=True)["objects"])
+        assert a.keys() == b.keys() and a
+        diff = [k for k in a if not torch.equal(a[k], b[k])]
+        assert not diff, f"{name}: resumed run differs from the uninterrupted one in {diff[:5]}"
+    # Each rank's buffer was saved, and they differ.
+    r0 = _flat(torch.load(run / "checkpoints" / "ckpt-000000008.rank0.pt", weights_only=True)["objects"])
+    r1 = _flat(torch.load(run / "checkpoints" / "ckpt-000000008.rank1.pt", weights_only=True)["objects"])
+    assert not torch.equal(r0["loss.buffer.data"], r1["loss.buffer.data"])
+
+
+# =============================================================================== single process
+def test_helpers_without_a_process_group(tmp_path):
+    """The same script runs under plain ``python``: helpers degrade to one process."""
+    import jem_plugin as jem
+    from jem_plugin import distributed as jdist
+    from jem_plugin.errors import CheckpointError, JEMError
+    from jem_plugin.nets import DigitsCNN
+
+    info = jdist.init_distributed()
+    assert (info.rank, info.world_size, info.distributed) == (0, 1, False)
+    assert jdist.rank_seed(0, 0) != jdist.rank_seed(0, 1) != jdist.rank_seed(1, 1)
+    with pytest.raises(JEMError, match="torchrun"):
+        jdist.wrap_ddp(DigitsCNN())
+    jm = jem.wrap(DigitsCNN(width=4), data_range=(-1.0, 1.0), input_size=(1, 8, 8))
+    loss_fn = jem.JEMLoss(jem.SGLD(steps=2), jem.ReplayBuffer(16, (1, 8, 8)))
+    loss_fn(jm, torch.rand(4, 1, 8, 8) * 2 - 1, torch.arange(4))
+    ckpt = jdist.DistributedCheckpointer(tmp_path, every=1, keep=1)
+    ckpt.save(1, model=jm, per_rank={"loss": loss_fn})
+    ckpt.save(2, model=jm, per_rank={"loss": loss_fn})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000002.pt", "ckpt-000000002.rank0.pt"]
+    saved = loss_fn.buffer.data.clone()
+    loss_fn(jm, torch.rand(4, 1, 8, 8) * 2 - 1, torch.arange(4))
+    assert ckpt.resume(model=jm, per_rank={"loss": loss_fn})["step"] == 2
+    assert torch.equal(loss_fn.buffer.data, saved)
+    # A per-rank state from 2 processes cannot be loaded by 1: a clear error, not a silent mix-up.
+    with pytest.raises(CheckpointError, match="same number of processes"):
+        jdist.select_rank_state({"format": jdist.PER_RANK_FORMAT, "world_size": 2, "states": [{}, {}]})
+    # A checkpoint whose rank file is gone is skipped, falling back to nothing here.
+    (tmp_path / "ckpt-000000002.rank0.pt").unlink()
+    with pytest.warns(RuntimeWarning, match="skipping"):
+        assert ckpt.resume(model=jm, per_rank={"loss": loss_fn}) == {}
+
+
+if __name__ == "__main__":  # the torchrun children
+    _worker(sys.argv[1])
