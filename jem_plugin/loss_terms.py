@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
 from torch import Tensor
 
 from .plugins import hookimpl
