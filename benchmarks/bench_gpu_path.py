@@ -29,9 +29,11 @@ from benchmarks.common import Contender, floor_chain, frozen, make_model, unifor
 NAME = "gpu_path"
 
 
-def _variants(device: str) -> dict[str, dict[str, Any]]:
+def _variants(device: str, compile: bool = True) -> dict[str, dict[str, Any]]:
     v = {"eager_fp32": {}, "autocast_bf16": {"autocast": torch.bfloat16},
-         "channels_last": {"channels_last": True}, "compiled": {"compile": True}}
+         "channels_last": {"channels_last": True}}
+    if compile:
+        v["compiled"] = {"compile": True}
     if device == "cuda":
         v["autocast_fp16"] = {"autocast": torch.float16}
         v["autocast_bf16_channels_last"] = {"autocast": torch.bfloat16, "channels_last": True}
@@ -61,12 +63,12 @@ def _start(batch, shape, device, channels_last):
     return x0.contiguous(memory_format=torch.channels_last) if channels_last and x0.dim() == 4 else x0
 
 
-def correctness(model_name: str, batch: int, steps: int, device: str = "cpu") -> dict[str, Any]:
+def correctness(model_name: str, batch: int, steps: int, device: str = "cpu", compile: bool = True) -> dict[str, Any]:
     from jem_plugin.sampling import SGLD
 
     out: dict[str, Any] = {}
     eager = None
-    for name, opts in _variants(device).items():
+    for name, opts in _variants(device, compile).items():
         try:
             model, run_model, jm, shape, ctx = _prepare(model_name, device, opts)
             x0 = _start(batch, shape, device, opts.get("channels_last"))
@@ -136,13 +138,14 @@ def timings(model_name: str, batch: int, steps: int, repeats: int, device: str) 
     return res
 
 
-def run(quick: bool = False, repeats: int | None = None, model: str | None = None, **_: Any) -> dict[str, Any]:
+def run(quick: bool = False, repeats: int | None = None, model: str | None = None, compile: bool = True,
+        **_: Any) -> dict[str, Any]:
     if quick:
         model, batch, steps, repeats = model or "digits_cnn", 8, 3, repeats or 2
     else:
         model, batch, steps, repeats = model or "test_resnet", 64, 20, repeats or 5
     res: dict[str, Any] = {"model": model, "batch": batch, "steps": steps, "repeats": repeats,
-                           "cpu_correctness": correctness(model, batch, steps, "cpu")}
+                           "cpu_correctness": correctness(model, batch, steps, "cpu", compile)}
     if not quick:
         res["cpu_timings"] = timings(model, batch, steps, repeats, "cpu")
     if torch.cuda.is_available():

@@ -128,11 +128,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--skip", nargs="*", choices=list(BENCHMARKS), default=[])
     p.add_argument("--epochs", type=int, default=None, help="quality: epochs per run (default 60)")
     p.add_argument("--workers", type=int, default=2, help="quality: parallel training processes")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: rebuild results.json/results.md from the <name>.json files in --out")
     args = p.parse_args(argv)
     common.set_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
-    names = [n for n in (args.only or list(BENCHMARKS)) if n not in args.skip]
+    names = [] if args.report_only else [n for n in (args.only or list(BENCHMARKS)) if n not in args.skip]
     machine = common.machine_info()
+    if args.report_only:  # describe the machine the numbers came from, not the one rebuilding the report
+        for name in BENCHMARKS:
+            path = os.path.join(args.out, f"{name}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    machine = json.load(f).get("machine", machine)
+                break
     results: dict[str, Any] = {"machine": machine}
     fresh = run_benchmarks(names, quick=args.quick, repeats=args.repeats, out_dir=args.out, epochs=args.epochs,
                            workers=args.workers)

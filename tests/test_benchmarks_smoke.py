@@ -1,0 +1,123 @@
+"""Smoke tests of benchmarks/: tiny settings, so the benchmarks cannot rot, plus the strongest
+correctness check we have for the sampler: it computes exactly the bare loop's chain."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import bench_gpu_path, bench_quality, bench_sampler, bench_scaling, bench_scoring, bench_train_step
+from benchmarks import common, run_all
+from benchmarks.common import floor_chain, frozen, make_model, uniform_batch
+from jem_plugin.sampling import SGLD
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("model_name", ["digits_cnn", "test_resnet"])
+@pytest.mark.parametrize("conditional", [False, True])
+def test_sampler_computes_the_floors_chain_bit_for_bit(model_name, conditional):
+    # Same start, same generator: the library's chain (parameter freezing, mode handling, hooks
+    # check, divergence check, no clamp) must be exactly the bare loop's chain, not just close.
+    model, jm, shape = make_model(model_name)
+    model.train()  # the sampler must switch BatchNorm (test_resnet) to eval itself; the floor runs in eval
+    x0 = uniform_batch(4, shape, seed=5)
+    y = torch.tensor([0, 3, 7, 9]) if conditional else None
+    ours = SGLD(steps=3, step_size=1.0, noise=0.01, clamp=False,
+                generator=torch.Generator().manual_seed(42)).sample(jm, x_init=x0, y=y)
+    assert model.training, "the sampler must restore the model's train mode"
+    model.eval()
+    with frozen(model):
+        ref = floor_chain(model, x0, 3, 1.0, 0.01, generator=torch.Generator().manual_seed(42), y=y)
+    assert ours.dtype == torch.float32
+    assert not torch.equal(ref, x0), "the chain must move, or the comparison proves nothing"
+    assert torch.equal(ours, ref)
+
+
+def test_floor_and_contenders_are_the_same_update():
+    # The reference transcription and torchebm make the same Langevin update as the floor
+    # (noise off, so the RNGs do not matter): they are compared on the same work.
+    from benchmarks.contenders import ReferenceJEM, torchebm_sampler
+
+    model, jm, shape = make_model("digits_cnn")
+    x0 = uniform_batch(4, shape, seed=9)
+    with frozen(model):
+        ref = floor_chain(model, x0, 3, 1.0, 0.0)
+    pytest.importorskip("torchebm")
+    te, _ = torchebm_sampler(model, step_size=1.0, noise=1e-12)
+    torch.testing.assert_close(te.sample(x=x0, n_steps=3), ref, rtol=0, atol=1e-5)
+    rj = ReferenceJEM(model, shape, buffer_size=4, reinit_freq=0.0, sgld_std=0.0, n_steps=3, batch_size=4)
+    rj.replay_buffer = x0.clone()
+    torch.manual_seed(0)
+    out = rj.sample_q()
+    # sample_p_0's first draw picks the buffer slots: replay it to know each chain's start.
+    torch.manual_seed(0)
+    inds = torch.randint(0, 4, (4,))
+    with frozen(model):
+        expected = floor_chain(model, x0[inds], 3, 1.0, 0.0)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+
+
+def test_quick_benchmarks_write_the_report(tmp_path):
+    results = {"machine": common.machine_info()}
+    results["sampler"] = bench_sampler.run(quick=True, repeats=1, memory=False)
+    results["train_step"] = bench_train_step.run(quick=True, repeats=1)
+    results["scoring"] = bench_scoring.run(quick=True, repeats=1)
+    results["scaling"] = bench_scaling.run(quick=True, repeats=1, memory=False)
+    results["gpu_path"] = bench_gpu_path.run(quick=True, compile=False)
+    md = run_all.write_report(results, str(tmp_path), "pytest")
+    data = json.loads((tmp_path / "results.json").read_text())
+
+    for key in ("cpu", "cores", "torch", "torch_threads"):
+        assert key in data["machine"]
+    s = data["sampler"]
+    assert s["agreement"]["ours_equal_floor"] is True
+    times = s["models"]["digits_cnn"]["time"]
+    assert {"floor", "jem_plugin", "reference"} <= set(times)
+    for stats in times.values():
+        assert stats["median_s"] > 0 and stats["ratio"] > 0
+    assert times["floor"]["ratio"] == pytest.approx(1.0)
+    assert "le_1.02x_floor" in s["targets"]["digits_cnn"]
+    ts = data["train_step"]["models"]["digits_cnn"]
+    assert {"ce", "parts_fwdbwd"} <= set(ts["time"]) and ts["jem_vs_sum_of_parts"] > 0
+    sc = data["scoring"]["models"]["digits_cnn"]
+    assert sc["check"]["max_abs_diff"] == 0.0 and sc["check"]["identical"] is True
+    assert sc["check"]["grad_norm_max_abs_diff_vs_floor"] < 1e-5
+    assert set(data["scaling"]["vs_batch"]) and set(data["scaling"]["vs_steps"])
+    corr = data["gpu_path"]["cpu_correctness"]
+    for name in ("eager_fp32", "autocast_bf16", "channels_last"):
+        assert corr[name]["ok"] and corr[name]["dtype"] == "torch.float32", corr[name]
+    assert "## Targets" in md and "| sampler <= 1.02x floor (digits_cnn)" in md
+    assert (tmp_path / "results.md").read_text() == md
+
+
+def test_memory_probe_runs_in_a_fresh_process():
+    r = common.probe_memory({"kind": "sampler", "impl": "jem_plugin", "model": "digits_cnn", "batch": 4,
+                             "steps": 2, "buffer_size": 16, "threads": 1})
+    assert "error" not in r, r
+    assert r["delta_mb"] >= 0 and r["method"] in ("VmHWM reset", "ru_maxrss delta")
+
+
+def test_quality_comparisons_and_table():
+    # The training runs are too slow for the suite; the bookkeeping around them is not.
+    def row(acc, auroc, cpu):
+        r = {"accuracy": acc, "ece": 0.01, "cpu_seconds_per_epoch": cpu, "seconds_per_epoch": cpu}
+        r.update({f"auroc_logpx_{s}": auroc for s in bench_quality.SETS})
+        return r
+    res = {"epochs": 1, "warmup_iters": 7, "workers": 1, "wall_s": 1.0, "heldout": {},
+           "table": {"baseline": row(0.95, 0.5, 1.0), "jem_20": row(0.95, 0.99, 13.0),
+                     "jem_5": row(0.93, 0.99, 5.0), "jem_5_fast": row(0.948, 0.98, 3.5)}}
+    res["comparisons"] = bench_quality.compare(res)
+    c = res["comparisons"]
+    assert c["jem_5"]["matches_20step"] is False          # 2 points below
+    assert c["jem_5_fast"]["matches_20step"] is True      # 0.2 point, 0.01 AUROC below
+    assert c["fast_recipe_cost_ok"] is True and c["fast_recipe_cost_vs_baseline"] == pytest.approx(3.5)
+    md = bench_quality.to_markdown(res)
+    assert "jem_5_fast" in md and "MISSED" in md
