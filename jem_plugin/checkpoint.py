@@ -282,7 +282,12 @@ def load_checkpoint(path: str | os.PathLike, *, rng: bool = True, map_location: 
                 raise _error(MISMATCH, f"checkpoint entry {name!r} is a {kind}, not a state_dict; "
                                        f"cannot load it into {type(obj).__name__}")
             if strict and isinstance(obj, nn.Module):
-                problems = _module_mismatches(obj, stored[name])
+                target = obj
+                inner = getattr(obj, "model", None)
+                if (isinstance(inner, nn.Module) and hasattr(obj, "adapter") and stored[name]
+                        and not any(k.startswith("model.") for k in stored[name])):
+                    target = inner  # a JEM given the bare model's state dict (JEM.load_state_dict allows it)
+                problems = _module_mismatches(target, stored[name])
                 if problems:
                     raise _error(MISMATCH, (
                         f"checkpoint {str(path)!r} does not match {name!r} "

@@ -329,3 +329,13 @@ def test_checkpointer_skips_a_corrupt_newest_file_with_warning(tmp_path):
     with warnings.catch_warnings(), pytest.raises(CheckpointError, match="does not match 'model'"):
         warnings.simplefilter("ignore", RuntimeWarning)
         ckpt.resume(model=net(width=7))
+
+
+def test_bare_model_state_loads_into_its_jem_view(tmp_path):
+    model = net()
+    save_checkpoint(tmp_path / "c.pt", model=model)
+    jm = jem.wrap(net())
+    load_checkpoint(tmp_path / "c.pt", model=jm)
+    assert all(torch.equal(a, b) for a, b in zip(jm.model.state_dict().values(), model.state_dict().values()))
+    with pytest.raises(CheckpointError, match="shape mismatch"):
+        load_checkpoint(tmp_path / "c.pt", model=jem.wrap(net(width=6)))
