@@ -1,7 +1,6 @@
 """Calibration metrics and temperature scaling."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
