@@ -12,6 +12,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402,F401
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
@@ -23,7 +24,7 @@ __all__ = ["save_image_grid", "image_grid", "plot_training_curves", "plot_densit
 
 #: Readable defaults used by every figure here.
 STYLE = {"font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "legend.fontsize": 10,
-         "figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3}
+         "figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3, "axes.formatter.useoffset": False}
 
 # Curve metrics, in display order, with axis labels. Others present in the history are appended.
 _CURVES = {
@@ -158,6 +159,7 @@ def plot_training_curves(history, path: str | Path,
                             marker="o" if len(ys) <= 12 else None, ms=3)
             ax.set_title(_CURVES.get(m, m))
             ax.set_xlabel("epoch")
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
             ax.set_ylabel(m)
             if m == "energy_gap":
                 ax.axhline(0.0, color="0.4", lw=0.8, ls="--")
@@ -170,15 +172,20 @@ def plot_training_curves(history, path: str | Path,
                     handles, labels = ax.get_legend_handles_labels()
                     if handles:
                         break
-        top = 1.0
-        if title:
-            fig.suptitle(title, y=0.995, va="top")
-            top -= 0.3 / fig.get_figheight()
-        if len(runs) > 1:
-            fig.legend(handles, labels, loc="upper center", ncol=len(runs), frameon=False,
-                       bbox_to_anchor=(0.5, top))
-            top -= 0.3 / fig.get_figheight()
-        fig.tight_layout(rect=(0, 0, 1, top))
+        fig.tight_layout()
+        # Room above the panels for the title and the legend (inches -> figure fraction).
+        h = fig.get_figheight()
+        head = (0.3 if title else 0.0) + (0.3 if len(runs) > 1 else 0.0)
+        if head:
+            top = fig.subplotpars.top
+            fig.subplots_adjust(top=top - head / h)
+            y = 1.0 - 0.05 / h
+            if title:
+                fig.suptitle(title, y=y, va="top")
+                y -= 0.3 / h
+            if len(runs) > 1:
+                fig.legend(handles, labels, loc="upper center", ncol=len(runs), frameon=False,
+                           bbox_to_anchor=(0.5, y))
         fig.savefig(path, bbox_inches="tight")
         plt.close(fig)
     return path

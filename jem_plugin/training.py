@@ -40,7 +40,9 @@ class History:
 
     ``epochs`` holds one dict per finished epoch: ``epoch``, ``loss``, ``ce``, ``acc`` (train,
     on the noisy batches JEM trains on), ``energy_data``/``energy_sample``/``energy_gap`` (JEM),
-    ``val_acc``/``val_nll`` (with ``val_data``), ``lr``, ``time`` (seconds) and ``iterations``.
+    ``val_acc``/``val_nll`` (with ``val_data``), ``lr``, ``time`` (training wall seconds, without
+    evaluation), ``cpu_time`` (process CPU seconds: comparable across runs on a busy machine) and
+    ``iterations``.
     ``history["acc"]`` is the column of one metric. ``events`` records rollbacks and stops;
     ``stopped`` is ``None`` for a complete run, else why it stopped early (``"max_seconds"``,
     ``"callback"``).
@@ -191,7 +193,8 @@ class _Running:
     def __init__(self, state: Mapping[str, Any] | None = None) -> None:
         self.sums: dict[str, float] = dict((state or {}).get("sums", {}))
         self.count = int((state or {}).get("count", 0))
-        self.seconds = float((state or {}).get("seconds", 0.0))  # training time within the epoch
+        self.seconds = float((state or {}).get("seconds", 0.0))  # training wall time within the epoch
+        self.cpu_seconds = float((state or {}).get("cpu_seconds", 0.0))  # process CPU time (robust to load)
 
     def add(self, metrics: Mapping[str, float]) -> None:
         for k, v in metrics.items():
@@ -202,7 +205,8 @@ class _Running:
         return {k: v / max(1, self.count) for k, v in self.sums.items()}
 
     def state(self) -> dict[str, Any]:
-        return {"sums": dict(self.sums), "count": self.count, "seconds": self.seconds}
+        return {"sums": dict(self.sums), "count": self.count, "seconds": self.seconds,
+                "cpu_seconds": self.cpu_seconds}
 
 
 def _call_callbacks(callbacks, hook: str, state: TrainState) -> None:
@@ -214,13 +218,36 @@ def _call_callbacks(callbacks, hook: str, state: TrainState) -> None:
             cb(state)
 
 
-def _make_guard(policy: str | None, jm, optimizer, loss_fn, guard_options: Mapping[str, Any] | None):
+def _make_guard(policy: str | None, jm, optimizer, scheduler, loss_fn,
+                guard_options: Mapping[str, Any] | None):
     if policy is None:
         return None
     from .stability import DivergenceGuard
 
-    return DivergenceGuard(policy=policy, model=jm, optimizer=optimizer, loss_fn=loss_fn,
+    return DivergenceGuard(jm, optimizer, loss_fn=loss_fn, policy=policy, scheduler=scheduler,
                            **dict(guard_options or {}))
+
+
+def _train_step(jm, loss_fn, optimizer, scheduler, x: Tensor, y: Tensor, grad_clip: float | None,
+                guard) -> dict[str, float]:
+    """One optimisation step; returns the step's metrics (python floats)."""
+    if loss_fn is not None:
+        out = loss_fn(jm, x, y)
+        loss, metrics = out.loss, dict(out.metrics)
+    else:
+        logits = jm(x)
+        loss = F.cross_entropy(logits, y)
+        ce, acc = torch.stack([loss.detach().float(), (logits.argmax(1) == y).float().mean()]).tolist()
+        metrics = {"loss": ce, "ce": ce, "acc": acc}
+    if guard is not None:
+        guard.check(loss, metrics)  # raises inside the guard's with-block on divergence
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip is not None:
+        nn.utils.clip_grad_norm_(jm.parameters(), grad_clip)
+    optimizer.step()
+    scheduler.step()
+    return metrics
 
 
 # ---------------------------------------------------------------------------- fit
@@ -303,9 +330,10 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
         ckpt.save(state.iteration, **objects(), epoch=state.epoch, batch_in_epoch=batch_in_epoch,
                   running=running.state(), epoch_rng=epoch_rng,
                   loader_rng=[g.get_state() for g in _loader_generators(train_loader)],
-                  history=hist)
+                  history=hist, guard=guard.state_dict() if guard is not None else None)
 
     resume_rng: dict[str, Any] | None = None
+    guard_state: dict[str, Any] | None = None
     if ckpt is not None and resume:
         extra = ckpt.resume(**objects())
         if extra:
@@ -318,11 +346,14 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
                 restored.epochs, restored.events, restored.total_time)
             history.events.append({"event": "resumed", "epoch": state.epoch, "iteration": state.iteration})
             epoch_rng = extra.get("epoch_rng")
+            guard_state = extra.get("guard")
             if skip:
                 # Global RNG is at the checkpoint's moment now; remember it, and the loader's.
                 resume_rng = {"global": get_rng_state(), "loader": extra.get("loader_rng") or []}
 
-    guard = _make_guard(guard_policy, jm, optimizer, loss_fn, guard_options)
+    guard = _make_guard(guard_policy, jm, optimizer, scheduler, loss_fn, guard_options)
+    if guard is not None and guard_state is not None:
+        guard.load_state_dict(guard_state)
 
     bar = None
     if progress:
@@ -356,30 +387,24 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
                              "loader": [g.get_state() for g in _loader_generators(train_loader)]}
                 it = iter(train_loader)
             for b, batch in enumerate(it, start=skip):
-                step_start = time.perf_counter()
+                step_start, step_cpu = time.perf_counter(), time.process_time()
                 x, y = _batch_xy(batch, device)
-                if guard is not None:
-                    guard.before_step(state.iteration)
-                if loss_fn is not None:
-                    out = loss_fn(jm, x, y)
-                    loss, metrics = out.loss, dict(out.metrics)
+                if guard is None:
+                    metrics = _train_step(jm, loss_fn, optimizer, scheduler, x, y, grad_clip, None)
                 else:
-                    logits = jm(x)
-                    loss = F.cross_entropy(logits, y)
-                    ce, acc = torch.stack([loss.detach().float(),
-                                           (logits.argmax(1) == y).float().mean()]).tolist()
-                    metrics = {"loss": ce, "ce": ce, "acc": acc}
-                if guard is not None and not guard.check(loss, metrics, iteration=state.iteration):
-                    # rolled back: model/optimizer/loss restored, this batch is skipped
-                    history.events.append({"event": "rollback", "epoch": state.epoch,
-                                           "iteration": state.iteration, **guard.last_event})
-                    continue
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if grad_clip is not None:
-                    nn.utils.clip_grad_norm_(jm.parameters(), grad_clip)
-                optimizer.step()
-                scheduler.step()
+                    guard.before_step(state.iteration)
+                    metrics = None
+                    with guard:  # a DivergenceError inside (sampler or check) meets the policy
+                        metrics = _train_step(jm, loss_fn, optimizer, scheduler, x, y, grad_clip, guard)
+                    if metrics is None:
+                        # rolled back: model, optimizer, scheduler and loss state restored, safer
+                        # settings applied; this batch is skipped
+                        history.events.append({"event": "rollback", "epoch": state.epoch,
+                                               "iteration": state.iteration, **guard.last_event})
+                        if bar is not None:
+                            bar.write(f"divergence at iteration {state.iteration}: rolled back "
+                                      f"({', '.join(guard.last_event.get('changes', []))})")
+                        continue
                 state.iteration += 1
                 state.metrics = metrics
                 running.add(metrics)
@@ -389,6 +414,7 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
                         bar.set_postfix(_postfix(metrics, state.epoch + 1, epochs), refresh=False)
                 _call_callbacks(callbacks, "on_step_end", state)
                 running.seconds += time.perf_counter() - step_start
+                running.cpu_seconds += time.process_time() - step_cpu
                 done_in_epoch = b + 1
                 out_of_time = max_seconds is not None and time.perf_counter() - start_time > max_seconds
                 if (state.stop or out_of_time) and done_in_epoch < iters_per_epoch:
@@ -407,6 +433,7 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
                 ev = evaluate_classifier(jm, *val_data) if _is_xy(val_data) else evaluate_classifier(jm, val_data)
                 record["val_acc"], record["val_nll"] = ev["accuracy"], ev["nll"]
             record["time"] = running.seconds
+            record["cpu_time"] = running.cpu_seconds
             history.epochs.append(record)
             state.epoch += 1
             skip = 0

@@ -165,3 +165,55 @@ def test_bad_arguments_are_clear(digits):
         fit(jm, _loader(train), epochs=1, guard_policy="ignore", progress=False)
     with pytest.raises(ValueError, match="empty"):
         fit(jm, [], epochs=1, progress=False)
+
+
+class _Poisoned(torch.nn.Module):
+    """A classifier whose training forward returns NaN logits once, at call ``at``."""
+
+    def __init__(self, net, at):
+        super().__init__()
+        self.net, self.at, self.calls = net, at, 0
+
+    def forward(self, x):
+        out = self.net(x)
+        if self.training:
+            self.calls += 1
+            if self.calls == self.at:
+                out = out * float("nan")
+        return out
+
+
+def test_guard_raise_names_the_remedies(digits):
+    train, _ = digits
+    torch.manual_seed(0)
+    jm = jem.wrap(_Poisoned(DigitsCNN(width=4), at=3))
+    with pytest.raises(jem.DivergenceError, match="l2_weight") as exc:
+        fit(jm, _loader(train), epochs=1, guard_policy="raise", progress=False)
+    assert "iteration 2" in str(exc.value)
+
+
+def test_guard_rollback_continues_with_safer_settings(digits, tmp_path):
+    from jem_plugin.buffer import ReplayBuffer
+    from jem_plugin.losses import JEMLoss
+    from jem_plugin.sampling import SGLD
+
+    train, _ = digits
+    sub = TensorDataset(*[t[:256] for t in train.tensors])  # 4 batches per epoch
+    torch.manual_seed(0)
+    jm = jem.wrap(_Poisoned(DigitsCNN(width=4), at=6))
+    loss_fn = JEMLoss(SGLD(steps=1), ReplayBuffer(100, (1, 8, 8)))
+    with pytest.warns(RuntimeWarning, match="Rolled back"):
+        hist = fit(jm, _loader(sub), epochs=2, lr=1e-3, warmup_iters=0, loss_fn=loss_fn,
+                   guard_policy="rollback", guard_options={"snapshot_every": 2},
+                   checkpoint_dir=tmp_path, progress=False)
+    events = [e for e in hist.events if e["event"] == "rollback"]
+    assert len(events) == 1 and events[0]["iteration"] == 5
+    assert loss_fn.l2_weight == pytest.approx(0.1)  # the authors' remedy was applied
+    assert all(torch.isfinite(p).all() for p in jm.parameters())
+    assert len(hist) == 2 and all(r["iterations"] >= 3 for r in hist.epochs)
+    # the remedy survives a resume: the guard's state is in the checkpoint
+    loss2 = JEMLoss(SGLD(steps=1), ReplayBuffer(100, (1, 8, 8)))
+    jm2 = jem.wrap(_Poisoned(DigitsCNN(width=4), at=-1))
+    fit(jm2, _loader(sub), epochs=2, loss_fn=loss2, guard_policy="rollback", checkpoint_dir=tmp_path,
+        progress=False)
+    assert loss2.l2_weight == pytest.approx(0.1)
