@@ -140,6 +140,10 @@ def _pgd(jm, x: Tensor, y: Tensor, eps: float, norm: str, steps: int, step_size:
     alpha = 2.5 * eps / max(steps, 1) if step_size is None else float(step_size)
     offset, scale, zlo, zhi = _space(jm, x, eps_space)
     z0 = ((x.detach() - offset) / scale)
+    # Inputs already outside the domain (e.g. Gaussian noise through a normalised model) keep
+    # their coordinates: the box is widened to contain x, so eps is always respected and no
+    # coordinate moves further out than it already was.
+    zlo, zhi = torch.min(zlo, z0), torch.max(zhi, z0)
     z = z0.clone()
     if random_start:
         if norm == "linf":
@@ -181,7 +185,8 @@ def pgd_attack(jm, x: Tensor, y: Tensor, eps: float, norm: str = "linf", steps: 
     loss: ``"ce"`` (cross-entropy, Madry et al.) or ``"margin"`` (Carlini-Wagner
         ``max_{j != y} f_j - f_y``, which keeps a useful gradient where cross-entropy saturates).
 
-    ``x_adv`` stays within ``eps`` of ``x`` and inside the adapter's (per-channel) domain. The
+    ``x_adv`` stays within ``eps`` of ``x`` and inside the adapter's (per-channel) domain (a
+    coordinate of ``x`` that is already outside it never moves further out). The
     model runs in eval mode with frozen parameters (restored after); no parameter ``.grad``
     is touched; works under ``torch.no_grad()`` and ``torch.inference_mode()``.
     """

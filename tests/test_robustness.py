@@ -100,6 +100,14 @@ def test_perturbation_respects_eps_and_per_channel_domain(norm):
         norms = delta_pixels.flatten(1).norm(dim=1)
         assert float(norms.max()) <= eps + 1e-5
         assert float(norms.max()) > eps * 0.9
+    # inputs outside the domain (Gaussian noise in normalised space): eps still holds, and no
+    # coordinate moves further out of the domain than it was
+    x_out = 3 * torch.randn(16, 3, 6, 6)
+    x_adv = rob.pgd_attack(jm, x_out, y, eps, norm=norm, steps=5, step_size=eps)
+    delta_pixels = (x_adv - x_out) * s
+    bound = delta_pixels.abs().max() if norm == "linf" else delta_pixels.flatten(1).norm(dim=1).max()
+    assert float(bound) <= eps + 1e-5
+    assert ((x_adv >= torch.minimum(lo, x_out) - 1e-6) & (x_adv <= torch.maximum(hi, x_out) + 1e-6)).all()
     # eps in raw input units instead
     x_raw = rob.pgd_attack(jm, x, y, 0.1, norm="linf", steps=3, eps_space="input")
     assert float((x_raw - x).abs().max()) <= 0.1 + 1e-6
