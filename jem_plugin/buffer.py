@@ -225,11 +225,13 @@ class ReplayBuffer(nn.Module):
                 idx = self._seg_start[y] + torch.minimum(offset, size - 1)
             x = self.data[idx]
             if self.reinit_freq > 0:
-                restart = _draw_rand((n,), generator, dev) < self.reinit_freq
-                labels = y if y is not None else (self.labels[idx] if self.num_classes is not None else None)
-                fresh = self._init_draw(n, domain, generator, labels)
-                # Draw n and select rather than count restarts first: no host sync.
-                x = torch.where(restart.view(n, *(1,) * len(self.sample_shape)), fresh, x)
+                # Draw only the restarted chains (one small host sync): a full batch of fresh
+                # samples would cost more than the rest of the buffer's work together.
+                rows = (_draw_rand((n,), generator, dev) < self.reinit_freq).nonzero().squeeze(1)
+                if rows.numel():
+                    labels = y if y is not None else (self.labels[idx] if self.num_classes is not None else None)
+                    x[rows] = self._init_draw(rows.numel(), domain, generator,
+                                              None if labels is None else labels[rows])
         return x, idx
 
     @torch.no_grad()

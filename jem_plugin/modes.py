@@ -35,17 +35,36 @@ def sampling_mode(module: nn.Module) -> Iterator[nn.Module]:
     >>> with sampling_mode(model):
     ...     x = sgld_chain(model, x)
     """
-    # Record only what we change: restoring touches exactly those flags.
-    was_training = [m for m in module.modules() if m.training]
-    had_grad = [p for p in module.parameters() if p.requires_grad]
+    # One traversal; record only what we change, so restoring touches exactly those flags.
+    # Flags are written with object.__setattr__: nn.Module.__setattr__ costs ~10x more and
+    # `training` is a plain attribute. A parameter shared between modules is recorded once.
+    was_training: list[nn.Module] = []
+    had_grad: list[nn.Parameter] = []
+    seen: set[int] = set()
+    stack = [module]  # iterative walk over _modules: several times cheaper than modules()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if m.training:
+            was_training.append(m)
+        for p in m._parameters.values():
+            if p is not None and p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                had_grad.append(p)
+        stack.extend(c for c in m._modules.values() if c is not None)
     try:
         for m in was_training:
-            m.training = False
+            _set(m, "training", False)
         for p in had_grad:
             p.requires_grad_(False)
         yield module
     finally:
         for m in was_training:
-            m.training = True
+            _set(m, "training", True)
         for p in had_grad:
             p.requires_grad_(True)
+
+
+_set = object.__setattr__

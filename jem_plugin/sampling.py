@@ -70,6 +70,24 @@ def _positive_float(name: str, v: Any, allow_zero: bool = False) -> float:
     return f
 
 
+def _clamp_plan(domain, x: Tensor) -> list[tuple[Tensor, float, float]]:
+    """``(view, low, high)`` triples that clamp ``x`` to the domain with scalar bounds.
+
+    Scalar clamps on per-channel views are several times cheaper than one clamp against
+    broadcast bound tensors; the views stay valid because the chain is updated in place.
+    """
+    lows, highs = domain.low, domain.high
+    if len(set(lows)) == 1 and len(set(highs)) == 1:
+        return [(x, lows[0], highs[0])]
+    if x.dim() < 2 or x.shape[1] != len(lows):
+        raise InvalidInputError(
+            f"the model's input domain has {len(lows)} channels (bounds {lows} .. {highs}) but the chain "
+            f"has shape {tuple(x.shape)}; sample inputs of shape [B, {len(lows)}, ...] or fix the "
+            "domain with wrap(model, data_range=...) / mean=, std="
+        )
+    return [(x[:, c], lo, hi) for c, (lo, hi) in enumerate(zip(lows, highs))]
+
+
 class SGLD:
     """SGLD sampler for a :class:`~jem_plugin.model.JEM` (paper defaults: 20 steps, step 1, noise 0.01).
 
@@ -225,9 +243,9 @@ class SGLD:
                     f"with torch.Generator(device={str(xd.device)!r})"
                 )
             noise_buf = torch.empty_like(xd) if noise > 0 else None
-            if self.clamp:
-                lo, hi = domain.bounds(xd) if domain.is_per_channel else (domain.low[0], domain.high[0])
-                xd.clamp_(lo, hi)
+            clamps = _clamp_plan(domain, xd) if self.clamp else ()
+            for view, lo, hi in clamps:
+                view.clamp_(lo, hi)
             if record_x:
                 trajectory.append(xd.clone())
             steps_iter = range(len(sizes))
@@ -253,8 +271,8 @@ class SGLD:
                 xd.add_(g, alpha=sizes[t])
                 if noise_buf is not None:
                     xd.add_(noise_buf.normal_(generator=gen), alpha=noise)
-                if self.clamp:
-                    xd.clamp_(lo, hi)
+                for view, lo, hi in clamps:
+                    view.clamp_(lo, hi)
                 last_score = score.detach()
                 if record_e:
                     energies.append(-last_score.reshape(-1).to(dtype))
@@ -279,8 +297,11 @@ class SGLD:
         return xd
 
     def _check_divergence(self, x: Tensor, score: Tensor) -> None:
-        # One host sync per chain, never per step.
-        ok = torch.isfinite(x).all() & torch.isfinite(score).all()
+        # One host sync per chain, never per step. A NaN/inf anywhere makes the sum non-finite
+        # (cheaper than an elementwise isfinite); a finite-but-overflowing sum is re-checked exactly.
+        ok = torch.isfinite(x.sum() + score.sum())
+        if not bool(ok):
+            ok = torch.isfinite(x).all() & torch.isfinite(score).all()
         if self.max_energy is not None:
             ok &= (score.abs() <= self.max_energy).all()
         if bool(ok):

@@ -357,3 +357,6 @@ def test_argument_validation(jm):
         sampler.run(jm, torch.zeros(2, *SHAPE), torch.tensor([0, 1, 2]))
     with pytest.raises(InvalidLabelError, match="num_classes"):
         sampler.sample(jm, buffer=ReplayBuffer(20, SHAPE), y=torch.tensor([1, 2]))
+    rgb = jem.wrap(TinyCNN(), mean=IMAGENET_MEAN, std=IMAGENET_STD)  # a 3-channel domain
+    with pytest.raises(jem.InvalidInputError, match="3 channels"):
+        sampler.run(rgb, torch.zeros(2, *SHAPE))
