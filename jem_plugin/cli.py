@@ -17,6 +17,8 @@ from .errors import JEMError
 # Model specs understood by --model: built-in nets, any timm name, or module:factory.
 BUILTIN_NETS = ("digits-cnn", "toy-mlp")
 CKPT_FORMAT = "jem-plugin/model/1"
+# `jem demo --smoke`: the whole pipeline in seconds (tests, a first look); not a meaningful result.
+SMOKE_DEMO = {"epochs": 1, "sgld_steps": 2, "buffer_size": 500, "class_sample_steps": 2}
 
 
 class CLIError(JEMError):
@@ -121,34 +123,24 @@ def build_model(spec: str, num_classes: int, in_chans: int):
 
 
 def save_model_checkpoint(path: Path, jm, spec: dict[str, Any]) -> None:
-    """The final model: a plain dict (spec + weights) that ``torch.load(weights_only=True)`` reads."""
+    """The final model: its spec (to rebuild it) and weights, atomic and code-free."""
     from .checkpoint import save_checkpoint
 
-    save_checkpoint(path, rng=False, format=CKPT_FORMAT, spec=spec, model=jm.model)
+    save_checkpoint(path, rng=False, kind=CKPT_FORMAT, spec=spec, model=jm.model)
 
 
 def load_model_checkpoint(path: str, device=None):
     """Rebuild the wrapped model saved by ``jem train``; returns ``(jm, spec)``."""
-    import torch
+    from .checkpoint import load_checkpoint
 
-    from .errors import CheckpointError
-
-    p = Path(path)
-    if not p.is_file():
-        raise CLIError(f"checkpoint {path!r} does not exist")
-    try:
-        blob = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as exc:  # corrupt, truncated, or holding code
-        raise CLIError(f"cannot read checkpoint {path!r}: {exc}") from exc
-    if not isinstance(blob, dict) or blob.get("format") != CKPT_FORMAT:
-        raise CLIError(f"{path!r} is not a model checkpoint written by `jem train` (look for model.pt in the run directory)")
-    spec = blob["spec"]
+    stored = load_checkpoint(path, rng=False)  # CheckpointError: missing, corrupt, unsafe
+    if stored.get("kind") != CKPT_FORMAT:
+        raise CLIError(f"{path!r} is not a model checkpoint written by `jem train` "
+                       "(use the model.pt in the run directory)")
+    spec = stored["spec"]
     model = build_model(spec["model"], spec["num_classes"], spec["sample_shape"][0])
     jm = _wrap_for_data(model, spec)
-    try:
-        jm.model.load_state_dict(blob["model"])
-    except RuntimeError as exc:
-        raise CheckpointError(f"checkpoint {path!r} does not fit model {spec['model']!r}: {exc}") from exc
+    load_checkpoint(path, rng=False, model=jm.model)  # checks keys and shapes first
     if device is not None:
         jm.to(device)
     return jm.eval(), spec
@@ -186,8 +178,10 @@ def cmd_demo(args) -> int:
     from .report import write_report
 
     out = Path(args.out or "jem-report")
+    _device(args.device)
+    overrides = SMOKE_DEMO if args.smoke else {}
     result = run_digits_demo(out, seed=args.seed, device=args.device, progress=not args.quiet,
-                             budget_seconds=args.budget_seconds)
+                             budget_seconds=args.budget_seconds, **overrides)
     report = write_report(out, result)
     _print_summary(result)
     print(f"\nreport: {report}")
@@ -345,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", parents=[common], help="baseline vs JEM on the bundled digits, with a report")
     p.add_argument("--budget-seconds", type=float, default=240.0, help="training budget for both runs (default 240)")
+    p.add_argument("--smoke", action="store_true", help="run the pipeline in seconds (not a meaningful result)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("train", parents=[common], help="train a classifier with (or without) the JEM loss")
