@@ -5,7 +5,7 @@ cross-entropy plus JEM's generative term, so the same network gives p(y|x) and a
 (unnormalised) density exp(logsumexp f(x)). The script plots the true density, the learned
 density and SGLD samples side by side.
 
-    python examples/toy2d_ebm.py --out runs/toy2d          # ~1 minute on a laptop CPU
+    python examples/toy2d_ebm.py --out runs/toy2d          # about 2 minutes on one CPU core
     python examples/toy2d_ebm.py --smoke                   # a few seconds
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from jem_plugin.plotting import plot_density_2d
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="8gaussians")
-    p.add_argument("--iters", type=int, default=3000)
+    p.add_argument("--iters", type=int, default=1500)
     p.add_argument("--out", default="runs/toy2d")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny budget (seconds), for tests")
