@@ -34,10 +34,13 @@ The few-line JEM addition stays the same; three things change under
 
 FSDP
 ----
-* FSDP2 (``torch.distributed.fsdp.fully_shard(jm)``) works, on CPU with gloo too: tested in
-  ``tests/test_distributed.py`` (ranks stay in sync and match DDP). FSDP2 shards through hooks on
-  the module itself, so there is no bare module to sample on: each SGLD step all-gathers the
-  parameters, as any FSDP forward does. Pass the sharded JEM to ``JEMLoss`` as usual.
+* FSDP2 works, on CPU with gloo too (tested in ``tests/test_distributed.py``: ranks stay in sync
+  and match DDP to 1e-5). Shard the *classifier*, not the JEM: :func:`fully_shard_jem` does
+  ``fully_shard(jm.model)``. The sampler calls ``jm.model`` directly (no wrapper dispatch per
+  Langevin step), so FSDP2 hooks on the JEM itself would be skipped and SGLD would fail with
+  "got mixed torch.Tensor and DTensor". FSDP2 shards through hooks on the module itself, so there
+  is no bare module to sample on: each SGLD step all-gathers the parameters, as any FSDP forward
+  does.
 * FSDP1 (the ``FullyShardedDataParallel`` wrapper) does not work for JEM training: its
   pre-backward hooks (``register_multi_grad_hook`` on the forward inputs) raise "A leaf node was
   passed to _will_engine_execute_node but we are currently running autograd.grad()" on the first
@@ -69,7 +72,7 @@ from .model import JEM, wrap
 __all__ = [
     "DistInfo", "init_distributed", "cleanup", "get_rank", "get_world_size", "is_main_process",
     "barrier", "rank_seed", "rank_generator", "DistributedJEM", "wrap_ddp", "unwrap",
-    "ignore_replay_buffers", "maybe_no_sync", "params_in_sync", "PerRankState",
+    "ignore_replay_buffers", "fully_shard_jem", "maybe_no_sync", "params_in_sync", "PerRankState",
     "save_distributed_checkpoint", "load_distributed_checkpoint", "rank_path",
     "DistributedCheckpointer", "select_rank_state", "skip_batches", "FSDP_NOTES",
 ]
@@ -78,7 +81,8 @@ __all__ = [
 _CORRUPT, _MISSING, _MISMATCH = "corrupt", "missing", "mismatch"
 
 FSDP_NOTES = (
-    "FSDP2 (torch.distributed.fsdp.fully_shard) works with JEMLoss (tested on CPU/gloo): sampling "
+    "FSDP2 (torch.distributed.fsdp.fully_shard) works with JEMLoss (tested on CPU/gloo) when the "
+    "classifier is sharded (fully_shard_jem(jm) = fully_shard(jm.model)), not the JEM; sampling "
     "runs on the sharded module itself and all-gathers the parameters for every SGLD step. FSDP1 "
     "(FullyShardedDataParallel) does not: its pre-backward hooks fail under torch.autograd.grad, "
     "which SGLD uses for input gradients, and JEMLoss does not look through its wrapper."
@@ -311,6 +315,26 @@ def wrap_ddp(model: nn.Module, *, wrap_options: dict | None = None, **ddp_kwargs
         if param is not None and param.device.type == "cuda":
             ddp_kwargs["device_ids"] = [param.device.index]
     return DistributedJEM(jm, **ddp_kwargs)
+
+
+def fully_shard_jem(jm: JEM, **fsdp_kwargs: Any) -> JEM:
+    """Shard a JEM's classifier with FSDP2 (``torch.distributed.fsdp.fully_shard(jm.model)``).
+
+    The classifier, not the JEM, must be the FSDP2 root: the sampler calls ``jm.model`` directly.
+    Shard inner blocks first if you want per-block sharding (``fully_shard(block)`` for each),
+    then call this. ``fsdp_kwargs`` go to ``fully_shard`` (``mesh``, ``reshard_after_forward``,
+    ``mp_policy``, ...). Returns ``jm``; pass it to ``JEMLoss`` as usual.
+    """
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError as exc:  # pragma: no cover - torch < 2.6
+        raise JEMError(f"FSDP2 (torch.distributed.fsdp.fully_shard) needs torch >= 2.6 ({exc})") from exc
+    if not isinstance(jm, JEM):
+        raise TypeError(f"fully_shard_jem needs a JEM (jem_plugin.wrap(model)), got {type(jm).__name__}")
+    if not _initialized():
+        raise JEMError("fully_shard_jem needs an initialised process group (init_distributed() under torchrun)")
+    fully_shard(jm.model, **fsdp_kwargs)
+    return jm
 
 
 def maybe_no_sync(module: nn.Module, sync: bool) -> contextlib.AbstractContextManager:

@@ -7,7 +7,9 @@ resumed) check that a real restart continues bit for bit like the uninterrupted 
 """
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -65,6 +67,7 @@ def _setup(model_cls, rank: int, steps: int = 3, buffer_size: int = 64):
 def _worker(out_dir: str) -> None:  # pragma: no cover - runs in the torchrun children
     import torch.distributed as dist
 
+    import jem_plugin as jem
     from jem_plugin import distributed as jdist
     from jem_plugin.nets import DigitsCNN
 
@@ -111,8 +114,6 @@ def _worker(out_dir: str) -> None:  # pragma: no cover - runs in the torchrun ch
     # 3. A replay buffer inside the DDP-wrapped module (the mixin pattern) keeps its own chains.
     from torch import nn
 
-    import jem_plugin as jem
-
     class WithBuffer(nn.Module):
         def __init__(self):
             super().__init__()
@@ -143,7 +144,7 @@ def _worker(out_dir: str) -> None:  # pragma: no cover - runs in the torchrun ch
 
     # 5. FSDP2 (fully_shard) on CPU/gloo: trains with JEMLoss, ranks in sync, close to DDP.
     try:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
     except ImportError:
         res["fsdp"] = "unavailable"
     else:
@@ -152,7 +153,7 @@ def _worker(out_dir: str) -> None:  # pragma: no cover - runs in the torchrun ch
             jm, loss_fn, g = _setup(DigitsCNN, rank)
             model = jdist.wrap_ddp(jm) if kind == "ddp" else jm
             if kind == "fsdp2":
-                fully_shard(jm)
+                jdist.fully_shard_jem(jm)
             opt = torch.optim.SGD(jm.parameters(), lr=0.1)
             for _ in range(2):
                 x, y = _batch(g)
@@ -167,9 +168,81 @@ def _worker(out_dir: str) -> None:  # pragma: no cover - runs in the torchrun ch
         res["fsdp_in_sync"] = bool(torch.equal(ref, finals["fsdp2"]))
         res["fsdp_vs_ddp_maxdiff"] = float((finals["fsdp2"] - finals["ddp"]).abs().max())
 
+    # 6. timm's task API under DDP: JEMTask.prepare_distributed, then a few steps.
+    from jem_plugin.integrations.timm_task import JEMTask
+
+    jm, loss_fn, g = _setup(DigitsCNN, rank)
+    task = JEMTask(jm, loss_fn=loss_fn, verbose=False).prepare_distributed()
+    opt = torch.optim.SGD(task.get_trainable_module().parameters(), lr=0.1)
+    for _ in range(2):
+        x, y = _batch(g)
+        result = task(x, y)
+        opt.zero_grad()
+        result["loss"].backward()
+        opt.step()
+    res["timm_task_ddp"] = type(task.get_trainable_module()).__name__
+    res["timm_task_in_sync"] = jdist.params_in_sync(task.jem)
+
+    # 7. Lightning's DDP strategy inside these torchrun processes: each rank's buffer is saved
+    #    (gathered into rank 0's checkpoint) and each rank gets its own back.
+    if importlib.util.find_spec("lightning") is None:
+        res["lightning"] = "unavailable"
+    else:
+        import lightning.pytorch as pl
+        from torch.utils.data import DataLoader, TensorDataset
+
+        from jem_plugin.integrations.lightning import JEMLightningModule
+
+        torch.manual_seed(0)
+        module = JEMLightningModule(TinyCNN(), sampler=jem.SGLD(steps=2, generator=jdist.rank_generator(0)),
+                                    buffer=jem.ReplayBuffer(16, (1, 8, 8)), val_scores=("grad_norm",), lr=1e-2,
+                                    wrap_options={"data_range": (-1.0, 1.0), "input_size": (1, 8, 8)})
+        data = TensorDataset(*_batch(torch.Generator().manual_seed(0), 32))
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                             limit_val_batches=1, val_check_interval=2, enable_checkpointing=False,
+                             default_root_dir=out_dir)
+        trainer.fit(module, DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+        ckpt = str(Path(out_dir, "lightning.ckpt"))
+        trainer.save_checkpoint(ckpt)
+        dist.barrier()
+        restored = JEMLightningModule.load_from_checkpoint(ckpt, model=TinyCNN(), sampler=jem.SGLD(steps=2),
+                                                           buffer=jem.ReplayBuffer(16, (1, 8, 8)))
+        res["lightning_in_sync"] = jdist.params_in_sync(module.model)
+        res["lightning_buffer_sums"] = _gather(_checksum(module.jem_loss.buffer.data))
+        res["lightning_restored_own"] = bool(torch.equal(restored.jem_loss.buffer.data, module.jem_loss.buffer.data))
+        res["lightning_val_grad_norm"] = float(trainer.callback_metrics["val/grad_norm"])
+
+    # 8. Accelerate across the same processes: save_state/load_state keep each rank's buffer.
+    if importlib.util.find_spec("accelerate") is None:
+        res["accelerate"] = "unavailable"
+    else:
+        import accelerate
+
+        from jem_plugin.integrations.accelerate import register_jem_state
+
+        accelerator = accelerate.Accelerator(cpu=True)
+        jm, loss_fn, g = _setup(TinyCNN, rank, buffer_size=16)
+        opt = torch.optim.Adam(jm.parameters(), lr=1e-3)
+        prepared, opt = accelerator.prepare(jm, opt)
+        register_jem_state(accelerator, loss_fn)
+        with accelerator.accumulate(prepared):
+            x, y = _batch(g, 4)
+            out = loss_fn(prepared, x, y)
+            accelerator.backward(out.loss)
+            opt.step()
+            opt.zero_grad()
+        accelerator.save_state(str(Path(out_dir, "accelerate")))
+        saved = loss_fn.buffer.data.clone()
+        loss_fn.buffer.data.zero_()
+        accelerator.load_state(str(Path(out_dir, "accelerate")))
+        res["accelerate_wrapper"] = type(prepared).__name__
+        res["accelerate_restored_own"] = bool(torch.equal(loss_fn.buffer.data, saved))
+        res["accelerate_buffer_sums"] = _gather(_checksum(saved))
+
     Path(out_dir, f"results-rank{rank}.json").write_text(json.dumps(res))
 
-    # 6. The example: interrupted after step 3 (the test resumes it in new processes), and
+    # 9. The example: interrupted after step 3 (the test resumes it in new processes), and
     #    uninterrupted, as the reference.
     sys.path.insert(0, str(EXAMPLE.parent))
     import train_ddp
@@ -228,6 +301,33 @@ def test_fsdp2_trains_a_jem_on_cpu(worker_results):
     assert r0["fsdp_in_sync"] and r1["fsdp_in_sync"]
     # Same data, samples and SGD steps as DDP; only the reduction order differs.
     assert r0["fsdp_vs_ddp_maxdiff"] < 1e-5
+
+
+def test_timm_task_prepare_distributed_trains_in_sync(worker_results):
+    _, (r0, r1) = worker_results
+    assert r0["timm_task_ddp"] == "DistributedJEM"
+    assert r0["timm_task_in_sync"] and r1["timm_task_in_sync"]
+
+
+def test_lightning_ddp_saves_and_restores_every_ranks_buffer(worker_results):
+    _, (r0, r1) = worker_results
+    if r0.get("lightning") == "unavailable":
+        pytest.skip("lightning is not installed")
+    assert r0["lightning_in_sync"] and r1["lightning_in_sync"]
+    a, b = r0["lightning_buffer_sums"]
+    assert a != b, "Lightning's DDP gave both ranks the same replay buffer"
+    assert r0["lightning_restored_own"] and r1["lightning_restored_own"], "a rank resumed with another rank's chains"
+    assert math.isfinite(r0["lightning_val_grad_norm"])  # a gradient score, computed in validation
+
+
+def test_accelerate_saves_and_restores_every_ranks_buffer(worker_results):
+    _, (r0, r1) = worker_results
+    if r0.get("accelerate") == "unavailable":
+        pytest.skip("accelerate is not installed")
+    assert r0["accelerate_wrapper"] == "DistributedDataParallel"
+    a, b = r0["accelerate_buffer_sums"]
+    assert a != b
+    assert r0["accelerate_restored_own"] and r1["accelerate_restored_own"]
 
 
 def _flat(obj, prefix=""):
