@@ -193,6 +193,7 @@ def interleaved(contenders: dict[str, Any], repeats: int = 15, warmup: int = 1) 
     items = [(k, _as_contender(v)) for k, v in contenders.items()]
     times: dict[str, list[float]] = {k: [] for k, _ in items}
     n = len(items)
+    log = os.environ.get("JEM_BENCH_LOG")  # progress on stderr for long runs
     for _, c in items:
         if c.prepare is not None:
             c.prepare()
@@ -219,6 +220,10 @@ def interleaved(contenders: dict[str, Any], repeats: int = 15, warmup: int = 1) 
                     c.teardown()
                 if r >= warmup:
                     times[name].append(dt)
+            if log:
+                print(f"[interleaved] round {r + 1}/{warmup + repeats}: "
+                      + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items() if v),
+                      file=sys.stderr, flush=True)
     finally:
         gc.unfreeze()
     return times

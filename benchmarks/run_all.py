@@ -64,7 +64,8 @@ def targets_table(results: dict[str, Any]) -> list[list[str]]:
             for o in ("reference", "torchebm"):
                 if f"not_slower_than_{o}" in r:
                     rows.append([f"sampler not slower than {o} ({m})",
-                                 f"{t['jem_plugin']['median_s'] * 1e3:.1f} vs {t[o]['median_s'] * 1e3:.1f} ms",
+                                 f"{common.fmt_ratio(r.get(f'vs_{o}'))} of its time (paired; medians "
+                                 f"{t['jem_plugin']['median_s'] * 1e3:.1f} vs {t[o]['median_s'] * 1e3:.1f} ms)",
                                  mark(r[f"not_slower_than_{o}"])])
             if r.get("memory_growth_mb") is not None:
                 rows.append([f"sampler memory flat in steps ({m})", f"{r['memory_growth_mb']:+.1f} MB from fewest to most steps",
