@@ -52,6 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-size", type=float, default=1.0)
     p.add_argument("--noise", type=float, default=0.01)
     p.add_argument("--buffer-size", type=int, default=10000, help="per rank")
+    p.add_argument("--px-weight", type=float, default=1.0, help="weight of the p(x) term (0: plain classifier)")
     p.add_argument("--l2-weight", type=float, default=0.1, help="energy L2 regulariser (stability)")
     p.add_argument("--ckpt-every", type=int, default=100, help="optimizer steps between checkpoints")
     p.add_argument("--log-every", type=int, default=20)
@@ -83,7 +84,7 @@ def main(argv=None) -> dict:
     sampler = SGLD(steps=args.sgld_steps, step_size=args.step_size, noise=args.noise,
                    generator=jdist.rank_generator(args.seed, device=dev))
     buffer = ReplayBuffer(args.buffer_size, (1, 8, 8), reinit_freq=0.05, device=dev)
-    loss_fn = JEMLoss(sampler, buffer, l2_weight=args.l2_weight)
+    loss_fn = JEMLoss(sampler, buffer, px_weight=args.px_weight, l2_weight=args.l2_weight)
     opt = torch.optim.Adam(jm.parameters(), lr=args.lr)
 
     train = load_digits("train", seed=args.seed)
@@ -143,7 +144,8 @@ def main(argv=None) -> dict:
         ckpt.save(step, model=jm, optimizer=opt, per_rank=per_rank)
     summary = {"step": step, "world_size": info.world_size, "seconds": time.perf_counter() - t0,
                "in_sync": jdist.params_in_sync(model), "train": metrics}
-    buffer.save_grid(out / f"samples-rank{info.rank}.png", n=64)
+    if bool(buffer.initialized):  # each rank's own chains
+        buffer.save_grid(out / f"samples-rank{info.rank}.png", n=64)
     if info.is_main:
         jm.eval()
         test = load_digits("test", seed=args.seed)

@@ -357,16 +357,20 @@ def maybe_no_sync(module: nn.Module, sync: bool) -> contextlib.AbstractContextMa
 def params_in_sync(module: nn.Module, *, buffers: bool = False) -> bool:
     """True on every rank when every rank holds bitwise the same parameters (and buffers).
 
-    A debugging aid: it broadcasts rank 0's tensors. Replay buffers are never compared (they are
-    meant to differ). Always True in a single process.
+    A debugging aid: it broadcasts rank 0's tensors (whole tensors for FSDP2 shards). Replay
+    buffers are never compared (they are meant to differ). Always True in a single process.
     """
     if not _initialized() or dist.get_world_size() == 1:
         return True
     module = unwrap(module)
-    tensors = [p.detach() for p in module.parameters()]
+
+    def full(t: Tensor) -> Tensor:  # FSDP2 shards are DTensors: compare the whole tensor
+        return t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
+
+    tensors = [full(p) for p in module.parameters()]
     if buffers:
         skip = set(_replay_buffer_names(module))
-        tensors += [b.detach() for n, b in module.named_buffers() if n not in skip]
+        tensors += [full(b) for n, b in module.named_buffers() if n not in skip]
     ok = True
     for t in tensors:
         ref = t.clone()

@@ -163,9 +163,7 @@ def _worker(out_dir: str) -> None:  # pragma: no cover - runs in the torchrun ch
                 opt.step()
             params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in jm.parameters()]
             finals[kind] = torch.cat([p.flatten() for p in params])
-        ref = finals["fsdp2"].clone()
-        dist.broadcast(ref, src=0)
-        res["fsdp_in_sync"] = bool(torch.equal(ref, finals["fsdp2"]))
+        res["fsdp_sharded"] = all(type(p).__name__ == "DTensor" for p in jm.parameters())
         res["fsdp_vs_ddp_maxdiff"] = float((finals["fsdp2"] - finals["ddp"]).abs().max())
 
     # 6. timm's task API under DDP: JEMTask.prepare_distributed, then a few steps.
@@ -298,9 +296,10 @@ def test_fsdp2_trains_a_jem_on_cpu(worker_results):
     _, (r0, r1) = worker_results
     if r0.get("fsdp") == "unavailable":
         pytest.skip("torch.distributed.fsdp.fully_shard is not in this torch")
-    assert r0["fsdp_in_sync"] and r1["fsdp_in_sync"]
-    # Same data, samples and SGD steps as DDP; only the reduction order differs.
-    assert r0["fsdp_vs_ddp_maxdiff"] < 1e-5
+    assert r0["fsdp_sharded"] and r1["fsdp_sharded"]
+    # Same data, samples and SGD steps as DDP (whose ranks stay in sync); only the reduction
+    # order differs.
+    assert r0["fsdp_vs_ddp_maxdiff"] < 1e-5 and r1["fsdp_vs_ddp_maxdiff"] < 1e-5
 
 
 def test_timm_task_prepare_distributed_trains_in_sync(worker_results):
