@@ -358,6 +358,20 @@ def test_example_resumes_bit_for_bit_after_a_restart(worker_results):
         assert a.keys() == b.keys() and a
         diff = [k for k in a if not torch.equal(a[k], b[k])]
         assert not diff, f"{name}: resumed run differs from the uninterrupted one in {diff[:5]}"
+    # The shared file holds the bare model (no DDP "module." prefix): it loads in one process.
+    import jem_plugin as jem
+    from jem_plugin import distributed as jdist
+    from jem_plugin.checkpoint import load_checkpoint
+    from jem_plugin.errors import CheckpointError
+    from jem_plugin.nets import DigitsCNN
+
+    jm = jem.wrap(DigitsCNN(width=8), data_range=(-1.0, 1.0), input_size=(1, 8, 8))
+    extra = load_checkpoint(run / "checkpoints" / "ckpt-000000008.pt", rng=False, model=jm)
+    assert extra["world_size"] == 2 and extra["step"] == 8
+    # Resuming a 2-process run with 1 process is a clear error, not a silent mix-up of buffers.
+    loss_fn = jem.JEMLoss(jem.SGLD(steps=5), jem.ReplayBuffer(256, (1, 8, 8)))
+    with pytest.raises(CheckpointError, match="nproc_per_node=2"):
+        jdist.DistributedCheckpointer(run / "checkpoints").resume(model=jm, per_rank={"loss": loss_fn})
     # Each rank's buffer was saved, and they differ.
     r0 = _flat(torch.load(run / "checkpoints" / "ckpt-000000008.rank0.pt", weights_only=True)["objects"])
     r1 = _flat(torch.load(run / "checkpoints" / "ckpt-000000008.rank1.pt", weights_only=True)["objects"])
