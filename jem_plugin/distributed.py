@@ -129,7 +129,6 @@ def init_distributed(backend: str | None = None, device: str | torch.device | No
     ``cuda:LOCAL_RANK`` when CUDA is available, else CPU. Calling it again is harmless.
     """
     world = _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
     if device is None:
         device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")

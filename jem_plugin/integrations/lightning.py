@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..distributed import PER_RANK_FORMAT, PerRankState, get_world_size, ignore_replay_buffers, select_rank_state
+from ..distributed import PerRankState, get_world_size, ignore_replay_buffers, select_rank_state
 from ..losses import GenerativeLossMixin, JEMLoss
 from ..model import JEM
 
