@@ -23,7 +23,7 @@ def _state_equal(a: dict, b: dict) -> bool:
 
 # =============================================================================== timm
 timm_task = pytest.importorskip("jem_plugin.integrations.timm_task",
-                                reason="this timm has no task API (timm.task, timm >= 1.0.20)")
+                                reason="this timm has no task API (timm.task)")
 
 
 def _timm_task(num_classes=5, **kwargs):

@@ -2,7 +2,7 @@
 
 Each submodule imports its framework lazily, so ``import jem_plugin`` never needs them:
 
-- :mod:`jem_plugin.integrations.timm_task`: ``JEMTask``, a timm ``TrainingTask`` (timm >= 1.0.20's
+- :mod:`jem_plugin.integrations.timm_task`: ``JEMTask``, a timm ``TrainingTask`` (timm's
   task API) whose forward returns ``{'loss', 'output', ...}`` with JEM's generative loss.
 - :mod:`jem_plugin.integrations.lightning`: ``JEMLightningModule`` and the ``JEMLightningMixin``
   recipe (needs ``lightning``): buffer in the checkpoint (one per rank), SGLD and gradient-based

@@ -1,10 +1,10 @@
 """JEM as a timm training task: ``JEMTask``, a ``timm.task.TrainingTask``.
 
-timm (>= 1.0.20) trains through *tasks*: ``result = task(input, target)`` returns a dict whose
-``'loss'`` is backpropagated and whose ``'output'`` feeds the metrics; the task also says how to
-go distributed, what the eval model is and what goes into checkpoints. ``JEMTask`` is a drop-in
-for ``timm.task.ClassificationTask``: in timm's ``train.py`` (or your own loop around a task)
-replace
+Recent timm (the ``timm.task`` package; tested with timm 1.0.31) trains through *tasks*:
+``result = task(input, target)`` returns a dict whose ``'loss'`` is backpropagated and whose
+``'output'`` feeds the metrics; the task also says how to go distributed, what the eval model is
+and what goes into checkpoints. ``JEMTask`` is a drop-in for ``timm.task.ClassificationTask``: in
+timm's ``train.py`` (or your own loop around a task) replace
 
     task = ClassificationTask(model, criterion=train_loss_fn, device=device)
 
@@ -49,8 +49,8 @@ try:
     from timm.task import TrainingTask
 except ImportError as exc:  # pragma: no cover - timm is a dependency, but older versions lack tasks
     raise ImportError(
-        "jem_plugin.integrations.timm_task needs timm's task API (timm >= 1.0.20, timm.task."
-        f"TrainingTask); upgrade with `pip install -U timm` ({exc})") from exc
+        "jem_plugin.integrations.timm_task needs timm's task API (timm.task."
+        f"TrainingTask, e.g. timm 1.0.31); upgrade with `pip install -U timm` ({exc})") from exc
 
 __all__ = ["JEMTask"]
 
