@@ -234,8 +234,10 @@ class SGLD:
         grad = torch.autograd.grad
         logsumexp = torch.logsumexp
         last_score = None
+        # jm(x) is adapter.logits(model(x)): call the two directly (no wrapper-module dispatch per step).
+        model, read_logits = jm.model, jm.adapter.logits
 
-        with sampling_mode(jm.model), input_grad_enabled(x.detach().to(dtype)) as xg:
+        with sampling_mode(model), input_grad_enabled(x.detach().to(dtype)) as xg:
             xd = xg.detach()  # alias of the leaf: in-place updates without autograd bookkeeping
             if gen is not None and gen.device != xd.device:
                 raise InvalidInputError(
@@ -254,8 +256,9 @@ class SGLD:
 
                 steps_iter = tqdm(steps_iter, desc="SGLD", leave=False)
             check_k = y is not None and jm.num_classes is None  # labels checked at the first forward
+            score = None
             for t in steps_iter:
-                out = jm(xg)
+                out = read_logits(model(xg))
                 if y is None:
                     score = logsumexp(out, 1)
                 else:
@@ -273,9 +276,8 @@ class SGLD:
                     xd.add_(noise_buf.normal_(generator=gen), alpha=noise)
                 for view, lo, hi in clamps:
                     view.clamp_(lo, hi)
-                last_score = score.detach()
                 if record_e:
-                    energies.append(-last_score.reshape(-1).to(dtype))
+                    energies.append(-score.detach().reshape(-1).to(dtype))
                 if hook is not None:
                     state = SGLDStepState(t, xd, g, sizes[t], noise, y, self)
                     hook(state=state)
@@ -283,9 +285,11 @@ class SGLD:
                         xd.copy_(state.x)
                 if record_x:
                     trajectory.append(xd.clone())
+            if score is not None:
+                last_score = score.detach()  # the last step's energies, for the divergence check
             if record_e:
                 with torch.no_grad():
-                    out = jm(xd)
+                    out = read_logits(model(xd))
                     final = logsumexp(out, 1) if y is None else out.gather(1, y_index)
                 last_score = final.reshape(-1)
                 energies.append(-last_score.to(dtype))
@@ -347,8 +351,12 @@ class SGLD:
             return self.run(jm, x_init, y)
         if n is None:
             raise ValueError("say how many samples: sample(jm, n=64, ...) (or pass y= or x_init=)")
+        param = next(jm.parameters(), None)
+        device = param.device if param is not None else None
         if buffer is not None:
             x0, idx = buffer.sample(n, domain=jm.domain, y=y, generator=self.generator)
+            if device is not None and x0.device != device:  # buffer kept elsewhere (e.g. CPU)
+                x0 = x0.to(device)
             x = self.run(jm, x0, y)
             buffer.update(idx, x)
             return x
@@ -357,9 +365,7 @@ class SGLD:
             raise ValueError(
                 "the input shape is unknown: pass shape=(C, H, W), x_init=..., or a ReplayBuffer"
             )
-        param = next(jm.parameters(), None)
-        device = param.device if param is not None else torch.device("cpu")
-        x0 = UniformInit().sample(n, shape, jm.domain, self.generator, device)
+        x0 = UniformInit().sample(n, shape, jm.domain, self.generator, device or torch.device("cpu"))
         return self.run(jm, x0, y)
 
     # ------------------------------------------------------------------ state
