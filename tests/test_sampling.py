@@ -86,6 +86,15 @@ def test_batchnorm_stats_modes_and_flags_restored(jm):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_existing_parameter_grads_are_untouched(jm):
+    """Sampling between backward() and optimizer.step() (gradient accumulation) keeps .grad as is."""
+    for p in jm.parameters():
+        p.grad = torch.randn_like(p)
+    grads = [p.grad.clone() for p in jm.parameters()]
+    SGLD(steps=3, progress=True).sample(jm.train(), 8, shape=SHAPE)
+    assert all(torch.equal(p.grad, g) for p, g in zip(jm.parameters(), grads))
+
+
 def test_inside_sampling_mode_everything_is_eval_and_frozen(jm):
     seen = []
 
