@@ -119,6 +119,22 @@ def write_report(results: dict[str, Any], out: str, command: str, carried: Seque
     return md
 
 
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def update_readme(md: str, path: str = os.path.join(common.REPO_ROOT, "benchmarks", "README.md")) -> None:
+    """Replace the text between the results markers of the README with the report (headings demoted)."""
+    with open(path) as f:
+        text = f.read()
+    if START not in text or END not in text:
+        raise SystemExit(f"{path} has no {START} ... {END} markers")
+    body = "\n".join(("#" + line) if line.startswith("#") else line for line in md.splitlines()[1:])
+    head, rest = text.split(START, 1)
+    tail = rest.split(END, 1)[1]
+    with open(path, "w") as f:
+        f.write(f"{head}{START}\n{body.strip()}\n{END}{tail}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run_all", description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join(common.REPO_ROOT, "benchmarks", "results"))
@@ -129,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--skip", nargs="*", choices=list(BENCHMARKS), default=[])
     p.add_argument("--epochs", type=int, default=None, help="quality: epochs per run (default 60)")
     p.add_argument("--workers", type=int, default=2, help="quality: parallel training processes")
+    p.add_argument("--readme", action="store_true",
+                   help="also paste the report between the results markers of benchmarks/README.md")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: rebuild results.json/results.md from the <name>.json files in --out")
     args = p.parse_args(argv)
@@ -163,6 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 carried.append(name)
     command = "python -m benchmarks.run_all " + " ".join(argv if argv is not None else sys.argv[1:])
     md = write_report(results, args.out, command.strip(), carried)
+    if args.readme:
+        update_readme(md)
     print(md)
     return 0
 
