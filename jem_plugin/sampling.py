@@ -245,9 +245,7 @@ class SGLD:
                     f"with torch.Generator(device={str(xd.device)!r})"
                 )
             noise_buf = torch.empty_like(xd) if noise > 0 else None
-            clamps = _clamp_plan(domain, xd) if self.clamp else ()
-            for view, lo, hi in clamps:
-                view.clamp_(lo, hi)
+            clamps = _clamp_plan(domain, xd) if self.clamp else ()  # applied after every update
             if record_x:
                 trajectory.append(xd.clone())
             steps_iter = range(len(sizes))
@@ -256,7 +254,7 @@ class SGLD:
 
                 steps_iter = tqdm(steps_iter, desc="SGLD", leave=False)
             check_k = y is not None and jm.num_classes is None  # labels checked at the first forward
-            score = None
+            score = ones = None
             for t in steps_iter:
                 out = read_logits(model(xg))
                 if y is None:
@@ -266,7 +264,9 @@ class SGLD:
                         self._check_y_range(y, out.shape[1])
                         check_k = False
                     score = out.gather(1, y_index)
-                g, = grad(score.sum(), xg)  # frees the graph: nothing outlives the step
+                if ones is None:  # d(sum)/d(score) = 1: pass it directly, no sum kernel per step
+                    ones = torch.ones_like(score)
+                g, = grad(score, xg, ones)  # frees the graph: nothing outlives the step
                 if g.dtype != dtype:  # only under exotic autocast setups
                     g = g.to(dtype)
                 if clip is not None:
