@@ -1,0 +1,354 @@
+"""The digits experiment: a baseline classifier and a JEM, same architecture, same epochs.
+
+Everything runs on scikit-learn's bundled 8x8 digits (no download), on the CPU, in minutes:
+
+>>> from jem_plugin.experiments import run_digits
+>>> result = run_digits("runs/digits")                       # the paper's recipe, 150 epochs
+>>> result = run_digits("runs/digits-fast", **FAST_RECIPE)   # fewer SGLD steps, same targets
+
+Both models are evaluated for accuracy, calibration (ECE before/after temperature scaling) and
+OOD detection (AUROC of log p(x), max softmax and the gradient norm against uniform noise, photo
+patches, blends of two digits and transposed digits). The run directory receives
+``metrics.json``, the training histories, sample grids (replay buffer, per class), training
+curves, reliability diagrams, score histograms and ROC curves.
+
+From the command line: ``python -m jem_plugin.experiments OUT_DIR [--fast | --demo] [--epochs N]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch.utils.data import DataLoader
+
+from . import data as D
+from .model import JEM, wrap
+from .nets import DigitsCNN
+from .training import History, evaluate_classifier, fit
+
+__all__ = ["DigitsConfig", "run_digits", "run_digits_demo", "PAPER_RECIPE", "FAST_RECIPE",
+           "DEMO_RECIPE", "TARGETS", "OOD_SCORES"]
+
+OOD_SCORES = ("logpx", "msp", "grad_norm")
+
+# Issue 3's targets; checked and recorded in metrics.json.
+TARGETS = {
+    "acc_within": 0.01,          # JEM accuracy >= baseline - 1 point
+    "logpx_auroc": 0.99,         # on noise, patches, transposed
+    "grad_norm_auroc": 0.9,      # on noise, patches
+    "cost_ratio": 4.0,           # JEM training time <= 4x the baseline's
+}
+
+
+@dataclass
+class DigitsConfig:
+    """Settings of one digits experiment (defaults: the paper's recipe on a small CNN)."""
+
+    epochs: int = 150
+    batch_size: int = 64
+    lr: float = 1e-4
+    warmup_iters: int = 1000
+    width: int = 32
+    act: str = "leaky_relu"
+    pool: str = "max"
+    # JEM
+    sgld_steps: int = 20
+    step_size: float = 1.0
+    noise: float = 0.01
+    data_noise: float = 0.03
+    buffer_size: int = 10000
+    reinit_freq: float = 0.05
+    init: str = "uniform"               # "uniform" (JEM) or "gaussian" (per-class, JEM++)
+    proximal: float | None = None       # SGLD grad_clip (JEM++'s proximal SGLD)
+    l2_weight: float = 0.0              # energy L2 regulariser
+    px_weight: float = 1.0
+    pxy_weight: float = 0.0
+    # bookkeeping
+    seed: int = 0
+    test_fraction: float = 0.2
+    class_sample_steps: int = 60        # conditional SGLD steps for the per-class grid
+    baseline_epochs: int | None = None  # default: same as epochs
+
+    def jem_name(self) -> str:
+        parts = [f"{self.sgld_steps} steps", f"{self.init} init"]
+        if self.proximal:
+            parts.append(f"proximal {self.proximal:g}")
+        if self.l2_weight:
+            parts.append(f"L2 {self.l2_weight:g}")
+        return "JEM (" + ", ".join(parts) + ")"
+
+
+#: The reference measurement's setup (issue 3).
+PAPER_RECIPE: dict[str, Any] = {}
+#: Fewer SGLD steps at equal quality: per-class Gaussian init, proximal SGLD, energy L2.
+FAST_RECIPE: dict[str, Any] = {"sgld_steps": 5, "init": "gaussian", "proximal": 0.03, "l2_weight": 0.1}
+#: `jem demo`: baseline + JEM in a few minutes on two cores.
+DEMO_RECIPE: dict[str, Any] = {"epochs": 40, "lr": 3e-4, "warmup_iters": 200, "sgld_steps": 5,
+                               "init": "gaussian", "proximal": 0.03, "l2_weight": 0.1}
+
+
+# ---------------------------------------------------------------------------- pieces
+def _build(cfg: DigitsConfig, device) -> JEM:
+    torch.manual_seed(cfg.seed)  # both runs start from the same weights
+    return wrap(DigitsCNN(10, width=cfg.width, act=cfg.act, pool=cfg.pool), data_range=(-1.0, 1.0),
+                input_size=(1, 8, 8), num_classes=10).to(device)
+
+
+def _loader(train, cfg: DigitsConfig) -> DataLoader:
+    g = torch.Generator().manual_seed(cfg.seed)
+    return DataLoader(train, batch_size=cfg.batch_size, shuffle=True, drop_last=True, generator=g)
+
+
+def _jem_loss(cfg: DigitsConfig, x_train, y_train, device):
+    from .buffer import ReplayBuffer
+    from .losses import JEMLoss
+    from .sampling import SGLD
+
+    sampler = SGLD(steps=cfg.sgld_steps, step_size=cfg.step_size, noise=cfg.noise,
+                   grad_clip=cfg.proximal)
+    cond = cfg.init == "gaussian" or cfg.pxy_weight > 0
+    buffer = ReplayBuffer(cfg.buffer_size, (1, 8, 8), reinit_freq=cfg.reinit_freq, init=cfg.init,
+                          num_classes=10 if cond else None, device=device)
+    if cfg.init == "gaussian":
+        buffer.fit(x_train.to(device), y_train.to(device))
+    return JEMLoss(sampler, buffer, px_weight=cfg.px_weight, pxy_weight=cfg.pxy_weight,
+                   l2_weight=cfg.l2_weight, data_noise=cfg.data_noise).to(device)
+
+
+@torch.no_grad()
+def _logits(jm, x: torch.Tensor) -> torch.Tensor:
+    jm.eval()
+    dev = next(jm.parameters()).device
+    return torch.cat([jm(xb.to(dev)).cpu() for xb in x.split(512)])
+
+
+def _evaluate(jm, x_test, y_test, ood_sets: Mapping[str, torch.Tensor], out: Path, tag: str,
+              plots: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Accuracy, calibration, OOD AUROCs (flat summary) and the detailed OOD metrics."""
+    from . import calibration, ood
+
+    logits = _logits(jm, x_test)
+    cal = calibration.calibration_report(logits, y_test)
+    summary: dict[str, Any] = {
+        "accuracy": cal["accuracy"],
+        "nll": cal["nll_before"],
+        "ece": cal["ece_before"],
+        "ece_temp_scaled": cal["ece_after"],
+        "temperature": cal["temperature"],
+    }
+    detail: dict[str, Any] = {"calibration": cal, "ood": {}}
+    for method in OOD_SCORES:
+        s_in = ood.score(jm, x_test, method=method, progress=False)
+        s_out = {name: ood.score(jm, xo, method=method, progress=False) for name, xo in ood_sets.items()}
+        detail["ood"][method] = {}
+        for name, s in s_out.items():
+            m = ood.evaluate(s_in, s)
+            detail["ood"][method][name] = m
+            summary[f"auroc_{method}_{name}"] = m["auroc"]
+        if plots and method in ("logpx", "grad_norm"):
+            ood.plot_histograms(s_in, s_out, str(out / f"hist_{method}_{tag}.png"),
+                                title=f"{tag}: {method} (higher = more in-distribution)")
+            if method == "logpx":
+                ood.plot_roc(s_in, s_out, str(out / f"roc_{method}_{tag}.png"), title=f"{tag}: ROC of {method}")
+    if plots:
+        calibration.reliability_diagram(logits, y_test, str(out / f"reliability_{tag}.png"),
+                                        title=f"{tag}: reliability (ECE {cal['ece_before']:.3f})",
+                                        from_logits=True)
+    return summary, detail
+
+
+def _sample_grids(jm, loss_fn, cfg: DigitsConfig, out: Path) -> dict[str, str]:
+    """Replay-buffer samples (unconditional) and class-conditional samples, one row per class."""
+    from .plotting import save_image_grid
+    from .sampling import SGLD
+
+    buffer = loss_fn.buffer
+    paths = {}
+    g = torch.Generator(device=buffer.data.device).manual_seed(cfg.seed + 1)
+    idx = torch.randperm(buffer.capacity, generator=g, device=buffer.data.device)[:64]
+    x_buf = buffer.data[idx].cpu()
+    paths["buffer"] = str(save_image_grid(x_buf, out / "samples_buffer.png", domain=jm.domain, nrow=8,
+                                          title="JEM replay buffer (unconditional SGLD samples)"))
+    # Class-conditional: start from buffer samples (on the learned manifold), ascend f(x)[y].
+    per = 8
+    y = torch.arange(10, device=buffer.data.device).repeat_interleave(per)
+    start = buffer.data[torch.randperm(buffer.capacity, generator=g, device=buffer.data.device)[:10 * per]]
+    sampler = SGLD(steps=cfg.class_sample_steps, step_size=cfg.step_size, noise=cfg.noise,
+                   grad_clip=cfg.proximal, generator=g)
+    x_cls = sampler.sample(jm, x_init=start, y=y).cpu()
+    paths["class"] = str(save_image_grid(x_cls, out / "samples_per_class.png", domain=jm.domain, nrow=per,
+                                         title="class-conditional SGLD samples",
+                                         row_labels=[f"class {c}" for c in range(10)]))
+    with torch.no_grad():
+        pred = jm(x_cls.to(buffer.data.device)).argmax(1).cpu()
+    paths["class_sample_accuracy"] = float((pred == y.cpu()).float().mean())
+    return paths
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    return obj
+
+
+def check_targets(result: Mapping[str, Any]) -> dict[str, bool]:
+    """Issue 3's targets, evaluated on a result with a baseline and a JEM run."""
+    runs = result["runs"]
+    if "baseline" not in runs or len(runs) < 2:
+        return {}
+    b = runs["baseline"]["summary"]
+    j = next(v["summary"] for k, v in runs.items() if k != "baseline")
+    t = {
+        "accuracy_within_1pt": j["accuracy"] >= b["accuracy"] - TARGETS["acc_within"],
+        "logpx_auroc_noise_patches_transposed": all(
+            j[f"auroc_logpx_{s}"] >= TARGETS["logpx_auroc"] for s in ("noise", "patches", "transposed")),
+        "grad_norm_auroc_noise_patches": all(
+            j[f"auroc_grad_norm_{s}"] >= TARGETS["grad_norm_auroc"] for s in ("noise", "patches")),
+    }
+    if b.get("train_cpu_seconds"):
+        t["cost_within_4x_baseline"] = j["train_cpu_seconds"] <= TARGETS["cost_ratio"] * b["train_cpu_seconds"]
+    return t
+
+
+# ---------------------------------------------------------------------------- the experiment
+def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, init: str = "uniform",
+               proximal: float | None = None, l2_weight: float = 0.0, seed: int = 0, baseline: bool = True,
+               progress: bool = True, device: str | torch.device = "cpu",
+               max_seconds: float | None = None, plots: bool = True, **overrides: Any) -> dict[str, Any]:
+    """Train a baseline and a JEM :class:`~jem_plugin.nets.DigitsCNN` on the digits, evaluate both,
+    write ``metrics.json`` and figures to ``out_dir``; returns the result dict.
+
+    Defaults are the paper's recipe (Adam 1e-4, warmup 1000, 20 SGLD steps of size 1 and noise
+    0.01, data noise 0.03, buffer 10000, reinit 0.05, batch 64). ``init="gaussian"``,
+    ``proximal=<grad clip>`` and ``l2_weight`` give JEM++-style fast variants; any other
+    :class:`DigitsConfig` field can be overridden by keyword. ``max_seconds`` caps each run's
+    training time (the demo's budget). Result: ``{"runs": {"baseline": {...}, "JEM": {...}},
+    "config": ..., "targets": ...}`` where each run has a flat ``summary`` (accuracy, nll, ece,
+    ece_temp_scaled, auroc_<score>_<set>, seconds_per_epoch, train_seconds).
+    """
+    cfg = replace(DigitsConfig(), epochs=epochs, sgld_steps=sgld_steps, init=init, proximal=proximal,
+                  l2_weight=l2_weight, seed=seed, **overrides)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(device)
+    train = D.load_digits("train", test_fraction=cfg.test_fraction, seed=cfg.seed)
+    x_train, y_train = train.tensors
+    x_test, y_test = D.digits_tensors("test", test_fraction=cfg.test_fraction, seed=cfg.seed)
+    ood_sets = D.digits_ood_sets(x_test, y_test, seed=cfg.seed)
+
+    runs: dict[str, Any] = {}
+    histories: dict[str, History] = {}
+    jem_label = "JEM"
+
+    def train_and_eval(tag: str, loss_fn, n_epochs: int) -> tuple[Any, dict]:
+        jm = _build(cfg, device)
+        torch.manual_seed(cfg.seed + 1)
+        t0 = time.perf_counter()
+        hist = fit(jm, _loader(train, cfg), epochs=n_epochs, lr=cfg.lr, warmup_iters=cfg.warmup_iters,
+                   loss_fn=loss_fn, val_data=(x_test, y_test), eval_every=max(1, n_epochs // 30),
+                   progress=progress, max_seconds=max_seconds, desc=tag)
+        wall = time.perf_counter() - t0
+        histories[tag] = hist
+        hist.save(out / f"history_{tag}.json")
+        summary, detail = _evaluate(jm, x_test, y_test, ood_sets, out, tag, plots=plots)
+        train_seconds, cpu_seconds = sum(hist["time"]), sum(hist["cpu_time"])
+        n = max(1, len(hist))
+        summary.update({"epochs": float(len(hist)), "seconds_per_epoch": train_seconds / n,
+                        "cpu_seconds_per_epoch": cpu_seconds / n, "train_seconds": train_seconds,
+                        "train_cpu_seconds": cpu_seconds, "wall_seconds": wall})
+        runs[tag] = {"summary": summary, "detail": detail, "stopped": hist.stopped}
+        return jm, runs[tag]
+
+    if baseline:
+        train_and_eval("baseline", None, cfg.baseline_epochs or cfg.epochs)
+    loss_fn = _jem_loss(cfg, x_train, y_train, device)
+    jm, _ = train_and_eval(jem_label, loss_fn, cfg.epochs)
+    runs[jem_label]["recipe"] = cfg.jem_name()
+    if plots:
+        grids = _sample_grids(jm, loss_fn, cfg, out)
+        runs[jem_label]["summary"]["class_sample_accuracy"] = grids.pop("class_sample_accuracy")
+        from .plotting import plot_training_curves
+
+        plot_training_curves(histories, out / "curves_training.png",
+                             metrics=[m for m in ("loss", "acc", "val_acc", "val_nll", "energy_gap", "time")
+                                      if any(m in h for h in histories.values())],
+                             title="digits: baseline vs JEM")
+    if baseline:
+        b = runs["baseline"]["summary"]
+        j = runs[jem_label]["summary"]
+        # CPU time: the fair measure on a shared machine (wall time also recorded)
+        j["cost_vs_baseline"] = j["train_cpu_seconds"] / max(1e-9, b["train_cpu_seconds"])
+        j["wall_cost_vs_baseline"] = j["train_seconds"] / max(1e-9, b["train_seconds"])
+    result = {
+        "description": (f"Digits (sklearn 8x8, {len(x_train)} train / {len(x_test)} test), DigitsCNN width "
+                        f"{cfg.width}; baseline vs {cfg.jem_name()}, {cfg.epochs} epochs each."),
+        "config": asdict(cfg),
+        "runs": runs,
+        "ood_sets": {k: int(v.shape[0]) for k, v in ood_sets.items()},
+        "device": str(device),
+        "torch_threads": torch.get_num_threads(),
+    }
+    result["targets"] = check_targets(result)
+    (out / "metrics.json").write_text(json.dumps(_jsonable(result), indent=2))
+    return result
+
+
+def run_digits_demo(out_dir: str | Path, *, seed: int = 0, device: str = "cpu", progress: bool = True,
+                    budget_seconds: float | None = 240.0, **overrides: Any) -> dict[str, Any]:
+    """``jem demo``: :data:`DEMO_RECIPE` (baseline + a fast JEM), within ``budget_seconds`` of
+    training for both runs together (the JEM run gets what the baseline leaves)."""
+    kw = {**DEMO_RECIPE, **overrides}
+    max_seconds = None
+    if budget_seconds is not None:
+        # The baseline costs a small fraction; cap each run at the whole budget minus evaluation.
+        max_seconds = max(10.0, float(budget_seconds) - 20.0)
+    return run_digits(out_dir, seed=seed, device=device, progress=progress, max_seconds=max_seconds, **kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jem_plugin.experiments",
+                                description="Digits: baseline vs JEM (accuracy, calibration, OOD, samples).")
+    p.add_argument("out")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--fast", action="store_true", help="the fast recipe (5 SGLD steps, JEM++ tricks)")
+    group.add_argument("--demo", action="store_true", help="the demo's small budget")
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--sgld-steps", type=int)
+    p.add_argument("--init", choices=["uniform", "gaussian"])
+    p.add_argument("--proximal", type=float)
+    p.add_argument("--l2-weight", type=float)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--warmup-iters", type=int)
+    p.add_argument("--width", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    kw: dict[str, Any] = dict(FAST_RECIPE if args.fast else DEMO_RECIPE if args.demo else PAPER_RECIPE)
+    for name in ("epochs", "sgld_steps", "init", "proximal", "l2_weight", "lr", "warmup_iters", "width"):
+        v = getattr(args, name)
+        if v is not None:
+            kw[name] = v
+    result = run_digits(args.out, seed=args.seed, baseline=not args.no_baseline, progress=not args.quiet, **kw)
+    for name, r in result["runs"].items():
+        print(f"== {name}")
+        for k, v in r["summary"].items():
+            print(f"  {k:<28} {v:.4f}" if isinstance(v, float) else f"  {k:<28} {v}")
+    print("targets:", json.dumps(result["targets"]))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
