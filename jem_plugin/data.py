@@ -11,6 +11,7 @@ carries its domain as ``dataset.domain``.
 """
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -40,12 +41,21 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 
 # ---------------------------------------------------------------------------- digits
-def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+@functools.lru_cache(maxsize=1)
+def _digits_cached() -> tuple[np.ndarray, np.ndarray]:
     from sklearn.datasets import load_digits as _sk_load_digits
 
-    d = _sk_load_digits()
+    d = _sk_load_digits()  # parses a bundled CSV: slow enough to cache
     x = d.images.astype(np.float32) / 16.0 * 2.0 - 1.0  # 0..16 -> [-1, 1]
-    return x[:, None], d.target.astype(np.int64)
+    x.setflags(write=False)
+    y = d.target.astype(np.int64)
+    y.setflags(write=False)
+    return x[:, None], y
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    x, y = _digits_cached()
+    return x.copy(), y.copy()
 
 
 def _with_domain(ds: Dataset, domain: InputDomain, classes: Sequence[str] | None = None) -> Dataset:

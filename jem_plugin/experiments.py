@@ -66,6 +66,7 @@ class DigitsConfig:
     reinit_freq: float = 0.05
     init: str = "uniform"               # "uniform" (JEM) or "gaussian" (per-class, JEM++)
     proximal: float | None = None       # SGLD grad_clip (JEM++'s proximal SGLD)
+    clamp: bool = True                  # clamp chains to [-1, 1] (the reference code does not)
     l2_weight: float = 0.0              # energy L2 regulariser
     px_weight: float = 1.0
     pxy_weight: float = 0.0
@@ -111,7 +112,7 @@ def _jem_loss(cfg: DigitsConfig, x_train, y_train, device):
     from .sampling import SGLD
 
     sampler = SGLD(steps=cfg.sgld_steps, step_size=cfg.step_size, noise=cfg.noise,
-                   grad_clip=cfg.proximal)
+                   grad_clip=cfg.proximal, clamp=cfg.clamp)
     cond = cfg.init == "gaussian" or cfg.pxy_weight > 0
     buffer = ReplayBuffer(cfg.buffer_size, (1, 8, 8), reinit_freq=cfg.reinit_freq, init=cfg.init,
                           num_classes=10 if cond else None, device=device)
@@ -262,6 +263,7 @@ def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, 
         wall = time.perf_counter() - t0
         histories[tag] = hist
         hist.save(out / f"history_{tag}.json")
+        torch.save(jm.state_dict(), out / f"model_{tag}.pt")
         summary, detail = _evaluate(jm, x_test, y_test, ood_sets, out, tag, plots=plots)
         train_seconds, cpu_seconds = sum(hist["time"]), sum(hist["cpu_time"])
         n = max(1, len(hist))

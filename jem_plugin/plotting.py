@@ -100,26 +100,41 @@ def save_image_grid(x: Tensor, path: str | Path, domain: InputDomain | None = No
     return path
 
 
-def _as_runs(history) -> dict[str, Mapping[str, Sequence[float]]]:
-    """Accept one history (``{metric: [values]}``), a History object, or ``{run: history}``."""
-    def norm(h):
-        if hasattr(h, "to_dict"):
-            h = h.to_dict()
-        if isinstance(h, Mapping) and "epochs" in h and isinstance(h["epochs"], list):
-            # History.to_dict(): a list of per-epoch records -> columns
-            cols: dict[str, list[float]] = {}
-            for rec in h["epochs"]:
-                for k, v in rec.items():
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
-                        cols.setdefault(k, []).append(float(v))
-            return cols
-        return h
+def _series(h) -> dict[str, tuple[list[float], list[float]]]:
+    """One run as ``{metric: (epochs, values)}``. Records (``History``) keep each value's own
+    epoch, so metrics logged every few epochs (validation) sit at the right x."""
+    if hasattr(h, "to_dict"):
+        h = h.to_dict()
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    if isinstance(h, Mapping) and isinstance(h.get("epochs"), list):
+        for i, rec in enumerate(h["epochs"]):
+            ep = float(rec.get("epoch", i + 1))
+            for k, v in rec.items():
+                if k != "epoch" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    xs, ys = out.setdefault(k, ([], []))
+                    xs.append(ep)
+                    ys.append(float(v))
+        return out
+    epochs = list(h.get("epoch", [])) if isinstance(h, Mapping) else []
+    for k, v in h.items():
+        if k == "epoch" or not len(v) or not all(isinstance(a, (int, float)) for a in v):
+            continue
+        xs = [float(e) for e in epochs] if len(epochs) == len(v) else [float(i + 1) for i in range(len(v))]
+        out[k] = (xs, [float(a) for a in v])
+    return out
 
-    h = norm(history)
-    if isinstance(h, Mapping) and h and all(isinstance(v, (Mapping,)) or hasattr(v, "to_dict")
-                                            for v in h.values()):
-        return {name: norm(v) for name, v in h.items()}
-    return {"": h}
+
+def _as_runs(history) -> dict[str, dict[str, tuple[list[float], list[float]]]]:
+    """Accept one history (``{metric: [values]}`` or a History), or ``{run: history}``."""
+    def is_run(v) -> bool:
+        return hasattr(v, "to_dict") or (isinstance(v, Mapping) and (
+            isinstance(v.get("epochs"), list) or all(isinstance(a, (list, tuple)) for a in v.values())))
+
+    if isinstance(history, Mapping) and history and not isinstance(history.get("epochs"), list) \
+            and all(is_run(v) for v in history.values()) \
+            and not all(isinstance(v, (list, tuple)) for v in history.values()):
+        return {name: _series(v) for name, v in history.items()}
+    return {"": _series(history)}
 
 
 def plot_training_curves(history, path: str | Path,
@@ -134,10 +149,7 @@ def plot_training_curves(history, path: str | Path,
     runs = _as_runs(history)
     present: list[str] = []
     for h in runs.values():
-        for k, v in h.items():
-            if k not in present and k != "epoch" and len(v) and all(
-                    isinstance(a, (int, float)) for a in v):
-                present.append(k)
+        present += [k for k in h if k not in present]
     if metrics is None:
         metrics = [k for k in _CURVES if k in present]
         if not metrics:
@@ -152,9 +164,8 @@ def plot_training_curves(history, path: str | Path,
         fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.2 * nrow), squeeze=False)
         for ax, m in zip(axes.flat, metrics):
             for i, (name, h) in enumerate(runs.items()):
-                if m in h and len(h[m]):
-                    ys = np.asarray(h[m], dtype=float)
-                    xs = np.asarray(h.get("epoch", np.arange(1, len(ys) + 1)), dtype=float)[:len(ys)]
+                if m in h and len(h[m][1]):
+                    xs, ys = np.asarray(h[m][0]), np.asarray(h[m][1])
                     ax.plot(xs, ys, label=name or None, color=colors[i % len(colors)],
                             marker="o" if len(ys) <= 12 else None, ms=3)
             ax.set_title(_CURVES.get(m, m))

@@ -347,6 +347,9 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
             history.events.append({"event": "resumed", "epoch": state.epoch, "iteration": state.iteration})
             epoch_rng = extra.get("epoch_rng")
             guard_state = extra.get("guard")
+            # The loader's own generators (shuffle order) continue where they were, too.
+            for g, st in zip(_loader_generators(train_loader), extra.get("loader_rng") or []):
+                g.set_state(st)
             if skip:
                 # Global RNG is at the checkpoint's moment now; remember it, and the loader's.
                 resume_rng = {"global": get_rng_state(), "loader": extra.get("loader_rng") or []}

@@ -79,25 +79,27 @@ class _Crash:
 
 
 @pytest.mark.parametrize("global_shuffle", [False, True])
-def test_resume_mid_epoch_is_exact(digits, tmp_path, global_shuffle):
+@pytest.mark.parametrize("every_iters, resumed_at", [(3, 6), (None, 5)])
+def test_resume_is_exact(digits, tmp_path, global_shuffle, every_iters, resumed_at):
+    """Killed after iteration 8; resumes from iteration 6 (mid epoch 2) or 5 (end of epoch 1)."""
     train, (xt, yt) = digits
     sub = TensorDataset(*[t[:320] for t in train.tensors])  # 5 batches per epoch
 
-    def run(ckpt_dir=None, callbacks=None, seed_loader=True):
+    def run(ckpt_dir=None, callbacks=None):
         torch.manual_seed(123)  # the global RNG drives data order when the loader has no generator
         jm = _model(width=4)
-        dl = _loader(sub, shuffle_generator=not global_shuffle)
+        dl = _loader(sub, shuffle_generator=not global_shuffle)  # a fresh loader, as after a restart
         h = fit(jm, dl, epochs=3, lr=1e-3, warmup_iters=4, checkpoint_dir=ckpt_dir,
-                checkpoint_every_iters=3, callbacks=callbacks, progress=False)
+                checkpoint_every_iters=every_iters, callbacks=callbacks, progress=False)
         return jm, h
 
     ref, ref_hist = run()
     with pytest.raises(KeyboardInterrupt):
-        run(tmp_path, callbacks=[_Crash(at=8)])  # last checkpoint at iteration 6 (mid epoch 2)
+        run(tmp_path, callbacks=[_Crash(at=8)])
     resumed, hist = run(tmp_path)
     assert torch.equal(_params(ref), _params(resumed))
     assert [r["loss"] for r in hist.epochs] == [r["loss"] for r in ref_hist.epochs]
-    assert any(e["event"] == "resumed" and e["iteration"] == 6 for e in hist.events)
+    assert any(e["event"] == "resumed" and e["iteration"] == resumed_at for e in hist.events)
 
 
 def test_resume_with_jem_loss_restores_buffer_and_sampler(digits, tmp_path):
@@ -217,3 +219,24 @@ def test_guard_rollback_continues_with_safer_settings(digits, tmp_path):
     fit(jm2, _loader(sub), epochs=2, loss_fn=loss2, guard_policy="rollback", checkpoint_dir=tmp_path,
         progress=False)
     assert loss2.l2_weight == pytest.approx(0.1)
+
+
+def test_run_digits_smoke_writes_metrics_and_figures(tmp_path):
+    from jem_plugin.experiments import OOD_SCORES, run_digits
+
+    result = run_digits(tmp_path, epochs=1, sgld_steps=1, buffer_size=200, class_sample_steps=1,
+                        warmup_iters=10, progress=False)
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert set(saved["runs"]) == {"baseline", "JEM"} == set(result["runs"])
+    for run in saved["runs"].values():
+        s = run["summary"]
+        for key in ("accuracy", "ece", "ece_temp_scaled", "seconds_per_epoch", "train_cpu_seconds"):
+            assert isinstance(s[key], float), key
+        for method in OOD_SCORES:
+            for ood_set in ("noise", "patches", "blends", "transposed"):
+                assert 0.0 <= s[f"auroc_{method}_{ood_set}"] <= 1.0
+    assert set(saved["targets"]) >= {"accuracy_within_1pt", "logpx_auroc_noise_patches_transposed",
+                                     "grad_norm_auroc_noise_patches", "cost_within_4x_baseline"}
+    for png in ("samples_buffer.png", "samples_per_class.png", "curves_training.png",
+                "reliability_JEM.png", "roc_logpx_baseline.png"):
+        assert (tmp_path / png).stat().st_size > 1000, png
