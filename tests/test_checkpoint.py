@@ -143,10 +143,25 @@ def test_crash_between_write_and_rename_keeps_previous_checkpoint(tmp_path, monk
 
 
 WRITER = textwrap.dedent("""
-    import sys, torch
+    import io, sys, time, torch
     from jem_plugin.checkpoint import save_checkpoint
     torch.set_num_threads(1)
     path = sys.argv[1]
+    real_save = torch.save
+
+    def save_that_stalls_halfway(obj, f, *args, **kwargs):
+        # From the third checkpoint on, write half the bytes, say so, and hang: the parent's
+        # SIGKILL then lands inside a write, deterministically (no timing luck needed).
+        if step >= 3:
+            buf = io.BytesIO()
+            real_save(obj, buf, *args, **kwargs)
+            f.write(buf.getvalue()[: buf.tell() // 2])
+            f.flush()
+            print("mid-write", flush=True)
+            time.sleep(600)
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = save_that_stalls_halfway
     step = 0
     while True:
         step += 1
@@ -155,13 +170,12 @@ WRITER = textwrap.dedent("""
 """)
 
 
-def _kill_writer_midway(path: Path) -> bool:
+def _kill_writer_midway(path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().strip() == "1", proc.stderr.read()
-        proc.stdout.readline()  # at least two writes done; the kill lands in a later one
-        time.sleep(0.1)
+        lines = [proc.stdout.readline().strip() for _ in range(3)]
+        assert lines == ["1", "2", "mid-write"], (lines, proc.stderr.read() if proc.poll() is not None else "")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
     finally:
@@ -169,20 +183,16 @@ def _kill_writer_midway(path: Path) -> bool:
             proc.kill()
         proc.stdout.close()
         proc.stderr.close()
-    # A temp file left behind proves the kill hit a write in progress.
-    return any(p.name.endswith(".tmp") for p in path.parent.iterdir())
 
 
 def test_sigkill_during_writes_leaves_a_loadable_checkpoint(tmp_path):
-    """Kill a process that does nothing but write 16 MB checkpoints; the file is always whole."""
+    """Kill a process in the middle of writing a 16 MB checkpoint; the previous one stays whole."""
     path = tmp_path / "c.pt"
-    for _ in range(5):  # almost always the first attempt: the writer spends its time in writes
-        if _kill_writer_midway(path):
-            break
-    else:
-        pytest.fail("never managed to kill the writer during a write")
+    _kill_writer_midway(path)
+    # the kill left a half-written temp file behind, and the previous checkpoint untouched
+    assert any(p.name.endswith(".tmp") for p in path.parent.iterdir())
     extra = load_checkpoint(path, rng=False)
-    assert extra["step"] >= 2
+    assert extra["step"] == 2
     assert torch.equal(extra["big"], torch.full((4_000_000,), float(extra["step"])))
     # A checkpoint written after the kill cleans up the dead write's temp file.
     ckpt = Checkpointer(tmp_path / "dir", keep=1)
