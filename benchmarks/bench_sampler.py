@@ -60,6 +60,28 @@ def chain_agreement(model_name: str = "digits_cnn", batch: int = 8, steps: int =
     return out
 
 
+def fixed_overhead(model_name: str, batch: int, buffer_size: int, calls: int = 200) -> dict[str, float]:
+    """What jem-plugin adds per chain, measured directly: ``SGLD(steps=0).sample(jm, n, buffer=...)``
+    (buffer draw, reinit, write-back, mode handling, parameter freezing: everything but the steps)."""
+    import statistics
+    import time
+
+    from jem_plugin.buffer import ReplayBuffer
+    from jem_plugin.sampling import SGLD
+
+    model, jm, shape = make_model(model_name)
+    buffer = ReplayBuffer(buffer_size, shape, reinit_freq=0.05)
+    buffer.initialize(jm.domain)
+    sampler = SGLD(steps=0)
+    sampler.sample(jm, n=batch, buffer=buffer)
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        sampler.sample(jm, n=batch, buffer=buffer)
+        ts.append(time.perf_counter() - t0)
+    return {"fixed_overhead_us": statistics.median(ts) * 1e6}
+
+
 def common_torchebm(model):
     from benchmarks.contenders import torchebm_sampler
 
@@ -121,6 +143,8 @@ def run(quick: bool = False, repeats: int | None = None, models: list[str] | Non
         times = common.interleaved(contenders, repeats=repeats, warmup=1)
         stats = common.ratios(times, "floor")
         entry: dict[str, Any] = {"time": stats, "raw_times_s": times}
+        entry.update(fixed_overhead(name, batch, buffer_size, calls=20 if quick else 200))
+        entry["fixed_overhead_fraction"] = entry["fixed_overhead_us"] * 1e-6 / stats["floor"]["median_s"]
         if "jem_plugin" in times:
             # Paired per round, like the ratios to the floor: < 1 = we were faster in the typical round.
             entry["jem_vs"] = {o: common.paired_ratio(times["jem_plugin"], times[o]) for o in times
@@ -193,6 +217,10 @@ def to_markdown(res: dict) -> str:
     lines.append(common.md_table(
         ["model", "implementation", "median ms", "spread", "ratio vs floor", "ratio of medians",
          f"peak RSS growth MB ({steps_hdr} steps)"], rows))
+    lines += ["", "Fixed cost jem-plugin adds per chain (`SGLD(steps=0).sample` with the buffer: draw, reinit, "
+                  "write-back, mode handling), median of direct calls: " + "; ".join(
+                      f"{n}: {e['fixed_overhead_us']:.0f} us = {e['fixed_overhead_fraction']:.2%} of the floor's chain"
+                      for n, e in res["models"].items() if "fixed_overhead_us" in e) + "."]
     a = res["agreement"]
     lines += ["", f"Same chain check ({a['model']}, batch {a['batch']}, {a['steps']} steps, same generator): "
                   f"jem-plugin == floor bit for bit: **{a['ours_equal_floor']}** (max |diff| "
