@@ -36,7 +36,9 @@ def main(argv: list[str]) -> None:
     # One-time import, not working memory: autograd.grad with grad_outputs (jem-plugin, torchebm)
     # imports torch.fx.experimental.symbolic_shapes (sympy, mpmath: ~60 MB RSS) on its first call.
     # Import it up front for every contender so that the figure is the call's own memory.
-    import torch.fx.experimental.symbolic_shapes  # noqa: F401
+    import importlib
+
+    importlib.import_module("torch.fx.experimental.symbolic_shapes")
 
     gc.collect()
     before = common.maxrss_kb()
