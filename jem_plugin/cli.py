@@ -201,26 +201,40 @@ def _print_summary(result: dict[str, Any]) -> None:
 
 
 def cmd_train(args) -> int:
-    import torch
-    from torch.utils.data import DataLoader
+    from . import distributed as jdist
 
+    try:
+        return _train(args, jdist.init_distributed(device=_device(args.device)))
+    finally:
+        jdist.cleanup()  # also on errors: leave the process group
+
+
+def _train(args, info) -> int:
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from . import distributed as jdist
     from .buffer import ReplayBuffer
     from .losses import JEMLoss
     from .sampling import SGLD
     from .training import fit
 
+    dev = info.device
+    # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(args.seed)
-    dev = _device(args.device)
     ds, domain, k, shape = load_data(args.data, train=True, image_size=args.image_size, seed=args.seed)
     spec = {"model": args.model, "data": args.data, "num_classes": k, "sample_shape": list(shape),
             "low": list(domain.low), "high": list(domain.high),
             "mean": list(domain.mean) if domain.mean else None,
             "std": list(domain.std) if domain.std else None}
     jm = _wrap_for_data(build_model(args.model, k, shape[0]), spec).to(dev)
+    if info.distributed:
+        # From here on each rank draws its own data noise and chains.
+        torch.manual_seed(jdist.rank_seed(args.seed))
     loss_fn = None
     if not args.baseline:
         sampler = SGLD(steps=args.sgld_steps, step_size=args.step_size, noise=args.noise,
-                       grad_clip=args.grad_clip)
+                       grad_clip=args.grad_clip, generator=jdist.rank_generator(args.seed, dev))
         buffer = ReplayBuffer(args.buffer_size, shape, reinit_freq=args.reinit_freq, init=args.init,
                               num_classes=k, device=dev)
         if args.init == "gaussian":
@@ -230,20 +244,31 @@ def cmd_train(args) -> int:
                           pxy_weight=args.pxy_weight, l2_weight=args.l2_weight,
                           data_noise=args.data_noise).to(dev)
     g = torch.Generator().manual_seed(args.seed)
-    loader = DataLoader(ds, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=g)
+    if info.distributed:
+        # Each rank its share of the data, reshuffled per epoch (fit calls set_epoch).
+        shard = DistributedSampler(ds, num_replicas=info.world_size, rank=info.rank, shuffle=True,
+                                   seed=args.seed, drop_last=True)
+        loader = DataLoader(ds, batch_size=args.batch_size, sampler=shard, drop_last=True, generator=g)
+        model = jdist.wrap_ddp(jm)
+    else:
+        loader = DataLoader(ds, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=g)
+        model = jm
     out = Path(args.out or "runs/jem")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "spec.json").write_text(json.dumps(spec, indent=2))
-    history = fit(jm, loader, epochs=args.epochs, lr=args.lr, warmup_iters=args.warmup_iters,
+    if info.is_main:
+        (out / "spec.json").write_text(json.dumps(spec, indent=2))
+    history = fit(model, loader, epochs=args.epochs, lr=args.lr, warmup_iters=args.warmup_iters,
                   loss_fn=loss_fn, checkpoint_dir=out / "checkpoints", resume=not args.no_resume,
                   guard_policy=args.on_divergence, progress=not args.quiet,
                   max_seconds=args.max_seconds)
-    save_model_checkpoint(out / "model.pt", jm, spec)
-    (out / "history.json").write_text(json.dumps(history if isinstance(history, (dict, list)) else
-                                                  getattr(history, "to_dict", lambda: {})(), indent=2))
-    if loss_fn is not None:
-        loss_fn.buffer.save_grid(out / "buffer.png", domain=domain) if len(shape) == 3 else None
-    print(f"model: {out / 'model.pt'}")
+    if loss_fn is not None and len(shape) == 3:  # each rank's own chains
+        name = f"buffer_rank{info.rank}.png" if info.distributed else "buffer.png"
+        loss_fn.buffer.save_grid(out / name, domain=domain)
+    if info.is_main:
+        save_model_checkpoint(out / "model.pt", jm, spec)
+        (out / "history.json").write_text(json.dumps(history.to_dict(), indent=2))
+        print(f"model: {out / 'model.pt'}")
+    jdist.barrier()  # no rank exits (and tears down the group) before rank 0 has written
     return 0
 
 
@@ -342,7 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="run the pipeline in seconds (not a meaningful result)")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("train", parents=[common], help="train a classifier with (or without) the JEM loss")
+    p = sub.add_parser(
+        "train", parents=[common], help="train a classifier with (or without) the JEM loss",
+        description="Train a classifier with (or without) the JEM loss; resumes from --out/checkpoints. "
+                    "Multi-process (DDP, one replay buffer per rank; --batch-size and --buffer-size are "
+                    "per rank): torchrun --nproc_per_node=2 -m jem_plugin.cli train --out runs/jem-ddp ... "
+                    "(resume with the same --nproc_per_node).")
     p.add_argument("--model", default="digits-cnn", help="digits-cnn, toy-mlp, a timm name, or module:factory")
     p.add_argument("--data", default="digits", help="digits, toy2d[:NAME], folder:PATH, cifar10:PATH")
     p.add_argument("--image-size", type=int, default=32)

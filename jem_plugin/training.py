@@ -14,6 +14,11 @@ What it adds over a hand-written loop:
 * A divergence guard (:mod:`jem_plugin.stability`): raise with remedies, or roll back and
   continue with a safer setting.
 * A tqdm bar with live metrics, per-epoch metrics in a JSON-serialisable :class:`History`.
+* DDP under ``torchrun``: pass ``jdist.wrap_ddp(jm)`` and a loader with a ``DistributedSampler``
+  (``set_epoch`` is called for you). Checkpoints then hold the shared state once and each rank's
+  own state (replay buffer, sampler, RNGs, running metrics) in per-rank files
+  (:class:`~jem_plugin.distributed.DistributedCheckpointer`); stop decisions are agreed across
+  ranks; epoch metrics are averaged over the ranks; the bar shows on rank 0 only.
 """
 from __future__ import annotations
 
@@ -218,6 +223,44 @@ def _call_callbacks(callbacks, hook: str, state: TrainState) -> None:
             cb(state)
 
 
+def _multi_process() -> bool:
+    """True under an initialised process group of more than one rank (DDP under torchrun)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _agree(device: torch.device, *flags: bool) -> tuple[bool, ...]:
+    """Each flag OR-ed over the ranks (all_reduce MAX): all ranks stop after the same step, so
+    none is left waiting in DDP's gradient all-reduce. Returned unchanged in a single process."""
+    if not _multi_process():
+        return flags
+    import torch.distributed as dist
+
+    t = torch.tensor([float(f) for f in flags],
+                     device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return tuple(bool(v) for v in t.tolist())
+
+
+def _mean_over_ranks(metrics: Mapping[str, float]) -> dict[str, float]:
+    """An epoch's mean metrics averaged over the ranks (each trained on its share of the data)."""
+    if not _multi_process():
+        return dict(metrics)
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dict(metrics))  # objects: robust to ranks differing in keys
+    return {k: sum(g[k] for g in gathered if k in g) / sum(k in g for g in gathered) for k in metrics}
+
+
+def _set_epoch(loader: Any, epoch: int) -> None:
+    """``DistributedSampler.set_epoch``: a new shuffle each epoch, the same on every rank."""
+    sampler = getattr(loader, "sampler", None)
+    if callable(getattr(sampler, "set_epoch", None)):
+        sampler.set_epoch(epoch)
+
+
 def _make_guard(policy: str | None, jm, optimizer, scheduler, loss_fn,
                 guard_options: Mapping[str, Any] | None):
     if policy is None:
@@ -294,6 +337,13 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
         raise ValueError(f"epochs must be an int >= 0, got {epochs!r}")
     if guard_policy not in (None, "raise", "rollback"):
         raise ValueError(f"guard_policy must be 'raise', 'rollback' or None, got {guard_policy!r}")
+    multi = _multi_process()
+    if multi and guard_policy == "rollback":
+        # A rollback on one rank would leave the others a step ahead (and waiting in DDP's
+        # all-reduce): restoring would have to be collective.
+        raise ValueError("guard_policy='rollback' is not supported with multiple processes (DDP): "
+                         "use guard_policy='raise' (jem train --on-divergence raise) and resume "
+                         "from the last checkpoint with a safer setting")
     try:
         iters_per_epoch = len(train_loader)  # type: ignore[arg-type]
     except TypeError:
@@ -314,7 +364,15 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
     epoch_rng: dict[str, Any] | None = None
     skip = 0  # batches of the current epoch already done (mid-epoch resume)
 
-    ckpt = Checkpointer(checkpoint_dir, every=1, keep=keep_checkpoints) if checkpoint_dir else None
+    if checkpoint_dir and multi:
+        from .distributed import DistributedCheckpointer
+
+        ckpt = DistributedCheckpointer(checkpoint_dir, every=1, keep=keep_checkpoints)
+    else:
+        ckpt = Checkpointer(checkpoint_dir, every=1, keep=keep_checkpoints) if checkpoint_dir else None
+    # Under DDP each rank owns its loss state (replay buffer, sampler generator), running metrics
+    # and RNG/loader states (per-rank files); the rest is shared and written once by rank 0.
+    per_rank_keys = ("loss", "running", "epoch_rng", "loader_rng")
 
     def objects() -> dict[str, Any]:
         objs: dict[str, Any] = {"model": jm, "optimizer": optimizer, "scheduler": scheduler}
@@ -327,15 +385,24 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
             return
         hist = history.to_dict()
         hist["total_time"] = history.total_time + (time.perf_counter() - start_time)
-        ckpt.save(state.iteration, **objects(), epoch=state.epoch, batch_in_epoch=batch_in_epoch,
-                  running=running.state(), epoch_rng=epoch_rng,
-                  loader_rng=[g.get_state() for g in _loader_generators(train_loader)],
-                  history=hist, guard=guard.state_dict() if guard is not None else None)
+        items = dict(**objects(), epoch=state.epoch, batch_in_epoch=batch_in_epoch,
+                     running=running.state(), epoch_rng=epoch_rng,
+                     loader_rng=[g.get_state() for g in _loader_generators(train_loader)],
+                     history=hist, guard=guard.state_dict() if guard is not None else None)
+        if multi:
+            per_rank = {k: items.pop(k) for k in per_rank_keys if k in items}
+            ckpt.save(state.iteration, per_rank=per_rank, **items)
+        else:
+            ckpt.save(state.iteration, **items)
 
     resume_rng: dict[str, Any] | None = None
     guard_state: dict[str, Any] | None = None
     if ckpt is not None and resume:
-        extra = ckpt.resume(**objects())
+        if multi:
+            objs = objects()
+            extra = ckpt.resume(per_rank={k: objs.pop(k) for k in per_rank_keys if k in objs}, **objs)
+        else:
+            extra = ckpt.resume(**objects())
         if extra:
             state.iteration = int(extra["step"])
             state.epoch = int(extra["epoch"])
@@ -359,7 +426,7 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
         guard.load_state_dict(guard_state)
 
     bar = None
-    if progress:
+    if progress and (not multi or torch.distributed.get_rank() == 0):
         from tqdm.auto import tqdm
 
         bar = tqdm(total=epochs * iters_per_epoch, initial=min(state.iteration, epochs * iters_per_epoch),
@@ -376,6 +443,7 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
                 set_rng_state(epoch_rng["global"])
                 for g, s in zip(_loader_generators(train_loader), epoch_rng["loader"]):
                     g.set_state(s)
+                _set_epoch(train_loader, state.epoch)
                 it = iter(train_loader)
                 for _ in range(skip):
                     next(it)
@@ -388,6 +456,7 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
                 running = _Running()
                 epoch_rng = {"global": get_rng_state(),
                              "loader": [g.get_state() for g in _loader_generators(train_loader)]}
+                _set_epoch(train_loader, state.epoch)
                 it = iter(train_loader)
             for b, batch in enumerate(it, start=skip):
                 step_start, step_cpu = time.perf_counter(), time.process_time()
@@ -420,6 +489,8 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
                 running.cpu_seconds += time.process_time() - step_cpu
                 done_in_epoch = b + 1
                 out_of_time = max_seconds is not None and time.perf_counter() - start_time > max_seconds
+                if multi:
+                    state.stop, out_of_time = _agree(device, state.stop, out_of_time)
                 if (state.stop or out_of_time) and done_in_epoch < iters_per_epoch:
                     stop_reason = "max_seconds" if out_of_time else "callback"
                     save(done_in_epoch)
@@ -430,10 +501,14 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
             if stop_reason is not None:
                 break
             # ---- epoch end
-            record = {"epoch": state.epoch + 1, **running.means(), "lr": optimizer.param_groups[0]["lr"],
+            record = {"epoch": state.epoch + 1, **_mean_over_ranks(running.means()),
+                      "lr": optimizer.param_groups[0]["lr"],
                       "iterations": running.count}
             if val_data is not None and ((state.epoch + 1) % eval_every == 0 or state.epoch + 1 == epochs):
-                ev = evaluate_classifier(jm, *val_data) if _is_xy(val_data) else evaluate_classifier(jm, val_data)
+                # The bare module under DDP (no wrapper forward, no buffer broadcast); every rank
+                # evaluates the same parameters, so every rank's history agrees.
+                net = _unwrap(jm) if multi else jm
+                ev = evaluate_classifier(net, *val_data) if _is_xy(val_data) else evaluate_classifier(net, val_data)
                 record["val_acc"], record["val_nll"] = ev["accuracy"], ev["nll"]
             record["time"] = running.seconds
             record["cpu_time"] = running.cpu_seconds
@@ -444,6 +519,8 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
                 bar.set_postfix(_postfix(record, state.epoch, epochs), refresh=True)
             _call_callbacks(callbacks, "on_epoch_end", state)
             out_of_time = max_seconds is not None and time.perf_counter() - start_time > max_seconds
+            if multi:
+                state.stop, out_of_time = _agree(device, state.stop, out_of_time)
             if ckpt is not None and (state.epoch % checkpoint_every == 0 or state.epoch == epochs
                                      or out_of_time or state.stop):
                 running = _Running()
@@ -459,6 +536,12 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
         history.events.append({"event": "stopped", "reason": stop_reason, "epoch": state.epoch,
                                "iteration": state.iteration})
     return history
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    from .distributed import unwrap
+
+    return unwrap(module)
 
 
 def _is_xy(data: Any) -> bool:
