@@ -91,3 +91,88 @@ def test_ddp_train_resumes_with_every_rank(ddp_run):
     assert any(e["event"] == "resumed" and e["epoch"] == 1 for e in history["events"])
     steps = _checkpoint_steps(out / "checkpoints")
     assert max(steps) == 2 * first and steps[max(steps)] == {"shared", "rank0", "rank1"}
+
+
+# ------------------------------------------------------------------ fit() directly, under DDP
+def _fit_run(out: str, stop_rank1_at: int | None) -> dict:  # pragma: no cover - torchrun children
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    import jem_plugin as jem
+    from jem_plugin import distributed as jdist
+    from jem_plugin.data import load_digits
+    from jem_plugin.nets import DigitsCNN
+    from jem_plugin.training import fit
+
+    rank = jdist.get_rank()
+    torch.manual_seed(0)
+    jm = jem.wrap(DigitsCNN(width=8), data_range=(-1.0, 1.0), input_size=(1, 8, 8))
+    ddp = jdist.wrap_ddp(jm)
+    torch.manual_seed(jdist.rank_seed(0))
+    loss_fn = jem.JEMLoss(jem.SGLD(steps=2, generator=jdist.rank_generator(0)), jem.ReplayBuffer(100, (1, 8, 8)))
+    ds = load_digits("train", seed=0)
+    loader = DataLoader(ds, batch_size=32, drop_last=True,
+                        sampler=DistributedSampler(ds, shuffle=True, seed=0, drop_last=True))
+
+    class StopOnRank1:  # one rank alone asks to stop: every rank must stop there (no hang)
+        def on_step_end(self, state):
+            if rank == 1 and state.iteration == stop_rank1_at:
+                state.stop = True
+
+    res: dict = {}
+    if stop_rank1_at is not None:
+        h = fit(ddp, loader, epochs=1, loss_fn=loss_fn, warmup_iters=5, checkpoint_dir=out,
+                callbacks=[StopOnRank1()], progress=False)
+        res["stopped"] = [h.stopped, h.events[-1]["iteration"]]
+    h = fit(ddp, loader, epochs=1, loss_fn=loss_fn, warmup_iters=5, checkpoint_dir=out, progress=False)
+    res.update(history=h.epochs, in_sync=jdist.params_in_sync(ddp),
+               params=[p.detach().clone() for p in jm.parameters()], buffer=loss_fn.buffer.data.clone())
+    return res
+
+
+def _fit_worker(out: str) -> None:  # pragma: no cover - runs in the torchrun children
+    import torch.distributed as dist
+
+    from jem_plugin import distributed as jdist
+
+    torch.set_num_threads(1)
+    info = jdist.init_distributed()
+    straight = _fit_run(str(Path(out) / "straight"), None)
+    resumed = _fit_run(str(Path(out) / "resumed"), 3)
+    with pytest.raises(ValueError, match="not supported with multiple processes"):
+        from jem_plugin.training import fit
+
+        fit(torch.nn.Linear(2, 2), [(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))], epochs=1,
+            guard_policy="rollback", progress=False)
+    report = {
+        "rank": info.rank,
+        "stopped": resumed["stopped"],
+        "in_sync": straight["in_sync"] and resumed["in_sync"],
+        "same_params": all(torch.equal(a, b) for a, b in zip(straight["params"], resumed["params"])),
+        "same_buffer": torch.equal(straight["buffer"], resumed["buffer"]),
+        "buffer_sum": float(resumed["buffer"].double().sum()),
+        "history": [{k: r[k] for k in ("epoch", "acc", "loss")} for r in resumed["history"]],
+    }
+    (Path(out) / f"report{info.rank}.json").write_text(json.dumps(report))
+    dist.barrier()
+    jdist.cleanup()
+
+
+def test_fit_under_ddp_stops_together_and_resumes_exactly(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           __file__, "--fit-worker", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    r0, r1 = (json.loads((tmp_path / f"report{r}.json").read_text()) for r in (0, 1))
+    # Rank 1's callback stop ended both ranks after the same step, mid-epoch.
+    assert r0["stopped"] == r1["stopped"] == ["callback", 3]
+    # Stopped + resumed == uninterrupted, bit for bit: parameters and each rank's own buffer.
+    for r in (r0, r1):
+        assert r["in_sync"] and r["same_params"] and r["same_buffer"]
+    assert r0["buffer_sum"] != r1["buffer_sum"]  # one buffer per rank
+    # Epoch metrics are averaged over the ranks: every rank's history agrees.
+    assert r0["history"] == r1["history"] and [e["epoch"] for e in r0["history"]] == [1]
+
+
+if __name__ == "__main__" and "--fit-worker" in sys.argv:  # pragma: no cover
+    _fit_worker(sys.argv[sys.argv.index("--fit-worker") + 1])
