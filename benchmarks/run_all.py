@@ -68,7 +68,10 @@ def targets_table(results: dict[str, Any]) -> list[list[str]]:
                                  f"{t['jem_plugin']['median_s'] * 1e3:.1f} vs {t[o]['median_s'] * 1e3:.1f} ms)",
                                  mark(r[f"not_slower_than_{o}"])])
             if r.get("memory_growth_mb") is not None:
-                rows.append([f"sampler memory flat in steps ({m})", f"{r['memory_growth_mb']:+.1f} MB from fewest to most steps",
+                fl = r.get("floor_memory_growth_mb")
+                rows.append([f"sampler memory flat in steps ({m})",
+                             f"{r['memory_growth_mb']:+.1f} MB from fewest to most steps (floor: "
+                             f"{'n/a' if fl is None else format(fl, '+.1f')} MB)",
                              mark(r.get("memory_flat"))])
         a = s.get("agreement", {})
         rows.append(["sampler computes the floor's chain (same generator)",
