@@ -67,8 +67,10 @@ class DigitsConfig:
     init: str = "uniform"               # "uniform" (JEM) or "gaussian" (per-class, JEM++)
     proximal: float | None = None       # SGLD grad_clip (JEM++'s proximal SGLD)
     clamp: bool = True                  # clamp chains to [-1, 1] (the reference code does not)
-    l2_weight: float = 0.0              # energy L2 regulariser
+    l2_weight: float = 0.0              # energy L2 regulariser (data and sample energies)
+    l2_data_weight: float = 0.0         # extra L2 on the data energies only (energy_l2 term)
     px_weight: float = 1.0
+    n_samples: int | None = None        # SGLD chains per step (default: the batch size)
     pxy_weight: float = 0.0
     # bookkeeping
     seed: int = 0
@@ -89,6 +91,8 @@ class DigitsConfig:
 PAPER_RECIPE: dict[str, Any] = {}
 #: Fewer SGLD steps at equal quality: per-class Gaussian init, proximal SGLD, energy L2.
 FAST_RECIPE: dict[str, Any] = {"sgld_steps": 5, "init": "gaussian", "proximal": 0.03, "l2_weight": 0.1}
+#: Seconds kept aside from the demo's budget for evaluation and figures.
+DEMO_EVAL_SECONDS = 30.0
 #: `jem demo`: baseline + JEM in a few minutes on two cores.
 DEMO_RECIPE: dict[str, Any] = {"epochs": 40, "lr": 3e-4, "warmup_iters": 200, "sgld_steps": 5,
                                "init": "gaussian", "proximal": 0.03, "l2_weight": 0.1}
@@ -118,8 +122,10 @@ def _jem_loss(cfg: DigitsConfig, x_train, y_train, device):
                           num_classes=10 if cond else None, device=device)
     if cfg.init == "gaussian":
         buffer.fit(x_train.to(device), y_train.to(device))
+    terms = {"energy_l2": {"weight": cfg.l2_data_weight, "on": ("data",)}} if cfg.l2_data_weight else None
     return JEMLoss(sampler, buffer, px_weight=cfg.px_weight, pxy_weight=cfg.pxy_weight,
-                   l2_weight=cfg.l2_weight, data_noise=cfg.data_noise).to(device)
+                   l2_weight=cfg.l2_weight, data_noise=cfg.data_noise, n_samples=cfg.n_samples,
+                   terms=terms).to(device)
 
 
 @torch.no_grad()
@@ -227,7 +233,8 @@ def check_targets(result: Mapping[str, Any]) -> dict[str, bool]:
 def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, init: str = "uniform",
                proximal: float | None = None, l2_weight: float = 0.0, seed: int = 0, baseline: bool = True,
                progress: bool = True, device: str | torch.device = "cpu",
-               max_seconds: float | None = None, plots: bool = True, **overrides: Any) -> dict[str, Any]:
+               max_seconds: float | None = None, budget_seconds: float | None = None,
+               guard_policy: str | None = None, plots: bool = True, **overrides: Any) -> dict[str, Any]:
     """Train a baseline and a JEM :class:`~jem_plugin.nets.DigitsCNN` on the digits, evaluate both,
     write ``metrics.json`` and figures to ``out_dir``; returns the result dict.
 
@@ -235,7 +242,9 @@ def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, 
     0.01, data noise 0.03, buffer 10000, reinit 0.05, batch 64). ``init="gaussian"``,
     ``proximal=<grad clip>`` and ``l2_weight`` give JEM++-style fast variants; any other
     :class:`DigitsConfig` field can be overridden by keyword. ``max_seconds`` caps each run's
-    training time (the demo's budget). Result: ``{"runs": {"baseline": {...}, "JEM": {...}},
+    training time; ``budget_seconds`` caps both together (the baseline gets at most a quarter,
+    JEM the rest; the demo's budget); a run cut short reports fewer ``epochs``. ``guard_policy``
+    (``"raise"``/``"rollback"``) watches the JEM run for divergence. Result: ``{"runs": {"baseline": {...}, "JEM": {...}},
     "config": ..., "targets": ...}`` where each run has a flat ``summary`` (accuracy, nll, ece,
     ece_temp_scaled, auroc_<score>_<set>, seconds_per_epoch, train_seconds).
     """
@@ -253,13 +262,21 @@ def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, 
     histories: dict[str, History] = {}
     jem_label = "JEM"
 
+    t_start = time.perf_counter()
+
     def train_and_eval(tag: str, loss_fn, n_epochs: int) -> tuple[Any, dict]:
         jm = _build(cfg, device)
         torch.manual_seed(cfg.seed + 1)
+        limit = max_seconds
+        if budget_seconds is not None:
+            left = float(budget_seconds) - (time.perf_counter() - t_start)
+            share = 0.25 * float(budget_seconds) if loss_fn is None else left
+            limit = max(5.0, min(share, left)) if limit is None else min(limit, max(5.0, min(share, left)))
         t0 = time.perf_counter()
         hist = fit(jm, _loader(train, cfg), epochs=n_epochs, lr=cfg.lr, warmup_iters=cfg.warmup_iters,
                    loss_fn=loss_fn, val_data=(x_test, y_test), eval_every=max(1, n_epochs // 30),
-                   progress=progress, max_seconds=max_seconds, desc=tag)
+                   progress=progress, max_seconds=limit, desc=tag,
+                   guard_policy=guard_policy if loss_fn is not None else None)
         wall = time.perf_counter() - t0
         histories[tag] = hist
         hist.save(out / f"history_{tag}.json")
@@ -312,11 +329,10 @@ def run_digits_demo(out_dir: str | Path, *, seed: int = 0, device: str = "cpu", 
     """``jem demo``: :data:`DEMO_RECIPE` (baseline + a fast JEM), within ``budget_seconds`` of
     training for both runs together (the JEM run gets what the baseline leaves)."""
     kw = {**DEMO_RECIPE, **overrides}
-    max_seconds = None
     if budget_seconds is not None:
-        # The baseline costs a small fraction; cap each run at the whole budget minus evaluation.
-        max_seconds = max(10.0, float(budget_seconds) - 20.0)
-    return run_digits(out_dir, seed=seed, device=device, progress=progress, max_seconds=max_seconds, **kw)
+        budget_seconds = max(10.0, float(budget_seconds) - DEMO_EVAL_SECONDS)  # leave time to evaluate
+    return run_digits(out_dir, seed=seed, device=device, progress=progress, budget_seconds=budget_seconds,
+                      guard_policy="rollback", **kw)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -334,16 +350,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float)
     p.add_argument("--warmup-iters", type=int)
     p.add_argument("--width", type=int)
+    p.add_argument("--l2-data-weight", type=float)
+    p.add_argument("--n-samples", type=int)
+    p.add_argument("--clamp", action=argparse.BooleanOptionalAction, default=None,
+                   help="clamp SGLD chains to [-1, 1]")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--guard", choices=["raise", "rollback"], default=None, help="divergence guard policy")
+    p.add_argument("--budget-seconds", type=float, default=None, help="training budget for both runs")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     kw: dict[str, Any] = dict(FAST_RECIPE if args.fast else DEMO_RECIPE if args.demo else PAPER_RECIPE)
-    for name in ("epochs", "sgld_steps", "init", "proximal", "l2_weight", "lr", "warmup_iters", "width"):
+    for name in ("epochs", "sgld_steps", "init", "proximal", "l2_weight", "lr", "warmup_iters", "width",
+                 "l2_data_weight", "n_samples", "clamp"):
         v = getattr(args, name)
         if v is not None:
             kw[name] = v
-    result = run_digits(args.out, seed=args.seed, baseline=not args.no_baseline, progress=not args.quiet, **kw)
+    result = run_digits(args.out, seed=args.seed, baseline=not args.no_baseline, progress=not args.quiet,
+                        guard_policy=args.guard, budget_seconds=args.budget_seconds, **kw)
     for name, r in result["runs"].items():
         print(f"== {name}")
         for k, v in r["summary"].items():
