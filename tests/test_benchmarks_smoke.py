@@ -121,3 +121,20 @@ def test_quality_comparisons_and_table():
     assert c["fast_recipe_cost_ok"] is True and c["fast_recipe_cost_vs_baseline"] == pytest.approx(3.5)
     md = bench_quality.to_markdown(res)
     assert "jem_5_fast" in md and "MISSED" in md
+
+
+def test_robustness_table_from_a_digits_run(tmp_path):
+    """bench_robustness reads the models a digits run saved and tabulates robust accuracy."""
+    from benchmarks import bench_robustness
+    from jem_plugin.experiments import run_digits
+
+    run_digits(tmp_path, epochs=1, sgld_steps=2, buffer_size=200, class_sample_steps=2,
+               progress=False, plots=False)
+    res = bench_robustness.run(tmp_path, n=16, steps=2)
+    assert set(res["results"]) == {"baseline", "baseline + SGLD defence (worst case)",
+                                   "JEM", "JEM + SGLD defence (worst case)"}
+    for r in res["results"].values():
+        assert len(r["accuracy"]) == len(bench_robustness.EPS_255)
+        # PGD can only lower accuracy as the budget grows (eps 0 = clean accuracy)
+        assert r["accuracy"][-1] <= r["accuracy"][0] + 1e-9
+    assert "eps 8/255" in bench_robustness.to_markdown(res)
