@@ -231,6 +231,9 @@ def _worker(out_dir: str) -> None:  # pragma: no cover - runs in the torchrun ch
             opt.step()
             opt.zero_grad()
         accelerator.save_state(str(Path(out_dir, "accelerate")))
+        # save_state writes custom objects from the main process and returns without a barrier:
+        # a rank that loads right away can look before rank 0's files exist (seen in CI).
+        accelerator.wait_for_everyone()
         saved = loss_fn.buffer.data.clone()
         loss_fn.buffer.data.zero_()
         accelerator.load_state(str(Path(out_dir, "accelerate")))

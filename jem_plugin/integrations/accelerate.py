@@ -18,7 +18,9 @@ registered objects from the main process only, so every rank would resume with r
 :func:`register_jem_state` registers a :class:`~jem_plugin.distributed.PerRankState` instead:
 saving gathers every rank's state into that one file, loading gives each rank its own. (Accelerate
 saves each process's RNG states itself.) Note that Accelerate reads registered objects back with
-``torch.load(weights_only=False)``: load only checkpoints you wrote.
+``torch.load(weights_only=False)``: load only checkpoints you wrote. ``save_state`` returns
+without a barrier; call ``accelerator.wait_for_everyone()`` before another rank may read the
+folder in the same run.
 """
 from __future__ import annotations
 
