@@ -42,6 +42,18 @@ def _script_main():
     return _resume_script.main
 
 
+def _sigkill(proc: subprocess.Popen) -> None:
+    """SIGKILL a child and reap it (also its pipes): what a crash or an OOM killer does."""
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
 def test_sigkill_mid_training_resumes_bitwise(tmp_path, capsys):
     """A run SIGKILLed mid-training and resumed ends bitwise where an uninterrupted run ends.
 
@@ -63,13 +75,8 @@ def test_sigkill_mid_training_resumes_bitwise(tmp_path, capsys):
             time.sleep(0.02)
         else:
             pytest.fail("no checkpoint appeared in time")
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stdout.close()
-        proc.stderr.close()
+        _sigkill(proc)
     assert proc.returncode == -signal.SIGKILL
     assert not (killed / "final.pt").exists()
     killed_at = ckpt.checkpoints()[-1][0]
@@ -176,13 +183,8 @@ def _kill_writer_midway(path: Path) -> None:
     try:
         lines = [proc.stdout.readline().strip() for _ in range(3)]
         assert lines == ["1", "2", "mid-write"], (lines, proc.stderr.read() if proc.poll() is not None else "")
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stdout.close()
-        proc.stderr.close()
+        _sigkill(proc)
 
 
 def test_sigkill_during_writes_leaves_a_loadable_checkpoint(tmp_path):
