@@ -90,13 +90,21 @@ class DigitsConfig:
 
 #: The reference measurement's setup (issue 3).
 PAPER_RECIPE: dict[str, Any] = {}
-#: Fewer SGLD steps at equal quality: per-class Gaussian init, proximal SGLD, energy L2.
-FAST_RECIPE: dict[str, Any] = {"sgld_steps": 5, "init": "gaussian", "proximal": 0.03, "l2_weight": 0.1}
+#: Fewer SGLD steps at equal quality, chosen by measurement (digits, seed 0, one core):
+#: 5 steps instead of 20 on 32 chains per batch instead of 64, the energy L2 regulariser (0.1),
+#: and a learning rate/warmup suited to a 22-iteration epoch (the paper's 1000 warmup iterations
+#: are 45 of the 150 epochs here, and at 1e-4 JEM learns classes more slowly than the baseline
+#: and ends 1-2 points short). Measured: accuracy equal to the baseline (0.978), log p(x) AUROC
+#: 1.00/1.00/0.82/1.00, 3.6x the baseline's CPU time. Uniform init and plain SGLD measured better
+#: than per-class Gaussian init and proximal SGLD here; unclamped chains drift to +-4 and lose
+#: the model after ~90 epochs.
+FAST_RECIPE: dict[str, Any] = {"sgld_steps": 5, "n_samples": 32, "l2_weight": 0.1, "lr": 3e-4,
+                               "warmup_iters": 200}
 #: Seconds kept aside from the demo's budget for evaluation and figures.
 DEMO_EVAL_SECONDS = 30.0
-#: `jem demo`: baseline + JEM in a few minutes on two cores.
-DEMO_RECIPE: dict[str, Any] = {"epochs": 40, "lr": 3e-4, "warmup_iters": 200, "sgld_steps": 5,
-                               "init": "gaussian", "proximal": 0.03, "l2_weight": 0.1}
+#: `jem demo`: the fast recipe itself (150 epochs). Measured: baseline + JEM + evaluation in about
+#: 2 minutes of wall time on 2 idle cores; ``budget_seconds`` stops training early on a slower machine.
+DEMO_RECIPE: dict[str, Any] = dict(FAST_RECIPE)
 
 
 # ---------------------------------------------------------------------------- the domain-projected score
@@ -233,7 +241,7 @@ def _sample_grids(jm, loss_fn, cfg: DigitsConfig, out: Path) -> dict[str, str]:
     y = torch.arange(10, device=buffer.data.device).repeat_interleave(per)
     start = buffer.data[torch.randperm(buffer.capacity, generator=g, device=buffer.data.device)[:10 * per]]
     sampler = SGLD(steps=cfg.class_sample_steps, step_size=cfg.step_size, noise=cfg.noise,
-                   grad_clip=cfg.proximal, generator=g)
+                   grad_clip=cfg.proximal, clamp=cfg.clamp, generator=g)
     x_cls = sampler.sample(jm, x_init=start, y=y).cpu()
     paths["class"] = str(save_image_grid(x_cls, out / "samples_per_class.png", domain=jm.domain, nrow=per,
                                          title="class-conditional SGLD samples",
@@ -350,7 +358,7 @@ def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, 
         from .plotting import plot_training_curves
 
         plot_training_curves(histories, out / "curves_training.png",
-                             metrics=[m for m in ("loss", "acc", "val_acc", "val_nll", "energy_gap", "time")
+                             metrics=[m for m in ("loss", "acc", "val_acc", "val_nll", "energy_gap", "cpu_time")
                                       if any(m in h for h in histories.values())],
                              title="digits: baseline vs JEM")
     if baseline:
@@ -389,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Digits: baseline vs JEM (accuracy, calibration, OOD, samples).")
     p.add_argument("out")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--fast", action="store_true", help="the fast recipe (5 SGLD steps, JEM++ tricks)")
+    group.add_argument("--fast", action="store_true",
+                       help="the fast recipe (5 SGLD steps on 32 chains, energy L2, lr 3e-4)")
     group.add_argument("--demo", action="store_true", help="the demo's small budget")
     p.add_argument("--epochs", type=int)
     p.add_argument("--sgld-steps", type=int)

@@ -37,6 +37,7 @@ _CURVES = {
     "energy_data": "mean energy of data",
     "energy_sample": "mean energy of samples",
     "time": "seconds per epoch",
+    "cpu_time": "CPU seconds per epoch",
 }
 
 

@@ -222,10 +222,11 @@ def test_guard_rollback_continues_with_safer_settings(digits, tmp_path):
 
 
 def test_run_digits_smoke_writes_metrics_and_figures(tmp_path):
-    from jem_plugin.experiments import OOD_SCORES, run_digits
+    from jem_plugin.experiments import OOD_SCORES, run_digits_demo
 
-    result = run_digits(tmp_path, epochs=1, sgld_steps=1, buffer_size=200, class_sample_steps=1,
-                        warmup_iters=10, progress=False)
+    # the demo entry point with a tiny budget: both runs, the budget split, every figure
+    result = run_digits_demo(tmp_path, epochs=1, sgld_steps=1, buffer_size=200, class_sample_steps=1,
+                             warmup_iters=10, progress=False, budget_seconds=60)
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert set(saved["runs"]) == {"baseline", "JEM"} == set(result["runs"])
     for run in saved["runs"].values():
