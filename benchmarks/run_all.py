@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 15; quick 3)")
     p.add_argument("--only", nargs="*", choices=list(BENCHMARKS), default=None)
     p.add_argument("--skip", nargs="*", choices=list(BENCHMARKS), default=[])
-    p.add_argument("--epochs", type=int, default=None, help="quality: epochs per run (default 60)")
+    p.add_argument("--epochs", type=int, default=None, help="quality: epochs per run (default 150)")
     p.add_argument("--workers", type=int, default=2, help="quality: parallel training processes")
     p.add_argument("--readme", action="store_true",
                    help="also paste the report between the results markers of benchmarks/README.md")

@@ -138,6 +138,12 @@ class JEMLoss(nn.Module):
     ce_weight, px_weight, pxy_weight, l2_weight: weights of the p(y|x), p(x), p(x|y) and
         energy-L2 terms (paper: 1, 1, 0, 0; try ``l2_weight=0.1`` .. ``1`` if training diverges).
     data_noise: std of the Gaussian noise added to the data batch (paper: 0.03).
+    clamp_data: clamp the noisy data batch to the model's input domain. Default (``None``): do so
+        exactly when the sampler clamps its chains. Why: with clamped chains and unclamped data
+        noise, the positive phase has mass just outside the domain (saturated pixels + noise)
+        that the negative phase can never reach, so training keeps raising the density *outside*
+        the domain; the input gradient of real data then points out of it at every saturated
+        pixel and swamps the gradient-norm OOD score.
     n_samples: number of chains per sampled term and step (default: the batch size); the p(x|y)
         chains are drawn for the first ``n_samples`` labels of the batch.
     class_conditional_px: draw the p(x) chains from p(y)p(x|y) with uniformly random ``y`` (the
@@ -156,7 +162,8 @@ class JEMLoss(nn.Module):
                  ce_weight: float = 1.0, px_weight: float = 1.0, pxy_weight: float = 0.0,
                  l2_weight: float = 0.0, data_noise: float = 0.03, n_samples: int | None = None,
                  class_conditional_px: bool = False, terms: dict[str, dict] | None = None,
-                 generator: torch.Generator | None = None, validate: bool = True) -> None:
+                 generator: torch.Generator | None = None, validate: bool = True,
+                 clamp_data: bool | None = None) -> None:
         super().__init__()
         for name, value in (("ce_weight", ce_weight), ("px_weight", px_weight),
                             ("pxy_weight", pxy_weight), ("l2_weight", l2_weight),
@@ -174,6 +181,7 @@ class JEMLoss(nn.Module):
         self.pxy_weight = float(pxy_weight)
         self.l2_weight = float(l2_weight)
         self.data_noise = float(data_noise)
+        self.clamp_data = clamp_data
         self.n_samples = n_samples
         self.class_conditional_px = bool(class_conditional_px)
         self.generator = generator
@@ -275,6 +283,11 @@ class JEMLoss(nn.Module):
         return self.buffer
 
     # ------------------------------------------------------------------ the loss
+    def _clamps_data(self) -> bool:
+        if self.clamp_data is not None:
+            return bool(self.clamp_data)
+        return bool(getattr(self.sampler, "clamp", False))
+
     def _noise_like(self, x: Tensor) -> Tensor:
         g = self.generator
         if g is None or g.device == x.device:
@@ -311,6 +324,8 @@ class JEMLoss(nn.Module):
 
         # 2. One forward on [x_data; x_sample; x_cond], then split.
         x_data = x + self.data_noise * self._noise_like(x) if self.data_noise > 0 else x
+        if self.data_noise > 0 and self._clamps_data():
+            x_data = core.domain.clamp(x_data)  # in place on the fresh noisy tensor
         parts = [x_data] + [t.to(x_data.dtype) for t in (x_sample, x_cond) if t is not None]
         logits_all = jm(torch.cat(parts) if len(parts) > 1 else x_data)
         sizes = [p.shape[0] for p in parts]

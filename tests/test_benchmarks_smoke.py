@@ -111,16 +111,22 @@ def test_quality_comparisons_and_table():
         r = {"accuracy": acc, "ece": 0.01, "cpu_seconds_per_epoch": cpu, "seconds_per_epoch": cpu}
         r.update({f"auroc_logpx_{s}": auroc for s in bench_quality.SETS})
         return r
-    res = {"epochs": 1, "warmup_iters": 7, "workers": 1, "wall_s": 1.0, "heldout": {},
+    res = {"epochs": 1, "workers": 1, "wall_s": 1.0, "heldout": {},
            "table": {"baseline": row(0.95, 0.5, 1.0), "jem_20": row(0.95, 0.99, 13.0),
-                     "jem_5": row(0.93, 0.99, 5.0), "jem_5_fast": row(0.948, 0.98, 3.5)}}
+                     "jem_5": row(0.93, 0.99, 5.0), "baseline_fast": row(0.97, 0.5, 2.0),
+                     "jem_5_fast": row(0.948, 0.98, 7.0),
+                     "jem_5_proximal": {"diverged": "|energy_sample| = 2e+04 exceeds max_abs_energy=1e+04"}}}
     res["comparisons"] = bench_quality.compare(res)
     c = res["comparisons"]
     assert c["jem_5"]["matches_20step"] is False          # 2 points below
     assert c["jem_5_fast"]["matches_20step"] is True      # 0.2 point, 0.01 AUROC below
+    # cost and accuracy against the baseline trained with the same optimiser (baseline_fast)
     assert c["fast_recipe_cost_ok"] is True and c["fast_recipe_cost_vs_baseline"] == pytest.approx(3.5)
+    assert res["table"]["jem_5_fast"]["acc_vs_baseline"] == pytest.approx(-0.022)
+    assert res["table"]["jem_20"]["cpu_cost_vs_baseline"] == pytest.approx(13.0)
+    assert c["jem_5_proximal"]["matches_20step"] is False
     md = bench_quality.to_markdown(res)
-    assert "jem_5_fast" in md and "MISSED" in md
+    assert "jem_5_fast" in md and "MISSED" in md and "diverged" in md
 
 
 def test_robustness_table_from_a_digits_run(tmp_path):

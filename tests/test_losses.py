@@ -102,6 +102,25 @@ def test_data_noise_is_gaussian_with_given_std_and_generator():
     torch.testing.assert_close(seen[-1][:8], expected)
 
 
+@pytest.mark.parametrize("sampler_clamp, clamp_data, inside", [
+    (True, None, True), (False, None, False), (True, False, False), (False, True, True)])
+def test_noisy_data_stays_in_the_domain_the_chains_are_clamped_to(sampler_clamp, clamp_data, inside):
+    """Clamped chains + unclamped data noise put positive-phase mass where no sample can go
+    (saturated pixels + noise); by default the noisy batch is clamped exactly when the chains are."""
+    jm = jem.wrap(small_net(), data_range=(-1.0, 1.0))
+    x, y = batch()
+    x[:, :, :4] = -1.0  # saturated background, like the digits
+    x[:, :, 4:] = 1.0
+    loss_fn = JEMLoss(SGLD(steps=1, clamp=sampler_clamp), data_noise=0.3, clamp_data=clamp_data,
+                      generator=torch.Generator().manual_seed(0))
+    seen = []
+    jm.model.register_forward_pre_hook(lambda m, inp: seen.append(inp[0].detach().clone()))
+    loss_fn(jm, x, y)
+    noisy = seen[-1][:8]
+    assert bool(((noisy >= -1) & (noisy <= 1)).all()) is inside
+    assert not torch.equal(noisy, x)  # the noise itself is still there
+
+
 def test_one_forward_on_concatenated_batch_with_real_sampler():
     net = small_net()
     jm = jem.wrap(net, num_classes=K)
