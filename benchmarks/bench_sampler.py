@@ -18,7 +18,6 @@ generator (``clamp=False``, same start), and torchebm's chain is the same chain 
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch

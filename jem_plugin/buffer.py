@@ -9,7 +9,6 @@ model is (no host round trip per step) and ``state_dict()`` resumes a run exactl
 from __future__ import annotations
 
 import inspect
-import math
 import os
 from typing import Any, Callable, Sequence
 

@@ -74,7 +74,6 @@ def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int 
         ds = data.load_digits("train" if train else "test", seed=seed)
         return ds, ds.domain, 10, (1, 8, 8)
     if kind == "toy2d":
-        import torch
         from torch.utils.data import TensorDataset
 
         x, y = data.toy2d(arg or "8gaussians", n=4000 if train else 1000, seed=seed if train else seed + 1)
@@ -321,7 +320,6 @@ def cmd_ood(args) -> int:
 def cmd_sample(args) -> int:
     import torch
 
-    from .buffer import ReplayBuffer
     from .plotting import save_image_grid
     from .sampling import SGLD
 

@@ -20,7 +20,7 @@ import argparse
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -30,13 +30,12 @@ from torch.utils.data import DataLoader
 from . import data as D
 from .model import JEM, wrap
 from .nets import DigitsCNN
-from .plugins import hookimpl, register
-from .training import History, evaluate_classifier, fit
+from .training import History, fit
 
 __all__ = ["DigitsConfig", "run_digits", "run_digits_demo", "PAPER_RECIPE", "FAST_RECIPE",
            "DEMO_RECIPE", "TARGETS", "OOD_SCORES"]
 
-OOD_SCORES = ("logpx", "msp", "grad_norm", "grad_norm_domain")
+OOD_SCORES = ("logpx", "msp", "grad_norm")
 
 # Issue 3's targets; checked and recorded in metrics.json.
 TARGETS = {
@@ -107,50 +106,6 @@ DEMO_EVAL_SECONDS = 30.0
 DEMO_RECIPE: dict[str, Any] = dict(FAST_RECIPE)
 
 
-# ---------------------------------------------------------------------------- the domain-projected score
-def grad_norm_domain(jm, x: torch.Tensor) -> torch.Tensor:
-    """``-||P(d log p(x)/dx)||``: JEM's approximate mass with the gradient projected onto the
-    model's input domain (components at a bound that point outside it are dropped).
-
-    Why: SGLD clamps chains to the data range, so the model is only ever trained *inside* it and
-    its density keeps rising towards the outside at saturated pixels (digits sit at -1 and 1).
-    Those components cannot be followed by any input and dominate the plain gradient norm of
-    real data; measured on the digits they turn the plain score's AUROC against noise from
-    ~1.0 (projected) to ~0.2. For inputs strictly inside the domain both scores are equal.
-    """
-    from .model import input_grad_enabled
-    from .modes import sampling_mode
-
-    with sampling_mode(jm), input_grad_enabled(x) as xg:
-        lp = torch.logsumexp(jm.logits(xg), dim=1)
-        (g,) = torch.autograd.grad(lp.sum(), xg)
-    xd = x.detach().to(g.dtype)
-    lo, hi = jm.domain.bounds(xd)
-    tol = 1e-6 * (hi - lo)
-    outward = ((xd <= lo + tol) & (g < 0)) | ((xd >= hi - tol) & (g > 0))
-    return -g.masked_fill(outward, 0.0).flatten(1).norm(dim=1).detach()
-
-
-class _DomainScorePlugin:
-    """Registers :func:`grad_norm_domain` through the public OOD-score hook (like any third party)."""
-
-    @staticmethod
-    def jem_register_ood_scores(register):
-        register("grad_norm_domain", grad_norm_domain, needs_grad=True,
-                 description="-||d log p(x)/dx|| projected onto the input domain (clamped SGLD)")
-
-
-_DomainScorePlugin.jem_register_ood_scores = hookimpl(_DomainScorePlugin.jem_register_ood_scores)
-
-
-def ensure_domain_score() -> None:
-    """Make ``"grad_norm_domain"`` available to :func:`jem_plugin.ood.score` (idempotent)."""
-    from . import ood
-
-    if "grad_norm_domain" not in ood.available_scores():
-        register(_DomainScorePlugin, name="jem_plugin.experiments.grad_norm_domain")
-
-
 # ---------------------------------------------------------------------------- pieces
 def _build(cfg: DigitsConfig, device) -> JEM:
     torch.manual_seed(cfg.seed)  # both runs start from the same weights
@@ -193,7 +148,6 @@ def _evaluate(jm, x_test, y_test, ood_sets: Mapping[str, torch.Tensor], out: Pat
     """Accuracy, calibration, OOD AUROCs (flat summary) and the detailed OOD metrics."""
     from . import calibration, ood
 
-    ensure_domain_score()
     logits = _logits(jm, x_test)
     cal = calibration.calibration_report(logits, y_test)
     summary: dict[str, Any] = {
@@ -212,7 +166,7 @@ def _evaluate(jm, x_test, y_test, ood_sets: Mapping[str, torch.Tensor], out: Pat
             m = ood.evaluate(s_in, s)
             detail["ood"][method][name] = m
             summary[f"auroc_{method}_{name}"] = m["auroc"]
-        if plots and method in ("logpx", "grad_norm", "grad_norm_domain"):
+        if plots and method in ("logpx", "grad_norm"):
             ood.plot_histograms(s_in, s_out, str(out / f"hist_{method}_{tag}.png"),
                                 title=f"{tag}: {method} (higher = more in-distribution)")
             if method == "logpx":
@@ -278,9 +232,6 @@ def check_targets(result: Mapping[str, Any]) -> dict[str, bool]:
         "grad_norm_auroc_noise_patches": all(
             j[f"auroc_grad_norm_{s}"] >= TARGETS["grad_norm_auroc"] for s in ("noise", "patches")),
     }
-    if "auroc_grad_norm_domain_noise" in j:
-        t["grad_norm_domain_auroc_noise_patches"] = all(
-            j[f"auroc_grad_norm_domain_{s}"] >= TARGETS["grad_norm_auroc"] for s in ("noise", "patches"))
     if b.get("train_cpu_seconds"):
         t["cost_within_4x_baseline"] = j["train_cpu_seconds"] <= TARGETS["cost_ratio"] * b["train_cpu_seconds"]
     return t

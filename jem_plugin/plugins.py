@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Callable
+from typing import Any
 
 import pluggy
 
