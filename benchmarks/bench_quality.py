@@ -102,6 +102,22 @@ def _digits_job(name: str, kw: dict[str, Any], epochs: int, out_dir: str, thread
     return out
 
 
+def _seed_job(seed: int, epochs: int, out_dir: str, threads: int) -> dict[str, Any]:
+    """The fast recipe and its baseline on another train/test split and initialisation (``seed``)."""
+    torch.set_num_threads(threads)
+    from jem_plugin.errors import DivergenceError
+    from jem_plugin.experiments import check_targets, run_digits
+
+    kw = {**FAST, "warmup_iters": _warmup(epochs, FAST)}
+    try:
+        res = run_digits(os.path.join(out_dir, f"seed_{seed}"), epochs=epochs, seed=seed, plots=False,
+                         progress=False, guard_policy="raise", **kw)
+    except DivergenceError as e:
+        return {seed: {"diverged": str(e).split(". Known remedies")[0]}}
+    return {seed: {"baseline": _summary(res["runs"]["baseline"]["summary"]),
+                   "jem": _summary(res["runs"]["JEM"]["summary"]), "targets": check_targets(res)}}
+
+
 def _summary(s: dict[str, Any]) -> dict[str, Any]:
     keep = ["accuracy", "ece", "nll", "seconds_per_epoch", "cpu_seconds_per_epoch", "epochs", "train_cpu_seconds",
             "train_seconds", "class_sample_accuracy"]
@@ -160,38 +176,50 @@ def _heldout_job(name: str, kw: dict[str, Any] | None, epochs: int, out_dir: str
 
 
 def run(quick: bool = False, epochs: int | None = None, workers: int = 2, out_dir: str | None = None,
-        heldout: bool = True, only: list[str] | None = None, **_: Any) -> dict[str, Any]:
+        heldout: bool = True, only: list[str] | None = None, seeds: list[int] | None = None,
+        **_: Any) -> dict[str, Any]:
+    """The digits table (seed 0), the fast recipe on ``seeds`` (default 1, 2, 3: other splits and
+    initialisations, each with its own baseline) and the held-out-classes table."""
     threads = torch.get_num_threads()
     if quick:
         epochs = epochs or 1
         configs = {"jem_5_fast": {**CONFIGS["jem_5_fast"], "plots": False}}
         held = {"jem_5_fast": HELDOUT["jem_5_fast"]} if heldout else {}
         workers = 1
+        seeds = seeds or []
     else:
         epochs = epochs or 150
         configs = {k: v for k, v in CONFIGS.items() if only is None or k in only}
         held = HELDOUT if heldout else {}
+        seeds = [1, 2, 3] if seeds is None else seeds
     out_dir = os.path.join(out_dir or os.path.join(common.REPO_ROOT, "benchmarks", "results"), "quality_runs")
     t0 = time.perf_counter()
     table: dict[str, Any] = {}
     held_res: dict[str, Any] = {}
-    jobs = [("digits", n, kw) for n, kw in configs.items()] + [("heldout", n, kw) for n, kw in held.items()]
-    # Most expensive first, so parallel workers finish together.
-    jobs.sort(key=lambda j: -(j[2] or {}).get("sgld_steps", 20) * (j[2] or {}).get("n_samples", 64))
+    seed_res: dict[int, Any] = {}
+    sinks = {"digits": table, "heldout": held_res, "seed": seed_res}
+    jobs = ([(_digits_job, "digits", (n, kw)) for n, kw in configs.items()]
+            + [(_heldout_job, "heldout", (n, kw)) for n, kw in held.items()]
+            + [(_seed_job, "seed", (seed,)) for seed in seeds])
+
+    def cost(job) -> float:  # SGLD work per iteration; most expensive first, so workers finish together
+        kw = job[2][-1] if job[1] != "seed" else FAST
+        return -(kw or {}).get("sgld_steps", 20) * (kw or {}).get("n_samples", 64)
+
+    jobs.sort(key=cost)
     if workers <= 1:
-        for kind, n, kw in jobs:
-            fn = _digits_job if kind == "digits" else _heldout_job
-            (table if kind == "digits" else held_res).update(fn(n, kw, epochs, out_dir, threads))
+        for fn, kind, args in jobs:
+            sinks[kind].update(fn(*args, epochs, out_dir, threads))
     else:
         import multiprocessing as mp
 
         with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
-            futs = [(kind, ex.submit(_digits_job if kind == "digits" else _heldout_job, n, kw, epochs, out_dir,
-                                     threads)) for kind, n, kw in jobs]
+            futs = [(kind, ex.submit(fn, *args, epochs, out_dir, threads)) for fn, kind, args in jobs]
             for kind, f in futs:
-                (table if kind == "digits" else held_res).update(f.result())
+                sinks[kind].update(f.result())
     res: dict[str, Any] = {"epochs": epochs, "workers": workers, "seed": 0,
-                           "wall_s": time.perf_counter() - t0, "table": table, "heldout": held_res}
+                           "wall_s": time.perf_counter() - t0, "table": table, "heldout": held_res,
+                           "seeds": {str(k): v for k, v in sorted(seed_res.items())}}
     res["comparisons"] = compare(res)
     return res
 
@@ -227,7 +255,29 @@ def compare(res: dict[str, Any]) -> dict[str, Any]:
         out["fast_recipe_cost_ok"] = fast["cpu_cost_vs_baseline"] <= COST_TARGET
     if ref and "cpu_cost_vs_baseline" in ref:
         out["jem_20_cost_vs_baseline"] = ref["cpu_cost_vs_baseline"]
+    rows = _seed_rows(res)
+    if len(rows) > 1:
+        ok = [r for r in rows if r.get("targets") and all(r["targets"].values())]
+        deltas = [r["jem"]["accuracy"] - r["baseline"]["accuracy"] for r in rows if "jem" in r]
+        out["fast_recipe_seeds"] = {"n": len(rows), "all_targets_met": len(ok),
+                                    "mean_acc_vs_baseline": sum(deltas) / max(1, len(deltas)),
+                                    "worst_acc_vs_baseline": min(deltas, default=float("nan"))}
     return out
+
+
+def _seed_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The fast recipe per seed: seed 0 from the main table, the others from ``res["seeds"]``."""
+    from jem_plugin.experiments import check_targets
+
+    rows = []
+    t = res["table"]
+    if "jem_5_fast" in t and "baseline_fast" in t and "accuracy" in t["jem_5_fast"]:
+        b, j = t["baseline_fast"], t["jem_5_fast"]
+        rows.append({"seed": 0, "baseline": b, "jem": j,
+                     "targets": check_targets({"runs": {"baseline": {"summary": b}, "JEM": {"summary": j}}})})
+    for seed, r in res.get("seeds", {}).items():
+        rows.append({"seed": int(seed), **r})
+    return rows
 
 
 def _f(v: dict[str, Any], key: str, fmt: str = ".3f") -> str:
@@ -264,7 +314,7 @@ def to_markdown(res: dict) -> str:
     for k, v in c.items():
         if isinstance(v, dict) and "diverged" in v:
             lines.append(f"- {k}: diverged ({v['diverged']})")
-        elif isinstance(v, dict):
+        elif isinstance(v, dict) and "acc_below_20step" in v:
             lines.append(f"- {k} vs jem_20: accuracy {-v['acc_below_20step'] * 100:+.1f} points, worst log p(x) "
                          f"AUROC {-v['worst_logpx_auroc_below_20step']:+.3f} (target within {ACC_TOL * 100:.0f} "
                          f"point / {AUROC_TOL}: {common.target_mark(v['matches_20step'])})")
@@ -272,6 +322,32 @@ def to_markdown(res: dict) -> str:
         lines.append(f"- fast recipe cost: {c['fast_recipe_cost_vs_baseline']:.2f}x the baseline (target <= "
                      f"{COST_TARGET}x: {common.target_mark(c['fast_recipe_cost_ok'])})"
                      + (f"; 20-step JEM: {c['jem_20_cost_vs_baseline']:.2f}x" if "jem_20_cost_vs_baseline" in c else ""))
+    seed_rows = _seed_rows(res)
+    if len(seed_rows) > 1:
+        lines += ["", "The fast recipe on other seeds (a different train/test split, initialisation and noise each; "
+                  "own baseline each); targets of issue 3:", ""]
+        rows = []
+        for r in seed_rows:
+            if "diverged" in r:
+                rows.append([str(r["seed"]), "diverged: " + r["diverged"]] + [""] * 9)
+                continue
+            b, j = r["baseline"], r["jem"]
+            cost = j["train_cpu_seconds"] / b["train_cpu_seconds"] if b.get("train_cpu_seconds") else None
+            rows.append([str(r["seed"]), f"{b['accuracy']:.3f}", f"{j['accuracy']:.3f}",
+                         f"{(j['accuracy'] - b['accuracy']) * 100:+.1f}"]
+                        + [_f(j, f"auroc_logpx_{s}") for s in SETS]
+                        + [_f(j, f"auroc_grad_norm_{s}") for s in ("noise", "patches")]
+                        + [common.fmt_ratio(cost),
+                           "all" if all(r["targets"].values()) else
+                           "missed: " + ", ".join(k for k, v in r["targets"].items() if not v)])
+        lines.append(common.md_table(
+            ["seed", "baseline acc", "JEM acc", "diff (pt)", "logpx noise", "logpx patches", "logpx blends",
+             "logpx transposed", "gradnorm noise", "gradnorm patches", "cost x baseline", "targets met"], rows))
+        fs = res["comparisons"].get("fast_recipe_seeds")
+        if fs:
+            lines += ["", f"- {fs['all_targets_met']} of {fs['n']} seeds meet every target; accuracy vs baseline: "
+                      f"mean {fs['mean_acc_vs_baseline'] * 100:+.2f} points, worst "
+                      f"{fs['worst_acc_vs_baseline'] * 100:+.2f} points"]
     if res["heldout"]:
         lines += ["", "Held-out classes (train on 0-4; OOD = test digits 5-9):", ""]
         rows = [[k, f"{v['accuracy_0_4']:.3f}", f"{v['auroc_logpx']:.3f}", f"{v['auroc_msp']:.3f}",
@@ -288,5 +364,7 @@ if __name__ == "__main__":
         p.add_argument("--workers", type=int, default=2, help="parallel training processes")
         p.add_argument("--no-heldout", dest="heldout", action="store_false")
         p.add_argument("--only", nargs="*", default=None, choices=list(CONFIGS))
+        p.add_argument("--seeds", nargs="*", type=int, default=None,
+                       help="extra seeds for the fast recipe (default 1 2 3; none with --seeds)")
 
     common.standalone_main(NAME, run, to_markdown, extra_args=_extra)
