@@ -54,6 +54,7 @@ class DigitsConfig:
     batch_size: int = 64
     lr: float = 1e-4
     warmup_iters: int = 1000
+    decay_epochs: tuple[int, ...] = ()  # multiply the LR by 0.3 at these epochs (paper: none here)
     width: int = 32
     act: str = "leaky_relu"
     pool: str = "max"
@@ -284,6 +285,7 @@ def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, 
             limit = max(5.0, min(share, left)) if limit is None else min(limit, max(5.0, min(share, left)))
         t0 = time.perf_counter()
         hist = fit(jm, _loader(train, cfg), epochs=n_epochs, lr=cfg.lr, warmup_iters=cfg.warmup_iters,
+                   decay_epochs=cfg.decay_epochs,
                    loss_fn=loss_fn, val_data=(x_test, y_test), eval_every=max(1, n_epochs // 30),
                    progress=progress, max_seconds=limit, desc=tag,
                    guard_policy=guard_policy if loss_fn is not None else None)
@@ -360,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--l2-weight", type=float)
     p.add_argument("--lr", type=float)
     p.add_argument("--warmup-iters", type=int)
+    p.add_argument("--decay-epochs", type=int, nargs="*", help="epochs where the LR is multiplied by 0.3")
     p.add_argument("--width", type=int)
     p.add_argument("--l2-data-weight", type=float)
     p.add_argument("--n-samples", type=int)
@@ -373,11 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     kw: dict[str, Any] = dict(FAST_RECIPE if args.fast else DEMO_RECIPE if args.demo else PAPER_RECIPE)
-    for name in ("epochs", "sgld_steps", "init", "proximal", "l2_weight", "lr", "warmup_iters", "width",
-                 "l2_data_weight", "n_samples", "clamp"):
+    for name in ("epochs", "sgld_steps", "init", "proximal", "l2_weight", "lr", "warmup_iters", "decay_epochs",
+                 "width", "l2_data_weight", "n_samples", "clamp"):
         v = getattr(args, name)
         if v is not None:
-            kw[name] = v
+            kw[name] = tuple(v) if isinstance(v, list) else v
     result = run_digits(args.out, seed=args.seed, baseline=not args.no_baseline, progress=not args.quiet,
                         guard_policy=None if args.guard == "off" else args.guard,
                         budget_seconds=args.budget_seconds, **kw)
