@@ -300,7 +300,7 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
         loss_fn: nn.Module | None = None, val_data: Any = None, eval_every: int = 1,
         checkpoint_dir: str | Path | None = None, checkpoint_every: int = 1,
         checkpoint_every_iters: int | None = None, keep_checkpoints: int = 2, resume: bool = True,
-        guard_policy: str | None = None, guard_options: Mapping[str, Any] | None = None,
+        guard_policy: str | None = "raise", guard_options: Mapping[str, Any] | None = None,
         progress: bool = True, callbacks: Sequence[Any] | None = None,
         max_seconds: float | None = None, grad_clip: float | None = None,
         desc: str | None = None) -> History:
@@ -322,9 +322,11 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
     checkpoint_dir: where to save checkpoints (every ``checkpoint_every`` epochs, and every
         ``checkpoint_every_iters`` iterations if set, keeping ``keep_checkpoints``); with
         ``resume=True`` a run starts from the newest checkpoint there, exactly where it stopped.
-    guard_policy: ``"raise"`` (:class:`~jem_plugin.errors.DivergenceError` naming remedies) or
-        ``"rollback"`` (restore the last good state and continue with a safer setting), using
-        :class:`~jem_plugin.stability.DivergenceGuard` (``guard_options`` go to it); ``None`` off.
+    guard_policy: ``"raise"`` (default: :class:`~jem_plugin.errors.DivergenceError` naming the
+        remedies at the first non-finite loss or ``|energy| > 1e4``; costs nothing but reading the
+        metrics the progress bar shows anyway) or ``"rollback"`` (restore the last good state and
+        continue with a safer setting), using :class:`~jem_plugin.stability.DivergenceGuard`
+        (``guard_options`` go to it); ``None`` turns the check off.
     progress: a tqdm bar with live metrics.
     callbacks: objects with ``on_step_end(state)`` and/or ``on_epoch_end(state)`` methods, or
         callables ``cb(state)`` called at each epoch end (:class:`TrainState`; set

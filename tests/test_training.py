@@ -185,13 +185,22 @@ class _Poisoned(torch.nn.Module):
         return out
 
 
-def test_guard_raise_names_the_remedies(digits):
+@pytest.mark.parametrize("policy", [{"guard_policy": "raise"}, {}], ids=["explicit", "default"])
+def test_guard_raise_names_the_remedies(digits, policy):
     train, _ = digits
     torch.manual_seed(0)
     jm = jem.wrap(_Poisoned(DigitsCNN(width=4), at=3))
     with pytest.raises(jem.DivergenceError, match="l2_weight") as exc:
-        fit(jm, _loader(train), epochs=1, guard_policy="raise", progress=False)
+        fit(jm, _loader(train), epochs=1, progress=False, **policy)
     assert "iteration 2" in str(exc.value)
+
+
+def test_guard_off_lets_a_non_finite_loss_through(digits):
+    train, _ = digits
+    torch.manual_seed(0)
+    jm = jem.wrap(_Poisoned(DigitsCNN(width=4), at=3))
+    hist = fit(jm, _loader(train), epochs=1, progress=False, guard_policy=None)
+    assert len(hist) == 1
 
 
 def test_guard_rollback_continues_with_safer_settings(digits, tmp_path):
