@@ -41,7 +41,7 @@ def _load(run_dir: Path, tag: str, config: dict):
 
 
 def run(run_dir: str | Path, n: int = 360, steps: int = 10, seed: int = 0, defense: bool = True,
-        progress: bool = False) -> dict:
+        defense_step_sizes: tuple[float, ...] = (1.0,), progress: bool = False) -> dict:
     run_dir = Path(run_dir)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     config = metrics.get("config", {})
@@ -56,12 +56,14 @@ def run(run_dir: str | Path, n: int = 360, steps: int = 10, seed: int = 0, defen
         g = torch.Generator().manual_seed(seed)
         results[f"{tag}"] = robustness.robust_accuracy(jm, x, y, eps, "linf", steps=steps, generator=g,
                                                        progress=progress)
-        if defense:
-            d = robustness.SGLDDefense(jm, steps=10, n_chains=10, generator=torch.Generator().manual_seed(seed))
-            results[f"{tag} + SGLD defence (worst case)"] = robustness.robust_accuracy(
+        for step_size in defense_step_sizes if defense else ():
+            d = robustness.SGLDDefense(jm, steps=10, n_chains=10, step_size=step_size,
+                                       generator=torch.Generator().manual_seed(seed))
+            results[f"{tag} + SGLD defence (step {step_size:g}, worst case)"] = robustness.robust_accuracy(
                 jm, x, y, eps, "linf", defense=d, attack="worst", loss="margin", steps=steps,
                 generator=torch.Generator().manual_seed(seed), progress=progress)
-    return {"eps_255": list(EPS_255), "n": int(len(y)), "pgd_steps": steps, "results": results}
+    return {"eps_255": list(EPS_255), "n": int(len(y)), "pgd_steps": steps, "results": results,
+            "defense_step_sizes": list(defense_step_sizes) if defense else []}
 
 
 def to_markdown(res: dict) -> str:
@@ -78,9 +80,12 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=360)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--no-defense", action="store_true")
+    p.add_argument("--defense-step-sizes", type=float, nargs="+", default=[1.0],
+                   help="SGLD step sizes of the defence, one row each (the paper: 1.0)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    res = run(args.run_dir, n=args.n, steps=args.steps, defense=not args.no_defense, progress=True)
+    res = run(args.run_dir, n=args.n, steps=args.steps, defense=not args.no_defense,
+              defense_step_sizes=tuple(args.defense_step_sizes), progress=True)
     out = Path(args.run_dir)
     (out / "robustness.json").write_text(json.dumps(res, indent=2))
     md = to_markdown(res)

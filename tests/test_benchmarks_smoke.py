@@ -151,9 +151,9 @@ def test_robustness_table_from_a_digits_run(tmp_path):
 
     run_digits(tmp_path, epochs=1, sgld_steps=2, buffer_size=200, class_sample_steps=2,
                progress=False, plots=False)
-    res = bench_robustness.run(tmp_path, n=16, steps=2)
-    assert set(res["results"]) == {"baseline", "baseline + SGLD defence (worst case)",
-                                   "JEM", "JEM + SGLD defence (worst case)"}
+    res = bench_robustness.run(tmp_path, n=16, steps=2, defense_step_sizes=(1.0, 0.1))
+    assert set(res["results"]) == {"baseline", "JEM"} | {
+        f"{m} + SGLD defence (step {s}, worst case)" for m in ("baseline", "JEM") for s in ("1", "0.1")}
     for r in res["results"].values():
         assert len(r["accuracy"]) == len(bench_robustness.EPS_255)
         # PGD can only lower accuracy as the budget grows (eps 0 = clean accuracy)
