@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .checkpoint import Checkpointer, get_rng_state, set_rng_state
+from .errors import DivergenceError
 
 __all__ = ["fit", "evaluate_classifier", "History", "TrainState", "warmup_schedule"]
 
@@ -271,19 +272,43 @@ def _make_guard(policy: str | None, jm, optimizer, scheduler, loss_fn,
                            **dict(guard_options or {}))
 
 
+def _agree_on_divergence(device: torch.device, err: DivergenceError | None,
+                         iteration: int) -> DivergenceError | None:
+    """Under DDP: a divergence on any rank stops every rank at the same step (before the backward's
+    gradient all-reduce, where the healthy ranks would otherwise wait for the one that stopped)."""
+    (anywhere,) = _agree(device, err is not None)
+    if anywhere and err is None:
+        from .stability import REMEDY_TEXT
+
+        err = DivergenceError(f"JEM training diverged at iteration {iteration}: another process diverged "
+                              f"at this step (its error names the values); every process stops together. "
+                              f"{REMEDY_TEXT}")
+        err.iteration = iteration  # type: ignore[attr-defined]
+    return err
+
+
 def _train_step(jm, loss_fn, optimizer, scheduler, x: Tensor, y: Tensor, grad_clip: float | None,
-                guard) -> dict[str, float]:
+                guard, multi: bool = False) -> dict[str, float]:
     """One optimisation step; returns the step's metrics (python floats)."""
-    if loss_fn is not None:
-        out = loss_fn(jm, x, y)
-        loss, metrics = out.loss, dict(out.metrics)
-    else:
-        logits = jm(x)
-        loss = F.cross_entropy(logits, y)
-        ce, acc = torch.stack([loss.detach().float(), (logits.argmax(1) == y).float().mean()]).tolist()
-        metrics = {"loss": ce, "ce": ce, "acc": acc}
-    if guard is not None:
-        guard.check(loss, metrics)  # raises inside the guard's with-block on divergence
+    err = None
+    iteration = guard.iteration if guard is not None else 0
+    try:
+        if loss_fn is not None:
+            out = loss_fn(jm, x, y)  # the sampler raises DivergenceError on non-finite chains
+            loss, metrics = out.loss, dict(out.metrics)
+        else:
+            logits = jm(x)
+            loss = F.cross_entropy(logits, y)
+            ce, acc = torch.stack([loss.detach().float(), (logits.argmax(1) == y).float().mean()]).tolist()
+            metrics = {"loss": ce, "ce": ce, "acc": acc}
+        if guard is not None:
+            guard.check(loss, metrics)  # raises inside the guard's with-block on divergence
+    except DivergenceError as exc:
+        err = exc
+    if multi and guard is not None:
+        err = _agree_on_divergence(x.device, err, iteration)
+    if err is not None:
+        raise err
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if grad_clip is not None:
@@ -469,7 +494,8 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
                     guard.before_step(state.iteration)
                     metrics = None
                     with guard:  # a DivergenceError inside (sampler or check) meets the policy
-                        metrics = _train_step(jm, loss_fn, optimizer, scheduler, x, y, grad_clip, guard)
+                        metrics = _train_step(jm, loss_fn, optimizer, scheduler, x, y, grad_clip, guard,
+                                              multi=multi)
                     if metrics is None:
                         # rolled back: model, optimizer, scheduler and loss state restored, safer
                         # settings applied; this batch is skipped

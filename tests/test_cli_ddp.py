@@ -129,6 +129,41 @@ def _fit_run(out: str, stop_rank1_at: int | None) -> dict:  # pragma: no cover -
     return res
 
 
+def _diverge_on_rank1() -> str:  # pragma: no cover - torchrun children
+    """Rank 1's logits turn NaN at its 3rd training forward: both ranks must raise (none waits)."""
+    import jem_plugin as jem
+    from jem_plugin import distributed as jdist
+    from jem_plugin.nets import DigitsCNN
+    from jem_plugin.training import fit
+
+    rank = jdist.get_rank()
+
+    class NaNOnRank1(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net, self.calls = DigitsCNN(width=4), 0
+
+        def forward(self, x):
+            out = self.net(x)
+            if self.training and torch.is_grad_enabled():
+                self.calls += 1
+                if rank == 1 and self.calls == 3:
+                    out = out * float("nan")
+            return out
+
+    torch.manual_seed(0)
+    jm = jem.wrap(NaNOnRank1(), data_range=(-1.0, 1.0), input_size=(1, 8, 8), num_classes=10)
+    ddp = jdist.wrap_ddp(jm)
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.rand(8, 1, 8, 8, generator=g) * 2 - 1, torch.randint(0, 10, (8,), generator=g))
+               for _ in range(6)]
+    try:
+        fit(ddp, batches, epochs=1, loss_fn=jem.JEMLoss(jem.SGLD(steps=1)), warmup_iters=1, progress=False)
+    except jem.DivergenceError as e:
+        return str(e)
+    return "no error"
+
+
 def _fit_worker(out: str) -> None:  # pragma: no cover - runs in the torchrun children
     import torch.distributed as dist
 
@@ -143,8 +178,10 @@ def _fit_worker(out: str) -> None:  # pragma: no cover - runs in the torchrun ch
 
         fit(torch.nn.Linear(2, 2), [(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))], epochs=1,
             guard_policy="rollback", progress=False)
+    diverged = _diverge_on_rank1()
     report = {
         "rank": info.rank,
+        "diverged": diverged,
         "stopped": resumed["stopped"],
         "in_sync": straight["in_sync"] and resumed["in_sync"],
         "same_params": all(torch.equal(a, b) for a, b in zip(straight["params"], resumed["params"])),
@@ -172,6 +209,9 @@ def test_fit_under_ddp_stops_together_and_resumes_exactly(tmp_path):
     assert r0["buffer_sum"] != r1["buffer_sum"]  # one buffer per rank
     # Epoch metrics are averaged over the ranks: every rank's history agrees.
     assert r0["history"] == r1["history"] and [e["epoch"] for e in r0["history"]] == [1]
+    # A divergence on rank 1 alone stopped both ranks at the same iteration (default guard).
+    assert "iteration 2" in r1["diverged"] and "non-finite" in r1["diverged"]
+    assert "iteration 2" in r0["diverged"] and "another process diverged" in r0["diverged"]
 
 
 if __name__ == "__main__" and "--fit-worker" in sys.argv:  # pragma: no cover
