@@ -35,20 +35,18 @@ def run(quick: bool = False, repeats: int | None = None, model: str | None = Non
     include = ("floor", "jem_plugin")
     res: dict[str, Any] = {"model": model, "repeats": repeats, "base_batch": base_batch,
                            "base_steps": base_steps, "vs_batch": {}, "vs_steps": {}, "memory_vs_steps": {}}
+    def measure(batch: int, steps: int) -> dict[str, float]:
+        times = common.interleaved(build_contenders(model, batch, steps, buffer_size, include), repeats, warmup=1)
+        st = common.ratios(times, "floor")
+        return {"floor_ms": st["floor"]["median_s"] * 1e3, "jem_ms": st["jem_plugin"]["median_s"] * 1e3,
+                "ratio": st["jem_plugin"]["ratio"]}
+
     for b in batches:
-        times = common.interleaved(build_contenders(model, b, base_steps, buffer_size, include), repeats, warmup=1)
-        st = common.ratios(times, "floor")
-        res["vs_batch"][str(b)] = {"floor_ms": st["floor"]["median_s"] * 1e3,
-                                   "jem_ms": st["jem_plugin"]["median_s"] * 1e3,
-                                   "ratio": st["jem_plugin"]["ratio"],
-                                   "jem_ms_per_sample": st["jem_plugin"]["median_s"] * 1e3 / b}
+        r = measure(b, base_steps)
+        res["vs_batch"][str(b)] = {**r, "jem_ms_per_sample": r["jem_ms"] / b}
     for s in steps_list:
-        times = common.interleaved(build_contenders(model, base_batch, s, buffer_size, include), repeats, warmup=1)
-        st = common.ratios(times, "floor")
-        res["vs_steps"][str(s)] = {"floor_ms": st["floor"]["median_s"] * 1e3,
-                                   "jem_ms": st["jem_plugin"]["median_s"] * 1e3,
-                                   "ratio": st["jem_plugin"]["ratio"],
-                                   "jem_ms_per_step": st["jem_plugin"]["median_s"] * 1e3 / s}
+        r = measure(base_batch, s)
+        res["vs_steps"][str(s)] = {**r, "jem_ms_per_step": r["jem_ms"] / s}
         if memory and not quick:
             res["memory_vs_steps"][str(s)] = {
                 impl: common.probe_memory({"kind": "sampler", "impl": impl, "model": model, "batch": base_batch,
