@@ -221,7 +221,8 @@ class JEMLoss(nn.Module):
     def extra_repr(self) -> str:
         return (f"ce_weight={self.ce_weight}, px_weight={self.px_weight}, pxy_weight={self.pxy_weight}, "
                 f"l2_weight={self.l2_weight}, data_noise={self.data_noise}, n_samples={self.n_samples}, "
-                f"class_conditional_px={self.class_conditional_px}, sampler={self.sampler!r}")
+                f"clamp_data={self._clamps_data()}, class_conditional_px={self.class_conditional_px}, "
+                f"sampler={self.sampler!r}")
 
     # ------------------------------------------------------------------ checks
     def _check_batch(self, core: JEM, x: Any, y: Any) -> Tensor:
