@@ -292,22 +292,23 @@ def to_markdown(res: dict) -> str:
     lines = [f"Digits (sklearn 8x8), DigitsCNN, {res['epochs']} epochs each, batch 64, one seed; paper optimiser "
              "(Adam 1e-4, warmup 1000 iterations) above `baseline_fast`, the fast recipe's (lr 3e-4, warmup 200) "
              f"from it; {res['workers']} parallel worker(s), total wall {res['wall_s'] / 60:.1f} min. AUROC of "
-             "log p(x) per OOD set; gradient norm on noise/patches; "
+             "log p(x) per OOD set; gradient norm, plain and projected onto the input domain, on noise/patches; "
              "cost = training CPU seconds per epoch relative to the baseline with the same optimiser.", ""]
     rows = []
     for k in [k for k in order if k in t] + [k for k in t if k not in order]:
         v = t[k]
         if "diverged" in v:
-            rows.append([k, "diverged: " + v["diverged"]] + [""] * 12)
+            rows.append([k, "diverged: " + v["diverged"]] + [""] * 14)
             continue
         rows.append([k, _f(v, "accuracy"), _f(v, "ece")]
                     + [_f(v, f"auroc_logpx_{s}") for s in SETS]
-                    + [_f(v, f"auroc_grad_norm_{s}") for s in ("noise", "patches")]
+                    + [_f(v, f"auroc_{m}_{s}") for m in ("grad_norm", "grad_norm_projected")
+                       for s in ("noise", "patches")]
                     + [_f(v, "cpu_seconds_per_epoch", ".2f"), _f(v, "seconds_per_epoch", ".2f"),
                        common.fmt_ratio(v.get("cpu_cost_vs_baseline"))])
     lines.append(common.md_table(
         ["run", "acc", "ECE", "logpx noise", "logpx patches", "logpx blends", "logpx transposed",
-         "gradnorm noise", "gradnorm patches",
+         "gradnorm noise", "gradnorm patches", "gradnorm-proj noise", "gradnorm-proj patches",
          "CPU s/epoch", "wall s/epoch", "cost x baseline"], rows))
     c = res["comparisons"]
     lines.append("")

@@ -35,7 +35,7 @@ from .training import History, fit
 __all__ = ["DigitsConfig", "run_digits", "run_digits_demo", "PAPER_RECIPE", "FAST_RECIPE",
            "DEMO_RECIPE", "TARGETS", "OOD_SCORES"]
 
-OOD_SCORES = ("logpx", "msp", "grad_norm")
+OOD_SCORES = ("logpx", "msp", "grad_norm", "grad_norm_projected")
 
 # Issue 3's targets; checked and recorded in metrics.json.
 TARGETS = {

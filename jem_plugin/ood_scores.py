@@ -14,6 +14,8 @@ msp            ``max_y softmax(f(x) / T)`` (Hendrycks & Gimpel 2017)          no
 max_logit      ``max_y f(x)`` (Hendrycks et al. 2022)                         no
 grad_norm      ``-||d log p(x) / dx||_2`` per example: JEM's "approximate     yes
                mass" (Grathwohl et al. 2019, Sec. 5.2)
+grad_norm_     ``grad_norm`` without the components that point out of the     yes
+projected      input domain at boundary inputs (saturated pixels)
 logpx_sgld     ``logpx`` after a few SGLD steps started at the input          yes
 msp_sgld       ``msp`` after a few SGLD steps started at the input            yes
 =============  ===========================================================  ==========
@@ -34,7 +36,7 @@ from .model import input_grad_enabled
 from .modes import sampling_mode
 from .plugins import hookimpl
 
-__all__ = ["logpx", "msp", "max_logit", "grad_norm", "logpx_sgld", "msp_sgld"]
+__all__ = ["logpx", "msp", "max_logit", "grad_norm", "grad_norm_projected", "logpx_sgld", "msp_sgld"]
 
 
 def _check_temperature(temperature: float) -> float:
@@ -67,17 +69,38 @@ def max_logit(jm, x: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------- gradient scores
-def grad_norm(jm, x: Tensor) -> Tensor:
+def grad_norm(jm, x: Tensor, project: bool = False) -> Tensor:
     """JEM's approximate mass ``-||d log p(x) / dx||_2`` (L2 over all input dims, per example).
 
     In-distribution inputs sit near modes of ``p(x)`` where the gradient is small, so a
     larger gradient norm means less in-distribution. Eval mode makes examples independent
     (no BatchNorm batch statistics), so the gradient of the summed ``log p`` is per example.
+
+    ``project=True`` drops the gradient components that point out of the model's input domain
+    at inputs on its boundary (a saturated pixel whose density rises beyond the range), i.e. the
+    gradient of ``log p`` restricted to the domain. Why: data with many saturated pixels (digits,
+    line art, clipped photos) puts probability mass *on* the boundary, so the density of a
+    trained JEM keeps rising towards it and those components, which no valid input can follow,
+    dominate the plain norm of real data. Measured on the digits (benchmarks/README.md): they
+    carry 60-90% of the squared norm of test digits, and for models trained with the paper's
+    optimiser the plain score ranks noise as *more* in-distribution than digits (AUROC 0.06)
+    while the projected one reaches 0.97. Inside the domain both are equal.
     """
     with sampling_mode(jm), input_grad_enabled(x) as xg:
         lp = torch.logsumexp(jm.logits(xg), dim=1)
         (g,) = torch.autograd.grad(lp.sum(), xg)
+    if project:
+        xd = x.detach().to(g.dtype)
+        lo, hi = jm.domain.bounds(xd)
+        tol = 1e-6 * (hi - lo)
+        outward = ((xd <= lo + tol) & (g < 0)) | ((xd >= hi - tol) & (g > 0))
+        g = g.masked_fill(outward, 0.0)
     return -g.flatten(1).norm(dim=1).detach()
+
+
+def grad_norm_projected(jm, x: Tensor) -> Tensor:
+    """:func:`grad_norm` with ``project=True``: the gradient restricted to the input domain."""
+    return grad_norm(jm, x, project=True)
 
 
 def _refine(jm, x: Tensor, steps: int, step_size: float, noise: float, **sgld_kwargs) -> Tensor:
@@ -114,7 +137,9 @@ def jem_register_ood_scores(register: Callable[..., None]) -> None:
              description="maximum softmax probability of f/T (temperature=)")
     register("max_logit", max_logit, needs_grad=False, description="largest logit")
     register("grad_norm", grad_norm, needs_grad=True,
-             description="-||d log p(x)/dx||_2, JEM's approximate mass")
+             description="-||d log p(x)/dx||_2, JEM's approximate mass (project=)")
+    register("grad_norm_projected", grad_norm_projected, needs_grad=True,
+             description="grad_norm without components pointing out of the input domain")
     register("logpx_sgld", logpx_sgld, needs_grad=True,
              description="logpx after a few SGLD steps from the input (steps=, step_size=, noise=)")
     register("msp_sgld", msp_sgld, needs_grad=True,

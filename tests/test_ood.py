@@ -183,6 +183,37 @@ def test_grad_norm_separates_far_inputs_from_data(jm, x):
     assert ood.evaluate(s_in, s_far)["auroc"] > 0.9
 
 
+def test_grad_norm_projected_drops_only_components_leaving_the_domain():
+    """A linear energy: d log p/dx = w everywhere. At a pixel on the lower bound with w < 0 (or
+    on the upper bound with w > 0) the density rises out of the domain: projected, that
+    component is dropped; inside the domain, or pointing inwards, it is kept."""
+    w = torch.tensor([[-3.0, 4.0, 2.0, -1.0]])
+    lin = torch.nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    jm = jem.wrap(lin, data_range=(-1.0, 1.0), num_classes=1)
+    x = torch.tensor([[-1.0, 1.0, 0.2, -0.3],     # pixels 0 and 1 saturated, pointing outwards
+                      [-1.0, -1.0, 1.0, 1.0],     # all saturated: 0 and 2 point out, 1 and 3 in
+                      [0.1, 0.2, 0.3, 0.4]])      # strictly inside
+    plain = ood.score(jm, x, "grad_norm", progress=False)
+    projected = ood.score(jm, x, "grad_norm_projected", progress=False)
+    torch.testing.assert_close(plain, torch.full((3,), -30.0 ** 0.5))
+    torch.testing.assert_close(projected, torch.tensor([-(5.0 ** 0.5), -(17.0 ** 0.5), -(30.0 ** 0.5)]))
+    torch.testing.assert_close(ood.score(jm, x, "grad_norm", project=True, progress=False), projected)
+
+
+def test_grad_norm_projected_uses_per_channel_domain():
+    """timm-style normalised inputs: the bounds are per channel, in the loader's space."""
+    lin = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(2, 1, bias=False))
+    with torch.no_grad():
+        lin[1].weight.copy_(torch.tensor([[-1.0, -1.0]]))
+    jm = jem.wrap(lin, mean=(0.5, 0.0), std=(0.5, 1.0), num_classes=1)  # channel lows: -1 and 0
+    x = torch.tensor([[-1.0, 0.0]]).reshape(1, 2, 1, 1)  # both channels at their own lower bound
+    assert float(ood.score(jm, x, "grad_norm_projected", progress=False)) == 0.0
+    x = torch.tensor([[-1.0, 0.5]]).reshape(1, 2, 1, 1)  # channel 1 inside
+    assert float(ood.score(jm, x, "grad_norm_projected", progress=False)) == -1.0
+
+
 def test_sgld_refined_scores(jm, x):
     pytest.importorskip("jem_plugin.sampling")
     s = ood.score(jm, x, "logpx_sgld", steps=3, progress=False)
@@ -200,7 +231,7 @@ def test_sgld_refined_scores(jm, x):
 # ---------------------------------------------------------------- registry and plugins
 def test_available_scores_lists_builtins():
     names = ood.available_scores()
-    for n in ("logpx", "msp", "max_logit", "grad_norm", "logpx_sgld", "msp_sgld"):
+    for n in ("logpx", "msp", "max_logit", "grad_norm", "grad_norm_projected", "logpx_sgld", "msp_sgld"):
         assert n in names and names[n]
 
 
