@@ -7,8 +7,9 @@ Everything runs on scikit-learn's bundled 8x8 digits (no download), on the CPU, 
 >>> result = run_digits("runs/digits-fast", **FAST_RECIPE)   # fewer SGLD steps, same targets
 
 Both models are evaluated for accuracy, calibration (ECE before/after temperature scaling) and
-OOD detection (AUROC of log p(x), max softmax and the gradient norm against uniform noise, photo
-patches, blends of two digits and transposed digits). The run directory receives
+OOD detection (AUROC of log p(x), max softmax and the gradient norm, plain and projected onto
+the input domain, against uniform noise, photo patches, blends of two digits and transposed
+digits). JEM runs are watched by the divergence guard (policy ``"raise"`` by default). The run directory receives
 ``metrics.json``, the training histories, sample grids (replay buffer, per class), training
 curves, reliability diagrams, score histograms and ROC curves.
 
