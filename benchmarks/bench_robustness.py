@@ -25,18 +25,15 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jem_plugin import robustness, wrap
+from jem_plugin import robustness
+from jem_plugin.cli import load_model_checkpoint
 from jem_plugin.data import digits_tensors
-from jem_plugin.nets import DigitsCNN
 
 EPS_255 = (0, 2, 4, 8, 16, 32)
 
 
-def _load(run_dir: Path, tag: str, config: dict):
-    jm = wrap(DigitsCNN(10, width=config.get("width", 32), act=config.get("act", "silu"),
-                        **({"pool": config["pool"]} if "pool" in config else {})),
-              data_range=(-1.0, 1.0), input_size=(1, 8, 8), num_classes=10)
-    jm.load_state_dict(torch.load(run_dir / f"model_{tag}.pt", weights_only=True))
+def _load(run_dir: Path, tag: str):
+    jm, _ = load_model_checkpoint(str(run_dir / f"model_{tag}.pt"))
     return jm.eval()
 
 
@@ -52,7 +49,7 @@ def run(run_dir: str | Path, n: int = 360, steps: int = 10, seed: int = 0, defen
     for tag in ("baseline", "JEM"):
         if not (run_dir / f"model_{tag}.pt").is_file():
             continue
-        jm = _load(run_dir, tag, config)
+        jm = _load(run_dir, tag)
         g = torch.Generator().manual_seed(seed)
         results[f"{tag}"] = robustness.robust_accuracy(jm, x, y, eps, "linf", steps=steps, generator=g,
                                                        progress=progress)

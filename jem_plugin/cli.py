@@ -95,14 +95,17 @@ def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int 
     raise CLIError(f"unknown --data {spec!r}; use digits, toy2d[:NAME], folder:PATH or cifar10:PATH")
 
 
-def build_model(spec: str, num_classes: int, in_chans: int):
-    """An ``nn.Module`` for a ``--model`` spec: a built-in net, a timm name, or ``module:factory``."""
+def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, Any] | None = None):
+    """An ``nn.Module`` for a ``--model`` spec: a built-in net, a timm name, or ``module:factory``.
+
+    ``options``: constructor keywords of a built-in net (e.g. ``{"width": 16}`` for digits-cnn).
+    """
     from . import nets
 
     if spec == "digits-cnn":
-        return nets.DigitsCNN(num_classes=num_classes)
+        return nets.DigitsCNN(num_classes=num_classes, **(options or {}))
     if spec == "toy-mlp":
-        return nets.ToyMLP(num_classes=num_classes)
+        return nets.ToyMLP(num_classes=num_classes, **(options or {}))
     if ":" in spec:
         import importlib
 
@@ -129,15 +132,15 @@ def save_model_checkpoint(path: Path, jm, spec: dict[str, Any]) -> None:
 
 
 def load_model_checkpoint(path: str, device=None):
-    """Rebuild the wrapped model saved by ``jem train``; returns ``(jm, spec)``."""
+    """Rebuild the wrapped model saved by ``jem train`` or ``jem demo``; returns ``(jm, spec)``."""
     from .checkpoint import load_checkpoint
 
     stored = load_checkpoint(path, rng=False)  # CheckpointError: missing, corrupt, unsafe
     if stored.get("kind") != CKPT_FORMAT:
-        raise CLIError(f"{path!r} is not a model checkpoint written by `jem train` "
-                       "(use the model.pt in the run directory)")
+        raise CLIError(f"{path!r} is not a model checkpoint written by `jem train` or `jem demo` "
+                       "(use the model*.pt in the run directory)")
     spec = stored["spec"]
-    model = build_model(spec["model"], spec["num_classes"], spec["sample_shape"][0])
+    model = build_model(spec["model"], spec["num_classes"], spec["sample_shape"][0], spec.get("model_options"))
     jm = _wrap_for_data(model, spec)
     load_checkpoint(path, rng=False, model=jm.model)  # checks keys and shapes first
     if device is not None:

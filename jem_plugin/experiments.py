@@ -117,6 +117,17 @@ def _build(cfg: DigitsConfig, device) -> JEM:
                 input_size=(1, 8, 8), num_classes=10).to(device)
 
 
+def _save_model(path: Path, jm: JEM, cfg: DigitsConfig) -> None:
+    """The model in the CLI's format (spec + weights, code-free), like ``jem train``'s model.pt."""
+    from .cli import save_model_checkpoint
+
+    d = jm.domain
+    spec = {"model": "digits-cnn", "data": "digits", "num_classes": 10, "sample_shape": [1, 8, 8],
+            "low": list(d.low), "high": list(d.high), "mean": None, "std": None,
+            "model_options": {"width": cfg.width, "act": cfg.act, "pool": cfg.pool}}
+    save_model_checkpoint(path, jm, spec)
+
+
 def _loader(train, cfg: DigitsConfig) -> DataLoader:
     g = torch.Generator().manual_seed(cfg.seed)
     return DataLoader(train, batch_size=cfg.batch_size, shuffle=True, drop_last=True, generator=g)
@@ -295,7 +306,7 @@ def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, 
         wall = time.perf_counter() - t0
         histories[tag] = hist
         hist.save(out / f"history_{tag}.json")
-        torch.save(jm.state_dict(), out / f"model_{tag}.pt")
+        _save_model(out / f"model_{tag}.pt", jm, cfg)  # `jem eval/ood/sample` read it
         summary, detail = _evaluate(jm, x_test, y_test, ood_sets, out, tag, plots=plots)
         train_seconds, cpu_seconds = sum(hist["time"]), sum(hist["cpu_time"])
         n = max(1, len(hist))

@@ -75,6 +75,12 @@ def test_demo_smoke_writes_report(tmp_path, capsys):
     assert "data:image/png;base64" in html and "auroc" in html
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert set(metrics["runs"]) >= {"baseline", "JEM"}
+    # The demo's models are ordinary model files: the post-hoc commands read them.
+    assert main(["eval", str(tmp_path / "model_JEM.pt"), "--quiet"]) == 0
+    evaluated = json.loads(capsys.readouterr().out)  # same test split: the same accuracy
+    assert evaluated["accuracy"] == pytest.approx(metrics["runs"]["JEM"]["summary"]["accuracy"])
+    assert main(["ood", str(tmp_path / "model_baseline.pt"), "--scores", "grad_norm_projected", "--quiet"]) == 0
+    assert "grad_norm_projected" in capsys.readouterr().out
 
 
 def test_config_file_sets_defaults_and_flags_win(tmp_path):
