@@ -124,6 +124,19 @@ def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, A
     return timm.create_model(spec, pretrained=False, num_classes=num_classes, in_chans=in_chans)
 
 
+def model_spec(model: str, data: str, num_classes: int, sample_shape, domain,
+               model_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a model file stores to rebuild the model: the ``--model``/``--data`` specs, the
+    classes, the input shape, the input domain, and a built-in net's constructor options."""
+    spec = {"model": model, "data": data, "num_classes": num_classes, "sample_shape": list(sample_shape),
+            "low": list(domain.low), "high": list(domain.high),
+            "mean": list(domain.mean) if domain.mean else None,
+            "std": list(domain.std) if domain.std else None}
+    if model_options:
+        spec["model_options"] = dict(model_options)
+    return spec
+
+
 def save_model_checkpoint(path: Path, jm, spec: dict[str, Any]) -> None:
     """The final model: its spec (to rebuild it) and weights, atomic and code-free."""
     from .checkpoint import save_checkpoint
@@ -225,10 +238,7 @@ def _train(args, info) -> int:
     # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(args.seed)
     ds, domain, k, shape = load_data(args.data, train=True, image_size=args.image_size, seed=args.seed)
-    spec = {"model": args.model, "data": args.data, "num_classes": k, "sample_shape": list(shape),
-            "low": list(domain.low), "high": list(domain.high),
-            "mean": list(domain.mean) if domain.mean else None,
-            "std": list(domain.std) if domain.std else None}
+    spec = model_spec(args.model, args.data, k, shape, domain)
     jm = _wrap_for_data(build_model(args.model, k, shape[0]), spec).to(dev)
     if info.distributed:
         # From here on each rank draws its own data noise and chains.

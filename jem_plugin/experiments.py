@@ -119,12 +119,10 @@ def _build(cfg: DigitsConfig, device) -> JEM:
 
 def _save_model(path: Path, jm: JEM, cfg: DigitsConfig) -> None:
     """The model in the CLI's format (spec + weights, code-free), like ``jem train``'s model.pt."""
-    from .cli import save_model_checkpoint
+    from .cli import model_spec, save_model_checkpoint
 
-    d = jm.domain
-    spec = {"model": "digits-cnn", "data": "digits", "num_classes": 10, "sample_shape": [1, 8, 8],
-            "low": list(d.low), "high": list(d.high), "mean": None, "std": None,
-            "model_options": {"width": cfg.width, "act": cfg.act, "pool": cfg.pool}}
+    spec = model_spec("digits-cnn", "digits", 10, (1, 8, 8), jm.domain,
+                      {"width": cfg.width, "act": cfg.act, "pool": cfg.pool})
     save_model_checkpoint(path, jm, spec)
 
 
