@@ -9,9 +9,10 @@ Everything runs on scikit-learn's bundled 8x8 digits (no download), on the CPU, 
 Both models are evaluated for accuracy, calibration (ECE before/after temperature scaling) and
 OOD detection (AUROC of log p(x), max softmax and the gradient norm, plain and projected onto
 the input domain, against uniform noise, photo patches, blends of two digits and transposed
-digits). JEM runs are watched by the divergence guard (policy ``"raise"`` by default). The run directory receives
-``metrics.json``, the training histories, sample grids (replay buffer, per class), training
-curves, reliability diagrams, score histograms and ROC curves.
+digits). JEM runs are watched by the divergence guard (policy ``"raise"`` by default). The run
+directory receives ``metrics.json``, the models (``model_baseline.pt``, ``model_JEM.pt``: files
+``jem eval/ood/sample`` read), the training histories, sample grids (replay buffer, per class),
+training curves, reliability diagrams, score histograms and ROC curves.
 
 From the command line: ``python -m jem_plugin.experiments OUT_DIR [--fast | --demo] [--epochs N]``.
 """
