@@ -268,8 +268,8 @@ def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, 
     JEM the rest; the demo's budget); a run cut short reports fewer ``epochs``. ``guard_policy``
     (``"raise"``, the default, or ``"rollback"``; ``None`` turns it off) watches the JEM run
     for divergence: non-finite values or ``|energy| > 1e4``, e.g. proximal SGLD without the energy
-    L2 collapses to energies near -1e7 while accuracy still looks fine. Result: ``{"runs": {"baseline": {...}, "JEM": {...}},
-    "config": ..., "targets": ...}`` where each run has a flat ``summary`` (accuracy, nll, ece,
+    L2 collapses to energies near -1e7 while accuracy still looks fine.
+    Result: ``{"runs": {"baseline": {...}, "JEM": {...}}, "config": ..., "targets": ...}`` where each run has a flat ``summary`` (accuracy, nll, ece,
     ece_temp_scaled, auroc_<score>_<set>, seconds_per_epoch, train_seconds).
     """
     cfg = replace(DigitsConfig(), epochs=epochs, sgld_steps=sgld_steps, init=init, proximal=proximal,
