@@ -28,6 +28,7 @@ td:first-child,th:first-child{text-align:left}
 figure{display:inline-block;margin:.6em;vertical-align:top;text-align:center}
 figure img{max-width:500px;border:1px solid #eee}figcaption{font-size:.85em;color:#555}
 .note{color:#555;font-size:.9em}
+.missed{font-weight:bold;color:#a00}
 """
 
 
@@ -87,8 +88,9 @@ def write_report(out_dir: str | Path, result: Mapping[str, Any] | None = None,
     """Write ``out_dir/report.html`` and return its path.
 
     ``result`` defaults to ``out_dir/metrics.json``. Its ``"runs"`` entry (``{run_name: metrics}``)
-    becomes a side-by-side table (best value per row in bold); any other top-level entries
-    are listed as settings. Every PNG under ``out_dir`` is embedded.
+    becomes a side-by-side table (best value per row in bold); a ``"targets"`` entry
+    (``{name: bool}``) a list of met/missed targets; any other top-level entries are listed as
+    settings. Every PNG under ``out_dir`` is embedded.
     """
     out = Path(out_dir)
     if result is None:
@@ -105,7 +107,12 @@ def write_report(out_dir: str | Path, result: Mapping[str, Any] | None = None,
                      "in-distribution; OOD sets: uniform noise, 8x8 patches of photos, blends of two digits "
                      "of different classes, transposed digits.</p>")
         parts.append(_table({n: r.get("summary", r) for n, r in runs.items()}))
-    settings = {k: v for k, v in result.items() if k not in ("runs", "description")}
+    targets = result.get("targets")
+    if isinstance(targets, Mapping) and targets:
+        items = "".join(f"<li class='{'better' if ok else 'missed'}'>{'met' if ok else 'MISSED'}: "
+                        f"{html.escape(str(name).replace('_', ' '))}</li>" for name, ok in targets.items())
+        parts.append(f"<h2>Targets</h2><ul>{items}</ul>")
+    settings = {k: v for k, v in result.items() if k not in ("runs", "description", "targets")}
     if settings:
         parts.append("<h2>Settings</h2><pre>" + html.escape(json.dumps(settings, indent=2, default=str)) + "</pre>")
     pngs = sorted(out.rglob("*.png"), key=_figure_key)

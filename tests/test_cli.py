@@ -74,6 +74,8 @@ def test_demo_smoke_writes_report(tmp_path, capsys):
     html = (tmp_path / "report.html").read_text()
     assert "data:image/png;base64" in html and "auroc" in html
     metrics = json.loads((tmp_path / "metrics.json").read_text())
+    for name, ok in metrics["targets"].items():  # the targets, met or not, up front
+        assert f"{'met' if ok else 'MISSED'}: {name.replace('_', ' ')}" in html
     assert set(metrics["runs"]) >= {"baseline", "JEM"}
     # The demo's models are ordinary model files: the post-hoc commands read them.
     assert main(["eval", str(tmp_path / "model_JEM.pt"), "--quiet"]) == 0
