@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -460,6 +461,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("jem: interrupted (checkpoints written so far are kept)", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `jem eval ... | head`: the reader left; stop quietly, and keep Python's exit-time flush of
+        # stdout from raising the same error again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -127,6 +127,16 @@ def test_config_with_unknown_option(tmp_path, capsys):
     assert "epochz" in capsys.readouterr().err
 
 
+def test_output_into_a_closed_pipe_is_not_a_traceback():
+    """`jem plugins | head -0`: the reader is gone before jem writes (it is still importing torch)."""
+    proc = subprocess.Popen([sys.executable, "-m", "jem_plugin.cli", "plugins", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 def test_console_script_entry_point():
     proc = subprocess.run([sys.executable, "-m", "jem_plugin.cli", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "demo" in proc.stdout and "plugins" in proc.stdout
