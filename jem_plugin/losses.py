@@ -138,8 +138,9 @@ class JEMLoss(nn.Module):
     ce_weight, px_weight, pxy_weight, l2_weight: weights of the p(y|x), p(x), p(x|y) and
         energy-L2 terms (paper: 1, 1, 0, 0; try ``l2_weight=0.1`` .. ``1`` if training diverges).
     data_noise: std of the Gaussian noise added to the data batch (paper: 0.03).
-    clamp_data: clamp the noisy data batch to the model's input domain. Default (``None``): do so
-        exactly when the sampler clamps its chains. Why: with clamped chains and unclamped data
+    clamp_data: keep the data noise inside the model's input domain (a value already outside it
+        keeps its clean value as the bound). Default (``None``): do so exactly when the sampler
+        clamps its chains. Why: with clamped chains and unclamped data
         noise, the positive phase has mass just outside the domain (saturated pixels + noise)
         that the negative phase can never reach, so training keeps raising the density *outside*
         the domain; the input gradient of real data then points out of it at every saturated
@@ -289,6 +290,14 @@ class JEMLoss(nn.Module):
             return bool(self.clamp_data)
         return bool(getattr(self.sampler, "clamp", False))
 
+    @staticmethod
+    def _clamp_noisy(core: JEM, x: Tensor, x_noisy: Tensor) -> Tensor:
+        """Keep the noise from pushing values out of the domain. Values the data itself has
+        outside the domain (a mis-set domain) stay reachable: the bound there is the clean value,
+        so the classifier never trains on silently clipped data."""
+        lo, hi = core.domain.bounds(x)
+        return torch.minimum(torch.maximum(x_noisy, torch.minimum(lo, x)), torch.maximum(hi, x))
+
     def _noise_like(self, x: Tensor) -> Tensor:
         g = self.generator
         if g is None or g.device == x.device:
@@ -326,7 +335,7 @@ class JEMLoss(nn.Module):
         # 2. One forward on [x_data; x_sample; x_cond], then split.
         x_data = x + self.data_noise * self._noise_like(x) if self.data_noise > 0 else x
         if self.data_noise > 0 and self._clamps_data():
-            x_data = core.domain.clamp(x_data)  # in place on the fresh noisy tensor
+            x_data = self._clamp_noisy(core, x, x_data)
         parts = [x_data] + [t.to(x_data.dtype) for t in (x_sample, x_cond) if t is not None]
         logits_all = jm(torch.cat(parts) if len(parts) > 1 else x_data)
         sizes = [p.shape[0] for p in parts]

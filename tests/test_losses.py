@@ -121,6 +121,21 @@ def test_noisy_data_stays_in_the_domain_the_chains_are_clamped_to(sampler_clamp,
     assert not torch.equal(noisy, x)  # the noise itself is still there
 
 
+def test_noise_clamp_never_clips_the_data_itself():
+    """Data outside the domain (a mis-set domain) is not silently clipped into it: only the
+    noise's excursion beyond the clean value is cut."""
+    jm = jem.wrap(small_net(), data_range=(-1.0, 1.0))
+    x, y = batch()
+    x[:4] = 3.0  # outside [-1, 1]
+    loss_fn = JEMLoss(SGLD(steps=1), data_noise=0.3, generator=torch.Generator().manual_seed(0))
+    seen = []
+    jm.model.register_forward_pre_hook(lambda m, inp: seen.append(inp[0].detach().clone()))
+    loss_fn(jm, x, y)
+    noisy = seen[-1][:8]
+    assert float(noisy[:4].max()) == 3.0 and float(noisy[:4].min()) < 2.5  # inward noise kept
+    assert bool(((noisy[4:] >= -1) & (noisy[4:] <= 1)).all())
+
+
 def test_one_forward_on_concatenated_batch_with_real_sampler():
     net = small_net()
     jm = jem.wrap(net, num_classes=K)
