@@ -40,18 +40,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common
+from jem_plugin.experiments import FAST_RECIPE, PAPER_RECIPE
 
 NAME = "quality"
 SETS = ("noise", "patches", "blends", "transposed")
 ACC_TOL, AUROC_TOL, COST_TARGET = 0.01, 0.02, 4.0
-
-def _recipes() -> tuple[dict[str, Any], dict[str, Any]]:
-    from jem_plugin.experiments import FAST_RECIPE, PAPER_RECIPE
-
-    return dict(PAPER_RECIPE), dict(FAST_RECIPE)
-
-
-PAPER, FAST = _recipes()
+PAPER, FAST = dict(PAPER_RECIPE), dict(FAST_RECIPE)
 #: name -> run_digits keywords; "baseline" names the row of the baseline trained in the same process.
 CONFIGS: dict[str, dict[str, Any]] = {
     "jem_20": {**PAPER, "sgld_steps": 20, "baseline": "baseline"},
@@ -76,22 +70,29 @@ def _warmup(epochs: int, kw: dict[str, Any] | None = None) -> int:
     return max(1, round(full * epochs / 150))
 
 
-def _digits_job(name: str, kw: dict[str, Any], epochs: int, out_dir: str, threads: int) -> dict[str, Any]:
-    torch.set_num_threads(threads)
+def _run_guarded(out_dir: str, **kw: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """``run_digits`` under the ``"raise"`` guard: ``(result, None)``, or ``(None, why)`` when the
+    run diverged (a row of the table too: that variant is not usable)."""
+    from jem_plugin.errors import DivergenceError
     from jem_plugin.experiments import run_digits
 
-    from jem_plugin.errors import DivergenceError
+    try:
+        return run_digits(out_dir, progress=False, guard_policy="raise", **kw), None
+    except DivergenceError as e:
+        return None, str(e).split(". Known remedies")[0]
 
+
+def _digits_job(name: str, kw: dict[str, Any], epochs: int, out_dir: str, threads: int) -> dict[str, Any]:
+    torch.set_num_threads(threads)
     kw = dict(kw)
     baseline = kw.pop("baseline", None)
     plots = kw.pop("plots", False)
     kw["warmup_iters"] = _warmup(epochs, kw)
     t0 = time.perf_counter()
-    try:
-        res = run_digits(os.path.join(out_dir, name), epochs=epochs, baseline=bool(baseline), plots=plots,
-                         progress=False, guard_policy="raise", **kw)
-    except DivergenceError as e:  # a row of the table too: this variant is not usable
-        return {name: {"diverged": str(e).split(". Known remedies")[0], "job_wall_s": time.perf_counter() - t0}}
+    res, diverged = _run_guarded(os.path.join(out_dir, name), epochs=epochs, baseline=bool(baseline),
+                                 plots=plots, **kw)
+    if diverged:
+        return {name: {"diverged": diverged, "job_wall_s": time.perf_counter() - t0}}
     out = {name: _summary(res["runs"]["JEM"]["summary"])}
     out[name]["recipe"] = res["runs"]["JEM"].get("recipe")
     out[name]["stopped"] = res["runs"]["JEM"].get("stopped")
@@ -105,15 +106,12 @@ def _digits_job(name: str, kw: dict[str, Any], epochs: int, out_dir: str, thread
 def _seed_job(seed: int, epochs: int, out_dir: str, threads: int) -> dict[str, Any]:
     """The fast recipe and its baseline on another train/test split and initialisation (``seed``)."""
     torch.set_num_threads(threads)
-    from jem_plugin.errors import DivergenceError
-    from jem_plugin.experiments import check_targets, run_digits
+    from jem_plugin.experiments import check_targets
 
-    kw = {**FAST, "warmup_iters": _warmup(epochs, FAST)}
-    try:
-        res = run_digits(os.path.join(out_dir, f"seed_{seed}"), epochs=epochs, seed=seed, plots=False,
-                         progress=False, guard_policy="raise", **kw)
-    except DivergenceError as e:
-        return {seed: {"diverged": str(e).split(". Known remedies")[0]}}
+    res, diverged = _run_guarded(os.path.join(out_dir, f"seed_{seed}"), epochs=epochs, seed=seed, plots=False,
+                                 **{**FAST, "warmup_iters": _warmup(epochs, FAST)})
+    if diverged:
+        return {seed: {"diverged": diverged}}
     return {seed: {"baseline": _summary(res["runs"]["baseline"]["summary"]),
                    "jem": _summary(res["runs"]["JEM"]["summary"]), "targets": check_targets(res)}}
 
