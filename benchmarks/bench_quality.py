@@ -1,6 +1,6 @@
 """Quality and cost of JEM training on the digits: the quality table and held-out classes.
 
-Digits table (via :func:`jem_plugin.experiments.run_digits`: same DigitsCNN, same 150 epochs,
+Digits table (via :func:`jem_plugin.app.experiments.run_digits`: same DigitsCNN, same 150 epochs,
 one seed, each JEM against a baseline trained with the same optimiser settings):
 
 - ``baseline``: cross-entropy only, the paper's optimiser (Adam 1e-4, warmup 1000 iterations),
@@ -12,7 +12,7 @@ one seed, each JEM against a baseline trained with the same optimiser settings):
 - ``jem_5_proximal_l2``: the same with the energy L2 regulariser (0.1);
 - ``baseline_fast``: cross-entropy with the fast recipe's optimiser (lr 3e-4, warmup 200),
   trained in the same process as ``jem_5_fast``;
-- ``jem_5_fast``: the library's :data:`~jem_plugin.experiments.FAST_RECIPE` (5 steps on 32
+- ``jem_5_fast``: the library's :data:`~jem_plugin.app.experiments.FAST_RECIPE` (5 steps on 32
   chains, energy L2 0.1, lr 3e-4, warmup 200);
 - ``jem_5_fast_gaussian``: the fast recipe with per-class Gaussian initialisation;
 - ``jem_5_fast_64``: the fast recipe with 64 chains per batch (the batch size) instead of 32.
@@ -40,7 +40,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common
-from jem_plugin.experiments import FAST_RECIPE, PAPER_RECIPE
+from jem_plugin.app.experiments import FAST_RECIPE, PAPER_RECIPE
 
 NAME = "quality"
 SETS = ("noise", "patches", "blends", "transposed")
@@ -74,7 +74,7 @@ def _run_guarded(out_dir: str, **kw: Any) -> tuple[dict[str, Any] | None, str | 
     """``run_digits`` under the ``"raise"`` guard: ``(result, None)``, or ``(None, why)`` when the
     run diverged (a row of the table too: that variant is not usable)."""
     from jem_plugin.errors import DivergenceError
-    from jem_plugin.experiments import run_digits
+    from jem_plugin.app.experiments import run_digits
 
     try:
         return run_digits(out_dir, progress=False, guard_policy="raise", **kw), None
@@ -106,7 +106,7 @@ def _digits_job(name: str, kw: dict[str, Any], epochs: int, out_dir: str, thread
 def _seed_job(seed: int, epochs: int, out_dir: str, threads: int) -> dict[str, Any]:
     """The fast recipe and its baseline on another train/test split and initialisation (``seed``)."""
     torch.set_num_threads(threads)
-    from jem_plugin.experiments import check_targets
+    from jem_plugin.app.experiments import check_targets
 
     res, diverged = _run_guarded(os.path.join(out_dir, f"seed_{seed}"), epochs=epochs, seed=seed, plots=False,
                                  **{**FAST, "warmup_iters": _warmup(epochs, FAST)})
@@ -128,11 +128,11 @@ def _heldout_job(name: str, kw: dict[str, Any] | None, epochs: int, out_dir: str
     """Train on digits 0-4; in-distribution = test digits 0-4, OOD = test digits 5-9."""
     torch.set_num_threads(threads)
     import jem_plugin as jem
-    from jem_plugin import data as D
+    from jem_plugin.app import data as D
     from jem_plugin import ood
     from jem_plugin.buffer import ReplayBuffer
     from jem_plugin.losses import JEMLoss
-    from jem_plugin.nets import DigitsCNN
+    from jem_plugin.app.nets import DigitsCNN
     from jem_plugin.sampling import SGLD
     from jem_plugin.training import fit
 
@@ -265,7 +265,7 @@ def compare(res: dict[str, Any]) -> dict[str, Any]:
 
 def _seed_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     """The fast recipe per seed: seed 0 from the main table, the others from ``res["seeds"]``."""
-    from jem_plugin.experiments import check_targets
+    from jem_plugin.app.experiments import check_targets
 
     rows = []
     t = res["table"]

@@ -2,9 +2,9 @@
 the paper's SGLD defence.
 
 Reads the two models a digits experiment saved (``model_baseline.pt``, ``model_JEM.pt`` in its
-run directory, written by :func:`jem_plugin.experiments.run_digits`), so it costs no training:
+run directory, written by :func:`jem_plugin.app.experiments.run_digits`), so it costs no training:
 
-    python -m jem_plugin.experiments runs/digits              # or any run_digits(...) output dir
+    python -m jem_plugin.app.experiments runs/digits              # or any run_digits(...) output dir
     python benchmarks/bench_robustness.py runs/digits         # -> robustness.json/.md/.png there
 
 Rows: each model attacked directly (white box), and each model behind ``SGLDDefense``
@@ -26,8 +26,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jem_plugin import robustness
-from jem_plugin.cli import load_model_checkpoint
-from jem_plugin.data import digits_tensors
+from jem_plugin.app.model_files import load_model_checkpoint
+from jem_plugin.app.data import digits_tensors
 
 EPS_255 = (0, 2, 4, 8, 16, 32)
 

@@ -113,7 +113,7 @@ def make_model(name: str, num_classes: int = 10, seed: int = 0) -> tuple[nn.Modu
     torch.manual_seed(seed)
     shape = MODELS[name]
     if name == "digits_cnn":
-        from jem_plugin.nets import DigitsCNN
+        from jem_plugin.app.nets import DigitsCNN
 
         model = DigitsCNN(num_classes=num_classes)
     else:

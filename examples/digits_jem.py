@@ -18,9 +18,9 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 import jem_plugin as jem
-from jem_plugin.data import digits_ood_sets, load_digits
-from jem_plugin.nets import DigitsCNN
-from jem_plugin.plotting import save_image_grid
+from jem_plugin.app.data import digits_ood_sets, load_digits
+from jem_plugin.app.nets import DigitsCNN
+from jem_plugin.viz import save_image_grid
 
 
 def main(argv=None) -> dict:

@@ -1,6 +1,6 @@
 """Post-hoc OOD detection and calibration of a classifier trained elsewhere: no JEM training.
 
-Give it your own trained model as ``--checkpoint`` (a state_dict of ``jem_plugin.nets.DigitsCNN``)
+Give it your own trained model as ``--checkpoint`` (a state_dict of ``jem_plugin.app.nets.DigitsCNN``)
 or let it train a plain cross-entropy classifier on the digits for a few epochs. Then: OOD scores
 (log p(x), max softmax, gradient norm) against four OOD sets, AUROC/AUPR/FPR95, calibration
 before and after temperature scaling, and plots (score histograms, ROC, reliability diagram).
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import jem_plugin as jem
-from jem_plugin.data import digits_ood_sets, load_digits
-from jem_plugin.nets import DigitsCNN
+from jem_plugin.app.data import digits_ood_sets, load_digits
+from jem_plugin.app.nets import DigitsCNN
 
 
 def train_plain_classifier(epochs: int) -> torch.nn.Module:

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
 import jem_plugin as jem  # JEM
-from jem_plugin.data import load_digits
+from jem_plugin.app.data import load_digits
 
 
 def digits_as_rgb32(split: str, mean, std) -> TensorDataset:

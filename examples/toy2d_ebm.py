@@ -17,9 +17,9 @@ import torch
 from tqdm import tqdm
 
 import jem_plugin as jem
-from jem_plugin.data import toy2d, toy2d_logpdf
-from jem_plugin.nets import ToyMLP
-from jem_plugin.plotting import plot_density_2d
+from jem_plugin.app.data import toy2d, toy2d_logpdf
+from jem_plugin.app.nets import ToyMLP
+from jem_plugin.viz import plot_density_2d
 
 
 def main(argv=None) -> dict:

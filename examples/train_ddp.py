@@ -33,9 +33,9 @@ import jem_plugin as jem
 from jem_plugin import distributed as jdist
 from jem_plugin.buffer import ReplayBuffer
 from jem_plugin.checkpoint import save_checkpoint
-from jem_plugin.data import load_digits
+from jem_plugin.app.data import load_digits
 from jem_plugin.losses import JEMLoss
-from jem_plugin.nets import DigitsCNN
+from jem_plugin.app.nets import DigitsCNN
 from jem_plugin.sampling import SGLD
 
 

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from ._checks import draw
 from .errors import NoLogitsError
 
 __all__ = ["InputDomain", "Adapter", "IMAGENET_MEAN", "IMAGENET_STD"]
@@ -92,7 +93,7 @@ class InputDomain:
     def uniform(self, n: int, shape: Sequence[int], *, generator: torch.Generator | None = None,
                 device=None, dtype=torch.float32) -> Tensor:
         """``n`` samples uniform over the domain."""
-        u = torch.rand((n, *shape), generator=generator, device=device, dtype=dtype)
+        u = draw(torch.rand, (n, *shape), generator, device, dtype=dtype)
         lo, hi = self.bounds(u)
         return u.mul_(hi - lo).add_(lo)
 

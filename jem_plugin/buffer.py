@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from . import plugins
 from .adapter import InputDomain
+from ._checks import draw
 from .errors import CheckpointError, InvalidInputError, InvalidLabelError, JEMError
 
 __all__ = ["ReplayBuffer"]
@@ -25,16 +26,11 @@ INIT_HOOK = "jem_register_init_distributions"
 
 
 def _draw_rand(size: Sequence[int], generator: torch.Generator | None, device) -> Tensor:
-    # A CPU generator may drive a buffer on another device: draw where the generator lives.
-    if generator is None or generator.device == device:
-        return torch.rand(size, generator=generator, device=device)
-    return torch.rand(size, generator=generator, device=generator.device).to(device)
+    return draw(torch.rand, size, generator, device)
 
 
 def _draw_randint(high: int, size: Sequence[int], generator: torch.Generator | None, device) -> Tensor:
-    if generator is None or generator.device == device:
-        return torch.randint(0, high, size, generator=generator, device=device)
-    return torch.randint(0, high, size, generator=generator, device=generator.device).to(device)
+    return draw(lambda sz, **kw: torch.randint(0, high, sz, **kw), size, generator, device)
 
 
 class _CallableInit:

@@ -261,7 +261,7 @@ class JEMLoss(nn.Module):
         k = core.num_classes
         if k is None:
             # Unknown until the first forward: one eval-mode, no-grad forward of one input, once.
-            from .modes import sampling_mode
+            from .model import sampling_mode
 
             with torch.no_grad(), sampling_mode(core):
                 k = int(core(x[:1]).shape[1])

@@ -13,7 +13,7 @@ Convention, used by every score and metric here: **higher score = more in-distri
 Scores are looked up by name through the ``jem_register_ood_scores`` plugin hook, so a third
 party adds one with ``register(name, fn, needs_grad=..., description=...)`` in a
 ``@jem_plugin.hookimpl``; :func:`available_scores` lists what is loaded. The built-ins live in
-:mod:`jem_plugin.ood_scores`.
+:mod:`jem_plugin.builtins.ood_scores`.
 
 Metrics (:func:`evaluate`) come from scikit-learn, the maintained reference, not hand-written
 curves; ``fpr95`` follows pytorch-ood's ``fpr_at_tpr`` exactly (first ROC point whose TPR is
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from .errors import InvalidInputError, InvalidScoresError
-from .modes import sampling_mode
+from .model import sampling_mode
 from .plugins import collect, lookup
 
 __all__ = ["score", "available_scores", "evaluate", "evaluate_all", "plot_histograms", "plot_roc"]
@@ -123,7 +123,7 @@ def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progre
     progress: show a tqdm progress bar over batches.
     **kwargs: options of the score, e.g. ``temperature=1000.0`` for ``"msp"``.
 
-    The model runs in :func:`jem_plugin.modes.sampling_mode` (eval mode, frozen parameters;
+    The model runs in :func:`jem_plugin.model.sampling_mode` (eval mode, frozen parameters;
     both restored afterwards). Scores that need no input gradient run
     under ``torch.no_grad()``; gradient scores work inside ``torch.no_grad()`` and
     ``torch.inference_mode()`` too. The result lives on the input's device for a tensor, on

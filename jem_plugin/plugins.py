@@ -26,10 +26,10 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "jem_adapters.timm_adapter",
     "jem_adapters.torchvision_adapter",
     "jem_adapters.huggingface",
-    "jem_plugin.init_distributions",
-    "jem_plugin.ood_scores",
-    "jem_plugin.loss_terms",
-    "jem_plugin.energy_bounded",
+    "jem_plugin.builtins.init_distributions",
+    "jem_plugin.builtins.ood_scores",
+    "jem_plugin.builtins.loss_terms",
+    "jem_plugin.builtins.energy_bounded",
 )
 
 _pm: pluggy.PluginManager | None = None
@@ -60,14 +60,8 @@ def get_plugin_manager() -> pluggy.PluginManager:
         pm = pluggy.PluginManager(PROJECT)
         pm.add_hookspecs(hookspecs)
         for modname in BUILTIN_PLUGINS:
-            try:
-                module = importlib.import_module(modname)
-            except ModuleNotFoundError as exc:
-                # A built-in whose module is not written yet must not break the rest.
-                if exc.name != modname:
-                    raise
-                continue
-            pm.register(module, name=modname)
+            # A built-in that fails to import is a broken installation: let the error surface.
+            pm.register(importlib.import_module(modname), name=modname)
         _load_entry_points(pm)
         _pm = pm
     return _pm

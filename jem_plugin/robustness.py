@@ -45,7 +45,7 @@ from torch import Tensor
 
 from .errors import InvalidInputError, InvalidLabelError
 from .model import input_grad_enabled
-from .modes import sampling_mode
+from .model import sampling_mode
 
 __all__ = ["pgd_attack", "SGLDDefense", "defended_logits", "robust_accuracy",
            "plot_robust_accuracy", "plot_curve"]

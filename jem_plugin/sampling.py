@@ -25,9 +25,9 @@ from torch import Tensor
 
 from . import plugins
 from .errors import DivergenceError, InvalidInputError, InvalidLabelError
-from .init_distributions import UniformInit
+
 from .model import input_grad_enabled
-from .modes import sampling_mode
+from .model import sampling_mode
 
 if TYPE_CHECKING:  # pragma: no cover
     from .buffer import ReplayBuffer
@@ -365,7 +365,7 @@ class SGLD:
             raise ValueError(
                 "the input shape is unknown: pass shape=(C, H, W), x_init=..., or a ReplayBuffer"
             )
-        x0 = UniformInit().sample(n, shape, jm.domain, self.generator, device or torch.device("cpu"))
+        x0 = jm.domain.uniform(n, shape, generator=self.generator, device=device or torch.device("cpu"))
         return self.run(jm, x0, y)
 
     # ------------------------------------------------------------------ state

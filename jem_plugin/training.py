@@ -74,7 +74,7 @@ class History:
         return dict(self.epochs[-1]) if self.epochs else {}
 
     def columns(self) -> dict[str, list[float]]:
-        """``{metric: [value per epoch]}`` (what :func:`~jem_plugin.plotting.plot_training_curves` takes)."""
+        """``{metric: [value per epoch]}`` (what :func:`~jem_plugin.viz.plot_training_curves` takes)."""
         keys: list[str] = []
         for rec in self.epochs:
             keys += [k for k in rec if k not in keys]

@@ -10,7 +10,7 @@ import torch
 from benchmarks import bench_gpu_path, bench_quality, bench_sampler, bench_scaling, bench_scoring, bench_train_step
 from benchmarks import common, run_all
 from benchmarks.common import floor_chain, frozen, make_model, uniform_batch
-from jem_plugin.experiments import check_targets
+from jem_plugin.app.experiments import check_targets
 from jem_plugin.sampling import SGLD
 
 
@@ -147,7 +147,7 @@ def test_quality_comparisons_and_table():
 def test_robustness_table_from_a_digits_run(tmp_path):
     """bench_robustness reads the models a digits run saved and tabulates robust accuracy."""
     from benchmarks import bench_robustness
-    from jem_plugin.experiments import run_digits
+    from jem_plugin.app.experiments import run_digits
 
     run_digits(tmp_path, epochs=1, sgld_steps=2, buffer_size=200, class_sample_steps=2,
                progress=False, plots=False)

@@ -13,7 +13,7 @@ from jem_plugin.adapter import IMAGENET_MEAN, IMAGENET_STD, InputDomain
 from jem_plugin.buffer import ReplayBuffer
 from jem_plugin.errors import (CheckpointError, InvalidInputError, InvalidLabelError, JEMError,
                                UnknownNameError)
-from jem_plugin.init_distributions import GaussianInit
+from jem_plugin.builtins.init_distributions import GaussianInit
 
 SHAPE = (1, 8, 8)
 DOMAIN = InputDomain()  # [-1, 1]

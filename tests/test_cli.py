@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jem_plugin.cli import main
+from jem_plugin.app.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_plugins_lists_builtins(capsys):
     assert "jem_adapters.timm_adapter" in text and "jem_register_ood_scores" in text
     assert main(["plugins", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert any(r["name"] == "jem_plugin.ood_scores" for r in rows)
+    assert any(r["name"] == "jem_plugin.builtins.ood_scores" for r in rows)
 
 
 def test_demo_smoke_writes_report(tmp_path, capsys):
@@ -86,7 +86,7 @@ def test_demo_smoke_writes_report(tmp_path, capsys):
 
 
 def test_config_file_sets_defaults_and_flags_win(tmp_path):
-    from jem_plugin.cli import parse_args
+    from jem_plugin.app.cli import parse_args
 
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"epochs": 7, "sgld-steps": 3}))
@@ -129,7 +129,7 @@ def test_config_with_unknown_option(tmp_path, capsys):
 
 def test_output_into_a_closed_pipe_is_not_a_traceback():
     """`jem plugins | head -0`: the reader is gone before jem writes (it is still importing torch)."""
-    proc = subprocess.Popen([sys.executable, "-m", "jem_plugin.cli", "plugins", "--json"],
+    proc = subprocess.Popen([sys.executable, "-m", "jem_plugin.app.cli", "plugins", "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()
     err = proc.stderr.read().decode()
@@ -138,8 +138,8 @@ def test_output_into_a_closed_pipe_is_not_a_traceback():
 
 
 def test_console_script_entry_point():
-    proc = subprocess.run([sys.executable, "-m", "jem_plugin.cli", "--help"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "jem_plugin.app.cli", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "demo" in proc.stdout and "plugins" in proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "jem_plugin.cli", "train", "--epochs", "x"],
+    bad = subprocess.run([sys.executable, "-m", "jem_plugin.app.cli", "train", "--epochs", "x"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid int value" in bad.stderr

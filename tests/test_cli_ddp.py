@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jem_plugin.cli import main
+from jem_plugin.app.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["--sgld-steps", "2", "--buffer-size", "200", "--warmup-iters", "5", "--quiet"]
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 def _torchrun_train(out: Path, epochs: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "jem_plugin.cli", "train", "--epochs", str(epochs), *TRAIN, "--out", str(out)]
+           "-m", "jem_plugin.app.cli", "train", "--epochs", str(epochs), *TRAIN, "--out", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, (f"{' '.join(cmd)} failed ({proc.returncode}):\n"
                                   f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -61,7 +61,7 @@ def test_ddp_train_writes_one_model_and_per_rank_state(ddp_run, capsys):
     history = json.loads((out / "history.json").read_text())
     assert [e["epoch"] for e in history["epochs"]] == [1]
     # Each rank trained on its half of the data: batches per epoch of one rank's share.
-    from jem_plugin.data import load_digits
+    from jem_plugin.app.data import load_digits
 
     n_train = len(load_digits("train", seed=0))
     assert history["epochs"][0]["iterations"] == (n_train // 2) // 64
@@ -99,8 +99,8 @@ def _fit_run(out: str, stop_rank1_at: int | None) -> dict:  # pragma: no cover -
 
     import jem_plugin as jem
     from jem_plugin import distributed as jdist
-    from jem_plugin.data import load_digits
-    from jem_plugin.nets import DigitsCNN
+    from jem_plugin.app.data import load_digits
+    from jem_plugin.app.nets import DigitsCNN
     from jem_plugin.training import fit
 
     rank = jdist.get_rank()
@@ -133,7 +133,7 @@ def _diverge_on_rank1() -> str:  # pragma: no cover - torchrun children
     """Rank 1's logits turn NaN at its 3rd training forward: both ranks must raise (none waits)."""
     import jem_plugin as jem
     from jem_plugin import distributed as jdist
-    from jem_plugin.nets import DigitsCNN
+    from jem_plugin.app.nets import DigitsCNN
     from jem_plugin.training import fit
 
     rank = jdist.get_rank()

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from jem_plugin import data as D
+from jem_plugin.app import data as D
 from jem_plugin.errors import DatasetNotFoundError, JEMError
-from jem_plugin.nets import DigitsCNN, ToyMLP
+from jem_plugin.app.nets import DigitsCNN, ToyMLP
 
 
 @pytest.fixture(scope="module")

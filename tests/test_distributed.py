@@ -69,7 +69,7 @@ def _worker(out_dir: str) -> None:  # pragma: no cover - runs in the torchrun ch
 
     import jem_plugin as jem
     from jem_plugin import distributed as jdist
-    from jem_plugin.nets import DigitsCNN
+    from jem_plugin.app.nets import DigitsCNN
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from conftest import TinyCNN  # BatchNorm + Dropout: the layers that break naive code
@@ -366,7 +366,7 @@ def test_example_resumes_bit_for_bit_after_a_restart(worker_results):
     from jem_plugin import distributed as jdist
     from jem_plugin.checkpoint import load_checkpoint
     from jem_plugin.errors import CheckpointError
-    from jem_plugin.nets import DigitsCNN
+    from jem_plugin.app.nets import DigitsCNN
 
     jm = jem.wrap(DigitsCNN(width=8), data_range=(-1.0, 1.0), input_size=(1, 8, 8))
     extra = load_checkpoint(run / "checkpoints" / "ckpt-000000008.pt", rng=False, model=jm)
@@ -387,7 +387,7 @@ def test_helpers_without_a_process_group(tmp_path):
     import jem_plugin as jem
     from jem_plugin import distributed as jdist
     from jem_plugin.errors import CheckpointError, JEMError
-    from jem_plugin.nets import DigitsCNN
+    from jem_plugin.app.nets import DigitsCNN
 
     info = jdist.init_distributed()
     assert (info.rank, info.world_size, info.distributed) == (0, 1, False)

@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import jem_plugin as jem
 from jem_plugin import ood, plugins
-from jem_plugin.energy_bounded import (EnergyBoundedTerm, calibrate_margins, energy_bounded_loss,
+from jem_plugin.builtins.energy_bounded import (EnergyBoundedTerm, calibrate_margins, energy_bounded_loss,
                                        free_energy)
 from jem_plugin.errors import InvalidInputError
 from jem_plugin.losses import JEMLoss

@@ -14,7 +14,7 @@ import jem_plugin as jem
 from jem_plugin.adapter import IMAGENET_MEAN, IMAGENET_STD
 from jem_plugin.buffer import ReplayBuffer
 from jem_plugin.errors import DivergenceError, InvalidLabelError
-from jem_plugin.modes import sampling_mode
+from jem_plugin.model import sampling_mode
 from jem_plugin.sampling import SGLD, SGLDStepState
 
 from conftest import TinyCNN

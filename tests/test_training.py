@@ -8,8 +8,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import jem_plugin as jem
-from jem_plugin import data as D
-from jem_plugin.nets import DigitsCNN
+from jem_plugin.app import data as D
+from jem_plugin.app.nets import DigitsCNN
 from jem_plugin.training import History, evaluate_classifier, fit, warmup_schedule
 
 
@@ -231,7 +231,7 @@ def test_guard_rollback_continues_with_safer_settings(digits, tmp_path):
 
 
 def test_run_digits_smoke_writes_metrics_and_figures(tmp_path):
-    from jem_plugin.experiments import OOD_SCORES, run_digits_demo
+    from jem_plugin.app.experiments import OOD_SCORES, run_digits_demo
 
     # the demo entry point with a tiny budget: both runs, the budget split, every figure
     result = run_digits_demo(tmp_path, epochs=1, sgld_steps=1, buffer_size=200, class_sample_steps=1,

@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .errors import InvalidInputError
-from .ood import _extract_x
-from .plugins import hookimpl
+from ..errors import InvalidInputError
+from ..ood import _extract_x
+from ..plugins import hookimpl
 
 __all__ = ["free_energy", "energy_bounded_loss", "calibrate_margins", "EnergyBoundedTerm",
            "jem_register_loss_terms"]

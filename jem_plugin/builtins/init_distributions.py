@@ -26,19 +26,12 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from .adapter import InputDomain
-from .errors import InvalidInputError, InvalidLabelError, JEMError
-from .plugins import hookimpl
+from .._checks import draw as _draw
+from ..adapter import InputDomain
+from ..errors import InvalidInputError, InvalidLabelError, JEMError
+from ..plugins import hookimpl
 
 __all__ = ["UniformInit", "GaussianInit", "NormalInit", "jem_register_init_distributions"]
-
-
-def _draw(fn, size: Sequence[int], generator: torch.Generator | None, device) -> Tensor:
-    """``torch.rand``/``randn`` that also works when the generator lives on another device."""
-    gen_device = generator.device if generator is not None else None
-    if generator is None or device is None or torch.device(device) == gen_device:
-        return fn(size, generator=generator, device=device)
-    return fn(size, generator=generator, device=gen_device).to(device)
 
 
 class UniformInit(nn.Module):
@@ -46,9 +39,7 @@ class UniformInit(nn.Module):
 
     def sample(self, n: int, shape: Sequence[int], domain: InputDomain,
                generator: torch.Generator | None = None, device=None, y: Tensor | None = None) -> Tensor:
-        u = _draw(torch.rand, (n, *shape), generator, device)
-        lo, hi = domain.bounds(u)
-        return u.mul_(hi - lo).add_(lo)
+        return domain.uniform(n, shape, generator=generator, device=device)
 
     def extra_repr(self) -> str:
         return "uniform over the input domain"

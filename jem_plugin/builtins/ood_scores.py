@@ -20,7 +20,7 @@ logpx_sgld     ``logpx`` after a few SGLD steps started at the input          ye
 msp_sgld       ``msp`` after a few SGLD steps started at the input            yes
 =============  ===========================================================  ==========
 
-Gradient scores run the model in :func:`jem_plugin.modes.sampling_mode` (eval mode, parameters
+Gradient scores run the model in :func:`jem_plugin.model.sampling_mode` (eval mode, parameters
 frozen, both restored after), take gradients with respect to the input only (no parameter
 ``.grad`` is touched) and work under ``torch.no_grad()`` and
 ``torch.inference_mode()`` (see :func:`jem_plugin.model.input_grad_enabled`).
@@ -32,9 +32,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .model import input_grad_enabled
-from .modes import sampling_mode
-from .plugins import hookimpl
+from ..model import input_grad_enabled
+from ..model import sampling_mode
+from ..plugins import hookimpl
 
 __all__ = ["logpx", "msp", "max_logit", "grad_norm", "grad_norm_projected", "logpx_sgld", "msp_sgld"]
 
@@ -104,7 +104,7 @@ def grad_norm_projected(jm, x: Tensor) -> Tensor:
 
 
 def _refine(jm, x: Tensor, steps: int, step_size: float, noise: float, **sgld_kwargs) -> Tensor:
-    from .sampling import SGLD  # lazy: the sampler imports the model machinery
+    from ..sampling import SGLD  # lazy: the sampler imports the model machinery
 
     with sampling_mode(jm):
         return SGLD(steps=steps, step_size=step_size, noise=noise, **sgld_kwargs).run(jm, x).detach()

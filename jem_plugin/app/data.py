@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 
-from .adapter import InputDomain
-from .errors import DatasetNotFoundError
+from ..adapter import InputDomain
+from ..errors import DatasetNotFoundError
 
 __all__ = [
     "DIGITS_DOMAIN", "DIGITS_CLASSES",

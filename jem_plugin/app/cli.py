@@ -13,17 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import JEMError
+from ..errors import JEMError
+from . import CLIError
+from .model_files import (build_model, load_data, load_model_checkpoint, wrap_for_data,
+                          model_spec, save_model_checkpoint)
 
-# Model specs understood by --model: built-in nets, any timm name, or module:factory.
-BUILTIN_NETS = ("digits-cnn", "toy-mlp")
-CKPT_FORMAT = "jem-plugin/model/1"
 # `jem demo --smoke`: the whole pipeline in seconds (tests, a first look); not a meaningful result.
 SMOKE_DEMO = {"epochs": 1, "sgld_steps": 2, "buffer_size": 500, "class_sample_steps": 2}
-
-
-class CLIError(JEMError):
-    """A user error at the command line: printed as one line, exit status 2."""
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -63,120 +59,9 @@ def _device(name: str):
     return dev
 
 
-def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int = 0):
-    """``(dataset, domain, num_classes, sample_shape)`` for a ``--data`` spec.
-
-    Specs: ``digits``, ``toy2d`` (or ``toy2d:NAME``), ``folder:PATH``, ``cifar10:PATH``.
-    """
-    from . import data
-
-    kind, _, arg = spec.partition(":")
-    if kind == "digits":
-        ds = data.load_digits("train" if train else "test", seed=seed)
-        return ds, ds.domain, 10, (1, 8, 8)
-    if kind == "toy2d":
-        from torch.utils.data import TensorDataset
-
-        x, y = data.toy2d(arg or "8gaussians", n=4000 if train else 1000, seed=seed if train else seed + 1)
-        ds = TensorDataset(x, y)
-        from .adapter import InputDomain
-
-        lim = float(x.abs().max()) * 1.2
-        return ds, InputDomain.from_range(-lim, lim, input_size=(2,)), int(y.max()) + 1, (2,)
-    if kind == "folder":
-        if not arg:
-            raise CLIError("--data folder:PATH needs a path, e.g. folder:data/train")
-        ds = data.image_folder(arg, image_size=image_size)
-        return ds, ds.domain, len(ds.classes), (3, image_size, image_size)
-    if kind == "cifar10":
-        if not arg:
-            raise CLIError("--data cifar10:PATH needs the directory holding cifar-10-batches-py")
-        ds = data.cifar10(arg, train=train)
-        return ds, ds.domain, 10, (3, 32, 32)
-    raise CLIError(f"unknown --data {spec!r}; use digits, toy2d[:NAME], folder:PATH or cifar10:PATH")
-
-
-def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, Any] | None = None):
-    """An ``nn.Module`` for a ``--model`` spec: a built-in net, a timm name, or ``module:factory``.
-
-    ``options``: constructor keywords of a built-in net (e.g. ``{"width": 16}`` for digits-cnn).
-    """
-    from . import nets
-
-    if spec == "digits-cnn":
-        return nets.DigitsCNN(num_classes=num_classes, **(options or {}))
-    if spec == "toy-mlp":
-        return nets.ToyMLP(num_classes=num_classes, **(options or {}))
-    if ":" in spec:
-        import importlib
-
-        modname, _, attr = spec.partition(":")
-        try:
-            factory = getattr(importlib.import_module(modname), attr)
-        except (ImportError, AttributeError) as exc:
-            raise CLIError(f"cannot load --model {spec!r}: {exc}") from exc
-        return factory(num_classes=num_classes)
-    import timm
-
-    if not timm.is_model(spec):
-        raise CLIError(
-            f"unknown --model {spec!r}: not a built-in ({', '.join(BUILTIN_NETS)}), not a timm "
-            "model name (see timm.list_models()), and not a module:factory path")
-    return timm.create_model(spec, pretrained=False, num_classes=num_classes, in_chans=in_chans)
-
-
-def model_spec(model: str, data: str, num_classes: int, sample_shape, domain,
-               model_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What a model file stores to rebuild the model: the ``--model``/``--data`` specs, the
-    classes, the input shape, the input domain, and a built-in net's constructor options."""
-    spec = {"model": model, "data": data, "num_classes": num_classes, "sample_shape": list(sample_shape),
-            "low": list(domain.low), "high": list(domain.high),
-            "mean": list(domain.mean) if domain.mean else None,
-            "std": list(domain.std) if domain.std else None}
-    if model_options:
-        spec["model_options"] = dict(model_options)
-    return spec
-
-
-def save_model_checkpoint(path: Path, jm, spec: dict[str, Any]) -> None:
-    """The final model: its spec (to rebuild it) and weights, atomic and code-free."""
-    from .checkpoint import save_checkpoint
-
-    save_checkpoint(path, rng=False, kind=CKPT_FORMAT, spec=spec, model=jm.model)
-
-
-def load_model_checkpoint(path: str, device=None):
-    """Rebuild the wrapped model saved by ``jem train`` or ``jem demo``; returns ``(jm, spec)``."""
-    from .checkpoint import load_checkpoint
-
-    stored = load_checkpoint(path, rng=False)  # CheckpointError: missing, corrupt, unsafe
-    if stored.get("kind") != CKPT_FORMAT:
-        raise CLIError(f"{path!r} is not a model checkpoint written by `jem train` or `jem demo` "
-                       "(use the model*.pt in the run directory)")
-    spec = stored["spec"]
-    model = build_model(spec["model"], spec["num_classes"], spec["sample_shape"][0], spec.get("model_options"))
-    jm = _wrap_for_data(model, spec)
-    load_checkpoint(path, rng=False, model=jm.model)  # checks keys and shapes first
-    if device is not None:
-        jm.to(device)
-    return jm.eval(), spec
-
-
-def _wrap_for_data(model, spec: dict[str, Any]):
-    """Wrap with the data's domain: the sampler must work in the space the loader yields."""
-    from . import wrap
-
-    opts: dict[str, Any] = {"input_size": tuple(spec["sample_shape"])}
-    if spec.get("mean"):
-        opts.update(mean=spec["mean"], std=spec["std"])
-    else:
-        opts["data_range"] = (spec["low"], spec["high"])
-    return wrap(model, **opts)
-
-
 # ----------------------------------------------------------------------------- commands
 def cmd_plugins(args) -> int:
-    from .plugins import list_plugins
+    from ..plugins import list_plugins
 
     rows = list_plugins()
     if args.json:
@@ -217,7 +102,7 @@ def _print_summary(result: dict[str, Any]) -> None:
 
 
 def cmd_train(args) -> int:
-    from . import distributed as jdist
+    from .. import distributed as jdist
 
     try:
         return _train(args, jdist.init_distributed(device=_device(args.device)))
@@ -229,18 +114,18 @@ def _train(args, info) -> int:
     import torch
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from . import distributed as jdist
-    from .buffer import ReplayBuffer
-    from .losses import JEMLoss
-    from .sampling import SGLD
-    from .training import fit
+    from .. import distributed as jdist
+    from ..buffer import ReplayBuffer
+    from ..losses import JEMLoss
+    from ..sampling import SGLD
+    from ..training import fit
 
     dev = info.device
     # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(args.seed)
     ds, domain, k, shape = load_data(args.data, train=True, image_size=args.image_size, seed=args.seed)
     spec = model_spec(args.model, args.data, k, shape, domain)
-    jm = _wrap_for_data(build_model(args.model, k, shape[0]), spec).to(dev)
+    jm = wrap_for_data(build_model(args.model, k, shape[0]), spec).to(dev)
     if info.distributed:
         # From here on each rank draws its own data noise and chains.
         torch.manual_seed(jdist.rank_seed(args.seed))
@@ -298,7 +183,7 @@ def _eval_data(args, spec):
 def cmd_eval(args) -> int:
     import torch
 
-    from . import calibration
+    from .. import calibration
 
     jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
     x, y = _eval_data(args, spec)
@@ -313,7 +198,9 @@ def cmd_eval(args) -> int:
 def cmd_ood(args) -> int:
     import torch
 
-    from . import data, ood
+    from . import data
+
+    from .. import ood
 
     jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
     x, y = _eval_data(args, spec)
@@ -334,8 +221,8 @@ def cmd_ood(args) -> int:
 def cmd_sample(args) -> int:
     import torch
 
-    from .plotting import save_image_grid
-    from .sampling import SGLD
+    from ..viz import save_image_grid
+    from ..sampling import SGLD
 
     jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
     g = torch.Generator().manual_seed(args.seed)
@@ -383,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         "train", parents=[common], help="train a classifier with (or without) the JEM loss",
         description="Train a classifier with (or without) the JEM loss; resumes from --out/checkpoints. "
                     "Multi-process (DDP, one replay buffer per rank; --batch-size and --buffer-size are "
-                    "per rank): torchrun --nproc_per_node=2 -m jem_plugin.cli train --out runs/jem-ddp ... "
+                    "per rank): torchrun --nproc_per_node=2 -m jem_plugin.app.cli train --out runs/jem-ddp ... "
                     "(resume with the same --nproc_per_node).")
     p.add_argument("--model", default="digits-cnn", help="digits-cnn, toy-mlp, a timm name, or module:factory")
     p.add_argument("--data", default="digits", help="digits, toy2d[:NAME], folder:PATH, cifar10:PATH")

@@ -20,7 +20,7 @@ from typing import Sequence
 
 from torch import Tensor
 
-from .plugins import hookimpl
+from ..plugins import hookimpl
 
 __all__ = ["EnergyL2", "jem_register_loss_terms"]
 

@@ -1,6 +1,6 @@
 """A single self-contained HTML report from an experiment directory.
 
-Reads the experiment's result dict (what :mod:`jem_plugin.experiments` returns and writes as
+Reads the experiment's result dict (what :mod:`jem_plugin.app.experiments` returns and writes as
 ``metrics.json``) and every PNG in the directory, and writes ``report.html`` with the figures
 embedded (base64), so the file can be mailed or attached to an issue as it is.
 """

@@ -2,7 +2,7 @@
 
 Everything runs on scikit-learn's bundled 8x8 digits (no download), on the CPU, in minutes:
 
->>> from jem_plugin.experiments import run_digits
+>>> from jem_plugin.app.experiments import run_digits
 >>> result = run_digits("runs/digits")                       # the paper's recipe, 150 epochs
 >>> result = run_digits("runs/digits-fast", **FAST_RECIPE)   # fewer SGLD steps, same targets
 
@@ -14,7 +14,7 @@ directory receives ``metrics.json``, the models (``model_baseline.pt``, ``model_
 ``jem eval/ood/sample`` read), the training histories, sample grids (replay buffer, per class),
 training curves, reliability diagrams, score histograms and ROC curves.
 
-From the command line: ``python -m jem_plugin.experiments OUT_DIR [--fast | --demo] [--epochs N]``.
+From the command line: ``python -m jem_plugin.app.experiments OUT_DIR [--fast | --demo] [--epochs N]``.
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from . import data as D
-from .model import JEM, wrap
+from ..model import JEM, wrap
 from .nets import DigitsCNN
-from .training import History, fit
+from ..training import History, fit
 
 __all__ = ["DigitsConfig", "run_digits", "run_digits_demo", "PAPER_RECIPE", "FAST_RECIPE",
            "DEMO_RECIPE", "TARGETS", "OOD_SCORES"]
@@ -96,7 +96,7 @@ PAPER_RECIPE: dict[str, Any] = {}
 #: 5 steps instead of 20 on 32 chains per batch instead of 64, the energy L2 regulariser (0.1),
 #: and a learning rate/warmup suited to a 22-iteration epoch (the paper's 1000 warmup iterations
 #: are 45 of the 150 epochs here, and at 1e-4 JEM learns classes more slowly than the baseline
-#: and ends 1-2 points short). Measured (``python -m jem_plugin.experiments OUT --fast --seed S``),
+#: and ends 1-2 points short). Measured (``python -m jem_plugin.app.experiments OUT --fast --seed S``),
 #: seed 0: accuracy 0.981 (baseline 0.978), log p(x) AUROC 1.00/1.00/0.82/1.00, gradient-norm
 #: AUROC 1.00/0.997 (noise, patches), 3.6x the baseline's CPU time; seeds 1-3: accuracy -1.7,
 #: +0.8, +0.3 points vs their baselines, the OOD targets met on all. Uniform init and plain SGLD
@@ -120,7 +120,7 @@ def _build(cfg: DigitsConfig, device) -> JEM:
 
 def _save_model(path: Path, jm: JEM, cfg: DigitsConfig) -> None:
     """The model in the CLI's format (spec + weights, code-free), like ``jem train``'s model.pt."""
-    from .cli import model_spec, save_model_checkpoint
+    from .model_files import model_spec, save_model_checkpoint
 
     spec = model_spec("digits-cnn", "digits", 10, (1, 8, 8), jm.domain,
                       {"width": cfg.width, "act": cfg.act, "pool": cfg.pool})
@@ -133,9 +133,9 @@ def _loader(train, cfg: DigitsConfig) -> DataLoader:
 
 
 def _jem_loss(cfg: DigitsConfig, x_train, y_train, device):
-    from .buffer import ReplayBuffer
-    from .losses import JEMLoss
-    from .sampling import SGLD
+    from ..buffer import ReplayBuffer
+    from ..losses import JEMLoss
+    from ..sampling import SGLD
 
     sampler = SGLD(steps=cfg.sgld_steps, step_size=cfg.step_size, noise=cfg.noise,
                    grad_clip=cfg.proximal, clamp=cfg.clamp)
@@ -160,7 +160,7 @@ def _logits(jm, x: torch.Tensor) -> torch.Tensor:
 def _evaluate(jm, x_test, y_test, ood_sets: Mapping[str, torch.Tensor], out: Path, tag: str,
               plots: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """Accuracy, calibration, OOD AUROCs (flat summary) and the detailed OOD metrics."""
-    from . import calibration, ood
+    from .. import calibration, ood
 
     logits = _logits(jm, x_test)
     cal = calibration.calibration_report(logits, y_test)
@@ -194,8 +194,8 @@ def _evaluate(jm, x_test, y_test, ood_sets: Mapping[str, torch.Tensor], out: Pat
 
 def _sample_grids(jm, loss_fn, cfg: DigitsConfig, out: Path) -> dict[str, str]:
     """Replay-buffer samples (unconditional) and class-conditional samples, one row per class."""
-    from .plotting import save_image_grid
-    from .sampling import SGLD
+    from ..viz import save_image_grid
+    from ..sampling import SGLD
 
     buffer = loss_fn.buffer
     paths = {}
@@ -257,7 +257,7 @@ def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, 
                progress: bool = True, device: str | torch.device = "cpu",
                max_seconds: float | None = None, budget_seconds: float | None = None,
                guard_policy: str | None = "raise", plots: bool = True, **overrides: Any) -> dict[str, Any]:
-    """Train a baseline and a JEM :class:`~jem_plugin.nets.DigitsCNN` on the digits, evaluate both,
+    """Train a baseline and a JEM :class:`~jem_plugin.app.nets.DigitsCNN` on the digits, evaluate both,
     write ``metrics.json`` and figures to ``out_dir``; returns the result dict.
 
     Defaults are the paper's recipe (Adam 1e-4, warmup 1000, 20 SGLD steps of size 1 and noise
@@ -323,7 +323,7 @@ def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, 
     if plots:
         grids = _sample_grids(jm, loss_fn, cfg, out)
         runs[jem_label]["summary"]["class_sample_accuracy"] = grids.pop("class_sample_accuracy")
-        from .plotting import plot_training_curves
+        from ..viz import plot_training_curves
 
         plot_training_curves(histories, out / "curves_training.png",
                              metrics=[m for m in ("loss", "acc", "val_acc", "val_nll", "energy_gap", "cpu_time")
@@ -361,7 +361,7 @@ def run_digits_demo(out_dir: str | Path, *, seed: int = 0, device: str = "cpu", 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jem_plugin.experiments",
+    p = argparse.ArgumentParser(prog="python -m jem_plugin.app.experiments",
                                 description="Digits: baseline vs JEM (accuracy, calibration, OOD, samples).")
     p.add_argument("out")
     group = p.add_mutually_exclusive_group()

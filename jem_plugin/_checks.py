@@ -1,0 +1,42 @@
+"""Small helpers every layer shares: one copy each (labels, inputs, random draws, wrappers, devices).
+
+Private: the public entry points call these so that every one of them validates and draws the
+same way.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["same_device", "draw"]
+
+
+def _canonical(device: torch.device | str | None) -> torch.device | None:
+    """``cuda`` means the current CUDA device: ``torch.device("cuda")`` equals ``cuda:N`` here."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.index is None and device.type != "cpu":
+        mod = getattr(torch, device.type, None)
+        if mod is not None and hasattr(mod, "current_device") and mod.is_available():
+            return torch.device(device.type, mod.current_device())
+    return device
+
+
+def same_device(a: torch.device | str | None, b: torch.device | str | None) -> bool:
+    """True when ``a`` and ``b`` name the same device (``cuda`` is the current CUDA device)."""
+    return _canonical(a) == _canonical(b)
+
+
+def draw(fn: Callable[..., Tensor], size: Sequence[int], generator: torch.Generator | None,
+         device: torch.device | str | None, **kwargs) -> Tensor:
+    """``fn(size, generator=..., device=...)`` (``torch.rand``, ``randn``, ...) on ``device``.
+
+    A generator on another device (a CPU generator driving CUDA chains) draws where it lives and
+    the result is moved: seeded runs then repeat whatever the chains' device.
+    """
+    if generator is None or device is None or same_device(generator.device, device):
+        return fn(size, generator=generator, device=device, **kwargs)
+    return fn(size, generator=generator, device=generator.device, **kwargs).to(device)
