@@ -1,0 +1,118 @@
+"""Named JEM training recipes: small, printable data a user can copy and change.
+
+A :class:`Recipe` holds every setting that distinguishes the JEM family's published recipes
+(sampler, replay buffer, loss weights, optimiser, sharpness-aware minimisation, which data the
+``p(x)`` term sees). :meth:`Recipe.build_loss` turns one into a :class:`~jem_plugin.JEMLoss` for a
+wrapped model; ``jem train --recipe NAME`` uses the same objects.
+
+>>> import dataclasses, jem_plugin.recipes as R
+>>> print(R.get_recipe("fast"))
+>>> mine = dataclasses.replace(R.get_recipe("fast"), sgld_steps=10)
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from .buffer import ReplayBuffer
+from .errors import UnknownNameError
+from .losses import JEMLoss
+from .sampling import SGLD
+
+__all__ = ["Recipe", "RECIPES", "get_recipe"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The settings of one JEM recipe. Print it to see them; ``dataclasses.replace`` to change one."""
+
+    name: str
+    summary: str
+    # SGLD
+    sgld_steps: int = 20
+    step_size: float = 1.0
+    noise: float = 0.01
+    grad_clip: float | None = None      # proximal SGLD (JEM++): clamp each step's gradient
+    # replay buffer
+    buffer_size: int = 10000
+    reinit_freq: float = 0.05
+    init: str = "uniform"               # a registered init distribution: "uniform", "gaussian", ...
+    n_samples: int | None = None        # chains per iteration (None: the batch size)
+    # loss
+    px_weight: float = 1.0
+    pxy_weight: float = 0.0
+    l2_weight: float = 0.0              # energy L2 on data and sample energies
+    data_noise: float = 0.03
+    px_clean_data: bool = False         # the p(x) term sees the un-augmented batch (SADA-JEM)
+    # optimiser
+    optimizer: str = "adam"             # "adam" or "sgd"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_iters: int = 1000
+    warmup_max_fraction: float = 0.1    # the warm-up never exceeds this fraction of the run
+    sam_rho: float | None = None        # sharpness-aware minimisation radius (SADA-JEM: 2.0, adaptive)
+
+    def __str__(self) -> str:
+        rows = [f"recipe {self.name!r}: {self.summary}"]
+        rows += [f"  {f.name:<20} {getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                 if f.name not in ("name", "summary")]
+        return "\n".join(rows)
+
+    def warmup_for(self, total_iters: int) -> int:
+        """Warm-up iterations for a run of ``total_iters``: the recipe's, capped to a fraction of the run."""
+        return max(0, min(self.warmup_iters, int(self.warmup_max_fraction * total_iters)))
+
+    def build_loss(self, *, sample_shape: Sequence[int], num_classes: int | None = None,
+                   x_fit: torch.Tensor | None = None, y_fit: torch.Tensor | None = None,
+                   device: torch.device | str | None = None, generator: torch.Generator | None = None,
+                   **overrides: Any):
+        """A :class:`~jem_plugin.JEMLoss` with this recipe's sampler and buffer.
+
+        ``x_fit``/``y_fit``: data to fit an informative initial distribution (``init="gaussian"``)
+        from; ``overrides`` replace ``JEMLoss`` keywords.
+        """
+        sampler = SGLD(steps=self.sgld_steps, step_size=self.step_size, noise=self.noise,
+                       grad_clip=self.grad_clip, generator=generator)
+        cond = self.init != "uniform" or self.pxy_weight > 0
+        buffer = ReplayBuffer(self.buffer_size, tuple(sample_shape), reinit_freq=self.reinit_freq,
+                              init=self.init, num_classes=num_classes if cond else None, device=device)
+        if x_fit is not None and hasattr(buffer.init_dist, "fit"):
+            buffer.fit(x_fit.to(device) if device else x_fit,
+                       None if y_fit is None else (y_fit.to(device) if device else y_fit))
+        kwargs: dict[str, Any] = dict(px_weight=self.px_weight, pxy_weight=self.pxy_weight,
+                                      l2_weight=self.l2_weight, data_noise=self.data_noise,
+                                      n_samples=self.n_samples, generator=generator)
+        kwargs.update(overrides)
+        loss = JEMLoss(sampler, buffer, **kwargs)
+        return loss.to(device) if device is not None else loss
+
+    def build_optimizer(self, params) -> torch.optim.Optimizer:
+        """The recipe's optimiser over ``params`` (SAM, when ``sam_rho`` is set, wraps it in the training loop)."""
+        if self.optimizer == "adam":
+            return torch.optim.Adam(params, lr=self.lr, weight_decay=self.weight_decay)
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=0.9, weight_decay=self.weight_decay)
+        raise UnknownNameError(f"recipe {self.name!r}: unknown optimizer {self.optimizer!r}; use 'adam' or 'sgd'")
+
+
+RECIPES: dict[str, Recipe] = {
+    "paper": Recipe(
+        "paper", "Grathwohl et al. 2019: 20 SGLD steps from uniform noise, Adam 1e-4, 1000 warm-up iterations",
+    ),
+    "fast": Recipe(
+        "fast", "measured on the bundled digits: 5 steps on 32 chains, energy L2 0.1, Adam 3e-4; "
+        "about 3.7x the cross-entropy cost, within a point of its accuracy",
+        sgld_steps=5, n_samples=32, l2_weight=0.1, lr=3e-4, warmup_iters=200,
+    ),
+}
+
+
+def get_recipe(name: str) -> Recipe:
+    """The recipe registered as ``name``; :class:`~jem_plugin.UnknownNameError` lists the choices."""
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise UnknownNameError(f"unknown recipe {name!r}; available: {', '.join(RECIPES)}") from None
