@@ -14,7 +14,8 @@ from .model import JEM, input_grad_enabled, wrap
 from .plugins import get_plugin_manager, hookimpl, list_plugins, register, unregister
 from .sampling import SGLD, SGLDStepState
 from .buffer import ReplayBuffer
-from .losses import GenerativeLossMixin, JEMLoss, LossOutput
+from .losses import JEMLoss, LossOutput
+from .integrations.mixin import GenerativeLossMixin
 from .stability import DivergenceGuard
 from .checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from . import calibration, ood, robustness  # noqa: E402  (namespaces: jem.ood.score, ...)

@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .errors import InvalidInputError, InvalidLabelError
+from ._checks import check_labels, draw
+from .errors import InvalidInputError
 from .model import input_grad_enabled
 from .model import sampling_mode
 
@@ -58,13 +59,7 @@ def _check_xy(jm, x: Any, y: Any) -> tuple[Tensor, Tensor]:
     if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() < 2:
         got = f"dtype {x.dtype}, shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
         raise InvalidInputError(f"expected a floating-point batch [B, ...] of inputs, got {got}")
-    if not isinstance(y, Tensor):
-        y = torch.as_tensor(y)
-    if y.dtype.is_floating_point or y.dtype == torch.bool:
-        raise InvalidLabelError(f"labels must be integer class indices, got dtype {y.dtype}; use y.long()")
-    if y.shape != (x.shape[0],):
-        raise InvalidLabelError(f"expected {x.shape[0]} labels of shape [{x.shape[0]}], got {tuple(y.shape)}")
-    return x, y.to(device=x.device, dtype=torch.long)
+    return x, check_labels(y, x.shape[0], device=x.device)
 
 
 def _space(jm, x: Tensor, eps_space: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -79,9 +74,7 @@ def _space(jm, x: Tensor, eps_space: str) -> tuple[Tensor, Tensor, Tensor, Tenso
 
 
 def _rand(shape, like: Tensor, generator: torch.Generator | None, normal: bool = False) -> Tensor:
-    dev = generator.device if generator is not None else like.device
-    fn = torch.randn if normal else torch.rand
-    return fn(shape, generator=generator, device=dev, dtype=like.dtype).to(like.device)
+    return draw(torch.randn if normal else torch.rand, shape, generator, like.device, dtype=like.dtype)
 
 
 def _per_example_norm(t: Tensor) -> Tensor:

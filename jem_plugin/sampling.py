@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from . import plugins
-from .errors import DivergenceError, InvalidInputError, InvalidLabelError
+from ._checks import check_label_range, check_labels, model_device
+from .errors import DivergenceError, InvalidInputError
 
 from .model import input_grad_enabled
 from .model import sampling_mode
@@ -185,28 +186,13 @@ class SGLD:
         return [a * (1.0 + t / b) ** -self.decay_power for t in range(t_max)]
 
     # ------------------------------------------------------------------ chains
-    def _check_y(self, jm: "JEM", y: Any, batch: int, device) -> Tensor:
-        if not isinstance(y, Tensor):
-            y = torch.as_tensor(y)
-        if y.dtype.is_floating_point or y.dtype == torch.bool or y.is_complex():
-            raise InvalidLabelError(f"y must hold integer class indices, got dtype {y.dtype}; use y.long()")
-        if y.shape != (batch,):
-            raise InvalidLabelError(f"expected y of shape [{batch}] (one class per chain), got {tuple(y.shape)}")
-        y = y.to(device=device, dtype=torch.long)
+    @staticmethod
+    def _check_y(jm: "JEM", y: Any, batch: int, device) -> Tensor:
+        y = check_labels(y, batch, num_classes=jm.num_classes, device=device, what="y (one class per chain)")
         if y.is_inference():  # labels made under inference_mode cannot be saved for backward
             with torch.inference_mode(False):
                 y = y.clone()
-        if jm.num_classes is not None:
-            self._check_y_range(y, jm.num_classes)
         return y
-
-    @staticmethod
-    def _check_y_range(y: Tensor, k: int) -> None:
-        if y.numel() and bool(((y < 0) | (y >= k)).any()):
-            raise InvalidLabelError(
-                f"labels must lie in [0, {k}) for a model with {k} classes; got values from "
-                f"{int(y.min())} to {int(y.max())}"
-            )
 
     def run(self, jm: "JEM", x: Tensor, y: Tensor | None = None) -> Tensor:
         """Run ``steps`` Langevin updates from ``x``; returns a new detached fp32 tensor.
@@ -261,7 +247,7 @@ class SGLD:
                     score = logsumexp(out, 1)
                 else:
                     if check_k:
-                        self._check_y_range(y, out.shape[1])
+                        check_label_range(y, out.shape[1], what="y (one class per chain)")
                         check_k = False
                     score = out.gather(1, y_index)
                 if ones is None:  # d(sum)/d(score) = 1: pass it directly, no sum kernel per step
@@ -336,10 +322,7 @@ class SGLD:
         if n is not None and (not _is_int(n) or n < 1):
             raise ValueError(f"n must be a positive int, got {n!r}")
         if y is not None:
-            if not isinstance(y, Tensor):
-                y = torch.as_tensor(y)
-            if y.dim() != 1:
-                raise InvalidLabelError(f"y must be a 1-D tensor of class indices, got shape {tuple(y.shape)}")
+            y = check_labels(y, what="y")
             if n is not None and n != y.shape[0]:
                 raise ValueError(f"n={n} conflicts with y of {y.shape[0]} labels; pass one of them")
             n = y.shape[0]
@@ -351,8 +334,7 @@ class SGLD:
             return self.run(jm, x_init, y)
         if n is None:
             raise ValueError("say how many samples: sample(jm, n=64, ...) (or pass y= or x_init=)")
-        param = next(jm.parameters(), None)
-        device = param.device if param is not None else None
+        device = model_device(jm)
         if buffer is not None:
             x0, idx = buffer.sample(n, domain=jm.domain, y=y, generator=self.generator)
             if device is not None and x0.device != device:  # buffer kept elsewhere (e.g. CPU)

@@ -10,7 +10,8 @@ import jem_plugin as jem
 from jem_plugin import plugins
 from jem_plugin.buffer import ReplayBuffer
 from jem_plugin.errors import InvalidInputError, InvalidLabelError, UnknownNameError
-from jem_plugin.losses import GenerativeLossMixin, JEMLoss, LossBatch, LossOutput
+from jem_plugin import GenerativeLossMixin
+from jem_plugin.losses import JEMLoss, LossBatch, LossOutput
 from jem_plugin.sampling import SGLD
 
 K = 10
@@ -51,7 +52,7 @@ def test_loss_equals_reference_objective_and_gradients():
     """CE + px + pxy + l2 match the reference code's separate forwards, value and gradient."""
     torch.manual_seed(0)
     net = small_net()
-    jm = jem.wrap(net)
+    jm = jem.wrap(net, num_classes=K)
     x, y = batch()
     x_q, x_qy = torch.rand(8, 1, 8, 8) * 2 - 1, torch.rand(8, 1, 8, 8) * 2 - 1
     sampler = FixedSampler(x_q, x_qy)
@@ -161,7 +162,7 @@ def test_wrapped_module_forward_goes_through_wrapper_sampling_does_not():
 
 def test_lazy_buffer_defaults_and_exact_state_roundtrip():
     torch.manual_seed(0)
-    jm = jem.wrap(small_net())
+    jm = jem.wrap(small_net(), num_classes=K)
     x, y = batch(8)
     make = lambda: JEMLoss(SGLD(steps=2, generator=torch.Generator().manual_seed(3)), pxy_weight=1.0,
                            generator=torch.Generator().manual_seed(4))
@@ -268,6 +269,21 @@ def test_label_range_checked_even_when_num_classes_unknown_before_first_forward(
         JEMLoss(SGLD(steps=1), px_weight=0.0)(jm, x, y)
 
 
+def test_loss_never_mutates_the_adapter_and_asks_for_num_classes_when_it_needs_them():
+    # A hand-written adapter that does not know the class count: the loss reads it, never sets it.
+    net = nn.Sequential(nn.Flatten(), nn.Linear(64, 6))
+    jm = jem.JEM(net, jem.Adapter("plain"))
+    x, y = torch.rand(4, 1, 8, 8), torch.tensor([0, 5, 2, 3])
+    JEMLoss(SGLD(steps=1), px_weight=0.0)(jm, x, y)  # CE only: the class count is not needed
+    assert jm.adapter.num_classes is None
+    with pytest.raises(InvalidLabelError, match=r"\[0, 6\)"):  # the range is still checked
+        JEMLoss(SGLD(steps=1), px_weight=0.0)(jm, x, torch.tensor([0, 6, 1, 1]))
+    for kwargs in ({"pxy_weight": 1.0}, {"class_conditional_px": True}):
+        with pytest.raises(InvalidLabelError, match=r"wrap\(model, num_classes=K\)"):
+            JEMLoss(SGLD(steps=1), **kwargs)(jm, x, y)
+    assert jm.adapter.num_classes is None
+
+
 def test_bad_inputs_are_clear_errors():
     jm = jem.wrap(small_net())
     _, y = batch(8)
@@ -283,7 +299,7 @@ def test_bad_inputs_are_clear_errors():
 
 
 def test_class_conditional_px_draws_random_labels():
-    jm = jem.wrap(small_net())
+    jm = jem.wrap(small_net(), num_classes=K)
     sampler = FixedSampler(None, torch.rand(8, 1, 8, 8))
     JEMLoss(sampler, class_conditional_px=True, generator=torch.Generator().manual_seed(0))(jm, *batch(8))
     y = sampler.calls[0]["y"]

@@ -10,7 +10,8 @@ from torch import nn
 import jem_plugin as jem
 from jem_plugin.buffer import ReplayBuffer
 from jem_plugin.errors import DivergenceError
-from jem_plugin.losses import GenerativeLossMixin, JEMLoss, LossOutput
+from jem_plugin import GenerativeLossMixin
+from jem_plugin.losses import JEMLoss, LossOutput
 from jem_plugin.sampling import SGLD
 from jem_plugin.stability import DivergenceGuard
 
