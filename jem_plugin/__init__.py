@@ -12,7 +12,7 @@ from .errors import (CheckpointError, DatasetNotFoundError, DivergenceError, Inf
                      NoLogitsError, NonFiniteLogitsError, UnknownNameError)
 from .model import JEM, input_grad_enabled, wrap
 from .plugins import get_plugin_manager, hookimpl, list_plugins, register, unregister
-from .sampling import SGLD, SGLDStepState
+from .sampling import SGLD, SGLDDiagnostics, SGLDStepState
 from .buffer import ReplayBuffer
 from .losses import JEMLoss, LossOutput
 from .integrations.mixin import GenerativeLossMixin
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "JEM", "wrap", "Adapter", "InputDomain", "input_grad_enabled",
-    "SGLD", "SGLDStepState", "ReplayBuffer", "JEMLoss", "LossOutput", "GenerativeLossMixin",
+    "SGLD", "SGLDStepState", "SGLDDiagnostics", "ReplayBuffer", "JEMLoss", "LossOutput", "GenerativeLossMixin",
     "DivergenceGuard", "Checkpointer", "save_checkpoint", "load_checkpoint",
     "ood", "calibration", "robustness",
     "hookimpl", "register", "unregister", "list_plugins", "get_plugin_manager",

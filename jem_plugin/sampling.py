@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, overload
 
 import torch
 from torch import Tensor
@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .buffer import ReplayBuffer
     from .model import JEM
 
-__all__ = ["SGLD", "SGLDStepState"]
+__all__ = ["SGLD", "SGLDStepState", "SGLDDiagnostics"]
 
 STEP_HOOK = "jem_sgld_step"
 SCHEDULES = ("constant", "poly")
@@ -55,6 +55,26 @@ class SGLDStepState:
     noise: float
     y: Tensor | None
     sampler: "SGLD"
+
+
+@dataclass(frozen=True)
+class SGLDDiagnostics:
+    """What one chain run returns beside the samples (``run(..., return_diagnostics=True)``).
+
+    A value, not state on the sampler: one ``SGLD`` may be shared by several losses, scores and
+    threads, and each call gets its own diagnostics.
+
+    steps: Langevin steps run. final_step_size: the step size of the last step (``None`` for
+    0 steps). trajectory: the chain before the first and after every step (``steps + 1``
+    tensors) when the sampler was built with ``record_trajectory=True``, else ``None``.
+    energies: ``E(x)`` (``E(x, y)`` for class-conditional chains) along the chain,
+    ``[steps + 1, B]``, when built with ``record_energies=True``, else ``None``.
+    """
+
+    steps: int
+    final_step_size: float | None
+    trajectory: list[Tensor] | None = None
+    energies: Tensor | None = None
 
 
 def _is_int(v: Any) -> bool:
@@ -110,9 +130,10 @@ class SGLD:
         before the step, ``x <- x + a_t * clamp(grad, -c, c) + noise``, as JEM++'s code does
         (``t.clamp(eta, -eps, eps) * sgld_lr``; with its default ``sgld_lr = 1`` this is also a
         bound on the update).
-    record_trajectory: keep the chain after every step in ``last_trajectory`` (``steps + 1`` tensors).
-    record_energies: keep ``E(x)`` (or ``E(x, y)``) along the chain in ``last_energies``
-        ``[steps + 1, B]`` (costs one extra forward for the final state).
+    record_trajectory: record the chain after every step (``steps + 1`` tensors), returned in the
+        :class:`SGLDDiagnostics` of ``run``/``sample(..., return_diagnostics=True)``.
+    record_energies: record ``E(x)`` (or ``E(x, y)``) along the chain, ``[steps + 1, B]``, in the
+        same diagnostics (costs one extra forward for the final state).
     progress: show a tqdm progress bar over the steps.
     generator: ``torch.Generator`` for the noise, the start and the buffer draws: the same seed
         gives bitwise identical samples.
@@ -156,8 +177,6 @@ class SGLD:
         self.record_energies = bool(record_energies)
         self.progress = bool(progress)
         self.generator = generator
-        self.last_trajectory: list[Tensor] | None = None
-        self.last_energies: Tensor | None = None
 
     def __repr__(self) -> str:
         a = getattr(self.step_size, "__qualname__", "callable") if callable(self.step_size) else self.step_size
@@ -194,8 +213,18 @@ class SGLD:
                 y = y.clone()
         return y
 
-    def run(self, jm: "JEM", x: Tensor, y: Tensor | None = None) -> Tensor:
-        """Run ``steps`` Langevin updates from ``x``; returns a new detached fp32 tensor.
+    @overload
+    def run(self, jm: "JEM", x: Tensor, y: Tensor | None = ..., *,
+            return_diagnostics: Literal[False] = ...) -> Tensor: ...
+
+    @overload
+    def run(self, jm: "JEM", x: Tensor, y: Tensor | None = ..., *,
+            return_diagnostics: Literal[True]) -> tuple[Tensor, SGLDDiagnostics]: ...
+
+    def run(self, jm: "JEM", x: Tensor, y: Tensor | None = None, *,
+            return_diagnostics: bool = False) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
+        """Run ``steps`` Langevin updates from ``x``; returns a new detached fp32 tensor, or
+        ``(x, SGLDDiagnostics)`` with ``return_diagnostics=True``.
 
         ``x`` itself is not modified. Works inside ``torch.no_grad()``, ``torch.inference_mode()``
         and ``torch.autocast`` (the forward runs in the caller's autocast; the chain stays fp32).
@@ -280,11 +309,13 @@ class SGLD:
                 last_score = final.reshape(-1)
                 energies.append(-last_score.to(dtype))
 
-        self.last_trajectory = trajectory if record_x else None
-        self.last_energies = torch.stack(energies) if record_e else None
         if last_score is not None:
             self._check_divergence(xd, last_score)
-        return xd
+        if not return_diagnostics:
+            return xd
+        return xd, SGLDDiagnostics(steps=len(sizes), final_step_size=sizes[-1] if sizes else None,
+                                   trajectory=trajectory if record_x else None,
+                                   energies=torch.stack(energies) if record_e else None)
 
     def _check_divergence(self, x: Tensor, score: Tensor) -> None:
         # One host sync per chain, never per step. A NaN/inf anywhere makes the sum non-finite
@@ -308,10 +339,22 @@ class SGLD:
             "(JEMLoss(l2_weight=...)), or restart training from the last good checkpoint."
         )
 
+    @overload
+    def sample(self, jm: "JEM", n: int | None = ..., *, buffer: "ReplayBuffer | None" = ...,
+               y: Tensor | None = ..., x_init: Tensor | None = ..., shape: Sequence[int] | None = ...,
+               return_diagnostics: Literal[False] = ...) -> Tensor: ...
+
+    @overload
+    def sample(self, jm: "JEM", n: int | None = ..., *, buffer: "ReplayBuffer | None" = ...,
+               y: Tensor | None = ..., x_init: Tensor | None = ..., shape: Sequence[int] | None = ...,
+               return_diagnostics: Literal[True]) -> tuple[Tensor, SGLDDiagnostics]: ...
+
     def sample(self, jm: "JEM", n: int | None = None, *, buffer: "ReplayBuffer | None" = None,
                y: Tensor | None = None, x_init: Tensor | None = None,
-               shape: Sequence[int] | None = None) -> Tensor:
-        """Draw ``n`` samples (class-conditional when ``y`` is given).
+               shape: Sequence[int] | None = None,
+               return_diagnostics: bool = False) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
+        """Draw ``n`` samples (class-conditional when ``y`` is given); with
+        ``return_diagnostics=True``, ``(samples, SGLDDiagnostics)``.
 
         Chains start from ``buffer`` (and the finished chains are written back), or from
         ``x_init``, or else uniformly over ``jm.domain`` (``shape`` defaults to the domain's
@@ -331,7 +374,7 @@ class SGLD:
                 raise InvalidInputError(f"x_init must be a tensor, got {type(x_init).__name__}")
             if n is not None and n != x_init.shape[0]:
                 raise ValueError(f"n={n} conflicts with x_init of batch size {x_init.shape[0]}")
-            return self.run(jm, x_init, y)
+            return self.run(jm, x_init, y, return_diagnostics=return_diagnostics)
         if n is None:
             raise ValueError("say how many samples: sample(jm, n=64, ...) (or pass y= or x_init=)")
         device = model_device(jm)
@@ -339,16 +382,16 @@ class SGLD:
             x0, idx = buffer.sample(n, domain=jm.domain, y=y, generator=self.generator)
             if device is not None and x0.device != device:  # buffer kept elsewhere (e.g. CPU)
                 x0 = x0.to(device)
-            x = self.run(jm, x0, y)
-            buffer.update(idx, x)
-            return x
+            out = self.run(jm, x0, y, return_diagnostics=return_diagnostics)
+            buffer.update(idx, out[0] if return_diagnostics else out)
+            return out
         shape = tuple(shape) if shape is not None else jm.domain.input_size
         if shape is None:
             raise ValueError(
                 "the input shape is unknown: pass shape=(C, H, W), x_init=..., or a ReplayBuffer"
             )
         x0 = jm.domain.uniform(n, shape, generator=self.generator, device=device or torch.device("cpu"))
-        return self.run(jm, x0, y)
+        return self.run(jm, x0, y, return_diagnostics=return_diagnostics)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
