@@ -37,6 +37,12 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["SGLD", "SGLDStepState", "SGLDDiagnostics"]
 
 STEP_HOOK = "jem_sgld_step"
+SGLD_REMEDIES: tuple[str, ...] = (
+    "a smaller step size or fewer steps, SGLD(step_size=..., steps=...)",
+    "proximal SGLD, SGLD(grad_clip=...)",
+    "the energy L2 regulariser, JEMLoss(l2_weight=...)",
+    "restart training from the last good checkpoint",
+)
 SCHEDULES = ("constant", "poly")
 
 
@@ -332,12 +338,10 @@ class SGLD:
                 if not bool(finite.all()) else
                 f"|energy| reached {float(score.abs().max()):.3g} (max_energy={self.max_energy})"
                 if bool(torch.isfinite(x).all()) else "the chain holds NaN/inf values")
+        energy = float(score.abs().max()) if bool(finite.all()) else math.nan
         raise DivergenceError(
-            f"SGLD diverged: {what} after {self.steps} steps (step_size={self.step_size}, "
-            f"noise={self.noise}). Remedies: a smaller step size or fewer steps (SGLD(step_size=..., "
-            "steps=...)), proximal SGLD (SGLD(grad_clip=...)), the energy L2 regulariser "
-            "(JEMLoss(l2_weight=...)), or restart training from the last good checkpoint."
-        )
+            f"SGLD diverged: {what} after {self.steps} steps (step_size={self.step_size}, noise={self.noise})",
+            remedies=SGLD_REMEDIES, energy=energy)
 
     @overload
     def sample(self, jm: "JEM", n: int | None = ..., *, buffer: "ReplayBuffer | None" = ...,

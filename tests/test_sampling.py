@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import io
 import weakref
 
@@ -341,6 +342,11 @@ def test_divergence_raises_with_remedies():
         SGLD(steps=5, step_size=1e30, clamp=False).run(jm, torch.rand(4, *SHAPE))
     msg = str(err.value)
     assert "step size" in msg and "l2_weight" in msg and "checkpoint" in msg
+    # the error carries its parts as fields: nothing to parse out of the message
+    e = err.value
+    assert e.reason.startswith("SGLD diverged") and "Known remedies" not in e.reason
+    assert any("grad_clip" in r for r in e.remedies) and e.iteration is None
+    assert e.energy is not None and not math.isfinite(e.energy)
     jm_ok = jem.wrap(TinyCNN())
     with pytest.raises(DivergenceError, match="max_energy"):
         SGLD(steps=1, max_energy=1e-9).run(jm_ok, torch.rand(2, *SHAPE))
