@@ -150,7 +150,8 @@ class JEMLoss(nn.Module):
     class_conditional_px: draw the p(x) chains from p(y)p(x|y) with uniformly random ``y`` (the
         reference's ``--class_cond_p_x_sample``: better samples, slightly lower accuracy).
     terms: extra loss terms registered through the ``jem_register_loss_terms`` hook, as
-        ``{name: {factory kwargs}}``, e.g. ``{"energy_l2": {"weight": 0.1}}``.
+        ``{name: {factory kwargs}}``, e.g. ``{"energy_bounded": {"outliers": "uniform"}}`` (the energy
+        L2 regulariser is ``l2_weight``, not a term).
     generator: a ``torch.Generator`` for the data noise and random labels (default: global RNG).
     validate: check shapes, dtypes and label range (one small device sync for labels on a GPU).
 
@@ -196,7 +197,8 @@ class JEMLoss(nn.Module):
     @property
     def sampler(self) -> Any:
         """The sampler. A plain object (``SGLD``) is not a submodule: its state travels through
-        ``get_extra_state``; an ``nn.Module`` sampler is registered as one by ``nn.Module``."""
+        ``get_extra_state``. An ``nn.Module`` sampler is an ordinary submodule (``nn.Module``'s rule;
+        ``del loss_fn.sampler`` before replacing it with a plain object)."""
         module = self._modules.get("sampler")
         return module if module is not None else self.__dict__["_sampler"]
 
@@ -375,8 +377,8 @@ class JEMLoss(nn.Module):
         if self.generator is not None:
             state["generator"] = self.generator.get_state()
             state["generator_device"] = str(self.generator.device)
-        if hasattr(self.sampler, "state_dict"):
-            state["sampler"] = self.sampler.state_dict()
+        if hasattr(self.sampler, "state_dict") and not isinstance(self.sampler, nn.Module):
+            state["sampler"] = self.sampler.state_dict()  # a Module sampler is saved as a child
         plain = {n: t.state_dict() for n, t in self._plain_terms.items() if hasattr(t, "state_dict")}
         if plain:
             state["terms"] = plain

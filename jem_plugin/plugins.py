@@ -28,7 +28,6 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "jem_adapters.huggingface",
     "jem_plugin.builtins.init_distributions",
     "jem_plugin.builtins.ood_scores",
-    "jem_plugin.builtins.loss_terms",
     "jem_plugin.builtins.energy_bounded",
 )
 

@@ -48,8 +48,7 @@ from .errors import InvalidInputError
 from .model import input_grad_enabled
 from .model import sampling_mode
 
-__all__ = ["pgd_attack", "SGLDDefense", "defended_logits", "robust_accuracy",
-           "plot_robust_accuracy", "plot_curve"]
+__all__ = ["pgd_attack", "SGLDDefense", "robust_accuracy", "plot_robust_accuracy"]
 
 NORMS = ("linf", "l2")
 
@@ -261,14 +260,6 @@ class SGLDDefense:
         return total / eot_samples
 
 
-def defended_logits(jm, x: Tensor, steps: int = 10, step_size: float = 1.0, noise: float = 0.01,
-                    n_chains: int = 10, *, generator: torch.Generator | None = None,
-                    **sgld_kwargs: Any) -> Tensor:
-    """Functional form of :class:`SGLDDefense`: chain-averaged logits of SGLD-refined inputs."""
-    return SGLDDefense(jm, steps=steps, step_size=step_size, noise=noise, n_chains=n_chains,
-                       generator=generator, **sgld_kwargs)(x)
-
-
 # ---------------------------------------------------------------------- evaluation
 def robust_accuracy(jm, x: Tensor, y: Tensor, eps_list: Sequence[float], norm: str = "linf",
                     defense: SGLDDefense | Callable[[Tensor], Tensor] | None = None, *,
@@ -372,4 +363,3 @@ def plot_robust_accuracy(results: Mapping[str, Any], path: str, title: str | Non
     return path
 
 
-plot_curve = plot_robust_accuracy

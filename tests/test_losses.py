@@ -204,20 +204,43 @@ def test_ce_only_needs_no_samples():
     assert out.loss.item() == pytest.approx(F.cross_entropy(net(x), y).item())
 
 
-def test_energy_l2_term_plugin_equals_l2_weight():
+def test_energy_l2_has_one_knob_l2_weight():
     torch.manual_seed(0)
     jm = jem.wrap(small_net())
     x, y = batch()
     x_q = torch.rand(8, 1, 8, 8)
     a = JEMLoss(FixedSampler(x_q), l2_weight=0.3, data_noise=0.0)(jm, x, y)
-    b = JEMLoss(FixedSampler(x_q), terms={"energy_l2": {"weight": 0.3}}, data_noise=0.0)(jm, x, y)
-    torch.testing.assert_close(a.loss, b.loss)
-    assert b.metrics["energy_l2"] == pytest.approx(0.3 * a.metrics["l2"], rel=1e-5)
-    assert b.metrics["energy_l2/data"] + b.metrics["energy_l2/sample"] == pytest.approx(a.metrics["l2"], rel=1e-5)
+    with torch.no_grad():
+        e_data, e_q = -torch.logsumexp(jm(x), 1), -torch.logsumexp(jm(x_q), 1)
+    expected = e_data.pow(2).mean() + e_q.pow(2).mean()
+    assert a.metrics["l2"] == pytest.approx(expected.item(), rel=1e-5)
+    assert a.loss.item() == pytest.approx(a.metrics["ce"] + a.metrics["px"] + 0.3 * expected.item(), rel=1e-5)
+    with pytest.raises(UnknownNameError, match="energy_l2"):  # no second way to ask for it
+        JEMLoss(SGLD(), terms={"energy_l2": {"weight": 0.3}})
+
+
+def test_sampler_is_a_plain_attribute_unless_it_is_a_module():
+    loss_fn = JEMLoss(SGLD(steps=1))
+    other = SGLD(steps=3)
+    loss_fn.sampler = other  # swapping samplers keeps it out of the module tree
+    assert loss_fn.sampler is other and "sampler" not in dict(loss_fn.named_children())
+    assert loss_fn.state_dict()["_extra_state"]["sampler"]["steps"] == 3
+
+    class ModuleSampler(nn.Module):  # a sampler with its own parameters is an ordinary submodule
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+    ms = ModuleSampler()
+    loss_fn.sampler = ms
+    assert loss_fn.sampler is ms and "sampler.scale" in loss_fn.state_dict()
+    del loss_fn.sampler  # torch's rule for a child module: delete it before assigning a non-module
+    loss_fn.sampler = other
+    assert loss_fn.sampler is other and "sampler.scale" not in loss_fn.state_dict()
 
 
 def test_unknown_term_lists_choices():
-    with pytest.raises(UnknownNameError, match="energy_l2"):
+    with pytest.raises(UnknownNameError, match="available: .*energy_bounded"):
         JEMLoss(SGLD(), terms={"no_such_term": {}})
 
 
