@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import plugins
-from ._checks import check_label_range, check_labels, model_device
+from ._checks import check_label_range, check_labels, model_device, same_device
 from .errors import DivergenceError, InvalidInputError
 
 from .model import input_grad_enabled
@@ -260,7 +260,7 @@ class SGLD:
 
         with sampling_mode(model), input_grad_enabled(x.detach().to(dtype)) as xg:
             xd = xg.detach()  # alias of the leaf: in-place updates without autograd bookkeeping
-            if gen is not None and gen.device != xd.device:
+            if gen is not None and not same_device(gen.device, xd.device):
                 raise InvalidInputError(
                     f"the SGLD generator is on {gen.device} but the chain is on {xd.device}; create it "
                     f"with torch.Generator(device={str(xd.device)!r})"

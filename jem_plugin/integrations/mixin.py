@@ -18,15 +18,13 @@ __all__ = ["GenerativeLossMixin"]
 class GenerativeLossMixin:
     """Add JEM's generative loss to a class-based training loop (LightningModule, Trainer, any module).
 
-    >>> class Classifier(GenerativeLossMixin, pl.LightningModule):
+    >>> class Classifier(GenerativeLossMixin, nn.Module):     # or a LightningModule, ...
     ...     def __init__(self):
     ...         super().__init__()
-    ...         self.net = timm.create_model("resnet18", num_classes=10)
-    ...         self.configure_jem("net", px_weight=1.0, l2_weight=0.1)
-    ...     def training_step(self, batch, batch_idx):
-    ...         out = self.generative_loss(*batch)
-    ...         self.log_dict(out.metrics)
-    ...         return out.loss
+    ...         self.backbone = torchvision.models.resnet18(num_classes=10)
+    ...         self.configure_jem("backbone", l2_weight=0.1)
+    >>> model = Classifier()
+    >>> out = model.generative_loss(x, y)      # out.loss to backpropagate, out.metrics to log
 
     :meth:`configure_jem` creates ``self.jem_loss`` (a :class:`JEMLoss` submodule, so the replay
     buffer and sampler state are in the module's own ``state_dict``) and ``self.jem``, the energy
