@@ -13,8 +13,8 @@ from torch import Tensor, nn
 
 from .errors import InvalidInputError, InvalidLabelError
 
-__all__ = ["same_device", "draw", "check_labels", "check_label_range", "free_energy", "unpack_batch",
-           "model_device", "INPUT_KEYS", "LABEL_KEYS"]
+__all__ = ["same_device", "draw", "check_labels", "check_label_range", "require_num_classes", "free_energy",
+           "unpack_batch", "model_device", "INPUT_KEYS", "LABEL_KEYS"]
 
 # Keys a dict batch may hold its inputs / labels under (torchvision, Hugging Face, hand-written).
 INPUT_KEYS: tuple[str, ...] = ("x", "input", "inputs", "image", "images", "pixel_values")
