@@ -12,9 +12,10 @@ from .errors import (CheckpointError, DatasetNotFoundError, DivergenceError, Inf
                      NoLogitsError, NonFiniteLogitsError, UnknownNameError)
 from .model import JEM, input_grad_enabled, wrap
 from .plugins import get_plugin_manager, hookimpl, list_plugins, register, unregister
-from .sampling import SGLD, SGLDStepState
+from .sampling import SGLD, SGLDDiagnostics, SGLDStepState
 from .buffer import ReplayBuffer
-from .losses import GenerativeLossMixin, JEMLoss, LossOutput
+from .losses import JEMLoss, LossOutput
+from .integrations.mixin import GenerativeLossMixin
 from .stability import DivergenceGuard
 from .checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from . import calibration, ood, robustness  # noqa: E402  (namespaces: jem.ood.score, ...)
@@ -23,7 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "JEM", "wrap", "Adapter", "InputDomain", "input_grad_enabled",
-    "SGLD", "SGLDStepState", "ReplayBuffer", "JEMLoss", "LossOutput", "GenerativeLossMixin",
+    "SGLD", "SGLDStepState", "SGLDDiagnostics", "ReplayBuffer", "JEMLoss", "LossOutput", "GenerativeLossMixin",
     "DivergenceGuard", "Checkpointer", "save_checkpoint", "load_checkpoint",
     "ood", "calibration", "robustness",
     "hookimpl", "register", "unregister", "list_plugins", "get_plugin_manager",

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from . import plugins
 from .adapter import InputDomain
-from ._checks import draw
+from ._checks import check_labels, draw
 from .errors import CheckpointError, InvalidInputError, InvalidLabelError, JEMError
 
 __all__ = ["ReplayBuffer"]
@@ -177,22 +177,8 @@ class ReplayBuffer(nn.Module):
                 "class-conditional sampling (y=...) needs a class-conditional buffer: create "
                 "ReplayBuffer(..., num_classes=K)"
             )
-        if not isinstance(y, Tensor):
-            y = torch.as_tensor(y)
-        if y.dtype.is_floating_point or y.dtype == torch.bool or y.dim() != 1:
-            raise InvalidLabelError(
-                f"y must be a 1-D tensor of integer class indices, got dtype {y.dtype} and shape "
-                f"{tuple(y.shape)}"
-            )
-        if n is not None and y.shape[0] != n:
-            raise InvalidLabelError(f"y has {y.shape[0]} labels but n={n} samples were asked for")
-        y = y.to(device=self.data.device, dtype=torch.long)
-        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
-            raise InvalidLabelError(
-                f"labels must lie in [0, {self.num_classes}) for this buffer's {self.num_classes} "
-                f"class segments; got values from {int(y.min())} to {int(y.max())}"
-            )
-        return y
+        return check_labels(y, n, num_classes=self.num_classes, device=self.data.device,
+                            what="y (one class segment per chain)")
 
     @torch.no_grad()
     def sample(self, n: int | None = None, *, domain: InputDomain, y: Tensor | None = None,

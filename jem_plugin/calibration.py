@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .errors import InvalidLabelError, InvalidScoresError
+from ._checks import check_labels
+from .errors import InvalidScoresError
 
 __all__ = ["ece", "mce", "nll", "brier", "accuracy", "calibration_bins", "reliability_diagram",
            "TemperatureScaler", "fit_temperature", "calibration_report"]
@@ -56,22 +57,11 @@ def _as_2d(values: Any, what: str) -> Tensor:
 
 
 def _as_labels(labels: Any, n: int, k: int) -> Tensor:
-    if not isinstance(labels, Tensor):
-        labels = torch.as_tensor(np.asarray(labels))
-    labels = labels.detach().cpu()
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
-        raise InvalidLabelError(f"labels must be integer class indices, got dtype {labels.dtype}; use labels.long()")
-    if labels.shape != (n,):
-        raise InvalidLabelError(
-            f"expected {n} labels (one per prediction) of shape [{n}], got shape {tuple(labels.shape)}"
-        )
-    labels = labels.long()
-    if int(labels.min()) < 0 or int(labels.max()) >= k:
-        raise InvalidLabelError(
-            f"labels must lie in [0, {k}) for {k} classes; got values from {int(labels.min())} "
-            f"to {int(labels.max())}"
-        )
-    return labels
+    if isinstance(labels, Tensor):
+        labels = labels.detach()
+    elif not isinstance(labels, np.ndarray):
+        labels = np.asarray(labels)
+    return check_labels(labels, n, num_classes=k, device="cpu", what="labels (one per prediction)")
 
 
 def _probs(values: Any, labels: Any, from_logits: bool) -> tuple[Tensor, Tensor]:

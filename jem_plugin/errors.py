@@ -6,6 +6,8 @@ expect (``ValueError``, ``TypeError``, ``RuntimeError``) so existing ``except`` 
 """
 from __future__ import annotations
 
+from typing import Mapping, Sequence
+
 __all__ = [
     "JEMError",
     "NoLogitsError",
@@ -42,11 +44,42 @@ class NonFiniteLogitsError(JEMError, FloatingPointError):
 
 
 class DivergenceError(JEMError, RuntimeError):
-    """Energies became non-finite or exploded during JEM training or sampling."""
+    """Energies became non-finite or exploded during JEM training or sampling.
+
+    Fields (read them; never parse the message): ``reason``, what went wrong in one sentence;
+    ``remedies``, what helps, one entry each; ``iteration``, the training iteration (``None``
+    outside a training loop, e.g. a sampler's own check); ``energy``, the largest ``|energy|``
+    seen (``nan``/``inf`` when non-finite; ``None`` when not measured); ``metrics``, the values
+    shown with the reason (``loss``, ``energy_data``, ...). The message is built from them once.
+    """
+
+    def __init__(self, reason: str, *, remedies: Sequence[str] = (), iteration: int | None = None,
+                 energy: float | None = None, metrics: Mapping[str, float] | None = None) -> None:
+        self.reason = str(reason)
+        self.remedies: tuple[str, ...] = tuple(str(r) for r in remedies)
+        self.iteration = iteration
+        self.energy = energy
+        self.metrics: dict[str, float] = dict(metrics or {})
+        text = self.reason
+        if iteration is not None:
+            text = f"JEM training diverged at iteration {iteration}: {text}"
+        if self.metrics:
+            text += f" ({', '.join(f'{k}={v:.4g}' for k, v in self.metrics.items())})"
+        if self.remedies:
+            text += ". Known remedies: " + "; ".join(f"({i}) {r}" for i, r in enumerate(self.remedies, 1))
+        super().__init__(text if text.endswith(".") else text + ".")
 
 
 class CheckpointError(JEMError, RuntimeError):
-    """A checkpoint is missing, corrupt, or does not match the object it is loaded into."""
+    """A checkpoint is missing, corrupt, or does not match the object it is loaded into.
+
+    ``reason`` says which (``"missing"``, ``"corrupt"``, ``"unsafe"``, ``"mismatch"``; ``None``
+    when not classified), so callers can tell a damaged file from one that does not fit.
+    """
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class UnknownNameError(JEMError, KeyError):

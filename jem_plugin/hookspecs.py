@@ -60,5 +60,11 @@ def jem_sgld_step(state: Any) -> None:
     Called after every Langevin update with a :class:`jem_plugin.sampling.SGLDStepState`
     (``step``, ``x``, ``grad``, ``step_size``, ``noise``, ``y``, ``sampler``). A plugin may
     replace ``state.x`` (for example to project onto a constraint set). Only called when at
-    least one plugin implements it, so the hot loop pays nothing otherwise.
+    least one plugin implements it (checked once per chain run), so the hot loop pays nothing
+    otherwise.
+
+    The hook is process-global, like every pluggy hook: an implementation sees the steps of
+    every sampler in the process (every model, every ``SGLD`` instance, OOD scores that refine
+    inputs with SGLD too). To act on one sampler only, compare ``state.sampler`` with it, and
+    unregister the plugin when done (:func:`jem_plugin.unregister`).
     """

@@ -1,4 +1,6 @@
-"""The JEM training objective as a drop-in loss: :class:`JEMLoss` and :class:`GenerativeLossMixin`.
+"""The JEM training objective as a drop-in loss: :class:`JEMLoss`.
+
+(:class:`~jem_plugin.integrations.mixin.GenerativeLossMixin` adds it to a class-based training loop.)
 
 JEM (Grathwohl et al. 2019) trains a classifier ``f`` on
 
@@ -32,10 +34,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import plugins
-from .errors import InvalidInputError, InvalidLabelError
-from .model import JEM, wrap
+from ._checks import check_label_range, check_labels, draw, free_energy, require_num_classes
+from .errors import InvalidInputError
+from .model import JEM
 
-__all__ = ["LossOutput", "LossBatch", "JEMLoss", "GenerativeLossMixin", "LOSS_TERMS_HOOK"]
+__all__ = ["LossOutput", "LossBatch", "JEMLoss", "LOSS_TERMS_HOOK"]
 
 LOSS_TERMS_HOOK = "jem_register_loss_terms"
 
@@ -96,12 +99,9 @@ class LossBatch:
     @property
     def sample_energies(self) -> Tensor | None:
         """Marginal energies of every sampled input (p(x) and p(x|y) chains), or ``None``."""
-        parts = [e for e in (self.energy_sample, _energy(self.logits_cond)) if e is not None]
+        cond = free_energy(self.logits_cond) if self.logits_cond is not None else None
+        parts = [e for e in (self.energy_sample, cond) if e is not None]
         return torch.cat(parts) if parts else None
-
-
-def _energy(logits: Tensor | None) -> Tensor | None:
-    return None if logits is None else -torch.logsumexp(logits, dim=1)
 
 
 def _unwrap(jm: Any) -> JEM:
@@ -150,7 +150,8 @@ class JEMLoss(nn.Module):
     class_conditional_px: draw the p(x) chains from p(y)p(x|y) with uniformly random ``y`` (the
         reference's ``--class_cond_p_x_sample``: better samples, slightly lower accuracy).
     terms: extra loss terms registered through the ``jem_register_loss_terms`` hook, as
-        ``{name: {factory kwargs}}``, e.g. ``{"energy_l2": {"weight": 0.1}}``.
+        ``{name: {factory kwargs}}``, e.g. ``{"energy_bounded": {"outliers": "uniform"}}`` (the energy
+        L2 regulariser is ``l2_weight``, not a term).
     generator: a ``torch.Generator`` for the data noise and random labels (default: global RNG).
     validate: check shapes, dtypes and label range (one small device sync for labels on a GPU).
 
@@ -174,8 +175,7 @@ class JEMLoss(nn.Module):
         if n_samples is not None and (isinstance(n_samples, bool) or not isinstance(n_samples, int)
                                       or n_samples < 1):
             raise ValueError(f"n_samples must be a positive int or None, got {n_samples!r}")
-        # Plain attribute, not a submodule: its state travels through get_extra_state.
-        self.__dict__["sampler"] = sampler if sampler is not None else _default_sampler()
+        self.sampler = sampler if sampler is not None else _default_sampler()
         self.buffer = buffer
         self.ce_weight = float(ce_weight)
         self.px_weight = float(px_weight)
@@ -194,11 +194,18 @@ class JEMLoss(nn.Module):
             self.add_term(name, **(kwargs or {}))
 
     # ------------------------------------------------------------------ configuration
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "sampler":  # keep the sampler out of the module tree (see get_extra_state)
-            self.__dict__["sampler"] = value
-            return
-        super().__setattr__(name, value)
+    @property
+    def sampler(self) -> Any:
+        """The sampler. A plain object (``SGLD``) is not a submodule: its state travels through
+        ``get_extra_state``. An ``nn.Module`` sampler is an ordinary submodule (``nn.Module``'s rule;
+        ``del loss_fn.sampler`` before replacing it with a plain object)."""
+        module = self._modules.get("sampler")
+        return module if module is not None else self.__dict__["_sampler"]
+
+    @sampler.setter
+    def sampler(self, value: Any) -> None:  # reached for non-Module values only (nn.Module.__setattr__)
+        self._modules.pop("sampler", None)
+        self.__dict__["_sampler"] = value
 
     def add_term(self, name: str, **kwargs: Any) -> Callable:
         """Add the loss term ``name`` from the ``jem_register_loss_terms`` hook; returns it."""
@@ -228,45 +235,16 @@ class JEMLoss(nn.Module):
     # ------------------------------------------------------------------ checks
     def _check_batch(self, core: JEM, x: Any, y: Any) -> Tensor:
         core._check_input(x)
-        if not isinstance(y, Tensor):
-            y = torch.as_tensor(y, device=x.device)
-        if y.dtype.is_floating_point or y.dtype == torch.bool or y.is_complex():
-            raise InvalidLabelError(
-                f"labels must be integer class indices, got dtype {y.dtype}; use y.long()"
-                " (for one-hot labels, y.argmax(1))."
-            )
-        if y.shape != (x.shape[0],):
-            raise InvalidLabelError(
-                f"expected labels of shape [{x.shape[0]}] (one per input), got {tuple(y.shape)}"
-            )
+        y = check_labels(y, x.shape[0], device=x.device)
         if self.buffer is not None and tuple(x.shape[1:]) != tuple(self.buffer.sample_shape):
             raise InvalidInputError(
                 f"inputs of shape {tuple(x.shape[1:])} do not match the replay buffer's sample_shape "
                 f"{tuple(self.buffer.sample_shape)}; create the buffer with "
                 f"ReplayBuffer(sample_shape={tuple(x.shape[1:])})"
             )
-        y = y.to(device=x.device, dtype=torch.long)
-        k = core.num_classes
-        if self.validate and k is not None and y.numel():
-            lo, hi = torch.aminmax(y)  # one transfer for both bounds
-            lo, hi = torch.stack([lo, hi]).tolist()
-            if lo < 0 or hi >= k:
-                raise InvalidLabelError(
-                    f"labels must lie in [0, {k}) for a model with {k} classes; got values "
-                    f"from {lo} to {hi}"
-                )
+        if self.validate and core.num_classes is not None:
+            check_label_range(y, core.num_classes)
         return y
-
-    def _num_classes(self, core: JEM, x: Tensor) -> int:
-        k = core.num_classes
-        if k is None:
-            # Unknown until the first forward: one eval-mode, no-grad forward of one input, once.
-            from .model import sampling_mode
-
-            with torch.no_grad(), sampling_mode(core):
-                k = int(core(x[:1]).shape[1])
-            core.adapter.num_classes = k
-        return k
 
     def _ensure_buffer(self, core: JEM, x: Tensor) -> nn.Module:
         if self.buffer is not None:
@@ -278,7 +256,7 @@ class JEMLoss(nn.Module):
             "capacity": DEFAULT_BUFFER_CAPACITY,
             "sample_shape": tuple(int(s) for s in x.shape[1:]),
             "reinit_freq": DEFAULT_REINIT_FREQ,
-            "num_classes": self._num_classes(core, x) if cond else None,
+            "num_classes": require_num_classes(core, "a class-conditional replay buffer") if cond else None,
         }
         self.buffer = ReplayBuffer(**config, device=x.device)
         self._buffer_config = config
@@ -299,16 +277,10 @@ class JEMLoss(nn.Module):
         return torch.minimum(torch.maximum(x_noisy, torch.minimum(lo, x)), torch.maximum(hi, x))
 
     def _noise_like(self, x: Tensor) -> Tensor:
-        g = self.generator
-        if g is None or g.device == x.device:
-            return torch.randn(x.shape, generator=g, device=x.device, dtype=x.dtype)
-        return torch.randn(x.shape, generator=g, device=g.device, dtype=x.dtype).to(x.device)
+        return draw(torch.randn, x.shape, self.generator, x.device, dtype=x.dtype)
 
     def _random_labels(self, n: int, k: int, device) -> Tensor:
-        g = self.generator
-        if g is None or g.device == torch.device(device):
-            return torch.randint(0, k, (n,), generator=g, device=device)
-        return torch.randint(0, k, (n,), generator=g, device=g.device).to(device)
+        return draw(lambda size, **kw: torch.randint(0, k, size, **kw), (n,), self.generator, device)
 
     def forward(self, jm: Any, x: Tensor, y: Tensor) -> LossOutput:
         """One JEM loss evaluation: samples, one forward on the concatenated batch, the terms."""
@@ -326,7 +298,8 @@ class JEMLoss(nn.Module):
             n = self.n_samples or b
             if self.px_weight > 0 or not self.pxy_weight > 0:
                 if self.class_conditional_px:
-                    y_sample = self._random_labels(n, self._num_classes(core, x), x.device)
+                    k = require_num_classes(core, "class_conditional_px=True")
+                    y_sample = self._random_labels(n, k, x.device)
                 x_sample = self.sampler.sample(core, n, buffer=buffer, y=y_sample)
             if self.pxy_weight > 0:
                 y_cond = y if n >= b else y[:n]
@@ -344,18 +317,15 @@ class JEMLoss(nn.Module):
                 f"the model returned shape {tuple(logits_all.shape)} for a batch of {sum(sizes)} "
                 "inputs; JEMLoss needs [B, K] logits (see wrap(model, logits=...))"
             )
-        if core.adapter.num_classes is None:
-            core.adapter.num_classes = logits_all.shape[1]
-            if self.validate:  # the label range could not be checked before the first forward
-                self._check_batch(core, x, y)
+        if core.num_classes is None and self.validate:  # the range is known only now
+            check_label_range(y, logits_all.shape[1])
         chunks = list(torch.split(logits_all, sizes))
         logits_data = chunks.pop(0)
         logits_sample = chunks.pop(0) if x_sample is not None else None
         logits_cond = chunks.pop(0) if x_cond is not None else None
 
         # 3. Terms. Metrics stay tensors until the single transfer at the end.
-        lse_data = torch.logsumexp(logits_data, dim=1)
-        energy_data = -lse_data
+        energy_data = free_energy(logits_data)
         metrics: dict[str, Tensor] = {}
         ce = F.cross_entropy(logits_data, y)
         loss = self.ce_weight * ce
@@ -363,7 +333,7 @@ class JEMLoss(nn.Module):
         metrics["acc"] = (logits_data.argmax(1) == y).float().mean()
         metrics["energy_data"] = energy_data.mean()
 
-        energy_sample = _energy(logits_sample)
+        energy_sample = free_energy(logits_sample) if logits_sample is not None else None
         if energy_sample is not None:
             # -(mean f(x_data) - mean f(x_q)) with f = logsumexp, exactly the reference's l_p_x.
             px = energy_data.mean() - energy_sample.mean()
@@ -407,8 +377,8 @@ class JEMLoss(nn.Module):
         if self.generator is not None:
             state["generator"] = self.generator.get_state()
             state["generator_device"] = str(self.generator.device)
-        if hasattr(self.sampler, "state_dict"):
-            state["sampler"] = self.sampler.state_dict()
+        if hasattr(self.sampler, "state_dict") and not isinstance(self.sampler, nn.Module):
+            state["sampler"] = self.sampler.state_dict()  # a Module sampler is saved as a child
         plain = {n: t.state_dict() for n, t in self._plain_terms.items() if hasattr(t, "state_dict")}
         if plain:
             state["terms"] = plain
@@ -447,66 +417,3 @@ def _to_floats(metrics: dict[str, Any]) -> dict[str, float]:
         values = torch.stack([t.to(tensors[0].device) for t in tensors]).tolist()
         floats.update(zip(names, values))
     return {k: floats[k] for k in metrics}
-
-
-class GenerativeLossMixin:
-    """Add JEM's generative loss to a class-based training loop (LightningModule, Trainer, any module).
-
-    >>> class Classifier(GenerativeLossMixin, pl.LightningModule):
-    ...     def __init__(self):
-    ...         super().__init__()
-    ...         self.net = timm.create_model("resnet18", num_classes=10)
-    ...         self.configure_jem("net", px_weight=1.0, l2_weight=0.1)
-    ...     def training_step(self, batch, batch_idx):
-    ...         out = self.generative_loss(*batch)
-    ...         self.log_dict(out.metrics)
-    ...         return out.loss
-
-    :meth:`configure_jem` creates ``self.jem_loss`` (a :class:`JEMLoss` submodule, so the replay
-    buffer and sampler state are in the module's own ``state_dict``) and ``self.jem``, the energy
-    view of the classifier. ``self.jem`` is deliberately not a registered submodule: the classifier
-    is already one, and registering it twice would duplicate its weights in the ``state_dict``.
-    """
-
-    def configure_jem(self, classifier: nn.Module | str | JEM, sampler: Any = None,
-                      buffer: nn.Module | None = None, *, wrap_options: dict | None = None,
-                      **loss_kwargs: Any) -> JEMLoss:
-        """Set up JEM on ``classifier`` (a module, its JEM view, or an attribute name such as
-        ``"net"`` or ``"backbone.model"``); ``loss_kwargs`` go to :class:`JEMLoss`."""
-        if not isinstance(self, nn.Module):
-            raise TypeError("GenerativeLossMixin must be mixed into an nn.Module subclass")
-        if "_modules" not in self.__dict__:
-            raise TypeError("call configure_jem() after nn.Module.__init__ (i.e. after super().__init__())")
-        if isinstance(classifier, str):
-            target: Any = self
-            for part in classifier.split("."):
-                if not hasattr(target, part):
-                    raise AttributeError(
-                        f"configure_jem({classifier!r}): {type(target).__name__} has no attribute "
-                        f"{part!r}; create the classifier before calling configure_jem"
-                    )
-                target = getattr(target, part)
-            classifier = target
-        if isinstance(classifier, JEM):
-            jm = classifier
-        elif isinstance(classifier, nn.Module) or callable(classifier):
-            jm = wrap(classifier, **(wrap_options or {}))
-        else:
-            raise TypeError(f"configure_jem needs a classifier module, got {type(classifier).__name__}")
-        object.__setattr__(self, "_jem_view", jm)  # bypasses nn.Module registration on purpose
-        self.jem_loss = JEMLoss(sampler=sampler, buffer=buffer, **loss_kwargs)
-        return self.jem_loss
-
-    @property
-    def jem(self) -> JEM:
-        """The energy view of the classifier given to :meth:`configure_jem`."""
-        view = self.__dict__.get("_jem_view")
-        if view is None:
-            raise AttributeError("call self.configure_jem(classifier) before using self.jem")
-        return view
-
-    def generative_loss(self, x: Tensor, y: Tensor) -> LossOutput:
-        """The JEM loss of a batch: ``out.loss`` to backpropagate, ``out.metrics`` to log."""
-        if "jem_loss" not in getattr(self, "_modules", {}):
-            raise AttributeError("call self.configure_jem(classifier) before generative_loss()")
-        return self.jem_loss(self.jem, x, y)

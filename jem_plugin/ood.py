@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ._checks import model_device, unpack_batch
 from .errors import InvalidInputError, InvalidScoresError
 from .model import sampling_mode
 from .plugins import collect, lookup
@@ -41,31 +42,6 @@ def available_scores() -> dict[str, str]:
     """``{name: description}`` of every OOD score registered through the plugin hook, sorted."""
     entries = collect(_HOOK)
     return {name: entries[name].get("description", "") for name in sorted(entries)}
-
-
-def _model_device(jm) -> torch.device | None:
-    for t in jm.parameters():
-        return t.device
-    for t in jm.buffers():
-        return t.device
-    return None
-
-
-def _extract_x(item: Any) -> Tensor:
-    """The input tensor of one loader item: a tensor, ``(x, y, ...)``, or a dict with an input key."""
-    if isinstance(item, Tensor):
-        return item
-    if isinstance(item, (tuple, list)) and item and isinstance(item[0], Tensor):
-        return item[0]
-    if isinstance(item, Mapping):
-        for key in ("x", "input", "inputs", "image", "images", "pixel_values"):
-            if isinstance(item.get(key), Tensor):
-                return item[key]
-    raise InvalidInputError(
-        f"cannot find the input tensor in a batch of type {type(item).__name__}; the data "
-        "must be a tensor, or an iterable (e.g. a DataLoader) yielding tensors, (x, y) tuples "
-        "or dicts with an 'x'/'image'/'pixel_values' key"
-    )
 
 
 def _batches(data: Any, batch_size: int) -> tuple[Iterable[Tensor], int | None, bool]:
@@ -87,7 +63,7 @@ def _batches(data: Any, batch_size: int) -> tuple[Iterable[Tensor], int | None, 
         n = len(data)
     except TypeError:
         n = None
-    return (_extract_x(item) for item in data), n, False
+    return (unpack_batch(item)[0] for item in data), n, False
 
 
 def _check_kwargs(name: str, fn, kwargs: dict) -> None:
@@ -139,7 +115,7 @@ def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progre
 
     batches, n_batches, was_tensor = _batches(data, batch_size)
     out_device = data.device if was_tensor else torch.device("cpu")
-    device = _model_device(jm)
+    device = model_device(jm)
     results: list[Tensor] = []
     with sampling_mode(jm), tqdm(total=n_batches, desc=f"ood score {method}", unit="batch",
                              disable=not progress, leave=False) as bar:

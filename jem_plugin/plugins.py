@@ -28,7 +28,6 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "jem_adapters.huggingface",
     "jem_plugin.builtins.init_distributions",
     "jem_plugin.builtins.ood_scores",
-    "jem_plugin.builtins.loss_terms",
     "jem_plugin.builtins.energy_bounded",
 )
 
@@ -107,21 +106,20 @@ def list_plugins() -> list[dict[str, Any]]:
 
 
 def collect(hook_name: str) -> dict[str, dict[str, Any]]:
-    """Call a ``jem_register_*`` hook and return ``{name: {"item": ..., **info}}``.
+    """Call a ``jem_register_*`` hook through pluggy and return ``{name: {"item": ..., **info}}``.
 
-    Later registrations of the same name win, so plugins may replace a built-in. Called on
-    demand (cheap) rather than cached, so run-time registrations are always seen.
+    Later registrations of the same name win, so plugins may replace a built-in (and, as
+    everywhere in pluggy, ``tryfirst`` beats ``trylast``). Called on demand (cheap) rather than
+    cached, so run-time registrations are always seen. Going through pluggy means a hook
+    implementation may take fewer arguments than the spec (even none).
     """
-    pm = get_plugin_manager()
     found: dict[str, dict[str, Any]] = {}
 
     def _register(name: str, item: Any, **info: Any) -> None:
-        found[name] = {"item": item, **info}
+        # pluggy asks the most recently registered plugin first: the first answer for a name wins.
+        found.setdefault(name, {"item": item, **info})
 
-    # pluggy calls the most recently registered plugin first; reverse so later plugins win.
-    impls = getattr(pm.hook, hook_name).get_hookimpls()
-    for impl in impls:
-        impl.function(register=_register)
+    getattr(get_plugin_manager().hook, hook_name)(register=_register)
     return found
 
 

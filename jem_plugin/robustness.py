@@ -43,12 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .errors import InvalidInputError, InvalidLabelError
+from ._checks import check_labels, draw
+from .errors import InvalidInputError
 from .model import input_grad_enabled
 from .model import sampling_mode
 
-__all__ = ["pgd_attack", "SGLDDefense", "defended_logits", "robust_accuracy",
-           "plot_robust_accuracy", "plot_curve"]
+__all__ = ["pgd_attack", "SGLDDefense", "robust_accuracy", "plot_robust_accuracy"]
 
 NORMS = ("linf", "l2")
 
@@ -58,13 +58,7 @@ def _check_xy(jm, x: Any, y: Any) -> tuple[Tensor, Tensor]:
     if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() < 2:
         got = f"dtype {x.dtype}, shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
         raise InvalidInputError(f"expected a floating-point batch [B, ...] of inputs, got {got}")
-    if not isinstance(y, Tensor):
-        y = torch.as_tensor(y)
-    if y.dtype.is_floating_point or y.dtype == torch.bool:
-        raise InvalidLabelError(f"labels must be integer class indices, got dtype {y.dtype}; use y.long()")
-    if y.shape != (x.shape[0],):
-        raise InvalidLabelError(f"expected {x.shape[0]} labels of shape [{x.shape[0]}], got {tuple(y.shape)}")
-    return x, y.to(device=x.device, dtype=torch.long)
+    return x, check_labels(y, x.shape[0], device=x.device)
 
 
 def _space(jm, x: Tensor, eps_space: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -79,9 +73,7 @@ def _space(jm, x: Tensor, eps_space: str) -> tuple[Tensor, Tensor, Tensor, Tenso
 
 
 def _rand(shape, like: Tensor, generator: torch.Generator | None, normal: bool = False) -> Tensor:
-    dev = generator.device if generator is not None else like.device
-    fn = torch.randn if normal else torch.rand
-    return fn(shape, generator=generator, device=dev, dtype=like.dtype).to(like.device)
+    return draw(torch.randn if normal else torch.rand, shape, generator, like.device, dtype=like.dtype)
 
 
 def _per_example_norm(t: Tensor) -> Tensor:
@@ -268,14 +260,6 @@ class SGLDDefense:
         return total / eot_samples
 
 
-def defended_logits(jm, x: Tensor, steps: int = 10, step_size: float = 1.0, noise: float = 0.01,
-                    n_chains: int = 10, *, generator: torch.Generator | None = None,
-                    **sgld_kwargs: Any) -> Tensor:
-    """Functional form of :class:`SGLDDefense`: chain-averaged logits of SGLD-refined inputs."""
-    return SGLDDefense(jm, steps=steps, step_size=step_size, noise=noise, n_chains=n_chains,
-                       generator=generator, **sgld_kwargs)(x)
-
-
 # ---------------------------------------------------------------------- evaluation
 def robust_accuracy(jm, x: Tensor, y: Tensor, eps_list: Sequence[float], norm: str = "linf",
                     defense: SGLDDefense | Callable[[Tensor], Tensor] | None = None, *,
@@ -379,4 +363,3 @@ def plot_robust_accuracy(results: Mapping[str, Any], path: str, title: str | Non
     return path
 
 
-plot_curve = plot_robust_accuracy

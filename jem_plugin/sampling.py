@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, overload
 
 import torch
 from torch import Tensor
 
 from . import plugins
-from .errors import DivergenceError, InvalidInputError, InvalidLabelError
+from ._checks import check_label_range, check_labels, model_device, same_device
+from .errors import DivergenceError, InvalidInputError
 
 from .model import input_grad_enabled
 from .model import sampling_mode
@@ -33,9 +34,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from .buffer import ReplayBuffer
     from .model import JEM
 
-__all__ = ["SGLD", "SGLDStepState"]
+__all__ = ["SGLD", "SGLDStepState", "SGLDDiagnostics"]
 
 STEP_HOOK = "jem_sgld_step"
+SGLD_REMEDIES: tuple[str, ...] = (
+    "a smaller step size or fewer steps, SGLD(step_size=..., steps=...)",
+    "proximal SGLD, SGLD(grad_clip=...)",
+    "the energy L2 regulariser, JEMLoss(l2_weight=...)",
+    "restart training from the last good checkpoint",
+)
 SCHEDULES = ("constant", "poly")
 
 
@@ -54,6 +61,26 @@ class SGLDStepState:
     noise: float
     y: Tensor | None
     sampler: "SGLD"
+
+
+@dataclass(frozen=True)
+class SGLDDiagnostics:
+    """What one chain run returns beside the samples (``run(..., return_diagnostics=True)``).
+
+    A value, not state on the sampler: one ``SGLD`` may be shared by several losses, scores and
+    threads, and each call gets its own diagnostics.
+
+    steps: Langevin steps run. final_step_size: the step size of the last step (``None`` for
+    0 steps). trajectory: the chain before the first and after every step (``steps + 1``
+    tensors) when the sampler was built with ``record_trajectory=True``, else ``None``.
+    energies: ``E(x)`` (``E(x, y)`` for class-conditional chains) along the chain,
+    ``[steps + 1, B]``, when built with ``record_energies=True``, else ``None``.
+    """
+
+    steps: int
+    final_step_size: float | None
+    trajectory: list[Tensor] | None = None
+    energies: Tensor | None = None
 
 
 def _is_int(v: Any) -> bool:
@@ -109,9 +136,10 @@ class SGLD:
         before the step, ``x <- x + a_t * clamp(grad, -c, c) + noise``, as JEM++'s code does
         (``t.clamp(eta, -eps, eps) * sgld_lr``; with its default ``sgld_lr = 1`` this is also a
         bound on the update).
-    record_trajectory: keep the chain after every step in ``last_trajectory`` (``steps + 1`` tensors).
-    record_energies: keep ``E(x)`` (or ``E(x, y)``) along the chain in ``last_energies``
-        ``[steps + 1, B]`` (costs one extra forward for the final state).
+    record_trajectory: record the chain after every step (``steps + 1`` tensors), returned in the
+        :class:`SGLDDiagnostics` of ``run``/``sample(..., return_diagnostics=True)``.
+    record_energies: record ``E(x)`` (or ``E(x, y)``) along the chain, ``[steps + 1, B]``, in the
+        same diagnostics (costs one extra forward for the final state).
     progress: show a tqdm progress bar over the steps.
     generator: ``torch.Generator`` for the noise, the start and the buffer draws: the same seed
         gives bitwise identical samples.
@@ -155,8 +183,6 @@ class SGLD:
         self.record_energies = bool(record_energies)
         self.progress = bool(progress)
         self.generator = generator
-        self.last_trajectory: list[Tensor] | None = None
-        self.last_energies: Tensor | None = None
 
     def __repr__(self) -> str:
         a = getattr(self.step_size, "__qualname__", "callable") if callable(self.step_size) else self.step_size
@@ -185,31 +211,26 @@ class SGLD:
         return [a * (1.0 + t / b) ** -self.decay_power for t in range(t_max)]
 
     # ------------------------------------------------------------------ chains
-    def _check_y(self, jm: "JEM", y: Any, batch: int, device) -> Tensor:
-        if not isinstance(y, Tensor):
-            y = torch.as_tensor(y)
-        if y.dtype.is_floating_point or y.dtype == torch.bool or y.is_complex():
-            raise InvalidLabelError(f"y must hold integer class indices, got dtype {y.dtype}; use y.long()")
-        if y.shape != (batch,):
-            raise InvalidLabelError(f"expected y of shape [{batch}] (one class per chain), got {tuple(y.shape)}")
-        y = y.to(device=device, dtype=torch.long)
+    @staticmethod
+    def _check_y(jm: "JEM", y: Any, batch: int, device) -> Tensor:
+        y = check_labels(y, batch, num_classes=jm.num_classes, device=device, what="y (one class per chain)")
         if y.is_inference():  # labels made under inference_mode cannot be saved for backward
             with torch.inference_mode(False):
                 y = y.clone()
-        if jm.num_classes is not None:
-            self._check_y_range(y, jm.num_classes)
         return y
 
-    @staticmethod
-    def _check_y_range(y: Tensor, k: int) -> None:
-        if y.numel() and bool(((y < 0) | (y >= k)).any()):
-            raise InvalidLabelError(
-                f"labels must lie in [0, {k}) for a model with {k} classes; got values from "
-                f"{int(y.min())} to {int(y.max())}"
-            )
+    @overload
+    def run(self, jm: "JEM", x: Tensor, y: Tensor | None = ..., *,
+            return_diagnostics: Literal[False] = ...) -> Tensor: ...
 
-    def run(self, jm: "JEM", x: Tensor, y: Tensor | None = None) -> Tensor:
-        """Run ``steps`` Langevin updates from ``x``; returns a new detached fp32 tensor.
+    @overload
+    def run(self, jm: "JEM", x: Tensor, y: Tensor | None = ..., *,
+            return_diagnostics: Literal[True]) -> tuple[Tensor, SGLDDiagnostics]: ...
+
+    def run(self, jm: "JEM", x: Tensor, y: Tensor | None = None, *,
+            return_diagnostics: bool = False) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
+        """Run ``steps`` Langevin updates from ``x``; returns a new detached fp32 tensor, or
+        ``(x, SGLDDiagnostics)`` with ``return_diagnostics=True``.
 
         ``x`` itself is not modified. Works inside ``torch.no_grad()``, ``torch.inference_mode()``
         and ``torch.autocast`` (the forward runs in the caller's autocast; the chain stays fp32).
@@ -239,7 +260,7 @@ class SGLD:
 
         with sampling_mode(model), input_grad_enabled(x.detach().to(dtype)) as xg:
             xd = xg.detach()  # alias of the leaf: in-place updates without autograd bookkeeping
-            if gen is not None and gen.device != xd.device:
+            if gen is not None and not same_device(gen.device, xd.device):
                 raise InvalidInputError(
                     f"the SGLD generator is on {gen.device} but the chain is on {xd.device}; create it "
                     f"with torch.Generator(device={str(xd.device)!r})"
@@ -261,7 +282,7 @@ class SGLD:
                     score = logsumexp(out, 1)
                 else:
                     if check_k:
-                        self._check_y_range(y, out.shape[1])
+                        check_label_range(y, out.shape[1], what="y (one class per chain)")
                         check_k = False
                     score = out.gather(1, y_index)
                 if ones is None:  # d(sum)/d(score) = 1: pass it directly, no sum kernel per step
@@ -294,11 +315,13 @@ class SGLD:
                 last_score = final.reshape(-1)
                 energies.append(-last_score.to(dtype))
 
-        self.last_trajectory = trajectory if record_x else None
-        self.last_energies = torch.stack(energies) if record_e else None
         if last_score is not None:
             self._check_divergence(xd, last_score)
-        return xd
+        if not return_diagnostics:
+            return xd
+        return xd, SGLDDiagnostics(steps=len(sizes), final_step_size=sizes[-1] if sizes else None,
+                                   trajectory=trajectory if record_x else None,
+                                   energies=torch.stack(energies) if record_e else None)
 
     def _check_divergence(self, x: Tensor, score: Tensor) -> None:
         # One host sync per chain, never per step. A NaN/inf anywhere makes the sum non-finite
@@ -315,17 +338,27 @@ class SGLD:
                 if not bool(finite.all()) else
                 f"|energy| reached {float(score.abs().max()):.3g} (max_energy={self.max_energy})"
                 if bool(torch.isfinite(x).all()) else "the chain holds NaN/inf values")
+        energy = float(score.abs().max()) if bool(finite.all()) else math.nan
         raise DivergenceError(
-            f"SGLD diverged: {what} after {self.steps} steps (step_size={self.step_size}, "
-            f"noise={self.noise}). Remedies: a smaller step size or fewer steps (SGLD(step_size=..., "
-            "steps=...)), proximal SGLD (SGLD(grad_clip=...)), the energy L2 regulariser "
-            "(JEMLoss(l2_weight=...)), or restart training from the last good checkpoint."
-        )
+            f"SGLD diverged: {what} after {self.steps} steps (step_size={self.step_size}, noise={self.noise})",
+            remedies=SGLD_REMEDIES, energy=energy)
+
+    @overload
+    def sample(self, jm: "JEM", n: int | None = ..., *, buffer: "ReplayBuffer | None" = ...,
+               y: Tensor | None = ..., x_init: Tensor | None = ..., shape: Sequence[int] | None = ...,
+               return_diagnostics: Literal[False] = ...) -> Tensor: ...
+
+    @overload
+    def sample(self, jm: "JEM", n: int | None = ..., *, buffer: "ReplayBuffer | None" = ...,
+               y: Tensor | None = ..., x_init: Tensor | None = ..., shape: Sequence[int] | None = ...,
+               return_diagnostics: Literal[True]) -> tuple[Tensor, SGLDDiagnostics]: ...
 
     def sample(self, jm: "JEM", n: int | None = None, *, buffer: "ReplayBuffer | None" = None,
                y: Tensor | None = None, x_init: Tensor | None = None,
-               shape: Sequence[int] | None = None) -> Tensor:
-        """Draw ``n`` samples (class-conditional when ``y`` is given).
+               shape: Sequence[int] | None = None,
+               return_diagnostics: bool = False) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
+        """Draw ``n`` samples (class-conditional when ``y`` is given); with
+        ``return_diagnostics=True``, ``(samples, SGLDDiagnostics)``.
 
         Chains start from ``buffer`` (and the finished chains are written back), or from
         ``x_init``, or else uniformly over ``jm.domain`` (``shape`` defaults to the domain's
@@ -336,10 +369,7 @@ class SGLD:
         if n is not None and (not _is_int(n) or n < 1):
             raise ValueError(f"n must be a positive int, got {n!r}")
         if y is not None:
-            if not isinstance(y, Tensor):
-                y = torch.as_tensor(y)
-            if y.dim() != 1:
-                raise InvalidLabelError(f"y must be a 1-D tensor of class indices, got shape {tuple(y.shape)}")
+            y = check_labels(y, what="y")
             if n is not None and n != y.shape[0]:
                 raise ValueError(f"n={n} conflicts with y of {y.shape[0]} labels; pass one of them")
             n = y.shape[0]
@@ -348,25 +378,24 @@ class SGLD:
                 raise InvalidInputError(f"x_init must be a tensor, got {type(x_init).__name__}")
             if n is not None and n != x_init.shape[0]:
                 raise ValueError(f"n={n} conflicts with x_init of batch size {x_init.shape[0]}")
-            return self.run(jm, x_init, y)
+            return self.run(jm, x_init, y, return_diagnostics=return_diagnostics)
         if n is None:
             raise ValueError("say how many samples: sample(jm, n=64, ...) (or pass y= or x_init=)")
-        param = next(jm.parameters(), None)
-        device = param.device if param is not None else None
+        device = model_device(jm)
         if buffer is not None:
             x0, idx = buffer.sample(n, domain=jm.domain, y=y, generator=self.generator)
             if device is not None and x0.device != device:  # buffer kept elsewhere (e.g. CPU)
                 x0 = x0.to(device)
-            x = self.run(jm, x0, y)
-            buffer.update(idx, x)
-            return x
+            out = self.run(jm, x0, y, return_diagnostics=return_diagnostics)
+            buffer.update(idx, out[0] if return_diagnostics else out)
+            return out
         shape = tuple(shape) if shape is not None else jm.domain.input_size
         if shape is None:
             raise ValueError(
                 "the input shape is unknown: pass shape=(C, H, W), x_init=..., or a ReplayBuffer"
             )
         x0 = jm.domain.uniform(n, shape, generator=self.generator, device=device or torch.device("cpu"))
-        return self.run(jm, x0, y)
+        return self.run(jm, x0, y, return_diagnostics=return_diagnostics)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -50,19 +50,22 @@ from torch import Tensor, nn
 
 from .errors import DivergenceError
 
-__all__ = ["DivergenceGuard", "DivergenceMonitor", "POLICIES", "REMEDIES"]
+__all__ = ["DivergenceGuard", "POLICIES", "REMEDIES", "DIVERGENCE_REMEDIES"]
 
 POLICIES = ("raise", "rollback")
 REMEDIES = ("l2", "sgld_step", "lr")
 ENERGY_KEYS = ("energy_data", "energy_sample")
 
-REMEDY_TEXT = (
-    "Known remedies: (1) add the energy L2 regulariser, JEMLoss(l2_weight=0.1) up to 1.0 (the "
-    "authors' fix); (2) use fewer or smaller SGLD steps, SGLD(step_size=..., steps=...), or proximal "
-    "SGLD, SGLD(grad_clip=...); (3) lower the learning rate; (4) restart from the last good "
-    "checkpoint (jem_plugin.checkpoint.Checkpointer(...).resume(...)). "
-    "DivergenceGuard(..., policy='rollback') does (1)-(4) automatically."
+# What helps against a diverged training run: DivergenceError.remedies of the guard's errors.
+DIVERGENCE_REMEDIES: tuple[str, ...] = (
+    "add the energy L2 regulariser, JEMLoss(l2_weight=0.1) up to 1.0 (the authors' fix)",
+    "use fewer or smaller SGLD steps, SGLD(step_size=..., steps=...), or proximal SGLD, SGLD(grad_clip=...)",
+    "lower the learning rate",
+    "restart from the last good checkpoint (jem_plugin.checkpoint.Checkpointer(...).resume(...))",
+    "let DivergenceGuard(..., policy='rollback') do (1)-(4) automatically",
 )
+# The same as text, for messages built elsewhere (prefer DivergenceError(..., remedies=DIVERGENCE_REMEDIES)).
+REMEDY_TEXT = "Known remedies: " + "; ".join(f"({i}) {r}" for i, r in enumerate(DIVERGENCE_REMEDIES, 1)) + "."
 
 
 def _copy_state(obj: Any, device: torch.device | None) -> Any:
@@ -150,6 +153,7 @@ class DivergenceGuard:
         self._depth = 0  # nesting of `with guard:` blocks
         self.last_event: dict[str, Any] = {}  # what the last rollback did (for logs)
         self._snapshot: dict[str, Any] | None = None
+        self._raised: DivergenceError | None = None  # the error this guard let through last
         # A loss owned by the model (GenerativeLossMixin) is saved and restored with it.
         self._loss_separate = loss_fn is not None and not any(m is loss_fn for m in model.modules())
 
@@ -222,14 +226,11 @@ class DivergenceGuard:
             metrics["loss"] = float(out.detach()) if isinstance(out, Tensor) else float(out)
         problem = self._problem(metrics)
         if problem is not None:
-            shown = ", ".join(f"{k}={_fmt(metrics[k])}" for k in ("loss", *ENERGY_KEYS) if k in metrics)
-            err = DivergenceError(
-                f"JEM training diverged at iteration {it}: {problem} ({shown}). {REMEDY_TEXT}"
-            )
-            err.iteration = it  # type: ignore[attr-defined]
-            err.metrics = metrics  # type: ignore[attr-defined]
-            err.problem = problem  # type: ignore[attr-defined]
-            raise err
+            shown = {k: metrics[k] for k in ("loss", *ENERGY_KEYS) if k in metrics}
+            energies = [abs(metrics[k]) for k in ENERGY_KEYS if k in metrics]
+            energy = (max(energies) if all(map(math.isfinite, energies)) else math.nan) if energies else None
+            raise DivergenceError(problem, remedies=DIVERGENCE_REMEDIES, iteration=it, energy=energy,
+                                  metrics=shown)
         energies = [abs(metrics[k]) for k in ENERGY_KEYS if k in metrics]
         if energies:
             self._history.append(max(energies))
@@ -258,49 +259,46 @@ class DivergenceGuard:
         self._handle(exc)  # re-raises under policy "raise" or after max_rollbacks
         return True  # rolled back: swallow the error, skip the rest of the block
 
-    def protect(self) -> "DivergenceGuard":
-        """``with guard.protect():`` is ``with guard:``."""
-        return self
+    def _final(self, exc: DivergenceError) -> DivergenceError:
+        """Mark ``exc`` as this guard's last word: raised again as is if it comes back (``with``)."""
+        self._raised = exc
+        return exc
 
     def _handle(self, exc: DivergenceError) -> None:
-        if getattr(exc, "_jem_final", False):
+        if exc is self._raised:
             raise exc
-        if not hasattr(exc, "iteration"):
+        if exc.iteration is None:
             # Raised before check() (the sampler's non-finite chains): count the iteration and
             # say where it happened and what helps, in the guard's terms.
             it = self.iteration
             self.iteration += 1
-            wrapped = DivergenceError(f"JEM training diverged at iteration {it}: {exc} {REMEDY_TEXT}")
-            wrapped.iteration = it  # type: ignore[attr-defined]
+            wrapped = DivergenceError(exc.reason, remedies=DIVERGENCE_REMEDIES, iteration=it, energy=exc.energy,
+                                      metrics=exc.metrics)
             wrapped.__cause__ = exc
             exc = wrapped
         if self.policy == "raise":
-            exc._jem_final = True  # type: ignore[attr-defined]
-            raise exc
+            raise self._final(exc)
         if self._snapshot is None:
-            final = DivergenceError(
-                f"{exc} Could not roll back: no healthy iteration was seen yet, so there is no snapshot."
-            )
-            final._jem_final = True  # type: ignore[attr-defined]
-            raise final from exc
+            raise self._final(DivergenceError(
+                f"{exc.reason}; could not roll back: no healthy iteration was seen yet, so there is no "
+                "snapshot", remedies=exc.remedies, iteration=exc.iteration, energy=exc.energy,
+                metrics=exc.metrics)) from exc
         if self.rollbacks >= self.max_rollbacks:
-            final = DivergenceError(
-                f"JEM training diverged again after {self.rollbacks} rollbacks to the snapshot of "
+            raise self._final(DivergenceError(
+                f"{exc.reason}; diverged again after {self.rollbacks} rollbacks to the snapshot of "
                 f"iteration {self.snapshot_iteration} (safer settings applied: "
-                f"{'; '.join(self.applied) or 'none'}). Last problem: {exc}"
-            )
-            final._jem_final = True  # type: ignore[attr-defined]
-            raise final from exc
+                f"{'; '.join(self.applied) or 'none'})", remedies=exc.remedies, iteration=exc.iteration,
+                energy=exc.energy, metrics=exc.metrics)) from exc
         self.rollback()
         changes = self._apply_remedies()
         self.rollbacks += 1
         self.applied.extend(changes)
-        self.last_event = {"problem": getattr(exc, "problem", str(exc).split(". Known remedies")[0]),
-                           "diverged_at": getattr(exc, "iteration", None),
+        where = f"JEM training diverged at iteration {exc.iteration}: " if exc.iteration is not None else ""
+        self.last_event = {"problem": exc.reason, "diverged_at": exc.iteration,
                            "restored_iteration": self.snapshot_iteration, "rollbacks": self.rollbacks,
                            "changes": list(changes)}
         warnings.warn(
-            f"jem-plugin: {str(exc).split('. Known remedies')[0]}. Rolled back to the snapshot of "
+            f"jem-plugin: {where}{exc.reason}. Rolled back to the snapshot of "
             f"iteration {self.snapshot_iteration} (rollback {self.rollbacks}/{self.max_rollbacks}); "
             f"safer settings: {', '.join(changes) or 'none (remedies=())'}.",
             RuntimeWarning, stacklevel=3,
@@ -404,6 +402,3 @@ class _Halved:
     def __call__(self, t: int) -> float:
         return 0.5 * float(self.fn(t))
 
-
-#: Alias: the guard is also a monitor (``policy="raise"`` only watches and raises).
-DivergenceMonitor = DivergenceGuard

@@ -95,3 +95,20 @@ def test_unknown_adapter_name():
 def test_bad_data_range():
     with pytest.raises(ValueError, match="low < high"):
         jem.wrap(torch.nn.Linear(4, 3), data_range=(1, 0))
+
+
+def test_divergence_and_checkpoint_errors_carry_fields_that_survive_pickling():
+    import pickle
+
+    err = jem.DivergenceError("|energy_data| = 2e+04 exceeds max_abs_energy=1e+04", remedies=("a", "b"),
+                              iteration=7, energy=2e4, metrics={"loss": 1.5})
+    assert str(err) == ("JEM training diverged at iteration 7: |energy_data| = 2e+04 exceeds "
+                        "max_abs_energy=1e+04 (loss=1.5). Known remedies: (1) a; (2) b.")
+    back = pickle.loads(pickle.dumps(err))  # errors cross process boundaries (DDP, workers)
+    assert (back.reason, back.remedies, back.iteration, back.energy, back.metrics, str(back)) == \
+        (err.reason, err.remedies, err.iteration, err.energy, err.metrics, str(err))
+    plain = jem.DivergenceError("chains exploded")
+    assert plain.reason == "chains exploded" and plain.remedies == () and plain.iteration is None
+    ck = pickle.loads(pickle.dumps(jem.CheckpointError("bad file", reason="corrupt")))
+    assert ck.reason == "corrupt" and str(ck) == "bad file"
+    assert jem.CheckpointError("x").reason is None

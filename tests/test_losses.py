@@ -10,7 +10,8 @@ import jem_plugin as jem
 from jem_plugin import plugins
 from jem_plugin.buffer import ReplayBuffer
 from jem_plugin.errors import InvalidInputError, InvalidLabelError, UnknownNameError
-from jem_plugin.losses import GenerativeLossMixin, JEMLoss, LossBatch, LossOutput
+from jem_plugin import GenerativeLossMixin
+from jem_plugin.losses import JEMLoss, LossBatch, LossOutput
 from jem_plugin.sampling import SGLD
 
 K = 10
@@ -51,7 +52,7 @@ def test_loss_equals_reference_objective_and_gradients():
     """CE + px + pxy + l2 match the reference code's separate forwards, value and gradient."""
     torch.manual_seed(0)
     net = small_net()
-    jm = jem.wrap(net)
+    jm = jem.wrap(net, num_classes=K)
     x, y = batch()
     x_q, x_qy = torch.rand(8, 1, 8, 8) * 2 - 1, torch.rand(8, 1, 8, 8) * 2 - 1
     sampler = FixedSampler(x_q, x_qy)
@@ -161,7 +162,7 @@ def test_wrapped_module_forward_goes_through_wrapper_sampling_does_not():
 
 def test_lazy_buffer_defaults_and_exact_state_roundtrip():
     torch.manual_seed(0)
-    jm = jem.wrap(small_net())
+    jm = jem.wrap(small_net(), num_classes=K)
     x, y = batch(8)
     make = lambda: JEMLoss(SGLD(steps=2, generator=torch.Generator().manual_seed(3)), pxy_weight=1.0,
                            generator=torch.Generator().manual_seed(4))
@@ -203,20 +204,43 @@ def test_ce_only_needs_no_samples():
     assert out.loss.item() == pytest.approx(F.cross_entropy(net(x), y).item())
 
 
-def test_energy_l2_term_plugin_equals_l2_weight():
+def test_energy_l2_has_one_knob_l2_weight():
     torch.manual_seed(0)
     jm = jem.wrap(small_net())
     x, y = batch()
     x_q = torch.rand(8, 1, 8, 8)
     a = JEMLoss(FixedSampler(x_q), l2_weight=0.3, data_noise=0.0)(jm, x, y)
-    b = JEMLoss(FixedSampler(x_q), terms={"energy_l2": {"weight": 0.3}}, data_noise=0.0)(jm, x, y)
-    torch.testing.assert_close(a.loss, b.loss)
-    assert b.metrics["energy_l2"] == pytest.approx(0.3 * a.metrics["l2"], rel=1e-5)
-    assert b.metrics["energy_l2/data"] + b.metrics["energy_l2/sample"] == pytest.approx(a.metrics["l2"], rel=1e-5)
+    with torch.no_grad():
+        e_data, e_q = -torch.logsumexp(jm(x), 1), -torch.logsumexp(jm(x_q), 1)
+    expected = e_data.pow(2).mean() + e_q.pow(2).mean()
+    assert a.metrics["l2"] == pytest.approx(expected.item(), rel=1e-5)
+    assert a.loss.item() == pytest.approx(a.metrics["ce"] + a.metrics["px"] + 0.3 * expected.item(), rel=1e-5)
+    with pytest.raises(UnknownNameError, match="energy_l2"):  # no second way to ask for it
+        JEMLoss(SGLD(), terms={"energy_l2": {"weight": 0.3}})
+
+
+def test_sampler_is_a_plain_attribute_unless_it_is_a_module():
+    loss_fn = JEMLoss(SGLD(steps=1))
+    other = SGLD(steps=3)
+    loss_fn.sampler = other  # swapping samplers keeps it out of the module tree
+    assert loss_fn.sampler is other and "sampler" not in dict(loss_fn.named_children())
+    assert loss_fn.state_dict()["_extra_state"]["sampler"]["steps"] == 3
+
+    class ModuleSampler(nn.Module):  # a sampler with its own parameters is an ordinary submodule
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+    ms = ModuleSampler()
+    loss_fn.sampler = ms
+    assert loss_fn.sampler is ms and "sampler.scale" in loss_fn.state_dict()
+    del loss_fn.sampler  # torch's rule for a child module: delete it before assigning a non-module
+    loss_fn.sampler = other
+    assert loss_fn.sampler is other and "sampler.scale" not in loss_fn.state_dict()
 
 
 def test_unknown_term_lists_choices():
-    with pytest.raises(UnknownNameError, match="energy_l2"):
+    with pytest.raises(UnknownNameError, match="available: .*energy_bounded"):
         JEMLoss(SGLD(), terms={"no_such_term": {}})
 
 
@@ -268,6 +292,21 @@ def test_label_range_checked_even_when_num_classes_unknown_before_first_forward(
         JEMLoss(SGLD(steps=1), px_weight=0.0)(jm, x, y)
 
 
+def test_loss_never_mutates_the_adapter_and_asks_for_num_classes_when_it_needs_them():
+    # A hand-written adapter that does not know the class count: the loss reads it, never sets it.
+    net = nn.Sequential(nn.Flatten(), nn.Linear(64, 6))
+    jm = jem.JEM(net, jem.Adapter("plain"))
+    x, y = torch.rand(4, 1, 8, 8), torch.tensor([0, 5, 2, 3])
+    JEMLoss(SGLD(steps=1), px_weight=0.0)(jm, x, y)  # CE only: the class count is not needed
+    assert jm.adapter.num_classes is None
+    with pytest.raises(InvalidLabelError, match=r"\[0, 6\)"):  # the range is still checked
+        JEMLoss(SGLD(steps=1), px_weight=0.0)(jm, x, torch.tensor([0, 6, 1, 1]))
+    for kwargs in ({"pxy_weight": 1.0}, {"class_conditional_px": True}):
+        with pytest.raises(InvalidLabelError, match=r"wrap\(model, num_classes=K\)"):
+            JEMLoss(SGLD(steps=1), **kwargs)(jm, x, y)
+    assert jm.adapter.num_classes is None
+
+
 def test_bad_inputs_are_clear_errors():
     jm = jem.wrap(small_net())
     _, y = batch(8)
@@ -283,7 +322,7 @@ def test_bad_inputs_are_clear_errors():
 
 
 def test_class_conditional_px_draws_random_labels():
-    jm = jem.wrap(small_net())
+    jm = jem.wrap(small_net(), num_classes=K)
     sampler = FixedSampler(None, torch.rand(8, 1, 8, 8))
     JEMLoss(sampler, class_conditional_px=True, generator=torch.Generator().manual_seed(0))(jm, *batch(8))
     y = sampler.calls[0]["y"]

@@ -97,3 +97,34 @@ def test_collect_later_registration_wins():
             plugins.lookup("jem_register_ood_scores", "nope", "OOD score")
     finally:
         jem.unregister(name="scores-test")
+
+
+def test_collect_goes_through_pluggy_no_argument_hooks_load_and_later_plugins_override_builtins():
+    calls = []
+
+    class NoArguments:  # legal pluggy: an implementation may take fewer arguments than the spec
+        @jem.hookimpl
+        def jem_register_ood_scores(self):
+            calls.append("called")
+
+    def mine(jm, x):
+        return torch.full((x.shape[0],), 7.0)
+
+    class Override:
+        @jem.hookimpl
+        def jem_register_ood_scores(self, register):
+            register("logpx", mine, needs_grad=False, description="replaced")
+
+    builtin = plugins.lookup("jem_register_ood_scores", "logpx", "OOD score")["item"]
+    jem.register(NoArguments(), name="no-args-test")
+    jem.register(Override(), name="override-logpx-test")
+    try:
+        assert plugins.lookup("jem_register_ood_scores", "logpx", "OOD score")["item"] is mine
+        assert calls == ["called"]
+        jm = jem.wrap(torch.nn.Linear(3, 2), input_size=(3,))
+        assert jem.ood.score(jm, torch.zeros(4, 3), "logpx", progress=False).tolist() == [7.0] * 4
+        assert "msp" in jem.ood.available_scores()  # the other built-ins are still there
+    finally:
+        jem.unregister(name="override-logpx-test")
+        jem.unregister(name="no-args-test")
+    assert plugins.lookup("jem_register_ood_scores", "logpx", "OOD score")["item"] is builtin

@@ -160,9 +160,9 @@ def test_defense_shapes_identity_and_determinism(trained, test_data):
     assert a.shape == (20, 2)
     torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert not torch.equal(a, c)
-    f = rob.defended_logits(jm, x, steps=4, step_size=0.01, noise=0.05, n_chains=3,
-                            generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(f, a)
+    f = rob.SGLDDefense(jm, steps=4, step_size=0.01, noise=0.05, n_chains=3,
+                        generator=torch.Generator().manual_seed(0))(x)
+    torch.testing.assert_close(f, a)  # the generator given at construction is the default
     # chunking the chains changes only which noise goes where: without noise it changes nothing
     whole = rob.SGLDDefense(jm, steps=4, step_size=0.01, noise=0.0, n_chains=3)(x)
     chunked = rob.SGLDDefense(jm, steps=4, step_size=0.01, noise=0.0, n_chains=3, chunk_size=7)(x)
@@ -192,7 +192,7 @@ def test_robust_accuracy_with_defense_transfer_and_bpda(trained, test_data, tmp_
                                     str(tmp_path / "robust.png"), "test")
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    rob.plot_curve(base, str(tmp_path / "single.png"))
+    rob.plot_robust_accuracy(base, str(tmp_path / "single.png"))
 
 
 def test_worst_case_over_attacks_and_margin_loss(trained, test_data):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import io
 import weakref
 
@@ -211,11 +212,11 @@ def test_bf16_autocast_keeps_chain_fp32(jm):
     jm.model.head.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
     sampler = SGLD(steps=3, record_trajectory=True, record_energies=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = sampler.sample(jm, 8, buffer=ReplayBuffer(32, SHAPE))
+        out, diag = sampler.sample(jm, 8, buffer=ReplayBuffer(32, SHAPE), return_diagnostics=True)
     assert torch.bfloat16 in dtypes  # the forward did run in autocast
     assert out.dtype == torch.float32
-    assert all(x.dtype == torch.float32 for x in sampler.last_trajectory)
-    assert sampler.last_energies.dtype == torch.float32 and sampler.last_energies.shape == (4, 8)
+    assert all(x.dtype == torch.float32 for x in diag.trajectory)
+    assert diag.energies.dtype == torch.float32 and diag.energies.shape == (4, 8)
 
 
 # ---------------------------------------------------------------- reproducibility
@@ -248,8 +249,8 @@ def test_state_dict_round_trip_resumes_the_generator(jm):
 def test_no_noise_sgld_increases_log_px_monotonically(jm):
     jm.eval()
     sampler = SGLD(steps=15, step_size=0.2, noise=0.0, record_energies=True)
-    sampler.run(jm, torch.rand(32, *SHAPE) * 2 - 1)
-    log_px = -sampler.last_energies.mean(1)  # [steps + 1]
+    _, diag = sampler.run(jm, torch.rand(32, *SHAPE) * 2 - 1, return_diagnostics=True)
+    log_px = -diag.energies.mean(1)  # [steps + 1]
     assert log_px.shape == (16,)
     assert (log_px.diff() >= -1e-6).all() and log_px[-1] > log_px[0]
 
@@ -265,15 +266,27 @@ def test_class_conditional_sampling_increases_target_logit(jm):
     assert (gain > 0).float().mean() > 0.9 and gain.mean() > other.mean()
 
 
-def test_trajectory_and_energies_recorded(jm):
-    sampler = SGLD(steps=4, record_trajectory=True, record_energies=True)
-    out = sampler.sample(jm, 6, shape=SHAPE)
-    assert len(sampler.last_trajectory) == 5 and torch.equal(sampler.last_trajectory[-1], out)
+def test_trajectory_and_energies_are_returned_not_kept_on_the_sampler(jm):
+    sampler = SGLD(steps=4, step_size=0.5, schedule="poly", final_step_size=0.1, record_trajectory=True,
+                   record_energies=True)
+    out, diag = sampler.sample(jm, 6, shape=SHAPE, return_diagnostics=True)
+    assert isinstance(diag, jem.SGLDDiagnostics) and diag.steps == 4
+    assert diag.final_step_size == pytest.approx(0.1)
+    assert len(diag.trajectory) == 5 and torch.equal(diag.trajectory[-1], out)
     with torch.no_grad():  # the chain's energies are those of the model in eval mode
-        torch.testing.assert_close(sampler.last_energies[-1], jm.eval().energy(out))
+        torch.testing.assert_close(diag.energies[-1], jm.eval().energy(out))
+    # a second call through the same (shared) sampler does not touch the first call's diagnostics
+    out2, diag2 = sampler.sample(jm, 3, shape=SHAPE, return_diagnostics=True)
+    assert len(diag.trajectory) == 5 and diag.trajectory[-1].shape[0] == 6 and diag2.energies.shape == (5, 3)
+    assert not hasattr(sampler, "last_trajectory") and not hasattr(sampler, "last_energies")
+    # the default call returns the samples alone; unrecorded diagnostics are None
     plain = SGLD(steps=2)
-    plain.sample(jm, 2, shape=SHAPE)
-    assert plain.last_trajectory is None and plain.last_energies is None
+    assert isinstance(plain.sample(jm, 2, shape=SHAPE), torch.Tensor)
+    x, d = plain.run(jm, torch.rand(2, *SHAPE), return_diagnostics=True)
+    assert d == jem.SGLDDiagnostics(steps=2, final_step_size=1.0) and d.trajectory is None and d.energies is None
+    buf = ReplayBuffer(16, SHAPE)
+    xb, db = plain.sample(jm, 4, buffer=buf, return_diagnostics=True)
+    assert db.steps == 2 and xb.shape == (4, *SHAPE)
 
 
 def test_schedules():
@@ -329,6 +342,11 @@ def test_divergence_raises_with_remedies():
         SGLD(steps=5, step_size=1e30, clamp=False).run(jm, torch.rand(4, *SHAPE))
     msg = str(err.value)
     assert "step size" in msg and "l2_weight" in msg and "checkpoint" in msg
+    # the error carries its parts as fields: nothing to parse out of the message
+    e = err.value
+    assert e.reason.startswith("SGLD diverged") and "Known remedies" not in e.reason
+    assert any("grad_clip" in r for r in e.remedies) and e.iteration is None
+    assert e.energy is not None and not math.isfinite(e.energy)
     jm_ok = jem.wrap(TinyCNN())
     with pytest.raises(DivergenceError, match="max_energy"):
         SGLD(steps=1, max_energy=1e-9).run(jm_ok, torch.rand(2, *SHAPE))

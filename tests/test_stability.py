@@ -10,7 +10,8 @@ from torch import nn
 import jem_plugin as jem
 from jem_plugin.buffer import ReplayBuffer
 from jem_plugin.errors import DivergenceError
-from jem_plugin.losses import GenerativeLossMixin, JEMLoss, LossOutput
+from jem_plugin import GenerativeLossMixin
+from jem_plugin.losses import JEMLoss, LossOutput
 from jem_plugin.sampling import SGLD
 from jem_plugin.stability import DivergenceGuard
 
@@ -78,6 +79,14 @@ def test_raise_policy_names_iteration_values_and_remedies(how):
     msg = str(info.value)
     for remedy in ("l2_weight", "SGLD(step_size", "learning rate", "checkpoint"):
         assert remedy in msg
+    err = info.value  # fields, not a message to parse
+    assert err.iteration == 3 and err.remedies == jem.stability.DIVERGENCE_REMEDIES
+    assert "Known remedies" not in err.reason and "iteration" not in err.reason
+    if how == "explode":
+        assert "exceeds max_abs_energy" in err.reason and err.energy > 1e4
+        assert set(err.metrics) >= {"loss", "energy_data"}
+    else:
+        assert err.reason.startswith("SGLD diverged") and isinstance(err.__cause__, DivergenceError)
 
 
 def test_rollback_restores_snapshot_bitwise_and_training_continues_finite():

@@ -42,18 +42,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import InvalidInputError
-from ..ood import _extract_x
+from .._checks import free_energy, unpack_batch
 from ..plugins import hookimpl
 
 __all__ = ["free_energy", "energy_bounded_loss", "calibrate_margins", "EnergyBoundedTerm",
            "jem_register_loss_terms"]
-
-
-def free_energy(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """``E = -T * logsumexp(logits / T)`` per row (``[B]``)."""
-    if temperature == 1.0:
-        return -torch.logsumexp(logits, dim=1)
-    return -temperature * torch.logsumexp(logits / temperature, dim=1)
 
 
 def energy_bounded_loss(energy_in: Tensor, energy_out: Tensor, m_in: float, m_out: float) -> Tensor:
@@ -160,11 +153,11 @@ class EnergyBoundedTerm:
         if self._iter is None:
             self._iter = iter(self.outliers)
         try:
-            return _extract_x(next(self._iter))
+            return unpack_batch(next(self._iter))[0]
         except StopIteration:
             self._iter = iter(self.outliers)  # next epoch of the outlier loader
             try:
-                return _extract_x(next(self._iter))
+                return unpack_batch(next(self._iter))[0]
             except StopIteration:
                 raise InvalidInputError("the outlier loader is empty") from None
 

@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from .._checks import draw as _draw
+from .._checks import check_labels, draw as _draw
 from ..adapter import InputDomain
 from ..errors import InvalidInputError, InvalidLabelError, JEMError
 from ..plugins import hookimpl
@@ -98,13 +98,9 @@ class GaussianInit(nn.Module):
         """Fit one Gaussian per class from data ``x`` ``[N, *shape]`` with labels ``y`` ``[N]``."""
         if not isinstance(x, Tensor) or not isinstance(y, Tensor):
             raise InvalidInputError("gaussian init: fit(x, y) needs tensors x [N, ...] and y [N]")
-        if y.dtype.is_floating_point or y.dim() != 1 or y.shape[0] != x.shape[0]:
-            raise InvalidLabelError(
-                f"gaussian init: labels must be integer class indices of shape [{x.shape[0]}], "
-                f"got dtype {y.dtype} and shape {tuple(y.shape)}"
-            )
         flat = x.detach().reshape(x.shape[0], -1).to(torch.float64)  # float64: stable covariances
-        y = y.to(flat.device, torch.long)
+        y = check_labels(y, x.shape[0], num_classes=num_classes, device=flat.device,
+                         what="gaussian init: fit(x, y) labels")
         if y.numel() == 0 or int(y.min()) < 0:
             raise InvalidLabelError("gaussian init: fit(x, y) needs a non-empty y of class indices >= 0")
         k = int(num_classes) if num_classes is not None else int(y.max()) + 1

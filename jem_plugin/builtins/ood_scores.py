@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from .._checks import free_energy
 from ..model import input_grad_enabled
 from ..model import sampling_mode
 from ..plugins import hookimpl
@@ -50,10 +51,7 @@ def _check_temperature(temperature: float) -> float:
 def logpx(jm, x: Tensor, temperature: float = 1.0) -> Tensor:
     """Negative free energy ``T * logsumexp(f(x) / T)``; JEM's unnormalised ``log p(x)`` at ``T = 1``."""
     t = _check_temperature(temperature)
-    logits = jm.logits(x)
-    if t == 1.0:
-        return torch.logsumexp(logits, dim=1)
-    return t * torch.logsumexp(logits / t, dim=1)
+    return -free_energy(jm.logits(x), t)
 
 
 def msp(jm, x: Tensor, temperature: float = 1.0) -> Tensor:
@@ -87,7 +85,7 @@ def grad_norm(jm, x: Tensor, project: bool = False) -> Tensor:
     while the projected one reaches 0.97. Inside the domain both are equal.
     """
     with sampling_mode(jm), input_grad_enabled(x) as xg:
-        lp = torch.logsumexp(jm.logits(xg), dim=1)
+        lp = -free_energy(jm.logits(xg))
         (g,) = torch.autograd.grad(lp.sum(), xg)
     if project:
         xd = x.detach().to(g.dtype)

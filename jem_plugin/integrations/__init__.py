@@ -1,6 +1,9 @@
 """Integrations with the training frameworks users already run.
 
-Each submodule imports its framework lazily, so ``import jem_plugin`` never needs them:
+- :mod:`jem_plugin.integrations.mixin`: ``GenerativeLossMixin`` (also ``jem_plugin.GenerativeLossMixin``),
+  JEM's loss in any class-based training loop (no framework needed).
+
+Each other submodule imports its framework lazily, so ``import jem_plugin`` never needs them:
 
 - :mod:`jem_plugin.integrations.timm_task`: ``JEMTask``, a timm ``TrainingTask`` (timm's
   task API) whose forward returns ``{'loss', 'output', ...}`` with JEM's generative loss.

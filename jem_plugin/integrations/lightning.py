@@ -46,8 +46,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._checks import free_energy, unpack_batch
 from ..distributed import PerRankState, get_world_size, ignore_replay_buffers, select_rank_state
-from ..losses import GenerativeLossMixin, JEMLoss
+from ..losses import JEMLoss
+from .mixin import GenerativeLossMixin
 from ..model import JEM
 
 try:
@@ -164,7 +166,7 @@ class JEMLightningModule(JEMLightningMixin, pl.LightningModule):
         return self.jem(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x, y = batch[0], batch[1]
+        x, y = unpack_batch(batch, need_labels=True)
         out = self.generative_loss(x, y)
         self.log_dict({f"train/{k}": v for k, v in out.metrics.items() if k != "loss"},
                       prog_bar=False, batch_size=x.shape[0])
@@ -172,10 +174,10 @@ class JEMLightningModule(JEMLightningMixin, pl.LightningModule):
         return out.loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch[0], batch[1]
+        x, y = unpack_batch(batch, need_labels=True)
         logits = self.jem(x)
         metrics = {"val/loss": F.cross_entropy(logits, y), "val/acc": (logits.argmax(1) == y).float().mean(),
-                   "val/logpx": torch.logsumexp(logits, 1).mean()}
+                   "val/logpx": -free_energy(logits).mean()}
         for name in self.val_scores:
             if name != "logpx":
                 metrics[f"val/{name}"] = self.jem_score(x, name).mean()
@@ -183,7 +185,7 @@ class JEMLightningModule(JEMLightningMixin, pl.LightningModule):
             xs = self.jem_sample(x.shape[0], steps=self.val_sgld_steps,
                                  x_init=self.jem.domain.uniform(x.shape[0], x.shape[1:], device=x.device))
             with torch.no_grad():
-                metrics["val/energy_sample"] = -torch.logsumexp(self.jem(xs), 1).mean()
+                metrics["val/energy_sample"] = free_energy(self.jem(xs)).mean()
         self.log_dict(metrics, prog_bar=True, batch_size=x.shape[0], sync_dist=True)
 
     def configure_optimizers(self):
