@@ -90,7 +90,7 @@ def test_resume_is_exact(digits, tmp_path, global_shuffle, every_iters, resumed_
         jm = _model(width=4)
         dl = _loader(sub, shuffle_generator=not global_shuffle)  # a fresh loader, as after a restart
         h = fit(jm, dl, epochs=3, lr=1e-3, warmup_iters=4, checkpoint_dir=ckpt_dir,
-                checkpoint_every_iters=every_iters, callbacks=callbacks, progress=False)
+                checkpoint_every=every_iters, callbacks=callbacks, progress=False)
         return jm, h
 
     ref, ref_hist = run()
@@ -115,7 +115,7 @@ def test_resume_with_jem_loss_restores_buffer_and_sampler(digits, tmp_path):
         jm = _model(width=4)
         loss_fn = JEMLoss(SGLD(steps=2), ReplayBuffer(200, (1, 8, 8), init="uniform"), l2_weight=0.1)
         h = fit(jm, _loader(sub, seed=1), epochs=2, lr=1e-3, warmup_iters=2, loss_fn=loss_fn,
-                checkpoint_dir=ckpt_dir, checkpoint_every_iters=2, callbacks=callbacks, progress=False)
+                checkpoint_dir=ckpt_dir, checkpoint_every=2, callbacks=callbacks, progress=False)
         return jm, loss_fn, h
 
     ref, ref_loss, ref_hist = run()
