@@ -274,6 +274,7 @@ class _Step:
 
     def _run(self, x: Tensor, y: Tensor) -> dict[str, float]:
         err, guard = None, self.guard
+        iteration = guard.iteration if guard is not None else 0  # before check() counts this step
         try:
             loss, metrics = self._loss(x, y)
             if guard is not None:
@@ -281,7 +282,7 @@ class _Step:
         except DivergenceError as exc:
             err = exc
         if self.multi and guard is not None:
-            err = _agree_on_divergence(x.device, err, guard.iteration)
+            err = _agree_on_divergence(x.device, err, iteration)
         if err is not None:
             raise err
         self.optimizer.zero_grad(set_to_none=True)
