@@ -47,21 +47,10 @@ class DistributedJEM(DistributedDataParallel):
         return self.module
 
     # The JEM API, delegated (evaluation only: no DDP involvement).
-    @property
-    def domain(self):
-        return self.module.domain
-
-    @property
-    def num_classes(self) -> int | None:
-        return self.module.num_classes
-
-    @property
-    def adapter(self):
-        return self.module.adapter
-
-    @property
-    def model(self) -> nn.Module:
-        return self.module.model
+    domain = property(lambda self: self.module.domain, doc="The bare JEM's input domain.")
+    num_classes = property(lambda self: self.module.num_classes, doc="The bare JEM's number of classes.")
+    adapter = property(lambda self: self.module.adapter, doc="The bare JEM's adapter.")
+    model = property(lambda self: self.module.model, doc="The classifier inside the JEM.")
 
     def logits(self, x: Tensor) -> Tensor:
         return self.module.logits(x)
