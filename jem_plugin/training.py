@@ -48,8 +48,9 @@ class History:
     ``epochs`` holds one dict per finished epoch: ``epoch``, ``loss``, ``ce``, ``acc`` (train,
     on the noisy batches JEM trains on), ``energy_data``/``energy_sample``/``energy_gap`` (JEM),
     ``val_acc``/``val_nll`` (with ``val_data``), ``lr``, ``time`` (training wall seconds, without
-    evaluation), ``cpu_time`` (process CPU seconds: comparable across runs on a busy machine) and
-    ``iterations``.
+    evaluation), ``cpu_time`` (process CPU seconds: comparable across runs on a busy machine),
+    ``iterations``, and the throughput ``img_per_s``, ``ms_per_iter`` and ``remaining_s`` (the
+    projected time to the last epoch; per process under DDP, averaged over the ranks).
     ``history["acc"]`` is the column of one metric. ``events`` records rollbacks and stops;
     ``stopped`` is ``None`` for a complete run, else why it stopped early (``"max_seconds"``,
     ``"callback"``).
