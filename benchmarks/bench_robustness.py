@@ -25,7 +25,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jem_plugin import robustness
+from jem_plugin import robustness, viz
 from jem_plugin.app.model_files import load_model_checkpoint
 from jem_plugin.app.data import digits_tensors
 
@@ -87,9 +87,9 @@ def main(argv=None) -> int:
     (out / "robustness.json").write_text(json.dumps(res, indent=2))
     md = to_markdown(res)
     (out / "robustness.md").write_text(md + "\n")
-    robustness.plot_robust_accuracy(res["results"], str(out / "robust_accuracy.png"),
-                                    title="digits: robust accuracy (PGD L-inf)", eps_scale=255,
-                                    eps_label="eps (pixel levels / 255)")
+    viz.plot_robust_accuracy(res["results"], str(out / "robust_accuracy.png"),
+                             title="digits: robust accuracy (PGD L-inf)", eps_scale=255,
+                             eps_label="eps (pixel levels / 255)")
     print(md)
     return 0
 

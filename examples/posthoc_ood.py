@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import jem_plugin as jem
+from jem_plugin import viz
 from jem_plugin.app.data import digits_ood_sets, load_digits
 from jem_plugin.app.nets import DigitsCNN
 
@@ -63,13 +64,13 @@ def main(argv=None) -> dict:
         s_in = jem.ood.score(jm, x_test, method=method, progress=False)
         outs = {name: jem.ood.score(jm, xo, method=method, progress=False) for name, xo in ood_sets.items()}
         results["ood"][method] = {name: jem.ood.evaluate(s_in, s) for name, s in outs.items()}
-        jem.ood.plot_histograms(s_in, outs, str(out_dir / f"hist_{method}.png"), title=f"score: {method}")
-        jem.ood.plot_roc(s_in, outs, str(out_dir / f"roc_{method}.png"), title=f"ROC: {method}")
+        viz.plot_histograms(s_in, outs, str(out_dir / f"hist_{method}.png"), title=f"score: {method}")
+        viz.plot_roc(s_in, outs, str(out_dir / f"roc_{method}.png"), title=f"ROC: {method}")
 
     with torch.no_grad():
         logits = jm(x_test)
     results["calibration"] = jem.calibration.calibration_report(logits, y_test)
-    jem.calibration.reliability_diagram(torch.softmax(logits, 1), y_test, str(out_dir / "reliability.png"))
+    viz.reliability_diagram(torch.softmax(logits, 1), y_test, str(out_dir / "reliability.png"))
 
     print(f"{'score':<10}" + "".join(f"{n:>12}" for n in ood_sets))
     for method, per_set in results["ood"].items():

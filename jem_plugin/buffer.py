@@ -277,22 +277,15 @@ class ReplayBuffer(nn.Module):
 
     def save_grid(self, path: str | os.PathLike, n: int = 64, nrow: int = 8,
                   domain: InputDomain | None = None) -> str:
-        """Save ``n`` stored samples as a PNG grid (mapped to pixels through the domain); returns the path."""
-        from torchvision.utils import save_image
-
+        """Save ``n`` stored samples as a PNG grid (mapped to pixels through the domain); returns the
+        path. Drawn by :func:`jem_plugin.viz.save_samples` (torchvision is imported only then)."""
         if len(self.sample_shape) != 3 or self.sample_shape[0] not in (1, 3):
             raise InvalidInputError(
                 f"save_grid needs image samples of shape (1 or 3, H, W), this buffer holds {self.sample_shape}"
             )
-        x = self.samples(n).cpu()
-        domain = domain or self._domain
-        path = os.fspath(path)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        if domain is not None:
-            save_image(domain.to_unit(x), path, nrow=nrow)
-        else:
-            save_image(x, path, nrow=nrow, normalize=True)
-        return path
+        from .viz import save_samples
+
+        return save_samples(self.samples(n), path, domain=domain or self._domain, nrow=nrow)
 
     # ------------------------------------------------------------------ state
     def get_extra_state(self) -> dict:

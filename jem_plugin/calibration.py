@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from ._checks import check_labels
 from .errors import InvalidScoresError
 
-__all__ = ["ece", "mce", "nll", "brier", "accuracy", "calibration_bins", "reliability_diagram",
+__all__ = ["ece", "mce", "nll", "brier", "accuracy", "calibration_bins",
            "TemperatureScaler", "fit_temperature", "calibration_report"]
 
 
@@ -239,56 +239,3 @@ def calibration_report(logits: Any, labels: Any, *, n_bins: int = 15, fit_logits
         out[f"{key}_before"] = before[key]
         out[f"{key}_after"] = after[key]
     return out
-
-
-# ---------------------------------------------------------------------- plot
-def reliability_diagram(probs: Any, labels: Any, path: str, n_bins: int = 15, title: str | None = None,
-                        *, from_logits: bool = False) -> str:
-    """Save a reliability diagram as a PNG (Guo et al. 2017, Fig. 1 style); returns ``path``.
-
-    Top: accuracy per confidence bin (bars), the gap to the bin's mean confidence (hatched), the
-    diagonal of perfect calibration, ECE and MCE in the legend. Bottom: share of predictions per
-    bin, with the mean confidence and the accuracy marked.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    b = calibration_bins(probs, labels, n_bins, from_logits=from_logits)
-    e = ece(probs, labels, n_bins, from_logits=from_logits)
-    m = mce(probs, labels, n_bins, from_logits=from_logits)
-    acc_all = accuracy(probs, labels, from_logits=from_logits)
-    edges, count = b["edges"], b["count"]
-    centers, width = (edges[:-1] + edges[1:]) / 2, edges[1] - edges[0]
-    nonempty = count > 0
-    acc = np.where(nonempty, b["accuracy"], 0.0)
-    conf = np.where(nonempty, b["confidence"], 0.0)
-    n = count.sum()
-    mean_conf = float((count[nonempty] * conf[nonempty]).sum() / n)
-
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(5.0, 6.2), sharex=True,
-                                  gridspec_kw={"height_ratios": [3, 1]})
-    ax.bar(centers[nonempty], acc[nonempty], width=width, color="C0", edgecolor="k", lw=0.6,
-           label="accuracy per bin")
-    gap_lo = np.minimum(acc, conf)[nonempty]
-    ax.bar(centers[nonempty], np.abs(conf - acc)[nonempty], bottom=gap_lo, width=width,
-           color="C3", alpha=0.35, edgecolor="C3", hatch="//", lw=0.6, label="gap to confidence")
-    ax.plot([0, 1], [0, 1], ls="--", color="grey", lw=1, label="perfect calibration")
-    ax.plot([], [], " ", label=f"ECE {e:.4f}   MCE {m:.4f}")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.set_ylabel("accuracy")
-    ax.set_title(title or "Reliability diagram")
-    ax.legend(loc="upper left", fontsize=8)
-
-    ax2.bar(centers, count / n, width=width, color="C0", edgecolor="k", lw=0.6)
-    ax2.axvline(acc_all, color="C2", ls="-", lw=1.5, label=f"accuracy {acc_all:.3f}")
-    ax2.axvline(mean_conf, color="C3", ls="--", lw=1.5, label=f"mean confidence {mean_conf:.3f}")
-    ax2.set_xlabel(f"confidence ({n_bins} equal-width bins)")
-    ax2.set_ylabel("share")
-    ax2.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

@@ -33,7 +33,7 @@ from .errors import InvalidInputError, InvalidScoresError
 from .model import sampling_mode
 from .plugins import collect, lookup
 
-__all__ = ["score", "available_scores", "evaluate", "evaluate_all", "plot_histograms", "plot_roc"]
+__all__ = ["score", "available_scores", "evaluate", "evaluate_all"]
 
 _HOOK = "jem_register_ood_scores"
 
@@ -234,7 +234,7 @@ def evaluate_all(jm, data_in: Any, data_out: Mapping[str, Any],
     in-distribution data is scored once per method. ``method_kwargs`` gives per-method
     options, e.g. ``{"msp": {"temperature": 1000.0}}``. With ``return_scores=True`` the result
     is ``(metrics, scores)`` with ``scores[method] = {"in": Tensor, name: Tensor, ...}``, ready
-    for :func:`plot_histograms` and :func:`plot_roc`.
+    for :func:`jem_plugin.viz.plot_histograms` and :func:`jem_plugin.viz.plot_roc`.
     """
     if not isinstance(data_out, Mapping) or not data_out:
         raise InvalidInputError("data_out must be a non-empty dict {name: OOD data}")
@@ -253,84 +253,3 @@ def evaluate_all(jm, data_in: Any, data_out: Mapping[str, Any],
         results[method] = {name: evaluate(s["in"], v, positive=positive)
                            for name, v in s.items() if name != "in"}
     return (results, scores) if return_scores else results
-
-
-# ---------------------------------------------------------------------- plots
-def _out_dict(scores_out: Any) -> dict[str, np.ndarray]:
-    if isinstance(scores_out, Mapping):
-        if not scores_out:
-            raise InvalidScoresError("scores_out is an empty dict: give at least one OOD set")
-        return {str(k): _as_scores(v, f"scores_out[{k!r}]") for k, v in scores_out.items()}
-    return {"out": _as_scores(scores_out, "scores_out")}
-
-
-def _figure():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_histograms(scores_in: Any, scores_out: Any, path: str, title: str | None = None, *,
-                    bins: int = 50, label_in: str = "in-distribution",
-                    xlabel: str = "score (higher = more in-distribution)") -> str:
-    """Save overlaid, density-normalised histograms of in- vs out-of-distribution scores as a PNG.
-
-    ``scores_out`` is one set or ``{name: scores}`` for several OOD sets; each legend entry
-    carries the AUROC against the in-distribution scores. Returns ``path``.
-    """
-    plt = _figure()
-    s_in = _as_scores(scores_in, "scores_in")
-    outs = _out_dict(scores_out)
-    allv = np.concatenate([s_in, *outs.values()])
-    lo, hi = float(allv.min()), float(allv.max())
-    edges = np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.hist(s_in, bins=edges, density=True, alpha=0.55, label=f"{label_in} (n={s_in.size})",
-            color="C0")
-    for i, (name, s) in enumerate(outs.items(), start=1):
-        au = evaluate(s_in, s)["auroc"]
-        ax.hist(s, bins=edges, density=True, alpha=0.45, color=f"C{i}",
-                label=f"{name} (n={s.size}, AUROC {au:.3f})")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("density")
-    ax.set_title(title or "OOD scores")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def plot_roc(scores_in: Any, scores_out: Any, path: str, title: str | None = None) -> str:
-    """Save ROC curves (in-distribution positive) for one or several OOD sets as a PNG.
-
-    x: fraction of OOD inputs accepted (FPR); y: fraction of in-distribution inputs accepted
-    (TPR). The legend gives AUROC and FPR at 95% TPR per set. Returns ``path``.
-    """
-    from sklearn.metrics import roc_curve
-
-    plt = _figure()
-    s_in = _as_scores(scores_in, "scores_in")
-    outs = _out_dict(scores_out)
-    fig, ax = plt.subplots(figsize=(5.0, 4.8))
-    for i, (name, s) in enumerate(outs.items(), start=1):
-        y = np.concatenate([np.ones(s_in.size), np.zeros(s.size)])
-        fpr, tpr, _ = roc_curve(y, np.concatenate([s_in, s]))
-        m = evaluate(s_in, s)
-        ax.plot(fpr, tpr, color=f"C{i}", lw=1.8,
-                label=f"{name}: AUROC {m['auroc']:.3f}, FPR95 {m['fpr95']:.3f}")
-    ax.plot([0, 1], [0, 1], ls="--", color="grey", lw=1, label="chance")
-    ax.axhline(0.95, ls=":", color="k", lw=0.8)
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1.01)
-    ax.set_xlabel("false positive rate (OOD accepted)")
-    ax.set_ylabel("true positive rate (in-distribution accepted)")
-    ax.set_title(title or "ROC, in-distribution positive")
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

@@ -36,9 +36,8 @@ survives both attacks. Report ``"worst"`` when claiming robustness.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -48,7 +47,7 @@ from .errors import InvalidInputError
 from .model import input_grad_enabled
 from .model import sampling_mode
 
-__all__ = ["pgd_attack", "SGLDDefense", "robust_accuracy", "plot_robust_accuracy"]
+__all__ = ["pgd_attack", "SGLDDefense", "robust_accuracy"]
 
 NORMS = ("linf", "l2")
 
@@ -325,41 +324,3 @@ def robust_accuracy(jm, x: Tensor, y: Tensor, eps_list: Sequence[float], norm: s
             accs.append(correct / x.shape[0])
     return {"eps": eps_values, "accuracy": accs, "norm": norm, "attack": label, "steps": steps,
             "n": int(x.shape[0])}
-
-
-def plot_robust_accuracy(results: Mapping[str, Any], path: str, title: str | None = None, *,
-                         eps_scale: float = 1.0, eps_label: str | None = None) -> str:
-    """Save robust accuracy against ``eps`` as a PNG; returns ``path``.
-
-    ``results`` is one :func:`robust_accuracy` result or ``{label: result}`` for several models
-    or defences. ``eps_scale=255`` shows L-inf budgets in pixel levels.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if "eps" in results and "accuracy" in results:
-        results = {results.get("attack", "model"): results}
-    if not results:
-        raise ValueError("results is empty: pass robust_accuracy(...) outputs")
-    fig, ax = plt.subplots(figsize=(5.6, 4.2))
-    norms = set()
-    for i, (name, r) in enumerate(results.items()):
-        eps = np.asarray(r["eps"], dtype=float) * eps_scale
-        ax.plot(eps, r["accuracy"], marker="o", ms=4, lw=1.8, color=f"C{i}",
-                label=f"{name} ({r.get('attack', 'pgd')})")
-        norms.add(r.get("norm", "linf"))
-    norm_txt = "/".join(sorted(norms))
-    ax.set_xlabel(eps_label or f"eps ({norm_txt}{', x%g' % eps_scale if eps_scale != 1 else ''})")
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.set_title(title or f"Robust accuracy under PGD ({norm_txt})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-

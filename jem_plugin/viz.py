@@ -1,26 +1,32 @@
-"""Shared matplotlib helpers: sample grids, training curves, 2D densities. Files only (Agg).
+"""Every figure of jem-plugin: sample grids, training curves, 2D densities, OOD score histograms
+and ROC curves, reliability diagrams, robust accuracy.
 
-Every function writes a PNG and returns its path; nothing opens a window.
+Each figure is drawn on its own ``matplotlib.figure.Figure`` (no pyplot, no global figure
+state, and the matplotlib backend is never changed: a notebook keeps its own). Every function
+writes a PNG to ``path`` and returns the path; nothing opens a window. The science modules
+(:mod:`~jem_plugin.ood`, :mod:`~jem_plugin.calibration`, :mod:`~jem_plugin.robustness`)
+compute the numbers; this module only draws them. Importing :mod:`jem_plugin` does not import
+this module, matplotlib or torchvision.
 """
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import matplotlib
+import matplotlib.ticker
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+from torch import Tensor
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import matplotlib.ticker  # noqa: E402,F401
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch import Tensor  # noqa: E402
+from .adapter import InputDomain
 
-from .adapter import InputDomain  # noqa: E402
-
-__all__ = ["save_image_grid", "image_grid", "plot_training_curves", "plot_density_2d",
-           "density_grid", "STYLE"]
+__all__ = ["save_image_grid", "save_samples", "image_grid", "plot_training_curves", "plot_density_2d",
+           "density_grid", "plot_histograms", "plot_roc", "reliability_diagram", "plot_robust_accuracy",
+           "STYLE"]
 
 #: Readable defaults used by every figure here.
 STYLE = {"font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "legend.fontsize": 10,
@@ -76,10 +82,11 @@ def save_image_grid(x: Tensor, path: str | Path, domain: InputDomain | None = No
         img = img[..., 0]
     ncols = min(nrow, x.shape[0])
     nrows = math.ceil(x.shape[0] / nrow)
-    with plt.rc_context(STYLE):
+    with matplotlib.rc_context(STYLE):
         fig_w = max(3.0, ncols * scale + (0.6 if row_labels else 0.0))
         fig_h = max(1.5, nrows * scale + (0.5 if title else 0.1))
-        fig, ax = plt.subplots(figsize=(fig_w, fig_h))
+        fig = Figure(figsize=(fig_w, fig_h))
+        ax = fig.subplots()
         ax.imshow(img, cmap="gray" if img.ndim == 2 else None, vmin=0, vmax=1,
                   interpolation="nearest")
         ax.grid(False)
@@ -97,7 +104,6 @@ def save_image_grid(x: Tensor, path: str | Path, domain: InputDomain | None = No
             ax.set_title(title)
         fig.tight_layout()
         fig.savefig(path)
-        plt.close(fig)
     return path
 
 
@@ -160,9 +166,10 @@ def plot_training_curves(history, path: str | Path,
         raise ValueError("the history holds no per-epoch numeric metrics to plot")
     ncol = min(3, len(metrics))
     nrow = math.ceil(len(metrics) / ncol)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    with plt.rc_context(STYLE):
-        fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.2 * nrow), squeeze=False)
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    with matplotlib.rc_context(STYLE):
+        fig = Figure(figsize=(4.2 * ncol, 3.2 * nrow))
+        axes = fig.subplots(nrow, ncol, squeeze=False)
         for ax, m in zip(axes.flat, metrics):
             for i, (name, h) in enumerate(runs.items()):
                 if m in h and len(h[m][1]):
@@ -199,7 +206,6 @@ def plot_training_curves(history, path: str | Path,
                 fig.legend(handles, labels, loc="upper center", ncol=len(runs), frameon=False,
                            bbox_to_anchor=(0.5, y))
         fig.savefig(path, bbox_inches="tight")
-        plt.close(fig)
     return path
 
 
@@ -238,8 +244,9 @@ def plot_density_2d(path: str | Path, *, learned: Callable[[Tensor], Tensor] | N
         panels.append(("samples", None))
     if not panels:
         raise ValueError("give at least one of learned=, true=, samples=, data=")
-    with plt.rc_context(STYLE):
-        fig, axes = plt.subplots(1, len(panels), figsize=(4.0 * len(panels), 4.1), squeeze=False)
+    with matplotlib.rc_context(STYLE):
+        fig = Figure(figsize=(4.0 * len(panels), 4.1))
+        axes = fig.subplots(1, len(panels), squeeze=False)
         for ax, (name, fn) in zip(axes[0], panels):
             if fn is not None:
                 p, gx, gy = density_grid(fn, lim, n)
@@ -264,5 +271,185 @@ def plot_density_2d(path: str | Path, *, learned: Callable[[Tensor], Tensor] | N
             fig.suptitle(title, y=0.995, va="top")
         fig.tight_layout(rect=(0, 0, 1, 1 - (0.4 / fig.get_figheight() if title else 0)))
         fig.savefig(path, bbox_inches="tight")
-        plt.close(fig)
+    return path
+
+
+def save_samples(x: Tensor, path: str | os.PathLike, *, domain: InputDomain | None = None,
+                 nrow: int = 8) -> str:
+    """Write images ``x [B, C, H, W]`` (C = 1 or 3) as a bare PNG grid, one pixel per pixel.
+
+    ``domain`` maps them to pixels; without one each grid is min-max normalised. What
+    :meth:`~jem_plugin.buffer.ReplayBuffer.save_grid` writes. Returns ``path`` as a string.
+    """
+    from torchvision.utils import save_image
+
+    x = x.detach().float().cpu()
+    path = str(_to_path(path))
+    if domain is not None:
+        save_image(domain.to_unit(x), path, nrow=nrow)
+    else:
+        save_image(x, path, nrow=nrow, normalize=True)
+    return path
+
+
+# ---------------------------------------------------------------------- OOD scores
+def _scores(s: Any, what: str) -> np.ndarray:
+    from .ood import _as_scores  # the same validation (and errors) as ood.evaluate
+
+    return _as_scores(s, what)
+
+
+def _out_dict(scores_out: Any) -> dict[str, np.ndarray]:
+    from .errors import InvalidScoresError
+
+    if isinstance(scores_out, Mapping):
+        if not scores_out:
+            raise InvalidScoresError("scores_out is an empty dict: give at least one OOD set")
+        return {str(k): _scores(v, f"scores_out[{k!r}]") for k, v in scores_out.items()}
+    return {"out": _scores(scores_out, "scores_out")}
+
+
+def plot_histograms(scores_in: Any, scores_out: Any, path: str, title: str | None = None, *,
+                    bins: int = 50, label_in: str = "in-distribution",
+                    xlabel: str = "score (higher = more in-distribution)") -> str:
+    """Save overlaid, density-normalised histograms of in- vs out-of-distribution scores as a PNG.
+
+    ``scores_out`` is one set or ``{name: scores}`` for several OOD sets; each legend entry
+    carries the AUROC against the in-distribution scores. Returns ``path``.
+    """
+    from .ood import evaluate
+
+    s_in = _scores(scores_in, "scores_in")
+    outs = _out_dict(scores_out)
+    allv = np.concatenate([s_in, *outs.values()])
+    lo, hi = float(allv.min()), float(allv.max())
+    edges = np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.subplots()
+    ax.hist(s_in, bins=edges, density=True, alpha=0.55, label=f"{label_in} (n={s_in.size})",
+            color="C0")
+    for i, (name, s) in enumerate(outs.items(), start=1):
+        au = evaluate(s_in, s)["auroc"]
+        ax.hist(s, bins=edges, density=True, alpha=0.45, color=f"C{i}",
+                label=f"{name} (n={s.size}, AUROC {au:.3f})")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("density")
+    ax.set_title(title or "OOD scores")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_roc(scores_in: Any, scores_out: Any, path: str, title: str | None = None) -> str:
+    """Save ROC curves (in-distribution positive) for one or several OOD sets as a PNG.
+
+    x: fraction of OOD inputs accepted (FPR); y: fraction of in-distribution inputs accepted
+    (TPR). The legend gives AUROC and FPR at 95% TPR per set. Returns ``path``.
+    """
+    from sklearn.metrics import roc_curve
+
+    from .ood import evaluate
+
+    s_in = _scores(scores_in, "scores_in")
+    outs = _out_dict(scores_out)
+    fig = Figure(figsize=(5.0, 4.8))
+    ax = fig.subplots()
+    for i, (name, s) in enumerate(outs.items(), start=1):
+        y = np.concatenate([np.ones(s_in.size), np.zeros(s.size)])
+        fpr, tpr, _ = roc_curve(y, np.concatenate([s_in, s]))
+        m = evaluate(s_in, s)
+        ax.plot(fpr, tpr, color=f"C{i}", lw=1.8,
+                label=f"{name}: AUROC {m['auroc']:.3f}, FPR95 {m['fpr95']:.3f}")
+    ax.plot([0, 1], [0, 1], ls="--", color="grey", lw=1, label="chance")
+    ax.axhline(0.95, ls=":", color="k", lw=0.8)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1.01)
+    ax.set_xlabel("false positive rate (OOD accepted)")
+    ax.set_ylabel("true positive rate (in-distribution accepted)")
+    ax.set_title(title or "ROC, in-distribution positive")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+# ---------------------------------------------------------------------- calibration
+def reliability_diagram(probs: Any, labels: Any, path: str, n_bins: int = 15, title: str | None = None,
+                        *, from_logits: bool = False) -> str:
+    """Save a reliability diagram as a PNG (Guo et al. 2017, Fig. 1 style); returns ``path``.
+
+    Top: accuracy per confidence bin (bars), the gap to the bin's mean confidence (hatched), the
+    diagonal of perfect calibration, ECE and MCE in the legend. Bottom: share of predictions per
+    bin, with the mean confidence and the accuracy marked.
+    """
+    from .calibration import accuracy, calibration_bins, ece, mce
+
+    b = calibration_bins(probs, labels, n_bins, from_logits=from_logits)
+    e = ece(probs, labels, n_bins, from_logits=from_logits)
+    m = mce(probs, labels, n_bins, from_logits=from_logits)
+    acc_all = accuracy(probs, labels, from_logits=from_logits)
+    edges, count = b["edges"], b["count"]
+    centers, width = (edges[:-1] + edges[1:]) / 2, edges[1] - edges[0]
+    nonempty = count > 0
+    acc = np.where(nonempty, b["accuracy"], 0.0)
+    conf = np.where(nonempty, b["confidence"], 0.0)
+    n = count.sum()
+    mean_conf = float((count[nonempty] * conf[nonempty]).sum() / n)
+
+    fig = Figure(figsize=(5.0, 6.2))
+    ax, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    ax.bar(centers[nonempty], acc[nonempty], width=width, color="C0", edgecolor="k", lw=0.6,
+           label="accuracy per bin")
+    gap_lo = np.minimum(acc, conf)[nonempty]
+    ax.bar(centers[nonempty], np.abs(conf - acc)[nonempty], bottom=gap_lo, width=width,
+           color="C3", alpha=0.35, edgecolor="C3", hatch="//", lw=0.6, label="gap to confidence")
+    ax.plot([0, 1], [0, 1], ls="--", color="grey", lw=1, label="perfect calibration")
+    ax.plot([], [], " ", label=f"ECE {e:.4f}   MCE {m:.4f}")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("accuracy")
+    ax.set_title(title or "Reliability diagram")
+    ax.legend(loc="upper left", fontsize=8)
+
+    ax2.bar(centers, count / n, width=width, color="C0", edgecolor="k", lw=0.6)
+    ax2.axvline(acc_all, color="C2", ls="-", lw=1.5, label=f"accuracy {acc_all:.3f}")
+    ax2.axvline(mean_conf, color="C3", ls="--", lw=1.5, label=f"mean confidence {mean_conf:.3f}")
+    ax2.set_xlabel(f"confidence ({n_bins} equal-width bins)")
+    ax2.set_ylabel("share")
+    ax2.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+# ---------------------------------------------------------------------- robustness
+def plot_robust_accuracy(results: Mapping[str, Any], path: str, title: str | None = None, *,
+                         eps_scale: float = 1.0, eps_label: str | None = None) -> str:
+    """Save robust accuracy against ``eps`` as a PNG; returns ``path``.
+
+    ``results`` is one :func:`~jem_plugin.robustness.robust_accuracy` result or ``{label: result}``
+    for several models or defences. ``eps_scale=255`` shows L-inf budgets in pixel levels.
+    """
+    if "eps" in results and "accuracy" in results:
+        results = {results.get("attack", "model"): results}
+    if not results:
+        raise ValueError("results is empty: pass robust_accuracy(...) outputs")
+    fig = Figure(figsize=(5.6, 4.2))
+    ax = fig.subplots()
+    norms = set()
+    for i, (name, r) in enumerate(results.items()):
+        eps = np.asarray(r["eps"], dtype=float) * eps_scale
+        ax.plot(eps, r["accuracy"], marker="o", ms=4, lw=1.8, color=f"C{i}",
+                label=f"{name} ({r.get('attack', 'pgd')})")
+        norms.add(r.get("norm", "linf"))
+    norm_txt = "/".join(sorted(norms))
+    ax.set_xlabel(eps_label or f"eps ({norm_txt}{', x%g' % eps_scale if eps_scale != 1 else ''})")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title(title or f"Robust accuracy under PGD ({norm_txt})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     return path

@@ -152,11 +152,3 @@ def test_bad_bins():
 def test_accepts_numpy_and_lists():
     assert cal.ece(np.array([[0.9, 0.1]]), [0]) == pytest.approx(0.1)
     assert cal.ece([[0.9, 0.1]], np.array([1])) == pytest.approx(0.9)
-
-
-def test_reliability_diagram_png(tmp_path):
-    z, _, labels = _synthetic_calibrated(2000, 10, 8)
-    path = cal.reliability_diagram(3.0 * z, labels, str(tmp_path / "rel.png"), title="overconfident",
-                                   from_logits=True)
-    with open(path, "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -306,20 +306,6 @@ def test_bad_data_is_rejected(jm, x):
         ood.score(jm, x, "logpx", temperature=0.0, progress=False)
 
 
-# ---------------------------------------------------------------- plots
-def test_plots_write_pngs(tmp_path):
-    s_in, s_out = _random_scores(0, 300, 200, False)
-    far = s_out - 3
-    h = ood.plot_histograms(s_in, {"near": s_out, "far": far}, str(tmp_path / "h.png"), "test")
-    r = ood.plot_roc(s_in, {"near": s_out, "far": far}, str(tmp_path / "r.png"))
-    single = ood.plot_histograms(s_in, s_out, str(tmp_path / "s.png"))
-    for p in (h, r, single):
-        with open(p, "rb") as f:
-            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(InvalidScoresError):
-        ood.plot_roc(s_in, {}, str(tmp_path / "x.png"))
-
-
 def test_evaluate_all_every_method_against_every_set(jm, x):
     far = 5.0 * torch.rand_like(x) + 1.0
     noise = torch.rand(40, 1, 8, 8)

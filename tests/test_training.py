@@ -90,7 +90,7 @@ def test_resume_is_exact(digits, tmp_path, global_shuffle, every_iters, resumed_
         jm = _model(width=4)
         dl = _loader(sub, shuffle_generator=not global_shuffle)  # a fresh loader, as after a restart
         h = fit(jm, dl, epochs=3, lr=1e-3, warmup_iters=4, checkpoint_dir=ckpt_dir,
-                checkpoint_every_iters=every_iters, callbacks=callbacks, progress=False)
+                checkpoint_every=every_iters, callbacks=callbacks, progress=False)
         return jm, h
 
     ref, ref_hist = run()
@@ -115,7 +115,7 @@ def test_resume_with_jem_loss_restores_buffer_and_sampler(digits, tmp_path):
         jm = _model(width=4)
         loss_fn = JEMLoss(SGLD(steps=2), ReplayBuffer(200, (1, 8, 8), init="uniform"), l2_weight=0.1)
         h = fit(jm, _loader(sub, seed=1), epochs=2, lr=1e-3, warmup_iters=2, loss_fn=loss_fn,
-                checkpoint_dir=ckpt_dir, checkpoint_every_iters=2, callbacks=callbacks, progress=False)
+                checkpoint_dir=ckpt_dir, checkpoint_every=2, callbacks=callbacks, progress=False)
         return jm, loss_fn, h
 
     ref, ref_loss, ref_hist = run()
@@ -250,3 +250,98 @@ def test_run_digits_smoke_writes_metrics_and_figures(tmp_path):
     for png in ("samples_buffer.png", "samples_per_class.png", "curves_training.png",
                 "reliability_JEM.png", "roc_logpx_baseline.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
+
+
+# ---------------------------------------------------------------- amp, channels_last, logging
+class _Probe(torch.nn.Module):
+    """A hand-written conv net that records the dtype of its conv output and whether its input
+    arrived in channels_last (what fit's amp and channels_last options must change)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.head = torch.nn.Linear(4 * 8 * 8, 10)
+        self.seen: list[tuple[torch.dtype, bool]] = []
+
+    def forward(self, x):
+        h = self.conv2(self.conv(x))  # 4 channels: the two layouts differ
+        self.seen.append((h.dtype, h.is_contiguous(memory_format=torch.channels_last)
+                          and not h.is_contiguous()))
+        return self.head(torch.relu(self.bn(h)).flatten(1))
+
+
+@pytest.mark.parametrize("amp, channels_last", [("off", False), ("bf16", False), ("off", True), ("bf16", True)])
+def test_amp_and_channels_last_reach_the_model(digits, amp, channels_last):
+    train, _ = digits
+    sub = TensorDataset(*[t[:128] for t in train.tensors])
+    torch.manual_seed(0)
+    net = _Probe()
+    hist = fit(jem.wrap(net), _loader(sub), epochs=1, lr=1e-3, warmup_iters=0, amp=amp,
+               channels_last=channels_last, progress=False)
+    assert len(hist) == 1 and torch.isfinite(torch.tensor(hist["loss"])).all()
+    dtypes, layouts = zip(*net.seen)
+    assert set(dtypes) == {torch.bfloat16 if amp == "bf16" else torch.float32}
+    assert set(layouts) == {channels_last}
+    assert net.conv2.weight.is_contiguous(memory_format=torch.channels_last) == channels_last
+    assert net.conv.weight.dtype == torch.float32  # autocast never changes the parameters
+
+
+def test_bf16_jem_training_with_a_replay_buffer(digits):
+    from jem_plugin.buffer import ReplayBuffer
+    from jem_plugin.losses import JEMLoss
+    from jem_plugin.sampling import SGLD
+
+    train, _ = digits
+    sub = TensorDataset(*[t[:128] for t in train.tensors])
+    torch.manual_seed(0)
+    loss_fn = JEMLoss(SGLD(steps=2), ReplayBuffer(100, (1, 8, 8)))
+    hist = fit(jem.wrap(_Probe()), _loader(sub), epochs=1, warmup_iters=0, loss_fn=loss_fn, amp="bf16",
+               channels_last=True, progress=False)
+    assert "energy_gap" in hist.last and loss_fn.buffer.data.dtype == torch.float32
+
+
+def test_amp_arguments_are_checked(digits):
+    train, _ = digits
+    with pytest.raises(ValueError, match="amp must be"):
+        fit(_model(), _loader(train), epochs=1, amp="fp8", progress=False)
+    with pytest.raises(ValueError, match="amp='bf16'"):  # fp16 needs a GradScaler: CUDA only
+        fit(_model(), _loader(train), epochs=1, amp="fp16", progress=False)
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        fit(_model(), _loader(train), epochs=1, checkpoint_every=0, progress=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 with a GradScaler needs a CUDA GPU")
+def test_fp16_on_cuda_uses_a_grad_scaler_and_resumes_it(digits, tmp_path):
+    train, _ = digits
+    sub = TensorDataset(*[t[:128] for t in train.tensors])
+    torch.manual_seed(0)
+    net = _Probe().cuda()
+    fit(jem.wrap(net), _loader(sub), epochs=1, amp="fp16", checkpoint_dir=tmp_path, progress=False)
+    assert set(d for d, _ in net.seen) == {torch.float16}
+    saved = torch.load(sorted(tmp_path.glob("*.pt"))[-1], weights_only=False)
+    assert "scaler" in saved["objects"]  # the loss scale is part of an exact resume
+
+
+def test_throughput_and_time_left_are_logged(digits, capsys):
+    train, _ = digits
+    sub = TensorDataset(*[t[:192] for t in train.tensors])  # 3 batches of 64 per epoch
+    hist = fit(_model(width=4), _loader(sub), epochs=3, lr=1e-3, warmup_iters=0)
+    for i, rec in enumerate(hist.epochs):
+        assert rec["img_per_s"] == pytest.approx(3 * 64 / rec["time"])
+        assert rec["ms_per_iter"] == pytest.approx(1000 * rec["time"] / 3)
+        assert rec["remaining_s"] == pytest.approx(rec["ms_per_iter"] / 1000 * 3 * (2 - i))
+    err = capsys.readouterr().err
+    assert "img/s=" in err and "ms/it=" in err and "left=" in err
+
+
+def test_resume_is_announced(digits, tmp_path, caplog):
+    train, _ = digits
+    sub = TensorDataset(*[t[:320] for t in train.tensors])  # 5 batches per epoch
+    with pytest.raises(KeyboardInterrupt):
+        fit(_model(width=4), _loader(sub), epochs=3, warmup_iters=0, checkpoint_dir=tmp_path,
+            checkpoint_every=3, callbacks=[_Crash(at=8)], progress=False)
+    with caplog.at_level("INFO", logger="jem_plugin.training"):
+        fit(_model(width=4), _loader(sub), epochs=3, warmup_iters=0, checkpoint_dir=tmp_path, progress=False)
+    assert "resuming at epoch 2, iteration 6 of 15" in caplog.text

@@ -160,7 +160,7 @@ def _logits(jm, x: torch.Tensor) -> torch.Tensor:
 def _evaluate(jm, x_test, y_test, ood_sets: Mapping[str, torch.Tensor], out: Path, tag: str,
               plots: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """Accuracy, calibration, OOD AUROCs (flat summary) and the detailed OOD metrics."""
-    from .. import calibration, ood
+    from .. import calibration, ood, viz
 
     logits = _logits(jm, x_test)
     cal = calibration.calibration_report(logits, y_test)
@@ -181,14 +181,13 @@ def _evaluate(jm, x_test, y_test, ood_sets: Mapping[str, torch.Tensor], out: Pat
             detail["ood"][method][name] = m
             summary[f"auroc_{method}_{name}"] = m["auroc"]
         if plots and method in ("logpx", "grad_norm"):
-            ood.plot_histograms(s_in, s_out, str(out / f"hist_{method}_{tag}.png"),
+            viz.plot_histograms(s_in, s_out, str(out / f"hist_{method}_{tag}.png"),
                                 title=f"{tag}: {method} (higher = more in-distribution)")
             if method == "logpx":
-                ood.plot_roc(s_in, s_out, str(out / f"roc_{method}_{tag}.png"), title=f"{tag}: ROC of {method}")
+                viz.plot_roc(s_in, s_out, str(out / f"roc_{method}_{tag}.png"), title=f"{tag}: ROC of {method}")
     if plots:
-        calibration.reliability_diagram(logits, y_test, str(out / f"reliability_{tag}.png"),
-                                        title=f"{tag}: reliability (ECE {cal['ece_before']:.3f})",
-                                        from_logits=True)
+        viz.reliability_diagram(logits, y_test, str(out / f"reliability_{tag}.png"),
+                                title=f"{tag}: reliability (ECE {cal['ece_before']:.3f})", from_logits=True)
     return summary, detail
 
 

@@ -1,0 +1,124 @@
+"""Figures: every one lives in jem_plugin.viz, draws on its own Figure and leaves matplotlib's
+backend alone; importing the library pulls in neither matplotlib nor torchvision."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from jem_plugin import viz
+from jem_plugin.errors import InvalidScoresError
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _png(path) -> np.ndarray:
+    import matplotlib.image as mpimg
+
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG
+    img = mpimg.imread(path)
+    assert img.ndim == 3 and min(img.shape[:2]) > 100 and np.std(img) > 0.05  # something drawn
+    return img
+
+
+def _scores(n, shift, seed):
+    return np.random.default_rng(seed).normal(shift, 1.0, n)
+
+
+def test_ood_plots_write_pngs(tmp_path):
+    s_in, near, far = _scores(300, 1.0, 0), _scores(200, 0.0, 1), _scores(200, -3.0, 2)
+    h = viz.plot_histograms(s_in, {"near": near, "far": far}, str(tmp_path / "h.png"), "test")
+    r = viz.plot_roc(torch.as_tensor(s_in), {"near": near, "far": far}, str(tmp_path / "r.png"))
+    single = viz.plot_histograms(s_in, near, str(tmp_path / "s.png"))
+    assert (h, r, single) == tuple(str(tmp_path / n) for n in ("h.png", "r.png", "s.png"))
+    for p in (h, r, single):
+        _png(p)
+    with pytest.raises(InvalidScoresError, match="empty dict"):
+        viz.plot_roc(s_in, {}, str(tmp_path / "x.png"))
+    with pytest.raises(InvalidScoresError, match="non-finite"):
+        viz.plot_histograms([0.0, float("nan")], near, str(tmp_path / "x.png"))
+
+
+def test_reliability_diagram_png(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    logits = 3.0 * torch.randn(2000, 10, generator=g)
+    labels = torch.randint(0, 10, (2000,), generator=g)
+    path = viz.reliability_diagram(logits, labels, str(tmp_path / "rel.png"), title="overconfident",
+                                   from_logits=True)
+    assert path == str(tmp_path / "rel.png")
+    _png(path)
+
+
+def test_robust_accuracy_plot_one_or_several_results(tmp_path):
+    base = {"eps": [0.0, 0.1, 0.3], "accuracy": [0.95, 0.5, 0.1], "norm": "linf", "attack": "pgd"}
+    defended = {**base, "accuracy": [0.9, 0.7, 0.3], "attack": "pgd-bpda-eot1"}
+    _png(viz.plot_robust_accuracy({"baseline": base, "defence": defended}, str(tmp_path / "r.png"),
+                                  "test", eps_scale=255))
+    _png(viz.plot_robust_accuracy(base, str(tmp_path / "single.png")))
+    with pytest.raises(ValueError, match="empty"):
+        viz.plot_robust_accuracy({}, str(tmp_path / "x.png"))
+
+
+def test_plot_functions_left_the_science_modules():
+    from jem_plugin import buffer, calibration, ood, robustness
+
+    for mod, name in ((ood, "plot_histograms"), (ood, "plot_roc"), (calibration, "reliability_diagram"),
+                      (robustness, "plot_robust_accuracy"), (robustness, "plot_curve")):
+        assert not hasattr(mod, name), f"{mod.__name__}.{name}"
+    assert "matplotlib" not in open(buffer.__file__).read()
+
+
+def _run(code: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_library_imports_neither_matplotlib_nor_torchvision():
+    res = _run("""
+        import importlib, json, pkgutil, sys
+        import jem_plugin
+        core = [m.name for m in pkgutil.iter_modules(jem_plugin.__path__)
+                if m.name not in ("viz", "app", "integrations", "builtins")]
+        for name in core:
+            importlib.import_module("jem_plugin." + name)
+        print(json.dumps({"core": core, "loaded": [m for m in ("matplotlib", "torchvision") if m in sys.modules]}))
+    """)
+    assert {"training", "distributed", "ood", "calibration", "robustness", "buffer"} <= set(res["core"])
+    assert res["loaded"] == []
+
+
+def test_viz_never_changes_the_backend_nor_uses_pyplot(tmp_path):
+    res = _run(f"""
+        import json, sys
+        import matplotlib
+        matplotlib.use("svg")  # a user's (non-Agg) choice, as a notebook would have its own
+        import numpy as np, torch
+        from jem_plugin import viz
+        from jem_plugin.buffer import ReplayBuffer
+        from jem_plugin.adapter import InputDomain
+        out = {str(tmp_path)!r}
+        s = np.linspace(0, 1, 50)
+        viz.plot_histograms(s, s - 0.5, out + "/h.png")
+        viz.plot_roc(s, s - 0.5, out + "/r.png")
+        viz.reliability_diagram(torch.randn(50, 3), torch.randint(0, 3, (50,)), out + "/c.png", from_logits=True)
+        viz.plot_robust_accuracy({{"eps": [0, 1], "accuracy": [1, 0]}}, out + "/a.png")
+        viz.plot_training_curves({{"loss": [3, 2, 1], "acc": [0.1, 0.5, 0.9]}}, out + "/t.png")
+        viz.save_image_grid(torch.rand(8, 1, 8, 8) * 2 - 1, out + "/g.png")
+        viz.plot_density_2d(out + "/d.png", true=lambda x: -(x ** 2).sum(1), n=20)
+        buf = ReplayBuffer(16, (1, 8, 8))
+        buf.sample(8, domain=InputDomain())
+        buf.save_grid(out + "/b.png", n=8)
+        print(json.dumps({{"pyplot": "matplotlib.pyplot" in sys.modules, "backend": matplotlib.get_backend()}}))
+    """)
+    assert res == {"pyplot": False, "backend": "svg"}
+    for name in "hrcatgdb":
+        with open(tmp_path / f"{name}.png", "rb") as f:
+            assert f.read(8) == PNG, name
