@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["same_device", "draw"]
+__all__ = ["same_device", "draw", "follow"]
 
 
 def _canonical(device: torch.device | str | None) -> torch.device | None:
@@ -40,3 +40,18 @@ def draw(fn: Callable[..., Tensor], size: Sequence[int], generator: torch.Genera
     if generator is None or device is None or same_device(generator.device, device):
         return fn(size, generator=generator, device=device, **kwargs)
     return fn(size, generator=generator, device=generator.device, **kwargs).to(device)
+
+
+def follow(module: torch.nn.Module, device: torch.device | str | None) -> None:
+    """Move ``module`` (a replay buffer) to ``device`` when its tensors live elsewhere.
+
+    Called once per draw, so a buffer created on the CPU (lazily, or restored from a checkpoint)
+    joins the chains on their first use instead of crossing the bus every iteration.
+    """
+    if device is None or not isinstance(module, torch.nn.Module):
+        return
+    t = next(module.buffers(), None)
+    if t is None:
+        t = next(module.parameters(), None)
+    if t is not None and not same_device(t.device, device):
+        module.to(device)

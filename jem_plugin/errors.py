@@ -18,6 +18,7 @@ __all__ = [
     "InferenceModeError",
     "DatasetNotFoundError",
     "InvalidScoresError",
+    "CUDAGraphError",
 ]
 
 
@@ -66,3 +67,7 @@ class DatasetNotFoundError(JEMError, FileNotFoundError):
 
 class InvalidScoresError(JEMError, ValueError):
     """Scores, probabilities or labels handed to a metric are empty, misshapen or non-finite."""
+
+
+class CUDAGraphError(JEMError, RuntimeError):
+    """``SGLD(cuda_graph="require")`` could not run its chain as a captured CUDA graph."""

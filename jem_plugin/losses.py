@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import plugins
+from ._checks import draw, follow
 from .errors import InvalidInputError, InvalidLabelError
 from .model import JEM, wrap
 
@@ -134,7 +135,9 @@ class JEMLoss(nn.Module):
         one is created on the first batch: capacity 10000, reinit frequency 0.05, uniform init over
         the model's input domain, sample shape ``x.shape[1:]``, on ``x``'s device, class-conditional
         (``num_classes`` segments) when ``pxy_weight > 0`` or ``class_conditional_px``.
-        Either way the buffer is a submodule: it is saved in ``JEMLoss.state_dict()``.
+        Either way the buffer is a submodule: it is saved in ``JEMLoss.state_dict()``, and it moves
+        to the model's device on first use (a buffer given, or restored from a checkpoint, on the
+        CPU joins the chains on the GPU: no host-device copy per iteration).
     ce_weight, px_weight, pxy_weight, l2_weight: weights of the p(y|x), p(x), p(x|y) and
         energy-L2 terms (paper: 1, 1, 0, 0; try ``l2_weight=0.1`` .. ``1`` if training diverges).
     data_noise: std of the Gaussian noise added to the data batch (paper: 0.03).
@@ -299,16 +302,10 @@ class JEMLoss(nn.Module):
         return torch.minimum(torch.maximum(x_noisy, torch.minimum(lo, x)), torch.maximum(hi, x))
 
     def _noise_like(self, x: Tensor) -> Tensor:
-        g = self.generator
-        if g is None or g.device == x.device:
-            return torch.randn(x.shape, generator=g, device=x.device, dtype=x.dtype)
-        return torch.randn(x.shape, generator=g, device=g.device, dtype=x.dtype).to(x.device)
+        return draw(torch.randn, x.shape, self.generator, x.device, dtype=x.dtype)
 
     def _random_labels(self, n: int, k: int, device) -> Tensor:
-        g = self.generator
-        if g is None or g.device == torch.device(device):
-            return torch.randint(0, k, (n,), generator=g, device=device)
-        return torch.randint(0, k, (n,), generator=g, device=g.device).to(device)
+        return draw(lambda size, **kw: torch.randint(0, k, size, **kw), (n,), self.generator, device)
 
     def forward(self, jm: Any, x: Tensor, y: Tensor) -> LossOutput:
         """One JEM loss evaluation: samples, one forward on the concatenated batch, the terms."""
@@ -323,6 +320,8 @@ class JEMLoss(nn.Module):
         x_sample = y_sample = x_cond = y_cond = None
         if self.samples_needed:
             buffer = self._ensure_buffer(core, x)
+            param = next(core.parameters(), None)
+            follow(buffer, param.device if param is not None else x.device)  # given or restored on the CPU
             n = self.n_samples or b
             if self.px_weight > 0 or not self.pxy_weight > 0:
                 if self.class_conditional_px:

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._checks import draw
 from .errors import InvalidInputError, InvalidLabelError
 from .model import input_grad_enabled
 from .model import sampling_mode
@@ -79,9 +80,7 @@ def _space(jm, x: Tensor, eps_space: str) -> tuple[Tensor, Tensor, Tensor, Tenso
 
 
 def _rand(shape, like: Tensor, generator: torch.Generator | None, normal: bool = False) -> Tensor:
-    dev = generator.device if generator is not None else like.device
-    fn = torch.randn if normal else torch.rand
-    return fn(shape, generator=generator, device=dev, dtype=like.dtype).to(like.device)
+    return draw(torch.randn if normal else torch.rand, shape, generator, like.device, dtype=like.dtype)
 
 
 def _per_example_norm(t: Tensor) -> Tensor:
