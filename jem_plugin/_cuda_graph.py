@@ -17,8 +17,10 @@ What a graph bakes in, and how this module keeps it correct:
 - Random numbers. The user's CUDA generator is registered with the graph, so each replay draws
   the next Philox numbers of that generator exactly as the eager loop would: seeded runs
   repeat, and the warm-up before capture leaves the generator where it was.
-- Memory. A replay allocates nothing: memory is flat in the number of steps. Each graph keeps
-  one step's activations in its private pool; at most ``MAX_GRAPHS`` graphs per model are kept.
+- Memory. A replay allocates nothing: memory is flat in the number of steps. The graphs of a
+  device share one memory pool, which holds one step's activations of the largest of them
+  (every replay writes its intermediates before reading them, and chains on a device replay
+  one after another, so sharing is safe); at most ``MAX_GRAPHS`` graphs per model are kept.
 
 Where capture is impossible (per-step Python hooks, trajectory or energy recording, a plain
 callable model, a model that synchronises with the host or otherwise fails to capture) the
@@ -29,6 +31,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import chain
@@ -46,14 +49,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from .model import JEM
     from .sampling import SGLD
 
-__all__ = ["MODES", "check_mode", "run", "clear"]
+__all__ = ["MODES", "check_mode", "clear", "run"]
 
 MODES = ("auto", "off", "require")
 MAX_GRAPHS = 4  # per model; the least recently used graph is dropped (and its memory pool freed)
 WARMUP_STEPS = 3  # eager steps on a side stream before capture (cuDNN/cuBLAS set-up, lazy init)
 
-_graphs: "weakref.WeakKeyDictionary[nn.Module, OrderedDict[tuple, _Graph | str]]" = weakref.WeakKeyDictionary()
+_graphs: weakref.WeakKeyDictionary[nn.Module, OrderedDict[tuple, _Graph | str]] = weakref.WeakKeyDictionary()
 _warned: set[str] = set()
+_pools: dict[torch.device, tuple[Any, Any]] = {}  # device -> (memory pool handle, capture stream)
 
 
 def check_mode(mode: Any) -> str:
@@ -66,6 +70,7 @@ def check_mode(mode: Any) -> str:
 def clear() -> None:
     """Drop every captured graph (their memory pools return to PyTorch's caching allocator)."""
     _graphs.clear()
+    _pools.clear()
 
 
 @dataclass
@@ -99,7 +104,7 @@ def _layout(x: Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def _blocker(sampler: "SGLD", jm: "JEM", x: Tensor) -> str | None:
+def _blocker(sampler: SGLD, jm: JEM, x: Tensor) -> str | None:
     """Why the chain cannot run as a graph, or ``None``."""
     from .sampling import STEP_HOOK  # import cycle: sampling imports this module
 
@@ -116,7 +121,7 @@ def _blocker(sampler: "SGLD", jm: "JEM", x: Tensor) -> str | None:
     return None
 
 
-def run(sampler: "SGLD", jm: "JEM", x: Tensor, y: Tensor | None) -> Tensor | None:
+def run(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None) -> Tensor | None:
     """The chain run as a CUDA graph, or ``None`` when the eager loop must run it.
 
     ``"require"`` raises :class:`CUDAGraphError` instead of returning ``None``; ``"auto"`` warns
@@ -147,7 +152,7 @@ def run(sampler: "SGLD", jm: "JEM", x: Tensor, y: Tensor | None) -> Tensor | Non
     return None
 
 
-def _key(sampler: "SGLD", jm: "JEM", x: Tensor, dtype: torch.dtype, cond: bool) -> tuple:
+def _key(sampler: SGLD, jm: JEM, x: Tensor, dtype: torch.dtype, cond: bool) -> tuple:
     domain = jm.domain
     autocast = torch.is_autocast_enabled("cuda")
     return (tuple(x.shape), _layout(x), dtype, x.device, cond,
@@ -159,7 +164,7 @@ def _key(sampler: "SGLD", jm: "JEM", x: Tensor, dtype: torch.dtype, cond: bool) 
             id(sampler.generator), id(jm.adapter))
 
 
-def _run(sampler: "SGLD", jm: "JEM", x: Tensor, y: Tensor | None) -> Tensor:
+def _run(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None) -> Tensor:
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     if y is not None:
         y = sampler._check_y(jm, y, x.shape[0], x.device)
@@ -213,14 +218,41 @@ def _run(sampler: "SGLD", jm: "JEM", x: Tensor, y: Tensor | None) -> Tensor:
     return out
 
 
-def _capture(sampler: "SGLD", jm: "JEM", x: Tensor, y: Tensor | None, dtype: torch.dtype,
-             first_size: float, fingerprint: tuple) -> _Graph:
+def make_step(jm: JEM, xs: Tensor, a: Tensor, ys: Tensor | None, noise_buf: Tensor | None,
+              sampler: SGLD) -> Callable[[], tuple[Tensor, Tensor]]:
+    """One SGLD step on the static chain ``xs`` (a leaf that requires grad), as the eager loop
+    makes it but with the step size read from the 0-d tensor ``a``; returns ``(logits, score)``."""
     from .sampling import _clamp_plan
 
     model, read_logits = jm.model, jm.adapter.logits
+    xd = xs.detach()
+    dtype, gen, noise, clip = xs.dtype, sampler.generator, sampler.noise, sampler.grad_clip
+    clamps = _clamp_plan(jm.domain, xd) if sampler.clamp else ()
+
+    def step() -> tuple[Tensor, Tensor]:
+        out = read_logits(model(xs))
+        score = torch.logsumexp(out, 1) if ys is None else out.gather(1, ys)
+        g, = torch.autograd.grad(score, xs, torch.ones_like(score))
+        if g.dtype != dtype:
+            g = g.to(dtype)
+        if clip is not None:
+            g.clamp_(-clip, clip)
+        xd.addcmul_(g, a)
+        if noise_buf is not None:
+            xd.add_(noise_buf.normal_(generator=gen), alpha=noise)
+        for view, lo, hi in clamps:
+            view.clamp_(lo, hi)
+        return out.detach(), score.detach()
+
+    return step
+
+
+def _capture(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None, dtype: torch.dtype,
+             first_size: float, fingerprint: tuple) -> _Graph:
+    model = jm.model
     dev = x.device
     gen = sampler.generator
-    noise, clip = sampler.noise, sampler.grad_clip
+    noise = sampler.noise
     autocast = torch.is_autocast_enabled("cuda")
     with torch.inference_mode(False), torch.cuda.device(dev):
         rng = gen if gen is not None else torch.cuda.default_generators[dev.index]
@@ -228,30 +260,15 @@ def _capture(sampler: "SGLD", jm: "JEM", x: Tensor, y: Tensor | None, dtype: tor
         xs = torch.empty_like(x, dtype=dtype, memory_format=_layout(x))
         xs.copy_(x.detach())
         xs.requires_grad_(True)
-        xd = xs.detach()
         a = torch.full((), first_size, dtype=dtype, device=dev)
         ys = y.view(-1, 1).clone() if y is not None else None
-        noise_buf = torch.empty_like(xd) if noise > 0 else None
-        clamps = _clamp_plan(jm.domain, xd) if sampler.clamp else ()
-
-        def step() -> tuple[Tensor, Tensor]:  # the eager loop's step, with a device-side step size
-            out = read_logits(model(xs))
-            score = torch.logsumexp(out, 1) if ys is None else out.gather(1, ys)
-            g, = torch.autograd.grad(score, xs, torch.ones_like(score))
-            if g.dtype != dtype:
-                g = g.to(dtype)
-            if clip is not None:
-                g.clamp_(-clip, clip)
-            xd.addcmul_(g, a)
-            if noise_buf is not None:
-                xd.add_(noise_buf.normal_(generator=gen), alpha=noise)
-            for view, lo, hi in clamps:
-                view.clamp_(lo, hi)
-            return out.detach(), score.detach()
-
+        noise_buf = torch.empty_like(xs, requires_grad=False) if noise > 0 else None
+        step = make_step(jm, xs, a, ys, noise_buf, sampler)
         try:
             with sampling_mode(model), torch.enable_grad():
-                side = torch.cuda.Stream(dev)
+                if dev not in _pools:
+                    _pools[dev] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev))
+                pool, side = _pools[dev]
                 side.wait_stream(torch.cuda.current_stream(dev))
                 try:
                     with torch.cuda.stream(side):
@@ -267,7 +284,8 @@ def _capture(sampler: "SGLD", jm: "JEM", x: Tensor, y: Tensor | None, dtype: tor
                     # The autocast weight cache must not hand the capture a cast made before it.
                     cache_off = (torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
                                  if autocast else nullcontext())
-                    with cache_off, torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                    with cache_off, torch.cuda.graph(graph, pool=pool, stream=side,
+                                                     capture_error_mode="thread_local"):
                         out, score = step()
                 except Exception as exc:  # host syncs, data-dependent control flow, unsupported ops
                     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

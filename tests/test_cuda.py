@@ -152,7 +152,7 @@ def _gen(seed=0):
 
 @cuda
 def test_cuda_generator_everywhere():
-    model, jm = _cuda_jm()
+    _, jm = _cuda_jm()
     x = _x(device="cuda")
     y = torch.arange(8, device="cuda") % 10
     s = jem.SGLD(steps=3, generator=_gen())
@@ -177,7 +177,7 @@ def test_cuda_generator_everywhere():
 @cuda
 @pytest.mark.parametrize("how", ["lazy", "given", "restored"])
 def test_buffer_lives_on_the_chains_device_after_first_use(how):
-    model, jm = _cuda_jm()
+    _, jm = _cuda_jm()
     x, y = _x(device="cuda"), torch.arange(8, device="cuda") % 10
     if how == "lazy":
         loss = jem.JEMLoss(sampler=jem.SGLD(steps=2))
@@ -276,7 +276,7 @@ def test_checkpoint_resume_is_exact_on_cuda(tmp_path):
 @cuda
 @pytest.mark.parametrize("conditional", [False, True])
 def test_graph_matches_eager_and_repeats_bitwise(conditional):
-    model, jm = _cuda_jm(SmallConvNet(bn=False))
+    _, jm = _cuda_jm(SmallConvNet(bn=False))
     x = _x(device="cuda")
     y = torch.arange(8, device="cuda") % 10 if conditional else None
     eager = jem.SGLD(steps=10, generator=_gen(7), cuda_graph="off").run(jm, x, y)
@@ -289,7 +289,7 @@ def test_graph_matches_eager_and_repeats_bitwise(conditional):
 
 @cuda
 def test_graph_leaves_the_generator_where_eager_does():
-    model, jm = _cuda_jm(SmallConvNet(bn=False))
+    _, jm = _cuda_jm(SmallConvNet(bn=False))
     x = _x(device="cuda")
     ga, gb = _gen(8), _gen(8)
     jem.SGLD(steps=4, generator=ga, cuda_graph="off").run(jm, x)
@@ -317,7 +317,7 @@ def test_graph_sees_parameters_updated_by_the_optimizer():
 
 @cuda
 def test_graph_memory_is_flat_in_steps():
-    model, jm = _cuda_jm(SmallConvNet(bn=False))
+    _, jm = _cuda_jm(SmallConvNet(bn=False))
     x = _x(device="cuda")
     jem.SGLD(steps=2, cuda_graph="require").run(jm, x)  # capture
     peaks = []
@@ -333,7 +333,7 @@ def test_graph_memory_is_flat_in_steps():
 
 @cuda
 def test_no_host_sync_per_step():
-    model, jm = _cuda_jm(SmallConvNet(bn=False))
+    _, jm = _cuda_jm(SmallConvNet(bn=False))
     x = _x(device="cuda")
     counts = {}
     for mode in ("off", "require"):
@@ -353,7 +353,7 @@ def test_no_host_sync_per_step():
 
 @cuda
 def test_hook_falls_back_with_one_warning_and_require_refuses():
-    model, jm = _cuda_jm(SmallConvNet(bn=False))
+    _, jm = _cuda_jm(SmallConvNet(bn=False))
     x = _x(device="cuda")
 
     class Hook:
@@ -392,7 +392,7 @@ def test_graph_under_bf16_autocast_and_channels_last_matches_eager():
 def test_wrn_on_cuda_samples_with_the_graph():
     from jem_plugin.app.nets import WideResNet
 
-    model, jm = _cuda_jm(WideResNet(10, 1, 10), shape=(3, 32, 32))
+    _, jm = _cuda_jm(WideResNet(10, 1, 10), shape=(3, 32, 32))
     out = jem.SGLD(steps=3, generator=_gen(), cuda_graph="require").run(jm, _x(4, (3, 32, 32), "cuda"))
     assert torch.isfinite(out).all()
 
@@ -405,7 +405,7 @@ def test_wrn_spec_builds_the_papers_network_and_runs_a_forward():
     model = build_model("wrn-10-1", num_classes=10, in_chans=3)
     assert isinstance(model, WideResNet) and (model.depth, model.widen_factor) == (10, 1)
     assert not any(isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)) for m in model.modules())  # as in the paper
-    assert [m.negative_slope for m in model.modules() if isinstance(m, nn.LeakyReLU)][0] == 0.2
+    assert next(m.negative_slope for m in model.modules() if isinstance(m, nn.LeakyReLU)) == 0.2
     x = _x(2, (3, 32, 32))
     assert model(x).shape == (2, 10)
     out = jem.SGLD(steps=2).run(_jm(model, (3, 32, 32)), x)  # input gradients flow
@@ -423,3 +423,28 @@ def test_wrn_spec_with_an_impossible_depth_is_a_cli_error():
 
     with pytest.raises(CLIError, match="6n \\+ 4"):
         build_model("wrn-12-2", num_classes=10, in_chans=3)
+
+
+@pytest.mark.parametrize("conditional", [False, True])
+def test_the_captured_step_is_the_eager_step(conditional):
+    # The body the graph captures, run eagerly on the CPU: the same chain as the eager loop for
+    # the same generator (decaying step size, gradient clip, per-channel clamp, labels).
+    from jem_plugin.model import sampling_mode
+
+    model = SmallConvNet(bn=False)
+    jm = jem.wrap(model, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3), input_size=(3, 16, 16), num_classes=10)
+    x = _x()
+    y = torch.arange(8) % 10 if conditional else None
+    opts = dict(steps=6, step_size=2.0, noise=0.05, schedule="poly", final_step_size=0.5, grad_clip=0.3)
+    eager = jem.SGLD(**opts, generator=torch.Generator().manual_seed(3), cuda_graph="off").run(jm, x, y)
+    sampler = jem.SGLD(**opts, generator=torch.Generator().manual_seed(3))
+    xs = x.clone().requires_grad_(True)
+    a = torch.zeros(())
+    ys = y.view(-1, 1) if conditional else None
+    step = _cuda_graph.make_step(jm, xs, a, ys, torch.empty_like(x), sampler)
+    with sampling_mode(model):
+        for size in sampler.step_sizes():
+            a.fill_(size)
+            step()
+    assert not torch.equal(eager, x)
+    torch.testing.assert_close(xs.detach(), eager, rtol=0, atol=1e-6)
