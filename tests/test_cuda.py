@@ -448,3 +448,31 @@ def test_the_captured_step_is_the_eager_step(conditional):
             step()
     assert not torch.equal(eager, x)
     torch.testing.assert_close(xs.detach(), eager, rtol=0, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- benchmarks/bench_gpu.py
+def test_bench_gpu_prints_one_note_and_exits_0_without_a_gpu():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_gpu"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device" in lines[0]
+
+
+def test_bench_gpu_counts_the_iterations_flops():
+    # The FLOP floor's count: a chain step is a forward plus an input gradient (~2 forwards per
+    # chain), the training step a forward and full backward (~3 forwards per image).
+    from benchmarks.bench_gpu import iteration_flops
+    from jem_plugin.app.nets import WideResNet
+
+    f = iteration_flops(lambda: WideResNet(10, 2, 10), batch=4, chains=4, steps=5)
+    fwd = f["forward_gflop_per_image"] * 1e9
+    assert 1.9 < f["chain_step_tflop"] * 1e12 / (4 * fwd) < 2.1
+    assert 2.9 < f["train_step_tflop"] * 1e12 / (8 * fwd) < 3.1
+    assert f["iteration_tflop"] == pytest.approx(5 * f["chain_step_tflop"] + f["train_step_tflop"])
