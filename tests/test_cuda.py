@@ -159,7 +159,7 @@ def test_cuda_generator_everywhere():
     assert s.run(jm, x).is_cuda
     assert s.sample(jm, 4).is_cuda
     buf = jem.ReplayBuffer(capacity=32, sample_shape=(3, 16, 16), num_classes=10, init="gaussian")
-    buf.fit(x.cpu(), y.cpu())
+    buf.fit(_x(20), torch.arange(20) % 10)  # the per-class Gaussian needs every class
     assert s.sample(jm, buffer=buf, y=y).is_cuda
     loss = jem.JEMLoss(sampler=s, generator=_gen(1), class_conditional_px=True, pxy_weight=1.0)
     out = loss(jm, x, y)
@@ -168,7 +168,7 @@ def test_cuda_generator_everywhere():
         kw = {"generator": _gen(2), "steps": 2} if method.endswith("_sgld") else {}
         scores = jem.ood.score(jm, x, method, progress=False, **kw)
         assert scores.shape == (8,) and torch.isfinite(scores).all(), method
-    adv = jem.robustness.pgd(jm, x, y, eps=0.03, steps=2, generator=_gen(3))
+    adv = jem.robustness.pgd_attack(jm, x, y, eps=0.03, steps=2, generator=_gen(3))
     assert adv.is_cuda
     defended = jem.robustness.SGLDDefense(jm, steps=2, n_chains=2, generator=_gen(4))
     assert defended.predict(x).shape == (8,)
@@ -242,7 +242,19 @@ def test_sampling_leaves_batchnorm_statistics_alone(mode):
 
 
 @cuda
-def test_checkpoint_resume_is_exact_on_cuda(tmp_path):
+def test_checkpoint_resume_is_exact_on_cuda(tmp_path, monkeypatch):
+    # Exact means deterministic kernels: cuDNN weight gradients and index_copy_ with repeated
+    # slots use atomics otherwise.
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        _checkpoint_resume(tmp_path)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _checkpoint_resume(tmp_path):
     def make():
         torch.manual_seed(0)
         model, jm = _cuda_jm(SmallConvNet(bn=False))
