@@ -189,11 +189,13 @@ class ReplayBuffer(nn.Module):
         if n is not None and y.shape[0] != n:
             raise InvalidLabelError(f"y has {y.shape[0]} labels but n={n} samples were asked for")
         y = y.to(device=self.data.device, dtype=torch.long)
-        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
-            raise InvalidLabelError(
-                f"labels must lie in [0, {self.num_classes}) for this buffer's {self.num_classes} "
-                f"class segments; got values from {int(y.min())} to {int(y.max())}"
-            )
+        if y.numel():
+            lo, hi = torch.stack(torch.aminmax(y)).tolist()  # one device-to-host transfer
+            if lo < 0 or hi >= self.num_classes:
+                raise InvalidLabelError(
+                    f"labels must lie in [0, {self.num_classes}) for this buffer's {self.num_classes} "
+                    f"class segments; got values from {lo} to {hi}"
+                )
         return y
 
     @torch.no_grad()
