@@ -278,7 +278,10 @@ def _capture(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None, dtype: torch.d
                     raise _Eager() from exc
                 torch.cuda.current_stream(dev).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                if gen is not None:
+                if gen is not None and noise > 0:
+                    if not hasattr(graph, "register_generator_state"):
+                        raise _CaptureFailed(f"torch {torch.__version__} cannot register a generator with a "
+                                             "CUDA graph (torch.cuda.CUDAGraph.register_generator_state)")
                     graph.register_generator_state(gen)  # replays draw from the user's generator
                 try:
                     # The autocast weight cache must not hand the capture a cast made before it.

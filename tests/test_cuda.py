@@ -488,3 +488,96 @@ def test_bench_gpu_counts_the_iterations_flops():
     assert 1.9 < f["chain_step_tflop"] * 1e12 / (4 * fwd) < 2.1
     assert 2.9 < f["train_step_tflop"] * 1e12 / (8 * fwd) < 3.1
     assert f["iteration_tflop"] == pytest.approx(5 * f["chain_step_tflop"] + f["train_step_tflop"])
+
+
+# --------------------------------------------------------------------------- graph bookkeeping (CPU)
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """The graph path on the CPU: capture is replaced by a recording of the captured step, and
+    replay runs it, so the bookkeeping around the graph (copy in and out, step sizes, caching,
+    recapture, fallback) is tested without a GPU."""
+    from contextlib import nullcontext
+
+    from jem_plugin.model import sampling_mode
+
+    captures = []
+
+    class FakeGraph:
+        def __init__(self, step, model, score):
+            self.step, self.model, self.score = step, model, score
+
+        def replay(self):
+            with sampling_mode(self.model), torch.enable_grad():
+                _, s = self.step()
+            self.score.copy_(s.reshape(-1))
+
+    def capture(sampler, jm, x, y, dtype, first_size, fingerprint):
+        captures.append(tuple(x.shape))
+        xs = x.detach().to(dtype).clone().requires_grad_(True)
+        a = torch.full((), first_size, dtype=dtype)
+        ys = y.view(-1, 1).clone() if y is not None else None
+        noise_buf = torch.empty_like(xs, requires_grad=False) if sampler.noise > 0 else None
+        step = _cuda_graph.make_step(jm, xs, a, ys, noise_buf, sampler)
+        score = torch.zeros(x.shape[0], dtype=dtype)
+        return _cuda_graph._Graph(graph=FakeGraph(step, jm.model, score), x=xs, a=a, y=ys, score=score,
+                                  num_classes=10, owners=(sampler.generator, jm.adapter), fingerprint=fingerprint)
+
+    monkeypatch.setattr(_cuda_graph, "_blocker", lambda *a: None)
+    monkeypatch.setattr(_cuda_graph, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: nullcontext())
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: False)
+    _cuda_graph.clear()
+    yield captures
+    _cuda_graph.clear()
+
+
+def test_graph_path_runs_the_eager_chain_and_reuses_its_capture(fake_graphs):
+    model = SmallConvNet(bn=False)
+    jm = _jm(model)
+    x = _x()
+    opts = dict(steps=5, step_size=1.5, schedule="poly", final_step_size=0.5, noise=0.02)
+    gen = torch.Generator().manual_seed(4)
+    eager = jem.SGLD(**opts, generator=torch.Generator().manual_seed(4), cuda_graph="off").run(jm, x)
+    graphed = jem.SGLD(**opts, generator=gen, cuda_graph="require").run(jm, x)
+    assert fake_graphs == [(8, 3, 16, 16)]
+    assert not torch.equal(graphed, x)
+    torch.testing.assert_close(graphed, eager, rtol=0, atol=1e-6)
+    sampler = jem.SGLD(**opts, generator=gen, cuda_graph="require")
+    sampler.run(jm, x)
+    assert len(fake_graphs) == 1  # same model, shape, options and generator: replayed, not recaptured
+    with torch.no_grad():  # an optimizer step: in place, the graph reads the live tensors
+        for p in model.parameters():
+            p.add_(0.01)
+    sampler.run(jm, x)
+    assert len(fake_graphs) == 1
+    model.double().float()  # every parameter tensor replaced: captured again
+    sampler.run(jm, x)
+    assert len(fake_graphs) == 2
+    jem.SGLD(**opts, generator=torch.Generator().manual_seed(4), cuda_graph="require").run(jm, x)
+    assert len(fake_graphs) == 3  # another generator: the graph would draw from the old one
+
+
+def test_graph_cache_keeps_a_few_graphs_per_model(fake_graphs):
+    jm = _jm(SmallConvNet(bn=False))
+    for n in range(1, _cuda_graph.MAX_GRAPHS + 3):
+        jem.SGLD(steps=1, cuda_graph="require").run(jm, _x(n))
+    assert len(_cuda_graph._graphs[jm.model]) == _cuda_graph.MAX_GRAPHS
+    jem.SGLD(steps=1, cuda_graph="require").run(jm, _x(1))  # dropped earlier: captured again
+    assert fake_graphs[-1] == (1, 3, 16, 16) and len(fake_graphs) == _cuda_graph.MAX_GRAPHS + 3
+
+
+def test_failed_capture_is_remembered_and_require_reports_it(fake_graphs, monkeypatch):
+    def fail(*a, **k):
+        fake_graphs.append("fail")
+        raise _cuda_graph._CaptureFailed("capture failed (RuntimeError: operation not permitted when stream is capturing)")
+
+    monkeypatch.setattr(_cuda_graph, "_capture", fail)
+    monkeypatch.setattr(_cuda_graph, "_warned", set())
+    jm = _jm(SmallConvNet(bn=False))
+    with pytest.raises(CUDAGraphError, match="operation not permitted"):
+        jem.SGLD(steps=2, cuda_graph="require").run(jm, _x())
+    assert fake_graphs == ["fail"]
+    out = jem.SGLD(steps=2, generator=torch.Generator().manual_seed(0)).run(jm, _x())  # auto: eager, remembered
+    assert fake_graphs == ["fail"]  # not captured again
+    ref = jem.SGLD(steps=2, generator=torch.Generator().manual_seed(0), cuda_graph="off").run(jm, _x())
+    assert torch.equal(out, ref)
