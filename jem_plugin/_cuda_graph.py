@@ -19,8 +19,10 @@ What a graph bakes in, and how this module keeps it correct:
   repeat, and the warm-up before capture leaves the generator where it was.
 - Memory. A replay allocates nothing: memory is flat in the number of steps. The graphs of a
   device share one memory pool, which holds one step's activations of the largest of them
-  (every replay writes its intermediates before reading them, and chains on a device replay
-  one after another, so sharing is safe); at most ``MAX_GRAPHS`` graphs per model are kept.
+  (every replay writes its intermediates before reading them, a run reads its graph's outputs
+  right after its replays, and chains on a device replay one after another on the current
+  stream, so sharing is safe); at most ``MAX_GRAPHS`` graphs per model are kept, and
+  :func:`clear` hands the pool back to PyTorch's caching allocator.
 
 Where capture is impossible (per-step Python hooks, trajectory or energy recording, a plain
 callable model, a model that synchronises with the host or otherwise fails to capture) the
@@ -52,7 +54,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["MODES", "check_mode", "clear", "run"]
 
 MODES = ("auto", "off", "require")
-MAX_GRAPHS = 4  # per model; the least recently used graph is dropped (and its memory pool freed)
+MAX_GRAPHS = 4  # per model; the least recently used graph is dropped
 WARMUP_STEPS = 3  # eager steps on a side stream before capture (cuDNN/cuBLAS set-up, lazy init)
 
 _graphs: weakref.WeakKeyDictionary[nn.Module, OrderedDict[tuple, _Graph | str]] = weakref.WeakKeyDictionary()
