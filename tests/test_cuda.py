@@ -546,11 +546,17 @@ def test_graph_path_runs_the_eager_chain_and_reuses_its_capture(fake_graphs):
     sampler = jem.SGLD(**opts, generator=gen, cuda_graph="require")
     sampler.run(jm, x)
     assert len(fake_graphs) == 1  # same model, shape, options and generator: replayed, not recaptured
-    with torch.no_grad():  # an optimizer step: in place, the graph reads the live tensors
-        for p in model.parameters():
-            p.add_(0.01)
-    sampler.run(jm, x)
-    assert len(fake_graphs) == 1
+    for opt in (torch.optim.Adam(model.parameters(), lr=0.01),
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)):
+        model(x).logsumexp(1).mean().backward()
+        opt.step()  # optimizers update in place: the graph reads the live tensors
+        opt.zero_grad()
+        gen.manual_seed(4)
+        seen = sampler.run(jm, x)
+        gen.manual_seed(4)
+        torch.testing.assert_close(seen, jem.SGLD(**opts, generator=gen, cuda_graph="off").run(jm, x),
+                                   rtol=0, atol=1e-6)
+    assert len(fake_graphs) == 1  # Adam and foreach SGD kept every parameter's address
     model.double().float()  # every parameter tensor replaced: captured again
     sampler.run(jm, x)
     assert len(fake_graphs) == 2
