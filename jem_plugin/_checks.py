@@ -5,12 +5,13 @@ same way.
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["same_device", "draw", "follow"]
+__all__ = ["same_device", "draw", "follow", "autocast_cache_off"]
 
 
 def _canonical(device: torch.device | str | None) -> torch.device | None:
@@ -55,3 +56,15 @@ def follow(module: torch.nn.Module, device: torch.device | str | None) -> None:
         t = next(module.parameters(), None)
     if t is not None and not same_device(t.device, device):
         module.to(device)
+
+
+def autocast_cache_off(device_type: str) -> AbstractContextManager:
+    """The caller's autocast with its cast cache off (a no-op context outside autocast).
+
+    Autocast caches the low-precision copy of a leaf that requires grad. An SGLD chain is such a
+    leaf, updated in place every step: with the cache on, every step after the first would see
+    the cast of the chain's start (the chain would extrapolate its first gradient).
+    """
+    if not torch.is_autocast_enabled(device_type):
+        return nullcontext()
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)

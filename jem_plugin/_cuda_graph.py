@@ -34,7 +34,6 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Any
@@ -43,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from . import plugins
-from ._checks import same_device
+from ._checks import autocast_cache_off, same_device
 from .errors import CUDAGraphError
 from .model import _CallableModule, sampling_mode
 
@@ -255,7 +254,6 @@ def _capture(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None, dtype: torch.d
     dev = x.device
     gen = sampler.generator
     noise = sampler.noise
-    autocast = torch.is_autocast_enabled("cuda")
     with torch.inference_mode(False), torch.cuda.device(dev):
         rng = gen if gen is not None else torch.cuda.default_generators[dev.index]
         rng_state = rng.get_state()
@@ -267,7 +265,8 @@ def _capture(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None, dtype: torch.d
         noise_buf = torch.empty_like(xs, requires_grad=False) if noise > 0 else None
         step = make_step(jm, xs, a, ys, noise_buf, sampler)
         try:
-            with sampling_mode(model), torch.enable_grad():
+            # Autocast's cast cache off: it would hand later steps (and the capture) stale casts.
+            with sampling_mode(model), torch.enable_grad(), autocast_cache_off("cuda"):
                 if dev not in _pools:
                     _pools[dev] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev))
                 pool, side = _pools[dev]
@@ -286,10 +285,7 @@ def _capture(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None, dtype: torch.d
                                              "CUDA graph (torch.cuda.CUDAGraph.register_generator_state)")
                     graph.register_generator_state(gen)  # replays draw from the user's generator
                 try:
-                    # The autocast weight cache must not hand the capture a cast made before it.
-                    cache_off = (torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
-                                 if autocast else nullcontext())
-                    with cache_off, torch.cuda.graph(graph, pool=pool, stream=side,
+                    with torch.cuda.graph(graph, pool=pool, stream=side,
                                                      capture_error_mode="thread_local"):
                         out, score = step()
                 except Exception as exc:  # host syncs, data-dependent control flow, unsupported ops

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import _cuda_graph, plugins
-from ._checks import follow, same_device
+from ._checks import autocast_cache_off, follow, same_device
 from .errors import DivergenceError, InvalidInputError, InvalidLabelError
 
 from .model import input_grad_enabled
@@ -248,7 +248,8 @@ class SGLD:
         # jm(x) is adapter.logits(model(x)): call the two directly (no wrapper-module dispatch per step).
         model, read_logits = jm.model, jm.adapter.logits
 
-        with sampling_mode(model), input_grad_enabled(x.detach().to(dtype)) as xg:
+        with sampling_mode(model), autocast_cache_off(x.device.type), \
+                input_grad_enabled(x.detach().to(dtype)) as xg:
             xd = xg.detach()  # alias of the leaf: in-place updates without autograd bookkeeping
             if gen is not None and not same_device(gen.device, xd.device):
                 raise InvalidInputError(

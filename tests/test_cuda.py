@@ -590,3 +590,22 @@ def test_failed_capture_is_remembered_and_require_reports_it(fake_graphs, monkey
     assert fake_graphs == ["fail"]  # not captured again
     ref = jem.SGLD(steps=2, generator=torch.Generator().manual_seed(0), cuda_graph="off").run(jm, _x())
     assert torch.equal(out, ref)
+
+
+# --------------------------------------------------------------------------- autocast
+def test_chain_under_autocast_sees_its_current_state_not_a_cached_cast():
+    # Autocast caches the bf16 copy of a leaf that requires grad; the chain is such a leaf,
+    # updated in place. With the cache on, every step reused the cast of the start, so the
+    # chain extrapolated its first gradient instead of following the energy.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Tanh(), nn.Flatten(), nn.Linear(8 * 16, 5))
+    jm = jem.wrap(model, data_range=(-1.0, 1.0))
+    x = torch.rand(4, 3, 6, 6) * 2 - 1
+    chain = jem.SGLD(steps=20, step_size=5.0, noise=0.0, clamp=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = chain.run(jm, x)
+        extrapolated = jem.SGLD(steps=1, step_size=100.0, noise=0.0, clamp=False).run(jm, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        uncached = chain.run(jm, x)
+    assert torch.equal(ours, uncached)
+    assert (ours - extrapolated).abs().max() > 0.1
