@@ -65,6 +65,9 @@ def autocast_cache_off(device_type: str) -> AbstractContextManager:
     leaf, updated in place every step: with the cache on, every step after the first would see
     the cast of the chain's start (the chain would extrapolate its first gradient).
     """
-    if not torch.is_autocast_enabled(device_type):
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return nullcontext()
+    except RuntimeError:  # a device type autocast does not know (meta, ...)
         return nullcontext()
     return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)
