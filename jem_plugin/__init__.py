@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from .adapter import Adapter, InputDomain
-from .errors import (CheckpointError, DatasetNotFoundError, DivergenceError, InferenceModeError,
+from .errors import (CheckpointError, CUDAGraphError, DatasetNotFoundError, DivergenceError, InferenceModeError,
                      InvalidInputError, InvalidLabelError, InvalidScoresError, JEMError,
                      NoLogitsError, NonFiniteLogitsError, UnknownNameError)
 from .model import JEM, input_grad_enabled, wrap
@@ -30,5 +30,5 @@ __all__ = [
     "hookimpl", "register", "unregister", "list_plugins", "get_plugin_manager",
     "JEMError", "NoLogitsError", "InvalidInputError", "InvalidLabelError", "NonFiniteLogitsError",
     "DivergenceError", "CheckpointError", "UnknownNameError", "InferenceModeError",
-    "DatasetNotFoundError", "InvalidScoresError",
+    "DatasetNotFoundError", "InvalidScoresError", "CUDAGraphError",
 ]

@@ -6,6 +6,7 @@ same way.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Sequence
 
 import torch
@@ -14,7 +15,7 @@ from torch import Tensor, nn
 from .errors import InvalidInputError, InvalidLabelError
 
 __all__ = ["same_device", "draw", "check_labels", "check_label_range", "require_num_classes", "free_energy",
-           "unpack_batch", "model_device", "INPUT_KEYS", "LABEL_KEYS"]
+           "unpack_batch", "model_device", "INPUT_KEYS", "LABEL_KEYS", "follow", "autocast_cache_off"]
 
 # Keys a dict batch may hold its inputs / labels under (torchvision, Hugging Face, hand-written).
 INPUT_KEYS: tuple[str, ...] = ("x", "input", "inputs", "image", "images", "pixel_values")
@@ -147,3 +148,31 @@ def model_device(module: nn.Module, default: torch.device | str | None = None) -
     for t in module.buffers():
         return t.device
     return torch.device(default) if default is not None else None
+def follow(module: torch.nn.Module, device: torch.device | str | None) -> None:
+    """Move ``module`` (a replay buffer) to ``device`` when its tensors live elsewhere.
+
+    Called once per draw, so a buffer created on the CPU (lazily, or restored from a checkpoint)
+    joins the chains on their first use instead of crossing the bus every iteration.
+    """
+    if device is None or not isinstance(module, torch.nn.Module):
+        return
+    t = next(module.buffers(), None)
+    if t is None:
+        t = next(module.parameters(), None)
+    if t is not None and not same_device(t.device, device):
+        module.to(device)
+
+
+def autocast_cache_off(device_type: str) -> AbstractContextManager:
+    """The caller's autocast with its cast cache off (a no-op context outside autocast).
+
+    Autocast caches the low-precision copy of a leaf that requires grad. An SGLD chain is such a
+    leaf, updated in place every step: with the cache on, every step after the first would see
+    the cast of the chain's start (the chain would extrapolate its first gradient).
+    """
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return nullcontext()
+    except RuntimeError:  # a device type autocast does not know (meta, ...)
+        return nullcontext()
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)

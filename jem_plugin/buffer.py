@@ -79,7 +79,9 @@ class ReplayBuffer(nn.Module):
     num_classes: enables class-conditional sampling: the buffer is split into ``num_classes``
         contiguous segments (slot ``i`` belongs to class ``labels[i]``) and ``sample(..., y=...)``
         draws each chain from its class's segment.
-    device: where to keep the samples (``.to(device)`` later moves them too).
+    device: where to create the samples. :meth:`SGLD.sample <jem_plugin.sampling.SGLD.sample>` and
+        :class:`~jem_plugin.losses.JEMLoss` move the buffer to the model's device on first use
+        (also after a checkpoint restored it on the CPU), so the chains never cross the bus.
 
     The samples are drawn lazily from the init distribution on the first :meth:`sample`, which
     receives the model's :class:`~jem_plugin.adapter.InputDomain`.

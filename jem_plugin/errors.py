@@ -20,6 +20,7 @@ __all__ = [
     "InferenceModeError",
     "DatasetNotFoundError",
     "InvalidScoresError",
+    "CUDAGraphError",
 ]
 
 
@@ -99,3 +100,7 @@ class DatasetNotFoundError(JEMError, FileNotFoundError):
 
 class InvalidScoresError(JEMError, ValueError):
     """Scores, probabilities or labels handed to a metric are empty, misshapen or non-finite."""
+
+
+class CUDAGraphError(JEMError, RuntimeError):
+    """``SGLD(cuda_graph="require")`` could not run its chain as a captured CUDA graph."""

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import plugins
-from ._checks import check_label_range, check_labels, draw, free_energy, require_num_classes
+from ._checks import check_label_range, check_labels, draw, follow, free_energy, require_num_classes
 from .errors import InvalidInputError
 from .model import JEM
 
@@ -134,7 +134,9 @@ class JEMLoss(nn.Module):
         one is created on the first batch: capacity 10000, reinit frequency 0.05, uniform init over
         the model's input domain, sample shape ``x.shape[1:]``, on ``x``'s device, class-conditional
         (``num_classes`` segments) when ``pxy_weight > 0`` or ``class_conditional_px``.
-        Either way the buffer is a submodule: it is saved in ``JEMLoss.state_dict()``.
+        Either way the buffer is a submodule: it is saved in ``JEMLoss.state_dict()``, and it moves
+        to the model's device on first use (a buffer given, or restored from a checkpoint, on the
+        CPU joins the chains on the GPU: no host-device copy per iteration).
     ce_weight, px_weight, pxy_weight, l2_weight: weights of the p(y|x), p(x), p(x|y) and
         energy-L2 terms (paper: 1, 1, 0, 0; try ``l2_weight=0.1`` .. ``1`` if training diverges).
     data_noise: std of the Gaussian noise added to the data batch (paper: 0.03).
@@ -295,6 +297,8 @@ class JEMLoss(nn.Module):
         x_sample = y_sample = x_cond = y_cond = None
         if self.samples_needed:
             buffer = self._ensure_buffer(core, x)
+            param = next(core.parameters(), None)
+            follow(buffer, param.device if param is not None else x.device)  # given or restored on the CPU
             n = self.n_samples or b
             if self.px_weight > 0 or not self.pxy_weight > 0:
                 if self.class_conditional_px:

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, overload
 import torch
 from torch import Tensor
 
-from . import plugins
-from ._checks import check_label_range, check_labels, model_device, same_device
+from . import _cuda_graph, plugins
+from ._checks import autocast_cache_off, check_label_range, check_labels, follow, model_device, same_device
 from .errors import DivergenceError, InvalidInputError
 
 from .model import input_grad_enabled
@@ -145,13 +145,19 @@ class SGLD:
         gives bitwise identical samples.
     max_energy: also raise :class:`DivergenceError` when ``|E|`` of the final chain exceeds this
         (exploding but still finite energies); ``None`` checks finiteness only.
+    cuda_graph: ``"auto"`` runs chains on a CUDA device as one captured CUDA graph per step,
+        replayed ``steps`` times (eager where capture is impossible, with a one-time warning
+        saying why); ``"off"`` always runs eagerly; ``"require"`` raises
+        :class:`~jem_plugin.errors.CUDAGraphError` with the reason instead of falling back.
     """
 
     def __init__(self, steps: int = 20, step_size: float | Callable[[int], float] = 1.0, noise: float = 0.01,
                  *, schedule: str = "constant", decay_power: float = 0.55,
                  final_step_size: float | None = None, clamp: bool = True, grad_clip: float | None = None,
                  record_trajectory: bool = False, record_energies: bool = False, progress: bool = False,
-                 generator: torch.Generator | None = None, max_energy: float | None = None) -> None:
+                 generator: torch.Generator | None = None, max_energy: float | None = None,
+                 cuda_graph: str = "auto") -> None:
+        self.cuda_graph = _cuda_graph.check_mode(cuda_graph)
         if not _is_int(steps) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
         if not callable(step_size):
@@ -239,6 +245,10 @@ class SGLD:
         if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() < 2:
             got = f"dtype {x.dtype}, shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
             raise InvalidInputError(f"SGLD needs a floating-point batch [B, ...] to start from, got {got}")
+        if self.cuda_graph != "off" and self.steps:
+            out = _cuda_graph.run(self, jm, x, y)  # None: this chain runs eagerly
+            if out is not None:
+                return out
         # fp32 chain whatever the caller's precision (float64 chains stay float64 for float64 models).
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         if y is not None:
@@ -258,7 +268,8 @@ class SGLD:
         # jm(x) is adapter.logits(model(x)): call the two directly (no wrapper-module dispatch per step).
         model, read_logits = jm.model, jm.adapter.logits
 
-        with sampling_mode(model), input_grad_enabled(x.detach().to(dtype)) as xg:
+        with sampling_mode(model), autocast_cache_off(x.device.type), \
+                input_grad_enabled(x.detach().to(dtype)) as xg:
             xd = xg.detach()  # alias of the leaf: in-place updates without autograd bookkeeping
             if gen is not None and not same_device(gen.device, xd.device):
                 raise InvalidInputError(
@@ -383,8 +394,9 @@ class SGLD:
             raise ValueError("say how many samples: sample(jm, n=64, ...) (or pass y= or x_init=)")
         device = model_device(jm)
         if buffer is not None:
+            follow(buffer, device)  # the buffer lives where the chains run: no copy per iteration
             x0, idx = buffer.sample(n, domain=jm.domain, y=y, generator=self.generator)
-            if device is not None and x0.device != device:  # buffer kept elsewhere (e.g. CPU)
+            if device is not None and x0.device != device:  # a buffer that is not an nn.Module
                 x0 = x0.to(device)
             out = self.run(jm, x0, y, return_diagnostics=return_diagnostics)
             buffer.update(idx, out[0] if return_diagnostics else out)

@@ -6,13 +6,15 @@ and its weights. ``--data`` specs are read here too, since a spec names its data
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 from . import CLIError
 
 # Model specs understood by --model: built-in nets, any timm name, or module:factory.
-BUILTIN_NETS = ("digits-cnn", "toy-mlp")
+BUILTIN_NETS = ("digits-cnn", "toy-mlp", "wrn28-10", "wrn-D-K")
+_WRN = re.compile(r"wrn-?(\d+)-(\d+)")  # wrn28-10, wrn-16-8: WideResNet(depth, widen_factor)
 CKPT_FORMAT = "jem-plugin/model/1"
 
 
@@ -53,6 +55,7 @@ def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, A
     """An ``nn.Module`` for a ``--model`` spec: a built-in net, a timm name, or ``module:factory``.
 
     ``options``: constructor keywords of a built-in net (e.g. ``{"width": 16}`` for digits-cnn).
+    ``wrn28-10`` / ``wrn-D-K``: the JEM paper's Wide-ResNet (depth D, widen factor K, no normalisation).
     """
     from . import nets
 
@@ -60,6 +63,12 @@ def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, A
         return nets.DigitsCNN(num_classes=num_classes, **(options or {}))
     if spec == "toy-mlp":
         return nets.ToyMLP(num_classes=num_classes, **(options or {}))
+    wrn = _WRN.fullmatch(spec)
+    if wrn:
+        try:
+            return nets.WideResNet(int(wrn[1]), int(wrn[2]), num_classes, in_channels=in_chans, **(options or {}))
+        except ValueError as exc:
+            raise CLIError(f"--model {spec}: {exc}") from exc
     if ":" in spec:
         import importlib
 

@@ -8,9 +8,10 @@ ReLU zeroes them wherever a unit is off.
 """
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["DigitsCNN", "ToyMLP"]
+__all__ = ["DigitsCNN", "ToyMLP", "WideResNet"]
 
 
 def _act(name: str) -> nn.Module:
@@ -72,3 +73,72 @@ class ToyMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
+
+
+def _norm(kind: str | None, channels: int) -> nn.Module:
+    if kind is None:
+        return nn.Identity()
+    if kind == "batch":
+        return nn.BatchNorm2d(channels)
+    raise ValueError(f"norm must be None or 'batch', got {kind!r}")
+
+
+class _WideBlock(nn.Module):
+    """Pre-activation wide basic block of JEM's Wide-ResNet (biased 3x3 convolutions)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, norm: str | None, leak: float,
+                 dropout: float) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = _norm(norm, c_in), _norm(norm, c_out)
+        self.act = nn.LeakyReLU(leak)
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, stride=stride, padding=1)
+        self.shortcut = (nn.Conv2d(c_in, c_out, 1, stride=stride) if stride != 1 or c_in != c_out
+                         else nn.Identity())
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.dropout(self.conv1(self.act(self.norm1(x))))
+        out = self.conv2(self.act(self.norm2(out)))
+        return out + self.shortcut(x)
+
+
+class WideResNet(nn.Module):
+    """The Wide-ResNet of the JEM paper (``WRN-depth-widen_factor``; the paper uses WRN-28-10).
+
+    As in the authors' code (wgrathwohl/JEM ``wideresnet.py``): pre-activation wide basic blocks
+    with biased convolutions, LeakyReLU(``leak``), no normalisation by default (``norm="batch"``
+    adds BatchNorm), stages of ``16k, 32k, 64k`` channels with ``(depth - 4) / 6`` blocks each,
+    global average pooling (8x8 on 32x32 inputs) and a linear head.
+    """
+
+    def __init__(self, depth: int = 28, widen_factor: int = 10, num_classes: int = 10, *,
+                 in_channels: int = 3, norm: str | None = None, leak: float = 0.2,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        if not isinstance(depth, int) or depth < 10 or (depth - 4) % 6:
+            raise ValueError(f"WideResNet depth must be 6n + 4 with n >= 1 (10, 16, 22, 28, ...), got {depth!r}")
+        if not isinstance(widen_factor, int) or widen_factor < 1:
+            raise ValueError(f"widen_factor must be a positive int, got {widen_factor!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {dropout!r}")
+        _norm(norm, 1)  # validate now
+        n, k = (depth - 4) // 6, widen_factor
+        widths = [16, 16 * k, 32 * k, 64 * k]
+        self.conv1 = nn.Conv2d(in_channels, widths[0], 3, padding=1)
+        blocks: list[nn.Module] = []
+        c_in = widths[0]
+        for stage, stride in zip(widths[1:], (1, 2, 2)):
+            for i in range(n):
+                blocks.append(_WideBlock(c_in, stage, stride if i == 0 else 1, norm, leak, dropout))
+                c_in = stage
+        self.blocks = nn.Sequential(*blocks)
+        self.norm = _norm(norm, c_in)
+        self.act = nn.LeakyReLU(leak)
+        self.linear = nn.Linear(c_in, num_classes)
+        self.num_classes = num_classes
+        self.depth, self.widen_factor = depth, widen_factor
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.act(self.norm(self.blocks(self.conv1(x))))
+        return self.linear(F.adaptive_avg_pool2d(out, 1).flatten(1))

@@ -1,0 +1,299 @@
+"""CUDA-graph SGLD: one Langevin step captured once as a CUDA graph, then replayed ``steps`` times.
+
+On a GPU a small or medium network is launch-bound: one SGLD step is hundreds of small kernels
+(forward, input-gradient backward, update, noise, clamp) and the host spends longer launching
+them than the device running them. Captured once and replayed, the whole step is one launch.
+
+What a graph bakes in, and how this module keeps it correct:
+
+- Tensor addresses. The chain, the labels and the step size are static tensors owned by the
+  graph: every run copies its start in and its result out. The model's parameters and buffers
+  are read where they live, so an optimizer updating them in place (every torch optimizer does)
+  is seen by the next run; if a parameter tensor is *replaced* (``model.half()``, a
+  ``load_state_dict(assign=True)``), its address changes and the step is captured again.
+- Everything host-side. Graphs are kept per model and per (shape, memory layout, dtype,
+  conditioning, autocast state, TF32 flags, noise, gradient clip, clamp bounds, generator);
+  the step size may change from step to step (a 0-d device tensor refilled between replays).
+- Random numbers. The user's CUDA generator is registered with the graph, so each replay draws
+  the next Philox numbers of that generator exactly as the eager loop would: seeded runs
+  repeat, and the warm-up before capture leaves the generator where it was.
+- Memory. A replay allocates nothing: memory is flat in the number of steps. The graphs of a
+  device share one memory pool, which holds one step's activations of the largest of them
+  (every replay writes its intermediates before reading them, a run reads its graph's outputs
+  right after its replays, and chains on a device replay one after another on the current
+  stream, so sharing is safe); at most ``MAX_GRAPHS`` graphs per model are kept, and
+  :func:`clear` hands the pool back to PyTorch's caching allocator.
+
+Where capture is impossible (per-step Python hooks, trajectory or energy recording, a plain
+callable model, a model that synchronises with the host or otherwise fails to capture) the
+sampler runs eagerly and says why, once.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import chain
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from . import plugins
+from ._checks import autocast_cache_off, same_device
+from .errors import CUDAGraphError
+from .model import _CallableModule, sampling_mode
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .model import JEM
+    from .sampling import SGLD
+
+__all__ = ["MODES", "check_mode", "clear", "run"]
+
+MODES = ("auto", "off", "require")
+MAX_GRAPHS = 4  # per model; the least recently used graph is dropped
+WARMUP_STEPS = 3  # eager steps on a side stream before capture (cuDNN/cuBLAS set-up, lazy init)
+
+_graphs: weakref.WeakKeyDictionary[nn.Module, OrderedDict[tuple, _Graph | str]] = weakref.WeakKeyDictionary()
+_warned: set[str] = set()
+_pools: dict[torch.device, tuple[Any, Any]] = {}  # device -> (memory pool handle, capture stream)
+
+
+def check_mode(mode: Any) -> str:
+    """Validate ``SGLD(cuda_graph=...)``."""
+    if mode not in MODES:
+        raise ValueError(f"cuda_graph must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def clear() -> None:
+    """Drop every captured graph (their memory pools return to PyTorch's caching allocator)."""
+    _graphs.clear()
+    _pools.clear()
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    x: Tensor  # the chain (leaf that requires grad); updated in place by every replay
+    a: Tensor  # step size, 0-d
+    y: Tensor | None  # [B, 1] labels of class-conditional chains
+    score: Tensor  # the last replay's log-density of each chain (before its update)
+    num_classes: int
+    owners: tuple  # (generator, adapter), kept alive: their ids are in the key
+    fingerprint: tuple
+
+
+class _CaptureFailed(Exception):
+    """The step cannot be captured: fall back to eager (and say why)."""
+
+
+class _Eager(Exception):
+    """The eager warm-up itself failed: the eager loop runs and raises its own clear error."""
+
+
+def _fingerprint(model: nn.Module) -> tuple:
+    """Addresses of everything the graph reads from the model: a replaced tensor means recapture."""
+    return tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in chain(model.parameters(), model.buffers()))
+
+
+def _layout(x: Tensor) -> torch.memory_format:
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def _blocker(sampler: SGLD, jm: JEM, x: Tensor) -> str | None:
+    """Why the chain cannot run as a graph, or ``None``."""
+    from .sampling import STEP_HOOK  # import cycle: sampling imports this module
+
+    if x.device.type != "cuda" or not torch.cuda.is_available():
+        return f"the chain is on {x.device}, not on a CUDA device"
+    if sampler.record_trajectory or sampler.record_energies:
+        return "trajectory/energy recording reads the chain after every step"
+    if plugins.has_implementations(STEP_HOOK):
+        return f"a {STEP_HOOK} plugin hook runs Python after every step"
+    if isinstance(jm.model, _CallableModule):
+        return "the model is a plain callable (its tensors cannot be tracked between runs)"
+    if torch.cuda.is_current_stream_capturing():
+        return "a CUDA graph is already being captured on this stream"
+    return None
+
+
+def run(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None) -> Tensor | None:
+    """The chain run as a CUDA graph, or ``None`` when the eager loop must run it.
+
+    ``"require"`` raises :class:`CUDAGraphError` instead of returning ``None``; ``"auto"`` warns
+    once per reason, and only for chains on a CUDA device (on the CPU eager is the only path).
+    """
+    mode = sampler.cuda_graph
+    if mode == "off" or not sampler.steps:
+        return None
+    reason = _blocker(sampler, jm, x)
+    gen = sampler.generator
+    if reason is None and gen is not None and not same_device(gen.device, x.device):
+        return None  # the eager loop raises its clear device-mismatch error
+    if reason is None:
+        try:
+            return _run(sampler, jm, x, y)
+        except _CaptureFailed as exc:
+            reason = str(exc)
+        except _Eager:
+            return None
+    if mode == "require":
+        raise CUDAGraphError(
+            f"SGLD(cuda_graph='require') cannot run the chain as a CUDA graph: {reason}; use "
+            "cuda_graph='auto' to fall back to the eager loop"
+        )
+    if x.device.type == "cuda" and reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"SGLD runs eagerly, not as a CUDA graph: {reason}", RuntimeWarning, stacklevel=3)
+    return None
+
+
+def _key(sampler: SGLD, jm: JEM, x: Tensor, dtype: torch.dtype, cond: bool) -> tuple:
+    domain = jm.domain
+    autocast = torch.is_autocast_enabled("cuda")
+    return (tuple(x.shape), _layout(x), dtype, x.device, cond,
+            autocast, torch.get_autocast_dtype("cuda") if autocast else None,
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.deterministic,
+            sampler.noise, sampler.grad_clip,
+            (tuple(domain.low), tuple(domain.high)) if sampler.clamp else None,
+            id(sampler.generator), id(jm.adapter))
+
+
+def _run(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None) -> Tensor:
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if y is not None:
+        y = sampler._check_y(jm, y, x.shape[0], x.device)
+    sizes = sampler.step_sizes()
+    model = jm.model
+    key = _key(sampler, jm, x, dtype, y is not None)
+    per_model = _graphs.get(model)
+    if per_model is None:
+        per_model = _graphs[model] = OrderedDict()
+    fingerprint = _fingerprint(model)
+    entry = per_model.get(key)
+    if isinstance(entry, str):  # this configuration failed to capture before: do not retry
+        raise _CaptureFailed(entry)
+    if entry is not None and (entry.fingerprint != fingerprint or entry.owners[0] is not sampler.generator
+                              or entry.owners[1] is not jm.adapter):
+        del per_model[key]
+        entry = None
+    if entry is None:
+        try:
+            entry = _capture(sampler, jm, x, y, dtype, sizes[0], fingerprint)
+        except _CaptureFailed as exc:
+            per_model[key] = str(exc)
+            raise
+        per_model[key] = entry
+        while len(per_model) > MAX_GRAPHS:
+            per_model.popitem(last=False)
+    per_model.move_to_end(key)
+    if y is not None and jm.num_classes is None:
+        sampler._check_y_range(y, entry.num_classes)
+
+    steps = range(len(sizes))
+    if sampler.progress:
+        from tqdm.auto import tqdm
+
+        steps = tqdm(steps, desc="SGLD (CUDA graph)", leave=False)
+    with torch.inference_mode(False), torch.no_grad(), torch.cuda.device(x.device):
+        entry.x.detach().copy_(x)
+        if y is not None:
+            entry.y.copy_(y.view(-1, 1))
+        last = None
+        for t in steps:
+            if sizes[t] != last:  # a fill kernel, no host sync; once for a constant schedule
+                entry.a.fill_(sizes[t])
+                last = sizes[t]
+            entry.graph.replay()
+        out = entry.x.detach().clone()
+        score = entry.score.clone()
+    sampler.last_trajectory = None
+    sampler.last_energies = None
+    sampler._check_divergence(out, score)
+    return out
+
+
+def make_step(jm: JEM, xs: Tensor, a: Tensor, ys: Tensor | None, noise_buf: Tensor | None,
+              sampler: SGLD) -> Callable[[], tuple[Tensor, Tensor]]:
+    """One SGLD step on the static chain ``xs`` (a leaf that requires grad), as the eager loop
+    makes it but with the step size read from the 0-d tensor ``a``; returns ``(logits, score)``."""
+    from .sampling import _clamp_plan
+
+    model, read_logits = jm.model, jm.adapter.logits
+    xd = xs.detach()
+    dtype, gen, noise, clip = xs.dtype, sampler.generator, sampler.noise, sampler.grad_clip
+    clamps = _clamp_plan(jm.domain, xd) if sampler.clamp else ()
+
+    def step() -> tuple[Tensor, Tensor]:
+        out = read_logits(model(xs))
+        score = torch.logsumexp(out, 1) if ys is None else out.gather(1, ys)
+        g, = torch.autograd.grad(score, xs, torch.ones_like(score))
+        if g.dtype != dtype:
+            g = g.to(dtype)
+        if clip is not None:
+            g.clamp_(-clip, clip)
+        xd.addcmul_(g, a)
+        if noise_buf is not None:
+            xd.add_(noise_buf.normal_(generator=gen), alpha=noise)
+        for view, lo, hi in clamps:
+            view.clamp_(lo, hi)
+        return out.detach(), score.detach()
+
+    return step
+
+
+def _capture(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None, dtype: torch.dtype,
+             first_size: float, fingerprint: tuple) -> _Graph:
+    model = jm.model
+    dev = x.device
+    gen = sampler.generator
+    noise = sampler.noise
+    with torch.inference_mode(False), torch.cuda.device(dev):
+        rng = gen if gen is not None else torch.cuda.default_generators[dev.index]
+        rng_state = rng.get_state()
+        xs = torch.empty_like(x, dtype=dtype, memory_format=_layout(x))
+        xs.copy_(x.detach())
+        xs.requires_grad_(True)
+        a = torch.full((), first_size, dtype=dtype, device=dev)
+        ys = y.view(-1, 1).clone() if y is not None else None
+        noise_buf = torch.empty_like(xs, requires_grad=False) if noise > 0 else None
+        step = make_step(jm, xs, a, ys, noise_buf, sampler)
+        try:
+            # Autocast's cast cache off: it would hand later steps (and the capture) stale casts.
+            with sampling_mode(model), torch.enable_grad(), autocast_cache_off("cuda"):
+                if dev not in _pools:
+                    _pools[dev] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev))
+                pool, side = _pools[dev]
+                side.wait_stream(torch.cuda.current_stream(dev))
+                try:
+                    with torch.cuda.stream(side):
+                        for _ in range(WARMUP_STEPS):
+                            step()
+                except Exception as exc:  # the model's own error: the eager loop reports it
+                    raise _Eager() from exc
+                torch.cuda.current_stream(dev).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                if gen is not None and noise > 0:
+                    if not hasattr(graph, "register_generator_state"):
+                        raise _CaptureFailed(f"torch {torch.__version__} cannot register a generator with a "
+                                             "CUDA graph (torch.cuda.CUDAGraph.register_generator_state)")
+                    graph.register_generator_state(gen)  # replays draw from the user's generator
+                try:
+                    with torch.cuda.graph(graph, pool=pool, stream=side,
+                                                     capture_error_mode="thread_local"):
+                        out, score = step()
+                except Exception as exc:  # host syncs, data-dependent control flow, unsupported ops
+                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                    raise _CaptureFailed(f"capture failed ({type(exc).__name__}: {first[:200]})") from exc
+        finally:
+            rng.set_state(rng_state)  # the warm-up's draws never happened, as far as the user can tell
+    return _Graph(graph=graph, x=xs, a=a, y=ys, score=score.reshape(-1), num_classes=int(out.shape[1]),
+                  owners=(gen, jm.adapter), fingerprint=fingerprint)
+
+
