@@ -79,7 +79,7 @@ def _run_guarded(out_dir: str, **kw: Any) -> tuple[dict[str, Any] | None, str | 
     try:
         return run_digits(out_dir, progress=False, guard_policy="raise", **kw), None
     except DivergenceError as e:
-        return None, str(e).split(". Known remedies")[0]
+        return None, f"{e.reason} (iteration {e.iteration})" if e.iteration is not None else e.reason
 
 
 def _digits_job(name: str, kw: dict[str, Any], epochs: int, out_dir: str, threads: int) -> dict[str, Any]:

@@ -139,12 +139,10 @@ def _agree_on_divergence(device: torch.device, err: DivergenceError | None,
     gradient all-reduce, where the healthy ranks would otherwise wait for the one that stopped)."""
     (anywhere,) = _agree(device, err is not None)
     if anywhere and err is None:
-        from .stability import REMEDY_TEXT
+        from .stability import DIVERGENCE_REMEDIES
 
-        err = DivergenceError(f"JEM training diverged at iteration {iteration}: another process diverged "
-                              f"at this step (its error names the values); every process stops together. "
-                              f"{REMEDY_TEXT}")
-        err.iteration = iteration  # type: ignore[attr-defined]
+        err = DivergenceError("another process diverged at this step (its error names the values); "
+                              "every process stops together", remedies=DIVERGENCE_REMEDIES, iteration=iteration)
     return err
 
 

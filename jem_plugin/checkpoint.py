@@ -46,9 +46,7 @@ MISSING, CORRUPT, UNSAFE, MISMATCH = "missing", "corrupt", "unsafe", "mismatch"
 
 
 def _error(reason: str, message: str) -> CheckpointError:
-    err = CheckpointError(message)
-    err.reason = reason  # type: ignore[attr-defined]
-    return err
+    return CheckpointError(message, reason=reason)
 
 
 # --------------------------------------------------------------------------- RNG state

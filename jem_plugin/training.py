@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from ._training_run import (_agree_on_divergence, _call_callbacks, _Checkpoints, _epoch_batches,
                             _epoch_record, _finish, _multi_process, _note_rollback, _Position,
                             _Progress, _Running, _stop_reason, _tick)
+from ._checks import model_device, unpack_batch
 from .errors import DivergenceError
 
 __all__ = ["fit", "evaluate_classifier", "History", "TrainState", "warmup_schedule"]
@@ -130,20 +131,12 @@ def warmup_schedule(warmup_iters: int, iters_per_epoch: int = 1, decay_epochs: S
 
 
 def _device_of(jm: nn.Module) -> torch.device:
-    p = next(jm.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
+    return model_device(jm, "cpu")
 
 
 def _batch_xy(batch: Any, device: torch.device) -> tuple[Tensor, Tensor]:
-    if isinstance(batch, Mapping):
-        x, y = batch.get("x", batch.get("pixel_values", batch.get("image"))), batch.get("y", batch.get("labels", batch.get("label")))
-    else:
-        x, y = batch[0], batch[1]
-    if x is None or y is None:
-        raise ValueError("the training loader must yield (x, y) pairs or dicts with 'x'/'y' (or 'pixel_values'/'labels')")
+    x, y = unpack_batch(batch, need_labels=True)
     return x.to(device, non_blocking=True), torch.as_tensor(y).to(device, non_blocking=True)
-
-
 
 
 def _is_xy(data: Any) -> bool:
@@ -157,7 +150,7 @@ def _iter_values(data: Any) -> Iterable[tuple[Tensor, Tensor]]:
             yield x[i:i + 512], y[i:i + 512]
     else:
         for batch in data:
-            yield (batch[0], batch[1]) if not isinstance(batch, Mapping) else (batch["x"], batch["y"])
+            yield unpack_batch(batch, need_labels=True)
 
 
 @torch.no_grad()
