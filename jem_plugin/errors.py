@@ -18,6 +18,8 @@ __all__ = [
     "InferenceModeError",
     "DatasetNotFoundError",
     "InvalidScoresError",
+    "NotWrappedError",
+    "OutOfDomainWarning",
 ]
 
 
@@ -31,6 +33,10 @@ class NoLogitsError(JEMError, TypeError):
 
 class InvalidInputError(JEMError, ValueError):
     """An input tensor has the wrong dtype, rank, shape or device."""
+
+
+class NotWrappedError(JEMError, TypeError):
+    """A JEM was expected (``jem_plugin.wrap(model)``, possibly compiled or DDP-wrapped), got a raw model."""
 
 
 class InvalidLabelError(JEMError, ValueError):
@@ -66,3 +72,11 @@ class DatasetNotFoundError(JEMError, FileNotFoundError):
 
 class InvalidScoresError(JEMError, ValueError):
     """Scores, probabilities or labels handed to a metric are empty, misshapen or non-finite."""
+
+
+class OutOfDomainWarning(UserWarning):
+    """Inputs lie outside the model's input domain (e.g. 0..255 pixels for a normalised model).
+
+    Issued once per call site; silence it with
+    ``warnings.filterwarnings("ignore", category=jem_plugin.OutOfDomainWarning)``.
+    """

@@ -22,14 +22,16 @@ at least 95%, no interpolation).
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from ._checks import DomainCheck, check_input
 from .errors import InvalidInputError, InvalidScoresError
-from .model import sampling_mode
+from .model import as_jem, sampling_mode
 from .plugins import collect, lookup
 
 __all__ = ["score", "available_scores", "evaluate", "evaluate_all", "plot_histograms", "plot_roc"]
@@ -51,12 +53,17 @@ def _model_device(jm) -> torch.device | None:
     return None
 
 
-def _extract_x(item: Any) -> Tensor:
+def _extract_x(item: Any, input_key: str | None = None) -> Tensor:
     """The input tensor of one loader item: a tensor, ``(x, y, ...)``, or a dict with an input key."""
     if isinstance(item, Tensor):
         return item
     if isinstance(item, (tuple, list)) and item and isinstance(item[0], Tensor):
         return item[0]
+    if isinstance(item, Mapping) and input_key is not None:
+        if not isinstance(item.get(input_key), Tensor):
+            raise InvalidInputError(f"input_key={input_key!r} is not a tensor in the batch; its keys "
+                                    f"are {list(item)[:8]}")
+        return item[input_key]
     if isinstance(item, Mapping):
         for key in ("x", "input", "inputs", "image", "images", "pixel_values"):
             if isinstance(item.get(key), Tensor):
@@ -64,11 +71,11 @@ def _extract_x(item: Any) -> Tensor:
     raise InvalidInputError(
         f"cannot find the input tensor in a batch of type {type(item).__name__}; the data "
         "must be a tensor, or an iterable (e.g. a DataLoader) yielding tensors, (x, y) tuples "
-        "or dicts with an 'x'/'image'/'pixel_values' key"
+        "or dicts with an 'x'/'image'/'pixel_values' key (name yours with input_key=...)"
     )
 
 
-def _batches(data: Any, batch_size: int) -> tuple[Iterable[Tensor], int | None, bool]:
+def _batches(data: Any, batch_size: int, input_key: str | None = None) -> tuple[Iterable[Tensor], int | None, bool]:
     """``(iterator over input batches, number of batches or None, data was one tensor)``."""
     if isinstance(data, np.ndarray):
         data = torch.from_numpy(data)
@@ -87,7 +94,7 @@ def _batches(data: Any, batch_size: int) -> tuple[Iterable[Tensor], int | None, 
         n = len(data)
     except TypeError:
         n = None
-    return (_extract_x(item) for item in data), n, False
+    return (_extract_x(item, input_key) for item in data), n, False
 
 
 def _check_kwargs(name: str, fn, kwargs: dict) -> None:
@@ -108,19 +115,24 @@ def _check_kwargs(name: str, fn, kwargs: dict) -> None:
         )
 
 
-def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progress: bool = True,
-          **kwargs: Any) -> Tensor:
+def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progress: bool | None = None,
+          input_key: str | None = None, **kwargs: Any) -> Tensor:
     """OOD score of every input in ``data``: a ``[N]`` float tensor, higher = more in-distribution.
 
     Parameters
     ----------
-    jm: a wrapped classifier (:func:`jem_plugin.wrap`). No training needed.
+    jm: a wrapped classifier (:func:`jem_plugin.wrap`), also inside ``torch.compile`` or DDP.
+        No training needed. A raw classifier raises :class:`~jem_plugin.errors.NotWrappedError`:
+        it is never wrapped implicitly, since its input domain would be guessed unseen.
     data: a ``[N, ...]`` tensor (scored in chunks of ``batch_size``), or an iterable such as a
         ``DataLoader`` yielding tensors, ``(x, y, ...)`` tuples or dicts with an ``"x"`` /
         ``"image"`` / ``"pixel_values"`` key. Batches are moved to the model's device.
     method: a registered score name, see :func:`available_scores` (``"logpx"``, ``"msp"``,
         ``"max_logit"``, ``"grad_norm"``, ``"logpx_sgld"``, ...).
-    progress: show a tqdm progress bar over batches.
+    progress: show a tqdm progress bar over batches. Default (``None``): never for a tensor;
+        for an iterable only when stderr is a terminal.
+    input_key: the key of the inputs in dict batches (default: the first of ``"x"``,
+        ``"input"``, ``"inputs"``, ``"image"``, ``"images"``, ``"pixel_values"`` present).
     **kwargs: options of the score, e.g. ``temperature=1000.0`` for ``"msp"``.
 
     The model runs in :func:`jem_plugin.model.sampling_mode` (eval mode, frozen parameters;
@@ -137,15 +149,21 @@ def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progre
     fn, needs_grad = entry["item"], bool(entry.get("needs_grad", False))
     _check_kwargs(method, fn, kwargs)
 
-    batches, n_batches, was_tensor = _batches(data, batch_size)
+    jm = as_jem(jm, "ood.score")
+    batches, n_batches, was_tensor = _batches(data, batch_size, input_key)
+    if progress is None:
+        progress = not was_tensor and sys.stderr.isatty()
     out_device = data.device if was_tensor else torch.device("cpu")
     device = _model_device(jm)
+    dtype, domain_check = jm.param_dtype(), DomainCheck(batches=1)
     results: list[Tensor] = []
     with sampling_mode(jm), tqdm(total=n_batches, desc=f"ood score {method}", unit="batch",
                              disable=not progress, leave=False) as bar:
         for x in batches:
             if device is not None and x.device != device:
                 x = x.to(device, non_blocking=True)
+            x = check_input(x, dtype=dtype, domain=jm.domain)
+            domain_check(x, jm.domain, f"ood.score(method={method!r})", stacklevel=3)
             if needs_grad:
                 s = fn(jm, x, **kwargs)
             else:
@@ -157,7 +175,7 @@ def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progre
                     f"{tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__} for a "
                     f"batch of {x.shape[0]} inputs; a score function must return a [B] tensor"
                 )
-            results.append(s.detach().to(out_device))
+            results.append(s.detach().to(out_device, torch.float32))
             bar.update(1)
     if not results:
         raise InvalidInputError("no inputs to score: the data is empty")
@@ -251,7 +269,7 @@ def evaluate(scores_in: Any, scores_out: Any, *, positive: str = "in",
 def evaluate_all(jm, data_in: Any, data_out: Mapping[str, Any],
                  methods: Sequence[str] = ("logpx", "msp", "max_logit", "grad_norm"), *,
                  method_kwargs: Mapping[str, Mapping[str, Any]] | None = None, positive: str = "in",
-                 batch_size: int = 256, progress: bool = True, return_scores: bool = False):
+                 batch_size: int = 256, progress: bool | None = None, return_scores: bool = False):
     """Every score in ``methods`` against every OOD set: ``{method: {set name: evaluate(...)}}``.
 
     ``data_in`` and each value of ``data_out`` are anything :func:`score` takes. The

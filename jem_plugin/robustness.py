@@ -43,8 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .errors import InvalidInputError, InvalidLabelError
-from .model import input_grad_enabled
+from ._checks import check_input
+from .errors import InvalidLabelError
+from .model import as_jem, input_grad_enabled
 from .model import sampling_mode
 
 __all__ = ["pgd_attack", "SGLDDefense", "defended_logits", "robust_accuracy",
@@ -55,9 +56,8 @@ NORMS = ("linf", "l2")
 
 # ---------------------------------------------------------------------- helpers
 def _check_xy(jm, x: Any, y: Any) -> tuple[Tensor, Tensor]:
-    if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() < 2:
-        got = f"dtype {x.dtype}, shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
-        raise InvalidInputError(f"expected a floating-point batch [B, ...] of inputs, got {got}")
+    core = as_jem(jm, "robustness")
+    x = check_input(x, dtype=core.param_dtype(), domain=core.domain)
     if not isinstance(y, Tensor):
         y = torch.as_tensor(y)
     if y.dtype.is_floating_point or y.dtype == torch.bool:
