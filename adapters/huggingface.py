@@ -27,12 +27,13 @@ def _size(value) -> tuple[int, int] | None:
         return (value, value)
     if isinstance(value, (tuple, list)) and len(value) == 2:
         return (int(value[0]), int(value[1]))
-    if isinstance(value, dict):
-        if "height" in value and "width" in value:
-            return (int(value["height"]), int(value["width"]))
-        edge = value.get("shortest_edge") or value.get("longest_edge")
-        return (int(edge), int(edge)) if edge else None
-    return None
+    if value is None:
+        return None
+    get = value.get if isinstance(value, dict) else (lambda k: getattr(value, k, None))  # dict or SizeDict
+    if get("height") and get("width"):
+        return (int(get("height")), int(get("width")))
+    edge = get("shortest_edge") or get("longest_edge")
+    return (int(edge), int(edge)) if edge else None
 
 
 def domain_from_processor(processor, channels: int, size) -> InputDomain:
@@ -57,7 +58,7 @@ def jem_adapter(model, options):
     if processor is not None:
         default = domain_from_processor(processor, channels, size)
     else:
-        default = InputDomain.from_normalization((0.5,), (0.5,),
+        default = InputDomain.from_normalization((0.5,) * channels, (0.5,) * channels,
                                                  input_size=(channels, *size) if size else None)
     return Adapter(
         "huggingface",

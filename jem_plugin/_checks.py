@@ -115,19 +115,32 @@ class DomainCheck:
     def __init__(self, batches: int = 2) -> None:
         self.left = batches
 
-    def __call__(self, x: Tensor, domain: Any, where: str, stacklevel: int = 3) -> None:
+    def __call__(self, x: Tensor, domain: Any, where: str, stacklevel: int = 2) -> None:
+        """Check ``x`` if this is one of the first batches; ``stacklevel`` counts from the function
+        that calls this check (2: the user's line calling that function)."""
         if self.left <= 0 or domain is None or x.numel() == 0:
             return
         self.left -= 1
-        warn_out_of_domain(x, domain, where, stacklevel=stacklevel + 1)
+        if warn_out_of_domain(x, domain, where, stacklevel=stacklevel + 1):
+            self.left = 0
 
 
 def warn_out_of_domain(x: Tensor, domain: Any, where: str, stacklevel: int = 2) -> bool:
     """Issue :class:`OutOfDomainWarning` when ``x`` leaves ``domain`` by more than 5% of its width.
 
-    Returns whether it warned. One host sync (the observed minimum and maximum).
+    At most once per call site (the frame ``stacklevel`` up), whatever the data. Returns whether
+    it warned. One host sync (the observed minimum and maximum), skipped at a site that warned.
     """
+    import sys
     import warnings
+
+    try:
+        frame = sys._getframe(stacklevel)
+        site = (frame.f_code.co_filename, frame.f_lineno)
+    except ValueError:  # fewer frames than stacklevel
+        site = None
+    if site in _WARNED_SITES:
+        return False
 
     with torch.no_grad():
         flat = x.detach().transpose(0, 1).reshape(x.shape[1], -1) if domain.is_per_channel \
@@ -147,4 +160,9 @@ def warn_out_of_domain(x: Tensor, domain: Any, where: str, stacklevel: int = 2) 
         "model's mean/std normalisation), or tell jem-plugin the data's domain: "
         "wrap(model, data_range=(low, high)) or wrap(model, mean=..., std=...).",
         OutOfDomainWarning, stacklevel=stacklevel + 1)
+    if site is not None:
+        _WARNED_SITES.add(site)
     return True
+
+
+_WARNED_SITES: set[tuple[str, int]] = set()

@@ -321,7 +321,7 @@ class JEMLoss(nn.Module):
         """
         core = _unwrap(jm)
         x = core._check_input(x)  # the shared input check; floats cast to the parameters' dtype
-        self.__dict__.setdefault("_domain_check", DomainCheck())(x, core.domain, "JEMLoss")
+        self.__dict__.setdefault("_domain_check", DomainCheck())(x, core.domain, "JEMLoss", stacklevel=4)
         # Validation (loss module in eval mode, or no grad): no buffer write, no data noise.
         evaluating = not self.training or not torch.is_grad_enabled()
         if self.validate:

@@ -163,7 +163,7 @@ def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progre
             if device is not None and x.device != device:
                 x = x.to(device, non_blocking=True)
             x = check_input(x, dtype=dtype, domain=jm.domain)
-            domain_check(x, jm.domain, f"ood.score(method={method!r})", stacklevel=3)
+            domain_check(x, jm.domain, f"ood.score(method={method!r})")
             if needs_grad:
                 s = fn(jm, x, **kwargs)
             else:
