@@ -96,8 +96,9 @@ def check_input(x: Any, *, dtype: torch.dtype | None = None, domain: Any = None,
         channels = domain.channels
         if channels is not None and x.shape[1] != channels:
             raise InvalidInputError(
-                f"the {what} has {x.shape[1]} channel(s) (shape {tuple(x.shape)}) but the model's "
-                f"domain has {channels} ({domain.describe()}); give the data {channels} channel(s) "
+                f"the {what} has {x.shape[1]} channels (shape {tuple(x.shape)}) but the model's "
+                f"domain has {channels} channels ({domain.describe()}); give the data {channels} "
+                "channels "
                 f"(e.g. x.mean(1, keepdim=True) for a grayscale model), or, if the domain is wrong, "
                 "set it: wrap(model, mean=..., std=...) or wrap(model, data_range=(low, high))"
             )
