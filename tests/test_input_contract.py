@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import inspect
-import io
 import warnings
 
 import pytest
@@ -239,7 +238,6 @@ def test_lightning_load_from_checkpoint_restores_the_buffer(tmp_path):
     from jem_plugin.integrations.lightning import JEMLightningModule
 
     module = JEMLightningModule(MLP(), sampler=jem.SGLD(steps=1), buffer=jem.ReplayBuffer(16, (5,)))
-    module.loss_fn.buffer.initialize(module.jem.domain) if hasattr(module, "loss_fn") else None
     trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, accelerator="cpu", limit_val_batches=0)
     data = torch.utils.data.TensorDataset(torch.rand(8, 5) * 2 - 1, torch.randint(0, 4, (8,)))
