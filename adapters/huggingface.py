@@ -10,13 +10,13 @@ so pass the processor (or ``mean``/``std``) for those. Channels and image size c
 """
 from __future__ import annotations
 
-from jem_plugin.adapter import Adapter, InputDomain, domain_from_options, with_channels
+from jem_plugin.adapter import Adapter, InputDomain, built_by, domain_from_options, with_channels
 from jem_plugin.plugins import hookimpl
 
 
 def is_hf_model(model) -> bool:
     """True for ``transformers`` models and stand-ins with ``config.num_labels``/``id2label``."""
-    if type(model).__module__.startswith("transformers."):
+    if built_by(model, "transformers"):
         return True
     config = getattr(model, "config", None)
     return config is not None and hasattr(config, "num_labels") and hasattr(config, "id2label")

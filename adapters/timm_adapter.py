@@ -8,13 +8,13 @@ one (ViTs built with ``img_size=32``), else the pretrained config's (CNNs take a
 from __future__ import annotations
 
 from jem_plugin.adapter import (IMAGENET_MEAN, IMAGENET_STD, Adapter, InputDomain,
-                                domain_from_options, first_conv_channels, with_channels)
+                                built_by, domain_from_options, first_conv_channels, with_channels)
 from jem_plugin.plugins import hookimpl
 
 
 def is_timm_model(model) -> bool:
     """True for models built by timm (or carrying a timm ``pretrained_cfg``)."""
-    return type(model).__module__.startswith("timm.") or hasattr(model, "pretrained_cfg")
+    return built_by(model, "timm") or hasattr(model, "pretrained_cfg")
 
 
 def _input_size(model, cfg: dict) -> tuple[int, ...] | None:

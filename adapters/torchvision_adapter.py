@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from jem_plugin.adapter import (IMAGENET_MEAN, IMAGENET_STD, Adapter, InputDomain,
-                                domain_from_options, first_conv_channels, with_channels)
+                                built_by, domain_from_options, first_conv_channels, with_channels)
 from jem_plugin.plugins import hookimpl
 
 
@@ -28,7 +28,7 @@ def _last_linear_out(model: nn.Module) -> int | None:
 @hookimpl
 def jem_adapter(model, options):
     """The torchvision adapter for ``torchvision.models`` classifiers."""
-    if not type(model).__module__.startswith("torchvision.models"):
+    if not built_by(model, "torchvision.models"):
         return None
     # Spatial size is flexible for torchvision CNNs; 224 is what sampling uses without shape=.
     default = InputDomain.from_normalization(IMAGENET_MEAN, IMAGENET_STD, input_size=(3, 224, 224))

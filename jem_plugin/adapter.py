@@ -264,6 +264,16 @@ def domain_from_options(options: dict, default: InputDomain) -> InputDomain:
     return default
 
 
+def built_by(model: Any, package: str) -> bool:
+    """True when ``model``'s class, or a class it derives from, is defined in ``package``.
+
+    The base classes count because FSDP2's ``fully_shard`` swaps a module's class for a
+    subclass defined elsewhere.
+    """
+    prefix = package + "."
+    return any(c.__module__.startswith(prefix) for c in type(model).__mro__[:-1])
+
+
 def first_conv_channels(model: Any) -> int | None:
     """Input channels of the model's first convolution (its first ``ConvNd`` in module order)."""
     from torch import nn

@@ -231,6 +231,16 @@ def test_loss_state_with_explicit_buffer_loads_into_a_loss_without_one():
     dst.load_state_dict(src.state_dict())
     assert dst.buffer is not None and dst.buffer.num_classes == 4
     torch.testing.assert_close(dst.buffer.data, src.buffer.data)
+    back = jem.JEMLoss(jem.SGLD(steps=1), buffer=jem.ReplayBuffer(32, (5,), num_classes=4), pxy_weight=1.0)
+    back.load_state_dict(dst.state_dict())  # and the other way round
+    torch.testing.assert_close(back.buffer.data, src.buffer.data)
+
+
+def test_a_subclass_swapped_in_by_a_wrapper_keeps_its_adapter():
+    # FSDP2's fully_shard replaces a module's class with a subclass defined in torch.distributed
+    m = resnet18()
+    m.__class__ = type("FSDPResNet", (type(m),), {"__module__": "torch.distributed.fsdp"})
+    assert jem.wrap(m).adapter.name == "torchvision"
 
 
 def test_lightning_load_from_checkpoint_restores_the_buffer(tmp_path):
