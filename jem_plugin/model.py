@@ -229,6 +229,12 @@ def wrap(model: nn.Module | Callable[[Tensor], Any], *, adapter: str | Adapter |
     check_wrap_options(options)
     if isinstance(model, JEM) and adapter is None and not options:
         return model
+    if isinstance(unwrap_model(model), JEM):
+        raise TypeError(
+            f"wrap() got a {type(model).__name__} around a JEM: it is wrapped already. Pass it as it "
+            "is (every jem-plugin function accepts a compiled or DDP-wrapped JEM), or wrap the bare "
+            "model with the options you want before compiling it."
+        )
     if not isinstance(model, nn.Module):
         if not callable(model):
             raise TypeError(f"wrap() needs an nn.Module or a callable, got {type(model).__name__}")

@@ -72,6 +72,9 @@ def test_a_compiled_jem_is_accepted_everywhere_a_jem_is():
     jm = jem.wrap(timm.create_model("test_convnext", num_classes=3).eval())
     cj = torch.compile(jm, backend="eager")
     assert jem.as_jem(cj) is jm and jem.as_jem(nn.DataParallel(jm)) is jm
+    assert jem.wrap(jm) is jm
+    with pytest.raises(TypeError, match="wrapped already"):  # never re-read with a guessed domain
+        jem.wrap(cj)
     x, y = jm.domain.uniform(4, (3, 32, 32)), torch.tensor([0, 1, 2, 0])
     loss = jem.JEMLoss(jem.SGLD(steps=1), buffer=jem.ReplayBuffer(16, (3, 32, 32)))
     assert torch.isfinite(loss(cj, x, y).loss)
