@@ -92,6 +92,13 @@ def check_input(x: Any, *, dtype: torch.dtype | None = None, domain: Any = None,
             f"expected a batch [B, ...] with a leading batch dimension, got shape {tuple(x.shape)}; "
             "add one with x.unsqueeze(0)"
         )
+    size = domain.input_size if domain is not None else None
+    if size is not None and x.dim() != len(size) + 1:
+        raise InvalidInputError(
+            f"expected a batch of shape [B, {', '.join(map(str, size))}] (rank {len(size) + 1}), got "
+            f"shape {tuple(x.shape)}" + (". Add a batch dimension with x.unsqueeze(0)."
+                                         if x.dim() == len(size) else ".")
+        )
     if domain is not None:
         channels = domain.channels
         if channels is not None and x.shape[1] != channels:

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from ._checks import check_input, unwrap_model
 from .adapter import Adapter, InputDomain, check_wrap_options
-from .errors import (InferenceModeError, InvalidInputError, InvalidLabelError, NoLogitsError, NotWrappedError,
+from .errors import (InferenceModeError, InvalidLabelError, NoLogitsError, NotWrappedError,
                      NonFiniteLogitsError)
 from .plugins import get_plugin_manager
 
@@ -139,17 +139,9 @@ class JEM(nn.Module):
 
     # ------------------------------------------------------------------ checks
     def _check_input(self, x: Any) -> Tensor:
-        """The shared input check (:func:`jem_plugin._checks.check_input`) plus the rank; returns
-        ``x`` cast to the parameters' dtype."""
-        x = check_input(x, dtype=self.param_dtype(), domain=self.domain)
-        size = self.domain.input_size
-        if size is not None and x.dim() != len(size) + 1:
-            raise InvalidInputError(
-                f"expected a batch of shape [B, {', '.join(map(str, size))}] "
-                f"(rank {len(size) + 1}), got shape {tuple(x.shape)}"
-                + (". Add a batch dimension with x.unsqueeze(0)." if x.dim() == len(size) else ".")
-            )
-        return x
+        """The shared input check (:func:`jem_plugin._checks.check_input`); returns ``x`` cast to
+        the parameters' dtype."""
+        return check_input(x, dtype=self.param_dtype(), domain=self.domain)
 
     def _check_labels(self, y: Any, logits: Tensor) -> Tensor:
         if not isinstance(y, Tensor):
@@ -265,7 +257,7 @@ def _forced_adapter(name: str, model: nn.Module, options: dict) -> Adapter:
         if found is not None:
             offered.append(found.name)
     raise NoLogitsError(
-        f"adapter={name!r} does not accept a {type(model).__name__}; adapters that do: "
+        f"no adapter accepted the model {type(model).__name__} with adapter={name!r}; adapters that do: "
         f"{', '.join(offered) or '(none)'}. Pass one of those, or an Adapter instance."
     )
 
