@@ -3,17 +3,17 @@
 The output may be a ``[B, K]`` tensor, a dict with a ``"logits"`` key, an object with a
 ``.logits`` attribute, or anything else the user points at with ``wrap(model, logits=...)``.
 Inputs default to the paper's domain ``[-1, 1]``; override with ``data_range`` or ``mean``/``std``.
+The input shape, unless given as ``input_size=``, is fixed by the first batch the model sees.
 """
 from __future__ import annotations
 
-from jem_plugin.adapter import Adapter, InputDomain, domain_from_options, wants
+from jem_plugin.adapter import Adapter, InputDomain, domain_from_options
 from jem_plugin.plugins import hookimpl
 
 
 @hookimpl(trylast=True)
 def jem_adapter(model, options):
-    if not wants(options, "generic"):
-        return None
+    """Accept any model: the ``[-1, 1]`` domain unless the options say otherwise."""
     return Adapter(
         "generic",
         domain=domain_from_options(options, InputDomain()),

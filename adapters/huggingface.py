@@ -1,30 +1,68 @@
 """Hugging Face adapter: image classifiers whose outputs carry ``.logits``.
 
 Active for ``transformers`` models (and duck-typed stand-ins with a ``config.num_labels``):
-``ImageClassifierOutput.logits`` are the logits. Hugging Face image processors mostly
-normalise with mean = std = 0.5, i.e. inputs in ``[-1, 1]``; pass ``mean``/``std`` for others.
+``ImageClassifierOutput.logits`` are the logits. Pass the model's image processor,
+``wrap(model, processor=AutoImageProcessor.from_pretrained(...))``, to take the normalisation
+(``image_mean``/``image_std``) and image size from it. Without one the domain is ``[-1, 1]``
+(mean = std = 0.5, ViT's processors); ResNet and ConvNeXt processors use ImageNet statistics,
+so pass the processor (or ``mean``/``std``) for those. Channels and image size come from
+``config.num_channels`` / ``config.image_size``.
 """
 from __future__ import annotations
 
-from jem_plugin.adapter import Adapter, InputDomain, domain_from_options, wants
+from jem_plugin.adapter import Adapter, InputDomain, built_by, domain_from_options, with_channels
 from jem_plugin.plugins import hookimpl
 
 
 def is_hf_model(model) -> bool:
-    if type(model).__module__.startswith("transformers."):
+    """True for ``transformers`` models and stand-ins with ``config.num_labels``/``id2label``."""
+    if built_by(model, "transformers"):
         return True
     config = getattr(model, "config", None)
     return config is not None and hasattr(config, "num_labels") and hasattr(config, "id2label")
 
 
+def _size(value) -> tuple[int, int] | None:
+    if isinstance(value, int):
+        return (value, value)
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return (int(value[0]), int(value[1]))
+    if value is None:
+        return None
+    get = value.get if isinstance(value, dict) else (lambda k: getattr(value, k, None))  # dict or SizeDict
+    if get("height") and get("width"):
+        return (int(get("height")), int(get("width")))
+    edge = get("shortest_edge") or get("longest_edge")
+    return (int(edge), int(edge)) if edge else None
+
+
+def domain_from_processor(processor, channels: int, size) -> InputDomain:
+    """The domain a Hugging Face image processor's outputs live in."""
+    size = _size(getattr(processor, "crop_size", None) if getattr(processor, "do_center_crop", False)
+                 else None) or _size(getattr(processor, "size", None)) or size
+    input_size = (channels, *size) if size else None
+    if getattr(processor, "do_normalize", True) and getattr(processor, "image_mean", None) is not None:
+        return InputDomain.from_normalization(processor.image_mean, processor.image_std, input_size=input_size)
+    return InputDomain.from_range(0.0, 1.0, input_size=input_size)
+
+
 @hookimpl
 def jem_adapter(model, options):
-    if not wants(options, "huggingface") or not is_hf_model(model):
+    """The Hugging Face adapter: ``.logits`` of the output; domain from ``processor=`` if given."""
+    if not is_hf_model(model):
         return None
-    default = InputDomain.from_normalization((0.5,), (0.5,))
+    config = model.config
+    channels = int(getattr(config, "num_channels", 3) or 3)
+    size = _size(getattr(config, "image_size", None))
+    processor = options.get("processor")
+    if processor is not None:
+        default = domain_from_processor(processor, channels, size)
+    else:
+        default = InputDomain.from_normalization((0.5,) * channels, (0.5,) * channels,
+                                                 input_size=(channels, *size) if size else None)
     return Adapter(
         "huggingface",
-        domain=domain_from_options(options, default),
-        num_classes=options.get("num_classes", getattr(model.config, "num_labels", None)),
+        domain=domain_from_options(options, with_channels(default, channels)),
+        num_classes=options.get("num_classes", getattr(config, "num_labels", None)),
         logits=options.get("logits", "logits"),
     )

@@ -1,15 +1,17 @@
 """torchvision adapter: classification models from ``torchvision.models``.
 
 All torchvision classification weights use ImageNet normalisation, so the domain is ``[0, 1]``
-pixels after ImageNet ``(x - mean) / std``. The class count is read off the last linear layer.
-Inception/GoogLeNet auxiliary outputs in training mode are handled (their ``.logits``).
+pixels after ImageNet ``(x - mean) / std``, with the first convolution's channel count (a
+1-channel model gets the channel-averaged ImageNet statistics). The class count is read off the
+last linear layer. Inception/GoogLeNet auxiliary outputs in training mode are handled (their
+``.logits``).
 """
 from __future__ import annotations
 
 from torch import nn
 
 from jem_plugin.adapter import (IMAGENET_MEAN, IMAGENET_STD, Adapter, InputDomain,
-                                domain_from_options, wants)
+                                built_by, domain_from_options, first_conv_channels, with_channels)
 from jem_plugin.plugins import hookimpl
 
 
@@ -25,13 +27,14 @@ def _last_linear_out(model: nn.Module) -> int | None:
 
 @hookimpl
 def jem_adapter(model, options):
-    if not wants(options, "torchvision") or not type(model).__module__.startswith("torchvision.models"):
+    """The torchvision adapter for ``torchvision.models`` classifiers."""
+    if not built_by(model, "torchvision.models"):
         return None
+    # Spatial size is flexible for torchvision CNNs; 224 is what sampling uses without shape=.
     default = InputDomain.from_normalization(IMAGENET_MEAN, IMAGENET_STD, input_size=(3, 224, 224))
-    # Spatial size is flexible for torchvision CNNs: keep only the rank (3 dims) for input checks.
     return Adapter(
         "torchvision",
-        domain=domain_from_options(options, default),
+        domain=domain_from_options(options, with_channels(default, first_conv_channels(model))),
         num_classes=options.get("num_classes", _last_linear_out(model)),
         logits=options.get("logits"),
     )

@@ -9,8 +9,9 @@ from __future__ import annotations
 from .adapter import Adapter, InputDomain
 from .errors import (CheckpointError, CUDAGraphError, DatasetNotFoundError, DivergenceError, InferenceModeError,
                      InvalidInputError, InvalidLabelError, InvalidScoresError, JEMError,
-                     NoLogitsError, NonFiniteLogitsError, UnknownNameError)
-from .model import JEM, input_grad_enabled, wrap
+                     NoLogitsError, NonFiniteLogitsError, NotWrappedError, OutOfDomainWarning,
+                     UnknownNameError)
+from .model import JEM, as_jem, input_grad_enabled, wrap
 from .plugins import get_plugin_manager, hookimpl, list_plugins, register, unregister
 from .sampling import SGLD, SGLDDiagnostics, SGLDStepState
 from .buffer import ReplayBuffer
@@ -23,12 +24,12 @@ from . import calibration, ood, robustness  # noqa: E402  (namespaces: jem.ood.s
 __version__ = "0.1.0"
 
 __all__ = [
-    "JEM", "wrap", "Adapter", "InputDomain", "input_grad_enabled",
+    "JEM", "wrap", "as_jem", "Adapter", "InputDomain", "input_grad_enabled",
     "SGLD", "SGLDStepState", "SGLDDiagnostics", "ReplayBuffer", "JEMLoss", "LossOutput", "GenerativeLossMixin",
     "DivergenceGuard", "Checkpointer", "save_checkpoint", "load_checkpoint",
     "ood", "calibration", "robustness",
     "hookimpl", "register", "unregister", "list_plugins", "get_plugin_manager",
     "JEMError", "NoLogitsError", "InvalidInputError", "InvalidLabelError", "NonFiniteLogitsError",
     "DivergenceError", "CheckpointError", "UnknownNameError", "InferenceModeError",
-    "DatasetNotFoundError", "InvalidScoresError", "CUDAGraphError",
+    "DatasetNotFoundError", "InvalidScoresError", "CUDAGraphError", "NotWrappedError", "OutOfDomainWarning",
 ]

@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from ._checks import draw
-from .errors import NoLogitsError
+from .errors import InvalidInputError, NoLogitsError
 
-__all__ = ["InputDomain", "Adapter", "IMAGENET_MEAN", "IMAGENET_STD"]
+__all__ = ["InputDomain", "Adapter", "IMAGENET_MEAN", "IMAGENET_STD", "WRAP_OPTIONS"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -71,7 +71,25 @@ class InputDomain:
 
     @property
     def is_per_channel(self) -> bool:
+        """True when the bounds differ per channel (one entry per channel, dim 1 of the input)."""
         return len(self.low) > 1
+
+    @property
+    def channels(self) -> int | None:
+        """Channels the inputs must have (dim 1), or ``None`` when the domain does not say."""
+        if self.is_per_channel:
+            return len(self.low)
+        if self.input_size is not None and len(self.input_size) >= 2:
+            return int(self.input_size[0])
+        return None
+
+    def describe(self) -> str:
+        """One line for error messages: the bounds, and the normalisation when known."""
+        fmt = lambda v: "(" + ", ".join(f"{a:.3g}" for a in v) + ")" if len(v) > 1 else f"{v[0]:.3g}"
+        text = f"[{fmt(self.low)} .. {fmt(self.high)}]"
+        if self.mean is not None:
+            text += f" = [0, 1] pixels normalised with mean={fmt(self.mean)}, std={fmt(self.std)}"
+        return text
 
     def bounds(self, like: Tensor) -> tuple[Tensor, Tensor]:
         """``(low, high)`` as tensors broadcastable against ``like`` (cached per device/dtype)."""
@@ -172,22 +190,97 @@ def _describe(obj: Any) -> str:
     return f"an object of type {type(obj).__name__}"
 
 
+#: Every option :func:`jem_plugin.wrap` passes to adapters; anything else is refused.
+WRAP_OPTIONS = ("logits", "data_range", "mean", "std", "input_size", "num_classes", "processor")
+
+
+def check_wrap_options(options: dict) -> None:
+    """Refuse unknown and contradictory :func:`jem_plugin.wrap` options, naming the valid ones."""
+    unknown = sorted(set(options) - set(WRAP_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"wrap() got unknown option(s) {', '.join(map(repr, unknown))}; valid options: "
+            f"adapter, check_finite, {', '.join(WRAP_OPTIONS)}"
+        )
+    given = [k for k in ("data_range", "mean", "std", "processor") if options.get(k) is not None]
+    if "data_range" in given and len(given) > 1:
+        raise ValueError(
+            f"wrap() got data_range together with {', '.join(k for k in given if k != 'data_range')}: "
+            "they describe the same thing. Pass data_range=(low, high) for unnormalised inputs, or "
+            "mean=/std= (or processor=) for normalised images, not both."
+        )
+    if "processor" in given and ("mean" in given or "std" in given):
+        raise ValueError("wrap() got processor= and mean=/std=: the processor already gives the "
+                         "normalisation; pass one of them")
+
+
+def with_channels(domain: InputDomain, channels: int | None) -> InputDomain:
+    """``domain`` for a model with ``channels`` input channels.
+
+    A default normalisation with another channel count (ImageNet's 3 values for a 1-channel
+    model) is averaged over its channels and repeated ``channels`` times: grayscale ImageNet
+    statistics for a grayscale model. ``input_size`` gets the same channel count.
+    """
+    if channels is None:
+        return domain
+    size = domain.input_size
+    if size is not None and len(size) >= 2 and size[0] != channels:
+        size = (channels, *size[1:])
+    if domain.is_per_channel and len(domain.low) != channels:
+        if domain.mean is not None:
+            m, sd = sum(domain.mean) / len(domain.mean), sum(domain.std) / len(domain.std)
+            return InputDomain.from_normalization((m,) * channels, (sd,) * channels, input_size=size)
+        lo, hi = min(domain.low), max(domain.high)
+        return InputDomain.from_range((lo,) * channels, (hi,) * channels, input_size=size)
+    if size != domain.input_size:
+        return InputDomain(domain.low, domain.high, domain.mean, domain.std, size)
+    return domain
+
+
 def domain_from_options(options: dict, default: InputDomain) -> InputDomain:
-    """Apply the user's ``data_range`` / ``mean`` + ``std`` / ``input_size`` options to a default domain."""
+    """Apply the user's ``data_range`` / ``mean`` + ``std`` / ``input_size`` options to a default domain.
+
+    A user's normalisation whose channel count differs from the model's raises
+    :class:`~jem_plugin.errors.InvalidInputError` naming both.
+    """
     input_size = options.get("input_size", default.input_size)
+    channels = default.channels
     if options.get("data_range") is not None:
         lo, hi = options["data_range"]
         return InputDomain.from_range(lo, hi, input_size=input_size)
     if options.get("mean") is not None or options.get("std") is not None:
         if options.get("mean") is None or options.get("std") is None:
             raise ValueError("pass both mean= and std= (the normalisation your loader applies)")
-        return InputDomain.from_normalization(options["mean"], options["std"], input_size=input_size)
+        dom = InputDomain.from_normalization(options["mean"], options["std"], input_size=input_size)
+        if channels is not None and dom.is_per_channel and len(dom.low) != channels:
+            raise InvalidInputError(
+                f"mean=/std= give {len(dom.low)} channel(s) but the model takes {channels}; pass "
+                f"{channels} value(s) each (or one value for all channels)"
+            )
+        return dom
     if input_size != default.input_size:
         return InputDomain(default.low, default.high, default.mean, default.std,
                            tuple(input_size) if input_size else None)
     return default
 
 
-def wants(options: dict, name: str) -> bool:
-    """True unless the user forced a different adapter with ``wrap(..., adapter=...)``."""
-    return options.get("adapter") in (None, name)
+def built_by(model: Any, package: str) -> bool:
+    """True when ``model``'s class, or a class it derives from, is defined in ``package``.
+
+    The base classes count because FSDP2's ``fully_shard`` swaps a module's class for a
+    subclass defined elsewhere.
+    """
+    prefix = package + "."
+    return any(c.__module__.startswith(prefix) for c in type(model).__mro__[:-1])
+
+
+def first_conv_channels(model: Any) -> int | None:
+    """Input channels of the model's first convolution (its first ``ConvNd`` in module order)."""
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        return None
+    for m in model.modules():
+        if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            return int(m.in_channels)
+    return None

@@ -135,6 +135,7 @@ class ReplayBuffer(nn.Module):
     # ------------------------------------------------------------------ drawing
     @property
     def device(self) -> torch.device:
+        """The device the stored samples live on."""
         return self.data.device
 
     def _init_draw(self, n: int, domain: InputDomain, generator, y: Tensor | None) -> Tensor:

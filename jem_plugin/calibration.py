@@ -171,12 +171,14 @@ class TemperatureScaler(nn.Module):
 
     @property
     def temperature(self) -> float:
+        """The fitted temperature ``T`` (logits are divided by it)."""
         return float(self.log_temperature.exp())
 
     def forward(self, logits: Tensor) -> Tensor:
         return logits / self.log_temperature.exp().to(logits.dtype)
 
     def fit(self, logits: Any, labels: Any, *, max_iter: int = 100) -> "TemperatureScaler":
+        """Fit ``T`` by minimising the NLL of held-out ``logits``/``labels`` (L-BFGS); returns self."""
         z = _as_2d(logits, "logits")
         y = _as_labels(labels, z.shape[0], z.shape[1])
         # float64 and a fresh leaf: the fit is tiny, so exactness beats speed, and it must work

@@ -344,6 +344,7 @@ class Checkpointer:
         self._pattern = re.compile(rf"{re.escape(prefix)}-(\d+)\.pt")
 
     def path_for(self, step: int) -> Path:
+        """The file a checkpoint of ``step`` is written to."""
         return self.directory / f"{self.prefix}-{step:09d}.pt"
 
     def checkpoints(self) -> list[tuple[int, Path]]:

@@ -21,6 +21,8 @@ __all__ = [
     "DatasetNotFoundError",
     "InvalidScoresError",
     "CUDAGraphError",
+    "NotWrappedError",
+    "OutOfDomainWarning",
 ]
 
 
@@ -34,6 +36,10 @@ class NoLogitsError(JEMError, TypeError):
 
 class InvalidInputError(JEMError, ValueError):
     """An input tensor has the wrong dtype, rank, shape or device."""
+
+
+class NotWrappedError(JEMError, TypeError):
+    """A JEM was expected (``jem_plugin.wrap(model)``, possibly compiled or DDP-wrapped), got a raw model."""
 
 
 class InvalidLabelError(JEMError, ValueError):
@@ -104,3 +110,9 @@ class InvalidScoresError(JEMError, ValueError):
 
 class CUDAGraphError(JEMError, RuntimeError):
     """``SGLD(cuda_graph="require")`` could not run its chain as a captured CUDA graph."""
+class OutOfDomainWarning(UserWarning):
+    """Inputs lie outside the model's input domain (e.g. 0..255 pixels for a normalised model).
+
+    Issued once per call site; silence it with
+    ``warnings.filterwarnings("ignore", category=jem_plugin.OutOfDomainWarning)``.
+    """

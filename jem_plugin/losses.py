@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import plugins
-from ._checks import check_label_range, check_labels, draw, follow, free_energy, require_num_classes
+from ._checks import DomainCheck, check_input, check_label_range, check_labels, draw, follow, free_energy, model_device
 from .errors import InvalidInputError
-from .model import JEM
+from .model import JEM, as_jem, sampling_mode
 
 __all__ = ["LossOutput", "LossBatch", "JEMLoss", "LOSS_TERMS_HOOK"]
 
@@ -105,16 +105,8 @@ class LossBatch:
 
 
 def _unwrap(jm: Any) -> JEM:
-    """The JEM to sample with: DDP/DataParallel wrappers are looked through (sample on the bare module)."""
-    core = jm
-    while isinstance(core, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        core = core.module
-    if not isinstance(core, JEM):
-        raise TypeError(
-            f"JEMLoss needs the energy view of the classifier, got {type(core).__name__}. Wrap the "
-            "model first: jm = jem_plugin.wrap(model); loss = loss_fn(jm, x, y)."
-        )
-    return core
+    """The JEM to sample with: compile/DDP/DataParallel/FSDP wrappers are looked through."""
+    return as_jem(jm, "JEMLoss")
 
 
 def _default_sampler():
@@ -236,7 +228,7 @@ class JEMLoss(nn.Module):
 
     # ------------------------------------------------------------------ checks
     def _check_batch(self, core: JEM, x: Any, y: Any) -> Tensor:
-        core._check_input(x)
+        check_input(x, dtype=core.param_dtype(), domain=core.domain)
         y = check_labels(y, x.shape[0], device=x.device)
         if self.buffer is not None and tuple(x.shape[1:]) != tuple(self.buffer.sample_shape):
             raise InvalidInputError(
@@ -248,6 +240,15 @@ class JEMLoss(nn.Module):
             check_label_range(y, core.num_classes)
         return y
 
+    def _num_classes(self, core: JEM, x: Tensor) -> int:
+        k = core.num_classes
+        if k is None:
+            # Unknown until the first forward: one eval-mode, no-grad forward of one input, once.
+            with torch.no_grad(), sampling_mode(core):
+                k = int(core(x[:1]).shape[1])
+            core.settle(num_classes=k)
+        return k
+
     def _ensure_buffer(self, core: JEM, x: Tensor) -> nn.Module:
         if self.buffer is not None:
             return self.buffer
@@ -258,7 +259,7 @@ class JEMLoss(nn.Module):
             "capacity": DEFAULT_BUFFER_CAPACITY,
             "sample_shape": tuple(int(s) for s in x.shape[1:]),
             "reinit_freq": DEFAULT_REINIT_FREQ,
-            "num_classes": require_num_classes(core, "a class-conditional replay buffer") if cond else None,
+            "num_classes": self._num_classes(core, x) if cond else None,
         }
         self.buffer = ReplayBuffer(**config, device=x.device)
         self._buffer_config = config
@@ -284,9 +285,28 @@ class JEMLoss(nn.Module):
     def _random_labels(self, n: int, k: int, device) -> Tensor:
         return draw(lambda size, **kw: torch.randint(0, k, size, **kw), (n,), self.generator, device)
 
+    def _sample(self, core: JEM, n: int, buffer: nn.Module, y: Tensor | None, evaluating: bool) -> Tensor:
+        if not evaluating:
+            return self.sampler.sample(core, n, buffer=buffer, y=y)
+        # Validation reads the buffer (starts drawn with the loss's generator) and never writes it.
+        device = model_device(core)
+        follow(buffer, device)
+        x0, _ = buffer.sample(n, domain=core.domain, y=y, generator=self.generator)
+        return self.sampler.sample(core, x_init=x0.to(device or x0.device), y=y)
+
     def forward(self, jm: Any, x: Tensor, y: Tensor) -> LossOutput:
-        """One JEM loss evaluation: samples, one forward on the concatenated batch, the terms."""
+        """One JEM loss evaluation: samples, one forward on the concatenated batch, the terms.
+
+        Validation: with the loss module in eval mode (``loss_fn.eval()``) or with gradients off
+        (``torch.no_grad()``, ``torch.inference_mode()``) the replay buffer is read but never
+        written, and the data carries no noise; the result then depends only on the model, the
+        batch and the generators (the loss's ``generator`` and the sampler's).
+        """
         core = _unwrap(jm)
+        x = check_input(x, dtype=core.param_dtype(), domain=core.domain)  # the shared input check; floats cast to the parameters' dtype
+        self.__dict__.setdefault("_domain_check", DomainCheck())(x, core.domain, "JEMLoss", stacklevel=4)
+        # Validation (loss module in eval mode, or no grad): no buffer write, no data noise.
+        evaluating = not self.training or not torch.is_grad_enabled()
         if self.validate:
             y = self._check_batch(core, x, y)
         else:
@@ -302,16 +322,16 @@ class JEMLoss(nn.Module):
             n = self.n_samples or b
             if self.px_weight > 0 or not self.pxy_weight > 0:
                 if self.class_conditional_px:
-                    k = require_num_classes(core, "class_conditional_px=True")
-                    y_sample = self._random_labels(n, k, x.device)
-                x_sample = self.sampler.sample(core, n, buffer=buffer, y=y_sample)
+                    y_sample = self._random_labels(n, self._num_classes(core, x), x.device)
+                x_sample = self._sample(core, n, buffer, y_sample, evaluating)
             if self.pxy_weight > 0:
                 y_cond = y if n >= b else y[:n]
-                x_cond = self.sampler.sample(core, y_cond.shape[0], buffer=buffer, y=y_cond)
+                x_cond = self._sample(core, y_cond.shape[0], buffer, y_cond, evaluating)
 
         # 2. One forward on [x_data; x_sample; x_cond], then split.
-        x_data = x + self.data_noise * self._noise_like(x) if self.data_noise > 0 else x
-        if self.data_noise > 0 and self._clamps_data():
+        noisy = self.data_noise > 0 and not evaluating
+        x_data = x + self.data_noise * self._noise_like(x) if noisy else x
+        if noisy and self._clamps_data():
             x_data = self._clamp_noisy(core, x, x_data)
         parts = [x_data] + [t.to(x_data.dtype) for t in (x_sample, x_cond) if t is not None]
         logits_all = jm(torch.cat(parts) if len(parts) > 1 else x_data)
@@ -321,8 +341,10 @@ class JEMLoss(nn.Module):
                 f"the model returned shape {tuple(logits_all.shape)} for a batch of {sum(sizes)} "
                 "inputs; JEMLoss needs [B, K] logits (see wrap(model, logits=...))"
             )
-        if core.num_classes is None and self.validate:  # the range is known only now
-            check_label_range(y, logits_all.shape[1])
+        if core.num_classes is None:
+            core.settle(num_classes=logits_all.shape[1])
+            if self.validate:  # the label range could not be checked before the first forward
+                self._check_batch(core, x, y)
         chunks = list(torch.split(logits_all, sizes))
         logits_data = chunks.pop(0)
         logits_sample = chunks.pop(0) if x_sample is not None else None
@@ -377,7 +399,9 @@ class JEMLoss(nn.Module):
 
     # ------------------------------------------------------------------ state
     def get_extra_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"buffer_config": self._buffer_config}
+        # A buffer the user passed is described too, so the state loads into a JEMLoss built
+        # without one (e.g. Lightning's load_from_checkpoint(ck, model=...)).
+        state: dict[str, Any] = {"buffer_config": self._buffer_config or _buffer_config(self.buffer)}
         if self.generator is not None:
             state["generator"] = self.generator.get_state()
             state["generator_device"] = str(self.generator.device)
@@ -406,6 +430,16 @@ class JEMLoss(nn.Module):
         for name, term_state in state.get("terms", {}).items():
             if name in self._plain_terms:
                 self._plain_terms[name].load_state_dict(term_state)
+
+
+def _buffer_config(buffer: Any) -> dict[str, Any] | None:
+    """The constructor arguments that rebuild ``buffer`` (a ReplayBuffer with a named init)."""
+    from .buffer import INIT_HOOK, ReplayBuffer
+
+    if not isinstance(buffer, ReplayBuffer) or buffer.init_name not in plugins.collect(INIT_HOOK):
+        return None
+    return {"capacity": buffer.capacity, "sample_shape": tuple(buffer.sample_shape),
+            "reinit_freq": buffer.reinit_freq, "num_classes": buffer.num_classes, "init": buffer.init_name}
 
 
 def _to_floats(metrics: dict[str, Any]) -> dict[str, float]:

@@ -11,12 +11,13 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
-from .adapter import Adapter
-from .errors import (InferenceModeError, InvalidInputError, InvalidLabelError, NoLogitsError,
+from ._checks import check_input, check_labels, unwrap_model
+from .adapter import Adapter, InputDomain, check_wrap_options
+from .errors import (InferenceModeError, NoLogitsError, NotWrappedError,
                      NonFiniteLogitsError)
 from .plugins import get_plugin_manager
 
-__all__ = ["JEM", "wrap", "input_grad_enabled", "sampling_mode"]
+__all__ = ["JEM", "wrap", "as_jem", "input_grad_enabled", "sampling_mode"]
 
 
 class _CallableModule(nn.Module):
@@ -44,16 +45,40 @@ class JEM(nn.Module):
         self.model = model
         self.adapter = adapter
         self.check_finite = check_finite
+        # Settled at wrap time from the adapter; what it cannot say (a plain callable's class
+        # count, a generic model's input shape) the first forward settles, once, here on the
+        # JEM: the adapter is never mutated.
+        self._num_classes: int | None = adapter.num_classes
+        self._domain: InputDomain = adapter.domain
 
     # ------------------------------------------------------------------ properties
     @property
-    def domain(self):
+    def domain(self) -> InputDomain:
         """The :class:`~jem_plugin.adapter.InputDomain` of the model's inputs."""
-        return self.adapter.domain
+        return self._domain
 
     @property
     def num_classes(self) -> int | None:
-        return self.adapter.num_classes
+        """Number of classes (logits); ``None`` only until the first forward when not inferable."""
+        return self._num_classes
+
+    def settle(self, *, num_classes: int | None = None, sample_shape: tuple[int, ...] | None = None) -> None:
+        """Record what only a forward could tell: the class count and the input shape.
+
+        Values already known are kept (they came from the model or the user at wrap time).
+        """
+        if num_classes is not None and self._num_classes is None:
+            self._num_classes = int(num_classes)
+        if sample_shape is not None and self._domain.input_size is None:
+            d = self._domain
+            self._domain = InputDomain(d.low, d.high, d.mean, d.std, tuple(int(s) for s in sample_shape))
+
+    def param_dtype(self) -> torch.dtype | None:
+        """The floating dtype of the model's parameters (inputs are cast to it), or ``None``."""
+        for p in self.model.parameters():
+            if p.is_floating_point():
+                return p.dtype
+        return None
 
     def extra_repr(self) -> str:
         return f"adapter={self.adapter.name!r}, num_classes={self.num_classes}"
@@ -64,8 +89,12 @@ class JEM(nn.Module):
         return self.adapter.logits(self.model(x))
 
     def logits(self, x: Tensor) -> Tensor:
-        """Validated logits: checks the input and the output shape, and finiteness if enabled."""
-        self._check_input(x)
+        """Validated logits: checks the input and the output shape, and finiteness if enabled.
+
+        Floating inputs are cast to the parameters' dtype; the logits come back in fp32 when the
+        model computed them in half precision (autocast), so energies and scores are fp32.
+        """
+        x = self._check_input(x)
         out = self.forward(x)
         if out.dim() != 2 or out.shape[0] != x.shape[0]:
             raise NoLogitsError(
@@ -73,8 +102,10 @@ class JEM(nn.Module):
                 f"{tuple(out.shape)}. Point wrap(model, logits=...) at the classification "
                 "output, or wrap a model whose head returns one score per class."
             )
-        if self.adapter.num_classes is None:
-            self.adapter.num_classes = out.shape[1]
+        if out.dtype in (torch.float16, torch.bfloat16):
+            out = out.float()
+        if self._num_classes is None or self._domain.input_size is None:
+            self.settle(num_classes=out.shape[1], sample_shape=tuple(x.shape[1:]))
         if self.check_finite and not torch.isfinite(out).all():
             raise NonFiniteLogitsError(
                 f"the model produced {int((~torch.isfinite(out)).sum())} non-finite logits. "
@@ -107,47 +138,13 @@ class JEM(nn.Module):
         return logp.gather(1, self._check_labels(y, logp).unsqueeze(1)).squeeze(1)
 
     # ------------------------------------------------------------------ checks
-    def _check_input(self, x: Any) -> None:
-        if not isinstance(x, Tensor):
-            raise InvalidInputError(f"expected a torch.Tensor input, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise InvalidInputError(
-                f"expected a floating-point input, got dtype {x.dtype}. Convert images with "
-                "x.float() and scale them to the model's domain "
-                f"({self.domain.low} .. {self.domain.high})."
-            )
-        size = self.domain.input_size
-        if size is not None and x.dim() != len(size) + 1:
-            raise InvalidInputError(
-                f"expected a batch of shape [B, {', '.join(map(str, size))}] "
-                f"(rank {len(size) + 1}), got shape {tuple(x.shape)}"
-                + (". Add a batch dimension with x.unsqueeze(0)." if x.dim() == len(size) else ".")
-            )
-        if x.dim() < 2:
-            raise InvalidInputError(
-                f"expected a batch with a leading batch dimension, got shape {tuple(x.shape)}"
-            )
+    def _check_input(self, x: Any) -> Tensor:
+        """The shared input check (:func:`jem_plugin._checks.check_input`); returns ``x`` cast to
+        the parameters' dtype."""
+        return check_input(x, dtype=self.param_dtype(), domain=self.domain)
 
     def _check_labels(self, y: Any, logits: Tensor) -> Tensor:
-        if not isinstance(y, Tensor):
-            y = torch.as_tensor(y)
-        if y.dtype.is_floating_point or y.dtype == torch.bool or y.is_complex():
-            raise InvalidLabelError(
-                f"labels must be integer class indices, got dtype {y.dtype}; use y.long()"
-                " (for one-hot labels, y.argmax(1))."
-            )
-        y = y.to(device=logits.device, dtype=torch.long)
-        if y.shape != (logits.shape[0],):
-            raise InvalidLabelError(
-                f"expected labels of shape [{logits.shape[0]}], got {tuple(y.shape)}"
-            )
-        k = logits.shape[1]
-        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= k):
-            raise InvalidLabelError(
-                f"labels must lie in [0, {k}) for a model with {k} classes; got values "
-                f"from {int(y.min())} to {int(y.max())}"
-            )
-        return y
+        return check_labels(y, logits.shape[0], num_classes=logits.shape[1], device=logits.device)
 
     # ------------------------------------------------------------------ state
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
@@ -195,26 +192,71 @@ def wrap(model: nn.Module | Callable[[Tensor], Any], *, adapter: str | Adapter |
     check_finite: raise :class:`NonFiniteLogitsError` on NaN/inf logits in the checked methods.
     **options: passed to adapters: ``logits`` (index, key, attribute or callable selecting the
         logits from the output), ``data_range=(low, high)``, ``mean``/``std`` (normalisation
-        the inputs carry), ``input_size=(C, H, W)``, ``num_classes``.
+        the inputs carry), ``input_size=(C, H, W)``, ``num_classes``, ``processor`` (a Hugging
+        Face image processor: normalisation and size). Unknown options raise ``TypeError``;
+        ``data_range`` with ``mean``/``std`` raises ``ValueError``.
+
+    The adapter reads the model inside ``torch.compile``, DataParallel, DDP and FSDP wrappers
+    (the wrapper itself is what runs). A JEM passed in is returned unchanged when no option is
+    given.
     """
+    check_wrap_options(options)
+    if isinstance(model, JEM) and adapter is None and not options:
+        return model
+    if isinstance(unwrap_model(model), JEM):
+        raise TypeError(
+            f"wrap() got a {type(model).__name__} around a JEM: it is wrapped already. Pass it as it "
+            "is (every jem-plugin function accepts a compiled or DDP-wrapped JEM), or wrap the bare "
+            "model with the options you want before compiling it."
+        )
     if not isinstance(model, nn.Module):
         if not callable(model):
             raise TypeError(f"wrap() needs an nn.Module or a callable, got {type(model).__name__}")
         model = _CallableModule(model)
     if isinstance(adapter, Adapter):
         chosen = adapter
-    else:
-        opts = dict(options)
-        if adapter is not None:
-            opts["adapter"] = adapter
-        chosen = get_plugin_manager().hook.jem_adapter(model=model, options=opts)
+    elif adapter is None:
+        chosen = get_plugin_manager().hook.jem_adapter(model=unwrap_model(model), options=dict(options))
         if chosen is None:
-            raise NoLogitsError(
-                f"no adapter accepted the model {type(model).__name__}"
-                + (f" with adapter={adapter!r}" if adapter else "")
-                + "; see `jem plugins` for the loaded adapters."
-            )
+            raise NoLogitsError(f"no adapter accepted the model {type(model).__name__}; see "
+                                "`jem plugins` for the loaded adapters.")
+    else:
+        chosen = _forced_adapter(str(adapter), unwrap_model(model), dict(options))
     return JEM(model, chosen, check_finite=check_finite)
+
+
+def _forced_adapter(name: str, model: nn.Module, options: dict) -> Adapter:
+    """``wrap(..., adapter=name)``: ask every adapter plugin on its own (through pluggy) and keep
+    the answer called ``name``. Adapters never see the forced name: this is the one place."""
+    pm = get_plugin_manager()
+    plugins = [impl.plugin for impl in pm.hook.jem_adapter.get_hookimpls()]
+    offered = []
+    for plugin in reversed(plugins):  # pluggy's calling order: latest registered first
+        caller = pm.subset_hook_caller("jem_adapter", remove_plugins=[p for p in plugins if p is not plugin])
+        found = caller(model=model, options=options)
+        if found is not None and found.name == name:
+            return found
+        if found is not None:
+            offered.append(found.name)
+    raise NoLogitsError(
+        f"no adapter accepted the model {type(model).__name__} with adapter={name!r}; adapters that do: "
+        f"{', '.join(offered) or '(none)'}. Pass one of those, or an Adapter instance."
+    )
+
+
+def as_jem(obj: Any, what: str = "this") -> JEM:
+    """The :class:`JEM` in ``obj``: a JEM, or a JEM inside ``torch.compile``/DataParallel/DDP/FSDP.
+
+    Anything else raises :class:`~jem_plugin.errors.NotWrappedError` (a ``JEMError``) telling the user to wrap it: a raw
+    classifier is never wrapped implicitly, since its input domain would be guessed unseen.
+    """
+    core = unwrap_model(obj)
+    if isinstance(core, JEM):
+        return core
+    raise NotWrappedError(
+        f"{what} needs the energy view of the classifier, got {type(core).__name__}. Wrap the "
+        "model first: jm = jem_plugin.wrap(model) (check jm.domain), then pass jm."
+    )
 
 
 # ----------------------------------------------------------------------------- sampling mode

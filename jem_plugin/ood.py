@@ -22,15 +22,16 @@ at least 95%, no interpolation).
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ._checks import model_device, unpack_batch
+from ._checks import INPUT_KEYS, DomainCheck, check_input, model_device, unpack_batch
 from .errors import InvalidInputError, InvalidScoresError
-from .model import sampling_mode
+from .model import as_jem, sampling_mode
 from .plugins import collect, lookup
 
 __all__ = ["score", "available_scores", "evaluate", "evaluate_all"]
@@ -44,7 +45,7 @@ def available_scores() -> dict[str, str]:
     return {name: entries[name].get("description", "") for name in sorted(entries)}
 
 
-def _batches(data: Any, batch_size: int) -> tuple[Iterable[Tensor], int | None, bool]:
+def _batches(data: Any, batch_size: int, input_key: str | None = None) -> tuple[Iterable[Tensor], int | None, bool]:
     """``(iterator over input batches, number of batches or None, data was one tensor)``."""
     if isinstance(data, np.ndarray):
         data = torch.from_numpy(data)
@@ -63,7 +64,8 @@ def _batches(data: Any, batch_size: int) -> tuple[Iterable[Tensor], int | None, 
         n = len(data)
     except TypeError:
         n = None
-    return (unpack_batch(item)[0] for item in data), n, False
+    keys = INPUT_KEYS if input_key is None else input_key
+    return (unpack_batch(item, input_key=keys)[0] for item in data), n, False
 
 
 def _check_kwargs(name: str, fn, kwargs: dict) -> None:
@@ -84,19 +86,24 @@ def _check_kwargs(name: str, fn, kwargs: dict) -> None:
         )
 
 
-def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progress: bool = True,
-          **kwargs: Any) -> Tensor:
+def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progress: bool | None = None,
+          input_key: str | None = None, **kwargs: Any) -> Tensor:
     """OOD score of every input in ``data``: a ``[N]`` float tensor, higher = more in-distribution.
 
     Parameters
     ----------
-    jm: a wrapped classifier (:func:`jem_plugin.wrap`). No training needed.
+    jm: a wrapped classifier (:func:`jem_plugin.wrap`), also inside ``torch.compile`` or DDP.
+        No training needed. A raw classifier raises :class:`~jem_plugin.errors.NotWrappedError`:
+        it is never wrapped implicitly, since its input domain would be guessed unseen.
     data: a ``[N, ...]`` tensor (scored in chunks of ``batch_size``), or an iterable such as a
         ``DataLoader`` yielding tensors, ``(x, y, ...)`` tuples or dicts with an ``"x"`` /
         ``"image"`` / ``"pixel_values"`` key. Batches are moved to the model's device.
     method: a registered score name, see :func:`available_scores` (``"logpx"``, ``"msp"``,
         ``"max_logit"``, ``"grad_norm"``, ``"logpx_sgld"``, ...).
-    progress: show a tqdm progress bar over batches.
+    progress: show a tqdm progress bar over batches. Default (``None``): never for a tensor;
+        for an iterable only when stderr is a terminal.
+    input_key: the key of the inputs in dict batches (default: the first of ``"x"``,
+        ``"input"``, ``"inputs"``, ``"image"``, ``"images"``, ``"pixel_values"`` present).
     **kwargs: options of the score, e.g. ``temperature=1000.0`` for ``"msp"``.
 
     The model runs in :func:`jem_plugin.model.sampling_mode` (eval mode, frozen parameters;
@@ -113,15 +120,21 @@ def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progre
     fn, needs_grad = entry["item"], bool(entry.get("needs_grad", False))
     _check_kwargs(method, fn, kwargs)
 
-    batches, n_batches, was_tensor = _batches(data, batch_size)
+    jm = as_jem(jm, "ood.score")
+    batches, n_batches, was_tensor = _batches(data, batch_size, input_key)
+    if progress is None:
+        progress = not was_tensor and sys.stderr.isatty()
     out_device = data.device if was_tensor else torch.device("cpu")
     device = model_device(jm)
+    dtype, domain_check = jm.param_dtype(), DomainCheck(batches=1)
     results: list[Tensor] = []
     with sampling_mode(jm), tqdm(total=n_batches, desc=f"ood score {method}", unit="batch",
                              disable=not progress, leave=False) as bar:
         for x in batches:
             if device is not None and x.device != device:
                 x = x.to(device, non_blocking=True)
+            x = check_input(x, dtype=dtype, domain=jm.domain)
+            domain_check(x, jm.domain, f"ood.score(method={method!r})")
             if needs_grad:
                 s = fn(jm, x, **kwargs)
             else:
@@ -133,7 +146,7 @@ def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progre
                     f"{tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__} for a "
                     f"batch of {x.shape[0]} inputs; a score function must return a [B] tensor"
                 )
-            results.append(s.detach().to(out_device))
+            results.append(s.detach().to(out_device, torch.float32))
             bar.update(1)
     if not results:
         raise InvalidInputError("no inputs to score: the data is empty")
@@ -227,7 +240,7 @@ def evaluate(scores_in: Any, scores_out: Any, *, positive: str = "in",
 def evaluate_all(jm, data_in: Any, data_out: Mapping[str, Any],
                  methods: Sequence[str] = ("logpx", "msp", "max_logit", "grad_norm"), *,
                  method_kwargs: Mapping[str, Mapping[str, Any]] | None = None, positive: str = "in",
-                 batch_size: int = 256, progress: bool = True, return_scores: bool = False):
+                 batch_size: int = 256, progress: bool | None = None, return_scores: bool = False):
     """Every score in ``methods`` against every OOD set: ``{method: {set name: evaluate(...)}}``.
 
     ``data_in`` and each value of ``data_out`` are anything :func:`score` takes. The

@@ -42,9 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_labels, draw
-from .errors import InvalidInputError
-from .model import input_grad_enabled
+from ._checks import check_input, check_labels, draw
+from .model import as_jem, input_grad_enabled
 from .model import sampling_mode
 
 __all__ = ["pgd_attack", "SGLDDefense", "robust_accuracy"]
@@ -54,9 +53,8 @@ NORMS = ("linf", "l2")
 
 # ---------------------------------------------------------------------- helpers
 def _check_xy(jm, x: Any, y: Any) -> tuple[Tensor, Tensor]:
-    if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() < 2:
-        got = f"dtype {x.dtype}, shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
-        raise InvalidInputError(f"expected a floating-point batch [B, ...] of inputs, got {got}")
+    core = as_jem(jm, "robustness")
+    x = check_input(x, dtype=core.param_dtype(), domain=core.domain)
     return x, check_labels(y, x.shape[0], device=x.device)
 
 

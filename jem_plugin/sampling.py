@@ -24,10 +24,10 @@ import torch
 from torch import Tensor
 
 from . import _cuda_graph, plugins
-from ._checks import autocast_cache_off, check_label_range, check_labels, follow, model_device, same_device
+from ._checks import (DomainCheck, autocast_cache_off, check_input, check_label_range, check_labels, follow,
+                      model_device, same_device)
 from .errors import DivergenceError, InvalidInputError
-
-from .model import input_grad_enabled
+from .model import as_jem, input_grad_enabled
 from .model import sampling_mode
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -242,13 +242,15 @@ class SGLD:
         and ``torch.autocast`` (the forward runs in the caller's autocast; the chain stays fp32).
         Raises :class:`~jem_plugin.errors.DivergenceError` if the chain's energies are not finite.
         """
-        if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() < 2:
-            got = f"dtype {x.dtype}, shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
-            raise InvalidInputError(f"SGLD needs a floating-point batch [B, ...] to start from, got {got}")
+        jm = as_jem(jm, "SGLD.run")
+        x = check_input(x, domain=jm.domain, what="chain start")
         if self.cuda_graph != "off" and self.steps:
             out = _cuda_graph.run(self, jm, x, y)  # None: this chain runs eagerly
             if out is not None:
-                return out
+                if not return_diagnostics:
+                    return out
+                sizes = self.step_sizes()
+                return out, SGLDDiagnostics(steps=len(sizes), final_step_size=sizes[-1] if sizes else None)
         # fp32 chain whatever the caller's precision (float64 chains stay float64 for float64 models).
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         if y is not None:
@@ -375,6 +377,7 @@ class SGLD:
         ``x_init``, or else uniformly over ``jm.domain`` (``shape`` defaults to the domain's
         ``input_size``).
         """
+        jm = as_jem(jm, "SGLD.sample")
         if buffer is not None and x_init is not None:
             raise ValueError("pass either buffer= (persistent chains) or x_init= (chain starts), not both")
         if n is not None and (not _is_int(n) or n < 1):
@@ -385,8 +388,9 @@ class SGLD:
                 raise ValueError(f"n={n} conflicts with y of {y.shape[0]} labels; pass one of them")
             n = y.shape[0]
         if x_init is not None:
-            if not isinstance(x_init, Tensor):
-                raise InvalidInputError(f"x_init must be a tensor, got {type(x_init).__name__}")
+            x_init = check_input(x_init, domain=jm.domain, what="x_init")
+            # Out-of-domain starts warn once; only the first calls are checked (one sync each).
+            self.__dict__.setdefault("_x_init_check", DomainCheck())(x_init, jm.domain, "SGLD.sample(x_init=...)")
             if n is not None and n != x_init.shape[0]:
                 raise ValueError(f"n={n} conflicts with x_init of batch size {x_init.shape[0]}")
             return self.run(jm, x_init, y, return_diagnostics=return_diagnostics)

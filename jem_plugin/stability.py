@@ -382,6 +382,7 @@ class DivergenceGuard:
                 and hasattr(loss_fn, "l2_weight") else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
         self.iteration = int(state["iteration"])
         self.rollbacks = int(state["rollbacks"])
         self.applied = list(state.get("applied", []))

@@ -137,8 +137,9 @@ def test_huggingface_image_classifier():
     jm = jem.wrap(model)
     assert jm.adapter.name == "huggingface"
     assert jm.num_classes == 4
-    assert jm.domain.low == (-1.0,) and jm.domain.high == (1.0,)
-    x = torch.randn(2, 3, 16, 16)
+    # the documented default without processor=: mean = std = 0.5 on each of config.num_channels
+    assert set(jm.domain.low) == {-1.0} and set(jm.domain.high) == {1.0}
+    x = torch.randn(2, 3, 16, 16).clamp(-1, 1)
     logits = model(x).logits
     assert torch.equal(jm(x), logits)
     torch.testing.assert_close(jm.energy(x), -torch.logsumexp(logits, 1))

@@ -188,7 +188,7 @@ def cmd_eval(args) -> int:
     jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
     x, y = _eval_data(args, spec)
     with torch.no_grad():
-        logits = torch.cat([jm(xb.to(next(jm.parameters()).device)).cpu() for xb in x.split(512)])
+        logits = torch.cat([jm.logits(xb.to(next(jm.parameters()).device)).cpu() for xb in x.split(512)])
     result = {"accuracy": float((logits.argmax(1) == y).float().mean()),
               **calibration.calibration_report(logits, y)}
     _emit(result, args)
@@ -210,7 +210,7 @@ def cmd_ood(args) -> int:
         ood_sets = {"noise": jm.domain.uniform(len(x), x.shape[1:], generator=torch.Generator().manual_seed(args.seed))}
     result: dict[str, Any] = {}
     for method in args.scores.split(","):
-        s_in = ood.score(jm, x, method=method, progress=not args.quiet)
+        s_in = ood.score(jm, x, method=method, progress=False if args.quiet else None)
         for name, xo in ood_sets.items():
             s_out = ood.score(jm, xo, method=method, progress=False)
             result[f"{method}/{name}"] = ood.evaluate(s_in, s_out)
