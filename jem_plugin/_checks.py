@@ -132,7 +132,7 @@ def unpack_batch(batch: Any, *, input_key: str | Sequence[str] = INPUT_KEYS,
         raise InvalidInputError(
             f"cannot find the input tensor in a batch of type {type(batch).__name__}; the data must be a "
             "tensor, or an iterable (e.g. a DataLoader) yielding tensors, (x, y) tuples or dicts with "
-            f"an input key ({', '.join(map(repr, _keys(input_key)))})"
+            f"an input key ({', '.join(map(repr, _keys(input_key)))}; name yours with input_key=...)"
         )
     if need_labels and y is None:
         raise InvalidLabelError(
@@ -259,7 +259,7 @@ class DomainCheck:
     def __call__(self, x: Tensor, domain: Any, where: str, stacklevel: int = 2) -> None:
         """Check ``x`` if this is one of the first batches; ``stacklevel`` counts from the function
         that calls this check (2: the user's line calling that function)."""
-        if self.left <= 0 or domain is None or x.numel() == 0:
+        if self.left <= 0 or domain is None or x.numel() == 0 or x.is_meta:
             return
         self.left -= 1
         if warn_out_of_domain(x, domain, where, stacklevel=stacklevel + 1):

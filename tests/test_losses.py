@@ -292,8 +292,9 @@ def test_label_range_checked_even_when_num_classes_unknown_before_first_forward(
         JEMLoss(SGLD(steps=1), px_weight=0.0)(jm, x, y)
 
 
-def test_loss_never_mutates_the_adapter_and_asks_for_num_classes_when_it_needs_them():
-    # A hand-written adapter that does not know the class count: the loss reads it, never sets it.
+def test_loss_never_mutates_the_adapter_and_learns_num_classes_once_on_the_jem():
+    # A hand-written adapter that does not know the class count: the JEM learns it from the first
+    # forward (once); the adapter is never written.
     net = nn.Sequential(nn.Flatten(), nn.Linear(64, 6))
     jm = jem.JEM(net, jem.Adapter("plain"))
     x, y = torch.rand(4, 1, 8, 8), torch.tensor([0, 5, 2, 3])
@@ -301,9 +302,12 @@ def test_loss_never_mutates_the_adapter_and_asks_for_num_classes_when_it_needs_t
     assert jm.adapter.num_classes is None
     with pytest.raises(InvalidLabelError, match=r"\[0, 6\)"):  # the range is still checked
         JEMLoss(SGLD(steps=1), px_weight=0.0)(jm, x, torch.tensor([0, 6, 1, 1]))
+    assert jm.num_classes == 6
     for kwargs in ({"pxy_weight": 1.0}, {"class_conditional_px": True}):
-        with pytest.raises(InvalidLabelError, match=r"wrap\(model, num_classes=K\)"):
-            JEMLoss(SGLD(steps=1), **kwargs)(jm, x, y)
+        fresh = jem.JEM(nn.Sequential(nn.Flatten(), nn.Linear(64, 6)), jem.Adapter("plain"))
+        out = JEMLoss(SGLD(steps=1), **kwargs)(fresh, x, y)  # class-conditional sampling needs K
+        assert torch.isfinite(out.loss) and fresh.num_classes == 6
+        assert fresh.adapter.num_classes is None
     assert jm.adapter.num_classes is None
 
 
