@@ -310,8 +310,12 @@ class JEMLoss(nn.Module):
             return torch.randint(0, k, (n,), generator=g, device=device)
         return torch.randint(0, k, (n,), generator=g, device=g.device).to(device)
 
-    def forward(self, jm: Any, x: Tensor, y: Tensor) -> LossOutput:
-        """One JEM loss evaluation: samples, one forward on the concatenated batch, the terms."""
+    def forward(self, jm: Any, x: Tensor, y: Tensor, px_data: Tensor | None = None) -> LossOutput:
+        """One JEM loss evaluation: samples, one forward on the concatenated batch, the terms.
+
+        ``px_data``: the data the p(x) and energy-L2 terms contrast with the samples (SADA-JEM:
+        the un-augmented batch, while cross-entropy gets the augmented ``x``); default ``x``.
+        """
         core = _unwrap(jm)
         if self.validate:
             y = self._check_batch(core, x, y)
@@ -323,6 +327,9 @@ class JEMLoss(nn.Module):
         x_sample = y_sample = x_cond = y_cond = None
         if self.samples_needed:
             buffer = self._ensure_buffer(core, x)
+            if hasattr(buffer, "fit_if_unfitted"):  # an informative init nobody fitted: this batch
+                buffer.fit_if_unfitted(x if px_data is None else px_data, y if px_data is None or
+                                       px_data.shape[0] == y.shape[0] else None)
             n = self.n_samples or b
             if self.px_weight > 0 or not self.pxy_weight > 0:
                 if self.class_conditional_px:
@@ -336,7 +343,11 @@ class JEMLoss(nn.Module):
         x_data = x + self.data_noise * self._noise_like(x) if self.data_noise > 0 else x
         if self.data_noise > 0 and self._clamps_data():
             x_data = self._clamp_noisy(core, x, x_data)
-        parts = [x_data] + [t.to(x_data.dtype) for t in (x_sample, x_cond) if t is not None]
+        if px_data is not None:
+            core._check_input(px_data)
+            noisy = px_data + self.data_noise * self._noise_like(px_data) if self.data_noise > 0 else px_data
+            px_data = self._clamp_noisy(core, px_data, noisy) if self.data_noise > 0 and self._clamps_data() else noisy
+        parts = [x_data] + [t.to(x_data.dtype) for t in (px_data, x_sample, x_cond) if t is not None]
         logits_all = jm(torch.cat(parts) if len(parts) > 1 else x_data)
         sizes = [p.shape[0] for p in parts]
         if logits_all.dim() != 2 or logits_all.shape[0] != sum(sizes):
@@ -350,6 +361,7 @@ class JEMLoss(nn.Module):
                 self._check_batch(core, x, y)
         chunks = list(torch.split(logits_all, sizes))
         logits_data = chunks.pop(0)
+        energy_px = _energy(chunks.pop(0)) if px_data is not None else None
         logits_sample = chunks.pop(0) if x_sample is not None else None
         logits_cond = chunks.pop(0) if x_cond is not None else None
 
@@ -366,7 +378,7 @@ class JEMLoss(nn.Module):
         energy_sample = _energy(logits_sample)
         if energy_sample is not None:
             # -(mean f(x_data) - mean f(x_q)) with f = logsumexp, exactly the reference's l_p_x.
-            px = energy_data.mean() - energy_sample.mean()
+            px = (energy_data if energy_px is None else energy_px).mean() - energy_sample.mean()
             if self.px_weight > 0:
                 loss = loss + self.px_weight * px
             metrics["px"] = px
@@ -386,7 +398,7 @@ class JEMLoss(nn.Module):
             metrics["energy_sample"] = all_sample_energies.mean()
             metrics["energy_gap"] = metrics["energy_sample"] - metrics["energy_data"]
         if self.l2_weight > 0:
-            l2 = energy_data.pow(2).mean()
+            l2 = (energy_data if energy_px is None else energy_px).pow(2).mean()
             if all_sample_energies is not None:
                 l2 = l2 + all_sample_energies.pow(2).mean()
             loss = loss + self.l2_weight * l2
