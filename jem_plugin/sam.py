@@ -34,24 +34,23 @@ __all__ = ["SAM", "frozen_bn_stats", "reuse_samples"]
 
 @contextlib.contextmanager
 def frozen_bn_stats(model: nn.Module | None) -> Iterator[None]:
-    """Inside, BatchNorm layers still normalise with batch statistics (train mode) but their
-    running statistics and batch counters are restored on exit: the pass leaves no trace."""
+    """Inside, BatchNorm layers in train mode still normalise with batch statistics but do not
+    update their running statistics or batch counters: the pass leaves no trace.
+
+    Done by switching ``track_running_stats`` off for the block (nothing is modified in place,
+    so a graph built before the block can still be backpropagated after it)."""
     if model is None:
         yield
         return
-    saved = []
-    for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
-            saved.append((m, [t.clone() if t is not None else None
-                              for t in (m.running_mean, m.running_var, m.num_batches_tracked)]))
+    layers = [m for m in model.modules()
+              if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+    for m in layers:
+        m.track_running_stats = False
     try:
         yield
     finally:
-        with torch.no_grad():
-            for m, (mean, var, count) in saved:
-                for live, old in ((m.running_mean, mean), (m.running_var, var), (m.num_batches_tracked, count)):
-                    if live is not None and old is not None:
-                        live.copy_(old)
+        for m in layers:
+            m.track_running_stats = True
 
 
 class _Replay:

@@ -131,3 +131,18 @@ def test_sam_refuses_bad_arguments():
         SAM(p)
     with pytest.raises(RuntimeError, match="backward"):
         SAM(torch.optim.SGD(p, lr=0.1)).first_step()
+
+
+def test_frozen_pass_does_not_break_a_graph_built_before_it():
+    # A train-mode pass before the block, a frozen pass inside, one backward after: the frozen
+    # pass must not modify the running statistics in place (autograd saved them).
+    torch.manual_seed(0)
+    model = BNNet().train()
+    a = model(torch.randn(4, 3, 8, 8))
+    before = _bn_state(model)
+    with frozen_bn_stats(model):
+        b = model(torch.randn(4, 3, 8, 8))
+    (a.sum() + b.sum()).backward()
+    after = _bn_state(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert model.bn.track_running_stats
