@@ -324,10 +324,12 @@ def references(setting: str, quick: bool, n_train: int | None) -> dict[str, Any]
     ref["gaussian_init"] = reference_points(judge, S["xt"], init=gauss.sample(n, tuple(S["x"].shape[1:]), jm.domain, g, "cpu"),
                                             n=n)["init"]
     ref["uniform_init"] = ref.pop("init")
+    yc = torch.arange(10).repeat_interleave(COND_PER_CLASS)  # the judge on the init's own class draws
+    init_acc = judge.accuracy(gauss.sample(len(yc), tuple(S["x"].shape[1:]), jm.domain, g, "cpu", y=yc), yc)
     noise_q = sample_quality(judge, jm.domain.uniform(100, tuple(S["x"].shape[1:]), generator=g), S["xt"],
                              y_samples=torch.arange(10).repeat_interleave(10))
     return {"judge_test_accuracy": judge.test_accuracy, "judge_train_cpu_s": judge_s,
-            "judge_acc_on_uniform_noise": noise_q["judge_acc"], "fd": ref}
+            "judge_acc_on_uniform_noise": noise_q["judge_acc"], "judge_acc_on_gaussian_init": init_acc, "fd": ref}
 
 
 def run(settings=("digits32_test_resnet", "digits8_cnn"), runs=RECIPE_RUNS, epochs32: int = 20, epochs8: int = 40,
@@ -374,7 +376,8 @@ def to_markdown(res: dict[str, Any]) -> str:
     for s, ref in res["references"].items():
         fd = ref["fd"]
         lines.append(f"**{s}** judge: test accuracy {ref['judge_test_accuracy']:.3f}, accuracy on uniform noise "
-                     f"{ref['judge_acc_on_uniform_noise']:.2f}; reference FD: test halves {fd['heldout_halves']:.2f}, "
+                     f"{ref['judge_acc_on_uniform_noise']:.2f}, on class draws of the per-class Gaussian "
+                     f"{ref.get('judge_acc_on_gaussian_init', float('nan')):.2f}; reference FD: test halves {fd['heldout_halves']:.2f}, "
                      f"train {fd['train']:.2f}, uniform init {fd['uniform_init']:.1f}, Gaussian init "
                      f"{fd['gaussian_init']:.1f}")
         lines.append("")
