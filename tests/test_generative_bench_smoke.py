@@ -11,14 +11,6 @@ import torch
 from benchmarks import bench_generative as B
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_to32_is_imagenet_normalised_rgb():
     x8 = torch.full((2, 1, 8, 8), 1.0)  # white
     x = B.to32(x8)
@@ -40,8 +32,12 @@ def test_samples_through_bn_modes_keep_data_statistics_apart():
 
 
 def test_bench_generative_quick_run(tmp_path):
-    res = B.run(settings=("digits8_cnn",), runs=("baseline", "sadajem"), epochs8=1, quick=True,
-                out_dir=str(tmp_path), workers=1, n_train=128)
+    threads = torch.get_num_threads()  # the benchmark's jobs run on one thread each
+    try:
+        res = B.run(settings=("digits8_cnn",), runs=("baseline", "sadajem"), epochs8=1, quick=True,
+                    out_dir=str(tmp_path), workers=1, n_train=128)
+    finally:
+        torch.set_num_threads(threads)
     rows = {r["run"]: r for r in res["rows"]}
     assert set(rows) == {"baseline", "sadajem"}
     for r in rows.values():
