@@ -252,6 +252,21 @@ class ReplayBuffer(nn.Module):
             self.init_dist.to(self.data.device)
         return self
 
+    def fit_if_unfitted(self, x: Tensor, y: Tensor | None) -> bool:
+        """Fit a fittable init distribution that nobody fitted, from this batch (``JEMLoss`` calls
+        this on every batch; it acts at most once, before the first chain is drawn). Classes
+        missing from the batch get the whole batch's Gaussian. Returns whether it fitted."""
+        if self._is_init or y is None or getattr(self.init_dist, "fitted", True):
+            return False
+        y = y.reshape(-1).long()
+        k = self.num_classes if self.num_classes is not None else int(y.max()) + 1
+        missing = [c for c in range(k) if not bool((y == c).any())]
+        if missing:  # one copy of the batch per missing class: its Gaussian is the batch's
+            x = torch.cat([x] + [x] * len(missing))
+            y = torch.cat([y] + [torch.full_like(y, c) for c in missing])
+        self.fit(x.detach(), y)
+        return True
+
     # ------------------------------------------------------------------ looking at it
     def _require_init(self) -> None:
         if not self._is_init:

@@ -279,6 +279,13 @@ class JEMLoss(nn.Module):
         lo, hi = core.domain.bounds(x)
         return torch.minimum(torch.maximum(x_noisy, torch.minimum(lo, x)), torch.maximum(hi, x))
 
+    def _with_data_noise(self, core: JEM, x: Tensor) -> Tensor:
+        """``x`` plus the data noise, kept inside the domain the chains are clamped to."""
+        if self.data_noise <= 0:
+            return x
+        noisy = x + self.data_noise * self._noise_like(x)
+        return self._clamp_noisy(core, x, noisy) if self._clamps_data() else noisy
+
     def _noise_like(self, x: Tensor) -> Tensor:
         return draw(torch.randn, x.shape, self.generator, x.device, dtype=x.dtype)
 
@@ -294,8 +301,11 @@ class JEMLoss(nn.Module):
         x0, _ = buffer.sample(n, domain=core.domain, y=y, generator=self.generator)
         return self.sampler.sample(core, x_init=x0.to(device or x0.device), y=y)
 
-    def forward(self, jm: Any, x: Tensor, y: Tensor) -> LossOutput:
+    def forward(self, jm: Any, x: Tensor, y: Tensor, px_data: Tensor | None = None) -> LossOutput:
         """One JEM loss evaluation: samples, one forward on the concatenated batch, the terms.
+
+        ``px_data``: the data the p(x) and energy-L2 terms contrast with the samples (SADA-JEM:
+        the un-augmented batch, while cross-entropy gets the augmented ``x``); default ``x``.
 
         Validation: with the loss module in eval mode (``loss_fn.eval()``) or with gradients off
         (``torch.no_grad()``, ``torch.inference_mode()``) the replay buffer is read but never
@@ -317,8 +327,10 @@ class JEMLoss(nn.Module):
         x_sample = y_sample = x_cond = y_cond = None
         if self.samples_needed:
             buffer = self._ensure_buffer(core, x)
-            param = next(core.parameters(), None)
-            follow(buffer, param.device if param is not None else x.device)  # given or restored on the CPU
+            follow(buffer, model_device(core, x.device))  # a buffer given or restored on the CPU
+            if not evaluating and hasattr(buffer, "fit_if_unfitted"):  # an informative init nobody fitted
+                buffer.fit_if_unfitted(x if px_data is None else px_data, y if px_data is None or
+                                       px_data.shape[0] == y.shape[0] else None)
             n = self.n_samples or b
             if self.px_weight > 0 or not self.pxy_weight > 0:
                 if self.class_conditional_px:
@@ -329,11 +341,11 @@ class JEMLoss(nn.Module):
                 x_cond = self._sample(core, y_cond.shape[0], buffer, y_cond, evaluating)
 
         # 2. One forward on [x_data; x_sample; x_cond], then split.
-        noisy = self.data_noise > 0 and not evaluating
-        x_data = x + self.data_noise * self._noise_like(x) if noisy else x
-        if noisy and self._clamps_data():
-            x_data = self._clamp_noisy(core, x, x_data)
-        parts = [x_data] + [t.to(x_data.dtype) for t in (x_sample, x_cond) if t is not None]
+        x_data = x if evaluating else self._with_data_noise(core, x)
+        if px_data is not None:
+            px_data = check_input(px_data, dtype=core.param_dtype(), domain=core.domain, what="px_data")
+            px_data = px_data if evaluating else self._with_data_noise(core, px_data)
+        parts = [x_data] + [t.to(x_data.dtype) for t in (px_data, x_sample, x_cond) if t is not None]
         logits_all = jm(torch.cat(parts) if len(parts) > 1 else x_data)
         sizes = [p.shape[0] for p in parts]
         if logits_all.dim() != 2 or logits_all.shape[0] != sum(sizes):
@@ -347,6 +359,7 @@ class JEMLoss(nn.Module):
                 self._check_batch(core, x, y)
         chunks = list(torch.split(logits_all, sizes))
         logits_data = chunks.pop(0)
+        energy_px = free_energy(chunks.pop(0)) if px_data is not None else None
         logits_sample = chunks.pop(0) if x_sample is not None else None
         logits_cond = chunks.pop(0) if x_cond is not None else None
 
@@ -362,7 +375,7 @@ class JEMLoss(nn.Module):
         energy_sample = free_energy(logits_sample) if logits_sample is not None else None
         if energy_sample is not None:
             # -(mean f(x_data) - mean f(x_q)) with f = logsumexp, exactly the reference's l_p_x.
-            px = energy_data.mean() - energy_sample.mean()
+            px = (energy_data if energy_px is None else energy_px).mean() - energy_sample.mean()
             if self.px_weight > 0:
                 loss = loss + self.px_weight * px
             metrics["px"] = px
@@ -382,7 +395,7 @@ class JEMLoss(nn.Module):
             metrics["energy_sample"] = all_sample_energies.mean()
             metrics["energy_gap"] = metrics["energy_sample"] - metrics["energy_data"]
         if self.l2_weight > 0:
-            l2 = energy_data.pow(2).mean()
+            l2 = (energy_data if energy_px is None else energy_px).pow(2).mean()
             if all_sample_energies is not None:
                 l2 = l2 + all_sample_energies.pow(2).mean()
             loss = loss + self.l2_weight * l2

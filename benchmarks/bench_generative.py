@@ -1,0 +1,418 @@
+"""The generative half on the networks users bring (issue 16), per JEM-family recipe, at CPU sizes.
+
+Settings:
+
+- ``digits32_<model>``: the bundled digits upscaled to 32x32 RGB (bilinear), ImageNet-normalised,
+  a timm network with BatchNorm (``test_resnet`` by default; ``resnet10t`` with ``--model32``);
+- ``digits8_cnn``: the BN-free :class:`~jem_plugin.app.nets.DigitsCNN` on the 8x8 digits in [-1, 1].
+
+Recipes (:data:`jem_plugin.recipes.RECIPES`; every run uses a 1000-sample replay buffer so the
+chains get long at these short runs, and random translations of +-1 pixel (8x8) / +-4 (32x32)
+as augmentation): ``baseline`` (cross-entropy, the fast preset's optimiser), ``fast``,
+``fast_gauss`` (fast + per-class Gaussian init fitted from the first batch), ``jempp``, ``sadajem``
+(SAM, p(x) on the un-augmented batch). With ``--bn-modes`` the 32x32 ``fast_gauss`` run is
+repeated with the samples passing BatchNorm in eval mode (running statistics) and in a separate
+train-mode pass whose statistics are not kept.
+
+Measured per run: test accuracy and ECE; OOD AUROC of ``logpx``, ``grad_norm`` and
+``grad_norm_projected`` against uniform noise, photo patches and transposed digits; sample quality
+from an independent judge (:mod:`jem_plugin.sample_quality`, trained here in seconds): the
+Fréchet distance of 360 buffer samples to the 360 test images and of class-conditional samples
+(40 steps of the recipe's sampler from its initial distribution, 10 per class), and the judge's
+accuracy on the latter; reference points (test halves, train, initial distribution); training
+CPU seconds against the baseline. Sample grids: ``<setting>_<run>.png``.
+
+    python benchmarks/bench_generative.py                 # ~15 CPU minutes
+    python benchmarks/bench_generative.py --quick         # seconds (smoke test)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jem_plugin as jem  # noqa: E402
+from jem_plugin.app.data import digits_tensors, photo_patches, transposed, uniform_noise  # noqa: E402
+from jem_plugin.recipes import get_recipe  # noqa: E402
+from jem_plugin.sam import frozen_bn_stats  # noqa: E402
+from jem_plugin.sample_quality import reference_points, sample_quality, train_judge  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generative")
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+RECIPE_RUNS = ("baseline", "fast", "fast_gauss", "jempp", "sadajem")
+OOD_METHODS = ("logpx", "grad_norm", "grad_norm_projected")
+OOD_SETS = ("noise", "patches", "transposed")
+BUFFER_SIZE = 1000
+COND_STEPS, COND_PER_CLASS = 40, 10
+
+
+# ---------------------------------------------------------------------------- data
+def to32(x8: torch.Tensor) -> torch.Tensor:
+    """8x8 digits in [-1, 1] -> 32x32 RGB, ImageNet-normalised (what a torchvision pipeline yields)."""
+    x = F.interpolate(x8, size=(32, 32), mode="bilinear", align_corners=False)
+    x = ((x + 1) / 2).clamp(0, 1).repeat(1, 3, 1, 1)
+    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+def load_setting(name: str, n_train: int | None = None) -> dict[str, Any]:
+    x8, y = digits_tensors("train")
+    xt8, yt = digits_tensors("test")
+    if n_train is not None:
+        x8, y = x8[:n_train], y[:n_train]
+    n = len(xt8)
+    patches8 = photo_patches(n, size=8, seed=1)
+    if name.startswith("digits32"):
+        model_name = name.split("_", 1)[1]
+        wrap_kw = dict(mean=IMAGENET_MEAN, std=IMAGENET_STD, input_size=(3, 32, 32), num_classes=10)
+        dom = jem.wrap(nn.Linear(1, 1), **wrap_kw).domain
+        return dict(name=name, model=model_name, wrap_kw=wrap_kw, shift=4,
+                    x=to32(x8), y=y, xt=to32(xt8), yt=yt,
+                    ood={"noise": dom.uniform(n, (3, 32, 32), generator=torch.Generator().manual_seed(2)),
+                         "patches": to32(patches8), "transposed": to32(transposed(xt8))})
+    wrap_kw = dict(data_range=(-1.0, 1.0), input_size=(1, 8, 8), num_classes=10)
+    return dict(name=name, model="digits_cnn", wrap_kw=wrap_kw, shift=1, x=x8, y=y, xt=xt8, yt=yt,
+                ood={"noise": uniform_noise(n, (1, 8, 8), seed=2), "patches": patches8,
+                     "transposed": transposed(xt8)})
+
+
+def make_model(name: str) -> nn.Module:
+    if name == "digits_cnn":
+        from jem_plugin.app.nets import DigitsCNN
+
+        return DigitsCNN(num_classes=10)
+    import timm
+
+    return timm.create_model(name, pretrained=False, num_classes=10)
+
+
+def shift_augment(x: torch.Tensor, s: int, g: torch.Generator) -> torch.Tensor:
+    """Random translation by up to ``s`` pixels (edge-replicated), one offset per image."""
+    if s <= 0:
+        return x
+    pad = F.pad(x, (s, s, s, s), mode="replicate")
+    dx, dy = torch.randint(0, 2 * s + 1, (2, x.shape[0]), generator=g).tolist()
+    h, w = x.shape[-2:]
+    return torch.stack([pad[i, :, a:a + h, b:b + w] for i, (a, b) in enumerate(zip(dx, dy))])
+
+
+# ---------------------------------------------------------------------------- BatchNorm modes
+class SamplesThroughBN(nn.Module):
+    """How samples pass BatchNorm in the joint forward: ``joint`` (one train-mode batch, shared
+    statistics: JEMLoss's default), ``eval`` (the samples' part in eval mode: running statistics),
+    ``separate`` (the samples' part in its own train-mode pass, running statistics not kept)."""
+
+    def __init__(self, model: nn.Module, mode: str) -> None:
+        super().__init__()
+        self.model, self.mode, self.n_data = model, mode, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.n_data
+        if self.mode == "joint" or not self.training or n is None or x.shape[0] <= n:
+            return self.model(x)
+        data = self.model(x[:n])
+        if self.mode == "eval":
+            self.model.eval()
+            try:
+                rest = self.model(x[n:])
+            finally:
+                self.model.train()
+        else:
+            with frozen_bn_stats(self.model):
+                rest = self.model(x[n:])
+        return torch.cat([data, rest])
+
+
+# ---------------------------------------------------------------------------- one run
+def recipe_for(run: str, quick: bool):
+    if run == "baseline":
+        return None
+    r = get_recipe("fast" if run == "fast_gauss" else run)
+    if run == "fast_gauss":
+        r = dataclasses.replace(r, name="fast_gauss", init="gaussian")
+    return dataclasses.replace(r, buffer_size=40 if quick else BUFFER_SIZE)
+
+
+def train_run(S: dict, run: str, epochs: int, seed: int = 0, bn_mode: str = "joint", quick: bool = False,
+              batch_size: int = 64) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    model = make_model(S["model"])
+    net = SamplesThroughBN(model, bn_mode) if bn_mode != "joint" else model
+    jm = jem.wrap(net, **S["wrap_kw"])
+    r = recipe_for(run, quick)
+    base = r or get_recipe("fast")
+    n_batches = math.ceil(len(S["x"]) / batch_size)
+    total = epochs * n_batches
+    opt = base.build_optimizer(model.parameters())
+    warm = base.warmup_for(total)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warm) if warm else 1.0)
+    sam = r.build_sam(opt) if r is not None else None
+    loss_fn = r.build_loss(sample_shape=S["x"].shape[1:], num_classes=10, generator=g) if r else None
+    model.train()
+    t_cpu, t_wall = time.process_time(), time.perf_counter()
+    history = []
+    for _ in range(epochs):
+        perm = torch.randperm(len(S["x"]), generator=g)
+        for idx in perm.split(batch_size):
+            x_clean, y = S["x"][idx], S["y"][idx]
+            x = shift_augment(x_clean, S["shift"], g)
+            if r is None:
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                metrics = {"loss": loss.item()}
+            else:
+                px = x_clean if r.px_clean_data else None
+                if isinstance(net, SamplesThroughBN):
+                    net.n_data = x.shape[0] * (2 if px is not None else 1)
+
+                def closure():
+                    out = loss_fn(jm, x, y, px_data=px)
+                    out.loss.backward()
+                    return out
+
+                if sam is not None:
+                    out = sam.step(closure, model=model, loss_fn=loss_fn)
+                else:
+                    opt.zero_grad(set_to_none=True)
+                    out = closure()
+                    opt.step()
+                metrics = out.metrics
+            sched.step()
+        history.append({k: round(v, 4) for k, v in metrics.items()})
+    cost = {"train_cpu_s": time.process_time() - t_cpu, "train_wall_s": time.perf_counter() - t_wall,
+            "iterations": total}
+    model.eval()
+    jm_eval = jem.wrap(model, **S["wrap_kw"])  # evaluation on the bare model
+    return dict(model=model, jm=jm_eval, loss_fn=loss_fn, recipe=r, cost=cost, history=history)
+
+
+def init_draws(S: dict, r, loss_fn, jm, n: int, y=None, seed: int = 3) -> torch.Tensor:
+    """``n`` draws of the run's initial distribution (uniform for the baseline)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = tuple(S["x"].shape[1:])
+    if loss_fn is not None and loss_fn.buffer is not None:
+        return loss_fn.buffer.init_dist.sample(n, shape, jm.domain, g, "cpu", y=y)
+    return jm.domain.uniform(n, shape, generator=g)
+
+
+def evaluate_run(S: dict, res: dict, judge, quick: bool) -> dict[str, Any]:
+    jm, r, loss_fn = res["jm"], res["recipe"], res["loss_fn"]
+    with torch.no_grad():
+        logits = jm(S["xt"])
+    out: dict[str, Any] = {
+        "accuracy": float((logits.argmax(1) == S["yt"]).float().mean()),
+        "ece": jem.calibration.ece(logits, S["yt"], from_logits=True),
+    }
+    ood = jem.ood.evaluate_all(jm, S["xt"], S["ood"], methods=OOD_METHODS, progress=False)
+    out["auroc"] = {m: {s: round(ood[m][s]["auroc"], 4) for s in OOD_SETS} for m in OOD_METHODS}
+    n = len(S["xt"])
+    if loss_fn is not None and loss_fn.buffer is not None and loss_fn.buffer._is_init:
+        buf = loss_fn.buffer.samples(min(n, loss_fn.buffer.capacity))
+        out["buffer"] = sample_quality(judge, buf, S["xt"])
+        out["buffer_samples"] = buf
+    per = 2 if quick else COND_PER_CLASS
+    yc = torch.arange(10).repeat_interleave(per)
+    x0 = init_draws(S, r, loss_fn, jm, len(yc), y=yc)
+    ref = r or get_recipe("fast")
+    sampler = jem.SGLD(steps=2 if quick else COND_STEPS, step_size=ref.step_size, noise=ref.noise,
+                       grad_clip=ref.grad_clip, generator=torch.Generator().manual_seed(4))
+    xc = sampler.sample(jm, x_init=x0, y=yc)
+    out["cond"] = sample_quality(judge, xc, S["xt"], y_samples=yc)
+    out["cond"]["model_acc"] = float((jm(xc).argmax(1) == yc).float().mean())  # the model fools itself
+    out["cond_samples"], out["cond_labels"] = xc, yc
+    out["init_fd"] = reference_points(judge, S["xt"], init=init_draws(S, r, loss_fn, jm, n), n=n)["init"]
+    return out
+
+
+# ---------------------------------------------------------------------------- figures
+def save_grid(path: str, title: str, domain, buf: torch.Tensor | None, xc: torch.Tensor, yc: torch.Tensor,
+              judge) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per = int((yc == 0).sum())
+    ncols = per + (8 if buf is not None else 0) + (1 if buf is not None else 0)
+    fig, axes = plt.subplots(10, ncols, figsize=(ncols * 0.9, 10 * 0.95 + 0.6), squeeze=False)
+    pred = judge.predict(xc)
+
+    def show(ax, img):
+        img = domain.to_unit(img.unsqueeze(0))[0].clamp(0, 1)
+        ax.imshow((img[0] if img.shape[0] == 1 else img.permute(1, 2, 0)).numpy(), cmap="gray", vmin=0, vmax=1,
+                  interpolation="nearest")
+
+    for row in range(10):
+        for c in range(per):
+            ax = axes[row, c]
+            i = row * per + c
+            show(ax, xc[i])
+            ax.set_title(f"judge {int(pred[i])}", fontsize=6, color="green" if int(pred[i]) == row else "red", pad=1)
+        axes[row, 0].set_ylabel(f"y={row}", fontsize=8)
+        if buf is not None:
+            axes[row, per].axis("off")
+            for c in range(8):
+                k = row * 8 + c
+                if k < len(buf):
+                    show(axes[row, per + 1 + c], buf[k])
+    for ax in axes.flat:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    if buf is not None:
+        axes[0, per + 1].set_title("replay buffer ->", fontsize=7, loc="left")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------- driver
+def _job(args: tuple) -> dict[str, Any]:
+    setting, run, epochs, bn_mode, quick, out_dir, n_train = args
+    torch.set_num_threads(1)
+    S = load_setting(setting, n_train)
+    judge = _judge(S, quick)
+    res = train_run(S, run, epochs, bn_mode=bn_mode, quick=quick)
+    ev = evaluate_run(S, res, judge, quick)
+    key = run if bn_mode == "joint" else f"{run}_bn_{bn_mode}"
+    q = ev.get("buffer", {})
+    title = (f"{setting} / {key}: acc {ev['accuracy']:.3f}; cond. samples (left, {COND_STEPS if not quick else 2} "
+             f"steps from init): judge acc {ev['cond']['judge_acc']:.2f}, model acc {ev['cond']['model_acc']:.2f}"
+             + (f"; buffer FD {q['fd']:.1f} (init {ev['init_fd']:.1f})" if q else ""))
+    dom = res["jm"].domain
+    ev["grid"] = os.path.basename(save_grid(os.path.join(out_dir, f"{setting}_{key}.png"), title, dom,
+                                            ev.pop("buffer_samples", None), ev.pop("cond_samples"),
+                                            ev.pop("cond_labels"), judge))
+    ev["cost"] = res["cost"]
+    ev["history_last"] = res["history"][-1]
+    ev["recipe"] = str(res["recipe"]) if res["recipe"] is not None else "cross-entropy only"
+    return {"setting": setting, "run": key, "epochs": epochs, **ev}
+
+
+def _judge(S: dict, quick: bool):
+    return train_judge(S["x"], S["y"], epochs=2 if quick else 15, x_test=S["xt"], y_test=S["yt"], seed=0)
+
+
+def references(setting: str, quick: bool, n_train: int | None) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    S = load_setting(setting, n_train)
+    t = time.process_time()
+    judge = _judge(S, quick)
+    judge_s = time.process_time() - t
+    n = len(S["xt"])
+    jm = jem.wrap(nn.Linear(1, 1), **S["wrap_kw"])
+    gauss = jem.ReplayBuffer(10, tuple(S["x"].shape[1:]), init="gaussian", num_classes=10).fit(S["x"], S["y"]).init_dist
+    g = torch.Generator().manual_seed(5)
+    ref = reference_points(judge, S["xt"], train=S["x"], init=jm.domain.uniform(n, tuple(S["x"].shape[1:]), generator=g), n=n)
+    ref["gaussian_init"] = reference_points(judge, S["xt"], init=gauss.sample(n, tuple(S["x"].shape[1:]), jm.domain, g, "cpu"),
+                                            n=n)["init"]
+    ref["uniform_init"] = ref.pop("init")
+    yc = torch.arange(10).repeat_interleave(COND_PER_CLASS)  # the judge on the init's own class draws
+    init_acc = judge.accuracy(gauss.sample(len(yc), tuple(S["x"].shape[1:]), jm.domain, g, "cpu", y=yc), yc)
+    noise_q = sample_quality(judge, jm.domain.uniform(100, tuple(S["x"].shape[1:]), generator=g), S["xt"],
+                             y_samples=torch.arange(10).repeat_interleave(10))
+    return {"judge_test_accuracy": judge.test_accuracy, "judge_train_cpu_s": judge_s,
+            "judge_acc_on_uniform_noise": noise_q["judge_acc"], "judge_acc_on_gaussian_init": init_acc, "fd": ref}
+
+
+def run(settings=("digits32_test_resnet", "digits8_cnn"), runs=RECIPE_RUNS, epochs32: int = 20, epochs8: int = 40,
+        bn_modes: bool = True, quick: bool = False, out_dir: str = OUT, workers: int = 2,
+        n_train: int | None = None) -> dict[str, Any]:
+    os.makedirs(out_dir, exist_ok=True)
+    jobs = []
+    for s in settings:
+        ep = epochs32 if s.startswith("digits32") else epochs8
+        jobs += [(s, r, ep, "joint", quick, out_dir, n_train) for r in runs]
+        if bn_modes and s.startswith("digits32"):
+            jobs += [(s, "fast_gauss", ep, m, quick, out_dir, n_train) for m in ("eval", "separate")]
+    t0 = time.perf_counter()
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as ex:
+            refs = {s: ex.submit(references, s, quick, n_train) for s in settings}
+            rows = list(ex.map(_job, jobs))
+            refs = {s: f.result() for s, f in refs.items()}
+    else:
+        refs = {s: references(s, quick, n_train) for s in settings}
+        rows = [_job(j) for j in jobs]
+    for row in rows:
+        base = next((b for b in rows if b["setting"] == row["setting"] and b["run"] == "baseline"), None)
+        if base is not None:
+            row["cost_vs_baseline"] = row["cost"]["train_cpu_s"] / max(base["cost"]["train_cpu_s"], 1e-9)
+    res = {"machine": {"threads_per_run": 1, "workers": workers, "wall_s": time.perf_counter() - t0},
+           "settings": {"buffer_size": BUFFER_SIZE, "cond_steps": COND_STEPS, "epochs32": epochs32,
+                        "epochs8": epochs8, "batch_size": 64, "n_train": n_train},
+           "references": refs, "rows": rows}
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(to_markdown(res))
+    return res
+
+
+def to_markdown(res: dict[str, Any]) -> str:
+    lines = ["# Generative quality per recipe (bench_generative.py)", ""]
+    st = res["settings"]
+    lines.append(f"Epochs: 32x32 {st['epochs32']}, 8x8 {st['epochs8']}; batch 64; replay buffer {st['buffer_size']}; "
+                 f"class-conditional samples: {st['cond_steps']} steps from the run's initial distribution. "
+                 "FD = Fréchet distance to the 360 test images in the independent judge's features.")
+    lines.append("")
+    for s, ref in res["references"].items():
+        fd = ref["fd"]
+        lines.append(f"**{s}** judge: test accuracy {ref['judge_test_accuracy']:.3f}, accuracy on uniform noise "
+                     f"{ref['judge_acc_on_uniform_noise']:.2f}, on class draws of the per-class Gaussian "
+                     f"{ref.get('judge_acc_on_gaussian_init', float('nan')):.2f}; reference FD: test halves {fd['heldout_halves']:.2f}, "
+                     f"train {fd['train']:.2f}, uniform init {fd['uniform_init']:.1f}, Gaussian init "
+                     f"{fd['gaussian_init']:.1f}")
+        lines.append("")
+    head = ("| setting | run | acc | ECE | logpx AUROC noise/patch/transp | grad_norm | grad_norm_proj | "
+            "buffer FD (its init) | cond. FD | judge acc | model acc on own | CPU s | x baseline |")
+    lines += [head, "|" + "---|" * 13]
+    for r in res["rows"]:
+        a = r["auroc"]
+        f3 = lambda m: "/".join(f"{a[m][s]:.3f}" for s in OOD_SETS)  # noqa: E731
+        buf = f"{r['buffer']['fd']:.1f} ({r['init_fd']:.1f})" if "buffer" in r else f"- ({r['init_fd']:.1f})"
+        lines.append(f"| {r['setting']} | {r['run']} | {r['accuracy']:.3f} | {r['ece']:.3f} | {f3('logpx')} | "
+                     f"{f3('grad_norm')} | {f3('grad_norm_projected')} | {buf} | {r['cond']['fd']:.1f} | "
+                     f"{r['cond']['judge_acc']:.2f} | {r['cond']['model_acc']:.2f} | {r['cost']['train_cpu_s']:.0f} | "
+                     f"{r.get('cost_vs_baseline', float('nan')):.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in seconds")
+    p.add_argument("--epochs32", type=int, default=20)
+    p.add_argument("--epochs8", type=int, default=40)
+    p.add_argument("--model32", default="test_resnet", help="timm model for the 32x32 setting (test_resnet, resnet10t)")
+    p.add_argument("--runs", nargs="*", default=list(RECIPE_RUNS), choices=list(RECIPE_RUNS))
+    p.add_argument("--no-bn-modes", dest="bn_modes", action="store_false")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--out", default=OUT)
+    a = p.parse_args(argv)
+    settings = (f"digits32_{a.model32}", "digits8_cnn")
+    if a.quick:
+        res = run(settings, a.runs, 1, 1, a.bn_modes, True, a.out, a.workers, n_train=128)
+    else:
+        res = run(settings, a.runs, a.epochs32, a.epochs8, a.bn_modes, False, a.out, a.workers)
+    print(to_markdown(res))
+
+
+if __name__ == "__main__":
+    main()

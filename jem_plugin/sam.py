@@ -1,0 +1,179 @@
+"""Sharpness-aware minimisation for JEM training, as SADA-JEM uses it (rho 2, adaptive).
+
+SAM (Foret et al. 2021; adaptive: ASAM, Kwon et al. 2021) takes two forward/backward passes per
+iteration: the first finds the gradient ``g`` at ``w``, the weights move to the locally worst point
+``w + e(w)`` (``e = rho * T^2 g / ||T g||``, ``T = |w|`` when adaptive, else 1), the second pass
+takes the gradient there, and the base optimiser steps from the *restored* ``w`` with it.
+
+Two JEM-specific rules (SADA-JEM):
+
+- **sample once per iteration**: the second pass reuses the first pass's SGLD samples (no second
+  chain, no second replay-buffer write); :meth:`SAM.step` does this when given ``loss_fn=``, or use
+  :func:`reuse_samples` yourself;
+- **BatchNorm statistics frozen on the second pass**: the perturbed weights' batch must not move
+  the running statistics (:func:`frozen_bn_stats`).
+
+>>> sam = SAM(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), rho=2.0, adaptive=True)
+>>> def closure():
+...     out = loss_fn(jm, x, y)
+...     out.loss.backward()
+...     return out
+>>> out = sam.step(closure, model=model, loss_fn=loss_fn)   # two passes, one sampling
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["SAM", "frozen_bn_stats", "reuse_samples"]
+
+
+@contextlib.contextmanager
+def frozen_bn_stats(model: nn.Module | None) -> Iterator[None]:
+    """Inside, BatchNorm layers in train mode still normalise with batch statistics but do not
+    update their running statistics or batch counters: the pass leaves no trace.
+
+    Done by switching ``track_running_stats`` off for the block (nothing is modified in place,
+    so a graph built before the block can still be backpropagated after it)."""
+    if model is None:
+        yield
+        return
+    layers = [m for m in model.modules()
+              if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+    for m in layers:
+        m.track_running_stats = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.track_running_stats = True
+
+
+class _Replay:
+    """Stands in for a sampler: records what the first pass drew, hands it back on the second."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.inner, self.recorded, self.replaying = sampler, [], False
+
+    def sample(self, jm: Any, n: Any = None, **kwargs: Any) -> Tensor:
+        if not self.replaying:
+            x = self.inner.sample(jm, n, **kwargs)
+            self.recorded.append(x)
+            return x
+        if not self.recorded:
+            raise RuntimeError("the second SAM pass asked for more samples than the first drew; the "
+                               "closure must compute the same loss both times")
+        return self.recorded.pop(0)
+
+    def __getattr__(self, name: str) -> Any:  # clamp, steps, ...: the real sampler's
+        return getattr(self.inner, name)
+
+
+@contextlib.contextmanager
+def reuse_samples(loss_fn: Any) -> Iterator[_Replay]:
+    """Swap ``loss_fn.sampler`` for a recorder for the block: call ``replay.replaying = True``
+    between the passes and the second pass gets the first pass's samples, in order."""
+    replay = _Replay(loss_fn.sampler)
+    loss_fn.sampler = replay
+    try:
+        yield replay
+    finally:
+        loss_fn.sampler = replay.inner
+
+
+class SAM:
+    """Sharpness-aware minimisation around any ``torch.optim`` optimiser.
+
+    Parameters
+    ----------
+    base_optimizer: the optimiser that makes the actual step (its ``param_groups`` are SAM's).
+    rho: neighbourhood radius (SADA-JEM: 2.0 with ``adaptive=True``; plain SAM uses ~0.05).
+    adaptive: ASAM's scale-invariant neighbourhood (``T = |w|``).
+
+    Use :meth:`step` with a closure, or :meth:`first_step` / :meth:`second_step` in your own loop.
+    Learning-rate schedulers attach to ``base_optimizer``.
+    """
+
+    def __init__(self, base_optimizer: torch.optim.Optimizer, rho: float = 2.0, adaptive: bool = True) -> None:
+        if not isinstance(base_optimizer, torch.optim.Optimizer):
+            raise TypeError(f"SAM wraps a torch.optim.Optimizer, got {type(base_optimizer).__name__}")
+        if not (isinstance(rho, (int, float)) and math.isfinite(rho) and rho > 0):
+            raise ValueError(f"rho must be a finite number > 0, got {rho!r}")
+        self.base_optimizer = base_optimizer
+        self.rho, self.adaptive = float(rho), bool(adaptive)
+        self._saved: dict[Tensor, Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"SAM(rho={self.rho}, adaptive={self.adaptive}, base={type(self.base_optimizer).__name__})"
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.base_optimizer.param_groups
+
+    def _params(self) -> list[Tensor]:
+        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    @torch.no_grad()
+    def first_step(self, zero_grad: bool = True) -> None:
+        """Move the weights to ``w + e(w)`` using the gradients now in ``.grad`` (the first pass's)."""
+        params = self._params()
+        if not params:
+            raise RuntimeError("SAM.first_step found no gradients: call loss.backward() first")
+        scaled = [(p.abs() * p.grad if self.adaptive else p.grad) for p in params]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(s) for s in scaled]))
+        scale = self.rho / (norm + 1e-12)
+        self._saved = {}
+        for p in params:
+            e = (p.square() if self.adaptive else torch.ones_like(p)) * p.grad * scale
+            self._saved[p] = p.detach().clone()
+            p.add_(e)
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad: bool = True) -> None:
+        """Restore ``w`` and let the base optimiser step with the gradients taken at ``w + e(w)``."""
+        if not self._saved:
+            raise RuntimeError("SAM.second_step without first_step: call first_step() after the first backward")
+        for p, w in self._saved.items():
+            p.copy_(w)
+        self._saved = {}
+        self.base_optimizer.step()
+        if zero_grad:
+            self.zero_grad()
+
+    def step(self, closure: Callable[[], Any], *, model: nn.Module | None = None, loss_fn: Any = None) -> Any:
+        """One SAM iteration: ``closure()`` (forward + backward) twice around the perturbation.
+
+        ``model``: its BatchNorm running statistics are frozen on the second pass. ``loss_fn``: a
+        :class:`~jem_plugin.JEMLoss` (anything with a ``sampler``) whose second pass reuses the
+        first pass's samples. Returns the first pass's closure result.
+        """
+        if closure is None:
+            raise TypeError("SAM.step needs a closure that computes the loss and calls backward()")
+        ctx = reuse_samples(loss_fn) if loss_fn is not None else contextlib.nullcontext()
+        with ctx as replay:
+            self.zero_grad()
+            with torch.enable_grad():
+                first = closure()
+            self.first_step(zero_grad=True)
+            if replay is not None:
+                replay.replaying = True
+            with torch.enable_grad(), frozen_bn_stats(model):
+                closure()
+            self.second_step(zero_grad=True)
+        return first
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.base_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"base": self.base_optimizer.state_dict(), "rho": self.rho, "adaptive": self.adaptive}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.base_optimizer.load_state_dict(state["base"])
+        self.rho, self.adaptive = float(state["rho"]), bool(state["adaptive"])

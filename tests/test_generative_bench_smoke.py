@@ -1,0 +1,53 @@
+"""Smoke test of benchmarks/bench_generative.py at tiny sizes: it runs, writes its JSON, markdown
+and grids, and the numbers it reports are the kind it says they are."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from benchmarks import bench_generative as B
+
+
+def test_to32_is_imagenet_normalised_rgb():
+    x8 = torch.full((2, 1, 8, 8), 1.0)  # white
+    x = B.to32(x8)
+    assert x.shape == (2, 3, 32, 32)
+    torch.testing.assert_close(x[0, :, 0, 0], (1 - torch.tensor(B.IMAGENET_MEAN)) / torch.tensor(B.IMAGENET_STD))
+
+
+def test_samples_through_bn_modes_keep_data_statistics_apart():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(2))
+    data, samples = torch.randn(8, 2), torch.randn(8, 2) * 10 + 50
+    for mode in ("eval", "separate"):
+        net = B.SamplesThroughBN(model, mode).train()
+        net.n_data = 8
+        out = net(torch.cat([data, samples]))
+        # the data part is normalised with its own batch statistics, whatever the samples are
+        torch.testing.assert_close(out[:8].mean(0), torch.zeros(2), atol=1e-5, rtol=0)
+        assert model.training
+
+
+def test_bench_generative_quick_run(tmp_path):
+    threads = torch.get_num_threads()  # the benchmark's jobs run on one thread each
+    try:
+        res = B.run(settings=("digits8_cnn",), runs=("baseline", "sadajem"), epochs8=1, quick=True,
+                    out_dir=str(tmp_path), workers=1, n_train=128)
+    finally:
+        torch.set_num_threads(threads)
+    rows = {r["run"]: r for r in res["rows"]}
+    assert set(rows) == {"baseline", "sadajem"}
+    for r in rows.values():
+        assert 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["cond"]["judge_acc"] <= 1.0
+        assert set(r["auroc"]) == set(B.OOD_METHODS)
+        assert os.path.exists(tmp_path / r["grid"])
+    assert "buffer" in rows["sadajem"] and "buffer" not in rows["baseline"]
+    assert rows["baseline"]["cost_vs_baseline"] == pytest.approx(1.0)
+    ref = res["references"]["digits8_cnn"]["fd"]
+    assert ref["heldout_halves"] < ref["uniform_init"]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["rows"][0]["run"] == "baseline"
+    assert "| digits8_cnn | sadajem |" in (tmp_path / "results.md").read_text()

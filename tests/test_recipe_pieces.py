@@ -1,0 +1,104 @@
+"""JEM-family recipe pieces on their own: px_data, noise-free clamped steps, the auto-fitted
+Gaussian init, and the jempp/sadajem presets."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import jem_plugin as jem
+from jem_plugin.recipes import RECIPES, get_recipe
+
+
+class FixedSampler:
+    clamp = False
+
+    def __init__(self, x):
+        self.x = x
+
+    def sample(self, jm, n=None, **kw):
+        return self.x[:n]
+
+
+def _net(seed=0, in_ch=1):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_ch * 16, 16), nn.SiLU(), nn.Linear(16, 3))
+
+
+def test_px_data_feeds_the_px_term_and_ce_keeps_the_augmented_batch():
+    model = _net()
+    jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
+    xs = torch.rand(4, 1, 4, 4) * 2 - 1
+    loss_fn = jem.JEMLoss(FixedSampler(xs), jem.ReplayBuffer(8, (1, 4, 4)), data_noise=0.0, l2_weight=0.5)
+    x_aug, x_clean = torch.rand(4, 1, 4, 4) * 2 - 1, torch.rand(4, 1, 4, 4) * 2 - 1
+    y = torch.tensor([0, 1, 2, 0])
+    out = loss_fn(jm, x_aug, y, px_data=x_clean)
+    e = lambda t: -torch.logsumexp(model(t), 1)  # noqa: E731
+    with torch.no_grad():
+        assert out.metrics["px"] == pytest.approx(float(e(x_clean).mean() - e(xs).mean()), abs=1e-5)
+        assert out.metrics["l2"] == pytest.approx(float(e(x_clean).pow(2).mean() + e(xs).pow(2).mean()), abs=1e-5)
+        assert out.metrics["ce"] == pytest.approx(float(nn.functional.cross_entropy(model(x_aug), y)), abs=1e-5)
+    plain = loss_fn(jm, x_aug, y)
+    assert plain.metrics["px"] != pytest.approx(out.metrics["px"], abs=1e-4)
+
+
+def test_noise_free_clamped_steps_are_deterministic_and_bounded():
+    # SGLD(noise=0, grad_clip=c) is JEM++/SADA-JEM's noise-free proximal step: each coordinate
+    # moves by at most step_size * c, and two runs from the same start agree exactly.
+    model = _net(1)
+    jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
+    x0 = torch.zeros(5, 1, 4, 4)
+    s = jem.SGLD(steps=1, step_size=1.0, noise=0.0, grad_clip=0.01)
+    a, b = s.sample(jm, x_init=x0), s.sample(jm, x_init=x0)
+    assert torch.equal(a, b)
+    assert (a - x0).abs().max() <= 0.01 + 1e-7
+    assert (a - x0).abs().max() > 0.009  # the raw gradient is larger than the clip: it binds
+    free = jem.SGLD(steps=1, step_size=1.0, noise=0.0).sample(jm, x_init=x0)
+    assert (free - x0).abs().max() > 0.011
+
+
+def test_unfitted_gaussian_init_is_fitted_from_the_first_batch():
+    torch.manual_seed(0)
+    model = _net(2)
+    jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
+    buffer = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3)
+    loss_fn = jem.JEMLoss(jem.SGLD(steps=0), buffer, data_noise=0.0)
+    # classes 0 and 1 only, at distinct levels: class 2 falls back to the batch's Gaussian
+    x = torch.cat([torch.full((4, 1, 4, 4), -0.5), torch.full((4, 1, 4, 4), 0.5)]) + 0.01 * torch.randn(8, 1, 4, 4)
+    y = torch.tensor([0] * 4 + [1] * 4)
+    loss_fn(jm, x, y)
+    init = buffer.init_dist
+    assert init.fitted
+    torch.testing.assert_close(init.mean[0], torch.full((16,), -0.5), atol=0.02, rtol=0)
+    torch.testing.assert_close(init.mean[1], torch.full((16,), 0.5), atol=0.02, rtol=0)
+    torch.testing.assert_close(init.mean[2], torch.zeros(16), atol=0.02, rtol=0)
+    seg0 = buffer.samples(y=0)
+    assert seg0.mean() == pytest.approx(-0.5, abs=0.05), "the chains start from the fitted Gaussian"
+    # a second batch does not refit
+    loss_fn(jm, x + 0.3, y)
+    torch.testing.assert_close(init.mean[0], torch.full((16,), -0.5), atol=0.02, rtol=0)
+
+
+def test_user_fitted_init_is_left_alone():
+    buffer = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3)
+    buffer.fit(torch.zeros(6, 1, 4, 4), torch.tensor([0, 1, 2, 0, 1, 2]))
+    assert not buffer.fit_if_unfitted(torch.ones(6, 1, 4, 4), torch.tensor([0, 1, 2, 0, 1, 2]))
+    assert float(buffer.init_dist.mean.abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("name", ["jempp", "sadajem"])
+def test_family_presets_build_a_working_loss(name):
+    r = get_recipe(name)
+    assert name in RECIPES and r.name == name and name in str(r)
+    model = _net(3, in_ch=3)
+    jm = jem.wrap(model, data_range=(-1, 1), input_size=(3, 4, 4), num_classes=3)
+    loss_fn = r.build_loss(sample_shape=(3, 4, 4), num_classes=3)
+    small = dataclasses.replace(r, buffer_size=30)
+    loss_fn = small.build_loss(sample_shape=(3, 4, 4), num_classes=3)
+    x, y = torch.rand(6, 3, 4, 4) * 2 - 1, torch.tensor([0, 1, 2, 0, 1, 2])
+    out = loss_fn(jm, x, y, px_data=x if r.px_clean_data else None)
+    out.loss.backward()
+    assert loss_fn.buffer.init_dist.fitted, "the Gaussian init is fitted from the first batch"
+    assert loss_fn.sampler.noise == 0.0 and loss_fn.sampler.grad_clip is not None
