@@ -52,7 +52,7 @@ def _check_config_types(config: dict[str, Any], actions: dict[str, argparse.Acti
     """A config value of the wrong type names the file and the key, not just argparse's complaint."""
     for key, value in config.items():
         a = actions[key]
-        want = bool if a.nargs == 0 else a.type or str
+        want = bool if a.nargs == 0 else {_positive: int}.get(a.type, a.type) or str
         ok = isinstance(value, bool) if want is bool else (
             value is None or (not isinstance(value, bool) and (
                 isinstance(value, int) if want is int else
@@ -259,7 +259,7 @@ def _train(args, info) -> int:
                    checkpoint_every=args.checkpoint_every, guard_policy=args.on_divergence,
                    progress=not args.quiet, max_seconds=args.max_seconds, amp=args.amp,
                    channels_last=args.channels_last)
-    if loss_fn is not None and len(shape) == 3:  # each rank's own chains
+    if loss_fn is not None and len(shape) == 3 and bool(loss_fn.buffer.initialized):  # each rank's own chains
         from ..viz import save_image_grid
 
         name = f"buffer_rank{info.rank}.png" if info.distributed else "buffer.png"

@@ -93,8 +93,8 @@ def _from_factory(spec: str, num_classes: int, options: dict[str, Any] | None):
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
-        params = {}
-    if params and "num_classes" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        params = None
+    if params is not None and "num_classes" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         raise CLIError(f"--model {spec!r}: {attr}() takes no num_classes argument; write it as `{usage}`")
     return factory(num_classes=num_classes, **(options or {}))
 
@@ -158,26 +158,37 @@ def check_classes(model_classes: Sequence[str], data_classes: Sequence[str], whe
                        "one sub-directory per training class")
 
 
+def check_shape(spec: dict[str, Any], shape, data: str) -> None:
+    """Data of another shape than the model's training data: one line naming the data to use."""
+    if spec.get("sample_shape") and tuple(spec["sample_shape"]) != tuple(shape):
+        raise CLIError(f"the model (trained on --data {spec['data']}) takes inputs of shape "
+                       f"{tuple(spec['sample_shape'])}, --data {data} gives {tuple(shape)}; evaluate on data "
+                       f"like its training data (--data {spec['data']}, or --image-size "
+                       f"{spec['sample_shape'][-1]} for a folder)")
+
+
 def check_inputs(jm, x, spec: dict[str, Any], data: str) -> None:
     """One forward pass on a data batch, so a model/data size mismatch is one line naming the fix."""
     import torch
 
-    shape = tuple(x.shape[1:])
-    if spec.get("sample_shape") and tuple(spec["sample_shape"]) != shape:
-        raise CLIError(f"the model (trained on --data {spec['data']}) takes inputs of shape "
-                       f"{tuple(spec['sample_shape'])}, --data {data} gives {shape}; evaluate on data "
-                       f"like its training data (--data {spec['data']}, or --image-size "
-                       f"{spec['sample_shape'][-1]} for a folder)")
+    check_shape(spec, x.shape[1:], data)
     try:
         with torch.no_grad():
             out = jm.model(x[:2].to(next(jm.parameters()).device))
     except (RuntimeError, AssertionError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        hint = ("its fixed input size does not fit; use a convolutional model (digits-cnn, resnet10t) or "
-                "folder data with --image-size set to the model's size (e.g. 224)"
-                if ":" not in spec["model"] else "make the model accept this input size, or change --image-size")
-        raise CLIError(f"--model {spec['model']} fails on inputs of shape {shape} from --data {data} "
-                       f"({first}): {hint}") from exc
+        model = spec["model"]
+        if model in BUILTIN_NETS:
+            hint = (f"{model} is made for --data {'digits' if model == 'digits-cnn' else 'toy2d'}; for other "
+                    "images use a timm model, e.g. --model resnet10t")
+        elif ":" in model:
+            hint = "make the model accept this input size, or change --image-size"
+        else:
+            size = (getattr(jm.model, "pretrained_cfg", None) or {}).get("input_size", (0, 224))[-1]
+            hint = (f"it expects {size}x{size} inputs; use a convolutional model (e.g. --model resnet10t), or "
+                    f"folder data with --image-size {size}")
+        raise CLIError(f"--model {model} fails on inputs of shape {tuple(x.shape[1:])} from --data {data} "
+                       f"({first[:160]}): {hint}") from exc
     if getattr(out, "ndim", 0) != 2 or out.shape[1] != spec["num_classes"]:
         raise CLIError(f"--model {spec['model']} returns shape {tuple(getattr(out, 'shape', ()))}, not "
                        f"[batch, {spec['num_classes']}] logits; its factory must honour num_classes")
@@ -210,6 +221,8 @@ def held_out_data(spec: dict[str, Any], data: str | None, image_size: int | None
         else:
             ds, *_ = load_data(source, train=False, image_size=size, seed=seed)
             where = f"{source} (test split)"
+    if len(ds):
+        check_shape(spec, ds[0][0].shape, data or spec["data"])
     if spec.get("classes") and hasattr(ds, "classes") and (data or "").startswith(("folder:", "cifar10:")):
         check_classes(spec["classes"], [str(c) for c in ds.classes], f"--data {data}")
     return ds, where
@@ -270,7 +283,6 @@ def drop_buffer_from_checkpoints(buffer) -> None:
     def drop(module, state, prefix, local_metadata):
         state.pop(prefix + "data", None)
         state.pop(prefix + "initialized", None)
-        return state
 
     def keep_fresh(module, state, prefix, *args):
         state[prefix + "data"] = buffer.data
