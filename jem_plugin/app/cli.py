@@ -140,7 +140,7 @@ def cmd_demo(args) -> int:
     overrides = SMOKE_DEMO if args.smoke else {}
     result = run_digits_demo(out, seed=args.seed, device=args.device, progress=not args.quiet,
                              budget_seconds=args.budget_seconds, **overrides)
-    report = write_report(out, result)
+    report = write_report(out, result, title="jem demo: a classifier and a JEM on the digits")
     runs = result.get("runs", {})
     keys = [k for k in next(iter(runs.values()), {}).get("summary", {}) if k.startswith(("acc", "ece", "auroc_logpx"))]
     print(f"\n{'':<34}" + "".join(f"{n:>12}" for n in runs))

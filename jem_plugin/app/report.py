@@ -62,6 +62,9 @@ SCORES = {"logpx": "log p(x)", "msp": "max softmax", "grad_norm": "gradient norm
           "grad_norm_projected": "gradient norm (projected)"}
 OOD_SETS = {"noise": "uniform noise", "patches": "photo patches", "blends": "blends of two digits",
             "transposed": "transposed digits"}
+_SET_MEANING = {"noise": "random pixels: the easiest set", "patches": "crops of two photos, shrunk to the image size",
+                "blends": "the average of two digits of different classes: the hardest set",
+                "transposed": "digits mirrored about the diagonal: digit-like strokes, wrong shapes"}
 _SECTIONS = (("Classification", ("accuracy", "nll")),
              ("Calibration", ("ece", "ece_temp_scaled", "temperature")),
              ("Out-of-distribution detection: AUROC (0.5 = chance, 1 = every OOD input scores below every "
@@ -109,8 +112,7 @@ def metric_label(key: str) -> tuple[str, str, bool | None]:
     if m and m.group(1) in SCORES:
         score, ood_set = m.group(1), m.group(2)
         return (f"{SCORES[score]} vs {OOD_SETS.get(ood_set, ood_set)}",
-                f"how well the {SCORES[score]} score tells {OOD_SETS.get(ood_set, ood_set)} from test images",
-                True)
+                _SET_MEANING.get(ood_set, f"the OOD set {ood_set!r} against test images"), True)
     return key.replace("_", " "), "", None
 
 
@@ -184,7 +186,7 @@ def summary_sentences(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
     cost = j.get("cost_vs_baseline")
     if cost is not None and "train_cpu_seconds" in j and "train_cpu_seconds" in b:
         out.append(f"Cost: {name} took {cost:.1f}x the baseline's training CPU time "
-                   f"({j['train_cpu_seconds']:.0f} s vs {b['train_cpu_seconds']:.0f} s).")
+                   f"({_fmt(j['train_cpu_seconds'])} s vs {_fmt(b['train_cpu_seconds'])} s).")
     return out
 
 
@@ -210,13 +212,16 @@ def _figures(out: Path, runs: list[str]) -> str:
         group, run, caption = _caption(stem, runs)
         groups.setdefault(group, {})[run] = (p, caption)
         order[group] = next((i for i, (pat, _) in enumerate(CAPTIONS) if re.search(pat, stem)), len(CAPTIONS))
-    parts = []
+    parts, singles = [], []
+
+    def flush() -> None:
+        if singles:
+            parts.append(f"<div class='row' style='--n:2'>{''.join(singles)}</div>")
+            singles.clear()
+
     for group in sorted(groups, key=lambda g: (order[g], g)):
         members = groups[group]
         keys = [r for r in runs if r in members] + [k for k in members if k not in runs]
-        if len(keys) > 1:  # side by side: one shared caption, one column per run
-            caption = CAPTIONS[order[group]][1].replace("{run}: ", "").replace("{run}", "each run")
-            parts.append(f"<p class='caption'>{html.escape(caption[0].upper() + caption[1:])}</p>")
         cells = []
         for k in keys:
             p, caption = members[k]
@@ -224,8 +229,17 @@ def _figures(out: Path, runs: list[str]) -> str:
             label = html.escape(k if len(keys) > 1 and k else caption)
             cells.append(f"<figure><img alt='{html.escape(caption)}' src='data:image/png;base64,{data}'>"
                          f"<figcaption>{label}</figcaption></figure>")
-        n = len(cells) if len(cells) > 1 else (1 if "curves" in group else 2)
-        parts.append(f"<div class='row' style='--n:{n}'>{''.join(cells)}</div>")
+        if len(keys) == 1 and "curves" not in group:  # single figures two to a row
+            singles.append(cells[0])
+            if len(singles) == 2:
+                flush()
+            continue
+        flush()
+        if len(keys) > 1:  # side by side: one shared caption, one column per run
+            caption = CAPTIONS[order[group]][1].replace("{run}: ", "").replace("{run}", "each run")
+            parts.append(f"<p class='caption'>{html.escape(caption[0].upper() + caption[1:])}</p>")
+        parts.append(f"<div class='row' style='--n:{len(cells)}'>{''.join(cells)}</div>")
+    flush()
     return "\n".join(parts)
 
 
