@@ -275,3 +275,30 @@ def test_refused_resume_changes_no_file(folder_run, capsys):
                  "--epochs", "3", "--batch-size", "8", "--out", str(run), "--quiet"]) == 2
     assert "holds a run of --model resnet10t" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_a_run_cut_short_says_so_in_the_result_and_the_report(tmp_path, monkeypatch, capsys):
+    from jem_plugin.app import experiments
+
+    # The demo's budget, after its evaluation reserve, leaves 0.05 s: both runs stop early.
+    monkeypatch.setattr(experiments, "DEMO_EVAL_SECONDS", 0.0)
+    monkeypatch.setattr(experiments, "DEMO_RECIPE", {**experiments.DEMO_RECIPE, "epochs": 4, "buffer_size": 200,
+                                                     "class_sample_steps": 1})
+    real_run = experiments.run_digits
+    monkeypatch.setattr(experiments, "run_digits", lambda *a, budget_seconds, **k: real_run(
+        *a, budget_seconds=None, max_seconds=0.05, **k))
+    assert main(["demo", "--quiet", "--budget-seconds", "20", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["truncated"]["JEM"][1] == 4 and metrics["truncated"]["JEM"][0] < 4
+    assert "JEM stopped after" in metrics["warning"] and "not representative" in metrics["warning"]
+    assert "of 4 epochs" in metrics["description"] and "4 epochs each" not in metrics["description"]
+    assert "WARNING: " + metrics["warning"] in out
+    assert "class='warning'" in (tmp_path / "report.html").read_text()
+
+
+def test_truncation_note_suggests_a_budget():
+    from jem_plugin.app.experiments import truncation_note
+
+    note = truncation_note({"JEM": (14, 150)}, 200.0)
+    assert note.startswith("JEM stopped after 14 of 150 epochs") and "--budget-seconds 210" in note

@@ -302,9 +302,10 @@ def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, 
     loss_fn = _jem_loss(cfg, x_train, y_train, device)
     jm, _ = train_and_eval(jem_label, loss_fn, cfg.epochs)
     runs[jem_label]["recipe"] = cfg.jem_name()
-    if plots:
+    if plots and bool(loss_fn.buffer.initialized):  # a run stopped before its first step has no chains
         grids = _sample_grids(jm, loss_fn, cfg, out)
         runs[jem_label]["summary"]["class_sample_accuracy"] = grids.pop("class_sample_accuracy")
+    if plots and any(len(h) for h in histories.values()):
         from ..viz import plot_training_curves
 
         plot_training_curves(histories, out / "curves_training.png",
