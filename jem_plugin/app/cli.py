@@ -264,7 +264,7 @@ def _train(args, info) -> int:
 
         name = f"buffer_rank{info.rank}.png" if info.distributed else "buffer.png"
         save_image_grid(loss_fn.buffer.samples(64).cpu(), out / name, domain=domain, nrow=8,
-                        title=f"replay buffer after {len(history)} epochs (unconditional samples)")
+                        title=f"replay buffer after {len(history)} epochs\n(unconditional samples)")
     if info.is_main:
         save_model_checkpoint(out / "model.pt", jm, spec)
         (out / "history.json").write_text(json.dumps(history.to_dict(), indent=2))
@@ -298,8 +298,8 @@ def cmd_eval(args) -> int:
     check_inputs(jm, x, spec, args.data or spec["data"])
     with torch.no_grad():
         logits = torch.cat([jm(xb.to(next(jm.parameters()).device)).cpu() for xb in x.split(512)])
-    result = {"data": where, "n": len(y), "accuracy": float((logits.argmax(1) == y).float().mean()),
-              **calibration.calibration_report(logits, y)}
+    result = {"data": where, "accuracy": float((logits.argmax(1) == y).float().mean()),
+              **calibration.calibration_report(logits, y), "n": len(y)}
     _emit(result, args)
     return 0
 
@@ -343,7 +343,7 @@ def cmd_sample(args) -> int:
         pred = jm(x.to(next(jm.parameters()).device)).argmax(1).cpu()
     what = "class-conditional" if y is not None else "unconditional"
     save_image_grid(x, out, domain=jm.domain, nrow=per if y is not None else min(8, args.n),
-                    title=f"{what} SGLD samples, {args.sgld_steps} steps ({Path(args.checkpoint).name})",
+                    title=f"{what} samples\n{args.sgld_steps} SGLD steps, {Path(args.checkpoint).name}",
                     row_labels=[f"class {c}" for c in classes] if y is not None else None)
     if y is not None:
         print(f"the model classifies {float((pred == y).float().mean()):.0%} of them as the class they were drawn for")
