@@ -335,7 +335,9 @@ def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, 
     }
     if truncated:
         # What the whole training would have taken at the measured speed, plus evaluation time.
-        need = sum(r["summary"]["train_seconds"] * r["planned_epochs"] / max(1.0, r["summary"]["epochs"])
+        # (a run stopped inside its first epoch: at least its whole wall time per epoch)
+        need = sum(r["planned_epochs"] * (r["summary"]["train_seconds"] / r["summary"]["epochs"]
+                                          if r["summary"]["epochs"] else r["summary"]["wall_seconds"])
                    for r in runs.values()) + DEMO_EVAL_SECONDS
         result["truncated"] = truncated
         result["warning"] = truncation_note(truncated, need if budget_seconds is not None else None)
