@@ -178,13 +178,15 @@ def summary_sentences(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
                    f"the baseline over {len(sets)} OOD sets ({'gain' if mj > mb else 'no gain'}); hardest for "
                    f"{name}: {OOD_SETS.get(worst, worst)} ({j[f'auroc_logpx_{worst}']:.2f}).")
     if "ece" in b and "ece" in j:
+        verdict = ("about the same" if abs(j["ece"] - b["ece"]) < 0.005 else
+                   "better" if j["ece"] < b["ece"] else "worse")
         out.append(f"Calibration error (ECE): {j['ece']:.3f} for {name} vs {b['ece']:.3f} for the baseline "
-                   f"({'better' if j['ece'] < b['ece'] else 'worse'} before any temperature scaling).")
+                   f"({verdict} before any temperature scaling).")
     if "class_sample_accuracy" in j:
         out.append(f"Samples: {100 * j['class_sample_accuracy']:.0f}% of {name}'s class-conditional samples are "
                    "classified as the class they were drawn for (the baseline cannot generate).")
     cost = j.get("cost_vs_baseline")
-    if cost is not None and "train_cpu_seconds" in j and "train_cpu_seconds" in b:
+    if cost is not None and j.get("train_cpu_seconds") and b.get("train_cpu_seconds"):
         out.append(f"Cost: {name} took {cost:.1f}x the baseline's training CPU time "
                    f"({_fmt(j['train_cpu_seconds'])} s vs {_fmt(b['train_cpu_seconds'])} s).")
     return out
@@ -264,6 +266,9 @@ def write_report(out_dir: str | Path, result: Mapping[str, Any] | None = None,
         parts.append(f"<p>{html.escape(str(result['description']))}</p>")
     summaries = {n: r.get("summary", r) for n, r in runs.items()}
     sentences = summary_sentences(runs)
+    if sentences and result.get("warning"):
+        sentences.insert(0, "These runs were cut short (see the warning above): read the numbers as a check "
+                            "that the pipeline runs, not as what JEM does.")
     if sentences:
         items = "".join(f"<li>{html.escape(s)}</li>" for s in sentences)
         parts.append(f"<h2>Summary</h2><ul class='summary'>{items}</ul>")
