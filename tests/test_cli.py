@@ -302,3 +302,15 @@ def test_truncation_note_suggests_a_budget():
 
     note = truncation_note({"JEM": (14, 150)}, 200.0)
     assert note.startswith("JEM stopped after 14 of 150 epochs") and "--budget-seconds 210" in note
+
+
+def test_val_data_is_what_eval_uses_by_default(folder_run, captured_fit, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--data", f"folder:{folder_run / 'train'}", "--val-data", f"folder:{folder_run / 'other'}",
+                 "--image-size", "16", "--model", "resnet10t", "--batch-size", "8", "--baseline", "--out", str(out),
+                 "--quiet"]) == 0
+    assert len(captured_fit[0]["loader"].dataset) == 30  # nothing split off: the held-out set is --val-data
+    capsys.readouterr()
+    assert main(["eval", str(out / "model.pt")]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["n"] == 12 and "--val-data" in result["data"]

@@ -15,9 +15,9 @@ from typing import Any, Sequence
 
 from ..errors import JEMError
 from . import CLIError
-from .model_files import (build_model, check_inputs, check_resume, drop_buffer_from_checkpoints, held_out_data,
-                          load_data, load_model_checkpoint, model_spec, ood_sets, save_model_checkpoint,
-                          split_held_out, wrap_for_data)
+from .model_files import (build_model, check_classes, check_inputs, check_resume, drop_buffer_from_checkpoints,
+                          held_out_data, load_data, load_model_checkpoint, model_spec, ood_sets,
+                          save_model_checkpoint, split_held_out, wrap_for_data)
 
 # `jem demo --smoke`: the whole pipeline in seconds (tests, a first look); not a meaningful result.
 SMOKE_DEMO = {"epochs": 1, "sgld_steps": 2, "buffer_size": 500, "class_sample_steps": 2}
@@ -195,14 +195,11 @@ def _train(args, info) -> int:
         raise CLIError(f"recipe {recipe.name!r} uses sharpness-aware minimisation, which jem train does not run yet")
     # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(args.seed)
-    data_classes = None
     ds, domain, k, shape = load_data(args.data, train=True, image_size=args.image_size, seed=args.seed)
     data_classes = getattr(ds, "classes", None)
     held_out, val = None, None
     if args.val_data:
         val, *_ = load_data(args.val_data, train=False, image_size=args.image_size, seed=args.seed)
-        from .model_files import check_classes
-
         check_classes([str(c) for c in data_classes or range(k)], [str(c) for c in getattr(val, "classes", [])],
                       f"--val-data {args.val_data}")
         held_out = {"data": args.val_data}

@@ -98,7 +98,8 @@ FAST_RECIPE: dict[str, Any] = {"sgld_steps": 5, "n_samples": 32, "l2_weight": 0.
 #: Seconds kept aside from the demo's budget for evaluation and figures.
 DEMO_EVAL_SECONDS = 30.0
 #: `jem demo`: the fast recipe itself (150 epochs). Measured: baseline + JEM + evaluation in about
-#: 2 minutes of wall time on 2 idle cores; ``budget_seconds`` stops training early on a slower machine.
+#: 2 minutes of wall time on 2 idle cores; ``budget_seconds`` stops training early on a slower machine,
+#: and the result then says so (``truncated``, ``warning``).
 DEMO_RECIPE: dict[str, Any] = dict(FAST_RECIPE)
 
 
