@@ -314,3 +314,10 @@ def test_val_data_is_what_eval_uses_by_default(folder_run, captured_fit, tmp_pat
     assert main(["eval", str(out / "model.pt")]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["n"] == 12 and "--val-data" in result["data"]
+
+
+def test_checkpoint_every_n_iterations(tmp_path):
+    assert main(["train", "--baseline", "--epochs", "1", "--checkpoint-every", "5", "--out", str(tmp_path),
+                 "--quiet"]) == 0
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt"))
+    assert any("000000020" in n for n in names), names  # mid-epoch (an epoch is 22 iterations)
