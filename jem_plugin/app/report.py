@@ -82,8 +82,8 @@ CAPTIONS: tuple[tuple[str, str], ...] = (
     (r"samples", "Samples drawn from the model with SGLD, labelled by class."),
     (r"curves", "Training curves, all runs on shared axes: test accuracy should reach the same level for "
                 "each run; an energy gap that swings far from 0 signals unstable JEM training."),
-    (r"reliability_(?P<run>.+)", "{run}: reliability diagram. Bars on the diagonal = calibrated; bars below "
-                                 "it = over-confident."),
+    (r"reliability_(?P<run>.+)", "{run}: reliability diagram. Bars on the diagonal = calibrated; below it = "
+                                 "over-confident, above it = under-confident."),
     (r"hist_logpx_(?P<run>.+)", "{run}: log p(x) of test images vs each OOD set. Test images should sit to "
                                 "the right (higher), well apart from the OOD sets."),
     (r"hist_grad_norm_(?P<run>.+)", "{run}: gradient-norm score. Test images to the right, OOD sets apart."),
@@ -166,7 +166,7 @@ def summary_sentences(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
     out = []
     if "accuracy" in b and "accuracy" in j:
         d = 100 * (j["accuracy"] - b["accuracy"])
-        verdict = ("the same accuracy" if abs(d) < 0.5 else f"{abs(d):.1f} points {'more' if d > 0 else 'less'}")
+        verdict = ("within half a point" if abs(d) < 0.5 else f"{abs(d):.1f} points {'more' if d > 0 else 'less'}")
         out.append(f"Accuracy: {name} classifies {100 * j['accuracy']:.1f}% of the test images correctly, the "
                    f"baseline {100 * b['accuracy']:.1f}% ({verdict}).")
     sets = [k[len("auroc_logpx_"):] for k in j if k.startswith("auroc_logpx_")]
@@ -181,7 +181,9 @@ def summary_sentences(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
         verdict = ("about the same" if abs(j["ece"] - b["ece"]) < 0.005 else
                    "better" if j["ece"] < b["ece"] else "worse")
         out.append(f"Calibration error (ECE): {j['ece']:.3f} for {name} vs {b['ece']:.3f} for the baseline "
-                   f"({verdict} before any temperature scaling).")
+                   f"({verdict} before temperature scaling"
+                   + (f"; {j['ece_temp_scaled']:.3f} vs {b['ece_temp_scaled']:.3f} after it)."
+                      if "ece_temp_scaled" in j and "ece_temp_scaled" in b else ")."))
     if "class_sample_accuracy" in j:
         out.append(f"Samples: {100 * j['class_sample_accuracy']:.0f}% of {name}'s class-conditional samples are "
                    "classified as the class they were drawn for (the baseline cannot generate).")
