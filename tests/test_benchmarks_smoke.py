@@ -9,8 +9,8 @@ import torch
 
 from benchmarks import bench_gpu_path, bench_quality, bench_sampler, bench_scaling, bench_scoring, bench_train_step
 from benchmarks import common, run_all
+from benchmarks.bench_quality import check_targets
 from benchmarks.common import floor_chain, frozen, make_model, uniform_batch
-from jem_plugin.app.experiments import check_targets
 from jem_plugin.sampling import SGLD
 
 

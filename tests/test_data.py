@@ -185,3 +185,21 @@ def test_reference_nets_shapes_and_no_batchnorm():
     assert ToyMLP(num_classes=3)(torch.randn(5, 2)).shape == (5, 3)
     with pytest.raises(ValueError, match="activation"):
         DigitsCNN(act="nope")
+
+
+def test_written_folders_load_and_split_stratified_and_seeded(tmp_path):
+    from collections import Counter
+
+    from jem_plugin.app.data import image_folder, write_digits_folder, write_photo_folder
+    from jem_plugin.app.model_files import dataset_labels, split_held_out
+
+    write_digits_folder(tmp_path / "d", classes=(3, 5, 7), per_class=10, size=12)
+    ds = image_folder(tmp_path / "d", image_size=12)
+    assert ds.classes == ["3", "5", "7"] and len(ds) == 30 and tuple(ds[0][0].shape) == (3, 12, 12)
+    train, val = split_held_out(ds, 0.2, seed=1)
+    assert Counter(dataset_labels(ds)[i] for i in val.indices) == {0: 2, 1: 2, 2: 2}  # 20% of each class
+    assert not set(train.indices) & set(val.indices) and len(train) + len(val) == 30
+    assert split_held_out(ds, 0.2, seed=1)[1].indices == val.indices  # same seed, same split
+    assert split_held_out(ds, 0.2, seed=2)[1].indices != val.indices
+    photos = image_folder(write_photo_folder(tmp_path / "p", n=5, size=12), image_size=12)
+    assert len(photos) == 5 and float(photos[0][0].std()) > 0.05  # real image content, not blank

@@ -15,8 +15,9 @@ from typing import Any, Sequence
 
 from ..errors import JEMError
 from . import CLIError
-from .model_files import (build_model, load_data, load_model_checkpoint, wrap_for_data,
-                          model_spec, save_model_checkpoint)
+from .model_files import (build_model, check_classes, check_inputs, check_resume, drop_buffer_from_checkpoints,
+                          held_out_data, load_data, load_model_checkpoint, model_spec, ood_sets,
+                          save_model_checkpoint, split_held_out, wrap_for_data)
 
 # `jem demo --smoke`: the whole pipeline in seconds (tests, a first look); not a meaningful result.
 SMOKE_DEMO = {"epochs": 1, "sgld_steps": 2, "buffer_size": 500, "class_sample_steps": 2}
@@ -47,6 +48,39 @@ def _load_config(path: str) -> dict[str, Any]:
     return {k.replace("-", "_"): v for k, v in data.items()}
 
 
+def _check_config_types(config: dict[str, Any], actions: dict[str, argparse.Action], path: str) -> None:
+    """A config value of the wrong type names the file and the key, not just argparse's complaint."""
+    for key, value in config.items():
+        a = actions[key]
+        want = bool if a.nargs == 0 else {_positive: int}.get(a.type, a.type) or str
+        ok = isinstance(value, bool) if want is bool else (
+            value is None or (not isinstance(value, bool) and (
+                isinstance(value, int) if want is int else
+                isinstance(value, (int, float)) if want is float else isinstance(value, str))))
+        if not ok:
+            name = getattr(want, "__name__", "text")
+            raise CLIError(f"config file {path!r}: {key} = {value!r} is not {name}; write it as a JSON/TOML {name}")
+        if a.choices is not None and value not in a.choices:
+            raise CLIError(f"config file {path!r}: {key} = {value!r}; choose one of {', '.join(map(str, a.choices))}")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as the one-line ``jem: error: ...`` of every other user error."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise CLIError(f"{message} (see `{self.prog} --help`)")
+
+
 def _device(name: str):
     import torch
 
@@ -56,7 +90,30 @@ def _device(name: str):
         raise CLIError(f"unknown device {name!r} (use cpu, cuda, cuda:1, mps)") from exc
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CLIError(f"--device {name} asked for CUDA but no GPU is available; use --device cpu")
+    if dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise CLIError(f"--device {name}: this machine has no Apple-silicon GPU (MPS); use --device cpu")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        try:
+            torch.empty(1, device=dev)
+        except (RuntimeError, AssertionError) as exc:
+            raise CLIError(f"--device {name} is not available on this machine; use --device cpu") from exc
     return dev
+
+
+def _out_dir(path: str) -> Path:
+    """A run directory for --out: never an existing file."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"--out {path} is an existing file; give a directory (it is created if missing)")
+    return out
+
+
+def _out_file(path: str) -> Path:
+    out = Path(path)
+    if out.is_dir():
+        raise CLIError(f"--out {path} is a directory; give a file name, e.g. {out / 'result.json'}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 # ----------------------------------------------------------------------------- commands
@@ -76,29 +133,24 @@ def cmd_plugins(args) -> int:
 
 def cmd_demo(args) -> int:
     from .experiments import run_digits_demo
-    from .report import write_report
+    from .report import metric_label, write_report
 
-    out = Path(args.out or "jem-report")
+    out = _out_dir(args.out or "jem-report")
     _device(args.device)
     overrides = SMOKE_DEMO if args.smoke else {}
     result = run_digits_demo(out, seed=args.seed, device=args.device, progress=not args.quiet,
                              budget_seconds=args.budget_seconds, **overrides)
-    report = write_report(out, result)
-    _print_summary(result)
-    print(f"\nreport: {report}")
-    return 0
-
-
-def _print_summary(result: dict[str, Any]) -> None:
+    report = write_report(out, result, title="jem demo: a classifier and a JEM on the digits")
     runs = result.get("runs", {})
-    names = list(runs)
-    if not names:
-        return
-    keys = [k for k in runs[names[0]].get("summary", {})]
-    print(f"{'metric':<28}" + "".join(f"{n:>14}" for n in names))
+    keys = [k for k in next(iter(runs.values()), {}).get("summary", {}) if k.startswith(("acc", "ece", "auroc_logpx"))]
+    print(f"\n{'':<34}" + "".join(f"{n:>12}" for n in runs))
     for k in keys:
-        vals = [runs[n]["summary"].get(k) for n in names]
-        print(f"{k:<28}" + "".join(f"{v:>14.4f}" if isinstance(v, (int, float)) else f"{str(v):>14}" for v in vals))
+        vals = [runs[n]["summary"].get(k) for n in runs]
+        print(f"{metric_label(k)[0]:<34}" + "".join(f"{v:>12.3f}" if isinstance(v, float) else f"{'':>12}" for v in vals))
+    if result.get("warning"):
+        print(f"\nWARNING: {result['warning']}")
+    print(f"\nreport: {report}  (metrics.json, model_baseline.pt and model_JEM.pt are next to it)")
+    return 0
 
 
 def cmd_train(args) -> int:
@@ -111,36 +163,47 @@ def cmd_train(args) -> int:
 
 
 def _train(args, info) -> int:
+    import dataclasses
+
     import torch
     from torch.utils.data import DataLoader, DistributedSampler
 
     from .. import distributed as jdist
-    from ..buffer import ReplayBuffer
-    from ..losses import JEMLoss
-    from ..sampling import SGLD
+    from ..recipes import get_recipe
     from ..training import fit
 
-    dev = info.device
+    dev, out = info.device, _out_dir(args.out or "runs/jem")
+    recipe = get_recipe(args.recipe)
+    recipe = dataclasses.replace(recipe, **{k: v for k, v in vars(args).items()
+                                            if k in RECIPE_FLAGS and v is not None})
+    if recipe.sam_rho:
+        raise CLIError(f"recipe {recipe.name!r} uses sharpness-aware minimisation, which jem train does not run yet")
     # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(args.seed)
     ds, domain, k, shape = load_data(args.data, train=True, image_size=args.image_size, seed=args.seed)
-    spec = model_spec(args.model, args.data, k, shape, domain)
-    jm = wrap_for_data(build_model(args.model, k, shape[0]), spec).to(dev)
+    data_classes = getattr(ds, "classes", None)
+    held_out, val = None, None
+    if args.val_data:
+        val, *_ = load_data(args.val_data, train=False, image_size=args.image_size, seed=args.seed)
+        check_classes([str(c) for c in data_classes or range(k)], [str(c) for c in getattr(val, "classes", [])],
+                      f"--val-data {args.val_data}")
+        held_out = {"data": args.val_data}
+    elif args.data.startswith("folder:") and args.val_fraction > 0:
+        n_total = len(ds)
+        ds, val = split_held_out(ds, args.val_fraction, args.seed)
+        held_out = {"fraction": args.val_fraction, "seed": args.seed, "n_total": n_total}
+    elif not args.data.startswith("folder:"):
+        val, *_ = load_data(args.data, train=False, image_size=args.image_size, seed=args.seed)
+    epochs = args.epochs or (150 if args.data.split(":")[0] in ("digits", "toy2d") else 30)
+    options = {"width": 32, "act": "leaky_relu", "pool": "max"} if args.model == "digits-cnn" else None
+    spec = model_spec(args.model, args.data, k, shape, domain, options, classes=data_classes, held_out=held_out)
+    jm = wrap_for_data(build_model(args.model, k, shape[0], options), spec).to(dev)
+    x0 = next(iter(DataLoader(ds, batch_size=2)))[0]
+    check_inputs(jm, x0, spec, args.data)
+    check_resume(out, spec, no_resume=args.no_resume)
     if info.distributed:
         # From here on each rank draws its own data noise and chains.
         torch.manual_seed(jdist.rank_seed(args.seed))
-    loss_fn = None
-    if not args.baseline:
-        sampler = SGLD(steps=args.sgld_steps, step_size=args.step_size, noise=args.noise,
-                       grad_clip=args.grad_clip, generator=jdist.rank_generator(args.seed, dev))
-        buffer = ReplayBuffer(args.buffer_size, shape, reinit_freq=args.reinit_freq, init=args.init,
-                              num_classes=k, device=dev)
-        if args.init == "gaussian":
-            xs, ys = next(iter(DataLoader(ds, batch_size=min(len(ds), 5000), shuffle=False)))
-            buffer.fit(xs, ys)
-        loss_fn = JEMLoss(sampler, buffer, ce_weight=args.ce_weight, px_weight=args.px_weight,
-                          pxy_weight=args.pxy_weight, l2_weight=args.l2_weight,
-                          data_noise=args.data_noise).to(dev)
     g = torch.Generator().manual_seed(args.seed)
     if info.distributed:
         # Each rank its share of the data, reshuffled per epoch (fit calls set_epoch).
@@ -151,33 +214,60 @@ def _train(args, info) -> int:
     else:
         loader = DataLoader(ds, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=g)
         model = jm
-    out = Path(args.out or "runs/jem")
-    out.mkdir(parents=True, exist_ok=True)
+    if len(loader) == 0:
+        raise CLIError(f"--data {args.data} has {len(ds)} training images, fewer than --batch-size "
+                       f"{args.batch_size}; lower --batch-size")
+    loss_fn = None
+    if not args.baseline:
+        xs, ys = (next(iter(DataLoader(ds, batch_size=min(len(ds), 5000), shuffle=False)))
+                  if recipe.init != "uniform" else (None, None))
+        loss_fn = recipe.build_loss(sample_shape=shape, num_classes=k, x_fit=xs, y_fit=ys, device=dev,
+                                    generator=jdist.rank_generator(args.seed, dev), ce_weight=args.ce_weight)
+        if args.checkpoint_buffer == "none":
+            drop_buffer_from_checkpoints(loss_fn.buffer)
+    warmup = recipe.warmup_for(epochs * len(loader))
     if info.is_main:
+        print(f"jem train: {args.model} on {args.data}, {'baseline (cross-entropy only)' if args.baseline else 'recipe ' + recipe.name}, "
+              f"{epochs} epochs of {len(loader)} iterations, warm-up {warmup}; output in {out}/")
+        if not args.no_resume and list((out / "checkpoints").glob("*.pt")):
+            print(f"jem train: {out}/checkpoints holds an earlier run of this model: continuing it "
+                  "(--no-resume starts over)")
+        out.mkdir(parents=True, exist_ok=True)
         (out / "spec.json").write_text(json.dumps(spec, indent=2))
-    history = fit(model, loader, epochs=args.epochs, lr=args.lr, warmup_iters=args.warmup_iters,
-                  loss_fn=loss_fn, checkpoint_dir=out / "checkpoints", resume=not args.no_resume,
-                  guard_policy=args.on_divergence, progress=not args.quiet,
-                  max_seconds=args.max_seconds)
-    if loss_fn is not None and len(shape) == 3:  # each rank's own chains
+    val_loader = DataLoader(val, batch_size=256) if val is not None else None
+    history = fit(model, train_loader=loader, epochs=epochs, optimizer=recipe.build_optimizer(jm.parameters()),
+                   warmup_iters=warmup, loss_fn=loss_fn, val_data=val_loader, eval_every=max(1, epochs // 10),
+                   checkpoint_dir=out / "checkpoints", resume=not args.no_resume,
+                   checkpoint_every=args.checkpoint_every, guard_policy=args.on_divergence,
+                   progress=not args.quiet, max_seconds=args.max_seconds, amp=args.amp,
+                   channels_last=args.channels_last)
+    if loss_fn is not None and len(shape) == 3 and bool(loss_fn.buffer.initialized):  # each rank's own chains
+        from ..viz import save_image_grid
+
         name = f"buffer_rank{info.rank}.png" if info.distributed else "buffer.png"
-        loss_fn.buffer.save_grid(out / name, domain=domain)
+        save_image_grid(loss_fn.buffer.samples(64).cpu(), out / name, domain=domain, nrow=8,
+                        title=f"replay buffer after {len(history)} epochs\n(unconditional samples)")
     if info.is_main:
         save_model_checkpoint(out / "model.pt", jm, spec)
         (out / "history.json").write_text(json.dumps(history.to_dict(), indent=2))
+        last = [e for e in history.to_dict()["epochs"] if "val_acc" in e]
+        if last:
+            print(f"held-out accuracy after epoch {last[-1]['epoch']}: {last[-1]['val_acc']:.3f}")
         print(f"model: {out / 'model.pt'}")
     jdist.barrier()  # no rank exits (and tears down the group) before rank 0 has written
     return 0
 
 
-def _eval_data(args, spec):
+def _eval_tensors(args, spec):
     import torch
 
-    ds, _, _, _ = load_data(args.data or spec["data"], train=False, image_size=args.image_size, seed=args.seed)
-    xs, ys = zip(*[ds[i] for i in range(len(ds))]) if not hasattr(ds, "tensors") else ds.tensors
-    x = torch.stack(list(xs)) if isinstance(xs, tuple) else xs
-    y = torch.as_tensor(ys) if isinstance(ys, tuple) else ys
-    return x, y
+    ds, where = held_out_data(spec, args.data, args.image_size, args.seed)
+    if hasattr(ds, "tensors"):
+        x, y = ds.tensors
+    else:
+        xs, ys = zip(*[ds[i] for i in range(len(ds))])
+        x, y = torch.stack(list(xs)), torch.as_tensor(ys)
+    return x, y, where
 
 
 def cmd_eval(args) -> int:
@@ -186,32 +276,27 @@ def cmd_eval(args) -> int:
     from .. import calibration
 
     jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
-    x, y = _eval_data(args, spec)
+    x, y, where = _eval_tensors(args, spec)
+    check_inputs(jm, x, spec, args.data or spec["data"])
     with torch.no_grad():
         logits = torch.cat([jm.logits(xb.to(next(jm.parameters()).device)).cpu() for xb in x.split(512)])
-    result = {"accuracy": float((logits.argmax(1) == y).float().mean()),
-              **calibration.calibration_report(logits, y)}
+    result = {"data": where, "accuracy": float((logits.argmax(1) == y).float().mean()),
+              **calibration.calibration_report(logits, y), "n": len(y)}
     _emit(result, args)
     return 0
 
 
 def cmd_ood(args) -> int:
-    import torch
-
-    from . import data
-
     from .. import ood
 
     jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
-    x, y = _eval_data(args, spec)
-    if spec["data"].startswith("digits"):
-        ood_sets = data.digits_ood_sets(x, y, seed=args.seed)
-    else:
-        ood_sets = {"noise": jm.domain.uniform(len(x), x.shape[1:], generator=torch.Generator().manual_seed(args.seed))}
+    x, y, where = _eval_tensors(args, spec)
+    check_inputs(jm, x, spec, args.data or spec["data"])
     result: dict[str, Any] = {}
+    sets = ood_sets(args.ood, spec, jm, x, y, seed=args.seed)
     for method in args.scores.split(","):
         s_in = ood.score(jm, x, method=method, progress=False if args.quiet else None)
-        for name, xo in ood_sets.items():
+        for name, xo in sets.items():
             s_out = ood.score(jm, xo, method=method, progress=False)
             result[f"{method}/{name}"] = ood.evaluate(s_in, s_out)
     _emit(result, args)
@@ -221,22 +306,29 @@ def cmd_ood(args) -> int:
 def cmd_sample(args) -> int:
     import torch
 
-    from ..viz import save_image_grid
     from ..sampling import SGLD
+    from ..viz import save_image_grid
 
     jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
+    if len(spec["sample_shape"]) != 3:
+        raise CLIError(f"jem sample draws images; this model's inputs have shape {tuple(spec['sample_shape'])}")
+    out = _out_file(args.out) if args.out else Path(args.checkpoint).with_name(Path(args.checkpoint).stem + "_samples.png")
     g = torch.Generator().manual_seed(args.seed)
     sampler = SGLD(steps=args.sgld_steps, step_size=args.step_size, noise=args.noise, generator=g)
-    out = Path(args.out or "samples.png")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    y = None
-    if args.per_class:
-        k = spec["num_classes"]
-        y = torch.arange(k).repeat_interleave(max(1, args.n // k))
-    n = args.n if y is None else len(y)
-    x0 = jm.domain.uniform(n, spec["sample_shape"], generator=g)
-    x = sampler.sample(jm, x_init=x0, y=y)
-    save_image_grid(x, out, domain=jm.domain, nrow=(max(1, args.n // spec["num_classes"]) if y is not None else 8))
+    k, classes = spec["num_classes"], spec.get("classes") or [str(i) for i in range(spec["num_classes"])]
+    per = max(1, args.n // k) if args.per_class else args.n
+    y = torch.arange(k).repeat_interleave(per) if args.per_class else None
+    x0 = jm.domain.uniform(len(y) if y is not None else args.n, spec["sample_shape"], generator=g)
+    x = sampler.sample(jm, x_init=x0.to(next(jm.parameters()).device),
+                       y=None if y is None else y.to(x0.device)).cpu()
+    with torch.no_grad():
+        pred = jm(x.to(next(jm.parameters()).device)).argmax(1).cpu()
+    what = "class-conditional" if y is not None else "unconditional"
+    save_image_grid(x, out, domain=jm.domain, nrow=per if y is not None else min(8, args.n),
+                    title=f"{what} samples\n{args.sgld_steps} SGLD steps, {Path(args.checkpoint).name}",
+                    row_labels=[f"class {c}" for c in classes] if y is not None else None)
+    if y is not None:
+        print(f"the model classifies {float((pred == y).float().mean()):.0%} of them as the class they were drawn for")
     print(f"samples: {out}")
     return 0
 
@@ -245,55 +337,75 @@ def _emit(result: dict[str, Any], args) -> None:
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+        _out_file(args.out).write_text(text)
 
 
 # ----------------------------------------------------------------------------- parser
+RECIPE_FLAGS = ("sgld_steps", "step_size", "noise", "grad_clip", "buffer_size", "reinit_freq", "init",
+                "n_samples", "px_weight", "pxy_weight", "l2_weight", "data_noise", "lr", "warmup_iters")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    from ..recipes import RECIPES
+
+    common = _Parser(add_help=False)
     common.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     common.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     common.add_argument("--out", default=None, help="output path (directory or file, per command)")
     common.add_argument("--config", default=None, help="JSON or TOML file of option defaults")
     common.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    parser = argparse.ArgumentParser(prog="jem", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = _Parser(prog="jem", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("demo", parents=[common], help="baseline vs JEM on the bundled digits, with a report")
-    p.add_argument("--budget-seconds", type=float, default=240.0, help="training budget for both runs (default 240)")
+    p.add_argument("--budget-seconds", type=float, default=240.0,
+                   help="time for both runs (default 240); a run it cuts short is reported as such")
     p.add_argument("--smoke", action="store_true", help="run the pipeline in seconds (not a meaningful result)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser(
         "train", parents=[common], help="train a classifier with (or without) the JEM loss",
         description="Train a classifier with (or without) the JEM loss; resumes from --out/checkpoints. "
+                    "Recipe settings (--sgld-steps ... --warmup-iters) default to the --recipe's. "
                     "Multi-process (DDP, one replay buffer per rank; --batch-size and --buffer-size are "
                     "per rank): torchrun --nproc_per_node=2 -m jem_plugin.app.cli train --out runs/jem-ddp ... "
                     "(resume with the same --nproc_per_node).")
-    p.add_argument("--model", default="digits-cnn", help="digits-cnn, toy-mlp, a timm name, or module:factory")
+    p.add_argument("--model", default="digits-cnn",
+                   help="digits-cnn, toy-mlp, a timm name, or module:factory (factory(num_classes=K) -> nn.Module)")
     p.add_argument("--data", default="digits", help="digits, toy2d[:NAME], folder:PATH, cifar10:PATH")
+    p.add_argument("--val-fraction", type=float, default=0.2,
+                   help="folder data: share of each class held out for evaluation (default 0.2; 0 keeps none)")
+    p.add_argument("--val-data", default=None, help="held-out data instead of a split, e.g. folder:data/val")
     p.add_argument("--image-size", type=int, default=32)
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--warmup-iters", type=int, default=1000)
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="fast", help="JEM recipe (default: fast)")
+    p.add_argument("--epochs", type=_positive, default=None,
+                   help="default: 150 for digits and toy2d (about 2.5 min on 2 cores), 30 otherwise")
+    p.add_argument("--batch-size", type=_positive, default=64)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--warmup-iters", type=int, default=None, help="capped to a tenth of the run")
     p.add_argument("--baseline", action="store_true", help="plain cross-entropy, no generative loss")
-    p.add_argument("--sgld-steps", type=int, default=20)
-    p.add_argument("--step-size", type=float, default=1.0)
-    p.add_argument("--noise", type=float, default=0.01)
+    p.add_argument("--sgld-steps", type=_positive, default=None)
+    p.add_argument("--n-samples", type=_positive, default=None, help="SGLD chains per iteration (default: recipe)")
+    p.add_argument("--step-size", type=float, default=None)
+    p.add_argument("--noise", type=float, default=None)
     p.add_argument("--grad-clip", type=float, default=None, help="proximal SGLD: clip each update (JEM++)")
-    p.add_argument("--buffer-size", type=int, default=10000)
-    p.add_argument("--reinit-freq", type=float, default=0.05)
-    p.add_argument("--init", default="uniform", help="SGLD init distribution (uniform, gaussian, ...)")
+    p.add_argument("--buffer-size", type=_positive, default=None)
+    p.add_argument("--reinit-freq", type=float, default=None)
+    p.add_argument("--init", default=None, help="SGLD init distribution (uniform, gaussian, ...)")
     p.add_argument("--ce-weight", type=float, default=1.0)
-    p.add_argument("--px-weight", type=float, default=1.0)
-    p.add_argument("--pxy-weight", type=float, default=0.0)
-    p.add_argument("--l2-weight", type=float, default=0.0)
-    p.add_argument("--data-noise", type=float, default=0.03)
+    p.add_argument("--px-weight", type=float, default=None)
+    p.add_argument("--pxy-weight", type=float, default=None)
+    p.add_argument("--l2-weight", type=float, default=None)
+    p.add_argument("--data-noise", type=float, default=None)
     p.add_argument("--on-divergence", choices=["raise", "rollback"], default="raise")
     p.add_argument("--no-resume", action="store_true", help="start over even if --out holds checkpoints")
+    p.add_argument("--checkpoint-every", type=_positive, default=None,
+                   help="also checkpoint every N iterations (default: at epoch ends only)")
+    p.add_argument("--checkpoint-buffer", choices=["full", "none"], default="full",
+                   help="none: checkpoints leave out the replay buffer (smaller); a resume restarts its chains")
+    p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off", help="mixed precision (fp16: CUDA)")
+    p.add_argument("--channels-last", action="store_true", help="channels-last memory format (CNNs on GPU)")
     p.add_argument("--max-seconds", type=float, default=None, help="stop (after checkpointing) after this long")
     p.set_defaults(func=cmd_train)
 
@@ -301,17 +413,20 @@ def build_parser() -> argparse.ArgumentParser:
                                  ("ood", cmd_ood, "OOD detection scores and metrics of a trained model")):
         p = sub.add_parser(name, parents=[common], help=helptext)
         p.add_argument("checkpoint", help="model.pt written by `jem train`")
-        p.add_argument("--data", default=None, help="evaluation data (default: the training data's test split)")
-        p.add_argument("--image-size", type=int, default=32)
+        p.add_argument("--data", default=None, help="evaluation data (default: what training held out)")
+        p.add_argument("--image-size", type=int, default=None, help="default: the model's")
         if name == "ood":
             p.add_argument("--scores", default="logpx,msp,grad_norm", help="comma-separated score names")
+            p.add_argument("--ood", action="append", default=None, metavar="SET",
+                           help="noise or folder:PATH, repeatable (named by the folder); default: noise "
+                                "(digits: noise, patches, blends, transposed)")
         p.set_defaults(func=func)
 
     p = sub.add_parser("sample", parents=[common], help="draw SGLD samples from a trained model")
     p.add_argument("checkpoint", help="model.pt written by `jem train`")
-    p.add_argument("--n", type=int, default=64)
+    p.add_argument("--n", type=_positive, default=64)
     p.add_argument("--per-class", action="store_true", help="class-conditional: one row per class")
-    p.add_argument("--sgld-steps", type=int, default=100)
+    p.add_argument("--sgld-steps", type=_positive, default=100)
     p.add_argument("--step-size", type=float, default=1.0)
     p.add_argument("--noise", type=float, default=0.01)
     p.set_defaults(func=cmd_sample)
@@ -333,6 +448,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         unknown = sorted(set(config) - known)
         if unknown:
             raise CLIError(f"config file {args.config!r} has unknown options for `jem {args.command}`: {', '.join(unknown)}")
+        _check_config_types(config, {a.dest: a for a in subparser._actions}, args.config)  # noqa: SLF001
         subparser.set_defaults(**config)
         args = parser.parse_args(argv)
     return args

@@ -30,6 +30,7 @@ __all__ = [
     "uniform_noise", "photo_patches", "blends", "transposed", "digits_ood_sets",
     "toy2d", "toy2d_logpdf", "gaussian_mixture_logpdf", "TOY2D_NAMES",
     "signed_domain", "normalize_transform", "image_folder", "cifar10", "CIFAR10_MEAN", "CIFAR10_STD",
+    "write_digits_folder", "write_photo_folder",
 ]
 
 #: Domain of the embedded digits: one channel, 8x8, values in [-1, 1].
@@ -360,3 +361,39 @@ def cifar10(root: str | Path, train: bool = True, mean: Sequence[float] | None =
             "re-extract cifar-10-python.tar.gz there.") from exc
     domain = InputDomain(domain.low, domain.high, domain.mean, domain.std, (3, 32, 32))
     return _with_domain(ds, domain, ds.classes)
+
+
+# ---------------------------------------------------------------------------- example folders
+def write_digits_folder(root: str | Path, classes: Iterable[int] = range(10), per_class: int = 20,
+                        size: int = 16, offset: int = 0) -> Path:
+    """Write bundled digits as an image folder (``root/<digit>/<n>.png``, RGB, ``size`` pixels), to
+    try the folder workflow (``jem train --data folder:ROOT``) without images of one's own.
+    ``offset`` skips that many images of each class (two calls give disjoint folders)."""
+    from PIL import Image
+
+    x, y = _digits_cached()
+    root = Path(root)
+    for c in classes:
+        d = root / str(c)
+        d.mkdir(parents=True, exist_ok=True)
+        for i, j in enumerate(np.flatnonzero(y == c)[offset:offset + per_class]):
+            pix = ((x[j, 0] + 1.0) * 127.5).astype(np.uint8)
+            Image.fromarray(pix).resize((size, size), Image.NEAREST).convert("RGB").save(d / f"{i:03d}.png")
+    return root
+
+
+def write_photo_folder(root: str | Path, n: int = 20, size: int = 16, seed: int = 0) -> Path:
+    """Write ``n`` crops of scikit-learn's two bundled photos as ``root/photos/<n>.png`` (RGB): an
+    out-of-distribution folder for ``jem ood --ood folder:ROOT``."""
+    from PIL import Image
+    from sklearn.datasets import load_sample_images
+
+    rng = np.random.default_rng(seed)
+    photos = load_sample_images().images
+    d = Path(root) / "photos"
+    d.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        im = photos[rng.integers(len(photos))]
+        r, c = rng.integers(0, im.shape[0] - 64), rng.integers(0, im.shape[1] - 64)
+        Image.fromarray(im[r:r + 64, c:c + 64]).resize((size, size), Image.BILINEAR).save(d / f"{i:03d}.png")
+    return Path(root)

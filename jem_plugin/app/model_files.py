@@ -6,9 +6,10 @@ and its weights. ``--data`` specs are read here too, since a spec names its data
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from . import CLIError
 
@@ -34,6 +35,7 @@ def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int 
 
         x, y = data.toy2d(arg or "8gaussians", n=4000 if train else 1000, seed=seed if train else seed + 1)
         ds = TensorDataset(x, y)
+        ds.classes = [str(i) for i in range(int(y.max()) + 1)]  # type: ignore[attr-defined]
         from ..adapter import InputDomain
 
         lim = float(x.abs().max()) * 1.2
@@ -56,6 +58,8 @@ def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, A
 
     ``options``: constructor keywords of a built-in net (e.g. ``{"width": 16}`` for digits-cnn).
     ``wrn28-10`` / ``wrn-D-K``: the JEM paper's Wide-ResNet (depth D, widen factor K, no normalisation).
+    ``module:factory`` is called as ``factory(num_classes=K)`` and must return an ``nn.Module``
+    whose output is ``[batch, K]`` logits; modules in the current directory are found.
     """
     from . import nets
 
@@ -70,14 +74,7 @@ def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, A
         except ValueError as exc:
             raise CLIError(f"--model {spec}: {exc}") from exc
     if ":" in spec:
-        import importlib
-
-        modname, _, attr = spec.partition(":")
-        try:
-            factory = getattr(importlib.import_module(modname), attr)
-        except (ImportError, AttributeError) as exc:
-            raise CLIError(f"cannot load --model {spec!r}: {exc}") from exc
-        return factory(num_classes=num_classes)
+        return _from_factory(spec, num_classes, options)
     import timm
 
     if not timm.is_model(spec):
@@ -87,17 +84,157 @@ def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, A
     return timm.create_model(spec, pretrained=False, num_classes=num_classes, in_chans=in_chans)
 
 
+def _from_factory(spec: str, num_classes: int, options: dict[str, Any] | None):
+    import importlib
+    import inspect
+    import os
+    import sys
+
+    if os.getcwd() not in sys.path:  # `jem train --model mynet:build` run next to mynet.py
+        sys.path.insert(0, os.getcwd())
+    modname, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(modname), attr)
+    except (ImportError, AttributeError) as exc:
+        raise CLIError(f"cannot load --model {spec!r}: {exc} (run jem from the directory holding "
+                       f"{modname.replace('.', '/')}.py, or put it on PYTHONPATH)") from exc
+    usage = f"def {attr}(num_classes, **options): return an nn.Module giving [batch, num_classes] logits"
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = None
+    if params is not None and "num_classes" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise CLIError(f"--model {spec!r}: {attr}() takes no num_classes argument; write it as `{usage}`")
+    return factory(num_classes=num_classes, **(options or {}))
+
+
 def model_spec(model: str, data: str, num_classes: int, sample_shape, domain,
-               model_options: dict[str, Any] | None = None) -> dict[str, Any]:
+               model_options: dict[str, Any] | None = None, classes: Sequence[str] | None = None,
+               held_out: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a model file stores to rebuild the model: the ``--model``/``--data`` specs, the
-    classes, the input shape, the input domain, and a built-in net's constructor options."""
+    classes (count and names), the input shape, the input domain, a built-in net's constructor
+    options, and which data was held out from training (``held_out``: ``{"fraction", "seed",
+    "n_total"}`` of a split, or ``{"data": SPEC}``)."""
     spec = {"model": model, "data": data, "num_classes": num_classes, "sample_shape": list(sample_shape),
             "low": list(domain.low), "high": list(domain.high),
             "mean": list(domain.mean) if domain.mean else None,
-            "std": list(domain.std) if domain.std else None}
+            "std": list(domain.std) if domain.std else None,
+            "classes": [str(c) for c in classes] if classes is not None else [str(i) for i in range(num_classes)]}
     if model_options:
         spec["model_options"] = dict(model_options)
+    if held_out:
+        spec["held_out"] = dict(held_out)
     return spec
+
+
+def dataset_labels(ds) -> list[int]:
+    """Every label of a dataset, without loading its images."""
+    if hasattr(ds, "targets"):
+        return [int(t) for t in ds.targets]
+    if hasattr(ds, "tensors"):
+        return ds.tensors[1].tolist()
+    return [int(ds[i][1]) for i in range(len(ds))]
+
+
+def split_held_out(ds, fraction: float, seed: int):
+    """``(train, held_out)`` subsets: a stratified, seeded split keeping ``fraction`` of each class aside."""
+    from sklearn.model_selection import train_test_split
+    from torch.utils.data import Subset
+
+    if not 0.0 < fraction < 1.0:
+        raise CLIError(f"--val-fraction must be between 0 and 1 (got {fraction}); 0 keeps nothing aside")
+    labels = dataset_labels(ds)
+    counts = {c: labels.count(c) for c in set(labels)}
+    stratify = labels if min(counts.values()) >= 2 and round(fraction * len(labels)) >= len(counts) else None
+    try:
+        tr, va = train_test_split(list(range(len(labels))), test_size=fraction, random_state=seed,
+                                  stratify=stratify)
+    except ValueError as exc:
+        raise CLIError(f"cannot keep {fraction:g} of {len(labels)} images aside ({exc}); add images or "
+                       "pass --val-fraction 0 with --val-data folder:PATH") from exc
+    return Subset(ds, sorted(tr)), Subset(ds, sorted(va))
+
+
+def check_classes(model_classes: Sequence[str], data_classes: Sequence[str], where: str) -> None:
+    """A data set labelled with other classes than the model's would shift every label: refuse it."""
+    if list(model_classes) != list(data_classes):
+        missing = [c for c in model_classes if c not in data_classes]
+        extra = [c for c in data_classes if c not in model_classes]
+        detail = "; ".join(p for p in (f"missing {', '.join(missing)}" if missing else "",
+                                       f"unknown {', '.join(extra)}" if extra else "") if p)
+        raise CLIError(f"{where} has classes [{', '.join(data_classes)}] but the model was trained on "
+                       f"[{', '.join(model_classes)}] ({detail or 'different order'}); give a folder with "
+                       "one sub-directory per training class")
+
+
+def check_shape(spec: dict[str, Any], shape, data: str) -> None:
+    """Data of another shape than the model's training data: one line naming the data to use."""
+    if spec.get("sample_shape") and tuple(spec["sample_shape"]) != tuple(shape):
+        raise CLIError(f"the model (trained on --data {spec['data']}) takes inputs of shape "
+                       f"{tuple(spec['sample_shape'])}, --data {data} gives {tuple(shape)}; evaluate on data "
+                       f"like its training data (--data {spec['data']}, or --image-size "
+                       f"{spec['sample_shape'][-1]} for a folder)")
+
+
+def check_inputs(jm, x, spec: dict[str, Any], data: str) -> None:
+    """One forward pass on a data batch, so a model/data size mismatch is one line naming the fix."""
+    import torch
+
+    check_shape(spec, x.shape[1:], data)
+    try:
+        with torch.no_grad():
+            out = jm.model(x[:2].to(next(jm.parameters()).device))
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        model = spec["model"]
+        if model in BUILTIN_NETS:
+            hint = (f"{model} is made for --data {'digits' if model == 'digits-cnn' else 'toy2d'}; for other "
+                    "images use a timm model, e.g. --model resnet10t")
+        elif ":" in model:
+            hint = "make the model accept this input size, or change --image-size"
+        else:
+            size = (getattr(jm.model, "pretrained_cfg", None) or {}).get("input_size", (0, 224))[-1]
+            hint = (f"it expects {size}x{size} inputs; use a convolutional model (e.g. --model resnet10t), or "
+                    f"folder data with --image-size {size}")
+        raise CLIError(f"--model {model} fails on inputs of shape {tuple(x.shape[1:])} from --data {data} "
+                       f"({first[:160]}): {hint}") from exc
+    if getattr(out, "ndim", 0) != 2 or out.shape[1] != spec["num_classes"]:
+        raise CLIError(f"--model {spec['model']} returns shape {tuple(getattr(out, 'shape', ()))}, not "
+                       f"[batch, {spec['num_classes']}] logits; its factory must honour num_classes")
+
+
+def held_out_data(spec: dict[str, Any], data: str | None, image_size: int | None, seed: int = 0):
+    """``(dataset, description)`` to evaluate a model on: ``data`` when given, else what training
+    held out (the split of its folder, its --val-data, or the data set's own test split)."""
+    size = image_size or int(spec["sample_shape"][-1])
+    if data:
+        ds, *_ = load_data(data, train=False, image_size=size, seed=seed)
+        where = data
+    else:
+        kept = spec.get("held_out") or {}
+        source = spec["data"]
+        if kept.get("data"):
+            ds, *_ = load_data(kept["data"], train=False, image_size=size, seed=seed)
+            where = f"{kept['data']} (the run's --val-data)"
+        elif source.startswith("folder:"):
+            if not kept.get("fraction"):
+                raise CLIError(f"this model was trained on all of {source} (--val-fraction 0); "
+                               "evaluate it on other images with --data folder:PATH")
+            full, *_ = load_data(source, train=False, image_size=size, seed=seed)
+            if len(full) != kept.get("n_total", len(full)):
+                raise CLIError(f"{source} holds {len(full)} images, {kept['n_total']} when the model was "
+                               "trained, so its held-out split is lost; evaluate with --data folder:PATH")
+            _, ds = split_held_out(full, kept["fraction"], kept.get("seed", 0))
+            ds.classes = full.classes  # type: ignore[attr-defined]
+            where = f"{source}, the {kept['fraction']:g} held out from training"
+        else:
+            ds, *_ = load_data(source, train=False, image_size=size, seed=seed)
+            where = f"{source} (test split)"
+    if len(ds):
+        check_shape(spec, ds[0][0].shape, data or spec["data"])
+    if spec.get("classes") and hasattr(ds, "classes") and (data or "").startswith(("folder:", "cifar10:")):
+        check_classes(spec["classes"], [str(c) for c in ds.classes], f"--data {data}")
+    return ds, where
 
 
 def save_model_checkpoint(path: Path, jm, spec: dict[str, Any]) -> None:
@@ -134,3 +271,58 @@ def wrap_for_data(model, spec: dict[str, Any]):
     else:
         opts["data_range"] = (spec["low"], spec["high"])
     return wrap(model, **opts)
+
+
+def check_resume(out: Path, spec: dict[str, Any], no_resume: bool = False) -> None:
+    """A run directory holding another model's checkpoints is refused before any file is written."""
+    old = out / "spec.json"
+    if no_resume or not old.is_file() or not list((out / "checkpoints").glob("*.pt")):
+        return
+    before = json.loads(old.read_text())
+    diff = [k for k in ("model", "data", "num_classes", "sample_shape", "classes") if before.get(k) != spec.get(k)]
+    if diff:
+        raise CLIError(f"--out {out} holds a run of --model {before.get('model')} on --data {before.get('data')} "
+                       f"(differs in {', '.join(diff)}); pass the same flags to resume it, --no-resume to "
+                       "start over there, or another --out")
+
+
+def drop_buffer_from_checkpoints(buffer) -> None:
+    """--checkpoint-buffer none: checkpoints leave out the replay buffer's chains; a resumed run
+    keeps its freshly initialised buffer (chains restart from the init distribution)."""
+    def drop(module, state, prefix, local_metadata):
+        state.pop(prefix + "data", None)
+        state.pop(prefix + "initialized", None)
+
+    def keep_fresh(module, state, prefix, *args):
+        state[prefix + "data"] = buffer.data
+        state[prefix + "initialized"] = buffer.initialized
+
+    buffer.register_state_dict_post_hook(drop)
+    buffer.register_load_state_dict_pre_hook(keep_fresh)
+
+
+def ood_sets(items: Sequence[str] | None, spec: dict[str, Any], jm, x, y, seed: int = 0) -> dict[str, Any]:
+    """``jem ood``'s OOD sets: ``noise`` and ``folder:PATH`` items (named by the folder), or the
+    defaults (the digits' four sets, else uniform noise)."""
+    import torch
+
+    from . import data
+
+    if not items:
+        if spec["data"].startswith("digits"):
+            return data.digits_ood_sets(x, y, seed=seed)
+        items = ["noise"]
+    sets: dict[str, Any] = {}
+    for item in items:
+        if item == "noise":
+            sets["noise"] = jm.domain.uniform(len(x), x.shape[1:], generator=torch.Generator().manual_seed(seed))
+            continue
+        if not item.startswith("folder:") or not item[len("folder:"):]:
+            raise CLIError(f"--ood {item!r}: use noise or folder:PATH (a folder of images, any sub-folders)")
+        ds, *_ = load_data(item, train=False, image_size=int(spec["sample_shape"][-1]), seed=seed)
+        name = Path(item[len("folder:"):]).name or item
+        while name in sets:
+            name += "'"
+        sets[name] = torch.stack([ds[i][0] for i in range(len(ds))])
+        check_inputs(jm, sets[name], spec, item)
+    return sets

@@ -3,33 +3,93 @@
 Reads the experiment's result dict (what :mod:`jem_plugin.app.experiments` returns and writes as
 ``metrics.json``) and every PNG in the directory, and writes ``report.html`` with the figures
 embedded (base64), so the file can be mailed or attached to an issue as it is.
+
+The report reads as a result: a warning first when a run was cut short, then a few sentences
+computed from the numbers (what JEM gained, what it cost), a table of the runs side by side with
+readable metric names and a one-line meaning each, and the figures, each with a caption that
+says what to look at, baseline and JEM next to each other.
 """
 from __future__ import annotations
 
 import base64
 import html
 import json
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["write_report", "flatten_metrics"]
-
-# Figures are shown in this order when present (file stem prefixes); others follow alphabetically.
-FIGURE_ORDER = ("samples", "buffer", "class", "curves", "training", "reliability", "hist", "roc", "robust")
+__all__ = ["write_report", "flatten_metrics", "summary_sentences", "metric_label"]
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1100px;margin:2em auto;
-padding:0 1em;color:#222}
+padding:0 1em;color:#222;line-height:1.45}
 h1{font-size:1.6em}h2{font-size:1.25em;margin-top:2em;border-bottom:1px solid #ddd;padding-bottom:.2em}
 table{border-collapse:collapse;margin:1em 0;font-size:.92em}
 th,td{border:1px solid #ccc;padding:.3em .7em;text-align:right}th{background:#f4f4f4}
-td:first-child,th:first-child{text-align:left}
+td.name,th.name{text-align:left}td.meaning{text-align:left;color:#555;font-size:.9em}
+tr.section td{background:#fafafa;font-weight:bold;text-align:left}
 .better{font-weight:bold;color:#0a5d00}
-figure{display:inline-block;margin:.6em;vertical-align:top;text-align:center}
-figure img{max-width:500px;border:1px solid #eee}figcaption{font-size:.85em;color:#555}
+.warning{border:2px solid #b00;background:#fff3f3;padding:.7em 1em;font-weight:bold;color:#900}
+.summary li{margin:.3em 0}
+.row{display:grid;grid-template-columns:repeat(var(--n),1fr);gap:1em;margin:1em 0;align-items:start}
+figure{margin:0;text-align:center}figure img{width:100%;border:1px solid #eee;image-rendering:pixelated}
+figure.wide img{max-width:1100px}figcaption{font-size:.88em;color:#444;text-align:left;margin-top:.3em}
+.caption{font-size:.92em;color:#333;margin:.2em 0 .4em}
 .note{color:#555;font-size:.9em}
-.missed{font-weight:bold;color:#a00}
 """
+
+# Readable names: key -> (name, one-line meaning, higher is better: True/False/None).
+METRICS: dict[str, tuple[str, str, bool | None]] = {
+    "accuracy": ("Test accuracy", "share of held-out images classified correctly", True),
+    "nll": ("Test NLL", "negative log-likelihood of the true class (lower: confident and right)", False),
+    "ece": ("Calibration error (ECE)", "gap between confidence and accuracy; 0 = calibrated", False),
+    "ece_temp_scaled": ("ECE after temperature scaling", "the same, after fitting one temperature", False),
+    "temperature": ("Fitted temperature", "1 = already calibrated; above 1 = over-confident", None),
+    "class_sample_accuracy": ("Class-sample accuracy", "share of class-conditional samples classified as "
+                              "the class they were drawn for", True),
+    "epochs": ("Epochs trained", "full passes over the training set", None),
+    "seconds_per_epoch": ("Seconds per epoch", "wall-clock time of one epoch", False),
+    "cpu_seconds_per_epoch": ("CPU seconds per epoch", "processor time of one epoch (fair on a busy machine)",
+                              False),
+    "train_seconds": ("Training time (s)", "wall-clock seconds spent training", False),
+    "train_cpu_seconds": ("Training CPU time (s)", "processor seconds spent training", False),
+    "wall_seconds": ("Wall time incl. saving (s)", "training plus writing checkpoints", False),
+    "cost_vs_baseline": ("CPU cost vs baseline", "training CPU time divided by the baseline's", False),
+    "wall_cost_vs_baseline": ("Wall-time cost vs baseline", "training wall time divided by the baseline's",
+                              False),
+}
+SCORES = {"logpx": "log p(x)", "msp": "max softmax", "grad_norm": "gradient norm",
+          "grad_norm_projected": "gradient norm (projected)"}
+OOD_SETS = {"noise": "uniform noise", "patches": "photo patches", "blends": "blends of two digits",
+            "transposed": "transposed digits"}
+_SET_MEANING = {"noise": "random pixels: the easiest set", "patches": "crops of two photos, shrunk to the image size",
+                "blends": "the average of two digits of different classes: the hardest set",
+                "transposed": "digits mirrored about the diagonal: digit-like strokes, wrong shapes"}
+_SECTIONS = (("Classification", ("accuracy", "nll")),
+             ("Calibration", ("ece", "ece_temp_scaled", "temperature")),
+             ("Out-of-distribution detection: AUROC (0.5 = chance, 1 = every OOD input scores below every "
+              "test image)", ("auroc_",)),
+             ("Samples", ("class_sample_accuracy",)),
+             ("Cost", ("epochs", "seconds_per_epoch", "cpu_seconds_per_epoch", "train_seconds",
+                       "train_cpu_seconds", "wall_seconds", "cost_vs_baseline", "wall_cost_vs_baseline")))
+
+# Figure captions: (file-stem pattern, caption). ``{run}`` is the run the figure belongs to.
+CAPTIONS: tuple[tuple[str, str], ...] = (
+    (r"samples_per_class", "Class-conditional samples, one row per class: each row should show its class. "
+                           "Rows of noise mean the generative side has not learned yet."),
+    (r"samples_buffer|^buffer", "Unconditional samples from the JEM replay buffer: they should look like the "
+                                "training images (blurry is fine); pure noise means too short a run."),
+    (r"samples", "Samples drawn from the model with SGLD, labelled by class."),
+    (r"curves", "Training curves, all runs on shared axes: test accuracy should reach the same level for "
+                "each run; an energy gap that swings far from 0 signals unstable JEM training."),
+    (r"reliability_(?P<run>.+)", "{run}: reliability diagram. Bars on the diagonal = calibrated; below it = "
+                                 "over-confident, above it = under-confident."),
+    (r"hist_logpx_(?P<run>.+)", "{run}: log p(x) of test images vs each OOD set. Test images should sit to "
+                                "the right (higher), well apart from the OOD sets."),
+    (r"hist_grad_norm_(?P<run>.+)", "{run}: gradient-norm score. Test images to the right, OOD sets apart."),
+    (r"roc_logpx_(?P<run>.+)", "{run}: ROC curves of log p(x). Curves hugging the top-left corner = OOD "
+                               "set told apart from test images."),
+)
 
 
 def flatten_metrics(d: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
@@ -44,13 +104,27 @@ def flatten_metrics(d: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
     return flat
 
 
-def _higher_is_better(key: str) -> bool | None:
-    k = key.lower()
-    if any(s in k for s in ("ece", "mce", "nll", "brier", "fpr", "seconds", "time", "loss")):
-        return False
-    if any(s in k for s in ("acc", "auroc", "aupr")):
-        return True
-    return None
+def metric_label(key: str) -> tuple[str, str, bool | None]:
+    """``(readable name, one-line meaning, higher is better)`` of a summary key."""
+    if key in METRICS:
+        return METRICS[key]
+    m = re.fullmatch(r"auroc_(.+)_([^_]+)", key)
+    if m and m.group(1) in SCORES:
+        score, ood_set = m.group(1), m.group(2)
+        return (f"{SCORES[score]} vs {OOD_SETS.get(ood_set, ood_set)}",
+                _SET_MEANING.get(ood_set, f"the OOD set {ood_set!r} against test images"), True)
+    return key.replace("_", " "), "", None
+
+
+def _section_of(key: str) -> int:
+    for i, (_, keys) in enumerate(_SECTIONS):
+        if key in keys or any(key.startswith(k) for k in keys if k.endswith("_")):
+            return i
+    return len(_SECTIONS)
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
 
 
 def _table(runs: Mapping[str, Mapping[str, Any]]) -> str:
@@ -59,38 +133,130 @@ def _table(runs: Mapping[str, Mapping[str, Any]]) -> str:
     keys: list[str] = []
     for n in names:
         keys += [k for k in flat[n] if k not in keys]
-    rows = []
+    keys.sort(key=_section_of)  # stable: keeps the run's order inside a section
+    rows, section = [], None
     for k in keys:
+        s = _section_of(k)
+        if s != section:
+            section = s
+            title = _SECTIONS[s][0] if s < len(_SECTIONS) else "Other"
+            rows.append(f"<tr class='section'><td colspan='{len(names) + 2}'>{html.escape(title)}</td></tr>")
+        name, meaning, hib = metric_label(k)
         vals = [flat[n].get(k) for n in names]
         present = [v for v in vals if v is not None]
-        hib = _higher_is_better(k)
         best = None
         if hib is not None and len(present) > 1 and len(set(present)) > 1:
             best = max(present) if hib else min(present)
-        cells = "".join(
-            "<td></td>" if v is None else
-            f"<td class=\"{'better' if v == best else ''}\">{v:.4g}</td>" for v in vals)
-        rows.append(f"<tr><td>{html.escape(k)}</td>{cells}</tr>")
+        cells = "".join("<td></td>" if v is None else
+                        f"<td class=\"{'better' if v == best else ''}\">{_fmt(v)}</td>" for v in vals)
+        rows.append(f"<tr><td class='name'>{html.escape(name)}</td>{cells}"
+                    f"<td class='meaning'>{html.escape(meaning)}</td></tr>")
     head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
-    return f"<table><tr><th>metric</th>{head}</tr>{''.join(rows)}</table>"
+    return (f"<table><tr><th class='name'>metric</th>{head}<th class='name'>what it means</th></tr>"
+            f"{''.join(rows)}</table>")
 
 
-def _figure_key(p: Path) -> tuple[int, str]:
-    stem = p.stem.lower()
-    for i, prefix in enumerate(FIGURE_ORDER):
-        if prefix in stem:
-            return (i, stem)
-    return (len(FIGURE_ORDER), stem)
+def summary_sentences(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """A few sentences computed from the numbers: what JEM gained over the baseline, what it cost."""
+    if "baseline" not in runs or len(runs) < 2:
+        return []
+    b = runs["baseline"].get("summary", runs["baseline"])
+    name = next(n for n in runs if n != "baseline")
+    j = runs[name].get("summary", runs[name])
+    out = []
+    if "accuracy" in b and "accuracy" in j:
+        d = 100 * (j["accuracy"] - b["accuracy"])
+        verdict = ("within half a point" if abs(d) < 0.5 else f"{abs(d):.1f} points {'more' if d > 0 else 'less'}")
+        out.append(f"Accuracy: {name} classifies {100 * j['accuracy']:.1f}% of the test images correctly, the "
+                   f"baseline {100 * b['accuracy']:.1f}% ({verdict}).")
+    sets = [k[len("auroc_logpx_"):] for k in j if k.startswith("auroc_logpx_")]
+    if sets and all(f"auroc_logpx_{s}" in b for s in sets):
+        mj = sum(j[f"auroc_logpx_{s}"] for s in sets) / len(sets)
+        mb = sum(b[f"auroc_logpx_{s}"] for s in sets) / len(sets)
+        worst = min(sets, key=lambda s: j[f"auroc_logpx_{s}"])
+        out.append(f"Out-of-distribution detection with log p(x): mean AUROC {mj:.2f} for {name} vs {mb:.2f} for "
+                   f"the baseline over {len(sets)} OOD sets ({'gain' if mj > mb else 'no gain'}); hardest for "
+                   f"{name}: {OOD_SETS.get(worst, worst)} ({j[f'auroc_logpx_{worst}']:.2f}).")
+    if "ece" in b and "ece" in j:
+        verdict = ("about the same" if abs(j["ece"] - b["ece"]) < 0.005 else
+                   "better" if j["ece"] < b["ece"] else "worse")
+        out.append(f"Calibration error (ECE): {j['ece']:.3f} for {name} vs {b['ece']:.3f} for the baseline "
+                   f"({verdict} before temperature scaling"
+                   + (f"; {j['ece_temp_scaled']:.3f} vs {b['ece_temp_scaled']:.3f} after it)."
+                      if "ece_temp_scaled" in j and "ece_temp_scaled" in b else ")."))
+    if "class_sample_accuracy" in j:
+        out.append(f"Samples: {100 * j['class_sample_accuracy']:.0f}% of {name}'s class-conditional samples are "
+                   "classified as the class they were drawn for (the baseline cannot generate).")
+    pj, pb = j.get("cpu_seconds_per_epoch"), b.get("cpu_seconds_per_epoch")
+    if pj and pb and j.get("train_cpu_seconds") and b.get("train_cpu_seconds"):
+        # per epoch: a run the budget cut short must not look cheaper than it is
+        out.append(f"Cost: an epoch of {name} took {pj / pb:.1f}x the baseline's CPU time ({_fmt(pj)} s vs "
+                   f"{_fmt(pb)} s); training in all: {_fmt(j['train_cpu_seconds'])} s vs "
+                   f"{_fmt(b['train_cpu_seconds'])} s.")
+    return out
+
+
+def _caption(stem: str, runs: list[str]) -> tuple[str, str | None, str]:
+    """``(group, run or None, caption)`` of a figure file stem."""
+    for pattern, text in CAPTIONS:
+        m = re.search(pattern, stem)
+        if m:
+            run = m.groupdict().get("run")
+            if run is not None and run not in runs:
+                run = None
+            group = stem[:m.start("run") - 1] if run else stem
+            return group, run, text.replace("{run}", run or stem)
+    return stem, None, stem.replace("_", " ")
+
+
+def _figures(out: Path, runs: list[str]) -> str:
+    """Figures in caption order; per-run figures of one kind in one row, the runs' order left to right."""
+    groups: dict[str, dict[str | None, tuple[Path, str]]] = {}
+    order: dict[str, int] = {}
+    for p in sorted(out.rglob("*.png")):
+        stem = str(p.relative_to(out).with_suffix(""))
+        group, run, caption = _caption(stem, runs)
+        groups.setdefault(group, {})[run] = (p, caption)
+        order[group] = next((i for i, (pat, _) in enumerate(CAPTIONS) if re.search(pat, stem)), len(CAPTIONS))
+    parts, singles = [], []
+
+    def flush() -> None:
+        if singles:
+            parts.append(f"<div class='row' style='--n:2'>{''.join(singles)}</div>")
+            singles.clear()
+
+    for group in sorted(groups, key=lambda g: (order[g], g)):
+        members = groups[group]
+        keys = [r for r in runs if r in members] + [k for k in members if k not in runs]
+        cells = []
+        for k in keys:
+            p, caption = members[k]
+            data = base64.b64encode(p.read_bytes()).decode("ascii")
+            label = html.escape(k if len(keys) > 1 and k else caption)
+            cells.append(f"<figure><img alt='{html.escape(caption)}' src='data:image/png;base64,{data}'>"
+                         f"<figcaption>{label}</figcaption></figure>")
+        if len(keys) == 1 and "curves" not in group:  # single figures two to a row
+            singles.append(cells[0])
+            if len(singles) == 2:
+                flush()
+            continue
+        flush()
+        if len(keys) > 1:  # side by side: one shared caption, one column per run
+            caption = CAPTIONS[order[group]][1].replace("{run}: ", "").replace("{run}", "each run")
+            parts.append(f"<p class='caption'>{html.escape(caption[0].upper() + caption[1:])}</p>")
+        parts.append(f"<div class='row' style='--n:{len(cells)}'>{''.join(cells)}</div>")
+    flush()
+    return "\n".join(parts)
 
 
 def write_report(out_dir: str | Path, result: Mapping[str, Any] | None = None,
                  title: str = "jem-plugin report") -> Path:
     """Write ``out_dir/report.html`` and return its path.
 
-    ``result`` defaults to ``out_dir/metrics.json``. Its ``"runs"`` entry (``{run_name: metrics}``)
-    becomes a side-by-side table (best value per row in bold); a ``"targets"`` entry
-    (``{name: bool}``) a list of met/missed targets; any other top-level entries are listed as
-    settings. Every PNG under ``out_dir`` is embedded.
+    ``result`` defaults to ``out_dir/metrics.json``. A ``"warning"`` entry (a run cut short) is shown
+    first; ``"runs"`` (``{run_name: {"summary": metrics}}``) becomes a few summary sentences and a
+    side-by-side table (best value per row in bold); other entries are listed as settings. Every PNG
+    under ``out_dir`` is embedded with a caption.
     """
     out = Path(out_dir)
     if result is None:
@@ -98,31 +264,31 @@ def write_report(out_dir: str | Path, result: Mapping[str, Any] | None = None,
     runs = result.get("runs", {})
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
+    if result.get("warning"):
+        parts.append(f"<p class='warning'>Warning: {html.escape(str(result['warning']))}.</p>")
     if result.get("description"):
         parts.append(f"<p>{html.escape(str(result['description']))}</p>")
+    summaries = {n: r.get("summary", r) for n, r in runs.items()}
+    sentences = summary_sentences(runs)
+    if sentences and result.get("warning"):
+        sentences.insert(0, "These runs were cut short (see the warning above): read the numbers as a check "
+                            "that the pipeline runs, not as what JEM does.")
+    if sentences:
+        items = "".join(f"<li>{html.escape(s)}</li>" for s in sentences)
+        parts.append(f"<h2>Summary</h2><ul class='summary'>{items}</ul>")
     if runs:
-        parts.append("<h2>Results</h2>")
-        parts.append("<p class='note'>Best value per row in bold (higher is better for accuracy and AUROC/AUPR; "
-                     "lower for ECE, NLL, Brier, FPR at 95% TPR and time). OOD scores: higher = more "
-                     "in-distribution; OOD sets: uniform noise, 8x8 patches of photos, blends of two digits "
-                     "of different classes, transposed digits.</p>")
-        parts.append(_table({n: r.get("summary", r) for n, r in runs.items()}))
-    targets = result.get("targets")
-    if isinstance(targets, Mapping) and targets:
-        items = "".join(f"<li class='{'better' if ok else 'missed'}'>{'met' if ok else 'MISSED'}: "
-                        f"{html.escape(str(name).replace('_', ' '))}</li>" for name, ok in targets.items())
-        parts.append(f"<h2>Targets</h2><ul>{items}</ul>")
-    settings = {k: v for k, v in result.items() if k not in ("runs", "description", "targets")}
+        parts.append("<h2>Results</h2><p class='note'>Best value per row in bold. OOD scores rank inputs by "
+                     "how in-distribution they look; the OOD sets are uniform noise, patches of photos, "
+                     "blends of two digits of different classes and transposed digits.</p>")
+        parts.append(_table(summaries))
+    figures = _figures(out, list(runs))
+    if figures:
+        parts.append("<h2>Figures</h2>" + figures)
+    settings = {k: v for k, v in result.items()
+                if k not in ("runs", "description", "targets", "warning", "truncated")}
     if settings:
-        parts.append("<h2>Settings</h2><pre>" + html.escape(json.dumps(settings, indent=2, default=str)) + "</pre>")
-    pngs = sorted(out.rglob("*.png"), key=_figure_key)
-    if pngs:
-        parts.append("<h2>Figures</h2>")
-        for p in pngs:
-            data = base64.b64encode(p.read_bytes()).decode("ascii")
-            caption = html.escape(str(p.relative_to(out).with_suffix("")).replace("_", " "))
-            parts.append(f"<figure><img alt='{caption}' src='data:image/png;base64,{data}'>"
-                         f"<figcaption>{caption}</figcaption></figure>")
+        parts.append("<h2>Settings</h2><details><summary>every setting of this run</summary><pre>"
+                     + html.escape(json.dumps(settings, indent=2, default=str)) + "</pre></details>")
     parts.append("</body></html>")
     path = out / "report.html"
     path.write_text("\n".join(parts))
