@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from . import plugins
+from . import hookspecs, plugins
 from ._checks import autocast_cache_off, same_device
 from .errors import CUDAGraphError
 from .model import _CallableModule, sampling_mode
@@ -107,14 +107,12 @@ def _layout(x: Tensor) -> torch.memory_format:
 
 def _blocker(sampler: SGLD, jm: JEM, x: Tensor) -> str | None:
     """Why the chain cannot run as a graph, or ``None``."""
-    from .sampling import STEP_HOOK  # import cycle: sampling imports this module
-
     if x.device.type != "cuda" or not torch.cuda.is_available():
         return f"the chain is on {x.device}, not on a CUDA device"
     if sampler.record_trajectory or sampler.record_energies:
         return "trajectory/energy recording reads the chain after every step"
-    if plugins.has_implementations(STEP_HOOK):
-        return f"a {STEP_HOOK} plugin hook runs Python after every step"
+    if plugins.has_implementations(hookspecs.STEP_HOOK):
+        return f"a {hookspecs.STEP_HOOK} plugin hook runs Python after every step"
     if isinstance(jm.model, _CallableModule):
         return "the model is a plain callable (its tensors cannot be tracked between runs)"
     if torch.cuda.is_current_stream_capturing():
@@ -223,12 +221,10 @@ def make_step(jm: JEM, xs: Tensor, a: Tensor, ys: Tensor | None, noise_buf: Tens
               sampler: SGLD) -> Callable[[], tuple[Tensor, Tensor]]:
     """One SGLD step on the static chain ``xs`` (a leaf that requires grad), as the eager loop
     makes it but with the step size read from the 0-d tensor ``a``; returns ``(logits, score)``."""
-    from .sampling import _clamp_plan
-
     model, read_logits = jm.model, jm.adapter.logits
     xd = xs.detach()
     dtype, gen, noise, clip = xs.dtype, sampler.generator, sampler.noise, sampler.grad_clip
-    clamps = _clamp_plan(jm.domain, xd) if sampler.clamp else ()
+    clamps = jm.domain.clamp_plan(xd) if sampler.clamp else ()
 
     def step() -> tuple[Tensor, Tensor]:
         out = read_logits(model(xs))

@@ -115,6 +115,23 @@ class InputDomain:
         lo, hi = self.bounds(u)
         return u.mul_(hi - lo).add_(lo)
 
+    def clamp_plan(self, x: Tensor) -> list[tuple[Tensor, float, float]]:
+        """``(view, low, high)`` triples that clamp ``x`` to the domain with scalar bounds.
+
+        Scalar clamps on per-channel views are several times cheaper than one clamp against
+        broadcast bound tensors; the views stay valid while ``x`` is updated in place (SGLD chains).
+        """
+        lows, highs = self.low, self.high
+        if len(set(lows)) == 1 and len(set(highs)) == 1:
+            return [(x, lows[0], highs[0])]
+        if x.dim() < 2 or x.shape[1] != len(lows):
+            raise InvalidInputError(
+                f"the model's input domain has {len(lows)} channels (bounds {lows} .. {highs}) but the chain "
+                f"has shape {tuple(x.shape)}; sample inputs of shape [B, {len(lows)}, ...] or fix the "
+                "domain with wrap(model, data_range=...) / mean=, std="
+            )
+        return [(x[:, c], lo, hi) for c, (lo, hi) in enumerate(zip(lows, highs))]
+
     def to_unit(self, x: Tensor) -> Tensor:
         """Map inputs to ``[0, 1]`` pixels for display (undo normalisation, then rescale)."""
         lo, hi = self.bounds(x)

@@ -18,6 +18,9 @@ import pluggy
 
 hookspec = pluggy.HookspecMarker("jem")
 
+#: The per-step SGLD hook (the sampler and its CUDA-graph path skip it when nothing implements it).
+STEP_HOOK = "jem_sgld_step"
+
 
 @hookspec(firstresult=True)
 def jem_adapter(model: Any, options: dict) -> Any:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, overload
 import torch
 from torch import Tensor
 
-from . import _cuda_graph, plugins
+from . import _cuda_graph, hookspecs, plugins
 from ._checks import (DomainCheck, autocast_cache_off, check_input, check_label_range, check_labels, follow,
                       model_device, same_device)
 from .errors import DivergenceError, InvalidInputError
@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["SGLD", "SGLDStepState", "SGLDDiagnostics"]
 
-STEP_HOOK = "jem_sgld_step"
+STEP_HOOK = hookspecs.STEP_HOOK
 SGLD_REMEDIES: tuple[str, ...] = (
     "a smaller step size or fewer steps, SGLD(step_size=..., steps=...)",
     "proximal SGLD, SGLD(grad_clip=...)",
@@ -95,24 +95,6 @@ def _positive_float(name: str, v: Any, allow_zero: bool = False) -> float:
     if not math.isfinite(f) or f < 0 or (f == 0 and not allow_zero):
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} and finite, got {v!r}")
     return f
-
-
-def _clamp_plan(domain, x: Tensor) -> list[tuple[Tensor, float, float]]:
-    """``(view, low, high)`` triples that clamp ``x`` to the domain with scalar bounds.
-
-    Scalar clamps on per-channel views are several times cheaper than one clamp against
-    broadcast bound tensors; the views stay valid because the chain is updated in place.
-    """
-    lows, highs = domain.low, domain.high
-    if len(set(lows)) == 1 and len(set(highs)) == 1:
-        return [(x, lows[0], highs[0])]
-    if x.dim() < 2 or x.shape[1] != len(lows):
-        raise InvalidInputError(
-            f"the model's input domain has {len(lows)} channels (bounds {lows} .. {highs}) but the chain "
-            f"has shape {tuple(x.shape)}; sample inputs of shape [B, {len(lows)}, ...] or fix the "
-            "domain with wrap(model, data_range=...) / mean=, std="
-        )
-    return [(x[:, c], lo, hi) for c, (lo, hi) in enumerate(zip(lows, highs))]
 
 
 class SGLD:
@@ -279,7 +261,7 @@ class SGLD:
                     f"with torch.Generator(device={str(xd.device)!r})"
                 )
             noise_buf = torch.empty_like(xd) if noise > 0 else None
-            clamps = _clamp_plan(domain, xd) if self.clamp else ()  # applied after every update
+            clamps = domain.clamp_plan(xd) if self.clamp else ()  # applied after every update
             if record_x:
                 trajectory.append(xd.clone())
             steps_iter = range(len(sizes))

@@ -245,8 +245,7 @@ def test_run_digits_smoke_writes_metrics_and_figures(tmp_path):
         for method in OOD_SCORES:
             for ood_set in ("noise", "patches", "blends", "transposed"):
                 assert 0.0 <= s[f"auroc_{method}_{ood_set}"] <= 1.0
-    assert set(saved["targets"]) >= {"accuracy_within_1pt", "logpx_auroc_noise_patches_transposed",
-                                     "grad_norm_auroc_noise_patches", "cost_within_4x_baseline"}
+    assert "targets" not in saved  # internal acceptance targets live in benchmarks/, not in a user's run
     for png in ("samples_buffer.png", "samples_per_class.png", "curves_training.png",
                 "reliability_JEM.png", "roc_logpx_baseline.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
