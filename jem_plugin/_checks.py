@@ -16,7 +16,7 @@ from .errors import InvalidInputError, InvalidLabelError, OutOfDomainWarning
 
 __all__ = ["same_device", "draw", "check_labels", "check_label_range", "require_num_classes", "free_energy",
            "unpack_batch", "model_device", "INPUT_KEYS", "LABEL_KEYS", "follow", "autocast_cache_off",
-           "unwrap_model", "check_input", "DomainCheck", "warn_out_of_domain"]
+           "unwrap_model", "unwrap_parallel", "check_input", "DomainCheck", "warn_out_of_domain"]
 
 # Keys a dict batch may hold its inputs / labels under (torchvision, Hugging Face, hand-written).
 INPUT_KEYS: tuple[str, ...] = ("x", "input", "inputs", "image", "images", "pixel_values")
@@ -178,14 +178,23 @@ def autocast_cache_off(device_type: str) -> AbstractContextManager:
         return nullcontext()
     return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)
 # ----------------------------------------------------------------------------- wrappers
+def unwrap_parallel(module: Any) -> Any:
+    """The module under DDP / ``DataParallel`` wrappers (any depth); other objects unchanged.
+
+    Unlike :func:`unwrap_model`, a compiled module stays compiled (its checkpoint keys keep
+    their ``_orig_mod.`` prefix): what DDP training samples and saves through.
+    """
+    while isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        module = module.module
+    return module
+
+
 def unwrap_model(model: Any) -> Any:
     """The user's module inside ``torch.compile`` (``_orig_mod``), DataParallel, DDP and FSDP.
 
     Wrappers nest (``torch.compile(DDP(m))``), so they are peeled until none is left. Used to
     read a model's type and attributes; calls still go through the wrapper.
     """
-    from torch import nn
-
     seen = 0
     while seen < 16:  # wrappers nest a few levels at most; a cycle must not hang us
         seen += 1
@@ -193,12 +202,13 @@ def unwrap_model(model: Any) -> Any:
         if isinstance(inner, nn.Module):
             model = inner
             continue
-        name = type(model).__name__
-        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)) or (
-                name in ("FullyShardedDataParallel", "FSDP") and hasattr(model, "module")):
-            model = model.module
-            continue
-        return model
+        inner = unwrap_parallel(model)
+        if inner is model and type(model).__name__ in ("FullyShardedDataParallel", "FSDP") \
+                and hasattr(model, "module"):
+            inner = model.module
+        if inner is model:
+            return model
+        model = inner
     return model
 
 

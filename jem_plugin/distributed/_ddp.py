@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .._checks import unwrap_parallel
 from ..errors import JEMError
 from ..model import JEM, wrap
 from ._group import _initialized
@@ -23,11 +24,7 @@ FSDP_NOTES = (
 
 
 # --------------------------------------------------------------------------- DDP
-def unwrap(module: Any) -> Any:
-    """The module under DDP / ``DataParallel`` wrappers (any depth); other objects unchanged."""
-    while isinstance(module, (DistributedDataParallel, nn.DataParallel)):
-        module = module.module
-    return module
+unwrap = unwrap_parallel  # the public name under jem_plugin.distributed
 
 
 class DistributedJEM(DistributedDataParallel):

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from ..errors import InvalidLabelError, JEMError
 from ..losses import JEMLoss
-from ..model import JEM, wrap
+from ..model import JEM, as_jem, wrap
 
 try:
     from timm.task import TrainingTask
@@ -116,10 +116,7 @@ class JEMTask(TrainingTask):
     @property
     def jem(self) -> JEM:
         """The bare JEM (under DDP too): score, sample or evaluate with it."""
-        module = self.trainable_module
-        while not isinstance(module, JEM):
-            module = module.module
-        return module
+        return as_jem(self.trainable_module, "JEMTask.jem")
 
     def get_eval_model(self, module: Optional[nn.Module] = None, ema: bool = False) -> Optional[nn.Module]:
         """The bare classifier (EMA copy when ``ema``): timm validates it and saves its weights."""
