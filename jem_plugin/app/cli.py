@@ -20,7 +20,7 @@ from .model_files import (build_model, check_classes, check_inputs, check_resume
                           save_model_checkpoint, split_held_out, wrap_for_data)
 
 # `jem demo --smoke`: the whole pipeline in seconds (tests, a first look); not a meaningful result.
-SMOKE_DEMO = {"epochs": 1, "sgld_steps": 2, "buffer_size": 500, "class_sample_steps": 2}
+SMOKE_DEMO = {"epochs": 1, "sgld_steps": 2, "buffer_size": 500, "class_sample_steps": 2, "judge_epochs": 5}
 
 
 # ----------------------------------------------------------------------------- helpers
