@@ -25,6 +25,13 @@ def test_train_writes_model_checkpoints_history(trained_run):
     history = json.loads((trained_run / "history.json").read_text())
     assert history["epochs"][0]["iterations"] > 0
     assert (trained_run / "buffer.png").stat().st_size > 100
+    # Sample quality by an independent judge, once at the end, with its reference points (issue 16)
+    q = history["sample_quality"]
+    assert set(q) == {"fd_buffer", "fd_init", "fd_heldout_floor", "fd_n_samples", "judge_acc_heldout",
+                      "judge_acc_samples", "judge_acc_init"}
+    assert q["fd_n_samples"] == 180  # half the 360 held-out digits: every distance at the same n
+    assert q["fd_heldout_floor"] < q["fd_init"] and q["judge_acc_heldout"] > 0.5  # the judge sees digits
+    assert 0.0 <= q["judge_acc_samples"] <= 1.0 and q["fd_buffer"] >= 0.0
 
 
 def test_train_resumes_from_its_checkpoints(trained_run, capsys):
@@ -90,6 +97,15 @@ def test_demo_smoke_writes_report(tmp_path, capsys):
     assert "<h2>Summary</h2>" in html and "took" in html and "CPU time" in html
     assert "each row should show its class" in html and "reliability diagram" in html
     assert "MISSED" not in html and "targets" not in metrics
+    # Sample quality of the JEM by an independent judge, reference points beside it (issue 16)
+    q = metrics["runs"]["JEM"]["summary"]
+    assert {"fd_buffer", "fd_init", "fd_heldout_floor", "fd_n_samples", "judge_acc_samples", "judge_acc_init",
+            "judge_acc_heldout"} <= set(q)
+    assert "fd_buffer" not in metrics["runs"]["baseline"]["summary"]  # no buffer, no samples to judge
+    assert q["fd_heldout_floor"] < q["fd_init"]
+    assert "Sample distance: replay buffer (FD)" in html and "reference: initial distribution (FD)" in html
+    assert "reference: held-out vs held-out (FD)" in html and "Judge accuracy on class samples" in html
+    assert "should fall well below its initial distribution" in html and "fd_buffer" not in html.split("<h2>Settings")[0]
     # The demo's models are ordinary model files: the post-hoc commands read them.
     assert main(["eval", str(tmp_path / "model_JEM.pt"), "--quiet"]) == 0
     evaluated = json.loads(capsys.readouterr().out)  # same test split: the same accuracy
@@ -242,6 +258,9 @@ def test_folder_run_holds_out_a_stratified_split_and_evaluates_on_it(folder_run,
     assert main(["eval", str(folder_run / "run" / "model.pt"), "--quiet"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["n"] == 6 and "held out from training" in result["data"]  # 2 of each class's 10
+    # 6 held-out images are too few to measure samples with: said, not silently left out
+    quality = json.loads((folder_run / "run" / "history.json").read_text())["sample_quality"]
+    assert "needs >= 20 held-out images, got 6" in quality["skipped"]
     assert main(["eval", str(folder_run / "run" / "model.pt"), "--data", f"folder:{folder_run / 'other'}"]) == 0
     assert json.loads(capsys.readouterr().out)["n"] == 12
 

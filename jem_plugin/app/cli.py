@@ -20,7 +20,7 @@ from .model_files import (build_model, check_classes, check_inputs, check_resume
                           save_model_checkpoint, split_held_out, wrap_for_data)
 
 # `jem demo --smoke`: the whole pipeline in seconds (tests, a first look); not a meaningful result.
-SMOKE_DEMO = {"epochs": 1, "sgld_steps": 2, "buffer_size": 500, "class_sample_steps": 2}
+SMOKE_DEMO = {"epochs": 1, "sgld_steps": 2, "buffer_size": 500, "class_sample_steps": 2, "judge_epochs": 5}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -247,9 +247,22 @@ def _train(args, info) -> int:
         name = f"buffer_rank{info.rank}.png" if info.distributed else "buffer.png"
         save_image_grid(loss_fn.buffer.samples(64).cpu(), out / name, domain=domain, nrow=8,
                         title=f"replay buffer after {len(history)} epochs\n(unconditional samples)")
+    record = history.to_dict()
+    if info.is_main and loss_fn is not None and len(shape) == 3 and bool(loss_fn.buffer.initialized):
+        # Once, at the end (a judge costs seconds): rank 0's buffer against the held-out split (issue 16)
+        from .experiments import dataset_sample_quality
+        from .report import QUALITY_HOW_TO_READ
+
+        q = record["sample_quality"] = dataset_sample_quality(
+            jm, loss_fn.buffer, ds, val, sgld_steps=max(20, recipe.sgld_steps), step_size=recipe.step_size,
+            noise=recipe.noise, grad_clip=recipe.grad_clip, seed=args.seed)
+        print("sample quality: " + (q["skipped"] if "skipped" in q else
+              f"buffer FD {q['fd_buffer']:.3g} (init {q['fd_init']:.3g}, held-out floor {q['fd_heldout_floor']:.3g}; "
+              f"{int(q['fd_n_samples'])} images), judge accuracy on class samples {q['judge_acc_samples']:.2f} "
+              f"(init {q['judge_acc_init']:.2f}, test images {q['judge_acc_heldout']:.2f}). " + QUALITY_HOW_TO_READ))
     if info.is_main:
         save_model_checkpoint(out / "model.pt", jm, spec)
-        (out / "history.json").write_text(json.dumps(history.to_dict(), indent=2))
+        (out / "history.json").write_text(json.dumps(record, indent=2))
         last = [e for e in history.to_dict()["epochs"] if "val_acc" in e]
         if last:
             print(f"held-out accuracy after epoch {last[-1]['epoch']}: {last[-1]['val_acc']:.3f}")

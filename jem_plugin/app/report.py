@@ -26,7 +26,7 @@ padding:0 1em;color:#222;line-height:1.45}
 h1{font-size:1.6em}h2{font-size:1.25em;margin-top:2em;border-bottom:1px solid #ddd;padding-bottom:.2em}
 table{border-collapse:collapse;margin:1em 0;font-size:.92em}
 th,td{border:1px solid #ccc;padding:.3em .7em;text-align:right}th{background:#f4f4f4}
-td.name,th.name{text-align:left}td.meaning{text-align:left;color:#555;font-size:.9em}
+td.name,th.name{text-align:left}td.sub{padding-left:2em;color:#444}td.meaning{text-align:left;color:#555;font-size:.9em}
 tr.section td{background:#fafafa;font-weight:bold;text-align:left}
 .better{font-weight:bold;color:#0a5d00}
 .warning{border:2px solid #b00;background:#fff3f3;padding:.7em 1em;font-weight:bold;color:#900}
@@ -38,7 +38,8 @@ figure.wide img{max-width:1100px}figcaption{font-size:.88em;color:#444;text-alig
 .note{color:#555;font-size:.9em}
 """
 
-# Readable names: key -> (name, one-line meaning, higher is better: True/False/None).
+# Readable names: key -> (name, one-line meaning, higher is better: True/False/None); a name that
+# starts with two spaces is a reference point, shown indented under the figure above it.
 METRICS: dict[str, tuple[str, str, bool | None]] = {
     "accuracy": ("Test accuracy", "share of held-out images classified correctly", True),
     "nll": ("Test NLL", "negative log-likelihood of the true class (lower: confident and right)", False),
@@ -47,6 +48,21 @@ METRICS: dict[str, tuple[str, str, bool | None]] = {
     "temperature": ("Fitted temperature", "1 = already calibrated; above 1 = over-confident", None),
     "class_sample_accuracy": ("Class-sample accuracy", "share of class-conditional samples classified as "
                               "the class they were drawn for", True),
+    # Sample quality by an independent judge CNN (jem_plugin.sample_quality), references beside it.
+    "fd_buffer": ("Sample distance: replay buffer (FD)", "Fréchet distance of buffer samples to held-out images "
+                  "in the judge's features; lower = more like real images", False),
+    "fd_init": ("  reference: initial distribution (FD)", "the same for draws the chains started from, before "
+                "any learning: the buffer should fall well below it", None),
+    "fd_heldout_floor": ("  reference: held-out vs held-out (FD)", "two halves of real held-out images: the "
+                         "best reachable at this sample size", None),
+    "fd_n_samples": ("  images per distance", "every distance above compares this many images with as many "
+                     "held-out ones (FD depends on it)", None),
+    "judge_acc_samples": ("Judge accuracy on class samples", "share of class-conditional samples an independent "
+                          "CNN (not the JEM) puts in the class they were drawn for", True),
+    "judge_acc_init": ("  reference: judge on init draws", "the same for per-class draws of the initial "
+                       "distribution, no SGLD (chance for uniform noise, high for a per-class Gaussian)", None),
+    "judge_acc_heldout": ("  reference: judge on test images", "the judge's accuracy on real held-out images: "
+                          "the ceiling", None),
     "epochs": ("Epochs trained", "full passes over the training set", None),
     "seconds_per_epoch": ("Seconds per epoch", "wall-clock time of one epoch", False),
     "cpu_seconds_per_epoch": ("CPU seconds per epoch", "processor time of one epoch (fair on a busy machine)",
@@ -58,6 +74,10 @@ METRICS: dict[str, tuple[str, str, bool | None]] = {
     "wall_cost_vs_baseline": ("Wall-time cost vs baseline", "training wall time divided by the baseline's",
                               False),
 }
+#: How to read the sample-quality figures (report section title and summary).
+QUALITY_HOW_TO_READ = ("Read each figure against its reference: the buffer's distance should fall well below its "
+                       "initial distribution's, towards the held-out floor; judge accuracy on samples counts only "
+                       "above its init's (a per-class Gaussian init scores high without any learning).")
 SCORES = {"logpx": "log p(x)", "msp": "max softmax", "grad_norm": "gradient norm",
           "grad_norm_projected": "gradient norm (projected)"}
 OOD_SETS = {"noise": "uniform noise", "patches": "photo patches", "blends": "blends of two digits",
@@ -69,7 +89,10 @@ _SECTIONS = (("Classification", ("accuracy", "nll")),
              ("Calibration", ("ece", "ece_temp_scaled", "temperature")),
              ("Out-of-distribution detection: AUROC (0.5 = chance, 1 = every OOD input scores below every "
               "test image)", ("auroc_",)),
-             ("Samples", ("class_sample_accuracy",)),
+             ("Samples (the model's own view)", ("class_sample_accuracy",)),
+             (f"Sample quality, by an independent judge CNN. {QUALITY_HOW_TO_READ}",
+              ("fd_buffer", "fd_init", "fd_heldout_floor", "fd_n_samples", "judge_acc_samples", "judge_acc_init",
+               "judge_acc_heldout")),
              ("Cost", ("epochs", "seconds_per_epoch", "cpu_seconds_per_epoch", "train_seconds",
                        "train_cpu_seconds", "wall_seconds", "cost_vs_baseline", "wall_cost_vs_baseline")))
 
@@ -116,6 +139,13 @@ def metric_label(key: str) -> tuple[str, str, bool | None]:
     return key.replace("_", " "), "", None
 
 
+def _order(key: str) -> tuple[int, int]:
+    """``(section, place in the section's list)``: a figure's reference points follow it."""
+    s = _section_of(key)
+    keys = _SECTIONS[s][1] if s < len(_SECTIONS) else ()
+    return s, keys.index(key) if key in keys else len(keys)
+
+
 def _section_of(key: str) -> int:
     for i, (_, keys) in enumerate(_SECTIONS):
         if key in keys or any(key.startswith(k) for k in keys if k.endswith("_")):
@@ -133,7 +163,7 @@ def _table(runs: Mapping[str, Mapping[str, Any]]) -> str:
     keys: list[str] = []
     for n in names:
         keys += [k for k in flat[n] if k not in keys]
-    keys.sort(key=_section_of)  # stable: keeps the run's order inside a section
+    keys.sort(key=_order)  # stable: keys a section does not list keep the run's order
     rows, section = [], None
     for k in keys:
         s = _section_of(k)
@@ -149,7 +179,8 @@ def _table(runs: Mapping[str, Mapping[str, Any]]) -> str:
             best = max(present) if hib else min(present)
         cells = "".join("<td></td>" if v is None else
                         f"<td class=\"{'better' if v == best else ''}\">{_fmt(v)}</td>" for v in vals)
-        rows.append(f"<tr><td class='name'>{html.escape(name)}</td>{cells}"
+        sub = " sub" if name.startswith("  ") else ""  # a reference point, indented under its figure
+        rows.append(f"<tr><td class='name{sub}'>{html.escape(name.strip())}</td>{cells}"
                     f"<td class='meaning'>{html.escape(meaning)}</td></tr>")
     head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
     return (f"<table><tr><th class='name'>metric</th>{head}<th class='name'>what it means</th></tr>"
@@ -187,6 +218,17 @@ def summary_sentences(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
     if "class_sample_accuracy" in j:
         out.append(f"Samples: {100 * j['class_sample_accuracy']:.0f}% of {name}'s class-conditional samples are "
                    "classified as the class they were drawn for (the baseline cannot generate).")
+    if "fd_buffer" in j and "fd_init" in j:
+        text = (f"Sample quality (an independent judge CNN): {name}'s replay buffer lies at Fréchet distance "
+                f"{_fmt(j['fd_buffer'])} from held-out images, its initial distribution at {_fmt(j['fd_init'])}"
+                + (f", real images at {_fmt(j['fd_heldout_floor'])}" if "fd_heldout_floor" in j else "")
+                + (f" ({int(j['fd_n_samples'])} images each)" if "fd_n_samples" in j else "") + ".")
+        if "judge_acc_samples" in j:
+            refs = [f"{100 * j[k]:.0f}% of {what}" for k, what in (("judge_acc_init", "init draws"),
+                                                                  ("judge_acc_heldout", "test images")) if k in j]
+            text += (f" The judge puts {100 * j['judge_acc_samples']:.0f}% of the class-conditional samples in "
+                     f"their class" + (f" ({', '.join(refs)})" if refs else "") + ".")
+        out.append(text + " " + QUALITY_HOW_TO_READ)
     pj, pb = j.get("cpu_seconds_per_epoch"), b.get("cpu_seconds_per_epoch")
     if pj and pb and j.get("train_cpu_seconds") and b.get("train_cpu_seconds"):
         # per epoch: a run the budget cut short must not look cheaper than it is
