@@ -64,8 +64,6 @@ DIVERGENCE_REMEDIES: tuple[str, ...] = (
     "restart from the last good checkpoint (jem_plugin.checkpoint.Checkpointer(...).resume(...))",
     "let DivergenceGuard(..., policy='rollback') do (1)-(4) automatically",
 )
-# The same as text, for messages built elsewhere (prefer DivergenceError(..., remedies=DIVERGENCE_REMEDIES)).
-REMEDY_TEXT = "Known remedies: " + "; ".join(f"({i}) {r}" for i, r in enumerate(DIVERGENCE_REMEDIES, 1)) + "."
 
 
 def _copy_state(obj: Any, device: torch.device | None) -> Any:
