@@ -34,9 +34,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import plugins
+from .buffer import INIT_HOOK, ReplayBuffer
 from ._checks import DomainCheck, check_input, check_label_range, check_labels, draw, follow, free_energy, model_device
 from .errors import InvalidInputError
 from .model import JEM, as_jem, sampling_mode
+from .sampling import SGLD
 
 __all__ = ["LossOutput", "LossBatch", "JEMLoss", "LOSS_TERMS_HOOK"]
 
@@ -110,8 +112,6 @@ def _unwrap(jm: Any) -> JEM:
 
 
 def _default_sampler():
-    from .sampling import SGLD  # imported lazily: the sampler module imports heavier things
-
     return SGLD()
 
 
@@ -252,8 +252,6 @@ class JEMLoss(nn.Module):
     def _ensure_buffer(self, core: JEM, x: Tensor) -> nn.Module:
         if self.buffer is not None:
             return self.buffer
-        from .buffer import ReplayBuffer
-
         cond = self.pxy_weight > 0 or self.class_conditional_px
         config = {
             "capacity": DEFAULT_BUFFER_CAPACITY,
@@ -447,8 +445,6 @@ class JEMLoss(nn.Module):
 
 def _buffer_config(buffer: Any) -> dict[str, Any] | None:
     """The constructor arguments that rebuild ``buffer`` (a ReplayBuffer with a named init)."""
-    from .buffer import INIT_HOOK, ReplayBuffer
-
     if not isinstance(buffer, ReplayBuffer) or buffer.init_name not in plugins.collect(INIT_HOOK):
         return None
     return {"capacity": buffer.capacity, "sample_shape": tuple(buffer.sample_shape),

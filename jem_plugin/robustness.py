@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._checks import check_input, check_labels, draw
-from .model import as_jem, input_grad_enabled
-from .model import sampling_mode
+from .model import as_jem, input_grad_enabled, sampling_mode
+from .sampling import SGLD
 
 __all__ = ["pgd_attack", "SGLDDefense", "robust_accuracy"]
 
@@ -207,8 +207,6 @@ class SGLDDefense:
             raise ValueError(f"n_chains must be a positive int, got {n_chains!r}")
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
             raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-        from .sampling import SGLD
-
         self.jm = jm
         self.steps = steps
         self.n_chains = n_chains

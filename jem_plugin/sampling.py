@@ -27,8 +27,7 @@ from . import _cuda_graph, hookspecs, plugins
 from ._checks import (DomainCheck, autocast_cache_off, check_input, check_label_range, check_labels, follow,
                       model_device, same_device)
 from .errors import DivergenceError, InvalidInputError
-from .model import as_jem, input_grad_enabled
-from .model import sampling_mode
+from .model import as_jem, input_grad_enabled, sampling_mode
 
 if TYPE_CHECKING:  # pragma: no cover
     from .buffer import ReplayBuffer
