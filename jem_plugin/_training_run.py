@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import Checkpointer, get_rng_state, set_rng_state
+from .distributed import DistributedCheckpointer
 from .errors import DivergenceError
 from .stability import DIVERGENCE_REMEDIES
 
@@ -169,8 +170,6 @@ class _Checkpoints:
         self.objects = {k: v for k, v in objects.items() if v is not None}  # no loss_fn, no scaler
         self.ckpt: Checkpointer | None = None
         if directory and self.multi:
-            from .distributed import DistributedCheckpointer
-
             self.ckpt = DistributedCheckpointer(directory, every=1, keep=keep)
         elif directory:
             self.ckpt = Checkpointer(directory, every=1, keep=keep)
