@@ -227,8 +227,8 @@ class JEMLoss(nn.Module):
                 f"sampler={self.sampler!r}")
 
     # ------------------------------------------------------------------ checks
-    def _check_batch(self, core: JEM, x: Any, y: Any) -> Tensor:
-        check_input(x, dtype=core.param_dtype(), domain=core.domain)
+    def _check_batch(self, core: JEM, x: Tensor, y: Any) -> Tensor:
+        """``y`` checked against the (already checked) inputs ``x`` and the replay buffer's shape."""
         y = check_labels(y, x.shape[0], device=x.device)
         if self.buffer is not None and tuple(x.shape[1:]) != tuple(self.buffer.sample_shape):
             raise InvalidInputError(
@@ -354,7 +354,7 @@ class JEMLoss(nn.Module):
         if core.num_classes is None:
             core.settle(num_classes=logits_all.shape[1])
             if self.validate:  # the label range could not be checked before the first forward
-                self._check_batch(core, x, y)
+                check_label_range(y, core.num_classes)
         chunks = list(torch.split(logits_all, sizes))
         logits_data = chunks.pop(0)
         energy_px = free_energy(chunks.pop(0)) if px_data is not None else None
