@@ -211,8 +211,6 @@ def _run(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None) -> Tensor:
             entry.graph.replay()
         out = entry.x.detach().clone()
         score = entry.score.clone()
-    sampler.last_trajectory = None
-    sampler.last_energies = None
     sampler._check_divergence(out, score)
     return out
 
