@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+from tqdm.auto import tqdm
 
 from .checkpoint import Checkpointer, get_rng_state, set_rng_state
 from .distributed import DistributedCheckpointer
@@ -278,8 +279,6 @@ class _Progress:
         self.epochs, self.iters, self.total = epochs, iters_per_epoch, epochs * iters_per_epoch
         self.bar = None
         if enabled and (not _multi_process() or dist.get_rank() == 0):
-            from tqdm.auto import tqdm
-
             self.bar = tqdm(total=self.total, initial=min(iteration, self.total), desc=desc,
                             dynamic_ncols=True, leave=True)
 

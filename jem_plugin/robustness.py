@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from ._checks import check_input, check_labels, draw
 from .model import as_jem, input_grad_enabled, sampling_mode
@@ -278,8 +279,6 @@ def robust_accuracy(jm, x: Tensor, y: Tensor, eps_list: Sequence[float], norm: s
 
     Returns ``{"eps": [...], "accuracy": [...], "norm", "attack", "steps", "n"}``.
     """
-    from tqdm.auto import tqdm
-
     x, y = _check_xy(jm, x, y)
     eps_values = [float(e) for e in eps_list]
     if not eps_values:
