@@ -5,6 +5,8 @@ same way.
 """
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Sequence
@@ -149,6 +151,8 @@ def model_device(module: nn.Module, default: torch.device | str | None = None) -
     for t in module.buffers():
         return t.device
     return torch.device(default) if default is not None else None
+
+
 def follow(module: torch.nn.Module, device: torch.device | str | None) -> None:
     """Move ``module`` (a replay buffer) to ``device`` when its tensors live elsewhere.
 
@@ -177,6 +181,8 @@ def autocast_cache_off(device_type: str) -> AbstractContextManager:
     except RuntimeError:  # a device type autocast does not know (meta, ...)
         return nullcontext()
     return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)
+
+
 # ----------------------------------------------------------------------------- wrappers
 def unwrap_parallel(module: Any) -> Any:
     """The module under DDP / ``DataParallel`` wrappers (any depth); other objects unchanged.
@@ -282,9 +288,6 @@ def warn_out_of_domain(x: Tensor, domain: Any, where: str, stacklevel: int = 2) 
     At most once per call site (the frame ``stacklevel`` up), whatever the data. Returns whether
     it warned. One host sync (the observed minimum and maximum), skipped at a site that warned.
     """
-    import sys
-    import warnings
-
     try:
         frame = sys._getframe(stacklevel)
         site = (frame.f_code.co_filename, frame.f_lineno)

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from . import hookspecs, plugins
 from ._checks import autocast_cache_off, same_device
@@ -196,8 +197,6 @@ def _run(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None) -> Tensor:
 
     steps = range(len(sizes))
     if sampler.progress:
-        from tqdm.auto import tqdm
-
         steps = tqdm(steps, desc="SGLD (CUDA graph)", leave=False)
     with torch.inference_mode(False), torch.no_grad(), torch.cuda.device(x.device):
         entry.x.detach().copy_(x)
@@ -211,8 +210,6 @@ def _run(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None) -> Tensor:
             entry.graph.replay()
         out = entry.x.detach().clone()
         score = entry.score.clone()
-    sampler.last_trajectory = None
-    sampler.last_energies = None
     sampler._check_divergence(out, score)
     return out
 

@@ -13,9 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
 
 from .checkpoint import Checkpointer, get_rng_state, set_rng_state
+from .distributed import DistributedCheckpointer
 from .errors import DivergenceError
+from .stability import DIVERGENCE_REMEDIES
 
 if TYPE_CHECKING:
     from .training import History, TrainState
@@ -89,8 +93,6 @@ def _call_callbacks(callbacks, hook: str, state: TrainState) -> None:
 # ---------------------------------------------------------------------------- multi-process agreement
 def _multi_process() -> bool:
     """True under an initialised process group of more than one rank (DDP under torchrun)."""
-    import torch.distributed as dist
-
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
@@ -99,8 +101,6 @@ def _agree(device: torch.device, *flags: bool) -> tuple[bool, ...]:
     none is left waiting in DDP's gradient all-reduce. Returned unchanged in a single process."""
     if not _multi_process():
         return flags
-    import torch.distributed as dist
-
     t = torch.tensor([float(f) for f in flags],
                      device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -119,8 +119,6 @@ def _mean_over_ranks(metrics: Mapping[str, float]) -> dict[str, float]:
     """An epoch's mean metrics averaged over the ranks (each trained on its share of the data)."""
     if not _multi_process():
         return dict(metrics)
-    import torch.distributed as dist
-
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, dict(metrics))  # objects: robust to ranks differing in keys
     return {k: sum(g[k] for g in gathered if k in g) / sum(k in g for g in gathered) for k in metrics}
@@ -139,8 +137,6 @@ def _agree_on_divergence(device: torch.device, err: DivergenceError | None,
     gradient all-reduce, where the healthy ranks would otherwise wait for the one that stopped)."""
     (anywhere,) = _agree(device, err is not None)
     if anywhere and err is None:
-        from .stability import DIVERGENCE_REMEDIES
-
         err = DivergenceError("another process diverged at this step (its error names the values); "
                               "every process stops together", remedies=DIVERGENCE_REMEDIES, iteration=iteration)
     return err
@@ -175,8 +171,6 @@ class _Checkpoints:
         self.objects = {k: v for k, v in objects.items() if v is not None}  # no loss_fn, no scaler
         self.ckpt: Checkpointer | None = None
         if directory and self.multi:
-            from .distributed import DistributedCheckpointer
-
             self.ckpt = DistributedCheckpointer(directory, every=1, keep=keep)
         elif directory:
             self.ckpt = Checkpointer(directory, every=1, keep=keep)
@@ -284,9 +278,7 @@ class _Progress:
     def __init__(self, enabled: bool, *, epochs: int, iters_per_epoch: int, iteration: int, desc: str) -> None:
         self.epochs, self.iters, self.total = epochs, iters_per_epoch, epochs * iters_per_epoch
         self.bar = None
-        if enabled and (not _multi_process() or torch.distributed.get_rank() == 0):
-            from tqdm.auto import tqdm
-
+        if enabled and (not _multi_process() or dist.get_rank() == 0):
             self.bar = tqdm(total=self.total, initial=min(iteration, self.total), desc=desc,
                             dynamic_ncols=True, leave=True)
 

@@ -34,9 +34,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import plugins
+from .buffer import INIT_HOOK, ReplayBuffer
 from ._checks import DomainCheck, check_input, check_label_range, check_labels, draw, follow, free_energy, model_device
 from .errors import InvalidInputError
 from .model import JEM, as_jem, sampling_mode
+from .sampling import SGLD
 
 __all__ = ["LossOutput", "LossBatch", "JEMLoss", "LOSS_TERMS_HOOK"]
 
@@ -110,8 +112,6 @@ def _unwrap(jm: Any) -> JEM:
 
 
 def _default_sampler():
-    from .sampling import SGLD  # imported lazily: the sampler module imports heavier things
-
     return SGLD()
 
 
@@ -227,8 +227,8 @@ class JEMLoss(nn.Module):
                 f"sampler={self.sampler!r}")
 
     # ------------------------------------------------------------------ checks
-    def _check_batch(self, core: JEM, x: Any, y: Any) -> Tensor:
-        check_input(x, dtype=core.param_dtype(), domain=core.domain)
+    def _check_batch(self, core: JEM, x: Tensor, y: Any) -> Tensor:
+        """``y`` checked against the (already checked) inputs ``x`` and the replay buffer's shape."""
         y = check_labels(y, x.shape[0], device=x.device)
         if self.buffer is not None and tuple(x.shape[1:]) != tuple(self.buffer.sample_shape):
             raise InvalidInputError(
@@ -252,8 +252,6 @@ class JEMLoss(nn.Module):
     def _ensure_buffer(self, core: JEM, x: Tensor) -> nn.Module:
         if self.buffer is not None:
             return self.buffer
-        from .buffer import ReplayBuffer
-
         cond = self.pxy_weight > 0 or self.class_conditional_px
         config = {
             "capacity": DEFAULT_BUFFER_CAPACITY,
@@ -356,7 +354,7 @@ class JEMLoss(nn.Module):
         if core.num_classes is None:
             core.settle(num_classes=logits_all.shape[1])
             if self.validate:  # the label range could not be checked before the first forward
-                self._check_batch(core, x, y)
+                check_label_range(y, core.num_classes)
         chunks = list(torch.split(logits_all, sizes))
         logits_data = chunks.pop(0)
         energy_px = free_energy(chunks.pop(0)) if px_data is not None else None
@@ -447,8 +445,6 @@ class JEMLoss(nn.Module):
 
 def _buffer_config(buffer: Any) -> dict[str, Any] | None:
     """The constructor arguments that rebuild ``buffer`` (a ReplayBuffer with a named init)."""
-    from .buffer import INIT_HOOK, ReplayBuffer
-
     if not isinstance(buffer, ReplayBuffer) or buffer.init_name not in plugins.collect(INIT_HOOK):
         return None
     return {"capacity": buffer.capacity, "sample_shape": tuple(buffer.sample_shape),

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
-from ._checks import check_input, check_labels, unwrap_model
+from ._checks import check_input, check_labels, free_energy, unwrap_model
 from .adapter import Adapter, InputDomain, check_wrap_options
 from .errors import (InferenceModeError, NoLogitsError, NotWrappedError,
                      NonFiniteLogitsError)
@@ -119,7 +119,7 @@ class JEM(nn.Module):
         """``E(x) = -logsumexp f(x)`` (``[B]``), or ``E(x, y) = -f(x)[y]`` when ``y`` is given."""
         logits = self.logits(x)
         if y is None:
-            return -torch.logsumexp(logits, dim=1)
+            return free_energy(logits)
         return -logits.gather(1, self._check_labels(y, logits).unsqueeze(1)).squeeze(1)
 
     def log_px(self, x: Tensor) -> Tensor:

@@ -28,8 +28,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
-from ._checks import INPUT_KEYS, DomainCheck, check_input, model_device, unpack_batch
+from ._checks import INPUT_KEYS, DomainCheck, check_input, model_device, same_device, unpack_batch
 from .errors import InvalidInputError, InvalidScoresError
 from .model import as_jem, sampling_mode
 from .plugins import collect, lookup
@@ -112,8 +113,6 @@ def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progre
     ``torch.inference_mode()`` too. The result lives on the input's device for a tensor, on
     the CPU for an iterable.
     """
-    from tqdm.auto import tqdm
-
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     entry = lookup(_HOOK, method, "OOD score")
@@ -131,7 +130,7 @@ def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progre
     with sampling_mode(jm), tqdm(total=n_batches, desc=f"ood score {method}", unit="batch",
                              disable=not progress, leave=False) as bar:
         for x in batches:
-            if device is not None and x.device != device:
+            if device is not None and not same_device(x.device, device):
                 x = x.to(device, non_blocking=True)
             x = check_input(x, dtype=dtype, domain=jm.domain)
             domain_check(x, jm.domain, f"ood.score(method={method!r})")

@@ -20,6 +20,7 @@ import torch
 from .buffer import ReplayBuffer
 from .errors import UnknownNameError
 from .losses import JEMLoss
+from .sam import SAM
 from .sampling import SGLD
 
 __all__ = ["Recipe", "RECIPES", "get_recipe"]
@@ -100,8 +101,6 @@ class Recipe:
         iteration, BatchNorm statistics frozen on the second pass)."""
         if self.sam_rho is None:
             return None
-        from .sam import SAM
-
         return SAM(optimizer, rho=self.sam_rho, adaptive=self.sam_adaptive)
 
     def build_optimizer(self, params) -> torch.optim.Optimizer:

@@ -41,10 +41,11 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from ._checks import check_input, check_labels, draw
-from .model import as_jem, input_grad_enabled
-from .model import sampling_mode
+from .model import as_jem, input_grad_enabled, sampling_mode
+from .sampling import SGLD
 
 __all__ = ["pgd_attack", "SGLDDefense", "robust_accuracy"]
 
@@ -207,8 +208,6 @@ class SGLDDefense:
             raise ValueError(f"n_chains must be a positive int, got {n_chains!r}")
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
             raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-        from .sampling import SGLD
-
         self.jm = jm
         self.steps = steps
         self.n_chains = n_chains
@@ -280,8 +279,6 @@ def robust_accuracy(jm, x: Tensor, y: Tensor, eps_list: Sequence[float], norm: s
 
     Returns ``{"eps": [...], "accuracy": [...], "norm", "attack", "steps", "n"}``.
     """
-    from tqdm.auto import tqdm
-
     x, y = _check_xy(jm, x, y)
     eps_values = [float(e) for e in eps_list]
     if not eps_values:

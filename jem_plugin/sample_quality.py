@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._checks import model_device
 from .errors import InvalidInputError, InvalidLabelError
 
 __all__ = ["frechet_distance", "frechet_from_moments", "JudgeNet", "Judge", "train_judge",
@@ -123,7 +124,7 @@ class Judge:
                 f"the judge was trained on inputs of shape {self.input_shape}, got {got}; pass samples "
                 "in the same space (and normalisation) as the judge's training data"
             )
-        dev = next(self.net.parameters()).device
+        dev = model_device(self.net)
         with torch.no_grad():
             return torch.cat([fn(c.to(dev, torch.float32)).cpu() for c in x.split(self.batch_size)])
 

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, overload
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from . import _cuda_graph, hookspecs, plugins
 from ._checks import (DomainCheck, autocast_cache_off, check_input, check_label_range, check_labels, follow,
                       model_device, same_device)
 from .errors import DivergenceError, InvalidInputError
-from .model import as_jem, input_grad_enabled
-from .model import sampling_mode
+from .model import as_jem, input_grad_enabled, sampling_mode
 
 if TYPE_CHECKING:  # pragma: no cover
     from .buffer import ReplayBuffer
@@ -266,8 +266,6 @@ class SGLD:
                 trajectory.append(xd.clone())
             steps_iter = range(len(sizes))
             if self.progress:
-                from tqdm.auto import tqdm
-
                 steps_iter = tqdm(steps_iter, desc="SGLD", leave=False)
             check_k = y is not None and jm.num_classes is None  # labels checked at the first forward
             score = ones = None
@@ -382,7 +380,7 @@ class SGLD:
         if buffer is not None:
             follow(buffer, device)  # the buffer lives where the chains run: no copy per iteration
             x0, idx = buffer.sample(n, domain=jm.domain, y=y, generator=self.generator)
-            if device is not None and x0.device != device:  # a buffer that is not an nn.Module
+            if device is not None and not same_device(x0.device, device):  # a buffer that is not an nn.Module
                 x0 = x0.to(device)
             out = self.run(jm, x0, y, return_diagnostics=return_diagnostics)
             buffer.update(idx, out[0] if return_diagnostics else out)

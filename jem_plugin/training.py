@@ -35,8 +35,9 @@ from torch import Tensor, nn
 from ._training_run import (_agree_on_divergence, _call_callbacks, _Checkpoints, _epoch_batches,
                             _epoch_record, _finish, _multi_process, _note_rollback, _Position,
                             _Progress, _Running, _stop_reason, _tick)
-from ._checks import model_device, unpack_batch
+from ._checks import model_device, unpack_batch, unwrap_parallel
 from .errors import DivergenceError
+from .stability import DivergenceGuard
 
 __all__ = ["fit", "evaluate_classifier", "History", "TrainState", "warmup_schedule"]
 
@@ -219,8 +220,6 @@ def _make_guard(policy: str | None, state: TrainState, options: Mapping[str, Any
     """The :class:`~jem_plugin.stability.DivergenceGuard` for ``policy`` (its ``saved`` state restored)."""
     if policy is None:
         return None
-    from .stability import DivergenceGuard
-
     guard = DivergenceGuard(state.jm, state.optimizer, loss_fn=state.loss_fn, policy=policy,
                             scheduler=state.scheduler, **dict(options or {}))
     if saved is not None:
@@ -299,9 +298,7 @@ def _validate(jm: nn.Module, val_data: Any, multi: bool) -> dict[str, float]:
     """``val_acc``/``val_nll`` on ``val_data``. Under DDP the bare module (no wrapper forward, no
     buffer broadcast); every rank evaluates the same parameters, so every rank's history agrees."""
     if multi:
-        from .distributed import unwrap
-
-        jm = unwrap(jm)
+        jm = unwrap_parallel(jm)
     ev = evaluate_classifier(jm, *val_data) if _is_xy(val_data) else evaluate_classifier(jm, val_data)
     return {"val_acc": ev["accuracy"], "val_nll": ev["nll"]}
 

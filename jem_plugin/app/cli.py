@@ -7,17 +7,29 @@ win). User errors (bad flags, missing paths, incompatible checkpoints) print one
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from .. import calibration, ood, training
+from .. import distributed as jdist
+from .._checks import model_device
 from ..errors import JEMError
+from ..plugins import list_plugins
+from ..recipes import RECIPES, get_recipe
+from ..sampling import SGLD
 from . import CLIError
+from .experiments import dataset_sample_quality, run_digits_demo
 from .model_files import (build_model, check_classes, check_inputs, check_resume, drop_buffer_from_checkpoints,
                           held_out_data, load_data, load_model_checkpoint, model_spec, ood_sets,
                           save_model_checkpoint, split_held_out, wrap_for_data)
+from .report import QUALITY_HOW_TO_READ, metric_label, write_report
 
 # `jem demo --smoke`: the whole pipeline in seconds (tests, a first look); not a meaningful result.
 SMOKE_DEMO = {"epochs": 1, "sgld_steps": 2, "buffer_size": 500, "class_sample_steps": 2, "judge_epochs": 5}
@@ -82,8 +94,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _device(name: str):
-    import torch
-
     try:
         dev = torch.device(name)
     except RuntimeError as exc:
@@ -118,8 +128,6 @@ def _out_file(path: str) -> Path:
 
 # ----------------------------------------------------------------------------- commands
 def cmd_plugins(args) -> int:
-    from ..plugins import list_plugins
-
     rows = list_plugins()
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -132,9 +140,6 @@ def cmd_plugins(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .experiments import run_digits_demo
-    from .report import metric_label, write_report
-
     out = _out_dir(args.out or "jem-report")
     _device(args.device)
     overrides = SMOKE_DEMO if args.smoke else {}
@@ -154,8 +159,6 @@ def cmd_demo(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .. import distributed as jdist
-
     try:
         return _train(args, jdist.init_distributed(device=_device(args.device)))
     finally:
@@ -163,15 +166,6 @@ def cmd_train(args) -> int:
 
 
 def _train(args, info) -> int:
-    import dataclasses
-
-    import torch
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    from .. import distributed as jdist
-    from ..recipes import get_recipe
-    from ..training import fit
-
     dev, out = info.device, _out_dir(args.out or "runs/jem")
     recipe = get_recipe(args.recipe)
     recipe = dataclasses.replace(recipe, **{k: v for k, v in vars(args).items()
@@ -235,12 +229,14 @@ def _train(args, info) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "spec.json").write_text(json.dumps(spec, indent=2))
     val_loader = DataLoader(val, batch_size=256) if val is not None else None
-    history = fit(model, train_loader=loader, epochs=epochs, optimizer=recipe.build_optimizer(jm.parameters()),
-                   warmup_iters=warmup, loss_fn=loss_fn, val_data=val_loader, eval_every=max(1, epochs // 10),
-                   checkpoint_dir=out / "checkpoints", resume=not args.no_resume,
-                   checkpoint_every=args.checkpoint_every, guard_policy=args.on_divergence,
-                   progress=not args.quiet, max_seconds=args.max_seconds, amp=args.amp,
-                   channels_last=args.channels_last)
+    # training.fit read at call time: the CLI tests replace it to capture what `jem train` asks for
+    history = training.fit(
+        model, train_loader=loader, epochs=epochs, optimizer=recipe.build_optimizer(jm.parameters()),
+        warmup_iters=warmup, loss_fn=loss_fn, val_data=val_loader, eval_every=max(1, epochs // 10),
+        checkpoint_dir=out / "checkpoints", resume=not args.no_resume,
+        checkpoint_every=args.checkpoint_every, guard_policy=args.on_divergence,
+        progress=not args.quiet, max_seconds=args.max_seconds, amp=args.amp,
+        channels_last=args.channels_last)
     if loss_fn is not None and len(shape) == 3 and bool(loss_fn.buffer.initialized):  # each rank's own chains
         from ..viz import save_image_grid
 
@@ -250,9 +246,6 @@ def _train(args, info) -> int:
     record = history.to_dict()
     if info.is_main and loss_fn is not None and len(shape) == 3 and bool(loss_fn.buffer.initialized):
         # Once, at the end (a judge costs seconds): rank 0's buffer against the held-out split (issue 16)
-        from .experiments import dataset_sample_quality
-        from .report import QUALITY_HOW_TO_READ
-
         q = record["sample_quality"] = dataset_sample_quality(
             jm, loss_fn.buffer, ds, val, sgld_steps=max(20, recipe.sgld_steps), step_size=recipe.step_size,
             noise=recipe.noise, grad_clip=recipe.grad_clip, seed=args.seed)
@@ -272,8 +265,6 @@ def _train(args, info) -> int:
 
 
 def _eval_tensors(args, spec):
-    import torch
-
     ds, where = held_out_data(spec, args.data, args.image_size, args.seed)
     if hasattr(ds, "tensors"):
         x, y = ds.tensors
@@ -284,15 +275,11 @@ def _eval_tensors(args, spec):
 
 
 def cmd_eval(args) -> int:
-    import torch
-
-    from .. import calibration
-
     jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
     x, y, where = _eval_tensors(args, spec)
     check_inputs(jm, x, spec, args.data or spec["data"])
     with torch.no_grad():
-        logits = torch.cat([jm.logits(xb.to(next(jm.parameters()).device)).cpu() for xb in x.split(512)])
+        logits = torch.cat([jm.logits(xb.to(model_device(jm))).cpu() for xb in x.split(512)])
     result = {"data": where, "accuracy": float((logits.argmax(1) == y).float().mean()),
               **calibration.calibration_report(logits, y), "n": len(y)}
     _emit(result, args)
@@ -300,8 +287,6 @@ def cmd_eval(args) -> int:
 
 
 def cmd_ood(args) -> int:
-    from .. import ood
-
     jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
     x, y, where = _eval_tensors(args, spec)
     check_inputs(jm, x, spec, args.data or spec["data"])
@@ -317,10 +302,7 @@ def cmd_ood(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    import torch
-
-    from ..sampling import SGLD
-    from ..viz import save_image_grid
+    from ..viz import save_image_grid  # lazy: matplotlib
 
     jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
     if len(spec["sample_shape"]) != 3:
@@ -332,10 +314,10 @@ def cmd_sample(args) -> int:
     per = max(1, args.n // k) if args.per_class else args.n
     y = torch.arange(k).repeat_interleave(per) if args.per_class else None
     x0 = jm.domain.uniform(len(y) if y is not None else args.n, spec["sample_shape"], generator=g)
-    x = sampler.sample(jm, x_init=x0.to(next(jm.parameters()).device),
+    x = sampler.sample(jm, x_init=x0.to(model_device(jm)),
                        y=None if y is None else y.to(x0.device)).cpu()
     with torch.no_grad():
-        pred = jm(x.to(next(jm.parameters()).device)).argmax(1).cpu()
+        pred = jm(x.to(model_device(jm))).argmax(1).cpu()
     what = "class-conditional" if y is not None else "unconditional"
     save_image_grid(x, out, domain=jm.domain, nrow=per if y is not None else min(8, args.n),
                     title=f"{what} samples\n{args.sgld_steps} SGLD steps, {Path(args.checkpoint).name}",
@@ -359,8 +341,6 @@ RECIPE_FLAGS = ("sgld_steps", "step_size", "noise", "grad_clip", "buffer_size", 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..recipes import RECIPES
-
     common = _Parser(add_help=False)
     common.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     common.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")

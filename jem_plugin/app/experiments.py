@@ -29,11 +29,18 @@ from typing import Any, Mapping
 import torch
 from torch.utils.data import DataLoader
 
-from . import data as D
+from .. import calibration, ood
+from .._checks import model_device
+from ..buffer import ReplayBuffer
+from ..losses import JEMLoss
 from ..model import JEM, wrap
-from .nets import DigitsCNN
 from ..recipes import get_recipe
+from ..sample_quality import sample_quality, train_judge
+from ..sampling import SGLD
 from ..training import History, fit
+from . import data as D
+from .model_files import model_spec, save_model_checkpoint
+from .nets import DigitsCNN
 
 __all__ = ["DigitsConfig", "run_digits", "run_digits_demo", "PAPER_RECIPE", "FAST_RECIPE",
            "DEMO_RECIPE", "OOD_SCORES", "truncation_note", "sample_quality_figures", "dataset_sample_quality"]
@@ -113,7 +120,6 @@ def _build(cfg: DigitsConfig, device) -> JEM:
 
 def _save_model(path: Path, jm: JEM, cfg: DigitsConfig) -> None:
     """The model in the CLI's format (spec + weights, code-free), like ``jem train``'s model.pt."""
-    from .model_files import model_spec, save_model_checkpoint
 
     spec = model_spec("digits-cnn", "digits", 10, (1, 8, 8), jm.domain,
                       {"width": cfg.width, "act": cfg.act, "pool": cfg.pool})
@@ -126,9 +132,6 @@ def _loader(train, cfg: DigitsConfig) -> DataLoader:
 
 
 def _jem_loss(cfg: DigitsConfig, x_train, y_train, device):
-    from ..buffer import ReplayBuffer
-    from ..losses import JEMLoss
-    from ..sampling import SGLD
 
     sampler = SGLD(steps=cfg.sgld_steps, step_size=cfg.step_size, noise=cfg.noise,
                    grad_clip=cfg.proximal, clamp=cfg.clamp)
@@ -144,14 +147,14 @@ def _jem_loss(cfg: DigitsConfig, x_train, y_train, device):
 @torch.no_grad()
 def _logits(jm, x: torch.Tensor) -> torch.Tensor:
     jm.eval()
-    dev = next(jm.parameters()).device
+    dev = model_device(jm)
     return torch.cat([jm(xb.to(dev)).cpu() for xb in x.split(512)])
 
 
 def _evaluate(jm, x_test, y_test, ood_sets: Mapping[str, torch.Tensor], out: Path, tag: str,
               plots: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """Accuracy, calibration, OOD AUROCs (flat summary) and the detailed OOD metrics."""
-    from .. import calibration, ood, viz
+    from .. import viz  # lazy: matplotlib
 
     logits = _logits(jm, x_test)
     cal = calibration.calibration_report(logits, y_test)
@@ -185,8 +188,7 @@ def _evaluate(jm, x_test, y_test, ood_sets: Mapping[str, torch.Tensor], out: Pat
 def _sample_grids(jm, loss_fn, cfg: DigitsConfig, out: Path) -> dict[str, str]:
     """Replay-buffer samples (unconditional) and class-conditional samples, one row per class; also
     returns the model's own accuracy on the latter and the samples (``class_samples``: ``(x, y)``)."""
-    from ..viz import save_image_grid
-    from ..sampling import SGLD
+    from ..viz import save_image_grid  # lazy: matplotlib
 
     buffer = loss_fn.buffer
     paths = {}
@@ -226,7 +228,6 @@ def sample_quality_figures(judge, buffer, x_heldout: torch.Tensor, domain, *, x_
     their class) and ``judge_acc_init`` (the same for per-class draws of the initial distribution,
     high for a per-class Gaussian init before any learning).
     """
-    from ..sample_quality import sample_quality
 
     g = torch.Generator().manual_seed(seed)
     x_heldout = x_heldout.detach().cpu().float()
@@ -256,8 +257,6 @@ def dataset_sample_quality(jm, buffer, train_ds, heldout_ds, *, sgld_steps: int 
     ``max_train`` of) ``train_ds``, the buffer against (at most ``max_heldout`` of) ``heldout_ds``,
     and class-conditional samples (``sgld_steps`` of conditional SGLD from per-class init draws,
     about 100 in all). Returns ``{"skipped": reason}`` when the held-out split is too small."""
-    from ..sample_quality import train_judge
-    from ..sampling import SGLD
 
     if heldout_ds is None or len(heldout_ds) < 20:
         return {"skipped": f"sample quality needs >= 20 held-out images, got {len(heldout_ds or ())}; "
@@ -266,7 +265,7 @@ def dataset_sample_quality(jm, buffer, train_ds, heldout_ds, *, sgld_steps: int 
     x, y = next(iter(DataLoader(train_ds, batch_size=min(len(train_ds), max_train), shuffle=True, generator=g)))
     xh, yh = next(iter(DataLoader(heldout_ds, batch_size=min(len(heldout_ds), max_heldout), shuffle=True,
                                   generator=g)))
-    dev = next(jm.parameters()).device
+    dev = model_device(jm)
     # ~350 optimiser steps whatever the data size: seconds on a CPU
     k = jm.num_classes or int(y.max()) + 1
     judge = train_judge(x, y, x_test=xh, y_test=yh, epochs=max(2, min(15, 22500 // len(x))),
@@ -378,7 +377,6 @@ def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, 
     if cfg.judge_epochs > 0 and bool(loss_fn.buffer.initialized):
         # An independent judge (issue 16): the JEM's own class-sample accuracy cannot tell digits from
         # noise it likes. The baseline has no buffer and draws no samples here: nothing to judge.
-        from ..sample_quality import train_judge
 
         judge = train_judge(x_train, y_train, x_test=x_test, y_test=y_test, epochs=cfg.judge_epochs,
                             seed=cfg.seed, device=device)

@@ -6,12 +6,24 @@ and its weights. ``--data`` specs are read here too, since a spec names its data
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import CLIError
+import torch
+from torch.utils.data import Subset, TensorDataset
+
+from .._checks import model_device
+from ..adapter import InputDomain
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..model import wrap
+from . import CLIError, nets
+from . import data as D
 
 # Model specs understood by --model: built-in nets, any timm name, or module:factory.
 BUILTIN_NETS = ("digits-cnn", "toy-mlp", "wrn28-10", "wrn-D-K")
@@ -24,31 +36,25 @@ def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int 
 
     Specs: ``digits``, ``toy2d`` (or ``toy2d:NAME``), ``folder:PATH``, ``cifar10:PATH``.
     """
-    from . import data
-
     kind, _, arg = spec.partition(":")
     if kind == "digits":
-        ds = data.load_digits("train" if train else "test", seed=seed)
+        ds = D.load_digits("train" if train else "test", seed=seed)
         return ds, ds.domain, 10, (1, 8, 8)
     if kind == "toy2d":
-        from torch.utils.data import TensorDataset
-
-        x, y = data.toy2d(arg or "8gaussians", n=4000 if train else 1000, seed=seed if train else seed + 1)
+        x, y = D.toy2d(arg or "8gaussians", n=4000 if train else 1000, seed=seed if train else seed + 1)
         ds = TensorDataset(x, y)
         ds.classes = [str(i) for i in range(int(y.max()) + 1)]  # type: ignore[attr-defined]
-        from ..adapter import InputDomain
-
         lim = float(x.abs().max()) * 1.2
         return ds, InputDomain.from_range(-lim, lim, input_size=(2,)), int(y.max()) + 1, (2,)
     if kind == "folder":
         if not arg:
             raise CLIError("--data folder:PATH needs a path, e.g. folder:data/train")
-        ds = data.image_folder(arg, image_size=image_size)
+        ds = D.image_folder(arg, image_size=image_size)
         return ds, ds.domain, len(ds.classes), (3, image_size, image_size)
     if kind == "cifar10":
         if not arg:
             raise CLIError("--data cifar10:PATH needs the directory holding cifar-10-batches-py")
-        ds = data.cifar10(arg, train=train)
+        ds = D.cifar10(arg, train=train)
         return ds, ds.domain, 10, (3, 32, 32)
     raise CLIError(f"unknown --data {spec!r}; use digits, toy2d[:NAME], folder:PATH or cifar10:PATH")
 
@@ -61,8 +67,6 @@ def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, A
     ``module:factory`` is called as ``factory(num_classes=K)`` and must return an ``nn.Module``
     whose output is ``[batch, K]`` logits; modules in the current directory are found.
     """
-    from . import nets
-
     if spec == "digits-cnn":
         return nets.DigitsCNN(num_classes=num_classes, **(options or {}))
     if spec == "toy-mlp":
@@ -85,11 +89,6 @@ def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, A
 
 
 def _from_factory(spec: str, num_classes: int, options: dict[str, Any] | None):
-    import importlib
-    import inspect
-    import os
-    import sys
-
     if os.getcwd() not in sys.path:  # `jem train --model mynet:build` run next to mynet.py
         sys.path.insert(0, os.getcwd())
     modname, _, attr = spec.partition(":")
@@ -139,7 +138,6 @@ def dataset_labels(ds) -> list[int]:
 def split_held_out(ds, fraction: float, seed: int):
     """``(train, held_out)`` subsets: a stratified, seeded split keeping ``fraction`` of each class aside."""
     from sklearn.model_selection import train_test_split
-    from torch.utils.data import Subset
 
     if not 0.0 < fraction < 1.0:
         raise CLIError(f"--val-fraction must be between 0 and 1 (got {fraction}); 0 keeps nothing aside")
@@ -178,12 +176,10 @@ def check_shape(spec: dict[str, Any], shape, data: str) -> None:
 
 def check_inputs(jm, x, spec: dict[str, Any], data: str) -> None:
     """One forward pass on a data batch, so a model/data size mismatch is one line naming the fix."""
-    import torch
-
     check_shape(spec, x.shape[1:], data)
     try:
         with torch.no_grad():
-            out = jm.model(x[:2].to(next(jm.parameters()).device))
+            out = jm.model(x[:2].to(model_device(jm)))
     except (RuntimeError, AssertionError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         model = spec["model"]
@@ -239,15 +235,11 @@ def held_out_data(spec: dict[str, Any], data: str | None, image_size: int | None
 
 def save_model_checkpoint(path: Path, jm, spec: dict[str, Any]) -> None:
     """The final model: its spec (to rebuild it) and weights, atomic and code-free."""
-    from ..checkpoint import save_checkpoint
-
     save_checkpoint(path, rng=False, kind=CKPT_FORMAT, spec=spec, model=jm.model)
 
 
 def load_model_checkpoint(path: str, device=None):
     """Rebuild the wrapped model saved by ``jem train`` or ``jem demo``; returns ``(jm, spec)``."""
-    from ..checkpoint import load_checkpoint
-
     stored = load_checkpoint(path, rng=False)  # CheckpointError: missing, corrupt, unsafe
     if stored.get("kind") != CKPT_FORMAT:
         raise CLIError(f"{path!r} is not a model checkpoint written by `jem train` or `jem demo` "
@@ -263,8 +255,6 @@ def load_model_checkpoint(path: str, device=None):
 
 def wrap_for_data(model, spec: dict[str, Any]):
     """Wrap with the data's domain: the sampler must work in the space the loader yields."""
-    from .. import wrap
-
     opts: dict[str, Any] = {"input_size": tuple(spec["sample_shape"])}
     if spec.get("mean"):
         opts.update(mean=spec["mean"], std=spec["std"])
@@ -304,13 +294,9 @@ def drop_buffer_from_checkpoints(buffer) -> None:
 def ood_sets(items: Sequence[str] | None, spec: dict[str, Any], jm, x, y, seed: int = 0) -> dict[str, Any]:
     """``jem ood``'s OOD sets: ``noise`` and ``folder:PATH`` items (named by the folder), or the
     defaults (the digits' four sets, else uniform noise)."""
-    import torch
-
-    from . import data
-
     if not items:
         if spec["data"].startswith("digits"):
-            return data.digits_ood_sets(x, y, seed=seed)
+            return D.digits_ood_sets(x, y, seed=seed)
         items = ["noise"]
     sets: dict[str, Any] = {}
     for item in items:

@@ -15,7 +15,7 @@ The few-line JEM addition stays the same; three things change under
   accumulation, :func:`maybe_no_sync`) is respected.
 * **One replay buffer per rank.** Each process keeps its own chains (seeded differently per rank
   with :func:`rank_generator`), like the data each rank sees. A buffer that lives *inside* the
-  DDP-wrapped module (the :class:`~jem_plugin.losses.GenerativeLossMixin` pattern, e.g. a
+  DDP-wrapped module (the :class:`~jem_plugin.integrations.mixin.GenerativeLossMixin` pattern, e.g. a
   LightningModule) is excluded from DDP's buffer broadcast by :func:`ignore_replay_buffers`;
   otherwise rank 0 would overwrite every rank's chains on every forward (and send the whole buffer
   over the network each step).

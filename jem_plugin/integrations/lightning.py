@@ -1,6 +1,6 @@
 """JEM in PyTorch Lightning: the ``JEMLightningMixin`` recipe and a ready ``JEMLightningModule``.
 
-The mixin is :class:`~jem_plugin.losses.GenerativeLossMixin` plus what Lightning needs:
+The mixin is :class:`~jem_plugin.integrations.mixin.GenerativeLossMixin` plus what Lightning needs:
 
 >>> import lightning as L
 >>> from jem_plugin.integrations.lightning import JEMLightningMixin

@@ -165,6 +165,7 @@ class JEMTask(TrainingTask):
 
     def load_task_state(self, state: Optional[Dict[str, Any]], strict: bool = True,
                         module: Optional[nn.Module] = None, ema: bool = False) -> None:
+        """Restore what :meth:`get_task_state` saved (timm calls this on resume); nothing for EMA."""
         if ema or not state:
             return
         if "jem_loss" not in state:
