@@ -25,14 +25,6 @@ __all__ = ["ReplayBuffer"]
 INIT_HOOK = "jem_register_init_distributions"
 
 
-def _draw_rand(size: Sequence[int], generator: torch.Generator | None, device) -> Tensor:
-    return draw(torch.rand, size, generator, device)
-
-
-def _draw_randint(high: int, size: Sequence[int], generator: torch.Generator | None, device) -> Tensor:
-    return draw(lambda sz, **kw: torch.randint(0, high, sz, **kw), size, generator, device)
-
-
 class _CallableInit:
     """Adapts a user function ``fn(n, shape, domain, generator, device, y=None)`` to the init protocol."""
 
@@ -202,16 +194,16 @@ class ReplayBuffer(nn.Module):
             self._domain = domain
             dev = self.data.device
             if y is None:
-                idx = _draw_randint(self.capacity, (n,), generator, dev)
+                idx = draw(lambda size, **kw: torch.randint(0, self.capacity, size, **kw), (n,), generator, dev)
             else:
                 size = self._seg_size[y]
-                offset = (_draw_rand((n,), generator, dev) * size).long()
+                offset = (draw(torch.rand, (n,), generator, dev) * size).long()
                 idx = self._seg_start[y] + torch.minimum(offset, size - 1)
             x = self.data[idx]
             if self.reinit_freq > 0:
                 # Draw only the restarted chains (one small host sync): a full batch of fresh
                 # samples would cost more than the rest of the buffer's work together.
-                rows = (_draw_rand((n,), generator, dev) < self.reinit_freq).nonzero().squeeze(1)
+                rows = (draw(torch.rand, (n,), generator, dev) < self.reinit_freq).nonzero().squeeze(1)
                 if rows.numel():
                     labels = y if y is not None else (self.labels[idx] if self.num_classes is not None else None)
                     x[rows] = self._init_draw(rows.numel(), domain, generator,

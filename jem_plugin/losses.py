@@ -106,11 +106,6 @@ class LossBatch:
         return torch.cat(parts) if parts else None
 
 
-def _unwrap(jm: Any) -> JEM:
-    """The JEM to sample with: compile/DDP/DataParallel/FSDP wrappers are looked through."""
-    return as_jem(jm, "JEMLoss")
-
-
 def _default_sampler():
     return SGLD()
 
@@ -310,7 +305,7 @@ class JEMLoss(nn.Module):
         written, and the data carries no noise; the result then depends only on the model, the
         batch and the generators (the loss's ``generator`` and the sampler's).
         """
-        core = _unwrap(jm)
+        core = as_jem(jm, "JEMLoss")  # the JEM inside compile/DDP/DataParallel/FSDP wrappers
         x = check_input(x, dtype=core.param_dtype(), domain=core.domain)  # the shared input check; floats cast to the parameters' dtype
         self.__dict__.setdefault("_domain_check", DomainCheck())(x, core.domain, "JEMLoss", stacklevel=4)
         # Validation (loss module in eval mode, or no grad): no buffer write, no data noise.

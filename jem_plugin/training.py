@@ -131,10 +131,6 @@ def warmup_schedule(warmup_iters: int, iters_per_epoch: int = 1, decay_epochs: S
     return factor
 
 
-def _device_of(jm: nn.Module) -> torch.device:
-    return model_device(jm, "cpu")
-
-
 def _batch_xy(batch: Any, device: torch.device) -> tuple[Tensor, Tensor]:
     x, y = unpack_batch(batch, need_labels=True)
     return x.to(device, non_blocking=True), torch.as_tensor(y).to(device, non_blocking=True)
@@ -160,7 +156,7 @@ def evaluate_classifier(jm: nn.Module, x_test: Tensor | Iterable, y_test: Tensor
     """Accuracy and mean NLL of ``jm`` (any classifier returning logits) on ``(x_test, y_test)``
     tensors or on a loader of ``(x, y)`` batches. The model is evaluated in eval mode and its
     own mode restored."""
-    device = _device_of(jm)
+    device = model_device(jm, "cpu")
     was_training = jm.training
     jm.eval()
     correct, nll, n = 0, 0.0, 0
@@ -235,7 +231,7 @@ class _Step:
     def __init__(self, jm: nn.Module, loss_fn: nn.Module | None, optimizer, scheduler, *, amp: str,
                  channels_last: bool, grad_clip: float | None) -> None:
         self.jm, self.loss_fn, self.optimizer, self.scheduler = jm, loss_fn, optimizer, scheduler
-        self.device, self.dtype, self.channels_last = _device_of(jm), _AMP[amp], channels_last
+        self.device, self.dtype, self.channels_last = model_device(jm, "cpu"), _AMP[amp], channels_last
         self.grad_clip, self.multi, self.guard, self.batch_size = grad_clip, _multi_process(), None, 0
         self.scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
         if channels_last:
@@ -334,7 +330,7 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
     (:class:`TrainState`; ``state.stop = True`` stops). ``max_seconds``: stop cleanly (after a
     checkpoint) once this much time has passed. ``grad_clip``: clip the gradient norm.
     """
-    device, multi = _device_of(jm), _multi_process()
+    device, multi = model_device(jm, "cpu"), _multi_process()
     _check_args(epochs, guard_policy, amp, device, multi)
     iters, callbacks, start = _iters_per_epoch(train_loader), list(callbacks or []), time.perf_counter()
     optimizer = optimizer if optimizer is not None else torch.optim.Adam(jm.parameters(), lr=lr)
