@@ -35,7 +35,7 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -110,50 +110,65 @@ def shift_augment(x: torch.Tensor, s: int, g: torch.Generator) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- BatchNorm modes
-class SamplesThroughBN(nn.Module):
-    """How samples pass BatchNorm in the joint forward: ``joint`` (one train-mode batch, shared
-    statistics: JEMLoss's default), ``eval`` (the samples' part in eval mode: running statistics),
-    ``separate`` (the samples' part in its own train-mode pass, running statistics not kept)."""
+BN_MODES = ("joint", "separate", "batch", "eval")
 
-    def __init__(self, model: nn.Module, mode: str) -> None:
+
+class SamplesInEvalMode(nn.Module):
+    """The ``eval`` BatchNorm mode, which the library does not offer (it breaks training): in the
+    joint forward the samples' part runs in eval mode (running statistics)."""
+
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.model, self.mode, self.n_data = model, mode, None
+        self.model, self.n_data = model, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self.n_data
-        if self.mode == "joint" or not self.training or n is None or x.shape[0] <= n:
+        if not self.training or n is None or x.shape[0] <= n:
             return self.model(x)
         data = self.model(x[:n])
-        if self.mode == "eval":
-            self.model.eval()
-            try:
-                rest = self.model(x[n:])
-            finally:
-                self.model.train()
-        else:
-            with frozen_bn_stats(self.model):
-                rest = self.model(x[n:])
+        self.model.eval()
+        try:
+            rest = self.model(x[n:])
+        finally:
+            self.model.train()
         return torch.cat([data, rest])
 
 
+def with_bn_mode(r, mode: str):
+    """The recipe with samples passing BatchNorm as ``mode`` says: ``joint`` (JEMLoss's one
+    forward, shared statistics; chains in eval mode), ``separate`` (the samples in their own
+    train-mode forward, running statistics from data only; chains in eval mode), ``batch``
+    (``separate`` and chains normalised by their own batch statistics: JEM++'s passes)."""
+    if mode == "separate":
+        return dataclasses.replace(r, batchnorm="separate", sgld_batchnorm="eval")
+    if mode == "batch":
+        return dataclasses.replace(r, batchnorm="separate", sgld_batchnorm="batch")
+    if mode == "joint":
+        return dataclasses.replace(r, batchnorm="joint", sgld_batchnorm="eval")
+    return r
+
+
 # ---------------------------------------------------------------------------- one run
-def recipe_for(run: str, quick: bool):
+def recipe_for(run: str, quick: bool, bn_mode: str | None = None, overrides: dict | None = None):
     if run == "baseline":
         return None
     r = get_recipe("fast" if run == "fast_gauss" else run)
     if run == "fast_gauss":
         r = dataclasses.replace(r, name="fast_gauss", init="gaussian")
+    if bn_mode is not None:
+        r = with_bn_mode(r, bn_mode)
+    r = dataclasses.replace(r, **(overrides or {}))
     return dataclasses.replace(r, buffer_size=40 if quick else BUFFER_SIZE)
 
 
-def train_run(S: dict, run: str, epochs: int, seed: int = 0, bn_mode: str = "joint", quick: bool = False,
-              batch_size: int = 64) -> dict[str, Any]:
+def train_run(S: dict, run: str, epochs: int, seed: int = 0, bn_mode: str | None = None, quick: bool = False,
+              batch_size: int = 64, overrides: dict | None = None) -> dict[str, Any]:
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     model = make_model(S["model"])
-    net = SamplesThroughBN(model, bn_mode) if bn_mode != "joint" else model
+    net = SamplesInEvalMode(model) if bn_mode == "eval" else model
     jm = jem.wrap(net, **S["wrap_kw"])
-    r = recipe_for(run, quick)
+    r = recipe_for(run, quick, bn_mode, overrides)
     base = r or get_recipe("fast")
     n_batches = math.ceil(len(S["x"]) / batch_size)
     total = epochs * n_batches
@@ -178,7 +193,7 @@ def train_run(S: dict, run: str, epochs: int, seed: int = 0, bn_mode: str = "joi
                 metrics = {"loss": loss.item()}
             else:
                 px = x_clean if r.px_clean_data else None
-                if isinstance(net, SamplesThroughBN):
+                if isinstance(net, SamplesInEvalMode):
                     net.n_data = x.shape[0] * (2 if px is not None else 1)
 
                 def closure():
@@ -231,7 +246,8 @@ def evaluate_run(S: dict, res: dict, judge, quick: bool) -> dict[str, Any]:
     x0 = init_draws(S, r, loss_fn, jm, len(yc), y=yc)
     ref = r or get_recipe("fast")
     sampler = jem.SGLD(steps=2 if quick else COND_STEPS, step_size=ref.step_size, noise=ref.noise,
-                       grad_clip=ref.grad_clip, generator=torch.Generator().manual_seed(4))
+                       grad_clip=ref.grad_clip, batchnorm=ref.sgld_batchnorm,
+                       generator=torch.Generator().manual_seed(4))
     xc = sampler.sample(jm, x_init=x0, y=yc)
     out["cond"] = sample_quality(judge, xc, S["xt"], y_samples=yc)
     out["cond"]["model_acc"] = float((jm(xc).argmax(1) == yc).float().mean())  # the model fools itself
@@ -285,13 +301,14 @@ def save_grid(path: str, title: str, domain, buf: torch.Tensor | None, xc: torch
 
 # ---------------------------------------------------------------------------- driver
 def _job(args: tuple) -> dict[str, Any]:
-    setting, run, epochs, bn_mode, quick, out_dir, n_train = args
+    setting, run, epochs, bn_mode, quick, out_dir, n_train, overrides, tag = args
     torch.set_num_threads(1)
     S = load_setting(setting, n_train)
     judge = _judge(S, quick)
-    res = train_run(S, run, epochs, bn_mode=bn_mode, quick=quick)
+    res = train_run(S, run, epochs, bn_mode=bn_mode, quick=quick, overrides=overrides if run != "baseline" else None)
     ev = evaluate_run(S, res, judge, quick)
-    key = run if bn_mode == "joint" else f"{run}_bn_{bn_mode}"
+    key = run if bn_mode is None else f"{run}_bn_{bn_mode}"
+    key += f"_{tag}" if tag and run != "baseline" else ""
     q = ev.get("buffer", {})
     title = (f"{setting} / {key}: acc {ev['accuracy']:.3f}; cond. samples (left, {COND_STEPS if not quick else 2} "
              f"steps from init): judge acc {ev['cond']['judge_acc']:.2f}, model acc {ev['cond']['model_acc']:.2f}"
@@ -333,15 +350,19 @@ def references(setting: str, quick: bool, n_train: int | None) -> dict[str, Any]
 
 
 def run(settings=("digits32_test_resnet", "digits8_cnn"), runs=RECIPE_RUNS, epochs32: int = 20, epochs8: int = 40,
-        bn_modes: bool = True, quick: bool = False, out_dir: str = OUT, workers: int = 2,
-        n_train: int | None = None) -> dict[str, Any]:
+        bn_modes: Sequence[str] = (), bn_runs: Sequence[str] = ("fast_gauss",), quick: bool = False,
+        out_dir: str = OUT, workers: int = 2, n_train: int | None = None, overrides: dict | None = None,
+        tag: str = "") -> dict[str, Any]:
+    """``runs`` with each recipe's own BatchNorm settings; then, on the 32x32 setting, each of
+    ``bn_runs`` once per BatchNorm mode in ``bn_modes``. ``overrides``: recipe fields changed in
+    every JEM run (their names get ``_<tag>``)."""
     os.makedirs(out_dir, exist_ok=True)
     jobs = []
     for s in settings:
         ep = epochs32 if s.startswith("digits32") else epochs8
-        jobs += [(s, r, ep, "joint", quick, out_dir, n_train) for r in runs]
-        if bn_modes and s.startswith("digits32"):
-            jobs += [(s, "fast_gauss", ep, m, quick, out_dir, n_train) for m in ("eval", "separate")]
+        jobs += [(s, r, ep, None, quick, out_dir, n_train, overrides, tag) for r in runs]
+        if s.startswith("digits32"):
+            jobs += [(s, r, ep, m, quick, out_dir, n_train, overrides, tag) for r in bn_runs for m in bn_modes]
     t0 = time.perf_counter()
     if workers > 1:
         with ProcessPoolExecutor(workers) as ex:
@@ -395,6 +416,15 @@ def to_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _parse_value(v: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return {"None": None, "True": True, "False": False}.get(v, v)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in seconds")
@@ -402,15 +432,25 @@ def main(argv=None) -> None:
     p.add_argument("--epochs8", type=int, default=40)
     p.add_argument("--model32", default="test_resnet", help="timm model for the 32x32 setting (test_resnet, resnet10t)")
     p.add_argument("--runs", nargs="*", default=list(RECIPE_RUNS), choices=list(RECIPE_RUNS))
-    p.add_argument("--no-bn-modes", dest="bn_modes", action="store_false")
+    p.add_argument("--bn-modes", nargs="*", default=list(BN_MODES), choices=list(BN_MODES),
+                   help="BatchNorm modes to repeat --bn-runs with on the 32x32 setting (none: skip)")
+    p.add_argument("--bn-runs", nargs="*", default=["fast_gauss"], choices=list(RECIPE_RUNS[1:]))
+    p.add_argument("--only", choices=("32", "8"), help="one setting only")
+    p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                   help="recipe fields changed in every JEM run, e.g. step_size=2 (run names get --tag)")
+    p.add_argument("--tag", default="")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", default=OUT)
     a = p.parse_args(argv)
-    settings = (f"digits32_{a.model32}", "digits8_cnn")
+    settings = tuple(s for s in (f"digits32_{a.model32}", "digits8_cnn") if a.only is None or s.endswith(
+        "cnn") == (a.only == "8"))
+    overrides = {k: _parse_value(v) for k, v in (kv.split("=", 1) for kv in a.set)}
+    common = dict(bn_modes=a.bn_modes, bn_runs=a.bn_runs, out_dir=a.out, workers=a.workers,
+                  overrides=overrides, tag=a.tag)
     if a.quick:
-        res = run(settings, a.runs, 1, 1, a.bn_modes, True, a.out, a.workers, n_train=128)
+        res = run(settings, a.runs, 1, 1, quick=True, n_train=128, **common)
     else:
-        res = run(settings, a.runs, a.epochs32, a.epochs8, a.bn_modes, False, a.out, a.workers)
+        res = run(settings, a.runs, a.epochs32, a.epochs8, **common)
     print(to_markdown(res))
 
 

@@ -160,6 +160,8 @@ def _key(sampler: SGLD, jm: JEM, x: Tensor, dtype: torch.dtype, cond: bool) -> t
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
             torch.backends.cudnn.deterministic,
             sampler.noise, sampler.grad_clip,
+            # batch or running BatchNorm statistics
+            sampler.batchnorm,
             (tuple(domain.low), tuple(domain.high)) if sampler.clamp else None,
             id(sampler.generator), id(jm.adapter))
 
@@ -259,7 +261,7 @@ def _capture(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None, dtype: torch.d
         step = make_step(jm, xs, a, ys, noise_buf, sampler)
         try:
             # Autocast's cast cache off: it would hand later steps (and the capture) stale casts.
-            with sampling_mode(model), torch.enable_grad(), autocast_cache_off("cuda"):
+            with sampling_mode(model, sampler.batchnorm), torch.enable_grad(), autocast_cache_off("cuda"):
                 if dev not in _pools:
                     _pools[dev] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev))
                 pool, side = _pools[dev]

@@ -37,7 +37,7 @@ from . import plugins
 from .buffer import INIT_HOOK, ReplayBuffer
 from ._checks import DomainCheck, check_input, check_label_range, check_labels, draw, follow, free_energy, model_device
 from .errors import InvalidInputError
-from .model import JEM, as_jem, sampling_mode
+from .model import JEM, as_jem, frozen_bn_stats, sampling_mode
 from .sampling import SGLD
 
 __all__ = ["LossOutput", "LossBatch", "JEMLoss", "LOSS_TERMS_HOOK"]
@@ -106,6 +106,14 @@ class LossBatch:
         return torch.cat(parts) if parts else None
 
 
+LOSS_BATCHNORM_MODES = ("joint", "separate")
+
+
+def _samples_pass(core: JEM, x: Tensor) -> Tensor:
+    with frozen_bn_stats(core.model):
+        return core(x)
+
+
 def _default_sampler():
     return SGLD()
 
@@ -143,6 +151,12 @@ class JEMLoss(nn.Module):
         L2 regulariser is ``l2_weight``, not a term).
     generator: a ``torch.Generator`` for the data noise and random labels (default: global RNG).
     validate: check shapes, dtypes and label range (one small device sync for labels on a GPU).
+    batchnorm: how the samples pass a model's BatchNorm layers in train mode. ``"joint"``: one
+        forward over data and samples, normalised with shared batch statistics that also enter
+        the running statistics. ``"separate"``: the samples in a second forward with their own
+        batch statistics, leaving the running statistics to the data (JEM++'s passes); pair it
+        with ``SGLD(batchnorm="batch")`` so the chains climb the energy this trains. No effect on
+        models without BatchNorm.
 
     ``loss_fn(jm, x, y)`` returns a :class:`LossOutput`. ``jm`` is ``jem_plugin.wrap(model)``, or a
     ``DistributedDataParallel`` around it: samples are drawn on the bare module, the concatenated
@@ -154,8 +168,11 @@ class JEMLoss(nn.Module):
                  l2_weight: float = 0.0, data_noise: float = 0.03, n_samples: int | None = None,
                  class_conditional_px: bool = False, terms: dict[str, dict] | None = None,
                  generator: torch.Generator | None = None, validate: bool = True,
-                 clamp_data: bool | None = None) -> None:
+                 clamp_data: bool | None = None, batchnorm: str = "joint") -> None:
         super().__init__()
+        if batchnorm not in LOSS_BATCHNORM_MODES:
+            raise ValueError(f"batchnorm must be one of {LOSS_BATCHNORM_MODES}, got {batchnorm!r}")
+        self.batchnorm = batchnorm
         for name, value in (("ce_weight", ce_weight), ("px_weight", px_weight),
                             ("pxy_weight", pxy_weight), ("l2_weight", l2_weight),
                             ("data_noise", data_noise)):
@@ -339,7 +356,13 @@ class JEMLoss(nn.Module):
             px_data = check_input(px_data, dtype=core.param_dtype(), domain=core.domain, what="px_data")
             px_data = px_data if evaluating else self._with_data_noise(core, px_data)
         parts = [x_data] + [t.to(x_data.dtype) for t in (px_data, x_sample, x_cond) if t is not None]
-        logits_all = jm(torch.cat(parts) if len(parts) > 1 else x_data)
+        n_data = 1 + (px_data is not None)
+        if self.batchnorm == "separate" and len(parts) > n_data and core.model.training:
+            # Data first (through the wrapper: DDP's reducer sees one forward), then the samples
+            # through the bare JEM with their own batch statistics, the running ones untouched.
+            logits_all = torch.cat([jm(torch.cat(parts[:n_data])), _samples_pass(core, torch.cat(parts[n_data:]))])
+        else:
+            logits_all = jm(torch.cat(parts) if len(parts) > 1 else x_data)
         sizes = [p.shape[0] for p in parts]
         if logits_all.dim() != 2 or logits_all.shape[0] != sum(sizes):
             raise InvalidInputError(

@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
 
 from ._checks import check_input, check_labels, free_energy, unwrap_model
 from .adapter import Adapter, InputDomain, check_wrap_options
@@ -17,7 +18,7 @@ from .errors import (InferenceModeError, NoLogitsError, NotWrappedError,
                      NonFiniteLogitsError)
 from .plugins import get_plugin_manager
 
-__all__ = ["JEM", "wrap", "as_jem", "input_grad_enabled", "sampling_mode"]
+__all__ = ["JEM", "wrap", "as_jem", "input_grad_enabled", "sampling_mode", "frozen_bn_stats"]
 
 
 class _CallableModule(nn.Module):
@@ -277,8 +278,37 @@ def as_jem(obj: Any, what: str = "this") -> JEM:
 
 
 @contextlib.contextmanager
-def sampling_mode(module: nn.Module) -> Iterator[nn.Module]:
+def frozen_bn_stats(model: nn.Module | None) -> Iterator[None]:
+    """Inside, BatchNorm layers in train mode still normalise with batch statistics but do not
+    update their running statistics or batch counters: the pass leaves no trace.
+
+    Done by switching ``track_running_stats`` off for the block (nothing is modified in place,
+    so a graph built before the block can still be backpropagated after it)."""
+    if model is None:
+        yield
+        return
+    layers = [m for m in model.modules()
+              if isinstance(m, _NormBase) and m.track_running_stats]
+    for m in layers:
+        m.track_running_stats = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.track_running_stats = True
+
+
+BATCHNORM_MODES = ("eval", "batch")
+
+
+@contextlib.contextmanager
+def sampling_mode(module: nn.Module, batchnorm: str = "eval") -> Iterator[nn.Module]:
     """Eval mode and frozen parameters inside the block; the exact previous flags after it.
+
+    ``batchnorm``: ``"eval"`` normalises with the running statistics (chains independent of one
+    another); ``"batch"`` makes every BatchNorm layer normalise with the statistics of the batch
+    of chains itself, as JEM++ samples and as the samples' own pass of
+    ``JEMLoss(batchnorm="separate")`` sees them, without updating the running statistics.
 
     Cheap: one pass over the modules and parameters on entry and one on exit (it runs once per
     chain, not once per step). The flags are set directly rather than through ``module.eval()``
@@ -307,13 +337,25 @@ def sampling_mode(module: nn.Module) -> Iterator[nn.Module]:
                 seen.add(id(p))
                 had_grad.append(p)
         stack.extend(c for c in m._modules.values() if c is not None)
+    if batchnorm not in BATCHNORM_MODES:
+        raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
+    # "batch": every BatchNorm layer normalises with batch statistics (train mode) with tracking
+    # off (no update), whatever mode the user left it in; restored to its own flags after.
+    batch_norms = [(m, m.training) for m in module.modules()
+                   if isinstance(m, _NormBase) and m.track_running_stats] if batchnorm == "batch" else []
     try:
         for m in was_training:
             _set(m, "training", False)
         for p in had_grad:
             p.requires_grad_(False)
+        for m, _ in batch_norms:
+            _set(m, "training", True)
+            _set(m, "track_running_stats", False)
         yield module
     finally:
+        for m, training in batch_norms:
+            _set(m, "track_running_stats", True)
+            _set(m, "training", training)
         for m in was_training:
             _set(m, "training", True)
         for p in had_grad:

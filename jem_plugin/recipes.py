@@ -37,6 +37,7 @@ class Recipe:
     step_size: float = 1.0
     noise: float = 0.01
     grad_clip: float | None = None      # proximal SGLD (JEM++): clamp each step's gradient
+    sgld_batchnorm: str = "eval"        # chains see BatchNorm with "eval" (running) or "batch" statistics
     # replay buffer
     buffer_size: int = 10000
     reinit_freq: float = 0.05
@@ -49,6 +50,7 @@ class Recipe:
     l2_weight: float = 0.0              # energy L2 on data and sample energies
     data_noise: float = 0.03
     px_clean_data: bool = False         # the p(x) term sees the un-augmented batch (SADA-JEM)
+    batchnorm: str = "joint"            # samples pass BatchNorm with the data ("joint") or on their own ("separate")
     # optimiser
     optimizer: str = "adam"             # "adam" or "sgd"
     lr: float = 1e-4
@@ -78,7 +80,7 @@ class Recipe:
         from; ``overrides`` replace ``JEMLoss`` keywords.
         """
         sampler = SGLD(steps=self.sgld_steps, step_size=self.step_size, noise=self.noise,
-                       grad_clip=self.grad_clip, generator=generator)
+                       grad_clip=self.grad_clip, generator=generator, batchnorm=self.sgld_batchnorm)
         cond = self.init != "uniform" or self.pxy_weight > 0
         init_kwargs = {"covariance": self.init_covariance} if self.init == "gaussian" else None
         buffer = ReplayBuffer(self.buffer_size, tuple(sample_shape), reinit_freq=self.reinit_freq,
@@ -89,7 +91,7 @@ class Recipe:
                        None if y_fit is None else (y_fit.to(device) if device else y_fit))
         kwargs: dict[str, Any] = dict(px_weight=self.px_weight, pxy_weight=self.pxy_weight,
                                       l2_weight=self.l2_weight, data_noise=self.data_noise,
-                                      n_samples=self.n_samples, generator=generator)
+                                      n_samples=self.n_samples, generator=generator, batchnorm=self.batchnorm)
         kwargs.update(overrides)
         loss = JEMLoss(sampler, buffer, **kwargs)
         return loss.to(device) if device is not None else loss

@@ -29,28 +29,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from .model import frozen_bn_stats
+
 __all__ = ["SAM", "frozen_bn_stats", "reuse_samples"]
-
-
-@contextlib.contextmanager
-def frozen_bn_stats(model: nn.Module | None) -> Iterator[None]:
-    """Inside, BatchNorm layers in train mode still normalise with batch statistics but do not
-    update their running statistics or batch counters: the pass leaves no trace.
-
-    Done by switching ``track_running_stats`` off for the block (nothing is modified in place,
-    so a graph built before the block can still be backpropagated after it)."""
-    if model is None:
-        yield
-        return
-    layers = [m for m in model.modules()
-              if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
-    for m in layers:
-        m.track_running_stats = False
-    try:
-        yield
-    finally:
-        for m in layers:
-            m.track_running_stats = True
 
 
 class _Replay:

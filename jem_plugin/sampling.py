@@ -28,7 +28,7 @@ from . import _cuda_graph, hookspecs, plugins
 from ._checks import (DomainCheck, autocast_cache_off, check_input, check_label_range, check_labels, follow,
                       model_device, same_device)
 from .errors import DivergenceError, InvalidInputError
-from .model import as_jem, input_grad_enabled, sampling_mode
+from .model import BATCHNORM_MODES, as_jem, input_grad_enabled, sampling_mode
 
 if TYPE_CHECKING:  # pragma: no cover
     from .buffer import ReplayBuffer
@@ -131,6 +131,10 @@ class SGLD:
         replayed ``steps`` times (eager where capture is impossible, with a one-time warning
         saying why); ``"off"`` always runs eagerly; ``"require"`` raises
         :class:`~jem_plugin.errors.CUDAGraphError` with the reason instead of falling back.
+    batchnorm: how BatchNorm layers in train mode normalise the chains. ``"eval"``: with their
+        running statistics (each chain independent of the others). ``"batch"``: with the
+        statistics of the batch of chains itself, running statistics untouched; this is how
+        JEM++ samples, and the energy that ``JEMLoss(batchnorm="separate")`` trains on samples.
     """
 
     def __init__(self, steps: int = 20, step_size: float | Callable[[int], float] = 1.0, noise: float = 0.01,
@@ -138,8 +142,11 @@ class SGLD:
                  final_step_size: float | None = None, clamp: bool = True, grad_clip: float | None = None,
                  record_trajectory: bool = False, record_energies: bool = False, progress: bool = False,
                  generator: torch.Generator | None = None, max_energy: float | None = None,
-                 cuda_graph: str = "auto") -> None:
+                 cuda_graph: str = "auto", batchnorm: str = "eval") -> None:
         self.cuda_graph = _cuda_graph.check_mode(cuda_graph)
+        if batchnorm not in BATCHNORM_MODES:
+            raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
+        self.batchnorm = batchnorm
         if not _is_int(steps) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
         if not callable(step_size):
@@ -252,7 +259,7 @@ class SGLD:
         # jm(x) is adapter.logits(model(x)): call the two directly (no wrapper-module dispatch per step).
         model, read_logits = jm.model, jm.adapter.logits
 
-        with sampling_mode(model), autocast_cache_off(x.device.type), \
+        with sampling_mode(model, self.batchnorm), autocast_cache_off(x.device.type), \
                 input_grad_enabled(x.detach().to(dtype)) as xg:
             xd = xg.detach()  # alias of the leaf: in-place updates without autograd bookkeeping
             if gen is not None and not same_device(gen.device, xd.device):

@@ -18,17 +18,23 @@ def test_to32_is_imagenet_normalised_rgb():
     torch.testing.assert_close(x[0, :, 0, 0], (1 - torch.tensor(B.IMAGENET_MEAN)) / torch.tensor(B.IMAGENET_STD))
 
 
-def test_samples_through_bn_modes_keep_data_statistics_apart():
+def test_eval_bn_mode_keeps_data_statistics_apart():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.BatchNorm1d(2))
     data, samples = torch.randn(8, 2), torch.randn(8, 2) * 10 + 50
-    for mode in ("eval", "separate"):
-        net = B.SamplesThroughBN(model, mode).train()
-        net.n_data = 8
-        out = net(torch.cat([data, samples]))
-        # the data part is normalised with its own batch statistics, whatever the samples are
-        torch.testing.assert_close(out[:8].mean(0), torch.zeros(2), atol=1e-5, rtol=0)
-        assert model.training
+    net = B.SamplesInEvalMode(model).train()
+    net.n_data = 8
+    out = net(torch.cat([data, samples]))
+    # the data part is normalised with its own batch statistics, whatever the samples are
+    torch.testing.assert_close(out[:8].mean(0), torch.zeros(2), atol=1e-5, rtol=0)
+    assert model.training
+
+
+def test_bn_modes_map_to_the_library_options():
+    r = B.recipe_for("jempp", quick=True, bn_mode="batch")
+    assert (r.batchnorm, r.sgld_batchnorm) == ("separate", "batch")
+    r = B.recipe_for("fast_gauss", quick=True, bn_mode="separate", overrides={"step_size": 2.0})
+    assert (r.batchnorm, r.sgld_batchnorm, r.step_size, r.init) == ("separate", "eval", 2.0, "gaussian")
 
 
 def test_bench_generative_quick_run(tmp_path):

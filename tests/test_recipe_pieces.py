@@ -102,3 +102,56 @@ def test_family_presets_build_a_working_loss(name):
     out.loss.backward()
     assert loss_fn.buffer.init_dist.fitted, "the Gaussian init is fitted from the first batch"
     assert loss_fn.sampler.noise == 0.0 and loss_fn.sampler.grad_clip is not None
+
+
+# ---------------------------------------------------------------- how samples meet BatchNorm
+def _bn_net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.BatchNorm1d(8), nn.SiLU(), nn.Linear(8, 3))
+
+
+def test_separate_batchnorm_keeps_samples_out_of_the_data_statistics():
+    """batchnorm="separate": the data logits and the running statistics are those of the data
+    alone, whatever the samples look like; "joint" mixes both."""
+    x = torch.rand(8, 1, 4, 4) * 2 - 1
+    y = torch.arange(8) % 3
+    far = torch.full((8, 1, 4, 4), 0.99)  # samples far from the data
+    runs = {}
+    for mode in ("joint", "separate"):
+        model = _bn_net()
+        jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
+        loss_fn = jem.JEMLoss(FixedSampler(far), jem.ReplayBuffer(8, (1, 4, 4)), data_noise=0.0, batchnorm=mode)
+        out = loss_fn(jm, x, y)
+        out.loss.backward()
+        runs[mode] = (out.logits.detach(), model[2].running_mean.clone(), model[2].num_batches_tracked.item())
+    ref = _bn_net()
+    ref_logits = ref(x).detach()  # the data alone through train-mode BatchNorm
+    logits, running_mean, tracked = runs["separate"]
+    torch.testing.assert_close(logits, ref_logits)
+    torch.testing.assert_close(running_mean, ref[2].running_mean)
+    assert tracked == 1
+    assert not torch.allclose(runs["joint"][0], ref_logits)  # the check can tell the difference
+    assert not torch.allclose(runs["joint"][1], ref[2].running_mean)
+
+
+def test_batch_statistics_chains_leave_running_statistics_and_modes_alone():
+    model = _bn_net()
+    model[2].eval()  # a user who froze this layer gets it back frozen
+    jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x0 = torch.rand(6, 1, 4, 4) * 2 - 1
+    out = {m: jem.SGLD(steps=3, noise=0.0, batchnorm=m).sample(jm, x_init=x0) for m in ("eval", "batch")}
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k])
+    assert model.training and not model[2].training and model[2].track_running_stats
+    # batch statistics make a chain depend on the others in its batch; running ones do not
+    alone = {m: jem.SGLD(steps=3, noise=0.0, batchnorm=m).sample(jm, x_init=x0[:3]) for m in ("eval", "batch")}
+    torch.testing.assert_close(alone["eval"], out["eval"][:3])
+    assert not torch.allclose(alone["batch"], out["batch"][:3])
+
+
+def test_batchnorm_options_reject_unknown_modes():
+    with pytest.raises(ValueError, match="batchnorm must be one of"):
+        jem.JEMLoss(batchnorm="eval")
+    with pytest.raises(ValueError, match="batchnorm must be one of"):
+        jem.SGLD(batchnorm="separate")
