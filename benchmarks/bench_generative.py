@@ -96,7 +96,9 @@ def make_model(name: str) -> nn.Module:
         return DigitsCNN(num_classes=10)
     import timm
 
-    return timm.create_model(name, pretrained=False, num_classes=10)
+    name, _, extra = name.partition(":")  # "test_resnet:act_layer=silu": timm.create_model keywords
+    kwargs = {k: _parse_value(v) for k, v in (kv.split("=", 1) for kv in extra.split(",") if kv)}
+    return timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
 
 
 def shift_augment(x: torch.Tensor, s: int, g: torch.Generator) -> torch.Tensor:
@@ -157,8 +159,8 @@ def recipe_for(run: str, quick: bool, bn_mode: str | None = None, overrides: dic
         r = dataclasses.replace(r, name="fast_gauss", init="gaussian")
     if bn_mode is not None:
         r = with_bn_mode(r, bn_mode)
-    r = dataclasses.replace(r, **(overrides or {}))
-    return dataclasses.replace(r, buffer_size=40 if quick else BUFFER_SIZE)
+    r = dataclasses.replace(r, buffer_size=40 if quick else BUFFER_SIZE)
+    return dataclasses.replace(r, **(overrides or {}))
 
 
 def train_run(S: dict, run: str, epochs: int, seed: int = 0, bn_mode: str | None = None, quick: bool = False,
@@ -430,7 +432,9 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in seconds")
     p.add_argument("--epochs32", type=int, default=20)
     p.add_argument("--epochs8", type=int, default=40)
-    p.add_argument("--model32", default="test_resnet", help="timm model for the 32x32 setting (test_resnet, resnet10t)")
+    p.add_argument("--model32", default="test_resnet",
+                   help="timm model for the 32x32 setting (test_resnet, resnet10t; 'test_resnet:act_layer=silu' "
+                        "passes keywords to timm.create_model)")
     p.add_argument("--runs", nargs="*", default=list(RECIPE_RUNS), choices=list(RECIPE_RUNS))
     p.add_argument("--bn-modes", nargs="*", default=list(BN_MODES), choices=list(BN_MODES),
                    help="BatchNorm modes to repeat --bn-runs with on the 32x32 setting (none: skip)")

@@ -44,6 +44,7 @@ class Recipe:
     init: str = "uniform"               # a registered init distribution: "uniform", "gaussian", ...
     init_covariance: str = "diagonal"   # "gaussian" init: "diagonal" or "full" (JEM++; D x D per class)
     n_samples: int | None = None        # chains per iteration (None: the batch size)
+    class_conditional_px: bool = False  # p(x) chains drawn from p(y) p(x|y): one class per chain and buffer slot
     # loss
     px_weight: float = 1.0
     pxy_weight: float = 0.0
@@ -81,7 +82,7 @@ class Recipe:
         """
         sampler = SGLD(steps=self.sgld_steps, step_size=self.step_size, noise=self.noise,
                        grad_clip=self.grad_clip, generator=generator, batchnorm=self.sgld_batchnorm)
-        cond = self.init != "uniform" or self.pxy_weight > 0
+        cond = self.init != "uniform" or self.pxy_weight > 0 or self.class_conditional_px
         init_kwargs = {"covariance": self.init_covariance} if self.init == "gaussian" else None
         buffer = ReplayBuffer(self.buffer_size, tuple(sample_shape), reinit_freq=self.reinit_freq,
                               init=self.init, init_kwargs=init_kwargs,
@@ -91,7 +92,8 @@ class Recipe:
                        None if y_fit is None else (y_fit.to(device) if device else y_fit))
         kwargs: dict[str, Any] = dict(px_weight=self.px_weight, pxy_weight=self.pxy_weight,
                                       l2_weight=self.l2_weight, data_noise=self.data_noise,
-                                      n_samples=self.n_samples, generator=generator, batchnorm=self.batchnorm)
+                                      n_samples=self.n_samples, class_conditional_px=self.class_conditional_px,
+                                      generator=generator, batchnorm=self.batchnorm)
         kwargs.update(overrides)
         loss = JEMLoss(sampler, buffer, **kwargs)
         return loss.to(device) if device is not None else loss

@@ -155,3 +155,15 @@ def test_batchnorm_options_reject_unknown_modes():
         jem.JEMLoss(batchnorm="eval")
     with pytest.raises(ValueError, match="batchnorm must be one of"):
         jem.SGLD(batchnorm="separate")
+
+
+def test_recipe_batchnorm_and_conditional_fields_reach_the_loss_and_sampler():
+    r = dataclasses.replace(get_recipe("fast"), batchnorm="separate", sgld_batchnorm="batch",
+                            class_conditional_px=True, buffer_size=30)
+    loss_fn = r.build_loss(sample_shape=(1, 4, 4), num_classes=3)
+    assert loss_fn.batchnorm == "separate" and loss_fn.sampler.batchnorm == "batch"
+    assert loss_fn.class_conditional_px and loss_fn.buffer.num_classes == 3  # one class per slot
+    jm = jem.wrap(_bn_net(), data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
+    out = loss_fn(jm, torch.rand(6, 1, 4, 4) * 2 - 1, torch.tensor([0, 1, 2, 0, 1, 2]))
+    out.loss.backward()
+    assert "batchnorm" in str(r) and "class_conditional_px" in str(r)
