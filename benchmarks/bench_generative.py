@@ -303,14 +303,16 @@ def save_grid(path: str, title: str, domain, buf: torch.Tensor | None, xc: torch
 
 # ---------------------------------------------------------------------------- driver
 def _job(args: tuple) -> dict[str, Any]:
-    setting, run, epochs, bn_mode, quick, out_dir, n_train, overrides, tag = args
+    setting, run, epochs, bn_mode, quick, out_dir, n_train, overrides, tag, seed = args
     torch.set_num_threads(1)
     S = load_setting(setting, n_train)
     judge = _judge(S, quick)
-    res = train_run(S, run, epochs, bn_mode=bn_mode, quick=quick, overrides=overrides if run != "baseline" else None)
+    res = train_run(S, run, epochs, seed=seed, bn_mode=bn_mode, quick=quick,
+                    overrides=overrides if run != "baseline" else None)
     ev = evaluate_run(S, res, judge, quick)
     key = run if bn_mode is None else f"{run}_bn_{bn_mode}"
     key += f"_{tag}" if tag and run != "baseline" else ""
+    key += f"_seed{seed}" if seed else ""
     q = ev.get("buffer", {})
     title = (f"{setting} / {key}: acc {ev['accuracy']:.3f}; cond. samples (left, {COND_STEPS if not quick else 2} "
              f"steps from init): judge acc {ev['cond']['judge_acc']:.2f}, model acc {ev['cond']['model_acc']:.2f}"
@@ -354,7 +356,7 @@ def references(setting: str, quick: bool, n_train: int | None) -> dict[str, Any]
 def run(settings=("digits32_test_resnet", "digits8_cnn"), runs=RECIPE_RUNS, epochs32: int = 20, epochs8: int = 40,
         bn_modes: Sequence[str] = (), bn_runs: Sequence[str] = ("fast_gauss",), quick: bool = False,
         out_dir: str = OUT, workers: int = 2, n_train: int | None = None, overrides: dict | None = None,
-        tag: str = "") -> dict[str, Any]:
+        tag: str = "", seeds: Sequence[int] = (0,)) -> dict[str, Any]:
     """``runs`` with each recipe's own BatchNorm settings; then, on the 32x32 setting, each of
     ``bn_runs`` once per BatchNorm mode in ``bn_modes``. ``overrides``: recipe fields changed in
     every JEM run (their names get ``_<tag>``)."""
@@ -362,9 +364,10 @@ def run(settings=("digits32_test_resnet", "digits8_cnn"), runs=RECIPE_RUNS, epoc
     jobs = []
     for s in settings:
         ep = epochs32 if s.startswith("digits32") else epochs8
-        jobs += [(s, r, ep, None, quick, out_dir, n_train, overrides, tag) for r in runs]
+        jobs += [(s, r, ep, None, quick, out_dir, n_train, overrides, tag, k) for k in seeds for r in runs]
         if s.startswith("digits32"):
-            jobs += [(s, r, ep, m, quick, out_dir, n_train, overrides, tag) for r in bn_runs for m in bn_modes]
+            jobs += [(s, r, ep, m, quick, out_dir, n_train, overrides, tag, k)
+                     for k in seeds for r in bn_runs for m in bn_modes]
     t0 = time.perf_counter()
     if workers > 1:
         with ProcessPoolExecutor(workers) as ex:
@@ -375,7 +378,7 @@ def run(settings=("digits32_test_resnet", "digits8_cnn"), runs=RECIPE_RUNS, epoc
         refs = {s: references(s, quick, n_train) for s in settings}
         rows = [_job(j) for j in jobs]
     for row in rows:
-        base = next((b for b in rows if b["setting"] == row["setting"] and b["run"] == "baseline"), None)
+        base = next((b for b in rows if b["setting"] == row["setting"] and b["run"].startswith("baseline")), None)
         if base is not None:
             row["cost_vs_baseline"] = row["cost"]["train_cpu_s"] / max(base["cost"]["train_cpu_s"], 1e-9)
     res = {"machine": {"threads_per_run": 1, "workers": workers, "wall_s": time.perf_counter() - t0},
@@ -443,6 +446,7 @@ def main(argv=None) -> None:
     p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="recipe fields changed in every JEM run, e.g. step_size=2 (run names get --tag)")
     p.add_argument("--tag", default="")
+    p.add_argument("--seeds", nargs="*", type=int, default=[0], help="one run per seed (names get _seedN for N > 0)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", default=OUT)
     a = p.parse_args(argv)
@@ -450,7 +454,7 @@ def main(argv=None) -> None:
         "cnn") == (a.only == "8"))
     overrides = {k: _parse_value(v) for k, v in (kv.split("=", 1) for kv in a.set)}
     common = dict(bn_modes=a.bn_modes, bn_runs=a.bn_runs, out_dir=a.out, workers=a.workers,
-                  overrides=overrides, tag=a.tag)
+                  overrides=overrides, tag=a.tag, seeds=a.seeds)
     if a.quick:
         res = run(settings, a.runs, 1, 1, quick=True, n_train=128, **common)
     else:

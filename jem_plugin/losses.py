@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
 
 from . import plugins
 from .buffer import INIT_HOOK, ReplayBuffer
@@ -107,6 +108,12 @@ class LossBatch:
 
 
 LOSS_BATCHNORM_MODES = ("joint", "separate")
+
+
+def _batch_statistics_in_use(model: nn.Module) -> bool:
+    """Whether some BatchNorm layer normalises with batch statistics now: only then does a
+    separate samples' pass differ from the joint one (a model without them keeps one forward)."""
+    return any(isinstance(m, _NormBase) and (m.training or not m.track_running_stats) for m in model.modules())
 
 
 def _samples_pass(core: JEM, x: Tensor) -> Tensor:
@@ -357,7 +364,7 @@ class JEMLoss(nn.Module):
             px_data = px_data if evaluating else self._with_data_noise(core, px_data)
         parts = [x_data] + [t.to(x_data.dtype) for t in (px_data, x_sample, x_cond) if t is not None]
         n_data = 1 + (px_data is not None)
-        if self.batchnorm == "separate" and len(parts) > n_data and core.model.training:
+        if self.batchnorm == "separate" and len(parts) > n_data and _batch_statistics_in_use(core.model):
             # Data first (through the wrapper: DDP's reducer sees one forward), then the samples
             # through the bare JEM with their own batch statistics, the running ones untouched.
             logits_all = torch.cat([jm(torch.cat(parts[:n_data])), _samples_pass(core, torch.cat(parts[n_data:]))])

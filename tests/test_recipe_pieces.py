@@ -167,3 +167,19 @@ def test_recipe_batchnorm_and_conditional_fields_reach_the_loss_and_sampler():
     out = loss_fn(jm, torch.rand(6, 1, 4, 4) * 2 - 1, torch.tensor([0, 1, 2, 0, 1, 2]))
     out.loss.backward()
     assert "batchnorm" in str(r) and "class_conditional_px" in str(r)
+
+
+def test_separate_batchnorm_keeps_one_forward_without_batch_statistics():
+    calls = []
+    model = _net()  # no BatchNorm
+    model.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
+    xs = torch.rand(4, 1, 4, 4) * 2 - 1
+    loss_fn = jem.JEMLoss(FixedSampler(xs), jem.ReplayBuffer(8, (1, 4, 4)), batchnorm="separate")
+    loss_fn(jm, torch.rand(4, 1, 4, 4) * 2 - 1, torch.tensor([0, 1, 2, 0]))
+    assert calls == [8]  # data and samples in one forward: the result is the same, the cost lower
+    bn = _bn_net()
+    bn.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    loss_fn(jem.wrap(bn, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3),
+            torch.rand(4, 1, 4, 4) * 2 - 1, torch.tensor([0, 1, 2, 0]))
+    assert calls[1:] == [4, 4]
