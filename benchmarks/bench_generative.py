@@ -8,11 +8,14 @@ Settings:
 
 Recipes (:data:`jem_plugin.recipes.RECIPES`; every run uses a 1000-sample replay buffer so the
 chains get long at these short runs, and random translations of +-1 pixel (8x8) / +-4 (32x32)
-as augmentation): ``baseline`` (cross-entropy, the fast preset's optimiser), ``fast``,
-``fast_gauss`` (fast + per-class Gaussian init fitted from the first batch), ``jempp``, ``sadajem``
-(SAM, p(x) on the un-augmented batch). With ``--bn-modes`` the 32x32 ``fast_gauss`` run is
-repeated with the samples passing BatchNorm in eval mode (running statistics) and in a separate
-train-mode pass whose statistics are not kept.
+as augmentation): ``baseline`` (cross-entropy, the fast preset's optimiser), ``fast`` (the
+default), ``fast_uniform`` (the fast preset before issue 16: uniform init, samples in the data's
+BatchNorm pass), ``jempp``, ``sadajem`` (SAM, p(x) on the un-augmented batch). On the 32x32
+setting, ``--bn-runs`` (default ``fast``) are repeated once per ``--bn-modes``: ``joint`` (one
+forward over data and samples), ``separate`` (the samples' own train-mode pass, chains on running
+statistics), ``eval`` (the samples' part in eval mode) and ``batch`` (``separate`` with chains on
+their own batch statistics: the fast preset's own setting). ``--set FIELD=VALUE`` changes recipe
+fields in every JEM run, ``--seeds`` repeats runs, ``--only 32|8`` picks a setting.
 
 Measured per run: test accuracy and ECE; OOD AUROC of ``logpx``, ``grad_norm`` and
 ``grad_norm_projected`` against uniform noise, photo patches and transposed digits; sample quality
@@ -22,7 +25,7 @@ Fréchet distance of 360 buffer samples to the 360 test images and of class-cond
 accuracy on the latter; reference points (test halves, train, initial distribution); training
 CPU seconds against the baseline. Sample grids: ``<setting>_<run>.png``.
 
-    python benchmarks/bench_generative.py                 # ~15 CPU minutes
+    python benchmarks/bench_generative.py                 # ~25 CPU minutes (~13 on 2 cores)
     python benchmarks/bench_generative.py --quick         # seconds (smoke test)
 """
 from __future__ import annotations
@@ -52,7 +55,7 @@ from jem_plugin.sample_quality import reference_points, sample_quality, train_ju
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generative")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-RECIPE_RUNS = ("baseline", "fast", "fast_gauss", "jempp", "sadajem")
+RECIPE_RUNS = ("baseline", "fast", "fast_uniform", "jempp", "sadajem")
 OOD_METHODS = ("logpx", "grad_norm", "grad_norm_projected")
 OOD_SETS = ("noise", "patches", "transposed")
 BUFFER_SIZE = 1000
@@ -154,9 +157,9 @@ def with_bn_mode(r, mode: str):
 def recipe_for(run: str, quick: bool, bn_mode: str | None = None, overrides: dict | None = None):
     if run == "baseline":
         return None
-    r = get_recipe("fast" if run == "fast_gauss" else run)
-    if run == "fast_gauss":
-        r = dataclasses.replace(r, name="fast_gauss", init="gaussian")
+    r = get_recipe("fast" if run == "fast_uniform" else run)
+    if run == "fast_uniform":  # the fast preset before issue 16: uniform init, samples in the data's BatchNorm pass
+        r = dataclasses.replace(r, name="fast_uniform", init="uniform", batchnorm="joint", sgld_batchnorm="eval")
     if bn_mode is not None:
         r = with_bn_mode(r, bn_mode)
     r = dataclasses.replace(r, buffer_size=40 if quick else BUFFER_SIZE)
@@ -354,7 +357,7 @@ def references(setting: str, quick: bool, n_train: int | None) -> dict[str, Any]
 
 
 def run(settings=("digits32_test_resnet", "digits8_cnn"), runs=RECIPE_RUNS, epochs32: int = 20, epochs8: int = 40,
-        bn_modes: Sequence[str] = (), bn_runs: Sequence[str] = ("fast_gauss",), quick: bool = False,
+        bn_modes: Sequence[str] = (), bn_runs: Sequence[str] = ("fast",), quick: bool = False,
         out_dir: str = OUT, workers: int = 2, n_train: int | None = None, overrides: dict | None = None,
         tag: str = "", seeds: Sequence[int] = (0,)) -> dict[str, Any]:
     """``runs`` with each recipe's own BatchNorm settings; then, on the 32x32 setting, each of
@@ -439,9 +442,9 @@ def main(argv=None) -> None:
                    help="timm model for the 32x32 setting (test_resnet, resnet10t; 'test_resnet:act_layer=silu' "
                         "passes keywords to timm.create_model)")
     p.add_argument("--runs", nargs="*", default=list(RECIPE_RUNS), choices=list(RECIPE_RUNS))
-    p.add_argument("--bn-modes", nargs="*", default=list(BN_MODES), choices=list(BN_MODES),
+    p.add_argument("--bn-modes", nargs="*", default=["joint", "separate", "eval"], choices=list(BN_MODES),
                    help="BatchNorm modes to repeat --bn-runs with on the 32x32 setting (none: skip)")
-    p.add_argument("--bn-runs", nargs="*", default=["fast_gauss"], choices=list(RECIPE_RUNS[1:]))
+    p.add_argument("--bn-runs", nargs="*", default=["fast"], choices=list(RECIPE_RUNS[1:]))
     p.add_argument("--only", choices=("32", "8"), help="one setting only")
     p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="recipe fields changed in every JEM run, e.g. step_size=2 (run names get --tag)")

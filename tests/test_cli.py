@@ -340,3 +340,14 @@ def test_checkpoint_every_n_iterations(tmp_path):
                  "--quiet"]) == 0
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt"))
     assert any("000000020" in n for n in names), names  # mid-epoch (an epoch is 22 iterations)
+
+
+def test_train_batchnorm_flags_reach_the_loss_and_the_default_is_the_fast_recipes(captured_fit, tmp_path):
+    assert main(["train", "--epochs", "1", "--out", str(tmp_path / "a"), "--quiet"]) == 0
+    loss_fn = captured_fit[0]["loss_fn"]
+    assert (loss_fn.batchnorm, loss_fn.sampler.batchnorm) == ("separate", "batch")
+    assert loss_fn.buffer.init_dist.fitted  # fast fits its per-class Gaussian on the training data
+    assert main(["train", "--epochs", "1", "--batchnorm", "joint", "--sgld-batchnorm", "eval",
+                 "--out", str(tmp_path / "b"), "--quiet"]) == 0
+    loss_fn = captured_fit[1]["loss_fn"]
+    assert (loss_fn.batchnorm, loss_fn.sampler.batchnorm) == ("joint", "eval")

@@ -248,7 +248,7 @@ def _train(args, info) -> int:
         # Once, at the end (a judge costs seconds): rank 0's buffer against the held-out split (issue 16)
         q = record["sample_quality"] = dataset_sample_quality(
             jm, loss_fn.buffer, ds, val, sgld_steps=max(20, recipe.sgld_steps), step_size=recipe.step_size,
-            noise=recipe.noise, grad_clip=recipe.grad_clip, seed=args.seed)
+            noise=recipe.noise, grad_clip=recipe.grad_clip, seed=args.seed, batchnorm=recipe.sgld_batchnorm)
         print("sample quality: " + (q["skipped"] if "skipped" in q else
               f"buffer FD {q['fd_buffer']:.3g} (init {q['fd_init']:.3g}, held-out floor {q['fd_heldout_floor']:.3g}; "
               f"{int(q['fd_n_samples'])} images), judge accuracy on class samples {q['judge_acc_samples']:.2f} "
@@ -337,7 +337,8 @@ def _emit(result: dict[str, Any], args) -> None:
 
 # ----------------------------------------------------------------------------- parser
 RECIPE_FLAGS = ("sgld_steps", "step_size", "noise", "grad_clip", "buffer_size", "reinit_freq", "init",
-                "n_samples", "px_weight", "pxy_weight", "l2_weight", "data_noise", "lr", "warmup_iters")
+                "n_samples", "px_weight", "pxy_weight", "l2_weight", "data_noise", "lr", "warmup_iters",
+                "batchnorm", "sgld_batchnorm")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -386,6 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buffer-size", type=_positive, default=None)
     p.add_argument("--reinit-freq", type=float, default=None)
     p.add_argument("--init", default=None, help="SGLD init distribution (uniform, gaussian, ...)")
+    p.add_argument("--batchnorm", choices=["joint", "separate"], default=None,
+                   help="samples pass BatchNorm with the data (joint) or on their own (separate; fast's default)")
+    p.add_argument("--sgld-batchnorm", choices=["eval", "batch"], default=None,
+                   help="chains normalised by running (eval) or their own batch (batch; fast's default) statistics")
     p.add_argument("--ce-weight", type=float, default=1.0)
     p.add_argument("--px-weight", type=float, default=None)
     p.add_argument("--pxy-weight", type=float, default=None)
