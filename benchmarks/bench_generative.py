@@ -148,9 +148,8 @@ def with_bn_mode(r, mode: str):
         return dataclasses.replace(r, batchnorm="separate", sgld_batchnorm="eval")
     if mode == "batch":
         return dataclasses.replace(r, batchnorm="separate", sgld_batchnorm="batch")
-    if mode == "joint":
-        return dataclasses.replace(r, batchnorm="joint", sgld_batchnorm="eval")
-    return r
+    # "joint", and "eval" (whose split into data and samples SamplesInEvalMode does inside the joint forward)
+    return dataclasses.replace(r, batchnorm="joint", sgld_batchnorm="eval")
 
 
 # ---------------------------------------------------------------------------- one run

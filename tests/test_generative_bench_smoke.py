@@ -33,6 +33,8 @@ def test_eval_bn_mode_keeps_data_statistics_apart():
 def test_bn_modes_map_to_the_library_options():
     r = B.recipe_for("jempp", quick=True, bn_mode="batch")
     assert (r.batchnorm, r.sgld_batchnorm) == ("separate", "batch")
+    r = B.recipe_for("fast", quick=True, bn_mode="eval")  # the wrapper needs the joint forward to split
+    assert (r.batchnorm, r.sgld_batchnorm) == ("joint", "eval")
     r = B.recipe_for("fast_uniform", quick=True, bn_mode="separate", overrides={"step_size": 2.0})
     assert (r.batchnorm, r.sgld_batchnorm, r.step_size, r.init) == ("separate", "eval", 2.0, "uniform")
 
