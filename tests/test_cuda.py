@@ -300,6 +300,24 @@ def test_graph_matches_eager_and_repeats_bitwise(conditional):
 
 
 @cuda
+def test_graph_with_batch_statistics_matches_eager_and_leaves_running_statistics():
+    """SGLD(batchnorm="batch") captured as a graph: the chains normalise with their own batch
+    statistics as eagerly, and the running statistics stay as they were."""
+    model, jm = _cuda_jm(SmallConvNet(bn=True))
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = _x(device="cuda")
+    eager = jem.SGLD(steps=10, generator=_gen(7), cuda_graph="off", batchnorm="batch").run(jm, x)
+    graph = jem.SGLD(steps=10, generator=_gen(7), cuda_graph="require", batchnorm="batch").run(jm, x)
+    running = jem.SGLD(steps=10, generator=_gen(7), cuda_graph="require").run(jm, x)
+    torch.testing.assert_close(graph, eager, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(graph, running)  # a separate capture, not the running-statistics graph
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert model.training
+
+
+@cuda
 def test_graph_leaves_the_generator_where_eager_does():
     _, jm = _cuda_jm(SmallConvNet(bn=False))
     x = _x(device="cuda")
