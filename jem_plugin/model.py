@@ -318,6 +318,8 @@ def sampling_mode(module: nn.Module, batchnorm: str = "eval") -> Iterator[nn.Mod
     >>> with sampling_mode(model):
     ...     x = sgld_chain(model, x)
     """
+    if batchnorm not in BATCHNORM_MODES:
+        raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
     # One traversal; record only what we change, so restoring touches exactly those flags.
     # Flags are written with object.__setattr__: nn.Module.__setattr__ costs ~10x more and
     # `training` is a plain attribute. A parameter shared between modules is recorded once.
@@ -337,8 +339,6 @@ def sampling_mode(module: nn.Module, batchnorm: str = "eval") -> Iterator[nn.Mod
                 seen.add(id(p))
                 had_grad.append(p)
         stack.extend(c for c in m._modules.values() if c is not None)
-    if batchnorm not in BATCHNORM_MODES:
-        raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
     # "batch": every BatchNorm layer normalises with batch statistics (train mode) with tracking
     # off (no update), whatever mode the user left it in; restored to its own flags after.
     batch_norms = [(m, m.training) for m in module.modules()
