@@ -183,3 +183,45 @@ def test_separate_batchnorm_keeps_one_forward_without_batch_statistics():
     loss_fn(jem.wrap(bn, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3),
             torch.rand(4, 1, 4, 4) * 2 - 1, torch.tensor([0, 1, 2, 0]))
     assert calls[1:] == [4, 4]
+
+
+def test_data_batchnorm_normalises_samples_with_the_data_statistics_and_keeps_them_out():
+    """batchnorm="data": one forward; the data rows and the running statistics are exactly those
+    of the data alone (the sample rows' normalisation: the next test)."""
+    torch.manual_seed(0)
+    x = torch.rand(8, 1, 4, 4) * 2 - 1
+    y = torch.arange(8) % 3
+    samples = torch.cat([x[:2], torch.full((6, 1, 4, 4), 0.99)])  # two copies of data rows, then far ones
+    model = _bn_net()
+    calls = []
+    model.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
+    loss_fn = jem.JEMLoss(FixedSampler(samples), jem.ReplayBuffer(8, (1, 4, 4)), data_noise=0.0, batchnorm="data")
+    out = loss_fn(jm, x, y)
+    out.loss.backward()
+    assert calls == [16]
+    ref = _bn_net()
+    ref_logits = ref(x)
+    torch.testing.assert_close(out.logits, ref_logits)
+    torch.testing.assert_close(model[2].running_mean, ref[2].running_mean)
+    torch.testing.assert_close(model[2].running_var, ref[2].running_var)
+    assert "forward" not in model[2].__dict__ and model[2].training  # the layer is itself again
+
+
+def test_data_bn_stats_rows_match_the_data_normalisation():
+    from jem_plugin.model import data_bn_stats
+
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(3).train()
+    nn.init.uniform_(bn.weight)
+    nn.init.uniform_(bn.bias)
+    data, samples = torch.randn(5, 3, 4, 4), torch.randn(2, 3, 4, 4) * 5 + 3
+    with data_bn_stats(bn, 5):
+        both = bn(torch.cat([data, samples, data[:1]]))
+    ref = nn.BatchNorm2d(3).train()
+    ref.load_state_dict({k: v for k, v in bn.state_dict().items() if k not in ("running_mean", "running_var",
+                                                                               "num_batches_tracked")}, strict=False)
+    torch.testing.assert_close(both[:5], ref(data))
+    torch.testing.assert_close(both[-1], both[0])  # a copy of a data row is normalised like it
+    torch.testing.assert_close(bn.running_mean, ref.running_mean)
+    assert int(bn.num_batches_tracked) == 1
