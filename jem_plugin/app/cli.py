@@ -387,9 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buffer-size", type=_positive, default=None)
     p.add_argument("--reinit-freq", type=float, default=None)
     p.add_argument("--init", default=None, help="SGLD init distribution (uniform, gaussian, ...)")
-    p.add_argument("--batchnorm", choices=["joint", "separate", "data"], default=None,
-                   help="samples pass BatchNorm with the data (joint), on their own (separate; fast's default) "
-                        "or normalised by the data's statistics (data)")
+    p.add_argument("--batchnorm", choices=["joint", "separate"], default=None,
+                   help="samples pass BatchNorm with the data (joint) or on their own (separate; fast's default)")
     p.add_argument("--sgld-batchnorm", choices=["eval", "batch"], default=None,
                    help="chains normalised by running (eval) or their own batch (batch; fast's default) statistics")
     p.add_argument("--ce-weight", type=float, default=1.0)
