@@ -38,7 +38,7 @@ from . import plugins
 from .buffer import INIT_HOOK, ReplayBuffer
 from ._checks import DomainCheck, check_input, check_label_range, check_labels, draw, follow, free_energy, model_device
 from .errors import InvalidInputError
-from .model import JEM, as_jem, data_bn_stats, frozen_bn_stats, sampling_mode
+from .model import JEM, as_jem, frozen_bn_stats, sampling_mode
 from .sampling import SGLD
 
 __all__ = ["LossOutput", "LossBatch", "JEMLoss", "LOSS_TERMS_HOOK"]
@@ -107,7 +107,7 @@ class LossBatch:
         return torch.cat(parts) if parts else None
 
 
-LOSS_BATCHNORM_MODES = ("joint", "separate", "data")
+LOSS_BATCHNORM_MODES = ("joint", "separate")
 
 
 def _batch_statistics_in_use(model: nn.Module) -> bool:
@@ -162,10 +162,8 @@ class JEMLoss(nn.Module):
         forward over data and samples, normalised with shared batch statistics that also enter
         the running statistics. ``"separate"``: the samples in a second forward with their own
         batch statistics, leaving the running statistics to the data (JEM++'s passes); pair it
-        with ``SGLD(batchnorm="batch")`` so the chains climb the energy this trains. ``"data"``: one
-        forward in which the samples are normalised with the data's batch statistics and only
-        the data enter the running statistics; pair it with ``SGLD(batchnorm="eval")`` (the
-        running statistics are then the data's too). No effect on models without BatchNorm.
+        with ``SGLD(batchnorm="batch")`` so the chains climb the energy this trains. No effect on
+        models without BatchNorm.
 
     ``loss_fn(jm, x, y)`` returns a :class:`LossOutput`. ``jm`` is ``jem_plugin.wrap(model)``, or a
     ``DistributedDataParallel`` around it: samples are drawn on the bare module, the concatenated
@@ -370,10 +368,6 @@ class JEMLoss(nn.Module):
             # Data first (through the wrapper: DDP's reducer sees one forward), then the samples
             # through the bare JEM with their own batch statistics, the running ones untouched.
             logits_all = torch.cat([jm(torch.cat(parts[:n_data])), _samples_pass(core, torch.cat(parts[n_data:]))])
-        elif self.batchnorm == "data" and len(parts) > n_data:
-            n_rows = sum(p.shape[0] for p in parts[:n_data])
-            with data_bn_stats(core.model, n_rows):  # one forward; the data's statistics for all
-                logits_all = jm(torch.cat(parts))
         else:
             logits_all = jm(torch.cat(parts) if len(parts) > 1 else x_data)
         sizes = [p.shape[0] for p in parts]

@@ -6,12 +6,11 @@ Logits ``f(x)`` are reread as energies (Grathwohl et al. 2019): ``E(x, y) = -f(x
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.nn.modules.batchnorm import _NormBase
 
 from ._checks import check_input, check_labels, free_energy, unwrap_model
 from .adapter import Adapter, InputDomain, check_wrap_options
@@ -19,7 +18,7 @@ from .errors import (InferenceModeError, NoLogitsError, NotWrappedError,
                      NonFiniteLogitsError)
 from .plugins import get_plugin_manager
 
-__all__ = ["JEM", "wrap", "as_jem", "input_grad_enabled", "sampling_mode", "frozen_bn_stats", "data_bn_stats"]
+__all__ = ["JEM", "wrap", "as_jem", "input_grad_enabled", "sampling_mode", "frozen_bn_stats"]
 
 
 class _CallableModule(nn.Module):
@@ -297,40 +296,6 @@ def frozen_bn_stats(model: nn.Module | None) -> Iterator[None]:
     finally:
         for m in layers:
             m.track_running_stats = True
-
-
-@contextlib.contextmanager
-def data_bn_stats(model: nn.Module, n_data: int) -> Iterator[None]:
-    """Inside, BatchNorm layers in train mode normalise a whole batch with the statistics of its
-    first ``n_data`` rows, and only those rows enter the running statistics.
-
-    ``JEMLoss(batchnorm="data")`` puts ``[data; samples]`` through the model this way: the samples
-    are judged in the data's normalisation (as in the joint pass, so a sample whose statistics are
-    off shows it), while the classifier's batch and running statistics stay the data's alone.
-    ``SyncBatchNorm`` and batches of at most ``n_data`` rows are left as they are."""
-    layers = [m for m in model.modules() if isinstance(m, _BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
-              and m.training and "forward" not in m.__dict__]
-    for m in layers:
-        m.forward = functools.partial(_bn_with_data_stats, m, n_data)  # an instance attribute, removed after
-    try:
-        yield
-    finally:
-        for m in layers:
-            del m.forward
-
-
-def _bn_with_data_stats(bn: _BatchNorm, n_data: int, x: Tensor) -> Tensor:
-    plain = type(bn).forward
-    if x.shape[0] <= n_data:
-        return plain(bn, x)
-    data = plain(bn, x[:n_data])  # batch statistics, running-statistics update, exactly as usual
-    dims = [0] + list(range(2, x.dim()))
-    var, mean = torch.var_mean(x[:n_data], dim=dims, correction=0)
-    shape = (1, -1) + (1,) * (x.dim() - 2)
-    rest = (x[n_data:] - mean.view(shape)) * torch.rsqrt(var.view(shape) + bn.eps)
-    if bn.affine:
-        rest = rest * bn.weight.view(shape) + bn.bias.view(shape)
-    return torch.cat([data, rest])
 
 
 BATCHNORM_MODES = ("eval", "batch")
