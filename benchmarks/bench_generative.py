@@ -115,7 +115,7 @@ def shift_augment(x: torch.Tensor, s: int, g: torch.Generator) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- BatchNorm modes
-BN_MODES = ("joint", "separate", "batch", "split", "eval")
+BN_MODES = ("joint", "separate", "batch", "eval")
 
 
 class SamplesInEvalMode(nn.Module):
@@ -148,8 +148,6 @@ def with_bn_mode(r, mode: str):
         return dataclasses.replace(r, batchnorm="separate", sgld_batchnorm="eval")
     if mode == "batch":
         return dataclasses.replace(r, batchnorm="separate", sgld_batchnorm="batch")
-    if mode == "split":  # cross-entropy on the data's own pass, the contrast on a joint one
-        return dataclasses.replace(r, batchnorm="split", sgld_batchnorm="eval")
     # "joint", and "eval" (whose split into data and samples SamplesInEvalMode does inside the joint forward)
     return dataclasses.replace(r, batchnorm="joint", sgld_batchnorm="eval")
 

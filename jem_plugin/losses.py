@@ -107,7 +107,7 @@ class LossBatch:
         return torch.cat(parts) if parts else None
 
 
-LOSS_BATCHNORM_MODES = ("joint", "separate", "split")
+LOSS_BATCHNORM_MODES = ("joint", "separate")
 
 
 def _batch_statistics_in_use(model: nn.Module) -> bool:
@@ -364,12 +364,7 @@ class JEMLoss(nn.Module):
             px_data = px_data if evaluating else self._with_data_noise(core, px_data)
         parts = [x_data] + [t.to(x_data.dtype) for t in (px_data, x_sample, x_cond) if t is not None]
         n_data = 1 + (px_data is not None)
-        logits_cls = None  # the classifier's own forward ("split"); else the joint pass's data rows
-        if self.batchnorm == "split" and len(parts) > n_data and _batch_statistics_in_use(core.model):
-            logits_cls = jm(x_data)  # cross-entropy on the data alone: running statistics the data's
-            with frozen_bn_stats(core.model):  # the contrast on shared statistics, running ones untouched
-                logits_all = core(torch.cat(parts))
-        elif self.batchnorm == "separate" and len(parts) > n_data and _batch_statistics_in_use(core.model):
+        if self.batchnorm == "separate" and len(parts) > n_data and _batch_statistics_in_use(core.model):
             # Data first (through the wrapper: DDP's reducer sees one forward), then the samples
             # through the bare JEM with their own batch statistics, the running ones untouched.
             logits_all = torch.cat([jm(torch.cat(parts[:n_data])), _samples_pass(core, torch.cat(parts[n_data:]))])
@@ -394,12 +389,10 @@ class JEMLoss(nn.Module):
         # 3. Terms. Metrics stay tensors until the single transfer at the end.
         energy_data = free_energy(logits_data)
         metrics: dict[str, Tensor] = {}
-        if logits_cls is None:
-            logits_cls = logits_data
-        ce = F.cross_entropy(logits_cls, y)
+        ce = F.cross_entropy(logits_data, y)
         loss = self.ce_weight * ce
         metrics["ce"] = ce
-        metrics["acc"] = (logits_cls.argmax(1) == y).float().mean()
+        metrics["acc"] = (logits_data.argmax(1) == y).float().mean()
         metrics["energy_data"] = energy_data.mean()
 
         energy_sample = free_energy(logits_sample) if logits_sample is not None else None
@@ -438,7 +431,7 @@ class JEMLoss(nn.Module):
             for key, value in (t_metrics or {}).items():
                 metrics[f"{name}/{key}"] = value
         metrics = {"loss": loss, **metrics}
-        return LossOutput(loss=loss, metrics=_to_floats(metrics), logits=logits_cls)
+        return LossOutput(loss=loss, metrics=_to_floats(metrics), logits=logits_data)
 
     # ------------------------------------------------------------------ state
     def get_extra_state(self) -> dict[str, Any]:

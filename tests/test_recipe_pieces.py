@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import jem_plugin as jem
@@ -184,29 +183,3 @@ def test_separate_batchnorm_keeps_one_forward_without_batch_statistics():
     loss_fn(jem.wrap(bn, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3),
             torch.rand(4, 1, 4, 4) * 2 - 1, torch.tensor([0, 1, 2, 0]))
     assert calls[1:] == [4, 4]
-
-
-def test_split_batchnorm_classifies_the_data_alone_and_contrasts_on_shared_statistics():
-    """batchnorm="split": cross-entropy (and the returned logits) from the data's own forward,
-    running statistics from it alone; the p(x) contrast from a joint forward over data and
-    samples whose shared statistics do not enter the running ones."""
-    x = torch.rand(8, 1, 4, 4) * 2 - 1
-    y = torch.arange(8) % 3
-    far = torch.full((8, 1, 4, 4), 0.99)
-    model = _bn_net()
-    jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
-    loss_fn = jem.JEMLoss(FixedSampler(far), jem.ReplayBuffer(8, (1, 4, 4)), data_noise=0.0, batchnorm="split")
-    out = loss_fn(jm, x, y)
-    out.loss.backward()
-    ref = _bn_net()
-    with torch.no_grad():
-        ref_logits = ref(x)
-    torch.testing.assert_close(out.logits, ref_logits)
-    torch.testing.assert_close(model[2].running_mean, ref[2].running_mean)
-    assert int(model[2].num_batches_tracked) == 1
-    with torch.no_grad():
-        both = _bn_net()(torch.cat([x, far]))
-    e = lambda t: -torch.logsumexp(t, 1)  # noqa: E731
-    px_joint = float(e(both[:8]).mean() - e(both[8:]).mean())
-    assert out.metrics["px"] == pytest.approx(px_joint, abs=1e-5)
-    assert out.metrics["ce"] == pytest.approx(float(F.cross_entropy(ref_logits, y)), abs=1e-5)
