@@ -325,6 +325,9 @@ def sampling_mode(module: nn.Module, batchnorm: str = "eval") -> Iterator[nn.Mod
     # `training` is a plain attribute. A parameter shared between modules is recorded once.
     was_training: list[nn.Module] = []
     had_grad: list[nn.Parameter] = []
+    # "batch": every BatchNorm layer normalises with batch statistics (train mode) with tracking
+    # off (no update), whatever mode the user left it in; restored to its own flags after.
+    batch_norms: list[tuple[nn.Module, bool]] = []
     seen: set[int] = set()
     stack = [module]  # iterative walk over _modules: several times cheaper than modules()
     while stack:
@@ -334,15 +337,13 @@ def sampling_mode(module: nn.Module, batchnorm: str = "eval") -> Iterator[nn.Mod
         seen.add(id(m))
         if m.training:
             was_training.append(m)
+        if batchnorm == "batch" and isinstance(m, _NormBase) and m.track_running_stats:
+            batch_norms.append((m, m.training))
         for p in m._parameters.values():
             if p is not None and p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 had_grad.append(p)
         stack.extend(c for c in m._modules.values() if c is not None)
-    # "batch": every BatchNorm layer normalises with batch statistics (train mode) with tracking
-    # off (no update), whatever mode the user left it in; restored to its own flags after.
-    batch_norms = [(m, m.training) for m in module.modules()
-                   if isinstance(m, _NormBase) and m.track_running_stats] if batchnorm == "batch" else []
     try:
         for m in was_training:
             _set(m, "training", False)
