@@ -22,8 +22,11 @@ Measured per run: test accuracy and ECE; OOD AUROC of ``logpx``, ``grad_norm`` a
 from an independent judge (:mod:`jem_plugin.sample_quality`, trained here in seconds): the
 Fréchet distance of 360 buffer samples to the 360 test images and of class-conditional samples
 (40 steps of the recipe's sampler from its initial distribution, 10 per class), and the judge's
-accuracy on the latter; reference points (test halves, train, initial distribution); training
-CPU seconds against the baseline. Sample grids: ``<setting>_<run>.png``.
+accuracy on the latter; reference points (test halves, train, initial distribution); the buffer's
+chains continued for 4 and 20 more rounds of the recipe's sampler, with the model's energy and the
+judge's distance along them (:func:`~jem_plugin.sample_quality.chain_trace`); training CPU seconds
+against the baseline. Sample grids: ``<setting>_<run>.png``. ``--fit-init train`` fits informative
+inits on the clean training set (as ``jem train`` does) instead of the first augmented batch.
 
     python benchmarks/bench_generative.py                 # ~25 CPU minutes (~13 on 2 cores)
     python benchmarks/bench_generative.py --quick         # seconds (smoke test)
@@ -51,7 +54,7 @@ import jem_plugin as jem  # noqa: E402
 from jem_plugin.app.data import digits_tensors, photo_patches, transposed, uniform_noise  # noqa: E402
 from jem_plugin.recipes import get_recipe  # noqa: E402
 from jem_plugin.sam import frozen_bn_stats  # noqa: E402
-from jem_plugin.sample_quality import reference_points, sample_quality, train_judge  # noqa: E402
+from jem_plugin.sample_quality import chain_trace, reference_points, sample_quality, train_judge  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generative")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -60,6 +63,7 @@ OOD_METHODS = ("logpx", "grad_norm", "grad_norm_projected")
 OOD_SETS = ("noise", "patches", "transposed")
 BUFFER_SIZE = 1000
 COND_STEPS, COND_PER_CLASS = 40, 10
+TRACE_ROUNDS = (0, 4, 20)  # the buffer's chains continued for this many more rounds of the recipe's sampler
 
 
 # ---------------------------------------------------------------------------- data
@@ -166,7 +170,7 @@ def recipe_for(run: str, quick: bool, bn_mode: str | None = None, overrides: dic
 
 
 def train_run(S: dict, run: str, epochs: int, seed: int = 0, bn_mode: str | None = None, quick: bool = False,
-              batch_size: int = 64, overrides: dict | None = None) -> dict[str, Any]:
+              batch_size: int = 64, overrides: dict | None = None, fit_init: str = "first-batch") -> dict[str, Any]:
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     model = make_model(S["model"])
@@ -180,7 +184,10 @@ def train_run(S: dict, run: str, epochs: int, seed: int = 0, bn_mode: str | None
     warm = base.warmup_for(total)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warm) if warm else 1.0)
     sam = r.build_sam(opt) if r is not None else None
-    loss_fn = r.build_loss(sample_shape=S["x"].shape[1:], num_classes=10, generator=g) if r else None
+    # fit_init "train": the informative init fitted on the clean training set, as `jem train` does;
+    # "first-batch": fitted by JEMLoss from the first (augmented) batch, as in a user's own loop.
+    fit = dict(x_fit=S["x"], y_fit=S["y"]) if fit_init == "train" else {}
+    loss_fn = r.build_loss(sample_shape=S["x"].shape[1:], num_classes=10, generator=g, **fit) if r else None
     model.train()
     t_cpu, t_wall = time.process_time(), time.perf_counter()
     history = []
@@ -245,6 +252,9 @@ def evaluate_run(S: dict, res: dict, judge, quick: bool) -> dict[str, Any]:
         buf = loss_fn.buffer.samples(min(n, loss_fn.buffer.capacity))
         out["buffer"] = sample_quality(judge, buf, S["xt"])
         out["buffer_samples"] = buf
+        # Does the learned energy lead towards the data, or to low energy that looks like nothing?
+        out["chains"] = chain_trace(jm, judge, buf, S["xt"], sampler=loss_fn.sampler,
+                                    rounds=(0, 1) if quick else TRACE_ROUNDS, batch_size=r.n_samples or 64)
     per = 2 if quick else COND_PER_CLASS
     yc = torch.arange(10).repeat_interleave(per)
     x0 = init_draws(S, r, loss_fn, jm, len(yc), y=yc)
@@ -305,12 +315,12 @@ def save_grid(path: str, title: str, domain, buf: torch.Tensor | None, xc: torch
 
 # ---------------------------------------------------------------------------- driver
 def _job(args: tuple) -> dict[str, Any]:
-    setting, run, epochs, bn_mode, quick, out_dir, n_train, overrides, tag, seed = args
+    setting, run, epochs, bn_mode, quick, out_dir, n_train, overrides, tag, seed, fit_init = args
     torch.set_num_threads(1)
     S = load_setting(setting, n_train)
     judge = _judge(S, quick)
     res = train_run(S, run, epochs, seed=seed, bn_mode=bn_mode, quick=quick,
-                    overrides=overrides if run != "baseline" else None)
+                    overrides=overrides if run != "baseline" else None, fit_init=fit_init)
     ev = evaluate_run(S, res, judge, quick)
     key = run if bn_mode is None else f"{run}_bn_{bn_mode}"
     key += f"_{tag}" if tag and run != "baseline" else ""
@@ -358,7 +368,7 @@ def references(setting: str, quick: bool, n_train: int | None) -> dict[str, Any]
 def run(settings=("digits32_test_resnet", "digits8_cnn"), runs=RECIPE_RUNS, epochs32: int = 20, epochs8: int = 40,
         bn_modes: Sequence[str] = (), bn_runs: Sequence[str] = ("fast",), quick: bool = False,
         out_dir: str = OUT, workers: int = 2, n_train: int | None = None, overrides: dict | None = None,
-        tag: str = "", seeds: Sequence[int] = (0,)) -> dict[str, Any]:
+        tag: str = "", seeds: Sequence[int] = (0,), fit_init: str = "first-batch") -> dict[str, Any]:
     """``runs`` with each recipe's own BatchNorm settings; then, on the 32x32 setting, each of
     ``bn_runs`` once per BatchNorm mode in ``bn_modes``. ``overrides``: recipe fields changed in
     every JEM run (their names get ``_<tag>``)."""
@@ -366,9 +376,9 @@ def run(settings=("digits32_test_resnet", "digits8_cnn"), runs=RECIPE_RUNS, epoc
     jobs = []
     for s in settings:
         ep = epochs32 if s.startswith("digits32") else epochs8
-        jobs += [(s, r, ep, None, quick, out_dir, n_train, overrides, tag, k) for k in seeds for r in runs]
+        jobs += [(s, r, ep, None, quick, out_dir, n_train, overrides, tag, k, fit_init) for k in seeds for r in runs]
         if s.startswith("digits32"):
-            jobs += [(s, r, ep, m, quick, out_dir, n_train, overrides, tag, k)
+            jobs += [(s, r, ep, m, quick, out_dir, n_train, overrides, tag, k, fit_init)
                      for k in seeds for r in bn_runs for m in bn_modes]
     t0 = time.perf_counter()
     if workers > 1:
@@ -385,7 +395,7 @@ def run(settings=("digits32_test_resnet", "digits8_cnn"), runs=RECIPE_RUNS, epoc
             row["cost_vs_baseline"] = row["cost"]["train_cpu_s"] / max(base["cost"]["train_cpu_s"], 1e-9)
     res = {"machine": {"threads_per_run": 1, "workers": workers, "wall_s": time.perf_counter() - t0},
            "settings": {"buffer_size": BUFFER_SIZE, "cond_steps": COND_STEPS, "epochs32": epochs32,
-                        "epochs8": epochs8, "batch_size": 64, "n_train": n_train},
+                        "epochs8": epochs8, "batch_size": 64, "n_train": n_train, "fit_init": fit_init},
            "references": refs, "rows": rows}
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -398,7 +408,8 @@ def to_markdown(res: dict[str, Any]) -> str:
     lines = ["# Generative quality per recipe (bench_generative.py)", ""]
     st = res["settings"]
     lines.append(f"Epochs: 32x32 {st['epochs32']}, 8x8 {st['epochs8']}; batch 64; replay buffer {st['buffer_size']}; "
-                 f"class-conditional samples: {st['cond_steps']} steps from the run's initial distribution. "
+                 f"class-conditional samples: {st['cond_steps']} steps from the run's initial distribution; "
+                 f"informative inits fitted on {'the clean training set' if st.get('fit_init') == 'train' else 'the first (augmented) batch'}. "
                  "FD = Fréchet distance to the 360 test images in the independent judge's features.")
     lines.append("")
     for s, ref in res["references"].items():
@@ -420,6 +431,19 @@ def to_markdown(res: dict[str, Any]) -> str:
                      f"{f3('grad_norm')} | {f3('grad_norm_projected')} | {buf} | {r['cond']['fd']:.1f} | "
                      f"{r['cond']['judge_acc']:.2f} | {r['cond']['model_acc']:.2f} | {r['cost']['train_cpu_s']:.0f} | "
                      f"{r.get('cost_vs_baseline', float('nan')):.1f} |")
+    traced = [r for r in res["rows"] if "chains" in r]
+    if traced:
+        rounds = [t["rounds"] for t in traced[0]["chains"]["trace"]]
+        lines += ["", "**The buffer's chains continued** for " + ", ".join(map(str, rounds[1:])) + " more rounds of "
+                  "each run's own sampler (its steps per round, its BatchNorm mode, 32 chains per batch): the "
+                  "model's mean energy E and the judge's Fréchet distance. Energy falling to the held-out data's "
+                  "while the distance does not fall means the chains found states that fool the model.", "",
+                  "| setting | run | steps | E | E held-out | FD |", "|---|---|---|---|---|---|"]
+        for r in traced:
+            t = r["chains"]["trace"]
+            arrow = lambda k, f: " → ".join(f.format(p[k]) for p in t)  # noqa: E731
+            lines.append(f"| {r['setting']} | {r['run']} | {arrow('steps', '{}')} | {arrow('energy', '{:.2f}')} | "
+                         f"{r['chains']['heldout_energy']:.2f} | {arrow('fd', '{:.0f}')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -449,6 +473,9 @@ def main(argv=None) -> None:
                    help="recipe fields changed in every JEM run, e.g. step_size=2 (run names get --tag)")
     p.add_argument("--tag", default="")
     p.add_argument("--seeds", nargs="*", type=int, default=[0], help="one run per seed (names get _seedN for N > 0)")
+    p.add_argument("--fit-init", choices=("first-batch", "train"), default="first-batch",
+                   help="where an informative init is fitted: by JEMLoss from the first augmented batch (a "
+                        "user's loop) or on the clean training set (what jem train does)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", default=OUT)
     a = p.parse_args(argv)
@@ -456,7 +483,7 @@ def main(argv=None) -> None:
         "cnn") == (a.only == "8"))
     overrides = {k: _parse_value(v) for k, v in (kv.split("=", 1) for kv in a.set)}
     common = dict(bn_modes=a.bn_modes, bn_runs=a.bn_runs, out_dir=a.out, workers=a.workers,
-                  overrides=overrides, tag=a.tag, seeds=a.seeds)
+                  overrides=overrides, tag=a.tag, seeds=a.seeds, fit_init=a.fit_init)
     if a.quick:
         res = run(settings, a.runs, 1, 1, quick=True, n_train=128, **common)
     else:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from benchmarks import bench_generative as B
+from jem_plugin.recipes import get_recipe
 
 
 def test_to32_is_imagenet_normalised_rgb():
@@ -53,9 +54,21 @@ def test_bench_generative_quick_run(tmp_path):
         assert set(r["auroc"]) == set(B.OOD_METHODS)
         assert os.path.exists(tmp_path / r["grid"])
     assert "buffer" in rows["sadajem"] and "buffer" not in rows["baseline"]
+    trace = rows["sadajem"]["chains"]["trace"]
+    assert [t["steps"] for t in trace] == [0, get_recipe("sadajem").sgld_steps]
+    assert trace[0]["fd"] == pytest.approx(rows["sadajem"]["buffer"]["fd"], rel=1e-6), "round 0 is the buffer itself"
     assert rows["baseline"]["cost_vs_baseline"] == pytest.approx(1.0)
     ref = res["references"]["digits8_cnn"]["fd"]
     assert ref["heldout_halves"] < ref["uniform_init"]
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["rows"][0]["run"] == "baseline"
-    assert "| digits8_cnn | sadajem |" in (tmp_path / "results.md").read_text()
+    md = (tmp_path / "results.md").read_text()
+    assert "| digits8_cnn | sadajem |" in md and "chains continued" in md
+
+
+def test_fit_init_train_fits_the_init_on_the_clean_training_set():
+    S = B.load_setting("digits8_cnn", n_train=128)
+    res = B.train_run(S, "fast", 1, quick=True, fit_init="train")
+    init = res["loss_fn"].buffer.init_dist
+    want = torch.stack([S["x"][S["y"] == k].mean(0).flatten() for k in range(10)])
+    torch.testing.assert_close(init.mean, want, atol=1e-5, rtol=0)
