@@ -142,6 +142,15 @@ def test_gaussian_full_covariance_keeps_pixel_correlations():
     assert abs(corr(diag.sample(2000, SHAPE, DOMAIN, gen(1), "cpu"))) < 0.1
 
 
+def test_full_covariance_too_large_for_memory_is_refused_in_one_line():
+    """jempp's full covariance at 224x224 would ask for 844 GiB: a clear error, not an OOM kill."""
+    x = torch.zeros(4, 3, 224, 224)
+    with pytest.raises(InvalidInputError, match=r"needs \d+\.\d GiB.*covariance='diagonal'"):
+        GaussianInit(covariance="full").fit(x, torch.tensor([0, 1, 0, 1]))
+    buf = ReplayBuffer(4, (3, 224, 224), init="gaussian", num_classes=2).fit(x, torch.tensor([0, 1, 0, 1]))
+    assert buf.init_dist.fitted, "the diagonal covariance fits at that size"
+
+
 def test_gaussian_samples_are_clamped_and_errors_are_clear():
     x, y, _ = class_data()
     wide = GaussianInit(scale=50.0).fit(x, y)
