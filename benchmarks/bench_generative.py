@@ -271,6 +271,12 @@ def evaluate_run(S: dict, res: dict, judge, quick: bool) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- figures
+def grid_buffer_index(n: int, shown: int = 80) -> torch.Tensor:
+    """Which of ``n`` buffer samples the grid shows: evenly spread over all of them. The buffer's
+    slots are grouped by the class of their initial draw, so its first 80 would show 2-3 classes."""
+    return torch.linspace(0, n - 1, min(n, shown)).round().long()
+
+
 def save_grid(path: str, title: str, domain, buf: torch.Tensor | None, xc: torch.Tensor, yc: torch.Tensor,
               judge) -> str:
     import matplotlib
@@ -279,6 +285,8 @@ def save_grid(path: str, title: str, domain, buf: torch.Tensor | None, xc: torch
     import matplotlib.pyplot as plt
 
     per = int((yc == 0).sum())
+    if buf is not None:
+        buf = buf[grid_buffer_index(len(buf))]
     ncols = per + (8 if buf is not None else 0) + (1 if buf is not None else 0)
     fig, axes = plt.subplots(10, ncols, figsize=(ncols * 0.9, 10 * 0.95 + 0.6), squeeze=False)
     pred = judge.predict(xc)

@@ -31,6 +31,12 @@ def test_eval_bn_mode_keeps_data_statistics_apart():
     assert model.training
 
 
+def test_grid_shows_the_buffer_spread_over_all_its_slots():
+    idx = B.grid_buffer_index(360)
+    assert len(idx) == 80 and idx[0] == 0 and idx[-1] == 359 and bool((idx.diff() > 0).all())
+    assert B.grid_buffer_index(30).tolist() == list(range(30))
+
+
 def test_bn_modes_map_to_the_library_options():
     r = B.recipe_for("jempp", quick=True, bn_mode="batch")
     assert (r.batchnorm, r.sgld_batchnorm) == ("separate", "batch")
