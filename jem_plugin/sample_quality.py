@@ -265,10 +265,11 @@ def chain_trace(jm: nn.Module, judge: Judge, x_init: Tensor, heldout: Tensor, *,
         return torch.cat(outs), torch.cat(energies)
 
     _, e_heldout = advance(heldout, 0)
+    feats_heldout = judge.features(heldout)  # once: the reference every round is measured against
     x, done, trace = x_init.detach(), 0, []
     for r in rounds:
         x, energy = advance(x, (r - done) * sampler.steps)
         done = r
         trace.append({"rounds": r, "steps": r * sampler.steps, "energy": float(energy.mean()),
-                      "fd": frechet_distance(judge.features(x), judge.features(heldout))})
+                      "fd": frechet_distance(judge.features(x), feats_heldout)})
     return {"heldout_energy": float(e_heldout.mean()), "trace": trace}
