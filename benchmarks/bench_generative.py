@@ -53,7 +53,6 @@ if __package__ in (None, ""):
 import jem_plugin as jem  # noqa: E402
 from jem_plugin.app.data import digits_tensors, photo_patches, transposed, uniform_noise  # noqa: E402
 from jem_plugin.recipes import get_recipe  # noqa: E402
-from jem_plugin.sam import frozen_bn_stats  # noqa: E402
 from jem_plugin.sample_quality import chain_trace, reference_points, sample_quality, train_judge  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generative")
