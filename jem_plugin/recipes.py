@@ -42,7 +42,7 @@ class Recipe:
     buffer_size: int = 10000
     reinit_freq: float = 0.05
     init: str = "uniform"               # a registered init distribution: "uniform", "gaussian", ...
-    init_covariance: str = "diagonal"   # "gaussian" init: "diagonal" or "full" (JEM++; D x D per class)
+    init_covariance: str = "diagonal"   # "gaussian" init: "diagonal", "full" (JEM++; D x D per class) or "lowrank" (any size)
     n_samples: int | None = None        # chains per iteration (None: the batch size)
     class_conditional_px: bool = False  # p(x) chains drawn from p(y) p(x|y): one class per chain and buffer slot
     # loss

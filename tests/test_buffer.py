@@ -142,10 +142,57 @@ def test_gaussian_full_covariance_keeps_pixel_correlations():
     assert abs(corr(diag.sample(2000, SHAPE, DOMAIN, gen(1), "cpu"))) < 0.1
 
 
+def test_lowrank_covariance_equals_full_when_fitted_on_few_examples():
+    """Fitted on fewer examples per class than its rank (JEMLoss's fit on one batch), the low-rank
+    Gaussian is the full one: the same covariance, hence the same distribution."""
+    g = gen(0)
+    x, y = torch.randn(14, *SHAPE, generator=g), torch.tensor([0] * 6 + [1] * 8)
+    full = GaussianInit(covariance="full").fit(x, y)
+    low = GaussianInit(covariance="lowrank", rank=16).fit(x, y)
+    eye = torch.eye(64)
+    for c in range(2):
+        implied = low.factor[c] @ low.factor[c].T + low.std[c] ** 2 * eye
+        torch.testing.assert_close(implied, full.scale_tril[c] @ full.scale_tril[c].T, atol=1e-5, rtol=1e-4)
+
+
+def test_lowrank_covariance_keeps_leading_directions_and_total_variance():
+    """Rank 2 on data spread along two directions: draws keep those directions' variances, and the
+    discarded variance comes back as isotropic noise (total variance unchanged)."""
+    g = gen(0)
+    dirs = torch.linalg.qr(torch.randn(64, 2, generator=g))[0]                  # orthonormal [64, 2]
+    x = (torch.randn(3000, 2, generator=g) * torch.tensor([0.3, 0.2])) @ dirs.T
+    x = (x + 0.01 * torch.randn(3000, 64, generator=g)).view(3000, *SHAPE)
+    y = torch.zeros(3000, dtype=torch.long)
+    low = GaussianInit(covariance="lowrank", rank=2).fit(x, y)
+    draws = low.sample(20000, SHAPE, DOMAIN, gen(1), "cpu").flatten(1)
+    spread = (draws - low.mean[0]) @ dirs
+    torch.testing.assert_close(spread.std(0), torch.tensor([0.3, 0.2]), atol=0.01, rtol=0)
+    torch.testing.assert_close(draws.var(0).sum(), x.flatten(1).var(0).sum(), atol=0.01, rtol=0.02)
+    diag = GaussianInit().fit(x, y).sample(20000, SHAPE, DOMAIN, gen(1), "cpu").flatten(1)
+    along = lambda s: ((s - s.mean(0)) @ dirs[:, 0]).std()
+    assert along(diag) < 0.1 < along(draws), "a diagonal covariance loses the direction"
+
+
+def test_lowrank_covariance_fits_where_full_is_refused_and_round_trips():
+    """At 3x224x224 the full covariance is refused; the low-rank one fits, draws and saves."""
+    x, y = torch.rand(6, 3, 224, 224, generator=gen(0)) * 2 - 1, torch.tensor([0, 1, 2, 0, 1, 2])
+    buf = ReplayBuffer(6, (3, 224, 224), init="gaussian", num_classes=3,
+                       init_kwargs={"covariance": "lowrank", "rank": 8}).fit(x, y)
+    assert buf.init_dist.factor.shape == (3, 3 * 224 * 224, 8) and "rank=8" in repr(buf.init_dist)
+    new = ReplayBuffer(6, (3, 224, 224), init="gaussian", num_classes=3,
+                       init_kwargs={"covariance": "lowrank", "rank": 8})
+    new.load_state_dict(roundtrip(buf.state_dict()))
+    a = buf.init_dist.sample(4, (3, 224, 224), DOMAIN, gen(5), "cpu", y=torch.tensor([2, 0, 1, 2]))
+    b = new.init_dist.sample(4, (3, 224, 224), DOMAIN, gen(5), "cpu", y=torch.tensor([2, 0, 1, 2]))
+    assert torch.equal(a, b) and a.min() >= -1 and a.max() <= 1
+    with pytest.raises(ValueError, match="rank"):
+        GaussianInit(covariance="lowrank", rank=0)
+
+
 def test_full_covariance_too_large_for_memory_is_refused_in_one_line():
     """jempp's full covariance at 224x224 would ask for 844 GiB: a clear error, not an OOM kill."""
     x = torch.zeros(4, 3, 224, 224)
-    with pytest.raises(InvalidInputError, match=r"needs \d+\.\d GiB.*covariance='diagonal'"):
+    with pytest.raises(InvalidInputError, match=r"needs \d+\.\d GiB.*covariance='lowrank' or 'diagonal'"):
         GaussianInit(covariance="full").fit(x, torch.tensor([0, 1, 0, 1]))
     buf = ReplayBuffer(4, (3, 224, 224), init="gaussian", num_classes=2).fit(x, torch.tensor([0, 1, 0, 1]))
     assert buf.init_dist.fitted, "the diagonal covariance fits at that size"

@@ -351,3 +351,11 @@ def test_train_batchnorm_flags_reach_the_loss_and_the_default_is_the_fast_recipe
                  "--out", str(tmp_path / "b"), "--quiet"]) == 0
     loss_fn = captured_fit[1]["loss_fn"]
     assert (loss_fn.batchnorm, loss_fn.sampler.batchnorm) == ("joint", "eval")
+
+
+def test_train_init_covariance_flag_reaches_the_fitted_init(captured_fit, tmp_path):
+    """--init-covariance lowrank: the recipe's Gaussian init keeps principal directions per class."""
+    assert main(["train", "--epochs", "1", "--recipe", "jempp", "--init-covariance", "lowrank",
+                 "--out", str(tmp_path), "--quiet"]) == 0
+    init = captured_fit[0]["loss_fn"].buffer.init_dist
+    assert init.covariance == "lowrank" and init.fitted and init.factor.shape == (10, 64, 32)

@@ -8,7 +8,9 @@ Registered through the ``jem_register_init_distributions`` hook:
 ``gaussian``
     Per-class Gaussian fitted from data (JEM++, Yang & Ji 2021): per-class mean and covariance,
     diagonal by default, full covariance with ``covariance="full"`` (as JEM++'s reference code
-    does, with ``1e-4 I`` jitter), clamped to the domain. Class-conditional draws use the given
+    does, with ``1e-4 I`` jitter), or low rank with ``covariance="lowrank"`` (the ``rank`` leading
+    principal directions plus isotropic noise: the pixel correlations of a full one at any image
+    size), clamped to the domain. Class-conditional draws use the given
     class; unconditional draws pick a class uniformly at random. Call ``buffer.fit(x, y)`` first.
 ``normal``
     ``N(mean, std^2)`` per pixel, clamped to the domain.
@@ -74,22 +76,31 @@ class GaussianInit(nn.Module):
 
     Parameters
     ----------
-    covariance: ``"diagonal"`` (default: ``D`` numbers per class, cheap at any image size) or
-        ``"full"`` (``D x D`` per class, JEM++'s choice; stored as a Cholesky factor).
-    jitter: added to the variances (diagonal) or the covariance diagonal (full) so a constant
-        pixel or a class with one example still gives a valid distribution.
+    covariance: ``"diagonal"`` (default: ``D`` numbers per class, cheap at any image size),
+        ``"full"`` (``D x D`` per class, JEM++'s choice; stored as a Cholesky factor; refused past
+        4 GiB, about 3x58x58 inputs with 10 classes) or ``"lowrank"`` (probabilistic PCA: the
+        ``rank`` leading principal directions of each class plus isotropic noise carrying the
+        rest of its variance; ``D x rank`` per class). Fitted on fewer than ``rank`` examples of
+        a class, ``"lowrank"`` draws from the same distribution as ``"full"``.
+    rank: principal directions kept per class by ``"lowrank"``.
+    jitter: added to the variances (diagonal) or the covariance diagonal (full, low rank) so a
+        constant pixel or a class with one example still gives a valid distribution.
     scale: multiplies the standard deviation (``< 1`` draws closer to the class means).
     """
 
-    def __init__(self, covariance: str = "diagonal", jitter: float = 1e-4, scale: float = 1.0) -> None:
+    def __init__(self, covariance: str = "diagonal", jitter: float = 1e-4, scale: float = 1.0,
+                 rank: int = 32) -> None:
         super().__init__()
-        if covariance not in ("diagonal", "full"):
-            raise ValueError(f"covariance must be 'diagonal' or 'full', got {covariance!r}")
-        self.covariance, self.jitter, self.scale = covariance, float(jitter), float(scale)
+        if covariance not in ("diagonal", "full", "lowrank"):
+            raise ValueError(f"covariance must be 'diagonal', 'full' or 'lowrank', got {covariance!r}")
+        if int(rank) < 1:
+            raise ValueError(f"gaussian init needs rank >= 1, got {rank}")
+        self.covariance, self.jitter, self.scale, self.rank = covariance, float(jitter), float(scale), int(rank)
         # Fitted parameters are buffers so they travel with .to() and state_dict; empty until fit.
         self.register_buffer("mean", torch.empty(0))
-        self.register_buffer("std", torch.empty(0))          # [K, D] (diagonal)
+        self.register_buffer("std", torch.empty(0))          # [K, D] (diagonal); [K] isotropic (lowrank)
         self.register_buffer("scale_tril", torch.empty(0))   # [K, D, D] (full)
+        self.register_buffer("factor", torch.empty(0))       # [K, D, rank] (lowrank): cov = F F^T + std^2 I
 
     @property
     def fitted(self) -> bool:
@@ -121,7 +132,7 @@ class GaussianInit(nn.Module):
         if self.covariance == "full" and k * d * d * 4 > FULL_COVARIANCE_MAX_BYTES:
             raise InvalidInputError(
                 f"gaussian init: a full covariance for {k} classes of {d} values needs "
-                f"{k * d * d * 4 / 2**30:.1f} GiB (D x D per class); use covariance='diagonal' at this input size"
+                f"{k * d * d * 4 / 2**30:.1f} GiB (D x D per class); use covariance='lowrank' or 'diagonal' at this input size"
             )
         means = torch.zeros(k, d, dtype=torch.float64, device=flat.device)
         means.index_add_(0, y, flat)
@@ -130,6 +141,9 @@ class GaussianInit(nn.Module):
         if self.covariance == "diagonal":
             var = torch.zeros_like(means).index_add_(0, y, centred.square()) / counts.unsqueeze(1)
             self.std = (var + self.jitter).sqrt().float()
+            self.scale_tril = self.factor = torch.empty(0, device=flat.device)
+        elif self.covariance == "lowrank":
+            self.factor, self.std = self._fit_lowrank(centred, y, k, counts)
             self.scale_tril = torch.empty(0, device=flat.device)
         else:
             eye = torch.eye(d, dtype=torch.float64, device=flat.device)
@@ -139,9 +153,26 @@ class GaussianInit(nn.Module):
                 cov = sub.T @ sub / sub.shape[0] + self.jitter * eye
                 trils.append(torch.linalg.cholesky(cov))
             self.scale_tril = torch.stack(trils).float()
-            self.std = torch.empty(0, device=flat.device)
+            self.std = self.factor = torch.empty(0, device=flat.device)
         self.mean = means.float()
         return self
+
+    def _fit_lowrank(self, centred: Tensor, y: Tensor, k: int, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """Probabilistic PCA per class (Tipping & Bishop 1999): the leading ``rank`` directions scaled
+        by their standard deviations, and the mean variance of the discarded ones as isotropic noise."""
+        d = centred.shape[1]
+        rank = min(self.rank, d)
+        factor = torch.zeros(k, d, rank, dtype=torch.float64, device=centred.device)
+        noise_var = torch.zeros(k, dtype=torch.float64, device=centred.device)
+        for c in range(k):
+            sub = centred[y == c] / math.sqrt(int(counts[c]))
+            # Thin SVD of the [n_c, D] rows: n_c x n_c work, never a D x D matrix.
+            _, sv, vh = torch.linalg.svd(sub, full_matrices=False)
+            kept = min(rank, sv.numel())
+            factor[c, :, :kept] = vh[:kept].T * sv[:kept]
+            if d > kept:
+                noise_var[c] = sv[kept:].square().sum() / (d - kept)
+        return factor.float(), (noise_var + self.jitter).sqrt().float()
 
     @torch.no_grad()
     def sample(self, n: int, shape: Sequence[int], domain: InputDomain,
@@ -166,6 +197,16 @@ class GaussianInit(nn.Module):
         mean = self.mean.to(device)
         if self.covariance == "diagonal":
             x = z.mul_(self.std.to(device)[y]).mul_(self.scale).add_(mean[y])
+        elif self.covariance == "lowrank":
+            # The draw of torch.distributions.LowRankMultivariateNormal, written out so it takes
+            # our generator; one matmul per class present, as for the full covariance.
+            factor = self.factor.to(device)
+            latent = _draw(torch.randn, (n, factor.shape[2]), generator, device)
+            x = z.mul_(self.std.to(device)[y].unsqueeze(1))
+            for c in torch.unique(y).tolist():
+                rows = (y == c).nonzero().squeeze(1)
+                x[rows] += latent[rows] @ factor[c].T
+            x.mul_(self.scale).add_(mean[y])
         else:
             # One matmul per class present: gathering [n, D, D] factors would not fit in memory.
             tril = self.scale_tril.to(device)
@@ -178,7 +219,7 @@ class GaussianInit(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The fitted tensors have data-dependent shapes: resize the empty buffers before loading.
-        for name in ("mean", "std", "scale_tril"):
+        for name in ("mean", "std", "scale_tril", "factor"):
             key = prefix + name
             if key in state_dict:
                 cur = getattr(self, name)
@@ -187,7 +228,8 @@ class GaussianInit(nn.Module):
 
     def extra_repr(self) -> str:
         fitted = f"fitted on {self.num_classes} classes of {self.mean.shape[1]} values" if self.fitted else "not fitted"
-        return f"covariance={self.covariance!r}, jitter={self.jitter}, scale={self.scale}, {fitted}"
+        rank = f", rank={self.rank}" if self.covariance == "lowrank" else ""
+        return f"covariance={self.covariance!r}{rank}, jitter={self.jitter}, scale={self.scale}, {fitted}"
 
 
 @hookimpl
