@@ -43,6 +43,7 @@ class Recipe:
     reinit_freq: float = 0.05
     init: str = "uniform"               # a registered init distribution: "uniform", "gaussian", ...
     init_covariance: str = "diagonal"   # "gaussian" init: "diagonal", "full" (JEM++; D x D per class) or "lowrank" (any size)
+    init_rank: int = 32                 # "lowrank" covariance: principal directions kept per class
     n_samples: int | None = None        # chains per iteration (None: the batch size)
     class_conditional_px: bool = False  # p(x) chains drawn from p(y) p(x|y): one class per chain and buffer slot
     # loss
@@ -83,7 +84,11 @@ class Recipe:
         sampler = SGLD(steps=self.sgld_steps, step_size=self.step_size, noise=self.noise,
                        grad_clip=self.grad_clip, generator=generator, batchnorm=self.sgld_batchnorm)
         cond = self.init != "uniform" or self.pxy_weight > 0 or self.class_conditional_px
-        init_kwargs = {"covariance": self.init_covariance} if self.init == "gaussian" else None
+        init_kwargs = None
+        if self.init == "gaussian":
+            init_kwargs = {"covariance": self.init_covariance}
+            if self.init_covariance == "lowrank":
+                init_kwargs["rank"] = self.init_rank
         buffer = ReplayBuffer(self.buffer_size, tuple(sample_shape), reinit_freq=self.reinit_freq,
                               init=self.init, init_kwargs=init_kwargs,
                               num_classes=num_classes if cond else None, device=device)

@@ -356,6 +356,6 @@ def test_train_batchnorm_flags_reach_the_loss_and_the_default_is_the_fast_recipe
 def test_train_init_covariance_flag_reaches_the_fitted_init(captured_fit, tmp_path):
     """--init-covariance lowrank: the recipe's Gaussian init keeps principal directions per class."""
     assert main(["train", "--epochs", "1", "--recipe", "jempp", "--init-covariance", "lowrank",
-                 "--out", str(tmp_path), "--quiet"]) == 0
+                 "--init-rank", "4", "--out", str(tmp_path), "--quiet"]) == 0
     init = captured_fit[0]["loss_fn"].buffer.init_dist
-    assert init.covariance == "lowrank" and init.fitted and init.factor.shape == (10, 64, 32)
+    assert init.covariance == "lowrank" and init.fitted and init.factor.shape == (10, 64, 4)

@@ -169,6 +169,14 @@ def test_recipe_batchnorm_and_conditional_fields_reach_the_loss_and_sampler():
     assert "batchnorm" in str(r) and "class_conditional_px" in str(r)
 
 
+def test_recipe_init_covariance_and_rank_reach_the_fitted_init():
+    r = dataclasses.replace(get_recipe("jempp"), init_covariance="lowrank", init_rank=3, buffer_size=30)
+    x, y = torch.rand(30, 1, 4, 4) * 2 - 1, torch.arange(30) % 3
+    init = r.build_loss(sample_shape=(1, 4, 4), num_classes=3, x_fit=x, y_fit=y).buffer.init_dist
+    assert init.covariance == "lowrank" and init.factor.shape == (3, 16, 3)
+    assert "init_rank" in str(r)
+
+
 def test_separate_batchnorm_keeps_one_forward_without_batch_statistics():
     calls = []
     model = _net()  # no BatchNorm

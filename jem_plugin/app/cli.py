@@ -336,8 +336,8 @@ def _emit(result: dict[str, Any], args) -> None:
 
 
 # ----------------------------------------------------------------------------- parser
-RECIPE_FLAGS = ("sgld_steps", "step_size", "noise", "grad_clip", "buffer_size", "reinit_freq", "init", "init_covariance",
-                "n_samples", "px_weight", "pxy_weight", "l2_weight", "data_noise", "lr", "warmup_iters",
+RECIPE_FLAGS = ("sgld_steps", "step_size", "noise", "grad_clip", "buffer_size", "reinit_freq", "init",
+                "init_covariance", "init_rank", "n_samples", "px_weight", "pxy_weight", "l2_weight", "data_noise", "lr", "warmup_iters",
                 "batchnorm", "sgld_batchnorm")
 
 
@@ -389,7 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", default=None, help="SGLD init distribution (uniform, gaussian, ...)")
     p.add_argument("--init-covariance", choices=["diagonal", "full", "lowrank"], default=None,
                    help="gaussian init: per-pixel variances, JEM++'s full covariance (up to about 3x58x58), "
-                        "or 32 principal directions per class (any size)")
+                        "or --init-rank principal directions per class (any size)")
+    p.add_argument("--init-rank", type=_positive, default=None,
+                   help="principal directions per class of a lowrank init covariance (default: recipe, 32)")
     p.add_argument("--batchnorm", choices=["joint", "separate"], default=None,
                    help="samples pass BatchNorm with the data (joint) or on their own (separate; fast's default)")
     p.add_argument("--sgld-batchnorm", choices=["eval", "batch"], default=None,
