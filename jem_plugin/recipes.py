@@ -44,6 +44,7 @@ class Recipe:
     init: str = "uniform"               # a registered init distribution: "uniform", "gaussian", ...
     init_covariance: str = "diagonal"   # "gaussian" init: "diagonal", "full" (JEM++; D x D per class) or "lowrank" (any size)
     init_rank: int = 32                 # "lowrank" covariance: principal directions kept per class
+    init_residual: bool = True          # "lowrank": the variance outside those directions as isotropic noise
     n_samples: int | None = None        # chains per iteration (None: the batch size)
     class_conditional_px: bool = False  # p(x) chains drawn from p(y) p(x|y): one class per chain and buffer slot
     # loss
@@ -88,7 +89,7 @@ class Recipe:
         if self.init == "gaussian":
             init_kwargs = {"covariance": self.init_covariance}
             if self.init_covariance == "lowrank":
-                init_kwargs["rank"] = self.init_rank
+                init_kwargs.update(rank=self.init_rank, residual=self.init_residual)
         buffer = ReplayBuffer(self.buffer_size, tuple(sample_shape), reinit_freq=self.reinit_freq,
                               init=self.init, init_kwargs=init_kwargs,
                               num_classes=num_classes if cond else None, device=device)

@@ -156,18 +156,23 @@ def test_lowrank_covariance_equals_full_when_fitted_on_few_examples():
 
 
 def test_lowrank_covariance_keeps_leading_directions_and_total_variance():
-    """Rank 2 on data spread along two directions: draws keep those directions' variances, and the
-    discarded variance comes back as isotropic noise (total variance unchanged)."""
+    """Rank 2 on data spread along two directions plus pixel noise: draws keep those directions'
+    variances; the rest comes back as isotropic noise (total variance unchanged), or, with
+    residual=False, is dropped."""
     g = gen(0)
     dirs = torch.linalg.qr(torch.randn(64, 2, generator=g))[0]                  # orthonormal [64, 2]
     x = (torch.randn(3000, 2, generator=g) * torch.tensor([0.3, 0.2])) @ dirs.T
-    x = (x + 0.01 * torch.randn(3000, 64, generator=g)).view(3000, *SHAPE)
+    x = (x + 0.05 * torch.randn(3000, 64, generator=g)).view(3000, *SHAPE)
     y = torch.zeros(3000, dtype=torch.long)
+    outside = lambda s: s - s.mean(0) - (s - s.mean(0)) @ dirs @ dirs.T         # off the two directions
     low = GaussianInit(covariance="lowrank", rank=2).fit(x, y)
     draws = low.sample(20000, SHAPE, DOMAIN, gen(1), "cpu").flatten(1)
-    spread = (draws - low.mean[0]) @ dirs
-    torch.testing.assert_close(spread.std(0), torch.tensor([0.3, 0.2]), atol=0.01, rtol=0)
+    torch.testing.assert_close(((draws - low.mean[0]) @ dirs).std(0),
+                               ((x.flatten(1) - low.mean[0]) @ dirs).std(0), atol=0.01, rtol=0)
     torch.testing.assert_close(draws.var(0).sum(), x.flatten(1).var(0).sum(), atol=0.01, rtol=0.02)
+    assert abs(outside(draws).std() - 0.05) < 0.005
+    span = GaussianInit(covariance="lowrank", rank=2, residual=False).fit(x, y)
+    assert outside(span.sample(2000, SHAPE, DOMAIN, gen(1), "cpu").flatten(1)).std() < 0.011
     diag = GaussianInit().fit(x, y).sample(20000, SHAPE, DOMAIN, gen(1), "cpu").flatten(1)
     along = lambda s: ((s - s.mean(0)) @ dirs[:, 0]).std()
     assert along(diag) < 0.1 < along(draws), "a diagonal covariance loses the direction"
