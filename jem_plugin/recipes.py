@@ -44,7 +44,7 @@ class Recipe:
     init: str = "uniform"               # a registered init distribution: "uniform", "gaussian", ...
     init_covariance: str = "diagonal"   # "gaussian" init: "diagonal", "full" (JEM++; D x D per class) or "lowrank" (any size)
     init_rank: int = 32                 # "lowrank" covariance: principal directions kept per class
-    init_residual: bool = True          # "lowrank": the variance outside those directions as isotropic noise
+    init_residual: float = 1.0          # "lowrank": share of the variance outside them drawn as isotropic noise
     n_samples: int | None = None        # chains per iteration (None: the batch size)
     class_conditional_px: bool = False  # p(x) chains drawn from p(y) p(x|y): one class per chain and buffer slot
     # loss

@@ -157,8 +157,8 @@ def test_lowrank_covariance_equals_full_when_fitted_on_few_examples():
 
 def test_lowrank_covariance_keeps_leading_directions_and_total_variance():
     """Rank 2 on data spread along two directions plus pixel noise: draws keep those directions'
-    variances; the rest comes back as isotropic noise (total variance unchanged), or, with
-    residual=False, is dropped."""
+    variances; the rest comes back as isotropic noise (total variance unchanged), a share of it
+    (residual=0.25), or none (residual=0)."""
     g = gen(0)
     dirs = torch.linalg.qr(torch.randn(64, 2, generator=g))[0]                  # orthonormal [64, 2]
     x = (torch.randn(3000, 2, generator=g) * torch.tensor([0.3, 0.2])) @ dirs.T
@@ -171,8 +171,10 @@ def test_lowrank_covariance_keeps_leading_directions_and_total_variance():
                                ((x.flatten(1) - low.mean[0]) @ dirs).std(0), atol=0.01, rtol=0)
     torch.testing.assert_close(draws.var(0).sum(), x.flatten(1).var(0).sum(), atol=0.01, rtol=0.02)
     assert abs(outside(draws).std() - 0.05) < 0.005
-    span = GaussianInit(covariance="lowrank", rank=2, residual=False).fit(x, y)
+    span = GaussianInit(covariance="lowrank", rank=2, residual=0.0).fit(x, y)
     assert outside(span.sample(2000, SHAPE, DOMAIN, gen(1), "cpu").flatten(1)).std() < 0.011
+    quarter = GaussianInit(covariance="lowrank", rank=2, residual=0.25).fit(x, y)
+    assert abs(outside(quarter.sample(2000, SHAPE, DOMAIN, gen(1), "cpu").flatten(1)).std() - 0.027) < 0.003
     diag = GaussianInit().fit(x, y).sample(20000, SHAPE, DOMAIN, gen(1), "cpu").flatten(1)
     along = lambda s: ((s - s.mean(0)) @ dirs[:, 0]).std()
     assert along(diag) < 0.1 < along(draws), "a diagonal covariance loses the direction"
@@ -192,6 +194,8 @@ def test_lowrank_covariance_fits_where_full_is_refused_and_round_trips():
     assert torch.equal(a, b) and a.min() >= -1 and a.max() <= 1
     with pytest.raises(ValueError, match="rank"):
         GaussianInit(covariance="lowrank", rank=0)
+    with pytest.raises(ValueError, match="residual"):
+        GaussianInit(covariance="lowrank", residual=2.0)
 
 
 def test_full_covariance_too_large_for_memory_is_refused_in_one_line():

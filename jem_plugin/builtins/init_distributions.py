@@ -83,23 +83,25 @@ class GaussianInit(nn.Module):
         rest of its variance; ``D x rank`` per class). Fitted on fewer than ``rank`` examples of
         a class, ``"lowrank"`` draws from the same distribution as ``"full"``.
     rank: principal directions kept per class by ``"lowrank"``.
-    residual: ``"lowrank"`` spreads the variance outside the kept directions as isotropic noise
-        (``True``, probabilistic PCA) or drops it (``False``: draws lie in the span of the kept
-        directions, up to ``jitter``).
+    residual: the share of the variance outside the kept directions that ``"lowrank"`` draws as
+        isotropic noise: ``1.0`` (probabilistic PCA), ``0.0`` (draws lie in the span of the kept
+        directions, up to ``jitter``) or in between.
     jitter: added to the variances (diagonal) or the covariance diagonal (full, low rank) so a
         constant pixel or a class with one example still gives a valid distribution.
     scale: multiplies the standard deviation (``< 1`` draws closer to the class means).
     """
 
     def __init__(self, covariance: str = "diagonal", jitter: float = 1e-4, scale: float = 1.0,
-                 rank: int = 32, residual: bool = True) -> None:
+                 rank: int = 32, residual: float = 1.0) -> None:
         super().__init__()
         if covariance not in ("diagonal", "full", "lowrank"):
             raise ValueError(f"covariance must be 'diagonal', 'full' or 'lowrank', got {covariance!r}")
         if int(rank) < 1:
             raise ValueError(f"gaussian init needs rank >= 1, got {rank}")
+        if not 0.0 <= float(residual) <= 1.0:
+            raise ValueError(f"gaussian init needs 0 <= residual <= 1, got {residual}")
         self.covariance, self.jitter, self.scale = covariance, float(jitter), float(scale)
-        self.rank, self.residual = int(rank), bool(residual)
+        self.rank, self.residual = int(rank), float(residual)
         # Fitted parameters are buffers so they travel with .to() and state_dict; empty until fit.
         self.register_buffer("mean", torch.empty(0))
         self.register_buffer("std", torch.empty(0))          # [K, D] (diagonal); [K] isotropic (lowrank)
@@ -174,8 +176,8 @@ class GaussianInit(nn.Module):
             _, sv, vh = torch.linalg.svd(sub, full_matrices=False)
             kept = min(rank, sv.numel())
             factor[c, :, :kept] = vh[:kept].T * sv[:kept]
-            if d > kept and self.residual:
-                noise_var[c] = sv[kept:].square().sum() / (d - kept)
+            if d > kept:
+                noise_var[c] = self.residual * sv[kept:].square().sum() / (d - kept)
         return factor.float(), (noise_var + self.jitter).sqrt().float()
 
     @torch.no_grad()
