@@ -185,7 +185,8 @@ def test_lowrank_covariance_fits_where_full_is_refused_and_round_trips():
     x, y = torch.rand(6, 3, 224, 224, generator=gen(0)) * 2 - 1, torch.tensor([0, 1, 2, 0, 1, 2])
     buf = ReplayBuffer(6, (3, 224, 224), init="gaussian", num_classes=3,
                        init_kwargs={"covariance": "lowrank", "rank": 8}).fit(x, y)
-    assert buf.init_dist.factor.shape == (3, 3 * 224 * 224, 8) and "rank=8" in repr(buf.init_dist)
+    # two examples per class give two directions: the factor stores two columns, not eight
+    assert buf.init_dist.factor.shape == (3, 3 * 224 * 224, 2) and "rank=8" in repr(buf.init_dist)
     new = ReplayBuffer(6, (3, 224, 224), init="gaussian", num_classes=3,
                        init_kwargs={"covariance": "lowrank", "rank": 8})
     new.load_state_dict(roundtrip(buf.state_dict()))
@@ -196,6 +197,17 @@ def test_lowrank_covariance_fits_where_full_is_refused_and_round_trips():
         GaussianInit(covariance="lowrank", rank=0)
     with pytest.raises(ValueError, match="residual"):
         GaussianInit(covariance="lowrank", residual=2.0)
+
+
+def test_lowrank_covariance_too_large_for_memory_is_refused_with_the_rank_that_fits(monkeypatch):
+    """rank 8 for 1000 classes at 3x224x224 takes 4.5 GiB: refused with the largest rank that fits
+    (here the cap is lowered so that 3 classes of 64 values at rank 4 pass it)."""
+    import jem_plugin.builtins.init_distributions as init_module
+    monkeypatch.setattr(init_module, "COVARIANCE_MAX_BYTES", 3 * 64 * 4 * 3)
+    x, y, _ = class_data()
+    with pytest.raises(InvalidInputError, match=r"rank-8 covariance for 3 classes of 64 values.*use rank <= 3"):
+        GaussianInit(covariance="lowrank", rank=8).fit(x, y)
+    assert GaussianInit(covariance="lowrank", rank=3).fit(x, y).factor.shape == (3, 64, 3)
 
 
 def test_full_covariance_too_large_for_memory_is_refused_in_one_line():

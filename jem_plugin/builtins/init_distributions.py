@@ -65,10 +65,11 @@ class NormalInit(nn.Module):
         return f"mean={self.mean}, std={self.std}"
 
 
-# Past this, a full covariance (fp32 Cholesky factors, float64 while fitting) is refused with a
-# one-line error instead of an out-of-memory crash: 3x32x32 with 10 classes takes 0.35 GiB,
-# 3x64x64 would take 5.6 GiB and 3x224x224 844 GiB.
-FULL_COVARIANCE_MAX_BYTES = 4 * 2**30
+# Past this, a covariance (full: fp32 Cholesky factors, float64 while fitting; lowrank: the fp32
+# factors) is refused with a one-line error instead of an out-of-memory crash. Full, 10 classes:
+# 0.35 GiB at 3x32x32, 5.6 GiB at 3x64x64, 844 GiB at 3x224x224; lowrank, rank 8 at 3x224x224:
+# 0.04 GiB for 10 classes, 4.5 GiB for 1000.
+COVARIANCE_MAX_BYTES = 4 * 2**30
 
 
 class GaussianInit(nn.Module):
@@ -135,7 +136,7 @@ class GaussianInit(nn.Module):
                 f"have none (labels must lie in [0, {k})). Fit on data covering all classes."
             )
         d = flat.shape[1]
-        if self.covariance == "full" and k * d * d * 4 > FULL_COVARIANCE_MAX_BYTES:
+        if self.covariance == "full" and k * d * d * 4 > COVARIANCE_MAX_BYTES:
             raise InvalidInputError(
                 f"gaussian init: a full covariance for {k} classes of {d} values needs "
                 f"{k * d * d * 4 / 2**30:.1f} GiB (D x D per class); use covariance='lowrank' or 'diagonal' at this input size"
@@ -167,7 +168,14 @@ class GaussianInit(nn.Module):
         """Probabilistic PCA per class (Tipping & Bishop 1999): the leading ``rank`` directions scaled
         by their standard deviations, and the mean variance of the discarded ones as isotropic noise."""
         d = centred.shape[1]
-        rank = min(self.rank, d)
+        rank = min(self.rank, d, int(counts.max()))  # a class has at most as many directions as examples
+        if k * d * rank * 4 > COVARIANCE_MAX_BYTES:
+            fits = COVARIANCE_MAX_BYTES // (k * d * 4)
+            raise InvalidInputError(
+                f"gaussian init: a rank-{rank} covariance for {k} classes of {d} values needs "
+                f"{k * d * rank * 4 / 2**30:.1f} GiB; use rank <= {fits} or covariance='diagonal'"
+                if fits else f"gaussian init: even rank 1 for {k} classes of {d} values passes "
+                f"{COVARIANCE_MAX_BYTES / 2**30:.0f} GiB; use covariance='diagonal'")
         factor = torch.zeros(k, d, rank, dtype=torch.float64, device=centred.device)
         noise_var = torch.zeros(k, dtype=torch.float64, device=centred.device)
         for c in range(k):
