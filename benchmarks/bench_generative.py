@@ -34,6 +34,7 @@ inits on the clean training set (as ``jem train`` does) instead of the first aug
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import dataclasses
 import json
 import math
@@ -454,6 +455,18 @@ def to_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def register_plugin_files(paths: Sequence[str]) -> list[str]:
+    """Register each Python file in ``paths`` as a jem plugin (its hook implementations at module
+    level); returns the names they were registered under."""
+    names = []
+    for path in paths:
+        spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        names.append(jem.register(module, name=f"bench:{path}"))
+    return names
+
+
 def _parse_value(v: str) -> Any:
     for cast in (int, float):
         try:
@@ -483,9 +496,12 @@ def main(argv=None) -> None:
     p.add_argument("--fit-init", choices=("first-batch", "train"), default="first-batch",
                    help="where an informative init is fitted: by JEMLoss from the first augmented batch (a "
                         "user's loop) or on the clean training set (what jem train does)")
+    p.add_argument("--plugin", nargs="*", default=[], metavar="FILE.py",
+                   help="register these files as jem plugins first (an init distribution to try: --set init=NAME)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", default=OUT)
     a = p.parse_args(argv)
+    register_plugin_files(a.plugin)  # before the worker processes fork, so they inherit them
     settings = tuple(s for s in (f"digits32_{a.model32}", "digits8_cnn") if a.only is None or s.endswith(
         "cnn") == (a.only == "8"))
     overrides = {k: _parse_value(v) for k, v in (kv.split("=", 1) for kv in a.set)}

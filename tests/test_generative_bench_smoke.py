@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from benchmarks import bench_generative as B
+import jem_plugin as jem
 from jem_plugin.recipes import get_recipe
 
 
@@ -78,3 +79,26 @@ def test_fit_init_train_fits_the_init_on_the_clean_training_set():
     init = res["loss_fn"].buffer.init_dist
     want = torch.stack([S["x"][S["y"] == k].mean(0).flatten() for k in range(10)])
     torch.testing.assert_close(init.mean, want, atol=1e-5, rtol=0)
+
+
+def test_plugin_files_register_an_init_the_recipes_can_name():
+    """--plugin FILE.py: the bench's experimental inits go through the hook third parties use;
+    half_noisy draws half its samples with the residual noise and half without."""
+    path = os.path.join(os.path.dirname(B.__file__), "plugins", "half_noisy_init.py")
+    names = B.register_plugin_files([path])
+    try:
+        buf = jem.ReplayBuffer(40, (1, 8, 8), init="half_noisy", num_classes=2)
+        g = torch.Generator().manual_seed(0)
+        buf.fit(torch.randn(60, 1, 8, 8, generator=g) * 0.3, torch.arange(60) % 2)
+        init = buf.init_dist
+        draws = init.sample(400, (1, 8, 8), jem.InputDomain(), g, "cpu", y=torch.zeros(400)).flatten(1)
+        basis = torch.linalg.qr(init.clean.factor[0])[0]                 # the class's 8 directions
+        centred = draws - init.clean.mean[0]
+        outside = (centred - centred @ basis @ basis.T).std(1)
+        noisy = outside > 3 * float(init.clean.std[0])
+        assert 0.4 < noisy.float().mean() < 0.6
+    finally:
+        for name in names:
+            jem.unregister(name=name)
+    with pytest.raises(jem.UnknownNameError):
+        jem.ReplayBuffer(4, (1, 8, 8), init="half_noisy")
