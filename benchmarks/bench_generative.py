@@ -34,8 +34,8 @@ inits on the clean training set (as ``jem train`` does) instead of the first aug
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import dataclasses
+import importlib.util
 import json
 import math
 import os
