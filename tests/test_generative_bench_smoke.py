@@ -84,7 +84,7 @@ def test_fit_init_train_fits_the_init_on_the_clean_training_set():
 def test_plugin_files_register_an_init_the_recipes_can_name():
     """--plugin FILE.py: the bench's experimental inits go through the hook third parties use;
     half_noisy draws half its samples with the residual noise and half without."""
-    path = os.path.join(os.path.dirname(B.__file__), "plugins", "half_noisy_init.py")
+    path = os.path.join(os.path.dirname(B.__file__), "plugins", "noise_inits.py")
     names = B.register_plugin_files([path])
     try:
         buf = jem.ReplayBuffer(40, (1, 8, 8), init="half_noisy", num_classes=2)
@@ -102,3 +102,30 @@ def test_plugin_files_register_an_init_the_recipes_can_name():
             jem.unregister(name=name)
     with pytest.raises(jem.UnknownNameError):
         jem.ReplayBuffer(4, (1, 8, 8), init="half_noisy")
+
+
+def test_structured_noise_inits_are_grey_in_pixels_and_smooth_where_asked():
+    """grey_noisy / smooth_noisy (e50): the added noise is the same in every channel once mapped
+    back to pixels, and smooth_noisy's has no pixel-to-pixel jumps beyond the scaled-up grid's."""
+    path = os.path.join(os.path.dirname(B.__file__), "plugins", "noise_inits.py")
+    names = B.register_plugin_files([path])
+    try:
+        dom = jem.wrap(torch.nn.Linear(1, 1), mean=B.IMAGENET_MEAN, std=B.IMAGENET_STD, input_size=(3, 16, 16)).domain
+        g = torch.Generator().manual_seed(0)
+        x, y = (torch.rand(40, 3, 16, 16, generator=g) - 0.5) * 0.2, torch.arange(40) % 2
+        std = torch.tensor(B.IMAGENET_STD).view(1, 3, 1, 1)
+        jumps = {}
+        for name in ("grey_noisy", "smooth_noisy"):
+            init = jem.ReplayBuffer(8, (3, 16, 16), init=name, num_classes=2).fit(x, y).init_dist
+            yy = torch.zeros(200, dtype=torch.long)
+            # the same seed draws the same noise-free part first, then the noise on top
+            added = (init.sample(200, (3, 16, 16), dom, torch.Generator().manual_seed(5), "cpu", y=yy)
+                     - init.clean.sample(200, (3, 16, 16), dom, torch.Generator().manual_seed(5), "cpu", y=yy))
+            noise_px = added * std                                   # back to pixel units
+            for a, b in ((0, 1), (1, 2)):  # equal in every channel (ImageNet's stds differ by 2%)
+                assert (noise_px[:, a] - noise_px[:, b]).abs().max() < 1e-3 * noise_px.abs().max()
+            jumps[name] = float((noise_px[..., 1:] - noise_px[..., :-1]).abs().mean() / noise_px.abs().mean())
+        assert jumps["smooth_noisy"] < 0.5 * jumps["grey_noisy"]
+    finally:
+        for name in names:
+            jem.unregister(name=name)
