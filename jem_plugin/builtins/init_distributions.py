@@ -72,6 +72,16 @@ class NormalInit(nn.Module):
 COVARIANCE_MAX_BYTES = 4 * 2**30
 
 
+def _per_class_matmul(v: Tensor, mats: Tensor, y: Tensor) -> Tensor:
+    """Row ``i`` of ``v`` times ``mats[y[i]].T``, one matmul per class present: gathering the
+    per-row matrices (``[n, D, D]`` for a full covariance) would not fit in memory."""
+    out = v.new_empty(v.shape[0], mats.shape[1])
+    for c in torch.unique(y).tolist():
+        rows = (y == c).nonzero().squeeze(1)
+        out[rows] = v[rows] @ mats[c].T
+    return out
+
+
 class GaussianInit(nn.Module):
     """Per-class Gaussian fitted from data (JEM++), clamped to the domain.
 
@@ -171,11 +181,12 @@ class GaussianInit(nn.Module):
         rank = min(self.rank, d, int(counts.max()))  # a class has at most as many directions as examples
         if k * d * rank * 4 > COVARIANCE_MAX_BYTES:
             fits = COVARIANCE_MAX_BYTES // (k * d * 4)
-            raise InvalidInputError(
-                f"gaussian init: a rank-{rank} covariance for {k} classes of {d} values needs "
-                f"{k * d * rank * 4 / 2**30:.1f} GiB; use rank <= {fits} or covariance='diagonal'"
-                if fits else f"gaussian init: even rank 1 for {k} classes of {d} values passes "
-                f"{COVARIANCE_MAX_BYTES / 2**30:.0f} GiB; use covariance='diagonal'")
+            if fits:
+                raise InvalidInputError(
+                    f"gaussian init: a rank-{rank} covariance for {k} classes of {d} values needs "
+                    f"{k * d * rank * 4 / 2**30:.1f} GiB; use rank <= {fits} or covariance='diagonal'")
+            raise InvalidInputError(f"gaussian init: even rank 1 for {k} classes of {d} values passes "
+                                    f"{COVARIANCE_MAX_BYTES / 2**30:.0f} GiB; use covariance='diagonal'")
         factor = torch.zeros(k, d, rank, dtype=torch.float64, device=centred.device)
         noise_var = torch.zeros(k, dtype=torch.float64, device=centred.device)
         for c in range(k):
@@ -210,26 +221,16 @@ class GaussianInit(nn.Module):
         z = _draw(torch.randn, (n, d), generator, device)
         mean = self.mean.to(device)
         if self.covariance == "diagonal":
-            x = z.mul_(self.std.to(device)[y]).mul_(self.scale).add_(mean[y])
+            x = z.mul_(self.std.to(device)[y])
         elif self.covariance == "lowrank":
             # The draw of torch.distributions.LowRankMultivariateNormal, written out so it takes
-            # our generator; one matmul per class present, as for the full covariance.
+            # our generator: isotropic noise plus the class's factor times a latent draw.
             factor = self.factor.to(device)
             latent = _draw(torch.randn, (n, factor.shape[2]), generator, device)
-            x = z.mul_(self.std.to(device)[y].unsqueeze(1))
-            for c in torch.unique(y).tolist():
-                rows = (y == c).nonzero().squeeze(1)
-                x[rows] += latent[rows] @ factor[c].T
-            x.mul_(self.scale).add_(mean[y])
+            x = z.mul_(self.std.to(device)[y].unsqueeze(1)).add_(_per_class_matmul(latent, factor, y))
         else:
-            # One matmul per class present: gathering [n, D, D] factors would not fit in memory.
-            tril = self.scale_tril.to(device)
-            x = torch.empty_like(z)
-            for c in torch.unique(y).tolist():
-                rows = (y == c).nonzero().squeeze(1)
-                x[rows] = z[rows] @ tril[c].T
-            x.mul_(self.scale).add_(mean[y])
-        return domain.clamp(x.reshape(n, *shape))
+            x = _per_class_matmul(z, self.scale_tril.to(device), y)
+        return domain.clamp(x.mul_(self.scale).add_(mean[y]).reshape(n, *shape))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The fitted tensors have data-dependent shapes: resize the empty buffers before loading.
