@@ -42,7 +42,7 @@ class Recipe:
     buffer_size: int = 10000
     reinit_freq: float = 0.05
     init: str = "uniform"               # a registered init distribution: "uniform", "gaussian", ...
-    init_covariance: str = "diagonal"   # "gaussian" init: "diagonal", "full" (JEM++, D x D) or "lowrank" (any size)
+    init_covariance: str = "diagonal"   # "gaussian" init: "diagonal", "full" (JEM++, D x D), "lowrank" or "stationary" (any size)
     init_rank: int = 32                 # "lowrank" covariance: principal directions kept per class
     init_residual: float = 1.0          # "lowrank": share of the variance outside them drawn as isotropic noise
     n_samples: int | None = None        # chains per iteration (None: the batch size)

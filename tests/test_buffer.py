@@ -199,6 +199,50 @@ def test_lowrank_covariance_fits_where_full_is_refused_and_round_trips():
         GaussianInit(covariance="lowrank", residual=2.0)
 
 
+def test_stationary_covariance_keeps_each_class_mean_and_the_data_power_spectrum():
+    """covariance='stationary' (issue 16, e55): draws have the class's mean and its power spectrum
+    (smooth data give smooth draws, unlike the diagonal init's white noise), and grey data give
+    grey draws (one colour rotation for all classes)."""
+    g = gen(0)
+    grey = torch.nn.functional.avg_pool2d(torch.randn(300, 1, 20, 20, generator=g), 5, 1)  # smooth, 16x16
+    y = torch.arange(300) % 2
+    x = grey.expand(300, 3, 16, 16) + 2.0 * y.view(-1, 1, 1, 1) * torch.tensor([1.0, 0.5, 0.0]).view(1, 3, 1, 1)
+    wide = InputDomain((-9.0,), (9.0,))
+    yy = torch.ones(2000, dtype=torch.long)
+    draws = {cov: GaussianInit(covariance=cov).fit(x, y).sample(2000, (3, 16, 16), wide, g, "cpu", y=yy)
+             for cov in ("stationary", "diagonal")}
+    d, data = draws["stationary"], x[y == 1]
+    assert torch.allclose(d.mean(0), data.mean(0), atol=0.05)            # the class mean
+    centred = d - d.mean(0)
+    assert (centred[:, 0] - centred[:, 1]).abs().max() < 1e-4            # grey stays grey
+    power = lambda t: torch.fft.fft2(t[:, 0] - t[:, 0].mean(0)).abs().square().mean(0)
+    ratio = power(d) / power(data)
+    low, high = ratio[:2, :2].mean(), ratio[6:10, 6:10].mean()
+    assert 0.8 < low < 1.25 and 0.5 < high < 2.0                         # the same spectrum
+    jumps = lambda t: float((t[..., 1:] - t[..., :-1]).abs().mean() / (t - t.mean(0)).abs().mean())
+    assert jumps(d) < 0.6 * jumps(draws["diagonal"])                      # as smooth as the data
+
+
+def test_stationary_covariance_round_trips_at_any_size_and_refuses_non_images():
+    """D numbers per class at 3x224x224 (where full is refused); saved and loaded with the buffer;
+    one-line errors for inputs that are not images and for samples of another image shape."""
+    x, y = torch.rand(6, 3, 224, 224, generator=gen(0)) * 2 - 1, torch.tensor([0, 1, 2, 0, 1, 2])
+    kw = {"covariance": "stationary"}
+    buf = ReplayBuffer(6, (3, 224, 224), init="gaussian", num_classes=3, init_kwargs=kw).fit(x, y)
+    assert buf.init_dist.std.shape == (3, 3, 224, 224) and buf.init_dist.colour.shape == (3, 3)
+    new = ReplayBuffer(6, (3, 224, 224), init="gaussian", num_classes=3, init_kwargs=kw)
+    new.load_state_dict(roundtrip(buf.state_dict()))
+    a = buf.init_dist.sample(4, (3, 224, 224), DOMAIN, gen(5), "cpu", y=torch.tensor([2, 0, 1, 2]))
+    b = new.init_dist.sample(4, (3, 224, 224), DOMAIN, gen(5), "cpu", y=torch.tensor([2, 0, 1, 2]))
+    assert torch.equal(a, b) and a.min() >= -1 and a.max() <= 1
+    with pytest.raises(InvalidInputError, match=r"needs images \[N, C, H, W\]"):
+        GaussianInit(covariance="stationary").fit(torch.randn(10, 5), torch.arange(10) % 2)
+    with pytest.raises(InvalidInputError, match=r"fitted on images of shape \(3, 224, 224\)"):
+        buf.init_dist.sample(2, (3, 112, 448), DOMAIN)
+    with pytest.raises(ValueError, match="'stationary'"):
+        GaussianInit(covariance="circulant")
+
+
 def test_lowrank_covariance_too_large_for_memory_is_refused_with_the_rank_that_fits(monkeypatch):
     """rank 8 for 1000 classes at 3x224x224 takes 4.5 GiB: refused with the largest rank that fits
     (here the cap is lowered so that 3 classes of 64 values at rank 4 pass it)."""

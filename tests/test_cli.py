@@ -359,3 +359,7 @@ def test_train_init_covariance_flag_reaches_the_fitted_init(captured_fit, tmp_pa
                  "--init-rank", "4", "--out", str(tmp_path), "--quiet"]) == 0
     init = captured_fit[0]["loss_fn"].buffer.init_dist
     assert init.covariance == "lowrank" and init.fitted and init.factor.shape == (10, 64, 4)
+    assert main(["train", "--epochs", "1", "--recipe", "jempp", "--init-covariance", "stationary",
+                 "--out", str(tmp_path / "s"), "--quiet"]) == 0
+    init = captured_fit[1]["loss_fn"].buffer.init_dist
+    assert init.covariance == "stationary" and init.fitted and init.std.shape == (10, 1, 8, 8)

@@ -130,32 +130,3 @@ def test_structured_noise_inits_are_grey_in_pixels_and_smooth_where_asked():
         for name in names:
             jem.unregister(name=name)
 
-
-def test_stationary_init_keeps_each_class_mean_and_the_data_power_spectrum():
-    """stationary (e55): draws have the class's mean and its power spectrum (smooth data give
-    smooth draws, unlike a diagonal init), and grey data give grey draws."""
-    path = os.path.join(os.path.dirname(B.__file__), "plugins", "stationary_init.py")
-    names = B.register_plugin_files([path])
-    try:
-        g = torch.Generator().manual_seed(0)
-        grey = torch.nn.functional.avg_pool2d(torch.randn(300, 1, 20, 20, generator=g), 5, 1)  # smooth, 16x16
-        y = torch.arange(300) % 2
-        x = grey.expand(300, 3, 16, 16) + 2.0 * y.view(-1, 1, 1, 1) * torch.tensor([1.0, 0.5, 0.0]).view(1, 3, 1, 1)
-        draws = {}
-        for name, kw in (("stationary", {}), ("gaussian", {"covariance": "diagonal"})):
-            buf = jem.ReplayBuffer(8, (3, 16, 16), init=name, init_kwargs=kw or None, num_classes=2).fit(x, y)
-            yy = torch.ones(2000, dtype=torch.long)
-            draws[name] = buf.init_dist.sample(2000, (3, 16, 16), jem.InputDomain((-9.0,), (9.0,)), g, "cpu", y=yy)
-        d, data = draws["stationary"], x[y == 1]
-        assert torch.allclose(d.mean(0), data.mean(0), atol=0.05)            # the class mean
-        centred = d - d.mean(0)
-        assert (centred[:, 0] - centred[:, 1]).abs().max() < 1e-4            # grey stays grey
-        power = lambda t: torch.fft.fft2(t[:, 0] - t[:, 0].mean(0)).abs().square().mean(0)
-        ratio = power(d) / power(data)
-        low, high = ratio[:2, :2].mean(), ratio[6:10, 6:10].mean()
-        assert 0.8 < low < 1.25 and 0.5 < high < 2.0                        # the same spectrum
-        jumps = lambda t: float((t[..., 1:] - t[..., :-1]).abs().mean() / (t - t.mean(0)).abs().mean())
-        assert jumps(d) < 0.6 * jumps(draws["gaussian"])                     # as smooth as the data
-    finally:
-        for name in names:
-            jem.unregister(name=name)

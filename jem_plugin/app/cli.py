@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from .. import calibration, ood, training
 from .. import distributed as jdist
 from .._checks import model_device
+from ..builtins.init_distributions import COVARIANCES
 from ..errors import JEMError
 from ..plugins import list_plugins
 from ..recipes import RECIPES, get_recipe
@@ -387,9 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buffer-size", type=_positive, default=None)
     p.add_argument("--reinit-freq", type=float, default=None)
     p.add_argument("--init", default=None, help="SGLD init distribution (uniform, gaussian, ...)")
-    p.add_argument("--init-covariance", choices=["diagonal", "full", "lowrank"], default=None,
+    p.add_argument("--init-covariance", choices=list(COVARIANCES), default=None,
                    help="gaussian init: per-pixel variances, JEM++'s full covariance (up to about 3x58x58), "
-                        "or --init-rank principal directions per class (any size)")
+                        "--init-rank principal directions per class (any size), or each class's power "
+                        "spectrum (stationary: images, any size)")
     p.add_argument("--init-rank", type=_positive, default=None,
                    help="principal directions per class of a lowrank init covariance (default: recipe, 32)")
     p.add_argument("--batchnorm", choices=["joint", "separate"], default=None,

@@ -10,7 +10,8 @@ Registered through the ``jem_register_init_distributions`` hook:
     diagonal by default, full covariance with ``covariance="full"`` (as JEM++'s reference code
     does, with ``1e-4 I`` jitter), or low rank with ``covariance="lowrank"`` (the ``rank`` leading
     principal directions plus isotropic noise: the pixel correlations of a full one at any image
-    size), clamped to the domain. Class-conditional draws use the given
+    size), or stationary with ``covariance="stationary"`` (images: the class's power spectrum,
+    noise as smooth as the data and none of its shapes), clamped to the domain. Class-conditional draws use the given
     class; unconditional draws pick a class uniformly at random. Call ``buffer.fit(x, y)`` first.
 ``normal``
     ``N(mean, std^2)`` per pixel, clamped to the domain.
@@ -70,6 +71,7 @@ class NormalInit(nn.Module):
 # 0.35 GiB at 3x32x32, 5.6 GiB at 3x64x64, 844 GiB at 3x224x224; lowrank, rank 8 at 3x224x224:
 # 0.04 GiB for 10 classes, 4.5 GiB for 1000.
 COVARIANCE_MAX_BYTES = 4 * 2**30
+COVARIANCES = ("diagonal", "full", "lowrank", "stationary")
 
 
 def _per_class_matmul(v: Tensor, mats: Tensor, y: Tensor) -> Tensor:
@@ -92,21 +94,27 @@ class GaussianInit(nn.Module):
         4 GiB, about 3x58x58 inputs with 10 classes) or ``"lowrank"`` (probabilistic PCA: the
         ``rank`` leading principal directions of each class plus isotropic noise carrying the
         rest of its variance; ``D x rank`` per class). Fitted on fewer than ``rank`` examples of
-        a class, ``"lowrank"`` draws from the same distribution as ``"full"``.
+        a class, ``"lowrank"`` draws from the same distribution as ``"full"``. ``"stationary"``
+        (images ``[N, C, H, W]`` only): a translation-invariant covariance, diagonal in the Fourier
+        basis, i.e. the class's mean power spectrum per colour axis (the principal axes of the
+        residuals' channels, shared by the classes); ``D`` numbers per class like ``"diagonal"``,
+        but the draws keep the data's correlation between near and distant pixels, so they carry
+        no per-pixel noise for the energy to tell them by (issue 16, e55-e58).
     rank: principal directions kept per class by ``"lowrank"``.
     residual: the share of the variance outside the kept directions that ``"lowrank"`` draws as
         isotropic noise: ``1.0`` (probabilistic PCA), ``0.0`` (draws lie in the span of the kept
         directions, up to ``jitter``) or in between.
     jitter: added to the variances (diagonal) or the covariance diagonal (full, low rank) so a
-        constant pixel or a class with one example still gives a valid distribution.
+        constant pixel or a class with one example still gives a valid distribution (stationary:
+        not used, its spectrum is valid as it is).
     scale: multiplies the standard deviation (``< 1`` draws closer to the class means).
     """
 
     def __init__(self, covariance: str = "diagonal", jitter: float = 1e-4, scale: float = 1.0,
                  rank: int = 32, residual: float = 1.0) -> None:
         super().__init__()
-        if covariance not in ("diagonal", "full", "lowrank"):
-            raise ValueError(f"covariance must be 'diagonal', 'full' or 'lowrank', got {covariance!r}")
+        if covariance not in COVARIANCES:
+            raise ValueError(f"covariance must be one of {', '.join(map(repr, COVARIANCES))}, got {covariance!r}")
         if int(rank) < 1:
             raise ValueError(f"gaussian init needs rank >= 1, got {rank}")
         if not 0.0 <= float(residual) <= 1.0:
@@ -115,9 +123,10 @@ class GaussianInit(nn.Module):
         self.rank, self.residual = int(rank), float(residual)
         # Fitted parameters are buffers so they travel with .to() and state_dict; empty until fit.
         self.register_buffer("mean", torch.empty(0))
-        self.register_buffer("std", torch.empty(0))          # [K, D] (diagonal); [K] isotropic (lowrank)
+        self.register_buffer("std", torch.empty(0))          # [K, D] (diagonal); [K] (lowrank); [K, C, H, W] per frequency (stationary)
         self.register_buffer("scale_tril", torch.empty(0))   # [K, D, D] (full)
         self.register_buffer("factor", torch.empty(0))       # [K, D, rank] (lowrank): cov = F F^T + std^2 I
+        self.register_buffer("colour", torch.empty(0))       # [C, C] (stationary): the residuals' channel axes
 
     @property
     def fitted(self) -> bool:
@@ -146,6 +155,10 @@ class GaussianInit(nn.Module):
                 f"have none (labels must lie in [0, {k})). Fit on data covering all classes."
             )
         d = flat.shape[1]
+        if self.covariance == "stationary" and x.dim() != 4:
+            raise InvalidInputError(
+                f"gaussian init: covariance='stationary' needs images [N, C, H, W], got shape "
+                f"{tuple(x.shape)}; use covariance='diagonal' or 'lowrank' for other inputs")
         if self.covariance == "full" and k * d * d * 4 > COVARIANCE_MAX_BYTES:
             raise InvalidInputError(
                 f"gaussian init: a full covariance for {k} classes of {d} values needs "
@@ -162,6 +175,9 @@ class GaussianInit(nn.Module):
         elif self.covariance == "lowrank":
             self.factor, self.std = self._fit_lowrank(centred, y, k, counts)
             self.scale_tril = torch.empty(0, device=flat.device)
+        elif self.covariance == "stationary":
+            self.colour, self.std = self._fit_stationary(centred.reshape(x.shape), y, k, counts)
+            self.scale_tril = self.factor = torch.empty(0, device=flat.device)
         else:
             eye = torch.eye(d, dtype=torch.float64, device=flat.device)
             trils = []
@@ -171,6 +187,8 @@ class GaussianInit(nn.Module):
                 trils.append(torch.linalg.cholesky(cov))
             self.scale_tril = torch.stack(trils).float()
             self.std = self.factor = torch.empty(0, device=flat.device)
+        if self.covariance != "stationary":
+            self.colour = torch.empty(0, device=flat.device)
         self.mean = means.float()
         return self
 
@@ -199,6 +217,20 @@ class GaussianInit(nn.Module):
                 noise_var[c] = self.residual * sv[kept:].square().sum() / (d - kept)
         return factor.float(), (noise_var + self.jitter).sqrt().float()
 
+    def _fit_stationary(self, centred: Tensor, y: Tensor, k: int, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """The channels' principal axes (one rotation for all classes: grey data stay grey) and, per
+        class, the mean power spectrum of each rotated channel as a standard deviation per frequency."""
+        n, c, h, w = centred.shape
+        pixels = centred.permute(0, 2, 3, 1).reshape(-1, c)
+        _, axes = torch.linalg.eigh(pixels.T @ pixels / pixels.shape[0])
+        power = torch.fft.fft2(torch.einsum("dc,nchw->ndhw", axes.T, centred)).abs().square()
+        spectrum = torch.zeros(k, c, h, w, dtype=power.dtype, device=power.device).index_add_(0, y, power)
+        spectrum /= counts.view(k, 1, 1, 1)
+        # A white draw's Fourier coefficients have variance H W: this std gives the data's spectrum.
+        # No jitter: a zero is already a valid spectrum, and jitter would add white noise to the
+        # colour axes the data lack (grey data would give coloured speckle the energy can spot).
+        return axes.float(), (spectrum / (h * w)).sqrt().float()
+
     @torch.no_grad()
     def sample(self, n: int, shape: Sequence[int], domain: InputDomain,
                generator: torch.Generator | None = None, device=None, y: Tensor | None = None) -> Tensor:
@@ -213,6 +245,10 @@ class GaussianInit(nn.Module):
                 f"gaussian init was fitted on inputs of {d} values, asked for samples of shape "
                 f"{tuple(shape)} ({math.prod(shape)} values); fit it on data of that shape"
             )
+        if self.covariance == "stationary" and tuple(shape) != tuple(self.std.shape[1:]):
+            raise InvalidInputError(
+                f"gaussian init (stationary) was fitted on images of shape {tuple(self.std.shape[1:])}, "
+                f"asked for samples of shape {tuple(shape)}; fit it on data of that shape")
         device = self.mean.device if device is None else device
         if y is None:
             y = _draw(lambda s, **kw: torch.randint(0, self.num_classes, s, **kw), (n,), generator, device)
@@ -228,13 +264,17 @@ class GaussianInit(nn.Module):
             factor = self.factor.to(device)
             latent = _draw(torch.randn, (n, factor.shape[2]), generator, device)
             x = z.mul_(self.std.to(device)[y].unsqueeze(1)).add_(_per_class_matmul(latent, factor, y))
+        elif self.covariance == "stationary":
+            # White noise filtered to the class's spectrum, then turned back to the data's channels.
+            spectral = torch.fft.fft2(z.view(n, *shape)).mul_(self.std.to(device)[y])
+            x = torch.einsum("cd,ndhw->nchw", self.colour.to(device), torch.fft.ifft2(spectral).real).reshape(n, d)
         else:
             x = _per_class_matmul(z, self.scale_tril.to(device), y)
         return domain.clamp(x.mul_(self.scale).add_(mean[y]).reshape(n, *shape))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The fitted tensors have data-dependent shapes: resize the empty buffers before loading.
-        for name in ("mean", "std", "scale_tril", "factor"):
+        for name in ("mean", "std", "scale_tril", "factor", "colour"):
             key = prefix + name
             if key in state_dict:
                 cur = getattr(self, name)
