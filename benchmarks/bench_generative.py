@@ -10,7 +10,8 @@ Recipes (:data:`jem_plugin.recipes.RECIPES`; every run uses a 1000-sample replay
 chains get long at these short runs, and random translations of +-1 pixel (8x8) / +-4 (32x32)
 as augmentation): ``baseline`` (cross-entropy, the fast preset's optimiser), ``fast`` (the
 default), ``fast_uniform`` (the fast preset before issue 16: uniform init, samples in the data's
-BatchNorm pass), ``jempp``, ``sadajem`` (SAM, p(x) on the un-augmented batch). On the 32x32
+BatchNorm pass), ``jempp``, ``sadajem`` (SAM, p(x) on the un-augmented batch), ``generative``
+(a stationary init, p(x) on the un-augmented batch). On the 32x32
 setting, ``--bn-runs`` (default ``fast``) are repeated once per ``--bn-modes``: ``joint`` (one
 forward over data and samples), ``separate`` (the samples' own train-mode pass, chains on running
 statistics), ``eval`` (the samples' part in eval mode) and ``batch`` (``separate`` with chains on
@@ -58,7 +59,7 @@ from jem_plugin.sample_quality import chain_trace, reference_points, sample_qual
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generative")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-RECIPE_RUNS = ("baseline", "fast", "fast_uniform", "jempp", "sadajem")
+RECIPE_RUNS = ("baseline", "fast", "fast_uniform", "jempp", "sadajem", "generative")
 OOD_METHODS = ("logpx", "grad_norm", "grad_norm_projected")
 OOD_SETS = ("noise", "patches", "transposed")
 BUFFER_SIZE = 1000

@@ -88,7 +88,7 @@ def test_user_fitted_init_is_left_alone():
     assert float(buffer.init_dist.mean.abs().max()) == 0.0
 
 
-@pytest.mark.parametrize("name", ["jempp", "sadajem"])
+@pytest.mark.parametrize("name", ["jempp", "sadajem", "generative"])
 def test_family_presets_build_a_working_loss(name):
     r = get_recipe(name)
     assert name in RECIPES and r.name == name and name in str(r)
@@ -103,6 +103,21 @@ def test_family_presets_build_a_working_loss(name):
     assert loss_fn.buffer.init_dist.fitted, "the Gaussian init is fitted from the first batch"
     assert loss_fn.sampler.noise == 0.0 and loss_fn.sampler.grad_clip is not None
 
+
+
+def test_generative_preset_fits_a_stationary_init_on_the_clean_batch():
+    """generative (issue 16, e59-e62): the per-class stationary Gaussian, fitted from px_data (the
+    un-augmented batch) when the user did not fit it, and samples in the data's BatchNorm pass."""
+    r = dataclasses.replace(get_recipe("generative"), buffer_size=30)
+    assert (r.init_covariance, r.px_clean_data, r.batchnorm) == ("stationary", True, "joint")
+    jm = jem.wrap(_net(3, in_ch=3), data_range=(-1, 1), input_size=(3, 4, 4), num_classes=3)
+    loss_fn = r.build_loss(sample_shape=(3, 4, 4), num_classes=3)
+    clean, y = torch.rand(6, 3, 4, 4) * 0.5, torch.tensor([0, 1, 2, 0, 1, 2])
+    augmented = clean.roll(1, dims=-1) - 0.5
+    loss_fn(jm, augmented, y, px_data=clean).loss.backward()
+    init = loss_fn.buffer.init_dist
+    assert init.covariance == "stationary" and init.std.shape == (3, 3, 4, 4)
+    torch.testing.assert_close(init.mean[0], (clean[0] + clean[3]).flatten() / 2)
 
 # ---------------------------------------------------------------- how samples meet BatchNorm
 def _bn_net(seed=0):
