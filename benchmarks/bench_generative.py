@@ -18,7 +18,8 @@ statistics), ``eval`` (the samples' part in eval mode) and ``batch`` (``separate
 their own batch statistics: the fast preset's own setting). ``--set FIELD=VALUE`` changes recipe
 fields in every JEM run, ``--seeds`` repeats runs, ``--only 32|8`` picks a setting.
 
-Measured per run: test accuracy and ECE; OOD AUROC of ``logpx``, ``grad_norm`` and
+Measured per run: test accuracy and ECE (and ECE after temperature scaling fitted on the other
+half of the test set); OOD AUROC of ``logpx``, ``grad_norm`` and
 ``grad_norm_projected`` against uniform noise, photo patches and transposed digits; sample quality
 from an independent judge (:mod:`jem_plugin.sample_quality`, trained here in seconds): the
 Fréchet distance of 360 buffer samples to the 360 test images and of class-conditional samples
@@ -238,6 +239,16 @@ def init_draws(S: dict, r, loss_fn, jm, n: int, y=None, seed: int = 3) -> torch.
     return jm.domain.uniform(n, shape, generator=g)
 
 
+def cross_fitted_ece(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """ECE after temperature scaling, as a user would fix a model on a validation split: the
+    temperature fitted on one half of the test set and applied to the other, both ways, averaged."""
+    halves = (torch.arange(len(labels)) % 2 == 0, torch.arange(len(labels)) % 2 == 1)
+    eces = [jem.calibration.calibration_report(logits[ev], labels[ev], fit_logits=logits[fit],
+                                               fit_labels=labels[fit])["ece_after"]
+            for fit, ev in (halves, halves[::-1])]
+    return sum(eces) / 2
+
+
 def evaluate_run(S: dict, res: dict, judge, quick: bool) -> dict[str, Any]:
     jm, r, loss_fn = res["jm"], res["recipe"], res["loss_fn"]
     with torch.no_grad():
@@ -245,6 +256,7 @@ def evaluate_run(S: dict, res: dict, judge, quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
         "accuracy": float((logits.argmax(1) == S["yt"]).float().mean()),
         "ece": jem.calibration.ece(logits, S["yt"], from_logits=True),
+        "ece_ts": cross_fitted_ece(logits, S["yt"]),
     }
     ood = jem.ood.evaluate_all(jm, S["xt"], S["ood"], methods=OOD_METHODS, progress=False)
     out["auroc"] = {m: {s: round(ood[m][s]["auroc"], 4) for s in OOD_SETS} for m in OOD_METHODS}
@@ -429,14 +441,14 @@ def to_markdown(res: dict[str, Any]) -> str:
                      f"train {fd['train']:.2f}, uniform init {fd['uniform_init']:.1f}, Gaussian init "
                      f"{fd['gaussian_init']:.1f}")
         lines.append("")
-    head = ("| setting | run | acc | ECE | logpx AUROC noise/patch/transp | grad_norm | grad_norm_proj | "
+    head = ("| setting | run | acc | ECE (after T) | logpx AUROC noise/patch/transp | grad_norm | grad_norm_proj | "
             "buffer FD (its init) | cond. FD | judge acc | model acc on own | CPU s | x baseline |")
     lines += [head, "|" + "---|" * 13]
     for r in res["rows"]:
         a = r["auroc"]
         f3 = lambda m: "/".join(f"{a[m][s]:.3f}" for s in OOD_SETS)  # noqa: E731
         buf = f"{r['buffer']['fd']:.1f} ({r['init_fd']:.1f})" if "buffer" in r else f"- ({r['init_fd']:.1f})"
-        lines.append(f"| {r['setting']} | {r['run']} | {r['accuracy']:.3f} | {r['ece']:.3f} | {f3('logpx')} | "
+        lines.append(f"| {r['setting']} | {r['run']} | {r['accuracy']:.3f} | {r['ece']:.3f} ({r.get('ece_ts', float('nan')):.3f}) | {f3('logpx')} | "
                      f"{f3('grad_norm')} | {f3('grad_norm_projected')} | {buf} | {r['cond']['fd']:.1f} | "
                      f"{r['cond']['judge_acc']:.2f} | {r['cond']['model_acc']:.2f} | {r['cost']['train_cpu_s']:.0f} | "
                      f"{r.get('cost_vs_baseline', float('nan')):.1f} |")
