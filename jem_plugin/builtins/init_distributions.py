@@ -223,8 +223,10 @@ class GaussianInit(nn.Module):
         n, c, h, w = centred.shape
         pixels = centred.permute(0, 2, 3, 1).reshape(-1, c)
         _, axes = torch.linalg.eigh(pixels.T @ pixels / pixels.shape[0])
-        power = torch.fft.fft2(torch.einsum("dc,nchw->ndhw", axes.T, centred)).abs().square()
-        spectrum = torch.zeros(k, c, h, w, dtype=power.dtype, device=power.device).index_add_(0, y, power)
+        spectrum = torch.zeros(k, c, h, w, dtype=centred.dtype, device=centred.device)
+        for rows in torch.arange(n, device=centred.device).split(256):  # complex128 per chunk, not per data set
+            power = torch.fft.fft2(torch.einsum("dc,nchw->ndhw", axes.T, centred[rows])).abs().square()
+            spectrum.index_add_(0, y[rows], power)
         spectrum /= counts.view(k, 1, 1, 1)
         # A white draw's Fourier coefficients have variance H W: this std gives the data's spectrum.
         # No jitter: a zero is already a valid spectrum, and jitter would add white noise to the
