@@ -74,6 +74,13 @@ class ReplayBuffer(nn.Module):
     device: where to create the samples. :meth:`SGLD.sample <jem_plugin.sampling.SGLD.sample>` and
         :class:`~jem_plugin.losses.JEMLoss` move the buffer to the model's device on first use
         (also after a checkpoint restored it on the CPU), so the chains never cross the bus.
+    auto_fit_examples: when nobody fitted a fittable init (``"gaussian"``), ``JEMLoss`` fits it
+        from the first batches (:meth:`fit_if_unfitted`): it keeps their examples, refits each time
+        their count doubles and redraws the chains, until it holds this many. One batch of 64
+        gives about six examples per class, too few for the ``generative`` preset's chains to move
+        (issue 16, e63). ``0``: fit once, from the first batch. The examples stay on their device
+        until then (1024 images of 3x224x224: 0.6 GB). Fitting on the training set with :meth:`fit`
+        is still better; a checkpoint taken while it collects resumes with the fit so far.
 
     The samples are drawn lazily from the init distribution on the first :meth:`sample`, which
     receives the model's :class:`~jem_plugin.adapter.InputDomain`.
@@ -81,7 +88,8 @@ class ReplayBuffer(nn.Module):
 
     def __init__(self, capacity: int = 10000, sample_shape: Sequence[int] = (3, 32, 32),
                  reinit_freq: float = 0.05, *, init: str | Callable | Any = "uniform",
-                 init_kwargs: dict | None = None, num_classes: int | None = None, device=None) -> None:
+                 init_kwargs: dict | None = None, num_classes: int | None = None, device=None,
+                 auto_fit_examples: int = 1024) -> None:
         super().__init__()
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
@@ -100,8 +108,11 @@ class ReplayBuffer(nn.Module):
                     f"capacity {capacity} is smaller than num_classes {num_classes}: every class needs "
                     "at least one slot; use a capacity of at least num_classes (JEM uses 10000)"
                 )
+        if isinstance(auto_fit_examples, bool) or not isinstance(auto_fit_examples, int) or auto_fit_examples < 0:
+            raise ValueError(f"auto_fit_examples must be an int >= 0, got {auto_fit_examples!r}")
         self.capacity = capacity
         self.sample_shape = sample_shape
+        self.auto_fit_examples = auto_fit_examples
         self.reinit_freq = float(reinit_freq)
         self.num_classes = num_classes
         init_obj, self.init_name = _resolve_init(init, dict(init_kwargs or {}))
@@ -123,6 +134,9 @@ class ReplayBuffer(nn.Module):
             init_obj.to(self.data.device)
         self._is_init = False  # host mirror of `initialized`: no device sync per sample()
         self._domain: InputDomain | None = None  # last domain seen, for save_grid
+        # The first batches' examples while fit_if_unfitted is still fitting the init from them.
+        self._auto_fit: list[tuple[Tensor, Tensor]] | None = None
+        self._auto_fit_next = 0  # refit when this many examples are held
 
     # ------------------------------------------------------------------ drawing
     @property
@@ -227,7 +241,12 @@ class ReplayBuffer(nn.Module):
         """Fit the init distribution from data (the per-class ``"gaussian"`` init needs this).
 
         Already stored chains are kept; call :meth:`reset` to redraw them from the fitted distribution.
+        This fit replaces the one ``JEMLoss`` makes from the first batches, which then stops.
         """
+        self._auto_fit = None
+        return self._fit(x, y)
+
+    def _fit(self, x: Tensor, y: Tensor | None, **options: Any) -> "ReplayBuffer":
         fit = getattr(self.init_dist, "fit", None)
         if fit is None:
             raise JEMError(f"the init distribution {self.init_name!r} has nothing to fit (it has no fit())")
@@ -239,24 +258,45 @@ class ReplayBuffer(nn.Module):
         kwargs = {}
         if self.num_classes is not None and "num_classes" in inspect.signature(fit).parameters:
             kwargs["num_classes"] = self.num_classes
-        fit(x, y, **kwargs)
+        fit(x, y, **kwargs, **options)
         if isinstance(self.init_dist, nn.Module):
             self.init_dist.to(self.data.device)
         return self
 
     def fit_if_unfitted(self, x: Tensor, y: Tensor | None) -> bool:
-        """Fit a fittable init distribution that nobody fitted, from this batch (``JEMLoss`` calls
-        this on every batch; it acts at most once, before the first chain is drawn). Classes
-        missing from the batch get the whole batch's Gaussian. Returns whether it fitted."""
-        if self._is_init or y is None or getattr(self.init_dist, "fitted", True):
+        """Fit a fittable init distribution that nobody fitted, from the first batches.
+
+        ``JEMLoss`` calls this on every training batch. The first call on an unfitted init (before
+        any chain was drawn) fits it from that batch; later calls add their batch to the examples
+        kept and refit, redrawing the chains, each time the count doubles, until
+        ``auto_fit_examples`` are held. Classes missing from the examples get their pooled Gaussian.
+        Returns whether it fitted.
+        """
+        if y is None:
             return False
-        y = y.reshape(-1).long()
+        if self._auto_fit is None:
+            if self._is_init or getattr(self.init_dist, "fitted", True):
+                return False
+            self._auto_fit, self._auto_fit_next = [], 0
+        self._auto_fit.append((x.detach().clone(), y.detach().reshape(-1).long().clone()))  # a loop may reuse its batch tensor
+        held = sum(int(b.shape[0]) for b, _ in self._auto_fit)
+        if held < self._auto_fit_next:
+            return False
+        x = torch.cat([b for b, _ in self._auto_fit])
+        y = torch.cat([c for _, c in self._auto_fit])
         k = self.num_classes if self.num_classes is not None else int(y.max()) + 1
-        missing = [c for c in range(k) if not bool((y == c).any())]
-        if missing:  # one copy of the batch per missing class: its Gaussian is the batch's
+        if "pool_missing" in inspect.signature(self.init_dist.fit).parameters:
+            self._fit(x, y, pool_missing=True)
+        else:  # a plugin's init: one copy of the examples per missing class, labelled with it
+            missing = [c for c in range(k) if not bool((y == c).any())]
             x = torch.cat([x] + [x] * len(missing))
             y = torch.cat([y] + [torch.full_like(y, c) for c in missing])
-        self.fit(x.detach(), y)
+            self._fit(x, y)
+        self.reset()  # the chains have barely moved yet: restart them from the better fit
+        if held >= self.auto_fit_examples:
+            self._auto_fit = None  # done: the init now counts as fitted
+        else:
+            self._auto_fit_next = 2 * held
         return True
 
     # ------------------------------------------------------------------ looking at it
@@ -333,6 +373,7 @@ class ReplayBuffer(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         self._is_init = bool(self.initialized)
+        self._auto_fit = None  # a restored init counts as fitted
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         try:

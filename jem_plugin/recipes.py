@@ -52,7 +52,8 @@ class Recipe:
     pxy_weight: float = 0.0
     l2_weight: float = 0.0              # energy L2 on data and sample energies
     data_noise: float = 0.03
-    px_clean_data: bool = False         # the p(x) term sees the un-augmented batch (SADA-JEM)
+    px_clean_data: bool = False         # the p(x) term sees the un-augmented batch (SADA-JEM): a loop that
+                                        # augments passes it as px_data=; jem train does not augment, so there it is moot
     batchnorm: str = "joint"            # samples pass BatchNorm with the data ("joint") or on their own ("separate")
     # optimiser
     optimizer: str = "adam"             # "adam" or "sgd"

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import jem_plugin as jem
+from jem_plugin.builtins.init_distributions import GaussianInit
 from jem_plugin.recipes import RECIPES, get_recipe
 
 
@@ -76,9 +77,77 @@ def test_unfitted_gaussian_init_is_fitted_from_the_first_batch():
     torch.testing.assert_close(init.mean[2], torch.zeros(16), atol=0.02, rtol=0)
     seg0 = buffer.samples(y=0)
     assert seg0.mean() == pytest.approx(-0.5, abs=0.05), "the chains start from the fitted Gaussian"
-    # a second batch does not refit
-    loss_fn(jm, x + 0.3, y)
-    torch.testing.assert_close(init.mean[0], torch.full((16,), -0.5), atol=0.02, rtol=0)
+
+
+def test_auto_fit_pools_the_first_batches_refitting_at_doublings_then_stops():
+    # One batch of 64 gives about six examples per class: too few for the generative preset
+    # (issue 16, e63). The fit keeps the first batches and refits at 8, 16 and 32 examples.
+    model = _net(2)
+    jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
+    buffer = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3, auto_fit_examples=32)
+    loss_fn = jem.JEMLoss(jem.SGLD(steps=0), buffer, data_noise=0.0)
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    levels, refits = [], []
+    for i in range(6):  # batch i sits at level i / 10: the fitted mean is the held batches' mean
+        levels.append(i / 10)
+        before = buffer.init_dist.mean.clone() if buffer.init_dist.fitted else None
+        loss_fn(jm, torch.full((8, 1, 4, 4), i / 10), y)
+        mean = buffer.init_dist.mean
+        refits.append(before is None or not torch.equal(before, mean))
+        if refits[-1]:
+            torch.testing.assert_close(mean, torch.full_like(mean, sum(levels) / len(levels)))
+            assert buffer.samples().mean() == pytest.approx(sum(levels) / len(levels), abs=0.005), \
+                "the chains are redrawn from the new fit"
+    assert refits == [True, True, False, True, False, False]  # 8, 16, 32 examples, then done
+
+
+def test_auto_fit_zero_fits_once_and_a_users_fit_stops_it():
+    model = _net(2)
+    jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    once = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3, auto_fit_examples=0)
+    assert once.fit_if_unfitted(torch.zeros(6, 1, 4, 4), y)
+    assert not once.fit_if_unfitted(torch.ones(6, 1, 4, 4), y)
+    assert float(once.init_dist.mean.abs().max()) == 0.0
+    pooled = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3)
+    assert pooled.fit_if_unfitted(torch.zeros(6, 1, 4, 4), y)
+    pooled.fit(torch.full((6, 1, 4, 4), 0.5), y)  # the user fits: the first batches are dropped
+    for _ in range(3):
+        assert not pooled.fit_if_unfitted(torch.ones(6, 1, 4, 4), y)
+    assert float(pooled.init_dist.mean.min()) == 0.5
+    # A checkpoint taken while it collects resumes with the fit so far (the examples are not saved).
+    collecting = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3)
+    assert collecting.fit_if_unfitted(torch.zeros(6, 1, 4, 4), y)
+    resumed = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3)
+    resumed.load_state_dict(collecting.state_dict())
+    assert not resumed.fit_if_unfitted(torch.ones(6, 1, 4, 4), y)
+    torch.testing.assert_close(resumed.init_dist.mean, collecting.init_dist.mean)
+    with pytest.raises(ValueError, match="auto_fit_examples"):
+        jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", auto_fit_examples=-1)
+
+
+@pytest.mark.parametrize("covariance", ["diagonal", "full", "lowrank", "stationary"])
+def test_gaussian_fit_pools_missing_classes_only_when_asked(covariance):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 2, 4, 4, generator=g)
+    y = torch.tensor([0, 2] * 6)  # class 1 and 3 have no examples
+    init = GaussianInit(covariance=covariance, rank=3)
+    with pytest.raises(jem.InvalidLabelError, match=r"classes \[1, 3\]"):
+        init.fit(x, y, num_classes=4)
+    init.fit(x, y, num_classes=4, pool_missing=True)
+    whole = GaussianInit(covariance=covariance, rank=3)
+    whole.fit(x, torch.zeros_like(y), num_classes=1)
+    alone = GaussianInit(covariance=covariance, rank=3).fit(x, y // 2, num_classes=2)
+    assert init.num_classes == 4
+    # The stationary init's colour axes are shared by the classes (and see the pooled copy): its
+    # power summed over the axes does not depend on them.
+    same = (lambda t: t.square().sum(0)) if covariance == "stationary" else (lambda t: t)
+    for name in ("mean", "std", "scale_tril", "factor"):
+        t = getattr(init, name)
+        if t.numel():
+            for c in (1, 3):  # the missing classes: the Gaussian of all examples
+                torch.testing.assert_close(same(t[c]), same(getattr(whole, name)[0]), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(same(t[2]), same(getattr(alone, name)[1]), atol=1e-5, rtol=1e-4)
 
 
 def test_user_fitted_init_is_left_alone():

@@ -137,8 +137,13 @@ class GaussianInit(nn.Module):
         return self.mean.shape[0] if self.fitted else 0
 
     @torch.no_grad()
-    def fit(self, x: Tensor, y: Tensor, num_classes: int | None = None) -> "GaussianInit":
-        """Fit one Gaussian per class from data ``x`` ``[N, *shape]`` with labels ``y`` ``[N]``."""
+    def fit(self, x: Tensor, y: Tensor, num_classes: int | None = None, *,
+            pool_missing: bool = False) -> "GaussianInit":
+        """Fit one Gaussian per class from data ``x`` ``[N, *shape]`` with labels ``y`` ``[N]``.
+
+        ``pool_missing``: classes without examples get the Gaussian of all examples (what ``JEMLoss``
+        does when it fits from the first batches) instead of an error.
+        """
         if not isinstance(x, Tensor) or not isinstance(y, Tensor):
             raise InvalidInputError("gaussian init: fit(x, y) needs tensors x [N, ...] and y [N]")
         flat = x.detach().reshape(x.shape[0], -1).to(torch.float64)  # float64: stable covariances
@@ -148,6 +153,20 @@ class GaussianInit(nn.Module):
             raise InvalidLabelError("gaussian init: fit(x, y) needs a non-empty y of class indices >= 0")
         k = int(num_classes) if num_classes is not None else int(y.max()) + 1
         counts = torch.bincount(y, minlength=k)
+        if pool_missing and counts.numel() == k and bool((counts == 0).any()):
+            # Fit the present classes (renumbered 0..m-1) and one extra class m holding every
+            # example (one copy of the data, whatever the number of missing classes), then give
+            # the missing classes the extra class's parameters.
+            present = counts > 0
+            m = int(present.sum())
+            renumber = torch.cumsum(present.long(), 0) - 1
+            self.fit(torch.cat([x, x]), torch.cat([renumber[y], torch.full_like(y, m)]), num_classes=m + 1)
+            rows = torch.where(present, renumber, m)
+            for name in ("mean", "std", "scale_tril", "factor"):
+                t = getattr(self, name)
+                if t.numel():
+                    setattr(self, name, t[rows.to(t.device)])
+            return self
         if counts.numel() > k or bool((counts == 0).any()):
             missing = [c for c in range(k) if c >= counts.numel() or counts[c] == 0]
             raise InvalidLabelError(
