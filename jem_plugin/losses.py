@@ -345,7 +345,9 @@ class JEMLoss(nn.Module):
         if self.samples_needed:
             buffer = self._ensure_buffer(core, x)
             follow(buffer, model_device(core, x.device))  # a buffer given or restored on the CPU
-            if not evaluating and hasattr(buffer, "fit_if_unfitted"):  # an informative init nobody fitted
+            # An informative init nobody fitted: fit it from the first batches (once per iteration:
+            # SAM's second pass, whose sampler replays the first pass's samples, adds nothing).
+            if not evaluating and hasattr(buffer, "fit_if_unfitted") and not getattr(self.sampler, "replaying", False):
                 buffer.fit_if_unfitted(x if px_data is None else px_data, y if px_data is None or
                                        px_data.shape[0] == y.shape[0] else None)
             n = self.n_samples or b

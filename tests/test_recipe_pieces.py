@@ -101,6 +101,22 @@ def test_auto_fit_pools_the_first_batches_refitting_at_doublings_then_stops():
     assert refits == [True, True, False, True, False, False]  # 8, 16, 32 examples, then done
 
 
+def test_auto_fit_counts_a_sam_iteration_once():
+    # SAM's second pass calls the loss again on the same batch: that batch must not be kept twice.
+    model = _net(2)
+    jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
+    buffer = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3, auto_fit_examples=16)
+    loss_fn = jem.JEMLoss(jem.SGLD(steps=0), buffer, data_noise=0.0)
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    for level in (0.0, 0.4):
+        x = torch.full((8, 1, 4, 4), level)
+        with jem.sam.reuse_samples(loss_fn) as replay:
+            loss_fn(jm, x, y)
+            replay.replaying = True
+            loss_fn(jm, x, y)
+    torch.testing.assert_close(buffer.init_dist.mean, torch.full_like(buffer.init_dist.mean, 0.2))
+
+
 def test_auto_fit_zero_fits_once_and_a_users_fit_stops_it():
     model = _net(2)
     jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
