@@ -79,14 +79,17 @@ def test_unfitted_gaussian_init_is_fitted_from_the_first_batch():
     assert seg0.mean() == pytest.approx(-0.5, abs=0.05), "the chains start from the fitted Gaussian"
 
 
+def _auto_fitting_loss(auto_fit_examples):
+    """A JEMLoss whose unfitted Gaussian init it fits itself; batches of 8 with labels ``y``."""
+    jm = jem.wrap(_net(2), data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
+    buffer = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3, auto_fit_examples=auto_fit_examples)
+    return jm, buffer, jem.JEMLoss(jem.SGLD(steps=0), buffer, data_noise=0.0), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+
+
 def test_auto_fit_pools_the_first_batches_refitting_at_doublings_then_stops():
     # One batch of 64 gives about six examples per class: too few for the generative preset
     # (issue 16, e63). The fit keeps the first batches and refits at 8, 16 and 32 examples.
-    model = _net(2)
-    jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
-    buffer = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3, auto_fit_examples=32)
-    loss_fn = jem.JEMLoss(jem.SGLD(steps=0), buffer, data_noise=0.0)
-    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    jm, buffer, loss_fn, y = _auto_fitting_loss(auto_fit_examples=32)
     levels, refits = [], []
     for i in range(6):  # batch i sits at level i / 10: the fitted mean is the held batches' mean
         levels.append(i / 10)
@@ -103,11 +106,7 @@ def test_auto_fit_pools_the_first_batches_refitting_at_doublings_then_stops():
 
 def test_auto_fit_counts_a_sam_iteration_once():
     # SAM's second pass calls the loss again on the same batch: that batch must not be kept twice.
-    model = _net(2)
-    jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
-    buffer = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3, auto_fit_examples=16)
-    loss_fn = jem.JEMLoss(jem.SGLD(steps=0), buffer, data_noise=0.0)
-    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    jm, buffer, loss_fn, y = _auto_fitting_loss(auto_fit_examples=16)
     for level in (0.0, 0.4):
         x = torch.full((8, 1, 4, 4), level)
         with jem.sam.reuse_samples(loss_fn) as replay:
