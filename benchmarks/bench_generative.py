@@ -275,8 +275,10 @@ def evaluate_run(S: dict, res: dict, judge, quick: bool) -> dict[str, Any]:
     x0 = init_draws(S, r, loss_fn, jm, len(yc), y=yc)
     ref = r or get_recipe("fast")
     sampler = jem.SGLD(steps=2 if quick else COND_STEPS, step_size=ref.step_size, noise=ref.noise,
-                       grad_clip=ref.grad_clip, batchnorm=ref.sgld_batchnorm,
+                       grad_clip=ref.grad_clip, batchnorm=ref.sgld_batchnorm, colours=ref.sgld_colours,
                        generator=torch.Generator().manual_seed(4))
+    if ref.sgld_colours == "data" and loss_fn is not None:  # the training chains' colour axes
+        sampler.colour_projection = loss_fn.buffer.colour_projection
     xc = sampler.sample(jm, x_init=x0, y=yc)
     out["cond"] = sample_quality(judge, xc, S["xt"], y_samples=yc)
     out["cond"]["model_acc"] = float((jm(xc).argmax(1) == yc).float().mean())  # the model fools itself

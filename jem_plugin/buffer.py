@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from . import plugins
 from .adapter import InputDomain
 from ._checks import check_labels, draw
+from ._colours import colour_projection
 from .errors import CheckpointError, InvalidInputError, InvalidLabelError, JEMError
 
 __all__ = ["ReplayBuffer"]
@@ -126,6 +127,9 @@ class ReplayBuffer(nn.Module):
             labels = torch.arange(capacity, device=device) * num_classes // capacity
         self.register_buffer("labels", labels)
         self.register_buffer("initialized", torch.tensor(False, device=device))
+        if len(sample_shape) >= 2:  # images [C, ...]: the colour axes of the fitted data (identity until a fit)
+            self.register_buffer("_colours", torch.eye(sample_shape[0], device=device))
+            self._colours_fitted = False
         if num_classes is not None:
             size = torch.bincount(labels, minlength=num_classes)
             self.register_buffer("_seg_size", size, persistent=False)
@@ -261,7 +265,21 @@ class ReplayBuffer(nn.Module):
         fit(x, y, **kwargs, **options)
         if isinstance(self.init_dist, nn.Module):
             self.init_dist.to(self.data.device)
+        if hasattr(self, "_colours"):
+            self._colours = colour_projection(x).to(self.data.device)
+            self._colours_fitted = True
         return self
+
+    @property
+    def colour_projection(self) -> Tensor | None:
+        """``[C, C]`` projection onto the colour axes the data fitted by :meth:`fit` (or by
+        ``JEMLoss`` from the first batches) vary along: one axis for grey images in an RGB model,
+        the identity for colour images; ``None`` before a fit or for samples that are not
+        ``[C, ...]``. ``SGLD(colours="data")`` confines its steps to it."""
+        if not hasattr(self, "_colours"):
+            return None
+        fitted = self._colours_fitted or bool(getattr(self.init_dist, "fitted", False))
+        return self._colours if fitted else None
 
     def fit_if_unfitted(self, x: Tensor, y: Tensor | None) -> bool:
         """Fit a fittable init distribution that nobody fitted, from the first batches.
@@ -372,8 +390,12 @@ class ReplayBuffer(nn.Module):
             )
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        if prefix + "_colours" in missing_keys:  # saved before buffers kept their colour axes
+            missing_keys.remove(prefix + "_colours")
         self._is_init = bool(self.initialized)
         self._auto_fit = None  # a restored init counts as fitted
+        if hasattr(self, "_colours"):  # (an init with a `fitted` flag says it itself, once loaded)
+            self._colours_fitted = not torch.equal(self._colours, torch.eye(self._colours.shape[0], device=self._colours.device))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         try:

@@ -38,6 +38,7 @@ class Recipe:
     noise: float = 0.01
     grad_clip: float | None = None      # proximal SGLD (JEM++): clamp each step's gradient
     sgld_batchnorm: str = "eval"        # chains see BatchNorm with "eval" (running) or "batch" statistics
+    sgld_colours: str = "all"           # steps move every channel ("all") or the data's colour axes only ("data")
     # replay buffer
     buffer_size: int = 10000
     reinit_freq: float = 0.05
@@ -84,7 +85,8 @@ class Recipe:
         from; ``overrides`` replace ``JEMLoss`` keywords.
         """
         sampler = SGLD(steps=self.sgld_steps, step_size=self.step_size, noise=self.noise,
-                       grad_clip=self.grad_clip, generator=generator, batchnorm=self.sgld_batchnorm)
+                       grad_clip=self.grad_clip, generator=generator, batchnorm=self.sgld_batchnorm,
+                       colours=self.sgld_colours)
         cond = self.init != "uniform" or self.pxy_weight > 0 or self.class_conditional_px
         init_kwargs = None
         if self.init == "gaussian":

@@ -25,9 +25,10 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from . import _cuda_graph, hookspecs, plugins
+from ._colours import project_colours
 from ._checks import (DomainCheck, autocast_cache_off, check_input, check_label_range, check_labels, follow,
                       model_device, same_device)
-from .errors import DivergenceError, InvalidInputError
+from .errors import DivergenceError, InvalidInputError, JEMError
 from .model import BATCHNORM_MODES, as_jem, input_grad_enabled, sampling_mode
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -35,6 +36,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .model import JEM
 
 __all__ = ["SGLD", "SGLDStepState", "SGLDDiagnostics"]
+
+COLOURS = ("all", "data")  # SGLD(colours=...): steps move every channel, or the data's colour axes only
 
 STEP_HOOK = hookspecs.STEP_HOOK
 SGLD_REMEDIES: tuple[str, ...] = (
@@ -135,6 +138,19 @@ class SGLD:
         running statistics (each chain independent of the others). ``"batch"``: with the
         statistics of the batch of chains itself, running statistics untouched; this is how
         JEM++ samples, and the energy that ``JEMLoss(batchnorm="separate")`` trains on samples.
+    colours: ``"all"``: steps move every channel freely. ``"data"``: each step (gradient and
+        noise) is projected, pixel by pixel, onto the colour axes the data vary along, read from
+        the buffer at each ``sample(..., buffer=)`` (:attr:`ReplayBuffer.colour_projection
+        <jem_plugin.buffer.ReplayBuffer.colour_projection>`, set when its init is fitted) and kept
+        in :attr:`colour_projection` for chains run without one. Grey data in an RGB model then
+        give grey chains: per-channel steps add colour speckle the energy learns to spot, and the
+        chains can stall on it (issue 16, e68). Colour data use all axes: no change.
+
+    Attributes
+    ----------
+    colour_projection: ``[C, C]`` matrix applied to every step over the channel dimension, or
+        ``None`` (no projection); ``colours="data"`` sets it from the buffer. Set it yourself to
+        confine chains run from ``x_init``.
     """
 
     def __init__(self, steps: int = 20, step_size: float | Callable[[int], float] = 1.0, noise: float = 0.01,
@@ -142,11 +158,15 @@ class SGLD:
                  final_step_size: float | None = None, clamp: bool = True, grad_clip: float | None = None,
                  record_trajectory: bool = False, record_energies: bool = False, progress: bool = False,
                  generator: torch.Generator | None = None, max_energy: float | None = None,
-                 cuda_graph: str = "auto", batchnorm: str = "eval") -> None:
+                 cuda_graph: str = "auto", batchnorm: str = "eval", colours: str = "all") -> None:
         self.cuda_graph = _cuda_graph.check_mode(cuda_graph)
         if batchnorm not in BATCHNORM_MODES:
             raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
         self.batchnorm = batchnorm
+        if colours not in COLOURS:
+            raise ValueError(f"colours must be one of {COLOURS}, got {colours!r}")
+        self.colours = colours
+        self.colour_projection: Tensor | None = None
         if not _is_int(steps) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
         if not callable(step_size):
@@ -184,6 +204,8 @@ class SGLD:
         extra = f", schedule={self.schedule!r}" if self.schedule != "constant" else ""
         if self.grad_clip is not None:
             extra += f", grad_clip={self.grad_clip}"
+        if self.colours != "all":
+            extra += f", colours={self.colours!r}"
         return f"SGLD(steps={self.steps}, step_size={a}, noise={self.noise}{extra}, clamp={self.clamp})"
 
     # ------------------------------------------------------------------ schedule
@@ -247,6 +269,7 @@ class SGLD:
             y_index = y.view(-1, 1)
         sizes = self.step_sizes()
         noise, clip, gen = self.noise, self.grad_clip, self.generator
+        colour = self._colour_matrix(x, dtype)
         domain = jm.domain
         use_hook = bool(sizes) and plugins.has_implementations(STEP_HOOK)  # checked once per run
         hook = plugins.get_plugin_manager().hook.jem_sgld_step if use_hook else None
@@ -292,9 +315,12 @@ class SGLD:
                     g = g.to(dtype)
                 if clip is not None:
                     g.clamp_(-clip, clip)
+                if colour is not None:
+                    g = project_colours(g, colour)
                 xd.add_(g, alpha=sizes[t])
                 if noise_buf is not None:
-                    xd.add_(noise_buf.normal_(generator=gen), alpha=noise)
+                    z = noise_buf.normal_(generator=gen)
+                    xd.add_(z if colour is None else project_colours(z, colour), alpha=noise)
                 for view, lo, hi in clamps:
                     view.clamp_(lo, hi)
                 if record_e:
@@ -322,6 +348,21 @@ class SGLD:
         return xd, SGLDDiagnostics(steps=len(sizes), final_step_size=sizes[-1] if sizes else None,
                                    trajectory=trajectory if record_x else None,
                                    energies=torch.stack(energies) if record_e else None)
+
+    def _colour_matrix(self, x: Tensor, dtype: torch.dtype) -> Tensor | None:
+        """The colour projection for this chain, on its device, or ``None``."""
+        p = self.colour_projection
+        if p is None:
+            if self.colours == "data":
+                raise JEMError(
+                    "SGLD(colours='data') has no colour axes yet: they come from the buffer at "
+                    "sample(..., buffer=); set sampler.colour_projection to run chains from x_init first")
+            return None
+        if x.dim() < 2 or tuple(p.shape) != (x.shape[1], x.shape[1]):
+            raise InvalidInputError(
+                f"SGLD colour_projection of shape {tuple(p.shape)} does not fit chains of shape "
+                f"{tuple(x.shape)}: it needs [C, C] with C = {x.shape[1] if x.dim() > 1 else '?'} channels (dim 1)")
+        return p.to(device=x.device, dtype=dtype)
 
     def _check_divergence(self, x: Tensor, score: Tensor) -> None:
         # One host sync per chain, never per step. A NaN/inf anywhere makes the sum non-finite
@@ -386,6 +427,13 @@ class SGLD:
         device = model_device(jm)
         if buffer is not None:
             follow(buffer, device)  # the buffer lives where the chains run: no copy per iteration
+            if self.colours == "data":
+                self.colour_projection = getattr(buffer, "colour_projection", None)
+                if self.colour_projection is None:
+                    raise JEMError(
+                        "SGLD(colours='data') confines steps to the colour axes of the buffer's data, and "
+                        "this buffer has none: fit its init (buffer.fit(x, y), or let JEMLoss fit it) "
+                        "on image data [N, C, ...], or use colours='all'")
             x0, idx = buffer.sample(n, domain=jm.domain, y=y, generator=self.generator)
             if device is not None and not same_device(x0.device, device):  # a buffer that is not an nn.Module
                 x0 = x0.to(device)
@@ -413,6 +461,7 @@ class SGLD:
             "final_step_size": self.final_step_size,
             "clamp": self.clamp,
             "grad_clip": self.grad_clip,
+            "colours": self.colours,
             "max_energy": self.max_energy,
             "record_trajectory": self.record_trajectory,
             "record_energies": self.record_energies,
@@ -424,7 +473,7 @@ class SGLD:
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` saved (a callable step size is kept: it is not saved)."""
         for key in ("steps", "noise", "schedule", "decay_power", "final_step_size", "clamp", "grad_clip",
-                    "max_energy", "record_trajectory", "record_energies", "progress"):
+                    "colours", "max_energy", "record_trajectory", "record_energies", "progress"):
             if key in state:
                 setattr(self, key, state[key])
         if state.get("step_size") is not None:

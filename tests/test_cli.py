@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from jem_plugin.app.cli import main
 
@@ -363,3 +364,11 @@ def test_train_init_covariance_flag_reaches_the_fitted_init(captured_fit, tmp_pa
                  "--out", str(tmp_path / "s"), "--quiet"]) == 0
     init = captured_fit[1]["loss_fn"].buffer.init_dist
     assert init.covariance == "stationary" and init.fitted and init.std.shape == (10, 1, 8, 8)
+
+
+def test_train_sgld_colours_flag_reaches_the_sampler(captured_fit, tmp_path):
+    """--sgld-colours data: the chains' steps follow the colour axes of the data the buffer was fitted on."""
+    assert main(["train", "--epochs", "1", "--sgld-colours", "data", "--out", str(tmp_path), "--quiet"]) == 0
+    loss_fn = captured_fit[0]["loss_fn"]
+    assert loss_fn.sampler.colours == "data"
+    assert torch.equal(loss_fn.buffer.colour_projection, torch.eye(1))  # 1-channel digits: one axis, kept

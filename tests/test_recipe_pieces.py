@@ -290,3 +290,68 @@ def test_separate_batchnorm_keeps_one_forward_without_batch_statistics():
     loss_fn(jem.wrap(bn, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3),
             torch.rand(4, 1, 4, 4) * 2 - 1, torch.tensor([0, 1, 2, 0]))
     assert calls[1:] == [4, 4]
+
+
+def _grey_rgb(n, g, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)):
+    """Grey images in ImageNet-normalised RGB (the same pixel value in every channel before the
+    normalisation), as grey digits fed to an RGB model."""
+    grey = torch.rand(n, 1, 6, 6, generator=g).expand(n, 3, 6, 6)
+    return (grey - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+
+
+def _is_grey(x, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)):
+    pixels = x * torch.tensor(std).view(1, 3, 1, 1) + torch.tensor(mean).view(1, 3, 1, 1)
+    return float((pixels - pixels.mean(1, keepdim=True)).abs().max())
+
+
+def test_colour_steps_keep_grey_chains_grey_and_colour_data_unchanged():
+    # Grey data in an RGB model: per-channel steps add colour the data never have (issue 16, e68).
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.SiLU(), nn.Flatten(), nn.Linear(144, 3))
+    jm = jem.wrap(model, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), input_size=(3, 6, 6), num_classes=3)
+    x, y = _grey_rgb(30, g), torch.arange(30) % 3
+    buffer = jem.ReplayBuffer(30, (3, 6, 6), init="gaussian", num_classes=3, reinit_freq=0.0).fit(x, y)
+    proj = buffer.colour_projection
+    assert torch.linalg.matrix_rank(proj) == 1, "grey data vary along one colour axis"
+    torch.testing.assert_close(proj @ proj, proj, atol=1e-5, rtol=0)
+    start = {}
+    for colours in ("all", "data"):
+        buffer.data.copy_(x)
+        buffer.initialized.fill_(True)
+        buffer._is_init = True
+        sampler = jem.SGLD(steps=5, step_size=1.0, noise=0.01, colours=colours, generator=torch.Generator().manual_seed(1))
+        start[colours] = sampler.sample(jm, 30, buffer=buffer)
+    assert _is_grey(start["all"]) > 1e-3, "the model's gradient is not grey: free steps add colour"
+    assert _is_grey(start["data"]) < 1e-4, "confined steps (gradient and noise) keep the chains grey"
+    assert (start["data"] - x).abs().max() > 1e-3, "and still move them"
+    # Colour data use every axis: the projection is the identity and the steps are unchanged.
+    colour = jem.ReplayBuffer(30, (3, 6, 6), init="gaussian", num_classes=3).fit(torch.randn(30, 3, 6, 6), y)
+    assert torch.equal(colour.colour_projection, torch.eye(3))
+
+
+def test_colour_steps_errors_and_checkpoint():
+    g = torch.Generator().manual_seed(0)
+    jm = jem.wrap(nn.Sequential(nn.Flatten(), nn.Linear(108, 3)), data_range=(-3, 3), input_size=(3, 6, 6), num_classes=3)
+    sampler = jem.SGLD(steps=2, colours="data")
+    unfitted = jem.ReplayBuffer(30, (3, 6, 6))  # uniform init: nothing fitted, no colour axes
+    assert unfitted.colour_projection is None
+    with pytest.raises(jem.JEMError, match="colours='data'.*fit its init"):
+        sampler.sample(jm, 4, buffer=unfitted)
+    with pytest.raises(jem.JEMError, match="no colour axes yet"):
+        sampler.sample(jm, x_init=torch.zeros(4, 3, 6, 6))
+    sampler.colour_projection = torch.eye(2)
+    with pytest.raises(jem.InvalidInputError, match=r"\[C, C\] with C = 3"):
+        sampler.sample(jm, x_init=torch.zeros(4, 3, 6, 6))
+    with pytest.raises(ValueError, match="colours must be one of"):
+        jem.SGLD(colours="grey")
+    # The colour axes travel with the buffer's state; a checkpoint saved before they existed loads.
+    y = torch.arange(30) % 3
+    fitted = jem.ReplayBuffer(30, (3, 6, 6), init="gaussian", num_classes=3).fit(_grey_rgb(30, g), y)
+    restored = jem.ReplayBuffer(30, (3, 6, 6), init="gaussian", num_classes=3)
+    restored.load_state_dict(fitted.state_dict())
+    torch.testing.assert_close(restored.colour_projection, fitted.colour_projection)
+    old = {k: v for k, v in fitted.state_dict().items() if k != "_colours"}
+    older = jem.ReplayBuffer(30, (3, 6, 6), init="gaussian", num_classes=3)
+    older.load_state_dict(old)
+    assert torch.equal(older.colour_projection, torch.eye(3)), "fitted before colour axes: no projection"

@@ -24,7 +24,7 @@ from ..builtins.init_distributions import COVARIANCES
 from ..errors import JEMError
 from ..plugins import list_plugins
 from ..recipes import RECIPES, get_recipe
-from ..sampling import SGLD
+from ..sampling import COLOURS, SGLD
 from . import CLIError
 from .experiments import dataset_sample_quality, run_digits_demo
 from .model_files import (build_model, check_classes, check_inputs, check_resume, drop_buffer_from_checkpoints,
@@ -249,7 +249,8 @@ def _train(args, info) -> int:
         # Once, at the end (a judge costs seconds): rank 0's buffer against the held-out split (issue 16)
         q = record["sample_quality"] = dataset_sample_quality(
             jm, loss_fn.buffer, ds, val, sgld_steps=max(20, recipe.sgld_steps), step_size=recipe.step_size,
-            noise=recipe.noise, grad_clip=recipe.grad_clip, seed=args.seed, batchnorm=recipe.sgld_batchnorm)
+            noise=recipe.noise, grad_clip=recipe.grad_clip, seed=args.seed, batchnorm=recipe.sgld_batchnorm,
+            colours=recipe.sgld_colours)
         print("sample quality: " + (q["skipped"] if "skipped" in q else
               f"buffer FD {q['fd_buffer']:.3g} (init {q['fd_init']:.3g}, held-out floor {q['fd_heldout_floor']:.3g}; "
               f"{int(q['fd_n_samples'])} images), judge accuracy on class samples {q['judge_acc_samples']:.2f} "
@@ -339,7 +340,7 @@ def _emit(result: dict[str, Any], args) -> None:
 # ----------------------------------------------------------------------------- parser
 RECIPE_FLAGS = ("sgld_steps", "step_size", "noise", "grad_clip", "buffer_size", "reinit_freq", "init",
                 "init_covariance", "init_rank", "n_samples", "px_weight", "pxy_weight", "l2_weight",
-                "data_noise", "lr", "warmup_iters", "batchnorm", "sgld_batchnorm")
+                "data_noise", "lr", "warmup_iters", "batchnorm", "sgld_batchnorm", "sgld_colours")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -398,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples pass BatchNorm with the data (joint) or on their own (separate; fast's default)")
     p.add_argument("--sgld-batchnorm", choices=["eval", "batch"], default=None,
                    help="chains normalised by running (eval) or their own batch (batch; fast's default) statistics")
+    p.add_argument("--sgld-colours", choices=list(COLOURS), default=None,
+                   help="SGLD steps move every channel (all) or only the colour axes the data vary along "
+                        "(data: grey images stay grey in an RGB model; generative's default)")
     p.add_argument("--ce-weight", type=float, default=1.0)
     p.add_argument("--px-weight", type=float, default=None)
     p.add_argument("--pxy-weight", type=float, default=None)

@@ -253,11 +253,11 @@ def sample_quality_figures(judge, buffer, x_heldout: torch.Tensor, domain, *, x_
 def dataset_sample_quality(jm, buffer, train_ds, heldout_ds, *, sgld_steps: int = 20, step_size: float = 1.0,
                            noise: float = 0.01, grad_clip: float | None = None, seed: int = 0,
                            max_train: int = 5000, max_heldout: int = 2000,
-                           batchnorm: str = "eval") -> dict[str, Any]:
+                           batchnorm: str = "eval", colours: str = "all") -> dict[str, Any]:
     """:func:`sample_quality_figures` for ``jem train``'s end: a judge trained on (at most
     ``max_train`` of) ``train_ds``, the buffer against (at most ``max_heldout`` of) ``heldout_ds``,
     and class-conditional samples (``sgld_steps`` of conditional SGLD from per-class init draws,
-    about 100 in all; ``batchnorm`` as in :class:`~jem_plugin.SGLD`: the recipe's chains). Returns
+    about 100 in all; ``batchnorm`` and ``colours`` as in :class:`~jem_plugin.SGLD`: the recipe's chains). Returns
     ``{"skipped": reason}`` when the held-out split is too small."""
 
     if heldout_ds is None or len(heldout_ds) < 20:
@@ -275,7 +275,8 @@ def dataset_sample_quality(jm, buffer, train_ds, heldout_ds, *, sgld_steps: int 
     y_cond = torch.arange(k, device=buffer.device).repeat_interleave(max(1, 100 // k))
     x0 = buffer.init_dist.sample(len(y_cond), tuple(buffer.sample_shape), jm.domain, g, buffer.device, y=y_cond)
     sampler = SGLD(steps=sgld_steps, step_size=step_size, noise=noise, grad_clip=grad_clip, generator=g,
-                   batchnorm=batchnorm)
+                   batchnorm=batchnorm, colours=colours)
+    sampler.colour_projection = buffer.colour_projection if colours == "data" else None
     jm.eval()
     x_cond = sampler.sample(jm, x_init=x0, y=y_cond)
     return sample_quality_figures(judge, buffer, xh, jm.domain, x_cond=x_cond, y_cond=y_cond, seed=seed)

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_labels, draw as _draw
+from .._colours import channel_axes
 from ..adapter import InputDomain
 from ..errors import InvalidInputError, InvalidLabelError, JEMError
 from ..plugins import hookimpl
@@ -240,8 +241,7 @@ class GaussianInit(nn.Module):
         """The channels' principal axes (one rotation for all classes: grey data stay grey) and, per
         class, the mean power spectrum of each rotated channel as a standard deviation per frequency."""
         n, c, h, w = centred.shape
-        pixels = centred.permute(0, 2, 3, 1).reshape(-1, c)
-        _, axes = torch.linalg.eigh(pixels.T @ pixels / pixels.shape[0])
+        _, axes = channel_axes(centred)
         spectrum = torch.zeros(k, c, h, w, dtype=centred.dtype, device=centred.device)
         for rows in torch.arange(n, device=centred.device).split(256):  # complex128 per chunk, not per data set
             power = torch.fft.fft2(torch.einsum("dc,nchw->ndhw", axes.T, centred[rows])).abs().square()
