@@ -71,6 +71,23 @@ class Recipe:
                  if f.name not in ("name", "summary")]
         return "\n".join(rows)
 
+    def for_inputs(self, sample_shape: Sequence[int]) -> tuple["Recipe", list[str]]:
+        """This recipe for inputs of ``sample_shape``, and what had to change (one line each).
+
+        The image-only pieces (the stationary init, steps in the data's colours) need
+        ``[C, H, W]`` inputs; for others they fall back to a diagonal covariance and free steps.
+        """
+        if len(tuple(sample_shape)) == 3:
+            return self, []
+        changes: dict[str, Any] = {}
+        if self.init == "gaussian" and self.init_covariance == "stationary":
+            changes["init_covariance"] = "diagonal"
+        if self.sgld_colours != "all":
+            changes["sgld_colours"] = "all"
+        notes = [f"recipe {self.name!r}: inputs of shape {tuple(sample_shape)} are not images [C, H, W]: "
+                 f"{k} {getattr(self, k)!r} -> {v!r}" for k, v in changes.items()]
+        return dataclasses.replace(self, **changes), notes
+
     def warmup_for(self, total_iters: int) -> int:
         """Warm-up iterations for a run of ``total_iters``: the recipe's, capped to a fraction of the run."""
         return max(0, min(self.warmup_iters, int(self.warmup_max_fraction * total_iters)))

@@ -372,3 +372,13 @@ def test_train_sgld_colours_flag_reaches_the_sampler(captured_fit, tmp_path):
     loss_fn = captured_fit[0]["loss_fn"]
     assert loss_fn.sampler.colours == "data"
     assert torch.equal(loss_fn.buffer.colour_projection, torch.eye(1))  # 1-channel digits: one axis, kept
+
+
+def test_train_generative_on_points_falls_back_from_its_image_pieces_and_says_so(captured_fit, tmp_path, capsys):
+    """toy2d points are not images: the stationary init and colour steps give way, with one line each."""
+    assert main(["train", "--recipe", "generative", "--data", "toy2d", "--model", "toy-mlp", "--epochs", "1",
+                 "--out", str(tmp_path), "--quiet"]) == 0
+    loss_fn = captured_fit[0]["loss_fn"]
+    assert loss_fn.buffer.init_dist.covariance == "diagonal" and loss_fn.sampler.colours == "all"
+    out = capsys.readouterr().out
+    assert "init_covariance 'stationary' -> 'diagonal'" in out and "sgld_colours 'data' -> 'all'" in out

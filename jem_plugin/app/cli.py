@@ -176,6 +176,9 @@ def _train(args, info) -> int:
     # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(args.seed)
     ds, domain, k, shape = load_data(args.data, train=True, image_size=args.image_size, seed=args.seed)
+    recipe, notes = recipe.for_inputs(shape)
+    for note in notes if info.is_main and not args.baseline else ():
+        print(f"jem train: {note}")
     data_classes = getattr(ds, "classes", None)
     held_out, val = None, None
     if args.val_data:
