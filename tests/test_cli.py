@@ -192,17 +192,20 @@ def captured_fit(monkeypatch):
     return calls
 
 
-def test_train_defaults_to_the_fast_recipe_with_warmup_capped(captured_fit, tmp_path, capsys):
+def test_train_defaults_to_the_generative_recipe_with_warmup_capped(captured_fit, tmp_path, capsys):
     from jem_plugin.recipes import get_recipe
 
     assert main(["train", "--out", str(tmp_path), "--quiet"]) == 0
     call = captured_fit[0]
-    fast = get_recipe("fast")
+    default = get_recipe("generative")
     iters = len(call["loader"])
-    assert call["epochs"] == 150 and call["warmup_iters"] == fast.warmup_for(150 * iters) == fast.warmup_iters
-    assert call["loss_fn"].sampler.steps == fast.sgld_steps and call["loss_fn"].n_samples == fast.n_samples
-    assert call["optimizer"].param_groups[0]["lr"] == fast.lr
-    assert "recipe fast" in capsys.readouterr().out
+    assert call["epochs"] == 150 and call["warmup_iters"] == default.warmup_for(150 * iters) == default.warmup_iters
+    sampler = call["loss_fn"].sampler
+    assert (sampler.steps, sampler.noise, sampler.grad_clip, sampler.colours) == (10, 0.0, 0.03, "data")
+    assert call["loss_fn"].n_samples == default.n_samples and call["loss_fn"].batchnorm == "joint"
+    assert call["loss_fn"].buffer.init_dist.covariance == "stationary" and call["loss_fn"].buffer.init_dist.fitted
+    assert call["optimizer"].param_groups[0]["lr"] == default.lr
+    assert "recipe generative" in capsys.readouterr().out
 
 
 def test_train_recipe_paper_on_a_short_run_caps_the_warmup(captured_fit, tmp_path):
@@ -343,12 +346,12 @@ def test_checkpoint_every_n_iterations(tmp_path):
     assert any("000000020" in n for n in names), names  # mid-epoch (an epoch is 22 iterations)
 
 
-def test_train_batchnorm_flags_reach_the_loss_and_the_default_is_the_fast_recipes(captured_fit, tmp_path):
-    assert main(["train", "--epochs", "1", "--out", str(tmp_path / "a"), "--quiet"]) == 0
+def test_train_batchnorm_flags_reach_the_loss_and_fast_keeps_the_samples_apart(captured_fit, tmp_path):
+    assert main(["train", "--epochs", "1", "--recipe", "fast", "--out", str(tmp_path / "a"), "--quiet"]) == 0
     loss_fn = captured_fit[0]["loss_fn"]
     assert (loss_fn.batchnorm, loss_fn.sampler.batchnorm) == ("separate", "batch")
     assert loss_fn.buffer.init_dist.fitted  # fast fits its per-class Gaussian on the training data
-    assert main(["train", "--epochs", "1", "--batchnorm", "joint", "--sgld-batchnorm", "eval",
+    assert main(["train", "--epochs", "1", "--recipe", "fast", "--batchnorm", "joint", "--sgld-batchnorm", "eval",
                  "--out", str(tmp_path / "b"), "--quiet"]) == 0
     loss_fn = captured_fit[1]["loss_fn"]
     assert (loss_fn.batchnorm, loss_fn.sampler.batchnorm) == ("joint", "eval")
