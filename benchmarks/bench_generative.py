@@ -278,7 +278,7 @@ def evaluate_run(S: dict, res: dict, judge, quick: bool) -> dict[str, Any]:
                        grad_clip=ref.grad_clip, batchnorm=ref.sgld_batchnorm, colours=ref.sgld_colours,
                        generator=torch.Generator().manual_seed(4))
     if ref.sgld_colours == "data" and loss_fn is not None:  # the training chains' colour axes
-        sampler.colour_projection = loss_fn.buffer.colour_projection
+        sampler.use_colours_of(loss_fn.buffer)
     xc = sampler.sample(jm, x_init=x0, y=yc)
     out["cond"] = sample_quality(judge, xc, S["xt"], y_samples=yc)
     out["cond"]["model_acc"] = float((jm(xc).argmax(1) == yc).float().mean())  # the model fools itself

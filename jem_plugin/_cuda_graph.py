@@ -114,8 +114,8 @@ def _blocker(sampler: SGLD, jm: JEM, x: Tensor) -> str | None:
         return "trajectory/energy recording reads the chain after every step"
     if plugins.has_implementations(hookspecs.STEP_HOOK):
         return f"a {hookspecs.STEP_HOOK} plugin hook runs Python after every step"
-    if sampler.colours != "all" or sampler.colour_projection is not None:
-        return "the colour projection of SGLD(colours='data') is not part of the captured step yet"
+    if sampler.colour_projection is not None:
+        return "the colour projection of SGLD(colours='data') on data with fewer colour axes than channels is not part of the captured step yet"
     if isinstance(jm.model, _CallableModule):
         return "the model is a plain callable (its tensors cannot be tracked between runs)"
     if torch.cuda.is_current_stream_capturing():

@@ -316,8 +316,8 @@ class JEMLoss(nn.Module):
         device = model_device(core)
         follow(buffer, device)
         x0, _ = buffer.sample(n, domain=core.domain, y=y, generator=self.generator)
-        if getattr(self.sampler, "colours", "all") == "data":  # read from the buffer when sampling from it
-            self.sampler.colour_projection = buffer.colour_projection
+        if getattr(self.sampler, "colours", "all") == "data":  # as sample(buffer=) would
+            self.sampler.use_colours_of(buffer)
         return self.sampler.sample(core, x_init=x0.to(device or x0.device), y=y)
 
     def forward(self, jm: Any, x: Tensor, y: Tensor, px_data: Tensor | None = None) -> LossOutput:

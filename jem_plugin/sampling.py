@@ -149,8 +149,9 @@ class SGLD:
     Attributes
     ----------
     colour_projection: ``[C, C]`` matrix applied to every step over the channel dimension, or
-        ``None`` (no projection); ``colours="data"`` sets it from the buffer. Set it yourself to
-        confine chains run from ``x_init``.
+        ``None`` (no projection); ``colours="data"`` sets it from the buffer (:meth:`use_colours_of`;
+        ``None`` for data that use every colour axis, so colour images keep CUDA graphs). Set it
+        yourself to confine chains run from ``x_init``.
     """
 
     def __init__(self, steps: int = 20, step_size: float | Callable[[int], float] = 1.0, noise: float = 0.01,
@@ -167,6 +168,7 @@ class SGLD:
             raise ValueError(f"colours must be one of {COLOURS}, got {colours!r}")
         self.colours = colours
         self.colour_projection: Tensor | None = None
+        self._colours_of: Tensor | None = None  # the buffer projection colour_projection was read from
         if not _is_int(steps) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
         if not callable(step_size):
@@ -349,11 +351,24 @@ class SGLD:
                                    trajectory=trajectory if record_x else None,
                                    energies=torch.stack(energies) if record_e else None)
 
+    def use_colours_of(self, buffer: "ReplayBuffer") -> None:
+        """Confine steps to the colour axes of the data ``buffer`` was fitted on (what
+        ``colours="data"`` does at each ``sample(..., buffer=)``); no projection when they are all."""
+        p = getattr(buffer, "colour_projection", None)
+        if p is None:
+            raise JEMError(
+                "SGLD(colours='data') confines steps to the colour axes of the buffer's data, and this "
+                "buffer has none: fit its init (buffer.fit(x, y), or let JEMLoss fit it) on image data "
+                "[N, C, ...], or use colours='all'")
+        if p is not self._colours_of:  # a new fit or device: one check, not one per iteration
+            self._colours_of = p
+            self.colour_projection = None if torch.equal(p, torch.eye(p.shape[0], device=p.device)) else p
+
     def _colour_matrix(self, x: Tensor, dtype: torch.dtype) -> Tensor | None:
         """The colour projection for this chain, on its device, or ``None``."""
         p = self.colour_projection
         if p is None:
-            if self.colours == "data":
+            if self.colours == "data" and self._colours_of is None:
                 raise JEMError(
                     "SGLD(colours='data') has no colour axes yet: they come from the buffer at "
                     "sample(..., buffer=); set sampler.colour_projection to run chains from x_init first")
@@ -428,12 +443,7 @@ class SGLD:
         if buffer is not None:
             follow(buffer, device)  # the buffer lives where the chains run: no copy per iteration
             if self.colours == "data":
-                self.colour_projection = getattr(buffer, "colour_projection", None)
-                if self.colour_projection is None:
-                    raise JEMError(
-                        "SGLD(colours='data') confines steps to the colour axes of the buffer's data, and "
-                        "this buffer has none: fit its init (buffer.fit(x, y), or let JEMLoss fit it) "
-                        "on image data [N, C, ...], or use colours='all'")
+                self.use_colours_of(buffer)
             x0, idx = buffer.sample(n, domain=jm.domain, y=y, generator=self.generator)
             if device is not None and not same_device(x0.device, device):  # a buffer that is not an nn.Module
                 x0 = x0.to(device)

@@ -328,6 +328,11 @@ def test_colour_steps_keep_grey_chains_grey_and_colour_data_unchanged():
     # Colour data use every axis: the projection is the identity and the steps are unchanged.
     colour = jem.ReplayBuffer(30, (3, 6, 6), init="gaussian", num_classes=3).fit(torch.randn(30, 3, 6, 6), y)
     assert torch.equal(colour.colour_projection, torch.eye(3))
+    free = jem.SGLD(steps=1, colours="data")
+    free.use_colours_of(colour)
+    assert free.colour_projection is None, "no projection at all: colour images keep their CUDA graphs"
+    free.use_colours_of(buffer)
+    assert torch.equal(free.colour_projection, proj)
 
 
 def test_colour_steps_errors_and_checkpoint():

@@ -276,7 +276,8 @@ def dataset_sample_quality(jm, buffer, train_ds, heldout_ds, *, sgld_steps: int 
     x0 = buffer.init_dist.sample(len(y_cond), tuple(buffer.sample_shape), jm.domain, g, buffer.device, y=y_cond)
     sampler = SGLD(steps=sgld_steps, step_size=step_size, noise=noise, grad_clip=grad_clip, generator=g,
                    batchnorm=batchnorm, colours=colours)
-    sampler.colour_projection = buffer.colour_projection if colours == "data" else None
+    if colours == "data":
+        sampler.use_colours_of(buffer)
     jm.eval()
     x_cond = sampler.sample(jm, x_init=x0, y=y_cond)
     return sample_quality_figures(judge, buffer, xh, jm.domain, x_cond=x_cond, y_cond=y_cond, seed=seed)
