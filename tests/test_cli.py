@@ -385,3 +385,13 @@ def test_train_generative_on_points_falls_back_from_its_image_pieces_and_says_so
     assert loss_fn.buffer.init_dist.covariance == "diagonal" and loss_fn.sampler.colours == "all"
     out = capsys.readouterr().out
     assert "init_covariance 'stationary' -> 'diagonal'" in out and "sgld_colours 'data' -> 'all'" in out
+
+
+def test_train_reports_held_out_calibration_before_and_after_a_temperature(tmp_path, capsys):
+    """The generative default costs calibration that one temperature restores: jem train says both."""
+    assert main(["train", "--baseline", "--epochs", "2", "--out", str(tmp_path), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    cal = json.loads((tmp_path / "history.json").read_text())["calibration"]
+    assert cal["n"] == 180 and cal["temperature"] > 0  # the odd half of the 360 held-out digits
+    assert 0.0 <= cal["ece_after"] <= 1.0 and 0.0 <= cal["ece_before"] <= 1.0
+    assert f"ECE {cal['ece_before']:.3f}, {cal['ece_after']:.3f} after a temperature" in out

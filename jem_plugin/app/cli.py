@@ -258,6 +258,11 @@ def _train(args, info) -> int:
               f"buffer FD {q['fd_buffer']:.3g} (init {q['fd_init']:.3g}, held-out floor {q['fd_heldout_floor']:.3g}; "
               f"{int(q['fd_n_samples'])} images), judge accuracy on class samples {q['judge_acc_samples']:.2f} "
               f"(init {q['judge_acc_init']:.2f}, test images {q['judge_acc_heldout']:.2f}). " + QUALITY_HOW_TO_READ))
+    if info.is_main and val_loader is not None:
+        c = record["calibration"] = _held_out_calibration(jm, val_loader)
+        print(f"held-out calibration ({int(c['n'])} images): ECE {c['ece_before']:.3f}, {c['ece_after']:.3f} "
+              f"after a temperature of {c['temperature']:.2f} fitted on the other half of the held-out "
+              "split (fit yours with jem.calibration.TemperatureScaler)")
     if info.is_main:
         save_model_checkpoint(out / "model.pt", jm, spec)
         (out / "history.json").write_text(json.dumps(record, indent=2))
@@ -267,6 +272,17 @@ def _train(args, info) -> int:
         print(f"model: {out / 'model.pt'}")
     jdist.barrier()  # no rank exits (and tears down the group) before rank 0 has written
     return 0
+
+
+def _held_out_calibration(jm, loader) -> dict[str, float]:
+    """ECE of the trained model on the held-out split, before and after a temperature fitted on
+    its even-indexed images and measured on the odd ones (a deployable figure, not an oracle)."""
+    jm.eval()
+    dev = model_device(jm)
+    with torch.no_grad():
+        logits, labels = zip(*[(jm.logits(xb.to(dev)).float().cpu(), yb) for xb, yb in loader])
+    z, y = torch.cat(logits), torch.cat(labels)
+    return calibration.calibration_report(z[1::2], y[1::2], fit_logits=z[::2], fit_labels=y[::2])
 
 
 def _eval_tensors(args, spec):
