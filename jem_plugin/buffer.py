@@ -302,10 +302,10 @@ class ReplayBuffer(nn.Module):
             return False
         x = torch.cat([b for b, _ in self._auto_fit])
         y = torch.cat([c for _, c in self._auto_fit])
-        k = self.num_classes if self.num_classes is not None else int(y.max()) + 1
         if "pool_missing" in inspect.signature(self.init_dist.fit).parameters:
             self._fit(x, y, pool_missing=True)
         else:  # a plugin's init: one copy of the examples per missing class, labelled with it
+            k = self.num_classes if self.num_classes is not None else int(y.max()) + 1
             missing = [c for c in range(k) if not bool((y == c).any())]
             x = torch.cat([x] + [x] * len(missing))
             y = torch.cat([y] + [torch.full_like(y, c) for c in missing])
