@@ -38,7 +38,7 @@ from . import plugins
 from .buffer import INIT_HOOK, ReplayBuffer
 from ._checks import DomainCheck, check_input, check_label_range, check_labels, draw, follow, free_energy, model_device
 from .errors import InvalidInputError
-from .model import JEM, as_jem, frozen_bn_stats, running_stats_from_first, sampling_mode
+from .model import JEM, as_jem, frozen_bn_stats, sampling_mode
 from .sampling import SGLD
 
 __all__ = ["LossOutput", "LossBatch", "JEMLoss", "LOSS_TERMS_HOOK"]
@@ -107,7 +107,7 @@ class LossBatch:
         return torch.cat(parts) if parts else None
 
 
-LOSS_BATCHNORM_MODES = ("joint", "joint_data_stats", "separate")
+LOSS_BATCHNORM_MODES = ("joint", "separate")
 
 
 def _batch_statistics_in_use(model: nn.Module) -> bool:
@@ -160,10 +160,7 @@ class JEMLoss(nn.Module):
     validate: check shapes, dtypes and label range (one small device sync for labels on a GPU).
     batchnorm: how the samples pass a model's BatchNorm layers in train mode. ``"joint"``: one
         forward over data and samples, normalised with shared batch statistics that also enter
-        the running statistics. ``"joint_data_stats"``: the same forward, but the running
-        statistics (what evaluation and ``SGLD(batchnorm="eval")`` chains normalise with) are
-        updated from the data rows only (:func:`~jem_plugin.model.running_stats_from_first`).
-        ``"separate"``: the samples in a second forward with their own
+        the running statistics. ``"separate"``: the samples in a second forward with their own
         batch statistics, leaving the running statistics to the data (JEM++'s passes); pair it
         with ``SGLD(batchnorm="batch")`` so the chains climb the energy this trains. No effect on
         models without BatchNorm.
@@ -375,10 +372,6 @@ class JEMLoss(nn.Module):
             # Data first (through the wrapper: DDP's reducer sees one forward), then the samples
             # through the bare JEM with their own batch statistics, the running ones untouched.
             logits_all = torch.cat([jm(torch.cat(parts[:n_data])), _samples_pass(core, torch.cat(parts[n_data:]))])
-        elif self.batchnorm == "joint_data_stats" and len(parts) > n_data:
-            n_rows = sum(p.shape[0] for p in parts[:n_data])
-            with running_stats_from_first(core.model, n_rows, sum(p.shape[0] for p in parts)):
-                logits_all = jm(torch.cat(parts))
         else:
             logits_all = jm(torch.cat(parts) if len(parts) > 1 else x_data)
         sizes = [p.shape[0] for p in parts]

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.nn.modules.batchnorm import _NormBase
 
 from ._checks import check_input, check_labels, free_energy, unwrap_model
 from .adapter import Adapter, InputDomain, check_wrap_options
@@ -18,8 +18,7 @@ from .errors import (InferenceModeError, NoLogitsError, NotWrappedError,
                      NonFiniteLogitsError)
 from .plugins import get_plugin_manager
 
-__all__ = ["JEM", "wrap", "as_jem", "input_grad_enabled", "sampling_mode", "frozen_bn_stats",
-           "running_stats_from_first"]
+__all__ = ["JEM", "wrap", "as_jem", "input_grad_enabled", "sampling_mode", "frozen_bn_stats"]
 
 
 class _CallableModule(nn.Module):
@@ -296,49 +295,6 @@ def frozen_bn_stats(model: nn.Module | None) -> Iterator[None]:
         yield
     finally:
         for m in layers:
-            m.track_running_stats = True
-
-
-@contextlib.contextmanager
-def running_stats_from_first(model: nn.Module | None, n: int, total: int) -> Iterator[None]:
-    """Inside, BatchNorm layers in train mode normalise a batch of ``total`` rows with the
-    statistics of all of them, but update their running statistics from the first ``n`` rows only.
-
-    For a joint pass of data and samples (data first): training normalises both together, while
-    evaluation, which uses the running statistics, normalises with statistics of data alone.
-    Samples far from the data (early chains) otherwise shift the running statistics, and a model
-    evaluated on data then sees a normalisation it was never trained under. The update follows
-    BatchNorm's own rule (``momentum``, or the cumulative average when it is ``None``). A layer
-    whose input has ``k * total`` rows (a batch folded with time, say) updates from its first
-    ``k * n``; a layer with any other row count from all of them, as BatchNorm itself would."""
-    layers = [] if model is None else [
-        m for m in model.modules()
-        if isinstance(m, _BatchNorm) and m.training and m.track_running_stats and m.running_mean is not None]
-    if not layers or n >= total:
-        yield
-        return
-
-    def update_from_first_rows(m: nn.Module, args: tuple) -> None:
-        x = args[0]
-        rows = x.shape[0] * n // total if x.shape[0] % total == 0 else x.shape[0]
-        with torch.no_grad():
-            first = x[:rows].detach().float()
-            dims = [0] + list(range(2, first.dim()))
-            mean = first.mean(dims)
-            var = first.var(dims, correction=1) if first.numel() > mean.numel() else torch.zeros_like(mean)
-            m.num_batches_tracked.add_(1)
-            factor = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
-            m.running_mean.lerp_(mean.to(m.running_mean.dtype), factor)
-            m.running_var.lerp_(var.to(m.running_var.dtype), factor)
-
-    handles = [m.register_forward_pre_hook(update_from_first_rows) for m in layers]
-    for m in layers:  # the layer's own update is off; the hook does it
-        m.track_running_stats = False
-    try:
-        yield
-    finally:
-        for m, h in zip(layers, handles):
-            h.remove()
             m.track_running_stats = True
 
 

@@ -55,8 +55,7 @@ class Recipe:
     data_noise: float = 0.03
     px_clean_data: bool = False         # the p(x) term sees the un-augmented batch (SADA-JEM): a loop that
                                         # augments passes it as px_data=; jem train does not augment, so there it is moot
-    batchnorm: str = "joint"            # samples pass BatchNorm with the data ("joint"; "joint_data_stats": running
-                                        # statistics from the data rows only) or on their own ("separate")
+    batchnorm: str = "joint"            # samples pass BatchNorm with the data ("joint") or on their own ("separate")
     # optimiser
     optimizer: str = "adam"             # "adam" or "sgd"
     lr: float = 1e-4

@@ -233,60 +233,6 @@ def test_separate_batchnorm_keeps_samples_out_of_the_data_statistics():
     assert not torch.allclose(runs["joint"][1], ref[2].running_mean)
 
 
-def test_joint_data_stats_normalises_jointly_and_keeps_running_statistics_to_the_data():
-    """batchnorm="joint_data_stats": the logits of the joint pass (shared batch statistics), but
-    running statistics that only the data moved, so evaluation normalises data with data
-    statistics. Samples far from the data had pulled them away (issue 16: 0.978 -> 0.992 accuracy
-    once recomputed from data)."""
-    x = torch.rand(8, 1, 4, 4) * 2 - 1
-    y = torch.arange(8) % 3
-    far = torch.full((8, 1, 4, 4), 0.99)
-    runs = {}
-    for mode in ("joint", "joint_data_stats"):
-        model = _bn_net()
-        jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
-        loss_fn = jem.JEMLoss(FixedSampler(far), jem.ReplayBuffer(8, (1, 4, 4)), data_noise=0.0, batchnorm=mode)
-        out = loss_fn(jm, x, y)
-        out.loss.backward()
-        bn = model[2]
-        runs[mode] = (out.logits.detach(), bn.running_mean.clone(), bn.running_var.clone(),
-                      bn.num_batches_tracked.item(), bn.track_running_stats)
-    ref = _bn_net()
-    ref(x)  # the data alone through train-mode BatchNorm: the running statistics to expect
-    logits, mean, var, tracked, tracking = runs["joint_data_stats"]
-    torch.testing.assert_close(logits, runs["joint"][0])  # the same forward
-    torch.testing.assert_close(mean, ref[2].running_mean)
-    torch.testing.assert_close(var, ref[2].running_var)
-    assert tracked == 1 and tracking
-    assert not torch.allclose(runs["joint"][1], ref[2].running_mean)  # joint mixes the samples in
-
-
-@pytest.mark.parametrize("momentum", [0.1, None])
-def test_running_stats_from_first_follows_batchnorms_own_update(momentum):
-    """Two passes under the context move the running statistics exactly as two passes of the
-    first rows alone would (exponential or cumulative average), on a conv net; the output is the
-    whole batch's; after the context the layer updates itself again."""
-    from jem_plugin.model import running_stats_from_first
-
-    def net():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU())
-
-    model, data_only, plain = net().train(), net().train(), net().train()
-    batches = [torch.randn(10, 3, 6, 6) for _ in range(2)]
-    for b in batches:
-        b[6:] += 3  # the "samples": far from the data
-        with running_stats_from_first(model, 6, 10):
-            out = model(b)
-        torch.testing.assert_close(out, plain(b))
-        data_only(b[:6])
-    for name in ("running_mean", "running_var", "num_batches_tracked"):
-        torch.testing.assert_close(getattr(model[1], name), getattr(data_only[1], name))
-    assert not model[1]._forward_pre_hooks and model[1].track_running_stats
-    model(batches[0])
-    assert model[1].num_batches_tracked.item() == 3
-
-
 def test_batch_statistics_chains_leave_running_statistics_and_modes_alone():
     model = _bn_net()
     model[2].eval()  # a user who froze this layer gets it back frozen
