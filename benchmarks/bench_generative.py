@@ -50,6 +50,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.swa_utils import update_bn
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -339,17 +340,31 @@ def save_grid(path: str, title: str, domain, buf: torch.Tensor | None, xc: torch
 
 
 # ---------------------------------------------------------------------------- driver
-def _job(args: tuple) -> dict[str, Any]:
-    setting, run, epochs, bn_mode, quick, out_dir, n_train, overrides, tag, seed, fit_init = args
+def _job(args: tuple) -> list[dict[str, Any]]:
+    setting, run, epochs, bn_mode, quick, out_dir, n_train, overrides, tag, seed, fit_init, bn_from_data = args
     torch.set_num_threads(1)
     S = load_setting(setting, n_train)
     judge = _judge(S, quick)
     res = train_run(S, run, epochs, seed=seed, bn_mode=bn_mode, quick=quick,
                     overrides=overrides if run != "baseline" else None, fit_init=fit_init)
-    ev = evaluate_run(S, res, judge, quick)
     key = run if bn_mode is None else f"{run}_bn_{bn_mode}"
     key += f"_{tag}" if tag and run != "baseline" else ""
     key += f"_seed{seed}" if seed else ""
+    rows = [_evaluated_row(S, res, judge, quick, setting, key, epochs, out_dir)]
+    if bn_from_data and res["recipe"] is not None:
+        # The same trained model, its BatchNorm running statistics recomputed from the clean
+        # training set (the JEM pass mixed the samples into them): a side-by-side pair.
+        update_bn([S["x"][i:i + 64] for i in range(0, len(S["x"]), 64)], res["model"])
+        res["model"].eval()
+        res["jm"] = jem.wrap(res["model"], **S["wrap_kw"])
+        row = _evaluated_row(S, res, judge, quick, setting, key.replace(run, run + "_bnfromdata", 1), epochs, out_dir)
+        row["cost"]["bn_from_data_cpu_s"] = row["cost"]["train_cpu_s"]  # the same training
+        rows.append(row)
+    return rows
+
+
+def _evaluated_row(S, res, judge, quick, setting, key, epochs, out_dir) -> dict[str, Any]:
+    ev = evaluate_run(S, res, judge, quick)
     q = ev.get("buffer", {})
     title = (f"{setting} / {key}: acc {ev['accuracy']:.3f}; cond. samples (left, {COND_STEPS if not quick else 2} "
              f"steps from init): judge acc {ev['cond']['judge_acc']:.2f}, model acc {ev['cond']['model_acc']:.2f}"
@@ -358,7 +373,7 @@ def _job(args: tuple) -> dict[str, Any]:
     ev["grid"] = os.path.basename(save_grid(os.path.join(out_dir, f"{setting}_{key}.png"), title, dom,
                                             ev.pop("buffer_samples", None), ev.pop("cond_samples"),
                                             ev.pop("cond_labels"), judge))
-    ev["cost"] = res["cost"]
+    ev["cost"] = dict(res["cost"])
     ev["history_last"] = res["history"][-1]
     ev["recipe"] = str(res["recipe"]) if res["recipe"] is not None else "cross-entropy only"
     return {"setting": setting, "run": key, "epochs": epochs, **ev}
@@ -393,34 +408,37 @@ def references(setting: str, quick: bool, n_train: int | None) -> dict[str, Any]
 def run(settings=("digits32_test_resnet", "digits8_cnn"), runs=RECIPE_RUNS, epochs32: int = 20, epochs8: int = 40,
         bn_modes: Sequence[str] = (), bn_runs: Sequence[str] = ("fast",), quick: bool = False,
         out_dir: str = OUT, workers: int = 2, n_train: int | None = None, overrides: dict | None = None,
-        tag: str = "", seeds: Sequence[int] = (0,), fit_init: str = "loop") -> dict[str, Any]:
+        tag: str = "", seeds: Sequence[int] = (0,), fit_init: str = "loop", bn_from_data: bool = False) -> dict[str, Any]:
     """``runs`` with each recipe's own BatchNorm settings; then, on the 32x32 setting, each of
     ``bn_runs`` once per BatchNorm mode in ``bn_modes``. ``overrides``: recipe fields changed in
-    every JEM run (their names get ``_<tag>``)."""
+    every JEM run (their names get ``_<tag>``). ``bn_from_data``: each JEM run is also evaluated
+    with its BatchNorm running statistics recomputed from the training set (``<run>_bnfromdata``)."""
     os.makedirs(out_dir, exist_ok=True)
     jobs = []
     for s in settings:
         ep = epochs32 if s.startswith("digits32") else epochs8
-        jobs += [(s, r, ep, None, quick, out_dir, n_train, overrides, tag, k, fit_init) for k in seeds for r in runs]
+        jobs += [(s, r, ep, None, quick, out_dir, n_train, overrides, tag, k, fit_init, bn_from_data)
+                 for k in seeds for r in runs]
         if s.startswith("digits32"):
-            jobs += [(s, r, ep, m, quick, out_dir, n_train, overrides, tag, k, fit_init)
+            jobs += [(s, r, ep, m, quick, out_dir, n_train, overrides, tag, k, fit_init, bn_from_data)
                      for k in seeds for r in bn_runs for m in bn_modes]
     t0 = time.perf_counter()
     if workers > 1:
         with ProcessPoolExecutor(workers) as ex:
             refs = {s: ex.submit(references, s, quick, n_train) for s in settings}
-            rows = list(ex.map(_job, jobs))
+            rows = [row for rows in ex.map(_job, jobs) for row in rows]
             refs = {s: f.result() for s, f in refs.items()}
     else:
         refs = {s: references(s, quick, n_train) for s in settings}
-        rows = [_job(j) for j in jobs]
+        rows = [row for j in jobs for row in _job(j)]
     for row in rows:
         base = next((b for b in rows if b["setting"] == row["setting"] and b["run"].startswith("baseline")), None)
         if base is not None:
             row["cost_vs_baseline"] = row["cost"]["train_cpu_s"] / max(base["cost"]["train_cpu_s"], 1e-9)
     res = {"machine": {"threads_per_run": 1, "workers": workers, "wall_s": time.perf_counter() - t0},
            "settings": {"buffer_size": BUFFER_SIZE, "cond_steps": COND_STEPS, "epochs32": epochs32,
-                        "epochs8": epochs8, "batch_size": 64, "n_train": n_train, "fit_init": fit_init},
+                        "epochs8": epochs8, "batch_size": 64, "n_train": n_train, "fit_init": fit_init,
+                        "bn_from_data": bn_from_data},
            "references": refs, "rows": rows}
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -513,6 +531,9 @@ def main(argv=None) -> None:
     p.add_argument("--fit-init", choices=("loop", "train"), default="loop",
                    help="where an informative init is fitted: by JEMLoss from the first batches (a user's "
                         "loop, up to the buffer's auto_fit_examples) or on the clean training set (what jem train does)")
+    p.add_argument("--bn-from-data", action="store_true",
+                   help="also evaluate each JEM run with BatchNorm running statistics recomputed from the "
+                        "training set (torch.optim.swa_utils.update_bn; rows <run>_bnfromdata)")
     p.add_argument("--plugin", nargs="*", default=[], metavar="FILE.py",
                    help="register these files as jem plugins first (an init distribution to try: --set init=NAME)")
     p.add_argument("--workers", type=int, default=2)
@@ -523,7 +544,7 @@ def main(argv=None) -> None:
         "cnn") == (a.only == "8"))
     overrides = {k: _parse_value(v) for k, v in (kv.split("=", 1) for kv in a.set)}
     common = dict(bn_modes=a.bn_modes, bn_runs=a.bn_runs, out_dir=a.out, workers=a.workers,
-                  overrides=overrides, tag=a.tag, seeds=a.seeds, fit_init=a.fit_init)
+                  overrides=overrides, tag=a.tag, seeds=a.seeds, fit_init=a.fit_init, bn_from_data=a.bn_from_data)
     if a.quick:
         res = run(settings, a.runs, 1, 1, quick=True, n_train=128, **common)
     else:
