@@ -30,6 +30,9 @@ judge's distance along them (:func:`~jem_plugin.sample_quality.chain_trace`); tr
 against the baseline. Sample grids: ``<setting>_<run>.png``. ``--fit-init train`` fits informative
 inits on the clean training set (as ``jem train`` does) instead of leaving them to ``JEMLoss``,
 which fits them from the first batches of the loop (``--fit-init loop``, up to 1024 examples).
+A recipe with ``bn_stats_from_data`` (``generative``) is evaluated after its BatchNorm running
+statistics are recomputed from the training set, as ``jem train`` leaves it; ``--bn-from-data``
+reports every JEM run both ways.
 
     python benchmarks/bench_generative.py                 # ~25 CPU minutes (~13 on 2 cores)
     python benchmarks/bench_generative.py --quick         # seconds (smoke test)
@@ -350,17 +353,22 @@ def _job(args: tuple) -> list[dict[str, Any]]:
     key = run if bn_mode is None else f"{run}_bn_{bn_mode}"
     key += f"_{tag}" if tag and run != "baseline" else ""
     key += f"_seed{seed}" if seed else ""
-    rows = [_evaluated_row(S, res, judge, quick, setting, key, epochs, out_dir)]
-    if bn_from_data and res["recipe"] is not None:
+    r = res["recipe"]
+    recomputes = r is not None and r.bn_stats_from_data  # as `jem train` does after training
+    rows = []
+    if r is not None and (bn_from_data or not recomputes):
+        # The model as trained (for a recipe that recomputes: the other half of the pair)
+        rows.append(_evaluated_row(S, res, judge, quick, setting,
+                                   key.replace(run, run + "_bnastrained", 1) if recomputes else key, epochs, out_dir))
+    if r is not None and (bn_from_data or recomputes):
         # The same trained model, its BatchNorm running statistics recomputed from the clean
-        # training set (the JEM pass mixed the samples into them): a side-by-side pair.
+        # training set (the joint pass mixed the samples into them)
         update_bn([S["x"][i:i + 64] for i in range(0, len(S["x"]), 64)], res["model"])
         res["model"].eval()
         res["jm"] = jem.wrap(res["model"], **S["wrap_kw"])
-        row = _evaluated_row(S, res, judge, quick, setting, key.replace(run, run + "_bnfromdata", 1), epochs, out_dir)
-        row["cost"]["bn_from_data_cpu_s"] = row["cost"]["train_cpu_s"]  # the same training
-        rows.append(row)
-    return rows
+        rows.append(_evaluated_row(S, res, judge, quick, setting,
+                                   key if recomputes else key.replace(run, run + "_bnfromdata", 1), epochs, out_dir))
+    return rows or [_evaluated_row(S, res, judge, quick, setting, key, epochs, out_dir)]
 
 
 def _evaluated_row(S, res, judge, quick, setting, key, epochs, out_dir) -> dict[str, Any]:
@@ -411,8 +419,10 @@ def run(settings=("digits32_test_resnet", "digits8_cnn"), runs=RECIPE_RUNS, epoc
         tag: str = "", seeds: Sequence[int] = (0,), fit_init: str = "loop", bn_from_data: bool = False) -> dict[str, Any]:
     """``runs`` with each recipe's own BatchNorm settings; then, on the 32x32 setting, each of
     ``bn_runs`` once per BatchNorm mode in ``bn_modes``. ``overrides``: recipe fields changed in
-    every JEM run (their names get ``_<tag>``). ``bn_from_data``: each JEM run is also evaluated
-    with its BatchNorm running statistics recomputed from the training set (``<run>_bnfromdata``)."""
+    every JEM run (their names get ``_<tag>``). ``bn_from_data``: each JEM run is evaluated
+    both with the BatchNorm running statistics of training and with those recomputed from the
+    training set (a recipe with ``bn_stats_from_data`` is reported recomputed, as ``jem train``
+    leaves it; the other half of the pair gets ``_bnfromdata`` / ``_bnastrained``)."""
     os.makedirs(out_dir, exist_ok=True)
     jobs = []
     for s in settings:
@@ -532,8 +542,9 @@ def main(argv=None) -> None:
                    help="where an informative init is fitted: by JEMLoss from the first batches (a user's "
                         "loop, up to the buffer's auto_fit_examples) or on the clean training set (what jem train does)")
     p.add_argument("--bn-from-data", action="store_true",
-                   help="also evaluate each JEM run with BatchNorm running statistics recomputed from the "
-                        "training set (torch.optim.swa_utils.update_bn; rows <run>_bnfromdata)")
+                   help="evaluate each JEM run both with the BatchNorm running statistics of training and with "
+                        "those recomputed from the training set (torch.optim.swa_utils.update_bn): rows "
+                        "<run>_bnfromdata, or <run>_bnastrained for a recipe that recomputes them (generative)")
     p.add_argument("--plugin", nargs="*", default=[], metavar="FILE.py",
                    help="register these files as jem plugins first (an init distribution to try: --set init=NAME)")
     p.add_argument("--workers", type=int, default=2)

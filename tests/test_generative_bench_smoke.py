@@ -73,6 +73,26 @@ def test_bench_generative_quick_run(tmp_path):
     assert "| digits8_cnn | sadajem |" in md and "chains continued" in md
 
 
+def test_generative_is_reported_as_jem_train_leaves_it_with_batchnorm_statistics_from_data(monkeypatch):
+    """generative recomputes BatchNorm running statistics after training (jem train does): its row is
+    the recomputed model; --bn-from-data adds the model as trained, and the recomputed row of a recipe
+    that does not recompute."""
+    monkeypatch.setattr(B, "_judge", lambda S, quick: B.train_judge(S["x"], S["y"], epochs=1, seed=0))
+    monkeypatch.setattr(B, "update_bn", lambda loader, model: calls.append(len(loader)))
+    monkeypatch.setattr(B, "save_grid", lambda path, *a, **k: path)
+    calls: list[int] = []
+    job = lambda run, both: [r["run"] for r in B._job(("digits8_cnn", run, 1, None, True, "", 64, None, "", 0,  # noqa: E731
+                                                        "loop", both))]
+    torch_threads = torch.get_num_threads()
+    try:
+        assert job("generative", False) == ["generative"] and calls == [1]
+        assert job("generative", True) == ["generative_bnastrained", "generative"]
+        assert job("fast", False) == ["fast"] and len(calls) == 2
+        assert job("fast", True) == ["fast", "fast_bnfromdata"] and len(calls) == 3
+    finally:
+        torch.set_num_threads(torch_threads)
+
+
 def test_fit_init_train_fits_the_init_on_the_clean_training_set():
     S = B.load_setting("digits8_cnn", n_train=128)
     res = B.train_run(S, "fast", 1, quick=True, fit_init="train")
