@@ -397,27 +397,27 @@ def test_train_reports_held_out_calibration_before_and_after_a_temperature(tmp_p
     assert f"ECE {cal['ece_before']:.3f}, {cal['ece_after']:.3f} after a temperature" in out
 
 
-def test_generative_train_recomputes_batchnorm_statistics_from_the_training_data(captured_fit, tmp_path,
+def test_train_recomputes_batchnorm_statistics_from_the_training_data_when_asked(captured_fit, tmp_path,
                                                                                   monkeypatch, capsys):
-    """The joint pass mixes samples into BatchNorm's running statistics; `generative` recomputes
-    them from the training data after training (issue 16, e75), says so with the held-out accuracy
-    before and after, and records both; --no-bn-stats-from-data and `fast` keep them."""
+    """The joint pass mixes samples into BatchNorm's running statistics; --bn-stats-from-data
+    recomputes them from the training data after training (issue 16, e75), says so with the held-out
+    accuracy before and after, and records both; by default (generative, fast) they are kept."""
     (tmp_path / "bnnet.py").write_text(
         "import torch.nn as nn\n"
         "def build(num_classes, **options):\n"
         "    return nn.Sequential(nn.BatchNorm2d(1), nn.Flatten(), nn.Linear(64, num_classes))\n")
     monkeypatch.chdir(tmp_path)
-    runs = {"default": [], "off": ["--no-bn-stats-from-data"], "fast": ["--recipe", "fast"]}
+    runs = {"on": ["--bn-stats-from-data"], "off": [], "fast": ["--recipe", "fast"]}
     for name, flags in runs.items():
         assert main(["train", "--model", "bnnet:build", "--epochs", "1", "--out", name, "--quiet", *flags]) == 0
     bn = {name: call["jm"].model[0] for name, call in zip(runs, captured_fit)}
     x = captured_fit[0]["loader"].dataset.tensors[0]
-    assert abs(bn["default"].running_mean.item() - x.mean().item()) < 0.02  # the digits' mean pixel
-    assert bn["default"].num_batches_tracked.item() == len(captured_fit[0]["loader"])
+    assert abs(bn["on"].running_mean.item() - x.mean().item()) < 0.02  # the digits' mean pixel
+    assert bn["on"].num_batches_tracked.item() == len(captured_fit[0]["loader"])
     for name in ("off", "fast"):  # untrained (the fit is replaced): near BatchNorm's initial statistics
         assert bn[name].num_batches_tracked.item() <= 1  # jem train's input check is one forward
         assert abs(bn[name].running_mean.item() - x.mean().item()) > 0.2
-    record = json.loads((tmp_path / "default" / "history.json").read_text())["bn_stats_from_data"]
+    record = json.loads((tmp_path / "on" / "history.json").read_text())["bn_stats_from_data"]
     assert 0.0 <= record["val_acc_before"] <= 1.0 and 0.0 <= record["val_acc_after"] <= 1.0
     assert "bn_stats_from_data" not in json.loads((tmp_path / "off" / "history.json").read_text())
     assert "BatchNorm running statistics recomputed from the training data: held-out accuracy" in capsys.readouterr().out

@@ -73,15 +73,16 @@ def test_bench_generative_quick_run(tmp_path):
     assert "| digits8_cnn | sadajem |" in md and "chains continued" in md
 
 
-def test_generative_is_reported_as_jem_train_leaves_it_with_batchnorm_statistics_from_data(monkeypatch):
-    """generative recomputes BatchNorm running statistics after training (jem train does): its row is
-    the recomputed model; --bn-from-data adds the model as trained, and the recomputed row of a recipe
-    that does not recompute."""
+def test_a_recipe_is_reported_as_jem_train_leaves_it_with_batchnorm_statistics_from_data(monkeypatch):
+    """A recipe that recomputes BatchNorm running statistics after training (as jem train does with
+    it) is reported recomputed; --bn-from-data adds the model as trained, and for the others the
+    recomputed model."""
     monkeypatch.setattr(B, "_judge", lambda S, quick: B.train_judge(S["x"], S["y"], epochs=1, seed=0))
     monkeypatch.setattr(B, "update_bn", lambda loader, model: calls.append(len(loader)))
     monkeypatch.setattr(B, "save_grid", lambda path, *a, **k: path)
     calls: list[int] = []
-    job = lambda run, both: [r["run"] for r in B._job(("digits8_cnn", run, 1, None, True, "", 64, None, "", 0,  # noqa: E731
+    job = lambda run, both: [r["run"] for r in B._job(("digits8_cnn", run, 1, None, True, "", 64,  # noqa: E731
+                                                        {"bn_stats_from_data": run == "generative"}, "", 0,
                                                         "loop", both))]
     torch_threads = torch.get_num_threads()
     try:

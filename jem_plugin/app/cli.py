@@ -245,8 +245,8 @@ def _train(args, info) -> int:
         channels_last=args.channels_last)
     record = history.to_dict()
     if loss_fn is not None and recipe.bn_stats_from_data and any(isinstance(m, _BatchNorm) for m in jm.modules()):
-        # The joint pass mixed the samples into the running statistics; evaluation should
-        # normalise data with data statistics (issue 16, e75). Before the samples and scores below.
+        # The joint pass mixed the samples into the running statistics that evaluation normalises
+        # data with (issue 16, e75). Before the samples and scores below, which use the result.
         acc_before = _held_out_accuracy(jm, val_loader) if val_loader is not None else None
         update_bn(loader, jm, device=dev)
         jm.eval()
@@ -255,7 +255,7 @@ def _train(args, info) -> int:
         if info.is_main:
             print("jem train: BatchNorm running statistics recomputed from the training data"
                   + (f": held-out accuracy {acc_before:.3f} -> {acc_after:.3f}" if acc_before is not None else "")
-                  + " (--no-bn-stats-from-data keeps those of training)")
+                  + " (--bn-stats-from-data)")
     if loss_fn is not None and len(shape) == 3 and bool(loss_fn.buffer.initialized):  # each rank's own chains
         from ..viz import save_image_grid
 
@@ -443,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples pass BatchNorm with the data (joint) or on their own (separate; fast's default)")
     p.add_argument("--bn-stats-from-data", action=argparse.BooleanOptionalAction, default=None,
                    help="after training, recompute BatchNorm running statistics from the training data "
-                        "(the joint pass mixes the samples into them; generative's default)")
+                        "(the joint pass mixes the samples into them): lower ECE, accuracy within noise")
     p.add_argument("--sgld-batchnorm", choices=["eval", "batch"], default=None,
                    help="chains normalised by running (eval) or their own batch (batch; fast's default) statistics")
     p.add_argument("--sgld-colours", choices=list(COLOURS), default=None,
