@@ -172,18 +172,21 @@ RECIPES: dict[str, Recipe] = {
     "generative": Recipe(
         "generative", "For samples on BatchNorm networks: JEM++'s 10 noise-free gradient-clamped steps from a "
         "per-class Gaussian with a stationary covariance (each class's power spectrum; images of any size), "
-        "steps confined to the data's colour axes, the p(x) term on the un-augmented batch (pass px_data= in "
-        "your loop), samples in the data's BatchNorm pass; the fast preset's optimiser. Its buffer moves "
-        "towards the data where fast's stays put, at a cost in calibration",
+        "steps confined to the data's colour axes, the p(x) term at weight 0.75 on the un-augmented batch "
+        "(pass px_data= in your loop), samples in the data's BatchNorm pass, whose running statistics are "
+        "recomputed from the training data after training (torch.optim.swa_utils.update_bn in your loop); "
+        "the fast preset's optimiser. Its buffer moves towards the data where fast's stays put, at a cost "
+        "in calibration",
         sgld_steps=10, noise=0.0, grad_clip=0.03, init="gaussian", init_covariance="stationary",
-        sgld_colours="data", n_samples=32, l2_weight=0.1, lr=3e-4, warmup_iters=200, px_clean_data=True,
+        sgld_colours="data", n_samples=32, px_weight=0.75, l2_weight=0.1, lr=3e-4, warmup_iters=200,
+        px_clean_data=True, bn_stats_from_data=True,
     ),
 }
 
 
 # jem train's default. `generative` moves its buffer towards the data on BatchNorm networks at
-# 32x32, where `fast`'s stays where it started; it costs about a point of accuracy, a temperature
-# of calibration and 1.5x fast's time (issue 16, e59-e70; README "Recipes").
+# 32x32, where `fast`'s stays where it started; it costs half a point of accuracy on average, a
+# temperature of calibration and 1.5x fast's time (issue 16, e59-e76; README "Recipes").
 DEFAULT_RECIPE = "generative"
 
 

@@ -202,6 +202,7 @@ def test_train_defaults_to_the_generative_recipe_with_warmup_capped(captured_fit
     assert call["epochs"] == 150 and call["warmup_iters"] == default.warmup_for(150 * iters) == default.warmup_iters
     sampler = call["loss_fn"].sampler
     assert (sampler.steps, sampler.noise, sampler.grad_clip, sampler.colours) == (10, 0.0, 0.03, "data")
+    assert call["loss_fn"].px_weight == 0.75 and default.bn_stats_from_data
     assert call["loss_fn"].n_samples == default.n_samples and call["loss_fn"].batchnorm == "joint"
     assert call["loss_fn"].buffer.init_dist.covariance == "stationary" and call["loss_fn"].buffer.init_dist.fitted
     assert call["optimizer"].param_groups[0]["lr"] == default.lr
@@ -397,17 +398,17 @@ def test_train_reports_held_out_calibration_before_and_after_a_temperature(tmp_p
     assert f"ECE {cal['ece_before']:.3f}, {cal['ece_after']:.3f} after a temperature" in out
 
 
-def test_train_recomputes_batchnorm_statistics_from_the_training_data_when_asked(captured_fit, tmp_path,
+def test_generative_train_recomputes_batchnorm_statistics_from_the_training_data(captured_fit, tmp_path,
                                                                                   monkeypatch, capsys):
-    """The joint pass mixes samples into BatchNorm's running statistics; --bn-stats-from-data
-    recomputes them from the training data after training (issue 16, e75), says so with the held-out
-    accuracy before and after, and records both; by default (generative, fast) they are kept."""
+    """The joint pass mixes samples into BatchNorm's running statistics; `generative` recomputes
+    them from the training data after training (issue 16, e75-e76), says so with the held-out
+    accuracy before and after, and records both; --no-bn-stats-from-data and `fast` keep them."""
     (tmp_path / "bnnet.py").write_text(
         "import torch.nn as nn\n"
         "def build(num_classes, **options):\n"
         "    return nn.Sequential(nn.BatchNorm2d(1), nn.Flatten(), nn.Linear(64, num_classes))\n")
     monkeypatch.chdir(tmp_path)
-    runs = {"on": ["--bn-stats-from-data"], "off": [], "fast": ["--recipe", "fast"]}
+    runs = {"on": [], "off": ["--no-bn-stats-from-data"], "fast": ["--recipe", "fast"]}
     for name, flags in runs.items():
         assert main(["train", "--model", "bnnet:build", "--epochs", "1", "--out", name, "--quiet", *flags]) == 0
     bn = {name: call["jm"].model[0] for name, call in zip(runs, captured_fit)}

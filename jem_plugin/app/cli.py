@@ -255,7 +255,7 @@ def _train(args, info) -> int:
         if info.is_main:
             print("jem train: BatchNorm running statistics recomputed from the training data"
                   + (f": held-out accuracy {acc_before:.3f} -> {acc_after:.3f}" if acc_before is not None else "")
-                  + " (--bn-stats-from-data)")
+                  + " (--no-bn-stats-from-data keeps those of training)")
     if loss_fn is not None and len(shape) == 3 and bool(loss_fn.buffer.initialized):  # each rank's own chains
         from ..viz import save_image_grid
 
@@ -443,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples pass BatchNorm with the data (joint) or on their own (separate; fast's default)")
     p.add_argument("--bn-stats-from-data", action=argparse.BooleanOptionalAction, default=None,
                    help="after training, recompute BatchNorm running statistics from the training data "
-                        "(the joint pass mixes the samples into them): lower ECE, accuracy within noise")
+                        "(the joint pass mixes the samples into them; generative's default)")
     p.add_argument("--sgld-batchnorm", choices=["eval", "batch"], default=None,
                    help="chains normalised by running (eval) or their own batch (batch; fast's default) statistics")
     p.add_argument("--sgld-colours", choices=list(COLOURS), default=None,
