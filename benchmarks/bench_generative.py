@@ -354,13 +354,15 @@ def _job(args: tuple) -> list[dict[str, Any]]:
     key += f"_{tag}" if tag and run != "baseline" else ""
     key += f"_seed{seed}" if seed else ""
     r = res["recipe"]
-    recomputes = r is not None and r.bn_stats_from_data  # as `jem train` does after training
+    if r is None:  # the cross-entropy baseline
+        return [_evaluated_row(S, res, judge, quick, setting, key, epochs, out_dir)]
+    recomputes = r.bn_stats_from_data  # as `jem train` does after training
     rows = []
-    if r is not None and (bn_from_data or not recomputes):
+    if bn_from_data or not recomputes:
         # The model as trained (for a recipe that recomputes: the other half of the pair)
         rows.append(_evaluated_row(S, res, judge, quick, setting,
                                    key.replace(run, run + "_bnastrained", 1) if recomputes else key, epochs, out_dir))
-    if r is not None and (bn_from_data or recomputes):
+    if bn_from_data or recomputes:
         # The same trained model, its BatchNorm running statistics recomputed from the clean
         # training set (the joint pass mixed the samples into them)
         update_bn([S["x"][i:i + 64] for i in range(0, len(S["x"]), 64)], res["model"])
@@ -368,7 +370,7 @@ def _job(args: tuple) -> list[dict[str, Any]]:
         res["jm"] = jem.wrap(res["model"], **S["wrap_kw"])
         rows.append(_evaluated_row(S, res, judge, quick, setting,
                                    key if recomputes else key.replace(run, run + "_bnfromdata", 1), epochs, out_dir))
-    return rows or [_evaluated_row(S, res, judge, quick, setting, key, epochs, out_dir)]
+    return rows
 
 
 def _evaluated_row(S, res, judge, quick, setting, key, epochs, out_dir) -> dict[str, Any]:

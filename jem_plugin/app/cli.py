@@ -244,13 +244,16 @@ def _train(args, info) -> int:
         progress=not args.quiet, max_seconds=args.max_seconds, amp=args.amp,
         channels_last=args.channels_last)
     record = history.to_dict()
+    # The final model's held-out logits, once: rank 0 reports accuracy and calibration from them.
+    scored = info.is_main and val_loader is not None
+    final_logits = None
     if loss_fn is not None and recipe.bn_stats_from_data and any(isinstance(m, _BatchNorm) for m in jm.modules()):
         # The joint pass mixed the samples into the running statistics that evaluation normalises
         # data with (issue 16, e75). Before the samples and scores below, which use the result.
-        acc_before = _held_out_accuracy(jm, val_loader) if val_loader is not None else None
+        acc_before = _accuracy(*_held_out_logits(jm, val_loader)) if scored else None
         update_bn(loader, jm, device=dev)
-        jm.eval()
-        acc_after = _held_out_accuracy(jm, val_loader) if val_loader is not None else None
+        final_logits = _held_out_logits(jm, val_loader) if scored else None
+        acc_after = _accuracy(*final_logits) if scored else None
         record["bn_stats_from_data"] = {"val_acc_before": acc_before, "val_acc_after": acc_after}
         if info.is_main:
             print("jem train: BatchNorm running statistics recomputed from the training data"
@@ -272,8 +275,8 @@ def _train(args, info) -> int:
               f"buffer FD {q['fd_buffer']:.3g} (init {q['fd_init']:.3g}, held-out floor {q['fd_heldout_floor']:.3g}; "
               f"{int(q['fd_n_samples'])} images), judge accuracy on class samples {q['judge_acc_samples']:.2f} "
               f"(init {q['judge_acc_init']:.2f}, test images {q['judge_acc_heldout']:.2f}). " + QUALITY_HOW_TO_READ))
-    if info.is_main and val_loader is not None:
-        c = record["calibration"] = _held_out_calibration(jm, val_loader)
+    if scored:
+        c = record["calibration"] = _held_out_calibration(*(final_logits or _held_out_logits(jm, val_loader)))
         print(f"held-out calibration ({int(c['n'])} images): ECE {c['ece_before']:.3f}, {c['ece_after']:.3f} "
               f"after a temperature of {c['temperature']:.2f} fitted on the other half of the held-out "
               "split (fit yours with jem.calibration.TemperatureScaler)")
@@ -296,15 +299,13 @@ def _held_out_logits(jm, loader) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(logits), torch.cat(labels)
 
 
-def _held_out_accuracy(jm, loader) -> float:
-    z, y = _held_out_logits(jm, loader)
+def _accuracy(z: torch.Tensor, y: torch.Tensor) -> float:
     return float((z.argmax(1) == y).double().mean())
 
 
-def _held_out_calibration(jm, loader) -> dict[str, float]:
-    """ECE of the trained model on the held-out split, before and after a temperature fitted on
-    its even-indexed images and measured on the odd ones (a deployable figure, not an oracle)."""
-    z, y = _held_out_logits(jm, loader)
+def _held_out_calibration(z: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """ECE of the trained model's held-out logits ``z``, before and after a temperature fitted on
+    the even-indexed images and measured on the odd ones (a deployable figure, not an oracle)."""
     return calibration.calibration_report(z[1::2], y[1::2], fit_logits=z[::2], fit_labels=y[::2])
 
 
