@@ -158,7 +158,8 @@ RECIPES: dict[str, Recipe] = {
     "jempp": Recipe(
         "jempp", "JEM++ (Yang & Ji 2021) sampling: 10 noise-free gradient-clamped steps from a per-class "
         "Gaussian (full covariance) fitted from the data, BatchNorm kept; the fast preset's optimiser "
-        "(the paper's SGD 0.1 is for WRN-28-10 on CIFAR). Inner steps through the first layers: not included",
+        "(the paper's SGD 0.1 is for WRN-28-10 on CIFAR). No inner steps through the first layer: on a linear "
+        "stem they move along the outer gradient, a larger step (benchmarks/check_inner_steps.py)",
         sgld_steps=10, noise=0.0, grad_clip=0.03, init="gaussian", init_covariance="full",
         n_samples=32, l2_weight=0.1, lr=3e-4, warmup_iters=200,
     ),

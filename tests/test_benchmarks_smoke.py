@@ -159,3 +159,18 @@ def test_robustness_table_from_a_digits_run(tmp_path):
         # PGD can only lower accuracy as the budget grows (eps 0 = clean accuracy)
         assert r["accuracy"][-1] <= r["accuracy"][0] + 1e-9
     assert "eps 8/255" in bench_robustness.to_markdown(res)
+
+
+def test_inner_steps_check_tells_a_linear_stem_from_a_nonlinear_cut():
+    # README's reason for leaving JEM++'s inner steps out: through a linear first layer their
+    # direction is the outer gradient wherever the chain has moved; through a ReLU it is not.
+    import timm
+
+    from benchmarks.check_inner_steps import measure
+
+    torch.manual_seed(0)
+    model = timm.create_model("resnet10t", pretrained=False, num_classes=10)
+    layer, at_point, moved = measure(model, (3, 32, 32), through_activation=False)
+    assert layer == "Conv2d" and at_point < 1e-6 and moved < 1e-6
+    layer, at_point, moved = measure(model, (3, 32, 32), through_activation=True)
+    assert layer == "ReLU" and at_point < 1e-6 and moved > 0.1
