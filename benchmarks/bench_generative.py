@@ -18,8 +18,8 @@ statistics), ``eval`` (the samples' part in eval mode) and ``batch`` (``separate
 their own batch statistics: the fast preset's own setting). ``--set FIELD=VALUE`` changes recipe
 fields in every JEM run, ``--seeds`` repeats runs, ``--only 32|8`` picks a setting.
 
-Measured per run: test accuracy and ECE (and ECE after temperature scaling fitted on the other
-half of the test set); OOD AUROC of ``logpx``, ``grad_norm`` and
+Measured per run: test accuracy and ECE (and ECE after temperature scaling, each half of the
+test set scaled by a temperature fitted on the other: ``jem.calibration.cross_fitted_report``); OOD AUROC of ``logpx``, ``grad_norm`` and
 ``grad_norm_projected`` against uniform noise, photo patches and transposed digits; sample quality
 from an independent judge (:mod:`jem_plugin.sample_quality`, trained here in seconds): the
 Fréchet distance of 360 buffer samples to the 360 test images and of class-conditional samples
@@ -245,16 +245,6 @@ def init_draws(S: dict, r, loss_fn, jm, n: int, y=None, seed: int = 3) -> torch.
     return jm.domain.uniform(n, shape, generator=g)
 
 
-def cross_fitted_ece(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    """ECE after temperature scaling, as a user would fix a model on a validation split: the
-    temperature fitted on one half of the test set and applied to the other, both ways, averaged."""
-    halves = (torch.arange(len(labels)) % 2 == 0, torch.arange(len(labels)) % 2 == 1)
-    eces = [jem.calibration.calibration_report(logits[ev], labels[ev], fit_logits=logits[fit],
-                                               fit_labels=labels[fit])["ece_after"]
-            for fit, ev in (halves, halves[::-1])]
-    return sum(eces) / 2
-
-
 def evaluate_run(S: dict, res: dict, judge, quick: bool) -> dict[str, Any]:
     jm, r, loss_fn = res["jm"], res["recipe"], res["loss_fn"]
     with torch.no_grad():
@@ -262,7 +252,7 @@ def evaluate_run(S: dict, res: dict, judge, quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
         "accuracy": float((logits.argmax(1) == S["yt"]).float().mean()),
         "ece": jem.calibration.ece(logits, S["yt"], from_logits=True),
-        "ece_ts": cross_fitted_ece(logits, S["yt"]),
+        "ece_ts": jem.calibration.cross_fitted_report(logits, S["yt"])["ece_after"],
     }
     ood = jem.ood.evaluate_all(jm, S["xt"], S["ood"], methods=OOD_METHODS, progress=False)
     out["auroc"] = {m: {s: round(ood[m][s]["auroc"], 4) for s in OOD_SETS} for m in OOD_METHODS}

@@ -128,6 +128,23 @@ def test_calibration_report_before_after():
         cal.calibration_report(z, labels, fit_logits=z)
 
 
+def test_cross_fitted_report_scales_each_half_by_the_other_halfs_temperature():
+    """No example is scaled by a temperature fitted on it: a model 3x overconfident everywhere gets
+    its calibration back, but halves that need different temperatures do not (an oracle would)."""
+    z, _, labels = _synthetic_calibrated(20_000, 10, 8)
+    r = cal.cross_fitted_report(3.0 * z, labels)
+    assert r["n"] == 20_000 and r["temperature"] == pytest.approx(3.0, rel=0.05)
+    assert r["ece_after"] < 0.02 < r["ece_before"]
+    mixed = z.clone()
+    mixed[::2] *= 10.0  # even half far too confident, odd half calibrated
+    r = cal.cross_fitted_report(mixed, labels)
+    assert r["temperature_even"] == pytest.approx(1.0, rel=0.1)  # fitted on the odd half
+    assert r["temperature_odd"] > 5.0                             # fitted on the even half
+    assert r["ece_after"] > 0.1 > cal.calibration_report(mixed[::2], labels[::2])["ece_after"]
+    with pytest.raises(InvalidScoresError, match="at least 4"):
+        cal.cross_fitted_report(z[:3], labels[:3])
+
+
 @pytest.mark.parametrize("probs,labels,exc,match", [
     (torch.empty(0, 3), torch.empty(0, dtype=torch.long), InvalidScoresError, "empty"),
     (torch.ones(4), torch.zeros(4, dtype=torch.long), InvalidScoresError, r"\[N, K\]"),

@@ -393,7 +393,7 @@ def test_train_reports_held_out_calibration_before_and_after_a_temperature(tmp_p
     assert main(["train", "--baseline", "--epochs", "2", "--out", str(tmp_path), "--quiet"]) == 0
     out = capsys.readouterr().out
     cal = json.loads((tmp_path / "history.json").read_text())["calibration"]
-    assert cal["n"] == 180 and cal["temperature"] > 0  # the odd half of the 360 held-out digits
+    assert cal["n"] == 360 and cal["temperature"] > 0  # each half scaled by the other's temperature
     assert 0.0 <= cal["ece_after"] <= 1.0 and 0.0 <= cal["ece_before"] <= 1.0
     assert f"ECE {cal['ece_before']:.3f}, {cal['ece_after']:.3f} after a temperature" in out
 

@@ -276,10 +276,10 @@ def _train(args, info) -> int:
               f"{int(q['fd_n_samples'])} images), judge accuracy on class samples {q['judge_acc_samples']:.2f} "
               f"(init {q['judge_acc_init']:.2f}, test images {q['judge_acc_heldout']:.2f}). " + QUALITY_HOW_TO_READ))
     if scored:
-        c = record["calibration"] = _held_out_calibration(*(final_logits or _held_out_logits(jm, val_loader)))
+        c = record["calibration"] = calibration.cross_fitted_report(*(final_logits or _held_out_logits(jm, val_loader)))
         print(f"held-out calibration ({int(c['n'])} images): ECE {c['ece_before']:.3f}, {c['ece_after']:.3f} "
-              f"after a temperature of {c['temperature']:.2f} fitted on the other half of the held-out "
-              "split (fit yours with jem.calibration.TemperatureScaler)")
+              f"after a temperature of {c['temperature']:.2f} (each half of the held-out split scaled by one "
+              "fitted on the other; fit yours with jem.calibration.TemperatureScaler)")
     if info.is_main:
         save_model_checkpoint(out / "model.pt", jm, spec)
         (out / "history.json").write_text(json.dumps(record, indent=2))
@@ -301,12 +301,6 @@ def _held_out_logits(jm, loader) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _accuracy(z: torch.Tensor, y: torch.Tensor) -> float:
     return float((z.argmax(1) == y).double().mean())
-
-
-def _held_out_calibration(z: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-    """ECE of the trained model's held-out logits ``z``, before and after a temperature fitted on
-    the even-indexed images and measured on the odd ones (a deployable figure, not an oracle)."""
-    return calibration.calibration_report(z[1::2], y[1::2], fit_logits=z[::2], fit_labels=y[::2])
 
 
 def _eval_tensors(args, spec):
