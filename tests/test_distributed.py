@@ -142,6 +142,16 @@ def _worker(out_dir: str) -> None:  # pragma: no cover - runs in the torchrun ch
     jdist.PerRankState(lf).load_state_dict({"format": state["format"], "world_size": 2, "states": full})
     res["per_rank_restored"] = float(lf.buffer.data.mean())
 
+    # 4b. BatchNorm statistics each rank recomputed on its own shard (jem train's update_bn after
+    #     a joint run), averaged over the ranks so that rank 0's checkpoint holds all the data's.
+    torch.manual_seed(0)  # the same network on both ranks, as after training
+    bn_jm = jem.wrap(TinyCNN())
+    torch.optim.swa_utils.update_bn([torch.full((8, 1, 8, 8), float(rank)) + torch.rand(8, 1, 8, 8)], bn_jm)
+    bn = next(m for m in bn_jm.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    own = bn.running_mean.clone()
+    res["bn_layers_averaged"] = jdist.average_batchnorm_statistics(bn_jm)
+    res["bn_mean_own_and_averaged"] = [_gather(float(own.mean())), float(bn.running_mean.mean())]
+
     # 5. FSDP2 (fully_shard) on CPU/gloo: trains with JEMLoss, ranks in sync, close to DDP.
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401
@@ -293,6 +303,15 @@ def test_per_rank_state_gathers_and_restores_each_rank(worker_results):
     _, (r0, r1) = worker_results
     assert r0["per_rank_values"] == [10.0, 11.0]
     assert (r0["per_rank_restored"], r1["per_rank_restored"]) == (10.0, 11.0)
+
+
+def test_batchnorm_statistics_recomputed_per_shard_are_averaged_over_ranks(worker_results):
+    _, (r0, r1) = worker_results
+    assert r0["bn_layers_averaged"] == r1["bn_layers_averaged"] >= 1
+    (own0, own1), averaged = r0["bn_mean_own_and_averaged"]
+    assert abs(own1 - own0) > 1e-3, "the two ranks' shards should give different statistics"
+    assert averaged == pytest.approx((own0 + own1) / 2, abs=1e-6)
+    assert r1["bn_mean_own_and_averaged"][1] == pytest.approx(averaged, abs=1e-6)
 
 
 def test_fsdp2_trains_a_jem_on_cpu(worker_results):

@@ -252,6 +252,7 @@ def _train(args, info) -> int:
         # data with (issue 16, e75). Before the samples and scores below, which use the result.
         acc_before = _accuracy(*_held_out_logits(jm, val_loader)) if scored else None
         update_bn(loader, jm, device=dev)
+        jdist.average_batchnorm_statistics(jm)  # each rank saw its own shard; rank 0 saves
         final_logits = _held_out_logits(jm, val_loader) if scored else None
         acc_after = _accuracy(*final_logits) if scored else None
         record["bn_stats_from_data"] = {"val_acc_before": acc_before, "val_acc_after": acc_after}

@@ -181,3 +181,26 @@ def params_in_sync(module: nn.Module, *, buffers: bool = False) -> bool:
     flag = torch.tensor([0 if ok else 1], device=tensors[0].device if tensors else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item()) == 0
+
+
+@torch.no_grad()
+def average_batchnorm_statistics(module: nn.Module) -> int:
+    """Average every BatchNorm layer's running mean and variance over the ranks; returns how many
+    layers. A no-op (returning the count) in a single process.
+
+    For statistics each rank recomputed on its own shard, e.g. with
+    ``torch.optim.swa_utils.update_bn(rank_loader, model)`` after a JEM run: without it, the
+    checkpoint rank 0 writes holds statistics of its shard alone. The mean of the ranks' variances
+    is ``update_bn``'s own estimate over their batches (it averages per-batch variances too).
+    """
+    layers = [m for m in unwrap(module).modules()
+              if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+              and m.running_mean is not None]
+    if not _initialized() or dist.get_world_size() == 1:
+        return len(layers)
+    world = dist.get_world_size()
+    for m in layers:
+        for t in (m.running_mean, m.running_var):
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            t.div_(world)
+    return len(layers)
