@@ -172,8 +172,13 @@ def recipe_for(run: str, quick: bool, bn_mode: str | None = None, overrides: dic
         r = dataclasses.replace(r, name="fast_uniform", init="uniform", batchnorm="joint", sgld_batchnorm="eval")
     if bn_mode is not None:
         r = with_bn_mode(r, bn_mode)
-    r = dataclasses.replace(r, buffer_size=40 if quick else BUFFER_SIZE)
-    return dataclasses.replace(r, **(overrides or {}))
+    overrides = dict(overrides or {})
+    if quick or "buffer_size" in overrides:  # a size asked for is the size used
+        r = dataclasses.replace(r, buffer_size=40, buffer_visits=None) if quick else r
+        overrides.setdefault("buffer_visits", None)
+    elif r.buffer_visits is None:  # a recipe that sizes its buffer for the run keeps that
+        r = dataclasses.replace(r, buffer_size=BUFFER_SIZE)
+    return dataclasses.replace(r, **overrides)
 
 
 def train_run(S: dict, run: str, epochs: int, seed: int = 0, bn_mode: str | None = None, quick: bool = False,
@@ -195,7 +200,8 @@ def train_run(S: dict, run: str, epochs: int, seed: int = 0, bn_mode: str | None
     # "loop": fitted by JEMLoss from the first batches (the p(x) term's data, else the augmented
     # batch), as in a user's own loop.
     fit = dict(x_fit=S["x"], y_fit=S["y"]) if fit_init == "train" else {}
-    loss_fn = r.build_loss(sample_shape=S["x"].shape[1:], num_classes=10, generator=g, **fit) if r else None
+    loss_fn = r.build_loss(sample_shape=S["x"].shape[1:], num_classes=10, generator=g, total_iters=total,
+                           batch_size=batch_size, **fit) if r else None
     model.train()
     t_cpu, t_wall = time.process_time(), time.perf_counter()
     history = []
@@ -230,7 +236,7 @@ def train_run(S: dict, run: str, epochs: int, seed: int = 0, bn_mode: str | None
             sched.step()
         history.append({k: round(v, 4) for k, v in metrics.items()})
     cost = {"train_cpu_s": time.process_time() - t_cpu, "train_wall_s": time.perf_counter() - t_wall,
-            "iterations": total}
+            "iterations": total, "buffer_slots": loss_fn.buffer.capacity if loss_fn is not None else None}
     model.eval()
     jm_eval = jem.wrap(model, **S["wrap_kw"])  # evaluation on the bare model
     return dict(model=model, jm=jm_eval, loss_fn=loss_fn, recipe=r, cost=cost, history=history)
@@ -452,7 +458,8 @@ def run(settings=("digits32_test_resnet", "digits8_cnn"), runs=RECIPE_RUNS, epoc
 def to_markdown(res: dict[str, Any]) -> str:
     lines = ["# Generative quality per recipe (bench_generative.py)", ""]
     st = res["settings"]
-    lines.append(f"Epochs: 32x32 {st['epochs32']}, 8x8 {st['epochs8']}; batch 64; replay buffer {st['buffer_size']}; "
+    lines.append(f"Epochs: 32x32 {st['epochs32']}, 8x8 {st['epochs8']}; batch 64; replay buffer {st['buffer_size']} "
+                 "(a row that gives its slots: the recipe sized it for the run or --set sized it); "
                  f"class-conditional samples: {st['cond_steps']} steps from the run's initial distribution; "
                  f"informative inits fitted on {'the clean training set' if st.get('fit_init') == 'train' else 'the first batches of the loop (by JEMLoss)'}. "
                  "FD = Fréchet distance to the 360 test images in the independent judge's features.")
@@ -471,7 +478,9 @@ def to_markdown(res: dict[str, Any]) -> str:
     for r in res["rows"]:
         a = r["auroc"]
         f3 = lambda m: "/".join(f"{a[m][s]:.3f}" for s in OOD_SETS)  # noqa: E731
-        buf = f"{r['buffer']['fd']:.1f} ({r['init_fd']:.1f})" if "buffer" in r else f"- ({r['init_fd']:.1f})"
+        slots = r["cost"].get("buffer_slots")
+        slots = f"; {slots} slots" if slots and slots != st["buffer_size"] else ""
+        buf = f"{r['buffer']['fd']:.1f} ({r['init_fd']:.1f}{slots})" if "buffer" in r else f"- ({r['init_fd']:.1f})"
         lines.append(f"| {r['setting']} | {r['run']} | {r['accuracy']:.3f} | {r['ece']:.3f} ({r.get('ece_ts', float('nan')):.3f}) | {f3('logpx')} | "
                      f"{f3('grad_norm')} | {f3('grad_norm_projected')} | {buf} | {r['cond']['fd']:.1f} | "
                      f"{r['cond']['judge_acc']:.2f} | {r['cond']['model_acc']:.2f} | {r['cost']['train_cpu_s']:.0f} | "

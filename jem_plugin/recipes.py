@@ -12,13 +12,14 @@ wrapped model; ``jem train --recipe NAME`` uses the same objects.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from .buffer import ReplayBuffer
-from .errors import UnknownNameError
+from .errors import InvalidInputError, UnknownNameError
 from .losses import JEMLoss
 from .sam import SAM
 from .sampling import SGLD
@@ -41,6 +42,8 @@ class Recipe:
     sgld_colours: str = "all"           # steps move every channel ("all") or the data's colour axes only ("data")
     # replay buffer
     buffer_size: int = 10000
+    buffer_visits: float | None = None  # size the buffer for the run: at most buffer_size slots, few enough that
+                                        # each is drawn about this often (build_loss(total_iters=)); None: buffer_size
     reinit_freq: float = 0.05
     init: str = "uniform"               # a registered init distribution: "uniform", "gaussian", ...
     init_covariance: str = "diagonal"   # "gaussian" init: "diagonal", "full" (JEM++, D x D), "lowrank" or "stationary" (any size)
@@ -94,15 +97,39 @@ class Recipe:
         """Warm-up iterations for a run of ``total_iters``: the recipe's, capped to a fraction of the run."""
         return max(0, min(self.warmup_iters, int(self.warmup_max_fraction * total_iters)))
 
+    def buffer_size_for(self, total_iters: int | None, batch_size: int | None = None) -> int:
+        """Replay-buffer slots for a run of ``total_iters`` iterations.
+
+        With ``buffer_visits`` set, a short run gets fewer slots than ``buffer_size``, so that each
+        slot is still drawn about ``buffer_visits`` times. A chain drawn a few times stays near its
+        initial distribution (issue 16, e79). ``batch_size``: the chains per iteration when
+        ``n_samples`` is None. Never fewer slots than chains per iteration, never more than
+        ``buffer_size``.
+        """
+        chains = self.n_samples or batch_size
+        if self.buffer_visits is None or not total_iters or not chains:
+            return self.buffer_size
+        if not self.buffer_visits > 0:
+            raise InvalidInputError(f"recipe {self.name!r}: buffer_visits must be positive, got {self.buffer_visits!r}")
+        return min(self.buffer_size, max(chains, int(total_iters * chains / self.buffer_visits)))
+
     def build_loss(self, *, sample_shape: Sequence[int], num_classes: int | None = None,
                    x_fit: torch.Tensor | None = None, y_fit: torch.Tensor | None = None,
                    device: torch.device | str | None = None, generator: torch.Generator | None = None,
-                   **overrides: Any):
+                   total_iters: int | None = None, batch_size: int | None = None, **overrides: Any):
         """A :class:`~jem_plugin.JEMLoss` with this recipe's sampler and buffer.
 
         ``x_fit``/``y_fit``: data to fit an informative initial distribution (``init="gaussian"``)
-        from; ``overrides`` replace ``JEMLoss`` keywords.
+        from. ``total_iters`` (and ``batch_size`` when ``n_samples`` is None): the run's length,
+        which sizes the buffer of a recipe with ``buffer_visits`` (:meth:`buffer_size_for`;
+        without it such a recipe warns and keeps ``buffer_size``). ``overrides`` replace
+        ``JEMLoss`` keywords.
         """
+        if self.buffer_visits is not None and not total_iters:
+            warnings.warn(f"recipe {self.name!r} sizes its replay buffer for the run: pass build_loss("
+                          f"total_iters=...); using buffer_size {self.buffer_size} (in a short run, chains "
+                          "drawn only a few times stay near their init)", RuntimeWarning, stacklevel=2)
+        buffer_size = self.buffer_size_for(total_iters, batch_size)
         sampler = SGLD(steps=self.sgld_steps, step_size=self.step_size, noise=self.noise,
                        grad_clip=self.grad_clip, generator=generator, batchnorm=self.sgld_batchnorm,
                        colours=self.sgld_colours)
@@ -112,7 +139,7 @@ class Recipe:
             init_kwargs = {"covariance": self.init_covariance}
             if self.init_covariance == "lowrank":
                 init_kwargs.update(rank=self.init_rank, residual=self.init_residual)
-        buffer = ReplayBuffer(self.buffer_size, tuple(sample_shape), reinit_freq=self.reinit_freq,
+        buffer = ReplayBuffer(buffer_size, tuple(sample_shape), reinit_freq=self.reinit_freq,
                               init=self.init, init_kwargs=init_kwargs,
                               num_classes=num_classes if cond else None, device=device)
         if x_fit is not None and hasattr(buffer.init_dist, "fit"):
@@ -180,7 +207,7 @@ RECIPES: dict[str, Recipe] = {
         "in calibration",
         sgld_steps=10, noise=0.0, grad_clip=0.03, init="gaussian", init_covariance="stationary",
         sgld_colours="data", n_samples=32, px_weight=0.75, l2_weight=0.1, lr=3e-4, warmup_iters=200,
-        px_clean_data=True, bn_stats_from_data=True,
+        px_clean_data=True, bn_stats_from_data=True, buffer_visits=40,
     ),
 }
 

@@ -209,6 +209,19 @@ def test_train_defaults_to_the_generative_recipe_with_warmup_capped(captured_fit
     assert "recipe generative" in capsys.readouterr().out
 
 
+def test_train_sizes_the_replay_buffer_for_the_run_unless_told(captured_fit, tmp_path, capsys):
+    """generative draws each buffer slot about 40 times (issue 16, e79): 60 digits epochs of 22
+    iterations get 1056 slots, said in one line; --buffer-size is taken as given."""
+    assert main(["train", "--epochs", "60", "--out", str(tmp_path / "a"), "--quiet"]) == 0
+    iters = len(captured_fit[0]["loader"])
+    assert captured_fit[0]["loss_fn"].buffer.capacity == 60 * iters * 32 // 40
+    assert f"replay buffer of {60 * iters * 32 // 40} slots, not 10000" in capsys.readouterr().out
+    assert main(["train", "--epochs", "60", "--buffer-size", "5000", "--out", str(tmp_path / "b"), "--quiet"]) == 0
+    assert captured_fit[1]["loss_fn"].buffer.capacity == 5000 and "slots, not" not in capsys.readouterr().out
+    assert main(["train", "--epochs", "60", "--buffer-visits", "80", "--out", str(tmp_path / "c"), "--quiet"]) == 0
+    assert captured_fit[2]["loss_fn"].buffer.capacity == 60 * iters * 32 // 80
+
+
 def test_train_recipe_paper_on_a_short_run_caps_the_warmup(captured_fit, tmp_path):
     assert main(["train", "--recipe", "paper", "--epochs", "10", "--n-samples", "16", "--amp", "bf16",
                  "--channels-last", "--checkpoint-every", "7", "--out", str(tmp_path), "--quiet"]) == 0

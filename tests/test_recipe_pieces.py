@@ -178,9 +178,8 @@ def test_family_presets_build_a_working_loss(name):
     assert name in RECIPES and r.name == name and name in str(r)
     model = _net(3, in_ch=3)
     jm = jem.wrap(model, data_range=(-1, 1), input_size=(3, 4, 4), num_classes=3)
-    loss_fn = r.build_loss(sample_shape=(3, 4, 4), num_classes=3)
     small = dataclasses.replace(r, buffer_size=30)
-    loss_fn = small.build_loss(sample_shape=(3, 4, 4), num_classes=3)
+    loss_fn = small.build_loss(sample_shape=(3, 4, 4), num_classes=3, total_iters=100, batch_size=6)
     x, y = torch.rand(6, 3, 4, 4) * 2 - 1, torch.tensor([0, 1, 2, 0, 1, 2])
     out = loss_fn(jm, x, y, px_data=x if r.px_clean_data else None)
     out.loss.backward()
@@ -192,7 +191,7 @@ def test_family_presets_build_a_working_loss(name):
 def test_generative_preset_fits_a_stationary_init_on_the_clean_batch():
     """generative (issue 16, e59-e62): the per-class stationary Gaussian, fitted from px_data (the
     un-augmented batch) when the user did not fit it, and samples in the data's BatchNorm pass."""
-    r = dataclasses.replace(get_recipe("generative"), buffer_size=30)
+    r = dataclasses.replace(get_recipe("generative"), buffer_size=30, buffer_visits=None)
     assert (r.init_covariance, r.px_clean_data, r.batchnorm) == ("stationary", True, "joint")
     jm = jem.wrap(_net(3, in_ch=3), data_range=(-1, 1), input_size=(3, 4, 4), num_classes=3)
     loss_fn = r.build_loss(sample_shape=(3, 4, 4), num_classes=3)
@@ -360,3 +359,24 @@ def test_colour_steps_errors_and_checkpoint():
     older = jem.ReplayBuffer(30, (3, 6, 6), init="gaussian", num_classes=3)
     older.load_state_dict(old)
     assert torch.equal(older.colour_projection, torch.eye(3)), "fitted before colour axes: no projection"
+
+
+def test_generative_sizes_its_replay_buffer_for_the_run():
+    """At the issue's 10000 slots a 60-epoch run draws each chain about four times and the buffer
+    stays near its init (e79: FD 143 and 133 against 170); `generative` keeps about 40 draws per
+    slot (the 1000-slot benchmark, e76), up to buffer_size for long runs."""
+    r = get_recipe("generative")
+    assert r.buffer_visits == 40 and r.n_samples == 32
+    assert r.buffer_size_for(1380) == 1104                 # 60 epochs of the 32x32 digits
+    assert r.buffer_size_for(150 * 782) == r.buffer_size   # CIFAR-10's 150 epochs: the paper's 10000
+    assert r.buffer_size_for(3) == 32                       # never fewer slots than chains per iteration
+    assert get_recipe("paper").buffer_size_for(1380) == 10000  # the other presets keep their size
+    loss_fn = r.build_loss(sample_shape=(3, 4, 4), num_classes=3, total_iters=1380)
+    assert loss_fn.buffer.capacity == 1104
+    with pytest.warns(RuntimeWarning, match="total_iters"):
+        assert r.build_loss(sample_shape=(3, 4, 4), num_classes=3).buffer.capacity == 10000
+    per_batch = dataclasses.replace(r, n_samples=None)     # chains = the batch
+    assert per_batch.buffer_size_for(1000, batch_size=64) == 1600
+    with pytest.raises(jem.InvalidInputError, match="buffer_visits"):
+        dataclasses.replace(r, buffer_visits=0).buffer_size_for(1000)
+

@@ -173,6 +173,8 @@ def _train(args, info) -> int:
     recipe = get_recipe(args.recipe)
     recipe = dataclasses.replace(recipe, **{k: v for k, v in vars(args).items()
                                             if k in RECIPE_FLAGS and v is not None})
+    if args.buffer_size is not None and args.buffer_visits is None:
+        recipe = dataclasses.replace(recipe, buffer_visits=None)  # the size asked for, not one for the run
     if recipe.sam_rho:
         raise CLIError(f"recipe {recipe.name!r} uses sharpness-aware minimisation, which jem train does not run yet")
     # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
@@ -221,8 +223,14 @@ def _train(args, info) -> int:
     if not args.baseline:
         xs, ys = (next(iter(DataLoader(ds, batch_size=min(len(ds), 5000), shuffle=False)))
                   if recipe.init != "uniform" else (None, None))
+        total_iters = epochs * len(loader)
         loss_fn = recipe.build_loss(sample_shape=shape, num_classes=k, x_fit=xs, y_fit=ys, device=dev,
-                                    generator=jdist.rank_generator(args.seed, dev), ce_weight=args.ce_weight)
+                                    generator=jdist.rank_generator(args.seed, dev), ce_weight=args.ce_weight,
+                                    total_iters=total_iters, batch_size=args.batch_size)
+        if info.is_main and loss_fn.buffer.capacity < recipe.buffer_size:
+            print(f"jem train: replay buffer of {loss_fn.buffer.capacity} slots, not {recipe.buffer_size}: "
+                  f"recipe {recipe.name!r} draws each about {recipe.buffer_visits:g} times in the run's "
+                  f"{total_iters} iterations (--buffer-size sets it)")
         if args.checkpoint_buffer == "none":
             drop_buffer_from_checkpoints(loss_fn.buffer)
     warmup = recipe.warmup_for(epochs * len(loader))
@@ -376,7 +384,7 @@ def _emit(result: dict[str, Any], args) -> None:
 
 
 # ----------------------------------------------------------------------------- parser
-RECIPE_FLAGS = ("sgld_steps", "step_size", "noise", "grad_clip", "buffer_size", "reinit_freq", "init",
+RECIPE_FLAGS = ("sgld_steps", "step_size", "noise", "grad_clip", "buffer_size", "buffer_visits", "reinit_freq", "init",
                 "init_covariance", "init_rank", "n_samples", "px_weight", "pxy_weight", "l2_weight",
                 "data_noise", "lr", "warmup_iters", "batchnorm", "sgld_batchnorm", "sgld_colours",
                 "bn_stats_from_data")
@@ -426,7 +434,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-size", type=float, default=None)
     p.add_argument("--noise", type=float, default=None)
     p.add_argument("--grad-clip", type=float, default=None, help="proximal SGLD: clip each update (JEM++)")
-    p.add_argument("--buffer-size", type=_positive, default=None)
+    p.add_argument("--buffer-size", type=_positive, default=None,
+                   help="replay-buffer slots (default: the recipe's; generative sizes it for the run)")
+    p.add_argument("--buffer-visits", type=_positive, default=None,
+                   help="size the buffer so each slot is drawn about this many times in the run, at most "
+                        "--buffer-size (default: recipe; generative 40)")
     p.add_argument("--reinit-freq", type=float, default=None)
     p.add_argument("--init", default=None, help="SGLD init distribution (uniform, gaussian, ...)")
     p.add_argument("--init-covariance", choices=list(COVARIANCES), default=None,
