@@ -435,3 +435,18 @@ def test_generative_train_recomputes_batchnorm_statistics_from_the_training_data
     assert 0.0 <= record["val_acc_before"] <= 1.0 and 0.0 <= record["val_acc_after"] <= 1.0
     assert "bn_stats_from_data" not in json.loads((tmp_path / "off" / "history.json").read_text())
     assert "BatchNorm running statistics recomputed from the training data: held-out accuracy" in capsys.readouterr().out
+
+
+def test_train_continued_for_more_epochs_keeps_the_replay_buffer_it_began_with(tmp_path, capsys):
+    """The buffer is sized for the run's length; a finished run continued with a larger --epochs
+    resumes its chains in the slots it began with (a buffer sized anew failed to load)."""
+    out = tmp_path / "run"
+    flags = ["--sgld-steps", "1", "--out", str(out), "--quiet"]
+    assert main(["train", "--epochs", "1", *flags]) == 0
+    slots = json.loads((out / "spec.json").read_text())["replay_buffer_slots"]
+    assert slots == 32  # 22 iterations of 32 chains: never fewer slots than chains
+    assert main(["train", "--epochs", "3", *flags]) == 0
+    assert "continuing it" in capsys.readouterr().out
+    assert json.loads((out / "spec.json").read_text())["replay_buffer_slots"] == slots
+    assert [e["epoch"] for e in json.loads((out / "history.json").read_text())["epochs"]][-1] == 3
+

@@ -30,7 +30,7 @@ from ..sampling import COLOURS, SGLD
 from . import CLIError
 from .experiments import dataset_sample_quality, run_digits_demo
 from .model_files import (build_model, check_classes, check_inputs, check_resume, drop_buffer_from_checkpoints,
-                          held_out_data, load_data, load_model_checkpoint, model_spec, ood_sets,
+                          held_out_data, load_data, load_model_checkpoint, model_spec, ood_sets, resumed_spec,
                           save_model_checkpoint, split_held_out, wrap_for_data)
 from .report import QUALITY_HOW_TO_READ, metric_label, write_report
 
@@ -203,6 +203,12 @@ def _train(args, info) -> int:
     x0 = next(iter(DataLoader(ds, batch_size=2)))[0]
     check_inputs(jm, x0, spec, args.data)
     check_resume(out, spec, no_resume=args.no_resume)
+    before = resumed_spec(out, args.no_resume)
+    if before is not None and args.buffer_size is None:
+        # A continued run keeps its chains: the slots it began with, whatever --epochs says now
+        # (a run from before the buffer was sized for the run has the recipe's buffer_size).
+        recipe = dataclasses.replace(recipe, buffer_size=before.get("replay_buffer_slots", recipe.buffer_size),
+                                     buffer_visits=None)
     if info.distributed:
         # From here on each rank draws its own data noise and chains.
         torch.manual_seed(jdist.rank_seed(args.seed))
@@ -223,20 +229,20 @@ def _train(args, info) -> int:
     if not args.baseline:
         xs, ys = (next(iter(DataLoader(ds, batch_size=min(len(ds), 5000), shuffle=False)))
                   if recipe.init != "uniform" else (None, None))
-        total_iters = epochs * len(loader)
         loss_fn = recipe.build_loss(sample_shape=shape, num_classes=k, x_fit=xs, y_fit=ys, device=dev,
                                     generator=jdist.rank_generator(args.seed, dev), ce_weight=args.ce_weight,
-                                    total_iters=total_iters, batch_size=args.batch_size)
-        if info.is_main and loss_fn.buffer.capacity < recipe.buffer_size:
-            print(f"jem train: replay buffer of {loss_fn.buffer.capacity} slots, not {recipe.buffer_size}: "
-                  f"recipe {recipe.name!r} draws each about {recipe.buffer_visits:g} times in the run's "
-                  f"{total_iters} iterations (--buffer-size sets it)")
+                                    total_iters=epochs * len(loader), batch_size=args.batch_size)
+        spec["replay_buffer_slots"] = loss_fn.buffer.capacity  # per rank; what a resumed run keeps
         if args.checkpoint_buffer == "none":
             drop_buffer_from_checkpoints(loss_fn.buffer)
     warmup = recipe.warmup_for(epochs * len(loader))
     if info.is_main:
         print(f"jem train: {args.model} on {args.data}, {'baseline (cross-entropy only)' if args.baseline else 'recipe ' + recipe.name}, "
               f"{epochs} epochs of {len(loader)} iterations, warm-up {warmup}; output in {out}/")
+        if loss_fn is not None and loss_fn.buffer.capacity < recipe.buffer_size:
+            print(f"jem train: replay buffer of {loss_fn.buffer.capacity} slots, not {recipe.buffer_size}: "
+                  f"recipe {recipe.name!r} draws each about {recipe.buffer_visits:g} times in the run's "
+                  f"{epochs * len(loader)} iterations (--buffer-size sets it)")
         if not args.no_resume and list((out / "checkpoints").glob("*.pt")):
             print(f"jem train: {out}/checkpoints holds an earlier run of this model: continuing it "
                   "(--no-resume starts over)")

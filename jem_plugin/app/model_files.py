@@ -263,12 +263,19 @@ def wrap_for_data(model, spec: dict[str, Any]):
     return wrap(model, **opts)
 
 
-def check_resume(out: Path, spec: dict[str, Any], no_resume: bool = False) -> None:
-    """A run directory holding another model's checkpoints is refused before any file is written."""
+def resumed_spec(out: Path, no_resume: bool = False) -> dict[str, Any] | None:
+    """The spec of the run that ``jem train --out out`` would continue, or None (a fresh run)."""
     old = out / "spec.json"
     if no_resume or not old.is_file() or not list((out / "checkpoints").glob("*.pt")):
+        return None
+    return json.loads(old.read_text())
+
+
+def check_resume(out: Path, spec: dict[str, Any], no_resume: bool = False) -> None:
+    """A run directory holding another model's checkpoints is refused before any file is written."""
+    before = resumed_spec(out, no_resume)
+    if before is None:
         return
-    before = json.loads(old.read_text())
     diff = [k for k in ("model", "data", "num_classes", "sample_shape", "classes") if before.get(k) != spec.get(k)]
     if diff:
         raise CLIError(f"--out {out} holds a run of --model {before.get('model')} on --data {before.get('data')} "
