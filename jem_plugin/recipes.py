@@ -202,7 +202,8 @@ RECIPES: dict[str, Recipe] = {
         "per-class Gaussian with a stationary covariance (each class's power spectrum; images of any size), "
         "steps confined to the data's colour axes, the p(x) term at weight 0.75 on the un-augmented batch "
         "(pass px_data= in your loop), samples in the data's BatchNorm pass, whose running statistics are "
-        "recomputed from the training data after training (torch.optim.swa_utils.update_bn in your loop); "
+        "recomputed from the training data after training (torch.optim.swa_utils.update_bn in your loop), "
+        "a replay buffer of at most 10000 slots, each drawn about 40 times in the run (build_loss(total_iters=)); "
         "the fast preset's optimiser. Its buffer moves towards the data where fast's stays put, at a cost "
         "in calibration",
         sgld_steps=10, noise=0.0, grad_clip=0.03, init="gaussian", init_covariance="stationary",
