@@ -390,8 +390,8 @@ def _emit(result: dict[str, Any], args) -> None:
 
 
 # ----------------------------------------------------------------------------- parser
-RECIPE_FLAGS = ("sgld_steps", "step_size", "noise", "grad_clip", "buffer_size", "buffer_visits", "reinit_freq", "init",
-                "init_covariance", "init_rank", "n_samples", "px_weight", "pxy_weight", "l2_weight",
+RECIPE_FLAGS = ("sgld_steps", "step_size", "noise", "grad_clip", "buffer_size", "buffer_visits", "reinit_freq",
+                "init", "init_covariance", "init_rank", "n_samples", "px_weight", "pxy_weight", "l2_weight",
                 "data_noise", "lr", "warmup_iters", "batchnorm", "sgld_batchnorm", "sgld_colours",
                 "bn_stats_from_data")
 
