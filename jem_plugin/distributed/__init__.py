@@ -24,6 +24,9 @@ The few-line JEM addition stays the same; three things change under
   sampler generator, RNG states), each atomically; the rank-0 file is written last, so it marks a
   complete checkpoint. Frameworks that write one file from rank 0 (Lightning, Accelerate) use
   :class:`PerRankState`, which gathers the ranks' states into that file.
+* **BatchNorm statistics recomputed after training** (``torch.optim.swa_utils.update_bn``, as the
+  ``generative`` recipe does) see only each rank's shard: :func:`average_batchnorm_statistics`
+  averages them over the ranks before rank 0 saves the model.
 
 >>> from jem_plugin import distributed as jdist
 >>> info = jdist.init_distributed()                      # reads torchrun's env; gloo on CPU
