@@ -3,11 +3,12 @@
 Settings:
 
 - ``digits32_<model>``: the bundled digits upscaled to 32x32 RGB (bilinear), ImageNet-normalised,
-  a timm network with BatchNorm (``test_resnet`` by default; ``resnet10t`` with ``--model32``);
+  a timm network with BatchNorm (``test_resnet`` by default; ``resnet10t``, ``resnet18`` ... with ``--model32``);
 - ``digits8_cnn``: the BN-free :class:`~jem_plugin.app.nets.DigitsCNN` on the 8x8 digits in [-1, 1].
 
 Recipes (:data:`jem_plugin.recipes.RECIPES`; every run uses a 1000-sample replay buffer so the
-chains get long at these short runs, and random translations of +-1 pixel (8x8) / +-4 (32x32)
+chains get long at these short runs, except a recipe that sizes its own for the run
+(``buffer_visits``: ``generative``, 1104 slots at 60 epochs), and random translations of +-1 pixel (8x8) / +-4 (32x32)
 as augmentation): ``baseline`` (cross-entropy, the fast preset's optimiser), ``fast`` (the
 default), ``fast_uniform`` (the fast preset before issue 16: uniform init, samples in the data's
 BatchNorm pass), ``jempp``, ``sadajem`` (SAM, p(x) on the un-augmented batch), ``generative``
