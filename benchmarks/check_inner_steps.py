@@ -24,7 +24,7 @@ import os
 import sys
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    rows = ["| model | first layer | inner vs outer direction, at the point / after moving | "
-            "first non-affine module | at the point / after moving |", "|---|---|---|---|---|"]
+    head = ("| model | first layer | inner vs outer direction, at the point / after moving | "
+            "first non-affine module | at the point / after moving |")
+    rows = [head, "|---|---|---|---|---|"]
     for name, (model, shape) in _models().items():
         lin, a0, a1 = measure(model, shape, through_activation=False)
         act, b0, b1 = measure(model, shape, through_activation=True)
