@@ -234,9 +234,14 @@ def calibration_report(logits: Any, labels: Any, *, n_bins: int = 15, fit_logits
         t = fit_temperature(z, y)
     else:
         t = fit_temperature(fit_logits, fit_labels)
-    before, after = _metrics(z, y, n_bins), _metrics(z / t, y, n_bins)
-    out: dict[str, float] = {"accuracy": float((z.argmax(1) == y).double().mean()),
-                             "n": float(z.shape[0]), "temperature": t}
+    return _before_after(z, y, z / t, n_bins, temperature=t)
+
+
+def _before_after(z: Tensor, y: Tensor, scaled: Tensor, n_bins: int, **temperatures: float) -> dict[str, float]:
+    """The report's dict: accuracy, ``n``, the temperatures, and each metric on ``z`` and ``scaled``."""
+    before, after = _metrics(z, y, n_bins), _metrics(scaled, y, n_bins)
+    out: dict[str, float] = {"accuracy": float((z.argmax(1) == y).double().mean()), "n": float(z.shape[0]),
+                             **temperatures}
     for key in before:
         out[f"{key}_before"] = before[key]
         out[f"{key}_after"] = after[key]
@@ -259,11 +264,5 @@ def cross_fitted_report(logits: Any, labels: Any, *, n_bins: int = 15) -> dict[s
     even = torch.arange(z.shape[0]) % 2 == 0
     t_even, t_odd = fit_temperature(z[~even], y[~even]), fit_temperature(z[even], y[even])
     scaled = torch.where(even[:, None], z / t_even, z / t_odd)
-    before, after = _metrics(z, y, n_bins), _metrics(scaled, y, n_bins)
-    out: dict[str, float] = {"accuracy": float((z.argmax(1) == y).double().mean()), "n": float(z.shape[0]),
-                             "temperature": math.sqrt(t_even * t_odd),
-                             "temperature_even": t_even, "temperature_odd": t_odd}
-    for key in before:
-        out[f"{key}_before"] = before[key]
-        out[f"{key}_after"] = after[key]
-    return out
+    return _before_after(z, y, scaled, n_bins, temperature=math.sqrt(t_even * t_odd),
+                         temperature_even=t_even, temperature_odd=t_odd)
