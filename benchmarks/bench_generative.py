@@ -174,8 +174,9 @@ def recipe_for(run: str, quick: bool, bn_mode: str | None = None, overrides: dic
     if bn_mode is not None:
         r = with_bn_mode(r, bn_mode)
     overrides = dict(overrides or {})
-    if quick or "buffer_size" in overrides:  # a size asked for is the size used
-        r = dataclasses.replace(r, buffer_size=40, buffer_visits=None) if quick else r
+    if quick:
+        r = dataclasses.replace(r, buffer_size=40, buffer_visits=None)
+    elif "buffer_size" in overrides:  # a size asked for is the size used
         overrides.setdefault("buffer_visits", None)
     elif r.buffer_visits is None:  # a recipe that sizes its buffer for the run keeps that
         r = dataclasses.replace(r, buffer_size=BUFFER_SIZE)

@@ -30,7 +30,7 @@ from ..sampling import COLOURS, SGLD
 from . import CLIError
 from .experiments import dataset_sample_quality, run_digits_demo
 from .model_files import (build_model, check_classes, check_inputs, check_resume, drop_buffer_from_checkpoints,
-                          held_out_data, load_data, load_model_checkpoint, model_spec, ood_sets, resumed_spec,
+                          held_out_data, load_data, load_model_checkpoint, model_spec, ood_sets,
                           save_model_checkpoint, split_held_out, wrap_for_data)
 from .report import QUALITY_HOW_TO_READ, metric_label, write_report
 
@@ -202,8 +202,7 @@ def _train(args, info) -> int:
     jm = wrap_for_data(build_model(args.model, k, shape[0], options), spec).to(dev)
     x0 = next(iter(DataLoader(ds, batch_size=2)))[0]
     check_inputs(jm, x0, spec, args.data)
-    check_resume(out, spec, no_resume=args.no_resume)
-    before = resumed_spec(out, args.no_resume)
+    before = check_resume(out, spec, no_resume=args.no_resume)
     if before is not None and args.buffer_size is None:
         # A continued run keeps its chains: the slots it began with, whatever --epochs says now
         # (a run from before the buffer was sized for the run has the recipe's buffer_size).

@@ -271,16 +271,18 @@ def resumed_spec(out: Path, no_resume: bool = False) -> dict[str, Any] | None:
     return json.loads(old.read_text())
 
 
-def check_resume(out: Path, spec: dict[str, Any], no_resume: bool = False) -> None:
-    """A run directory holding another model's checkpoints is refused before any file is written."""
+def check_resume(out: Path, spec: dict[str, Any], no_resume: bool = False) -> dict[str, Any] | None:
+    """A run directory holding another model's checkpoints is refused before any file is written.
+    Returns the spec of the run being continued (None for a fresh run)."""
     before = resumed_spec(out, no_resume)
     if before is None:
-        return
+        return None
     diff = [k for k in ("model", "data", "num_classes", "sample_shape", "classes") if before.get(k) != spec.get(k)]
     if diff:
         raise CLIError(f"--out {out} holds a run of --model {before.get('model')} on --data {before.get('data')} "
                        f"(differs in {', '.join(diff)}); pass the same flags to resume it, --no-resume to "
                        "start over there, or another --out")
+    return before
 
 
 def drop_buffer_from_checkpoints(buffer) -> None:
