@@ -44,7 +44,8 @@ class Recipe:
     buffer_size: int = 10000
     buffer_visits: float | None = None  # size the buffer for the run: at most buffer_size slots, few enough that
                                         # each is drawn about this often (build_loss(total_iters=)); None: buffer_size
-    reinit_freq: float = 0.05
+    reinit_freq: float = 0.05           # a drawn slot restarts from the init with this probability: its chains are
+                                        # then at most about 1 / reinit_freq draws old on average, whatever the run
     init: str = "uniform"               # a registered init distribution: "uniform", "gaussian", ...
     init_covariance: str = "diagonal"   # "gaussian" init: "diagonal", "full" (JEM++, D x D), "lowrank" or "stationary" (any size)
     init_rank: int = 32                 # "lowrank" covariance: principal directions kept per class
@@ -203,12 +204,13 @@ RECIPES: dict[str, Recipe] = {
         "steps confined to the data's colour axes, the p(x) term at weight 0.75 on the un-augmented batch "
         "(pass px_data= in your loop), samples in the data's BatchNorm pass, whose running statistics are "
         "recomputed from the training data after training (torch.optim.swa_utils.update_bn in your loop), "
-        "a replay buffer of at most 10000 slots, each drawn about 40 times in the run (build_loss(total_iters=)); "
+        "a replay buffer of at most 10000 slots, each drawn about 40 times in the run (build_loss(total_iters=)) "
+        "and never restarted from the init (reinit_freq 0: every chain in it began with the run); "
         "the fast preset's optimiser. Its buffer moves towards the data where fast's stays put, at a cost "
         "in calibration",
         sgld_steps=10, noise=0.0, grad_clip=0.03, init="gaussian", init_covariance="stationary",
         sgld_colours="data", n_samples=32, px_weight=0.75, l2_weight=0.1, lr=3e-4, warmup_iters=200,
-        px_clean_data=True, bn_stats_from_data=True, buffer_visits=40,
+        px_clean_data=True, bn_stats_from_data=True, buffer_visits=40, reinit_freq=0.0,
     ),
 }
 
