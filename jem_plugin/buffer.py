@@ -65,6 +65,10 @@ class ReplayBuffer(nn.Module):
     capacity: number of stored samples (JEM: 10000).
     sample_shape: shape of one input, e.g. ``(3, 32, 32)``.
     reinit_freq: probability that a drawn slot restarts from the init distribution (JEM: 0.05).
+        It bounds the chains' age, not the buffer's: they are about ``1 / reinit_freq`` draws old
+        on average however long the run, and young chains hold the buffer near its init on
+        networks whose chains move slowly (resnet18 at 32x32, issue 16 e87; the ``generative``
+        recipe uses 0).
     init: name of a registered init distribution (``"uniform"``, ``"gaussian"``, ``"normal"``, or a
         plugin's), an object with ``sample(n, shape, domain, generator, device, y=None)``, or such a
         callable.
