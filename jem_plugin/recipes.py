@@ -216,8 +216,9 @@ RECIPES: dict[str, Recipe] = {
 
 
 # jem train's default. `generative` moves its buffer towards the data on BatchNorm networks at
-# 32x32 (test_resnet and resnet18), where `fast`'s stays where it started; it costs half a point of accuracy on average, a
-# temperature of calibration and 1.5x fast's time (issue 16, e59-e89; README "Recipes").
+# 32x32 (test_resnet and resnet18), where `fast`'s stays where it started; it costs half a point
+# of accuracy on average, a temperature of calibration and 1.5x fast's time (issue 16, e59-e89;
+# README "Recipes").
 DEFAULT_RECIPE = "generative"
 
 
