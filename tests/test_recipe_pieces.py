@@ -381,7 +381,6 @@ def test_generative_sizes_its_replay_buffer_for_the_run():
         dataclasses.replace(r, buffer_visits=0).buffer_size_for(1000)
 
 
-
 def test_generative_keeps_every_chain_it_has_started():
     """A buffer that restarts 5% of its draws holds chains about 20 draws old on average however long
     the run: on resnet18 that kept it at 0.81 of its init's distance (e81, FD 137), and never
@@ -392,7 +391,7 @@ def test_generative_keeps_every_chain_it_has_started():
     loss_fn = r.build_loss(sample_shape=(3, 8, 8), num_classes=3, x_fit=x, y_fit=y, total_iters=10)
     buf = loss_fn.buffer
     domain = jem.wrap(nn.Conv2d(3, 3, 1), input_size=(3, 8, 8), num_classes=3).domain
-    start, idx = buf.sample(buf.capacity, domain=domain, generator=g)
+    start, _ = buf.sample(buf.capacity, domain=domain, generator=g)
     buf.update(torch.arange(buf.capacity), torch.full_like(start, 0.25))  # every chain "advanced"
     for _ in range(20):
         drawn, _ = buf.sample(32, domain=domain, generator=g)
