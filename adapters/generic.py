@@ -5,6 +5,7 @@ The output may be a ``[B, K]`` tensor, a dict with a ``"logits"`` key, an object
 Inputs default to the paper's domain ``[-1, 1]``; override with ``data_range`` or ``mean``/``std``.
 The input shape, unless given as ``input_size=``, is fixed by the first batch the model sees.
 """
+
 from __future__ import annotations
 
 from jem_plugin.adapter import Adapter, InputDomain, domain_from_options

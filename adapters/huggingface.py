@@ -8,6 +8,7 @@ Active for ``transformers`` models (and duck-typed stand-ins with a ``config.num
 so pass the processor (or ``mean``/``std``) for those. Channels and image size come from
 ``config.num_channels`` / ``config.image_size``.
 """
+
 from __future__ import annotations
 
 from jem_plugin.adapter import Adapter, InputDomain, built_by, domain_from_options, with_channels
@@ -38,8 +39,11 @@ def _size(value) -> tuple[int, int] | None:
 
 def domain_from_processor(processor, channels: int, size) -> InputDomain:
     """The domain a Hugging Face image processor's outputs live in."""
-    size = _size(getattr(processor, "crop_size", None) if getattr(processor, "do_center_crop", False)
-                 else None) or _size(getattr(processor, "size", None)) or size
+    size = (
+        _size(getattr(processor, "crop_size", None) if getattr(processor, "do_center_crop", False) else None)
+        or _size(getattr(processor, "size", None))
+        or size
+    )
     input_size = (channels, *size) if size else None
     if getattr(processor, "do_normalize", True) and getattr(processor, "image_mean", None) is not None:
         return InputDomain.from_normalization(processor.image_mean, processor.image_std, input_size=input_size)
@@ -58,8 +62,9 @@ def jem_adapter(model, options):
     if processor is not None:
         default = domain_from_processor(processor, channels, size)
     else:
-        default = InputDomain.from_normalization((0.5,) * channels, (0.5,) * channels,
-                                                 input_size=(channels, *size) if size else None)
+        default = InputDomain.from_normalization(
+            (0.5,) * channels, (0.5,) * channels, input_size=(channels, *size) if size else None
+        )
     return Adapter(
         "huggingface",
         domain=domain_from_options(options, with_channels(default, channels)),

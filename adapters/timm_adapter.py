@@ -5,10 +5,19 @@ timm models expect normalised images, so the domain is ``[0, 1]`` pixels after t
 first convolution's (``in_chans``); the image size is the patch embedding's when the model fixes
 one (ViTs built with ``img_size=32``), else the pretrained config's (CNNs take any size).
 """
+
 from __future__ import annotations
 
-from jem_plugin.adapter import (IMAGENET_MEAN, IMAGENET_STD, Adapter, InputDomain,
-                                built_by, domain_from_options, first_conv_channels, with_channels)
+from jem_plugin.adapter import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    Adapter,
+    InputDomain,
+    built_by,
+    domain_from_options,
+    first_conv_channels,
+    with_channels,
+)
 from jem_plugin.plugins import hookimpl
 
 

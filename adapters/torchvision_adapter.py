@@ -6,12 +6,21 @@ pixels after ImageNet ``(x - mean) / std``, with the first convolution's channel
 last linear layer. Inception/GoogLeNet auxiliary outputs in training mode are handled (their
 ``.logits``).
 """
+
 from __future__ import annotations
 
 from torch import nn
 
-from jem_plugin.adapter import (IMAGENET_MEAN, IMAGENET_STD, Adapter, InputDomain,
-                                built_by, domain_from_options, first_conv_channels, with_channels)
+from jem_plugin.adapter import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    Adapter,
+    InputDomain,
+    built_by,
+    domain_from_options,
+    first_conv_channels,
+    with_channels,
+)
 from jem_plugin.plugins import hookimpl
 
 

@@ -6,6 +6,7 @@ is allocated once (model, replay buffer), resets the kernel's peak-RSS mark (``V
 call once and prints ``delta_mb``: peak RSS during the call minus RSS before it, i.e. the call's
 peak working memory (falls back to the ``ru_maxrss`` delta where the mark cannot be reset).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,9 @@ def main(argv: list[str]) -> None:
     if cfg["kind"] == "sampler":
         from benchmarks.bench_sampler import build_contenders
 
-        contenders = build_contenders(cfg["model"], cfg["batch"], cfg["steps"], cfg["buffer_size"],
-                                      include=(cfg["impl"],))
+        contenders = build_contenders(
+            cfg["model"], cfg["batch"], cfg["steps"], cfg["buffer_size"], include=(cfg["impl"],)
+        )
         c = contenders[cfg["impl"]]
     else:
         raise SystemExit(f"unknown kind {cfg['kind']!r}")

@@ -38,6 +38,7 @@ reports every JEM run both ways.
     python benchmarks/bench_generative.py                 # ~25 CPU minutes (~13 on 2 cores)
     python benchmarks/bench_generative.py --quick         # seconds (smoke test)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -94,14 +96,33 @@ def load_setting(name: str, n_train: int | None = None) -> dict[str, Any]:
         model_name = name.split("_", 1)[1]
         wrap_kw = dict(mean=IMAGENET_MEAN, std=IMAGENET_STD, input_size=(3, 32, 32), num_classes=10)
         dom = jem.wrap(nn.Linear(1, 1), **wrap_kw).domain
-        return dict(name=name, model=model_name, wrap_kw=wrap_kw, shift=4,
-                    x=to32(x8), y=y, xt=to32(xt8), yt=yt,
-                    ood={"noise": dom.uniform(n, (3, 32, 32), generator=torch.Generator().manual_seed(2)),
-                         "patches": to32(patches8), "transposed": to32(transposed(xt8))})
+        return dict(
+            name=name,
+            model=model_name,
+            wrap_kw=wrap_kw,
+            shift=4,
+            x=to32(x8),
+            y=y,
+            xt=to32(xt8),
+            yt=yt,
+            ood={
+                "noise": dom.uniform(n, (3, 32, 32), generator=torch.Generator().manual_seed(2)),
+                "patches": to32(patches8),
+                "transposed": to32(transposed(xt8)),
+            },
+        )
     wrap_kw = dict(data_range=(-1.0, 1.0), input_size=(1, 8, 8), num_classes=10)
-    return dict(name=name, model="digits_cnn", wrap_kw=wrap_kw, shift=1, x=x8, y=y, xt=xt8, yt=yt,
-                ood={"noise": uniform_noise(n, (1, 8, 8), seed=2), "patches": patches8,
-                     "transposed": transposed(xt8)})
+    return dict(
+        name=name,
+        model="digits_cnn",
+        wrap_kw=wrap_kw,
+        shift=1,
+        x=x8,
+        y=y,
+        xt=xt8,
+        yt=yt,
+        ood={"noise": uniform_noise(n, (1, 8, 8), seed=2), "patches": patches8, "transposed": transposed(xt8)},
+    )
 
 
 def make_model(name: str) -> nn.Module:
@@ -123,7 +144,7 @@ def shift_augment(x: torch.Tensor, s: int, g: torch.Generator) -> torch.Tensor:
     pad = F.pad(x, (s, s, s, s), mode="replicate")
     dx, dy = torch.randint(0, 2 * s + 1, (2, x.shape[0]), generator=g).tolist()
     h, w = x.shape[-2:]
-    return torch.stack([pad[i, :, a:a + h, b:b + w] for i, (a, b) in enumerate(zip(dx, dy))])
+    return torch.stack([pad[i, :, a : a + h, b : b + w] for i, (a, b) in enumerate(zip(dx, dy))])
 
 
 # ---------------------------------------------------------------------------- BatchNorm modes
@@ -183,8 +204,17 @@ def recipe_for(run: str, quick: bool, bn_mode: str | None = None, overrides: dic
     return dataclasses.replace(r, **overrides)
 
 
-def train_run(S: dict, run: str, epochs: int, seed: int = 0, bn_mode: str | None = None, quick: bool = False,
-              batch_size: int = 64, overrides: dict | None = None, fit_init: str = "loop") -> dict[str, Any]:
+def train_run(
+    S: dict,
+    run: str,
+    epochs: int,
+    seed: int = 0,
+    bn_mode: str | None = None,
+    quick: bool = False,
+    batch_size: int = 64,
+    overrides: dict | None = None,
+    fit_init: str = "loop",
+) -> dict[str, Any]:
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     model = make_model(S["model"])
@@ -202,8 +232,13 @@ def train_run(S: dict, run: str, epochs: int, seed: int = 0, bn_mode: str | None
     # "loop": fitted by JEMLoss from the first batches (the p(x) term's data, else the augmented
     # batch), as in a user's own loop.
     fit = dict(x_fit=S["x"], y_fit=S["y"]) if fit_init == "train" else {}
-    loss_fn = r.build_loss(sample_shape=S["x"].shape[1:], num_classes=10, generator=g, total_iters=total,
-                           batch_size=batch_size, **fit) if r else None
+    loss_fn = (
+        r.build_loss(
+            sample_shape=S["x"].shape[1:], num_classes=10, generator=g, total_iters=total, batch_size=batch_size, **fit
+        )
+        if r
+        else None
+    )
     model.train()
     t_cpu, t_wall = time.process_time(), time.perf_counter()
     history = []
@@ -237,8 +272,12 @@ def train_run(S: dict, run: str, epochs: int, seed: int = 0, bn_mode: str | None
                 metrics = out.metrics
             sched.step()
         history.append({k: round(v, 4) for k, v in metrics.items()})
-    cost = {"train_cpu_s": time.process_time() - t_cpu, "train_wall_s": time.perf_counter() - t_wall,
-            "iterations": total, "buffer_slots": loss_fn.buffer.capacity if loss_fn is not None else None}
+    cost = {
+        "train_cpu_s": time.process_time() - t_cpu,
+        "train_wall_s": time.perf_counter() - t_wall,
+        "iterations": total,
+        "buffer_slots": loss_fn.buffer.capacity if loss_fn is not None else None,
+    }
     model.eval()
     jm_eval = jem.wrap(model, **S["wrap_kw"])  # evaluation on the bare model
     return dict(model=model, jm=jm_eval, loss_fn=loss_fn, recipe=r, cost=cost, history=history)
@@ -270,15 +309,28 @@ def evaluate_run(S: dict, res: dict, judge, quick: bool) -> dict[str, Any]:
         out["buffer"] = sample_quality(judge, buf, S["xt"])
         out["buffer_samples"] = buf
         # Does the learned energy lead towards the data, or to low energy that looks like nothing?
-        out["chains"] = chain_trace(jm, judge, buf, S["xt"], sampler=loss_fn.sampler,
-                                    rounds=(0, 1) if quick else TRACE_ROUNDS, batch_size=r.n_samples or 64)
+        out["chains"] = chain_trace(
+            jm,
+            judge,
+            buf,
+            S["xt"],
+            sampler=loss_fn.sampler,
+            rounds=(0, 1) if quick else TRACE_ROUNDS,
+            batch_size=r.n_samples or 64,
+        )
     per = 2 if quick else COND_PER_CLASS
     yc = torch.arange(10).repeat_interleave(per)
     x0 = init_draws(S, r, loss_fn, jm, len(yc), y=yc)
     ref = r or get_recipe("fast")
-    sampler = jem.SGLD(steps=2 if quick else COND_STEPS, step_size=ref.step_size, noise=ref.noise,
-                       grad_clip=ref.grad_clip, batchnorm=ref.sgld_batchnorm, colours=ref.sgld_colours,
-                       generator=torch.Generator().manual_seed(4))
+    sampler = jem.SGLD(
+        steps=2 if quick else COND_STEPS,
+        step_size=ref.step_size,
+        noise=ref.noise,
+        grad_clip=ref.grad_clip,
+        batchnorm=ref.sgld_batchnorm,
+        colours=ref.sgld_colours,
+        generator=torch.Generator().manual_seed(4),
+    )
     if ref.sgld_colours == "data" and loss_fn is not None:  # the training chains' colour axes
         sampler.use_colours_of(loss_fn.buffer)
     xc = sampler.sample(jm, x_init=x0, y=yc)
@@ -296,8 +348,9 @@ def grid_buffer_index(n: int, shown: int = 80) -> torch.Tensor:
     return torch.linspace(0, n - 1, min(n, shown)).round().long()
 
 
-def save_grid(path: str, title: str, domain, buf: torch.Tensor | None, xc: torch.Tensor, yc: torch.Tensor,
-              judge) -> str:
+def save_grid(
+    path: str, title: str, domain, buf: torch.Tensor | None, xc: torch.Tensor, yc: torch.Tensor, judge
+) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -312,8 +365,13 @@ def save_grid(path: str, title: str, domain, buf: torch.Tensor | None, xc: torch
 
     def show(ax, img):
         img = domain.to_unit(img.unsqueeze(0))[0].clamp(0, 1)
-        ax.imshow((img[0] if img.shape[0] == 1 else img.permute(1, 2, 0)).numpy(), cmap="gray", vmin=0, vmax=1,
-                  interpolation="nearest")
+        ax.imshow(
+            (img[0] if img.shape[0] == 1 else img.permute(1, 2, 0)).numpy(),
+            cmap="gray",
+            vmin=0,
+            vmax=1,
+            interpolation="nearest",
+        )
 
     for row in range(10):
         for c in range(per):
@@ -346,8 +404,16 @@ def _job(args: tuple) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     S = load_setting(setting, n_train)
     judge = _judge(S, quick)
-    res = train_run(S, run, epochs, seed=seed, bn_mode=bn_mode, quick=quick,
-                    overrides=overrides if run != "baseline" else None, fit_init=fit_init)
+    res = train_run(
+        S,
+        run,
+        epochs,
+        seed=seed,
+        bn_mode=bn_mode,
+        quick=quick,
+        overrides=overrides if run != "baseline" else None,
+        fit_init=fit_init,
+    )
     key = run if bn_mode is None else f"{run}_bn_{bn_mode}"
     key += f"_{tag}" if tag and run != "baseline" else ""
     key += f"_seed{seed}" if seed else ""
@@ -358,29 +424,59 @@ def _job(args: tuple) -> list[dict[str, Any]]:
     rows = []
     if bn_from_data or not recomputes:
         # The model as trained (for a recipe that recomputes: the other half of the pair)
-        rows.append(_evaluated_row(S, res, judge, quick, setting,
-                                   key.replace(run, run + "_bnastrained", 1) if recomputes else key, epochs, out_dir))
+        rows.append(
+            _evaluated_row(
+                S,
+                res,
+                judge,
+                quick,
+                setting,
+                key.replace(run, run + "_bnastrained", 1) if recomputes else key,
+                epochs,
+                out_dir,
+            )
+        )
     if bn_from_data or recomputes:
         # The same trained model, its BatchNorm running statistics recomputed from the clean
         # training set (the joint pass mixed the samples into them)
-        update_bn([S["x"][i:i + 64] for i in range(0, len(S["x"]), 64)], res["model"])
+        update_bn([S["x"][i : i + 64] for i in range(0, len(S["x"]), 64)], res["model"])
         res["model"].eval()
         res["jm"] = jem.wrap(res["model"], **S["wrap_kw"])
-        rows.append(_evaluated_row(S, res, judge, quick, setting,
-                                   key if recomputes else key.replace(run, run + "_bnfromdata", 1), epochs, out_dir))
+        rows.append(
+            _evaluated_row(
+                S,
+                res,
+                judge,
+                quick,
+                setting,
+                key if recomputes else key.replace(run, run + "_bnfromdata", 1),
+                epochs,
+                out_dir,
+            )
+        )
     return rows
 
 
 def _evaluated_row(S, res, judge, quick, setting, key, epochs, out_dir) -> dict[str, Any]:
     ev = evaluate_run(S, res, judge, quick)
     q = ev.get("buffer", {})
-    title = (f"{setting} / {key}: acc {ev['accuracy']:.3f}; cond. samples (left, {COND_STEPS if not quick else 2} "
-             f"steps from init): judge acc {ev['cond']['judge_acc']:.2f}, model acc {ev['cond']['model_acc']:.2f}"
-             + (f"; buffer FD {q['fd']:.1f} (init {ev['init_fd']:.1f})" if q else ""))
+    title = (
+        f"{setting} / {key}: acc {ev['accuracy']:.3f}; cond. samples (left, {COND_STEPS if not quick else 2} "
+        f"steps from init): judge acc {ev['cond']['judge_acc']:.2f}, model acc {ev['cond']['model_acc']:.2f}"
+        + (f"; buffer FD {q['fd']:.1f} (init {ev['init_fd']:.1f})" if q else "")
+    )
     dom = res["jm"].domain
-    ev["grid"] = os.path.basename(save_grid(os.path.join(out_dir, f"{setting}_{key}.png"), title, dom,
-                                            ev.pop("buffer_samples", None), ev.pop("cond_samples"),
-                                            ev.pop("cond_labels"), judge))
+    ev["grid"] = os.path.basename(
+        save_grid(
+            os.path.join(out_dir, f"{setting}_{key}.png"),
+            title,
+            dom,
+            ev.pop("buffer_samples", None),
+            ev.pop("cond_samples"),
+            ev.pop("cond_labels"),
+            judge,
+        )
+    )
     ev["cost"] = dict(res["cost"])
     ev["history_last"] = res["history"][-1]
     ev["recipe"] = str(res["recipe"]) if res["recipe"] is not None else "cross-entropy only"
@@ -401,22 +497,47 @@ def references(setting: str, quick: bool, n_train: int | None) -> dict[str, Any]
     jm = jem.wrap(nn.Linear(1, 1), **S["wrap_kw"])
     gauss = jem.ReplayBuffer(10, tuple(S["x"].shape[1:]), init="gaussian", num_classes=10).fit(S["x"], S["y"]).init_dist
     g = torch.Generator().manual_seed(5)
-    ref = reference_points(judge, S["xt"], train=S["x"], init=jm.domain.uniform(n, tuple(S["x"].shape[1:]), generator=g), n=n)
-    ref["gaussian_init"] = reference_points(judge, S["xt"], init=gauss.sample(n, tuple(S["x"].shape[1:]), jm.domain, g, "cpu"),
-                                            n=n)["init"]
+    ref = reference_points(
+        judge, S["xt"], train=S["x"], init=jm.domain.uniform(n, tuple(S["x"].shape[1:]), generator=g), n=n
+    )
+    ref["gaussian_init"] = reference_points(
+        judge, S["xt"], init=gauss.sample(n, tuple(S["x"].shape[1:]), jm.domain, g, "cpu"), n=n
+    )["init"]
     ref["uniform_init"] = ref.pop("init")
     yc = torch.arange(10).repeat_interleave(COND_PER_CLASS)  # the judge on the init's own class draws
     init_acc = judge.accuracy(gauss.sample(len(yc), tuple(S["x"].shape[1:]), jm.domain, g, "cpu", y=yc), yc)
-    noise_q = sample_quality(judge, jm.domain.uniform(100, tuple(S["x"].shape[1:]), generator=g), S["xt"],
-                             y_samples=torch.arange(10).repeat_interleave(10))
-    return {"judge_test_accuracy": judge.test_accuracy, "judge_train_cpu_s": judge_s,
-            "judge_acc_on_uniform_noise": noise_q["judge_acc"], "judge_acc_on_gaussian_init": init_acc, "fd": ref}
+    noise_q = sample_quality(
+        judge,
+        jm.domain.uniform(100, tuple(S["x"].shape[1:]), generator=g),
+        S["xt"],
+        y_samples=torch.arange(10).repeat_interleave(10),
+    )
+    return {
+        "judge_test_accuracy": judge.test_accuracy,
+        "judge_train_cpu_s": judge_s,
+        "judge_acc_on_uniform_noise": noise_q["judge_acc"],
+        "judge_acc_on_gaussian_init": init_acc,
+        "fd": ref,
+    }
 
 
-def run(settings=("digits32_test_resnet", "digits8_cnn"), runs=RECIPE_RUNS, epochs32: int = 20, epochs8: int = 40,
-        bn_modes: Sequence[str] = (), bn_runs: Sequence[str] = ("fast",), quick: bool = False,
-        out_dir: str = OUT, workers: int = 2, n_train: int | None = None, overrides: dict | None = None,
-        tag: str = "", seeds: Sequence[int] = (0,), fit_init: str = "loop", bn_from_data: bool = False) -> dict[str, Any]:
+def run(
+    settings=("digits32_test_resnet", "digits8_cnn"),
+    runs=RECIPE_RUNS,
+    epochs32: int = 20,
+    epochs8: int = 40,
+    bn_modes: Sequence[str] = (),
+    bn_runs: Sequence[str] = ("fast",),
+    quick: bool = False,
+    out_dir: str = OUT,
+    workers: int = 2,
+    n_train: int | None = None,
+    overrides: dict | None = None,
+    tag: str = "",
+    seeds: Sequence[int] = (0,),
+    fit_init: str = "loop",
+    bn_from_data: bool = False,
+) -> dict[str, Any]:
     """``runs`` with each recipe's own BatchNorm settings; then, on the 32x32 setting, each of
     ``bn_runs`` once per BatchNorm mode in ``bn_modes``. ``overrides``: recipe fields changed in
     every JEM run (their names get ``_<tag>``). ``bn_from_data``: each JEM run is evaluated
@@ -427,11 +548,18 @@ def run(settings=("digits32_test_resnet", "digits8_cnn"), runs=RECIPE_RUNS, epoc
     jobs = []
     for s in settings:
         ep = epochs32 if s.startswith("digits32") else epochs8
-        jobs += [(s, r, ep, None, quick, out_dir, n_train, overrides, tag, k, fit_init, bn_from_data)
-                 for k in seeds for r in runs]
+        jobs += [
+            (s, r, ep, None, quick, out_dir, n_train, overrides, tag, k, fit_init, bn_from_data)
+            for k in seeds
+            for r in runs
+        ]
         if s.startswith("digits32"):
-            jobs += [(s, r, ep, m, quick, out_dir, n_train, overrides, tag, k, fit_init, bn_from_data)
-                     for k in seeds for r in bn_runs for m in bn_modes]
+            jobs += [
+                (s, r, ep, m, quick, out_dir, n_train, overrides, tag, k, fit_init, bn_from_data)
+                for k in seeds
+                for r in bn_runs
+                for m in bn_modes
+            ]
     t0 = time.perf_counter()
     if workers > 1:
         with ProcessPoolExecutor(workers) as ex:
@@ -445,11 +573,21 @@ def run(settings=("digits32_test_resnet", "digits8_cnn"), runs=RECIPE_RUNS, epoc
         base = next((b for b in rows if b["setting"] == row["setting"] and b["run"].startswith("baseline")), None)
         if base is not None:
             row["cost_vs_baseline"] = row["cost"]["train_cpu_s"] / max(base["cost"]["train_cpu_s"], 1e-9)
-    res = {"machine": {"threads_per_run": 1, "workers": workers, "wall_s": time.perf_counter() - t0},
-           "settings": {"buffer_size": BUFFER_SIZE, "cond_steps": COND_STEPS, "epochs32": epochs32,
-                        "epochs8": epochs8, "batch_size": 64, "n_train": n_train, "fit_init": fit_init,
-                        "bn_from_data": bn_from_data},
-           "references": refs, "rows": rows}
+    res = {
+        "machine": {"threads_per_run": 1, "workers": workers, "wall_s": time.perf_counter() - t0},
+        "settings": {
+            "buffer_size": BUFFER_SIZE,
+            "cond_steps": COND_STEPS,
+            "epochs32": epochs32,
+            "epochs8": epochs8,
+            "batch_size": 64,
+            "n_train": n_train,
+            "fit_init": fit_init,
+            "bn_from_data": bn_from_data,
+        },
+        "references": refs,
+        "rows": rows,
+    }
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(res, f, indent=1)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
@@ -460,22 +598,28 @@ def run(settings=("digits32_test_resnet", "digits8_cnn"), runs=RECIPE_RUNS, epoc
 def to_markdown(res: dict[str, Any]) -> str:
     lines = ["# Generative quality per recipe (bench_generative.py)", ""]
     st = res["settings"]
-    lines.append(f"Epochs: 32x32 {st['epochs32']}, 8x8 {st['epochs8']}; batch 64; replay buffer {st['buffer_size']} "
-                 "(a row that gives its slots: the recipe sized it for the run or --set sized it); "
-                 f"class-conditional samples: {st['cond_steps']} steps from the run's initial distribution; "
-                 f"informative inits fitted on {'the clean training set' if st.get('fit_init') == 'train' else 'the first batches of the loop (by JEMLoss)'}. "
-                 "FD = Fréchet distance to the 360 test images in the independent judge's features.")
+    lines.append(
+        f"Epochs: 32x32 {st['epochs32']}, 8x8 {st['epochs8']}; batch 64; replay buffer {st['buffer_size']} "
+        "(a row that gives its slots: the recipe sized it for the run or --set sized it); "
+        f"class-conditional samples: {st['cond_steps']} steps from the run's initial distribution; "
+        f"informative inits fitted on {'the clean training set' if st.get('fit_init') == 'train' else 'the first batches of the loop (by JEMLoss)'}. "
+        "FD = Fréchet distance to the 360 test images in the independent judge's features."
+    )
     lines.append("")
     for s, ref in res["references"].items():
         fd = ref["fd"]
-        lines.append(f"**{s}** judge: test accuracy {ref['judge_test_accuracy']:.3f}, accuracy on uniform noise "
-                     f"{ref['judge_acc_on_uniform_noise']:.2f}, on class draws of the per-class Gaussian "
-                     f"{ref.get('judge_acc_on_gaussian_init', float('nan')):.2f}; reference FD: test halves {fd['heldout_halves']:.2f}, "
-                     f"train {fd['train']:.2f}, uniform init {fd['uniform_init']:.1f}, Gaussian init "
-                     f"{fd['gaussian_init']:.1f}")
+        lines.append(
+            f"**{s}** judge: test accuracy {ref['judge_test_accuracy']:.3f}, accuracy on uniform noise "
+            f"{ref['judge_acc_on_uniform_noise']:.2f}, on class draws of the per-class Gaussian "
+            f"{ref.get('judge_acc_on_gaussian_init', float('nan')):.2f}; reference FD: test halves {fd['heldout_halves']:.2f}, "
+            f"train {fd['train']:.2f}, uniform init {fd['uniform_init']:.1f}, Gaussian init "
+            f"{fd['gaussian_init']:.1f}"
+        )
         lines.append("")
-    head = ("| setting | run | acc | ECE (after T) | logpx AUROC noise/patch/transp | grad_norm | grad_norm_proj | "
-            "buffer FD (its init) | cond. FD | judge acc | model acc on own | CPU s | x baseline |")
+    head = (
+        "| setting | run | acc | ECE (after T) | logpx AUROC noise/patch/transp | grad_norm | grad_norm_proj | "
+        "buffer FD (its init) | cond. FD | judge acc | model acc on own | CPU s | x baseline |"
+    )
     lines += [head, "|" + "---|" * 13]
     for r in res["rows"]:
         a = r["auroc"]
@@ -483,23 +627,32 @@ def to_markdown(res: dict[str, Any]) -> str:
         slots = r["cost"].get("buffer_slots")
         slots = f"; {slots} slots" if slots and slots != st["buffer_size"] else ""
         buf = f"{r['buffer']['fd']:.1f} ({r['init_fd']:.1f}{slots})" if "buffer" in r else f"- ({r['init_fd']:.1f})"
-        lines.append(f"| {r['setting']} | {r['run']} | {r['accuracy']:.3f} | {r['ece']:.3f} ({r.get('ece_ts', float('nan')):.3f}) | {f3('logpx')} | "
-                     f"{f3('grad_norm')} | {f3('grad_norm_projected')} | {buf} | {r['cond']['fd']:.1f} | "
-                     f"{r['cond']['judge_acc']:.2f} | {r['cond']['model_acc']:.2f} | {r['cost']['train_cpu_s']:.0f} | "
-                     f"{r.get('cost_vs_baseline', float('nan')):.1f} |")
+        lines.append(
+            f"| {r['setting']} | {r['run']} | {r['accuracy']:.3f} | {r['ece']:.3f} ({r.get('ece_ts', float('nan')):.3f}) | {f3('logpx')} | "
+            f"{f3('grad_norm')} | {f3('grad_norm_projected')} | {buf} | {r['cond']['fd']:.1f} | "
+            f"{r['cond']['judge_acc']:.2f} | {r['cond']['model_acc']:.2f} | {r['cost']['train_cpu_s']:.0f} | "
+            f"{r.get('cost_vs_baseline', float('nan')):.1f} |"
+        )
     traced = [r for r in res["rows"] if "chains" in r]
     if traced:
         rounds = [t["rounds"] for t in traced[0]["chains"]["trace"]]
-        lines += ["", "**The buffer's chains continued** for " + ", ".join(map(str, rounds[1:])) + " more rounds of "
-                  "each run's own sampler (its steps per round, its BatchNorm mode, 32 chains per batch): the "
-                  "model's mean energy E and the judge's Fréchet distance. Energy falling to the held-out data's "
-                  "while the distance does not fall means the chains found states that fool the model.", "",
-                  "| setting | run | steps | E | E held-out | FD |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "**The buffer's chains continued** for " + ", ".join(map(str, rounds[1:])) + " more rounds of "
+            "each run's own sampler (its steps per round, its BatchNorm mode, 32 chains per batch): the "
+            "model's mean energy E and the judge's Fréchet distance. Energy falling to the held-out data's "
+            "while the distance does not fall means the chains found states that fool the model.",
+            "",
+            "| setting | run | steps | E | E held-out | FD |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in traced:
             t = r["chains"]["trace"]
             arrow = lambda k, f: " → ".join(f.format(p[k]) for p in t)  # noqa: E731
-            lines.append(f"| {r['setting']} | {r['run']} | {arrow('steps', '{}')} | {arrow('energy', '{:.2f}')} | "
-                         f"{r['chains']['heldout_energy']:.2f} | {arrow('fd', '{:.0f}')} |")
+            lines.append(
+                f"| {r['setting']} | {r['run']} | {arrow('steps', '{}')} | {arrow('energy', '{:.2f}')} | "
+                f"{r['chains']['heldout_energy']:.2f} | {arrow('fd', '{:.0f}')} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -529,36 +682,71 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in seconds")
     p.add_argument("--epochs32", type=int, default=20)
     p.add_argument("--epochs8", type=int, default=40)
-    p.add_argument("--model32", default="test_resnet",
-                   help="timm model for the 32x32 setting (test_resnet, resnet10t; 'test_resnet:act_layer=silu' "
-                        "passes keywords to timm.create_model)")
+    p.add_argument(
+        "--model32",
+        default="test_resnet",
+        help="timm model for the 32x32 setting (test_resnet, resnet10t; 'test_resnet:act_layer=silu' "
+        "passes keywords to timm.create_model)",
+    )
     p.add_argument("--runs", nargs="*", default=list(RECIPE_RUNS), choices=list(RECIPE_RUNS))
-    p.add_argument("--bn-modes", nargs="*", default=["joint", "separate", "eval"], choices=list(BN_MODES),
-                   help="BatchNorm modes to repeat --bn-runs with on the 32x32 setting (none: skip)")
+    p.add_argument(
+        "--bn-modes",
+        nargs="*",
+        default=["joint", "separate", "eval"],
+        choices=list(BN_MODES),
+        help="BatchNorm modes to repeat --bn-runs with on the 32x32 setting (none: skip)",
+    )
     p.add_argument("--bn-runs", nargs="*", default=["fast"], choices=list(RECIPE_RUNS[1:]))
     p.add_argument("--only", choices=("32", "8"), help="one setting only")
-    p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
-                   help="recipe fields changed in every JEM run, e.g. step_size=2 (run names get --tag)")
+    p.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="recipe fields changed in every JEM run, e.g. step_size=2 (run names get --tag)",
+    )
     p.add_argument("--tag", default="")
     p.add_argument("--seeds", nargs="*", type=int, default=[0], help="one run per seed (names get _seedN for N > 0)")
-    p.add_argument("--fit-init", choices=("loop", "train"), default="loop",
-                   help="where an informative init is fitted: by JEMLoss from the first batches (a user's "
-                        "loop, up to the buffer's auto_fit_examples) or on the clean training set (what jem train does)")
-    p.add_argument("--bn-from-data", action="store_true",
-                   help="evaluate each JEM run both with the BatchNorm running statistics of training and with "
-                        "those recomputed from the training set (torch.optim.swa_utils.update_bn): rows "
-                        "<run>_bnfromdata, or <run>_bnastrained for a recipe that recomputes them (generative)")
-    p.add_argument("--plugin", nargs="*", default=[], metavar="FILE.py",
-                   help="register these files as jem plugins first (an init distribution to try: --set init=NAME)")
+    p.add_argument(
+        "--fit-init",
+        choices=("loop", "train"),
+        default="loop",
+        help="where an informative init is fitted: by JEMLoss from the first batches (a user's "
+        "loop, up to the buffer's auto_fit_examples) or on the clean training set (what jem train does)",
+    )
+    p.add_argument(
+        "--bn-from-data",
+        action="store_true",
+        help="evaluate each JEM run both with the BatchNorm running statistics of training and with "
+        "those recomputed from the training set (torch.optim.swa_utils.update_bn): rows "
+        "<run>_bnfromdata, or <run>_bnastrained for a recipe that recomputes them (generative)",
+    )
+    p.add_argument(
+        "--plugin",
+        nargs="*",
+        default=[],
+        metavar="FILE.py",
+        help="register these files as jem plugins first (an init distribution to try: --set init=NAME)",
+    )
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", default=OUT)
     a = p.parse_args(argv)
     register_plugin_files(a.plugin)  # before the worker processes fork, so they inherit them
-    settings = tuple(s for s in (f"digits32_{a.model32}", "digits8_cnn") if a.only is None or s.endswith(
-        "cnn") == (a.only == "8"))
+    settings = tuple(
+        s for s in (f"digits32_{a.model32}", "digits8_cnn") if a.only is None or s.endswith("cnn") == (a.only == "8")
+    )
     overrides = {k: _parse_value(v) for k, v in (kv.split("=", 1) for kv in a.set)}
-    common = dict(bn_modes=a.bn_modes, bn_runs=a.bn_runs, out_dir=a.out, workers=a.workers,
-                  overrides=overrides, tag=a.tag, seeds=a.seeds, fit_init=a.fit_init, bn_from_data=a.bn_from_data)
+    common = dict(
+        bn_modes=a.bn_modes,
+        bn_runs=a.bn_runs,
+        out_dir=a.out,
+        workers=a.workers,
+        overrides=overrides,
+        tag=a.tag,
+        seeds=a.seeds,
+        fit_init=a.fit_init,
+        bn_from_data=a.bn_from_data,
+    )
     if a.quick:
         res = run(settings, a.runs, 1, 1, quick=True, n_train=128, **common)
     else:

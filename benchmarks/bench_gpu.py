@@ -19,6 +19,7 @@ Without a GPU it prints one line and exits 0: every figure here must come from a
     noise) on resnet10t, test_resnet (timm), resnet18 (torchvision), WRN-28-10, 3x32x32.
 (c) Peak memory (``torch.cuda.max_memory_allocated`` above the resident model) of each of them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,15 @@ NO_GPU_NOTE = "bench_gpu: no CUDA device on this machine; the GPU figures are no
 ITERATIONS_150_EPOCHS = 117_300  # 150 epochs x ceil(50,000 / 64) CIFAR-10 batches
 ISSUE_PEAK_TFLOPS = 790.0  # the figure issue 15 used
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, by device-name fragment.
-DATASHEET_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0,
-                         "A100": 312.0, "L40S": 362.0, "L4": 121.0}
+DATASHEET_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+}
 BATCH, CHAINS, STEPS = 64, 64, 20
 SHAPE = (3, 32, 32)
 
@@ -57,8 +65,9 @@ def _wrn(depth: int = 28, width: int = 10) -> nn.Module:
     return WideResNet(depth, width, 10)
 
 
-def iteration_flops(model_fn: Callable[[], nn.Module] = _wrn, batch: int = BATCH, chains: int = CHAINS,
-                    steps: int = STEPS, shape=SHAPE) -> dict[str, float]:
+def iteration_flops(
+    model_fn: Callable[[], nn.Module] = _wrn, batch: int = BATCH, chains: int = CHAINS, steps: int = STEPS, shape=SHAPE
+) -> dict[str, float]:
     """FLOPs of one JEM iteration, counted with ``torch.utils.flop_counter`` on the meta device.
 
     A chain step is a forward plus the input gradient (parameters frozen); the training step is
@@ -89,8 +98,12 @@ def iteration_flops(model_fn: Callable[[], nn.Module] = _wrn, batch: int = BATCH
     step = count(chain_step)
     train = count(train_step)
     total = steps * step + train
-    return {"forward_gflop_per_image": forward_1 / 1e9, "chain_step_tflop": step / 1e12,
-            "train_step_tflop": train / 1e12, "iteration_tflop": total / 1e12}
+    return {
+        "forward_gflop_per_image": forward_1 / 1e9,
+        "chain_step_tflop": step / 1e12,
+        "train_step_tflop": train / 1e12,
+        "iteration_tflop": total / 1e12,
+    }
 
 
 def datasheet_peak(name: str) -> float | None:
@@ -116,8 +129,12 @@ def _timed(fn: Callable[[], Any], iters: int, warmup: int) -> dict[str, float]:
         fn()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3, "n": iters,
-            "peak_mb_above_start": (torch.cuda.max_memory_allocated() - base) / 2**20}
+    return {
+        "median_ms": statistics.median(times) * 1e3,
+        "min_ms": min(times) * 1e3,
+        "n": iters,
+        "peak_mb_above_start": (torch.cuda.max_memory_allocated() - base) / 2**20,
+    }
 
 
 def _fresh_wrn(channels_last: bool = False) -> nn.Module:
@@ -152,7 +169,7 @@ def plain_algorithm1(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Call
             p.requires_grad_(False)
         xk = x0.clone().requires_grad_(True)
         for _ in range(STEPS):
-            g, = torch.autograd.grad(model(xk).logsumexp(1).sum(), xk)
+            (g,) = torch.autograd.grad(model(xk).logsumexp(1).sum(), xk)
             xk.data.add_(g).add_(torch.randn_like(xk), alpha=0.01).clamp_(-1, 1)
         for p in params:
             p.requires_grad_(True)
@@ -169,8 +186,9 @@ def plain_algorithm1(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Call
     return iteration
 
 
-def jem_iteration(model: nn.Module, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None,
-                  cuda_graph: str) -> Callable[[], None]:
+def jem_iteration(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None, cuda_graph: str
+) -> Callable[[], None]:
     import jem_plugin as jem
 
     jm = jem.wrap(model, data_range=(-1.0, 1.0), input_size=SHAPE, num_classes=10)
@@ -250,7 +268,8 @@ def sampler_vs_eager(names, iters: int, warmup: int) -> dict[str, Any]:
             r: dict[str, Any] = {}
             with common.frozen(model):
                 r["eager_reference"] = _timed(
-                    lambda m=model, x=x0, g=gen: common.floor_chain(m, x, STEPS, generator=g), iters, warmup)
+                    lambda m=model, x=x0, g=gen: common.floor_chain(m, x, STEPS, generator=g), iters, warmup
+                )
             for mode in ("auto", "off"):
                 s = jem.SGLD(steps=STEPS, clamp=False, generator=gen, cuda_graph=mode)
                 r[f"sgld_{mode}"] = _timed(lambda s=s, j=jm, x=x0: s.sample(j, x_init=x), iters, warmup)
@@ -273,9 +292,16 @@ def run(quick: bool = False, repeats: int | None = None, **_: Any) -> dict[str, 
     name = torch.cuda.get_device_name(0)
     peak = datasheet_peak(name)
     flops = iteration_flops()
-    res: dict[str, Any] = {"gpu": name, "torch": torch.__version__, "cuda": torch.version.cuda,
-                           "peak_tflops_datasheet": peak, "peak_tflops_issue": ISSUE_PEAK_TFLOPS,
-                           "flops": flops, "iters": iters, "warmup": warmup}
+    res: dict[str, Any] = {
+        "gpu": name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "peak_tflops_datasheet": peak,
+        "peak_tflops_issue": ISSUE_PEAK_TFLOPS,
+        "flops": flops,
+        "iters": iters,
+        "warmup": warmup,
+    }
     res["wrn_iteration"] = wrn_iteration(iters, warmup, flops, peak)
     models = ["test_resnet"] if quick else ["resnet10t", "test_resnet", "resnet18", "wrn28_10"]
     res["sampler"] = sampler_vs_eager(models, iters, warmup)
@@ -290,12 +316,20 @@ def to_markdown(res: dict) -> str:
     if "note" in res:
         return res["note"]
     fl = res["flops"]
-    lines = [(f"GPU: {res['gpu']} (torch {res['torch']}, CUDA {res['cuda']}). Medians of {res['iters']} "
-              f"synchronised iterations after {res['warmup']} warm-up ones."), "",
-             (f"WRN-28-10: {fl['forward_gflop_per_image']:.2f} GFLOP per image forward; one iteration "
-             f"({BATCH} + {CHAINS} chains x {STEPS} steps) is {fl['iteration_tflop']:.1f} TFLOP "
-             "(torch.utils.flop_counter). FLOP floor at the assumed dense bf16 peak: datasheet "
-             f"{_f(res['peak_tflops_datasheet'], '{:.0f}')} TFLOP/s, and the issue's {res['peak_tflops_issue']:.0f}."), ""]
+    lines = [
+        (
+            f"GPU: {res['gpu']} (torch {res['torch']}, CUDA {res['cuda']}). Medians of {res['iters']} "
+            f"synchronised iterations after {res['warmup']} warm-up ones."
+        ),
+        "",
+        (
+            f"WRN-28-10: {fl['forward_gflop_per_image']:.2f} GFLOP per image forward; one iteration "
+            f"({BATCH} + {CHAINS} chains x {STEPS} steps) is {fl['iteration_tflop']:.1f} TFLOP "
+            "(torch.utils.flop_counter). FLOP floor at the assumed dense bf16 peak: datasheet "
+            f"{_f(res['peak_tflops_datasheet'], '{:.0f}')} TFLOP/s, and the issue's {res['peak_tflops_issue']:.0f}."
+        ),
+        "",
+    ]
     rows = []
     for name, r in res["wrn_iteration"].items():
         if not isinstance(r, dict):
@@ -303,11 +337,21 @@ def to_markdown(res: dict) -> str:
         if "error" in r:
             rows.append([name, "ERROR: " + r["error"], "", "", "", ""])
             continue
-        rows.append([name, _f(r["median_ms"]), _f(r.get("x_flop_floor_datasheet"), "{:.2f}x"),
-                     _f(r.get("x_flop_floor_issue_790"), "{:.2f}x"), _f(r["hours_150_epochs"], "{:.2f}"),
-                     _f(r["peak_mb_above_start"], "{:.0f}")])
-    lines.append(common.md_table(["variant", "ms / iteration", "x floor (datasheet)", "x floor (790)",
-                                  "h for 150 epochs", "peak MB"], rows))
+        rows.append(
+            [
+                name,
+                _f(r["median_ms"]),
+                _f(r.get("x_flop_floor_datasheet"), "{:.2f}x"),
+                _f(r.get("x_flop_floor_issue_790"), "{:.2f}x"),
+                _f(r["hours_150_epochs"], "{:.2f}"),
+                _f(r["peak_mb_above_start"], "{:.0f}"),
+            ]
+        )
+    lines.append(
+        common.md_table(
+            ["variant", "ms / iteration", "x floor (datasheet)", "x floor (790)", "h for 150 epochs", "peak MB"], rows
+        )
+    )
     if "jem_fp32_vs_plain" in res["wrn_iteration"]:
         lines.append(f"\njem-plugin fp32 eager / plain fp32 loop: {res['wrn_iteration']['jem_fp32_vs_plain']:.3f}x")
     rows = []
@@ -315,12 +359,34 @@ def to_markdown(res: dict) -> str:
         if "error" in r:
             rows.append([name, "ERROR: " + r["error"], "", "", "", "", ""])
             continue
-        rows.append([name, _f(r["eager_reference"]["median_ms"]), _f(r["sgld_auto"]["median_ms"]),
-                     _f(r["speedup_auto"], "{:.2f}x"), _f(r["sgld_off"]["median_ms"]), _f(r["speedup_off"], "{:.2f}x"),
-                     f"{r['eager_reference']['peak_mb_above_start']:.0f} / {r['sgld_auto']['peak_mb_above_start']:.0f}"])
-    lines += ["", f"SGLD.sample, {CHAINS} chains x {STEPS} steps, {SHAPE}:", "",
-              common.md_table(["model", "eager reference ms", "SGLD graph ms", "speed-up", "SGLD eager ms",
-                               "speed-up", "peak MB ref / graph"], rows)]
+        rows.append(
+            [
+                name,
+                _f(r["eager_reference"]["median_ms"]),
+                _f(r["sgld_auto"]["median_ms"]),
+                _f(r["speedup_auto"], "{:.2f}x"),
+                _f(r["sgld_off"]["median_ms"]),
+                _f(r["speedup_off"], "{:.2f}x"),
+                f"{r['eager_reference']['peak_mb_above_start']:.0f} / {r['sgld_auto']['peak_mb_above_start']:.0f}",
+            ]
+        )
+    lines += [
+        "",
+        f"SGLD.sample, {CHAINS} chains x {STEPS} steps, {SHAPE}:",
+        "",
+        common.md_table(
+            [
+                "model",
+                "eager reference ms",
+                "SGLD graph ms",
+                "speed-up",
+                "SGLD eager ms",
+                "speed-up",
+                "peak MB ref / graph",
+            ],
+            rows,
+        ),
+    ]
     return "\n".join(lines)
 
 

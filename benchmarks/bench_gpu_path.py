@@ -9,11 +9,13 @@ floor (the bare loop under the same variant), with ``torch.cuda.synchronize()`` 
 and ``torch.cuda.max_memory_allocated`` as the memory figure; without CUDA the GPU figures are
 skipped with a note.
 """
+
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -30,8 +32,7 @@ NAME = "gpu_path"
 
 
 def _variants(device: str, compile: bool = True) -> dict[str, dict[str, Any]]:
-    v = {"eager_fp32": {}, "autocast_bf16": {"autocast": torch.bfloat16},
-         "channels_last": {"channels_last": True}}
+    v = {"eager_fp32": {}, "autocast_bf16": {"autocast": torch.bfloat16}, "channels_last": {"channels_last": True}}
     if compile:
         v["compiled"] = {"compile": True}
     if device == "cuda":
@@ -80,13 +81,18 @@ def correctness(model_name: str, batch: int, steps: int, device: str = "cpu", co
             x0 = _start(batch, shape, device, opts.get("channels_last"))
             t0 = time.perf_counter()
             with ctx():
-                x = SGLD(steps=steps, step_size=1.0, noise=0.01,
-                         generator=torch.Generator(device=device).manual_seed(11)).sample(jm, x_init=x0)
+                x = SGLD(
+                    steps=steps, step_size=1.0, noise=0.01, generator=torch.Generator(device=device).manual_seed(11)
+                ).sample(jm, x_init=x0)
             first_call_s = time.perf_counter() - t0
             with ctx():
                 xd = SGLD(steps=steps, step_size=1.0, noise=0.0).sample(jm, x_init=x0)
-            r = {"finite": bool(torch.isfinite(x).all() and torch.isfinite(xd).all()), "dtype": str(x.dtype),
-                 "chain_fp32": x.dtype == torch.float32 and xd.dtype == torch.float32, "first_call_s": first_call_s}
+            r = {
+                "finite": bool(torch.isfinite(x).all() and torch.isfinite(xd).all()),
+                "dtype": str(x.dtype),
+                "chain_fp32": x.dtype == torch.float32 and xd.dtype == torch.float32,
+                "first_call_s": first_call_s,
+            }
             if eager is None:
                 eager, eager_drift = x.float().cpu(), xd.float().cpu()
                 # Scale for the differences below: how far the eager drift-only chain moved.
@@ -126,12 +132,17 @@ def timings(model_name: str, batch: int, steps: int, repeats: int, device: str) 
                     sampler.sample(jm, n=batch, buffer=buffer)
                 sync()
 
-            contenders = {"floor": Contender(floor, setup=freezer.__enter__, teardown=lambda: freezer.__exit__()),
-                          "jem_plugin": Contender(ours, prepare=lambda: buffer.initialize(jm.domain))}
+            contenders = {
+                "floor": Contender(floor, setup=freezer.__enter__, teardown=lambda: freezer.__exit__()),
+                "jem_plugin": Contender(ours, prepare=lambda: buffer.initialize(jm.domain)),
+            }
             times = common.interleaved(contenders, repeats=repeats, warmup=2)
             st = common.ratios(times, "floor")
-            r = {"floor_ms": st["floor"]["median_s"] * 1e3, "jem_ms": st["jem_plugin"]["median_s"] * 1e3,
-                 "ratio": st["jem_plugin"]["ratio"]}
+            r = {
+                "floor_ms": st["floor"]["median_s"] * 1e3,
+                "jem_ms": st["jem_plugin"]["median_s"] * 1e3,
+                "ratio": st["jem_plugin"]["ratio"],
+            }
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
@@ -143,14 +154,20 @@ def timings(model_name: str, batch: int, steps: int, repeats: int, device: str) 
     return res
 
 
-def run(quick: bool = False, repeats: int | None = None, model: str | None = None, compile: bool = True,
-        **_: Any) -> dict[str, Any]:
+def run(
+    quick: bool = False, repeats: int | None = None, model: str | None = None, compile: bool = True, **_: Any
+) -> dict[str, Any]:
     if quick:
         model, batch, steps, repeats = model or "digits_cnn", 8, 3, repeats or 2
     else:
         model, batch, steps, repeats = model or "test_resnet", 64, 20, repeats or 5
-    res: dict[str, Any] = {"model": model, "batch": batch, "steps": steps, "repeats": repeats,
-                           "cpu_correctness": correctness(model, batch, steps, "cpu", compile)}
+    res: dict[str, Any] = {
+        "model": model,
+        "batch": batch,
+        "steps": steps,
+        "repeats": repeats,
+        "cpu_correctness": correctness(model, batch, steps, "cpu", compile),
+    }
     if not quick:
         res["cpu_timings"] = timings(model, batch, steps, repeats, "cpu")
     if torch.cuda.is_available():
@@ -158,15 +175,20 @@ def run(quick: bool = False, repeats: int | None = None, model: str | None = Non
         res["gpu_timings"] = timings(model, batch, steps, max(repeats, 10), "cuda")
         res["gpu"] = torch.cuda.get_device_name(0)
     else:
-        res["gpu_note"] = "no CUDA device on this machine: GPU figures skipped (run this benchmark on a GPU to fill them)"
+        res["gpu_note"] = (
+            "no CUDA device on this machine: GPU figures skipped (run this benchmark on a GPU to fill them)"
+        )
     return res
 
 
 def to_markdown(res: dict) -> str:
-    lines = [f"Model {res['model']}, batch {res['batch']}, {res['steps']} SGLD steps. Correctness: each variant's "
-             "drift-only chain (noise 0) against the eager fp32 one from the same start (max |diff|), and "
-             "the noisy chain with the same generator (noisy |diff|: channels_last draws its noise in memory "
-             "order, so it walks differently for the same seed).", ""]
+    lines = [
+        f"Model {res['model']}, batch {res['batch']}, {res['steps']} SGLD steps. Correctness: each variant's "
+        "drift-only chain (noise 0) against the eager fp32 one from the same start (max |diff|), and "
+        "the noisy chain with the same generator (noisy |diff|: channels_last draws its noise in memory "
+        "order, so it walks differently for the same seed).",
+        "",
+    ]
     for dev in ("cpu", "gpu"):
         corr = res.get(f"{dev}_correctness")
         if corr is None:
@@ -180,26 +202,52 @@ def to_markdown(res: dict) -> str:
             if "error" in r:
                 rows.append([dev.upper(), name, "ERROR", r["error"], "", "", "", "", "", ""])
                 continue
-            rows.append([dev.upper(), name, r["finite"], r["dtype"], f"{r['max_abs_diff_vs_eager']:.2e}",
-                         f"{r['noisy_max_abs_diff_vs_eager']:.2e}",
-                         f"{r['first_call_s']:.2f}",
-                         f"{t['floor_ms']:.1f}" if "floor_ms" in t else "n/a",
-                         f"{t['jem_ms']:.1f}" if "jem_ms" in t else "n/a",
-                         common.fmt_ratio(t.get("ratio"))])
-        lines.append(common.md_table(["device", "variant", "finite", "chain dtype", "max |diff| vs eager",
-                                      "noisy |diff|", "first call s", "floor ms", "jem-plugin ms", "ratio"], rows))
+            rows.append(
+                [
+                    dev.upper(),
+                    name,
+                    r["finite"],
+                    r["dtype"],
+                    f"{r['max_abs_diff_vs_eager']:.2e}",
+                    f"{r['noisy_max_abs_diff_vs_eager']:.2e}",
+                    f"{r['first_call_s']:.2f}",
+                    f"{t['floor_ms']:.1f}" if "floor_ms" in t else "n/a",
+                    f"{t['jem_ms']:.1f}" if "jem_ms" in t else "n/a",
+                    common.fmt_ratio(t.get("ratio")),
+                ]
+            )
+        lines.append(
+            common.md_table(
+                [
+                    "device",
+                    "variant",
+                    "finite",
+                    "chain dtype",
+                    "max |diff| vs eager",
+                    "noisy |diff|",
+                    "first call s",
+                    "floor ms",
+                    "jem-plugin ms",
+                    "ratio",
+                ],
+                rows,
+            )
+        )
         lines.append("")
     for dev in ("cpu", "gpu"):
         c = res.get(f"{dev}_correctness", {})
         if "eager_max_abs_move" in c:
-            lines.append(f"{dev.upper()}: the eager drift-only chain moved up to {c['eager_max_abs_move']:.2e} from its start "
-                         "(scale for the differences above).")
+            lines.append(
+                f"{dev.upper()}: the eager drift-only chain moved up to {c['eager_max_abs_move']:.2e} from its start "
+                "(scale for the differences above)."
+            )
     if "gpu_note" in res:
         lines.append(f"GPU: {res['gpu_note']}.")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
+
     def _extra(p):
         p.add_argument("--model", default=None, choices=list(common.MODELS))
 

@@ -25,12 +25,14 @@ seconds per epoch; ratio to the baseline trained in the same process. ``--epochs
 run (the LR warmup scales with it). Configurations run in ``--workers`` parallel processes
 (1 torch thread each).
 """
+
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -60,16 +62,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 HELDOUT = {"baseline": None, "jem_20": {**PAPER, "sgld_steps": 20}, "jem_5_fast": dict(FAST)}
 #: the cost target applies to the library's fast recipe; baselines are matched per optimiser
-BASELINE_OF = {"jem_5_fast": "baseline_fast", "jem_5_fast_gaussian": "baseline_fast",
-               "jem_5_fast_64": "baseline_fast"}
+BASELINE_OF = {"jem_5_fast": "baseline_fast", "jem_5_fast_gaussian": "baseline_fast", "jem_5_fast_64": "baseline_fast"}
 
 
 # Issue 3's acceptance targets (a benchmark's business, never shown to a user of the demo).
 TARGETS = {
-    "acc_within": 0.01,          # JEM accuracy >= baseline - 1 point
-    "logpx_auroc": 0.99,         # on noise, patches, transposed
-    "grad_norm_auroc": 0.9,      # on noise, patches
-    "cost_ratio": 4.0,           # JEM training time <= 4x the baseline's
+    "acc_within": 0.01,  # JEM accuracy >= baseline - 1 point
+    "logpx_auroc": 0.99,  # on noise, patches, transposed
+    "grad_norm_auroc": 0.9,  # on noise, patches
+    "cost_ratio": 4.0,  # JEM training time <= 4x the baseline's
 }
 
 
@@ -83,9 +84,11 @@ def check_targets(result: Mapping[str, Any]) -> dict[str, bool]:
     t = {
         "accuracy_within_1pt": j["accuracy"] >= b["accuracy"] - TARGETS["acc_within"],
         "logpx_auroc_noise_patches_transposed": all(
-            j[f"auroc_logpx_{s}"] >= TARGETS["logpx_auroc"] for s in ("noise", "patches", "transposed")),
+            j[f"auroc_logpx_{s}"] >= TARGETS["logpx_auroc"] for s in ("noise", "patches", "transposed")
+        ),
         "grad_norm_auroc_noise_patches": all(
-            j[f"auroc_grad_norm_{s}"] >= TARGETS["grad_norm_auroc"] for s in ("noise", "patches")),
+            j[f"auroc_grad_norm_{s}"] >= TARGETS["grad_norm_auroc"] for s in ("noise", "patches")
+        ),
     }
     if b.get("train_cpu_seconds"):
         t["cost_within_4x_baseline"] = j["train_cpu_seconds"] <= TARGETS["cost_ratio"] * b["train_cpu_seconds"]
@@ -101,8 +104,8 @@ def _warmup(epochs: int, kw: dict[str, Any] | None = None) -> int:
 def _run_guarded(out_dir: str, **kw: Any) -> tuple[dict[str, Any] | None, str | None]:
     """``run_digits`` under the ``"raise"`` guard: ``(result, None)``, or ``(None, why)`` when the
     run diverged (a row of the table too: that variant is not usable)."""
-    from jem_plugin.errors import DivergenceError
     from jem_plugin.app.experiments import run_digits
+    from jem_plugin.errors import DivergenceError
 
     try:
         return run_digits(out_dir, progress=False, guard_policy="raise", **kw), None
@@ -117,8 +120,7 @@ def _digits_job(name: str, kw: dict[str, Any], epochs: int, out_dir: str, thread
     plots = kw.pop("plots", False)
     kw["warmup_iters"] = _warmup(epochs, kw)
     t0 = time.perf_counter()
-    res, diverged = _run_guarded(os.path.join(out_dir, name), epochs=epochs, baseline=bool(baseline),
-                                 plots=plots, **kw)
+    res, diverged = _run_guarded(os.path.join(out_dir, name), epochs=epochs, baseline=bool(baseline), plots=plots, **kw)
     if diverged:
         return {name: {"diverged": diverged, "job_wall_s": time.perf_counter() - t0}}
     out = {name: _summary(res["runs"]["JEM"]["summary"])}
@@ -134,31 +136,51 @@ def _digits_job(name: str, kw: dict[str, Any], epochs: int, out_dir: str, thread
 def _seed_job(seed: int, epochs: int, out_dir: str, threads: int) -> dict[str, Any]:
     """The fast recipe and its baseline on another train/test split and initialisation (``seed``)."""
     torch.set_num_threads(threads)
-    res, diverged = _run_guarded(os.path.join(out_dir, f"seed_{seed}"), epochs=epochs, seed=seed, plots=False,
-                                 **{**FAST, "warmup_iters": _warmup(epochs, FAST)})
+    res, diverged = _run_guarded(
+        os.path.join(out_dir, f"seed_{seed}"),
+        epochs=epochs,
+        seed=seed,
+        plots=False,
+        **{**FAST, "warmup_iters": _warmup(epochs, FAST)},
+    )
     if diverged:
         return {seed: {"diverged": diverged}}
-    return {seed: {"baseline": _summary(res["runs"]["baseline"]["summary"]),
-                   "jem": _summary(res["runs"]["JEM"]["summary"]), "targets": check_targets(res)}}
+    return {
+        seed: {
+            "baseline": _summary(res["runs"]["baseline"]["summary"]),
+            "jem": _summary(res["runs"]["JEM"]["summary"]),
+            "targets": check_targets(res),
+        }
+    }
 
 
 def _summary(s: dict[str, Any]) -> dict[str, Any]:
-    keep = ["accuracy", "ece", "nll", "seconds_per_epoch", "cpu_seconds_per_epoch", "epochs", "train_cpu_seconds",
-            "train_seconds", "class_sample_accuracy"]
+    keep = [
+        "accuracy",
+        "ece",
+        "nll",
+        "seconds_per_epoch",
+        "cpu_seconds_per_epoch",
+        "epochs",
+        "train_cpu_seconds",
+        "train_seconds",
+        "class_sample_accuracy",
+    ]
     keep += [k for k in s if k.startswith("auroc_")]
     return {k: s[k] for k in keep if k in s}
 
 
-def _heldout_job(name: str, kw: dict[str, Any] | None, epochs: int, out_dir: str, threads: int,
-                 seed: int = 0) -> dict[str, Any]:
+def _heldout_job(
+    name: str, kw: dict[str, Any] | None, epochs: int, out_dir: str, threads: int, seed: int = 0
+) -> dict[str, Any]:
     """Train on digits 0-4; in-distribution = test digits 0-4, OOD = test digits 5-9."""
     torch.set_num_threads(threads)
     import jem_plugin as jem
-    from jem_plugin.app import data as D
     from jem_plugin import ood
+    from jem_plugin.app import data as D
+    from jem_plugin.app.nets import DigitsCNN
     from jem_plugin.buffer import ReplayBuffer
     from jem_plugin.losses import JEMLoss
-    from jem_plugin.app.nets import DigitsCNN
     from jem_plugin.sampling import SGLD
     from jem_plugin.training import fit
 
@@ -174,24 +196,39 @@ def _heldout_job(name: str, kw: dict[str, Any] | None, epochs: int, out_dir: str
     if name != "baseline":
         sampler = SGLD(steps=kw["sgld_steps"], step_size=1.0, noise=0.01, grad_clip=kw.get("proximal"))
         init = kw.get("init", "uniform")
-        buffer = ReplayBuffer(10000, (1, 8, 8), reinit_freq=0.05, init=init,
-                              num_classes=5 if init == "gaussian" else None)
+        buffer = ReplayBuffer(
+            10000, (1, 8, 8), reinit_freq=0.05, init=init, num_classes=5 if init == "gaussian" else None
+        )
         if init == "gaussian":
             buffer.fit(x_train, y_train)
-        loss_fn = JEMLoss(sampler, buffer, l2_weight=kw.get("l2_weight", 0.0), data_noise=0.03,
-                          n_samples=kw.get("n_samples"))
-    loader = torch.utils.data.DataLoader(train, batch_size=64, shuffle=True, drop_last=True,
-                                         generator=torch.Generator().manual_seed(seed))
+        loss_fn = JEMLoss(
+            sampler, buffer, l2_weight=kw.get("l2_weight", 0.0), data_noise=0.03, n_samples=kw.get("n_samples")
+        )
+    loader = torch.utils.data.DataLoader(
+        train, batch_size=64, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(seed)
+    )
     torch.manual_seed(seed + 1)
     # The training set is half the size: half the iterations per epoch, so half the warmup epochs' worth.
-    hist = fit(jm, loader, epochs=epochs, lr=kw.get("lr", 1e-4), warmup_iters=_warmup(epochs, kw) // 2,
-               loss_fn=loss_fn, progress=False, desc=f"heldout {name}", guard_policy="raise" if loss_fn else None)
+    hist = fit(
+        jm,
+        loader,
+        epochs=epochs,
+        lr=kw.get("lr", 1e-4),
+        warmup_iters=_warmup(epochs, kw) // 2,
+        loss_fn=loss_fn,
+        progress=False,
+        desc=f"heldout {name}",
+        guard_policy="raise" if loss_fn else None,
+    )
     jm.eval()
     with torch.no_grad():
         acc = float((jm(x_in).argmax(1) == y_in).float().mean())
-    r: dict[str, Any] = {"accuracy_0_4": acc, "epochs": len(hist),
-                         "cpu_seconds_per_epoch": sum(hist["cpu_time"]) / max(1, len(hist)),
-                         "seconds_per_epoch": sum(hist["time"]) / max(1, len(hist))}
+    r: dict[str, Any] = {
+        "accuracy_0_4": acc,
+        "epochs": len(hist),
+        "cpu_seconds_per_epoch": sum(hist["cpu_time"]) / max(1, len(hist)),
+        "seconds_per_epoch": sum(hist["time"]) / max(1, len(hist)),
+    }
     for method in ("logpx", "msp", "grad_norm"):
         s_in = ood.score(jm, x_in, method, progress=False)
         s_out = ood.score(jm, x_out, method, progress=False)
@@ -199,9 +236,16 @@ def _heldout_job(name: str, kw: dict[str, Any] | None, epochs: int, out_dir: str
     return {name: r}
 
 
-def run(quick: bool = False, epochs: int | None = None, workers: int = 2, out_dir: str | None = None,
-        heldout: bool = True, only: list[str] | None = None, seeds: list[int] | None = None,
-        **_: Any) -> dict[str, Any]:
+def run(
+    quick: bool = False,
+    epochs: int | None = None,
+    workers: int = 2,
+    out_dir: str | None = None,
+    heldout: bool = True,
+    only: list[str] | None = None,
+    seeds: list[int] | None = None,
+    **_: Any,
+) -> dict[str, Any]:
     """The digits table (seed 0), the fast recipe on ``seeds`` (default 1, 2, 3: other splits and
     initialisations, each with its own baseline) and the held-out-classes table."""
     threads = torch.get_num_threads()
@@ -222,9 +266,11 @@ def run(quick: bool = False, epochs: int | None = None, workers: int = 2, out_di
     held_res: dict[str, Any] = {}
     seed_res: dict[int, Any] = {}
     sinks = {"digits": table, "heldout": held_res, "seed": seed_res}
-    jobs = ([(_digits_job, "digits", (n, kw)) for n, kw in configs.items()]
-            + [(_heldout_job, "heldout", (n, kw)) for n, kw in held.items()]
-            + [(_seed_job, "seed", (seed,)) for seed in seeds])
+    jobs = (
+        [(_digits_job, "digits", (n, kw)) for n, kw in configs.items()]
+        + [(_heldout_job, "heldout", (n, kw)) for n, kw in held.items()]
+        + [(_seed_job, "seed", (seed,)) for seed in seeds]
+    )
 
     def cost(job) -> float:  # SGLD work per iteration; most expensive first, so workers finish together
         kw = job[2][-1] if job[1] != "seed" else FAST
@@ -241,9 +287,15 @@ def run(quick: bool = False, epochs: int | None = None, workers: int = 2, out_di
             futs = [(kind, ex.submit(fn, *args, epochs, out_dir, threads)) for fn, kind, args in jobs]
             for kind, f in futs:
                 sinks[kind].update(f.result())
-    res: dict[str, Any] = {"epochs": epochs, "workers": workers, "seed": 0,
-                           "wall_s": time.perf_counter() - t0, "table": table, "heldout": held_res,
-                           "seeds": {str(k): v for k, v in sorted(seed_res.items())}}
+    res: dict[str, Any] = {
+        "epochs": epochs,
+        "workers": workers,
+        "seed": 0,
+        "wall_s": time.perf_counter() - t0,
+        "table": table,
+        "heldout": held_res,
+        "seeds": {str(k): v for k, v in sorted(seed_res.items())},
+    }
     res["comparisons"] = compare(res)
     return res
 
@@ -271,8 +323,11 @@ def compare(res: dict[str, Any]) -> dict[str, Any]:
                 continue
             acc_gap = ref["accuracy"] - v["accuracy"]
             auroc_gap = max(ref.get(f"auroc_logpx_{s}", 0) - v.get(f"auroc_logpx_{s}", 0) for s in SETS)
-            out[k] = {"acc_below_20step": acc_gap, "worst_logpx_auroc_below_20step": auroc_gap,
-                      "matches_20step": acc_gap <= ACC_TOL and auroc_gap <= AUROC_TOL}
+            out[k] = {
+                "acc_below_20step": acc_gap,
+                "worst_logpx_auroc_below_20step": auroc_gap,
+                "matches_20step": acc_gap <= ACC_TOL and auroc_gap <= AUROC_TOL,
+            }
     fast = t.get("jem_5_fast")
     if fast and "cpu_cost_vs_baseline" in fast:
         out["fast_recipe_cost_vs_baseline"] = fast["cpu_cost_vs_baseline"]
@@ -283,9 +338,12 @@ def compare(res: dict[str, Any]) -> dict[str, Any]:
     if len(rows) > 1:
         ok = [r for r in rows if r.get("targets") and all(r["targets"].values())]
         deltas = [r["jem"]["accuracy"] - r["baseline"]["accuracy"] for r in rows if "jem" in r]
-        out["fast_recipe_seeds"] = {"n": len(rows), "all_targets_met": len(ok),
-                                    "mean_acc_vs_baseline": sum(deltas) / max(1, len(deltas)),
-                                    "worst_acc_vs_baseline": min(deltas, default=float("nan"))}
+        out["fast_recipe_seeds"] = {
+            "n": len(rows),
+            "all_targets_met": len(ok),
+            "mean_acc_vs_baseline": sum(deltas) / max(1, len(deltas)),
+            "worst_acc_vs_baseline": min(deltas, default=float("nan")),
+        }
     return out
 
 
@@ -295,8 +353,14 @@ def _seed_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     t = res["table"]
     if "jem_5_fast" in t and "baseline_fast" in t and "accuracy" in t["jem_5_fast"]:
         b, j = t["baseline_fast"], t["jem_5_fast"]
-        rows.append({"seed": 0, "baseline": b, "jem": j,
-                     "targets": check_targets({"runs": {"baseline": {"summary": b}, "JEM": {"summary": j}}})})
+        rows.append(
+            {
+                "seed": 0,
+                "baseline": b,
+                "jem": j,
+                "targets": check_targets({"runs": {"baseline": {"summary": b}, "JEM": {"summary": j}}}),
+            }
+        )
     for seed, r in res.get("seeds", {}).items():
         rows.append({"seed": int(seed), **r})
     return rows
@@ -308,47 +372,90 @@ def _f(v: dict[str, Any], key: str, fmt: str = ".3f") -> str:
 
 
 def to_markdown(res: dict) -> str:
-    order = ["baseline", "jem_20", "jem_10", "jem_5", "jem_5_gaussian", "jem_5_proximal", "jem_5_proximal_l2",
-             "baseline_fast", "jem_5_fast", "jem_5_fast_gaussian", "jem_5_fast_64"]
+    order = [
+        "baseline",
+        "jem_20",
+        "jem_10",
+        "jem_5",
+        "jem_5_gaussian",
+        "jem_5_proximal",
+        "jem_5_proximal_l2",
+        "baseline_fast",
+        "jem_5_fast",
+        "jem_5_fast_gaussian",
+        "jem_5_fast_64",
+    ]
     t = res["table"]
-    lines = [f"Digits (sklearn 8x8), DigitsCNN, {res['epochs']} epochs each, batch 64, one seed; paper optimiser "
-             "(Adam 1e-4, warmup 1000 iterations) above `baseline_fast`, the fast recipe's (lr 3e-4, warmup 200) "
-             f"from it; {res['workers']} parallel worker(s), total wall {res['wall_s'] / 60:.1f} min. AUROC of "
-             "log p(x) per OOD set; gradient norm, plain and projected onto the input domain, on noise/patches; "
-             "cost = training CPU seconds per epoch relative to the baseline with the same optimiser.", ""]
+    lines = [
+        f"Digits (sklearn 8x8), DigitsCNN, {res['epochs']} epochs each, batch 64, one seed; paper optimiser "
+        "(Adam 1e-4, warmup 1000 iterations) above `baseline_fast`, the fast recipe's (lr 3e-4, warmup 200) "
+        f"from it; {res['workers']} parallel worker(s), total wall {res['wall_s'] / 60:.1f} min. AUROC of "
+        "log p(x) per OOD set; gradient norm, plain and projected onto the input domain, on noise/patches; "
+        "cost = training CPU seconds per epoch relative to the baseline with the same optimiser.",
+        "",
+    ]
     rows = []
     for k in [k for k in order if k in t] + [k for k in t if k not in order]:
         v = t[k]
         if "diverged" in v:
             rows.append([k, "diverged: " + v["diverged"]] + [""] * 14)
             continue
-        rows.append([k, _f(v, "accuracy"), _f(v, "ece")]
-                    + [_f(v, f"auroc_logpx_{s}") for s in SETS]
-                    + [_f(v, f"auroc_{m}_{s}") for m in ("grad_norm", "grad_norm_projected")
-                       for s in ("noise", "patches")]
-                    + [_f(v, "cpu_seconds_per_epoch", ".2f"), _f(v, "seconds_per_epoch", ".2f"),
-                       common.fmt_ratio(v.get("cpu_cost_vs_baseline"))])
-    lines.append(common.md_table(
-        ["run", "acc", "ECE", "logpx noise", "logpx patches", "logpx blends", "logpx transposed",
-         "gradnorm noise", "gradnorm patches", "gradnorm-proj noise", "gradnorm-proj patches",
-         "CPU s/epoch", "wall s/epoch", "cost x baseline"], rows))
+        rows.append(
+            [k, _f(v, "accuracy"), _f(v, "ece")]
+            + [_f(v, f"auroc_logpx_{s}") for s in SETS]
+            + [_f(v, f"auroc_{m}_{s}") for m in ("grad_norm", "grad_norm_projected") for s in ("noise", "patches")]
+            + [
+                _f(v, "cpu_seconds_per_epoch", ".2f"),
+                _f(v, "seconds_per_epoch", ".2f"),
+                common.fmt_ratio(v.get("cpu_cost_vs_baseline")),
+            ]
+        )
+    lines.append(
+        common.md_table(
+            [
+                "run",
+                "acc",
+                "ECE",
+                "logpx noise",
+                "logpx patches",
+                "logpx blends",
+                "logpx transposed",
+                "gradnorm noise",
+                "gradnorm patches",
+                "gradnorm-proj noise",
+                "gradnorm-proj patches",
+                "CPU s/epoch",
+                "wall s/epoch",
+                "cost x baseline",
+            ],
+            rows,
+        )
+    )
     c = res["comparisons"]
     lines.append("")
     for k, v in c.items():
         if isinstance(v, dict) and "diverged" in v:
             lines.append(f"- {k}: diverged ({v['diverged']})")
         elif isinstance(v, dict) and "acc_below_20step" in v:
-            lines.append(f"- {k} vs jem_20: accuracy {-v['acc_below_20step'] * 100:+.1f} points, worst log p(x) "
-                         f"AUROC {-v['worst_logpx_auroc_below_20step']:+.3f} (target within {ACC_TOL * 100:.0f} "
-                         f"point / {AUROC_TOL}: {common.target_mark(v['matches_20step'])})")
+            lines.append(
+                f"- {k} vs jem_20: accuracy {-v['acc_below_20step'] * 100:+.1f} points, worst log p(x) "
+                f"AUROC {-v['worst_logpx_auroc_below_20step']:+.3f} (target within {ACC_TOL * 100:.0f} "
+                f"point / {AUROC_TOL}: {common.target_mark(v['matches_20step'])})"
+            )
     if "fast_recipe_cost_vs_baseline" in c:
-        lines.append(f"- fast recipe cost: {c['fast_recipe_cost_vs_baseline']:.2f}x the baseline (target <= "
-                     f"{COST_TARGET}x: {common.target_mark(c['fast_recipe_cost_ok'])})"
-                     + (f"; 20-step JEM: {c['jem_20_cost_vs_baseline']:.2f}x" if "jem_20_cost_vs_baseline" in c else ""))
+        lines.append(
+            f"- fast recipe cost: {c['fast_recipe_cost_vs_baseline']:.2f}x the baseline (target <= "
+            f"{COST_TARGET}x: {common.target_mark(c['fast_recipe_cost_ok'])})"
+            + (f"; 20-step JEM: {c['jem_20_cost_vs_baseline']:.2f}x" if "jem_20_cost_vs_baseline" in c else "")
+        )
     seed_rows = _seed_rows(res)
     if len(seed_rows) > 1:
-        lines += ["", "The fast recipe on other seeds (a different train/test split, initialisation and noise each; "
-                  "own baseline each); targets of issue 3:", ""]
+        lines += [
+            "",
+            "The fast recipe on other seeds (a different train/test split, initialisation and noise each; "
+            "own baseline each); targets of issue 3:",
+            "",
+        ]
         rows = []
         for r in seed_rows:
             if "diverged" in r:
@@ -356,38 +463,83 @@ def to_markdown(res: dict) -> str:
                 continue
             b, j = r["baseline"], r["jem"]
             cost = j["train_cpu_seconds"] / b["train_cpu_seconds"] if b.get("train_cpu_seconds") else None
-            rows.append([str(r["seed"]), f"{b['accuracy']:.3f}", f"{j['accuracy']:.3f}",
-                         f"{(j['accuracy'] - b['accuracy']) * 100:+.1f}"]
-                        + [_f(j, f"auroc_logpx_{s}") for s in SETS]
-                        + [_f(j, f"auroc_grad_norm_{s}") for s in ("noise", "patches")]
-                        + [common.fmt_ratio(cost),
-                           "all" if all(r["targets"].values()) else
-                           "missed: " + ", ".join(k for k, v in r["targets"].items() if not v)])
-        lines.append(common.md_table(
-            ["seed", "baseline acc", "JEM acc", "diff (pt)", "logpx noise", "logpx patches", "logpx blends",
-             "logpx transposed", "gradnorm noise", "gradnorm patches", "cost x baseline", "targets met"], rows))
+            rows.append(
+                [
+                    str(r["seed"]),
+                    f"{b['accuracy']:.3f}",
+                    f"{j['accuracy']:.3f}",
+                    f"{(j['accuracy'] - b['accuracy']) * 100:+.1f}",
+                ]
+                + [_f(j, f"auroc_logpx_{s}") for s in SETS]
+                + [_f(j, f"auroc_grad_norm_{s}") for s in ("noise", "patches")]
+                + [
+                    common.fmt_ratio(cost),
+                    "all"
+                    if all(r["targets"].values())
+                    else "missed: " + ", ".join(k for k, v in r["targets"].items() if not v),
+                ]
+            )
+        lines.append(
+            common.md_table(
+                [
+                    "seed",
+                    "baseline acc",
+                    "JEM acc",
+                    "diff (pt)",
+                    "logpx noise",
+                    "logpx patches",
+                    "logpx blends",
+                    "logpx transposed",
+                    "gradnorm noise",
+                    "gradnorm patches",
+                    "cost x baseline",
+                    "targets met",
+                ],
+                rows,
+            )
+        )
         fs = res["comparisons"].get("fast_recipe_seeds")
         if fs:
-            lines += ["", f"- {fs['all_targets_met']} of {fs['n']} seeds meet every target; accuracy vs baseline: "
-                      f"mean {fs['mean_acc_vs_baseline'] * 100:+.2f} points, worst "
-                      f"{fs['worst_acc_vs_baseline'] * 100:+.2f} points"]
+            lines += [
+                "",
+                f"- {fs['all_targets_met']} of {fs['n']} seeds meet every target; accuracy vs baseline: "
+                f"mean {fs['mean_acc_vs_baseline'] * 100:+.2f} points, worst "
+                f"{fs['worst_acc_vs_baseline'] * 100:+.2f} points",
+            ]
     if res["heldout"]:
         lines += ["", "Held-out classes (train on 0-4; OOD = test digits 5-9):", ""]
-        rows = [[k, f"{v['accuracy_0_4']:.3f}", f"{v['auroc_logpx']:.3f}", f"{v['auroc_msp']:.3f}",
-                 f"{v['auroc_grad_norm']:.3f}", f"{v['cpu_seconds_per_epoch']:.2f}"]
-                for k, v in res["heldout"].items()]
-        lines.append(common.md_table(["run", "acc (0-4)", "AUROC logpx", "AUROC msp", "AUROC grad_norm",
-                                      "CPU s/epoch"], rows))
+        rows = [
+            [
+                k,
+                f"{v['accuracy_0_4']:.3f}",
+                f"{v['auroc_logpx']:.3f}",
+                f"{v['auroc_msp']:.3f}",
+                f"{v['auroc_grad_norm']:.3f}",
+                f"{v['cpu_seconds_per_epoch']:.2f}",
+            ]
+            for k, v in res["heldout"].items()
+        ]
+        lines.append(
+            common.md_table(["run", "acc (0-4)", "AUROC logpx", "AUROC msp", "AUROC grad_norm", "CPU s/epoch"], rows)
+        )
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
+
     def _extra(p):
-        p.add_argument("--epochs", type=int, default=None, help="epochs per run (default 150, the issue's setup; quick 1)")
+        p.add_argument(
+            "--epochs", type=int, default=None, help="epochs per run (default 150, the issue's setup; quick 1)"
+        )
         p.add_argument("--workers", type=int, default=2, help="parallel training processes")
         p.add_argument("--no-heldout", dest="heldout", action="store_false")
         p.add_argument("--only", nargs="*", default=None, choices=list(CONFIGS))
-        p.add_argument("--seeds", nargs="*", type=int, default=None,
-                       help="extra seeds for the fast recipe (default 1 2 3; none with --seeds)")
+        p.add_argument(
+            "--seeds",
+            nargs="*",
+            type=int,
+            default=None,
+            help="extra seeds for the fast recipe (default 1 2 3; none with --seeds)",
+        )
 
     common.standalone_main(NAME, run, to_markdown, extra_args=_extra)

@@ -12,6 +12,7 @@ Rows: each model attacked directly (white box), and each model behind ``SGLDDefe
 BPDA+EOT with the margin loss (the honest number; see ``jem_plugin.robustness``). Budgets are in
 pixel levels out of 255 of the [0, 1] image (the digits live in [-1, 1]).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jem_plugin import robustness, viz
-from jem_plugin.app.model_files import load_model_checkpoint
 from jem_plugin.app.data import digits_tensors
+from jem_plugin.app.model_files import load_model_checkpoint
 
 EPS_255 = (0, 2, 4, 8, 16, 32)
 
@@ -37,8 +38,15 @@ def _load(run_dir: Path, tag: str):
     return jm.eval()
 
 
-def run(run_dir: str | Path, n: int = 360, steps: int = 10, seed: int = 0, defense: bool = True,
-        defense_step_sizes: tuple[float, ...] = (1.0,), progress: bool = False) -> dict:
+def run(
+    run_dir: str | Path,
+    n: int = 360,
+    steps: int = 10,
+    seed: int = 0,
+    defense: bool = True,
+    defense_step_sizes: tuple[float, ...] = (1.0,),
+    progress: bool = False,
+) -> dict:
     run_dir = Path(run_dir)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     config = metrics.get("config", {})
@@ -51,23 +59,39 @@ def run(run_dir: str | Path, n: int = 360, steps: int = 10, seed: int = 0, defen
             continue
         jm = _load(run_dir, tag)
         g = torch.Generator().manual_seed(seed)
-        results[f"{tag}"] = robustness.robust_accuracy(jm, x, y, eps, "linf", steps=steps, generator=g,
-                                                       progress=progress)
+        results[f"{tag}"] = robustness.robust_accuracy(
+            jm, x, y, eps, "linf", steps=steps, generator=g, progress=progress
+        )
         for step_size in defense_step_sizes if defense else ():
-            d = robustness.SGLDDefense(jm, steps=10, n_chains=10, step_size=step_size,
-                                       generator=torch.Generator().manual_seed(seed))
+            d = robustness.SGLDDefense(
+                jm, steps=10, n_chains=10, step_size=step_size, generator=torch.Generator().manual_seed(seed)
+            )
             results[f"{tag} + SGLD defence (step {step_size:g}, worst case)"] = robustness.robust_accuracy(
-                jm, x, y, eps, "linf", defense=d, attack="worst", loss="margin", steps=steps,
-                generator=torch.Generator().manual_seed(seed), progress=progress)
-    return {"eps_255": list(EPS_255), "n": int(len(y)), "pgd_steps": steps, "results": results,
-            "defense_step_sizes": list(defense_step_sizes) if defense else []}
+                jm,
+                x,
+                y,
+                eps,
+                "linf",
+                defense=d,
+                attack="worst",
+                loss="margin",
+                steps=steps,
+                generator=torch.Generator().manual_seed(seed),
+                progress=progress,
+            )
+    return {
+        "eps_255": list(EPS_255),
+        "n": int(len(y)),
+        "pgd_steps": steps,
+        "results": results,
+        "defense_step_sizes": list(defense_step_sizes) if defense else [],
+    }
 
 
 def to_markdown(res: dict) -> str:
     head = "| model | " + " | ".join(f"eps {e}/255" for e in res["eps_255"]) + " |"
     sep = "|---|" + "---|" * len(res["eps_255"])
-    rows = [f"| {name} | " + " | ".join(f"{a:.3f}" for a in r["accuracy"]) + " |"
-            for name, r in res["results"].items()]
+    rows = [f"| {name} | " + " | ".join(f"{a:.3f}" for a in r["accuracy"]) + " |" for name, r in res["results"].items()]
     return "\n".join([f"PGD L-inf, {res['pgd_steps']} steps, {res['n']} test digits; accuracy:", "", head, sep, *rows])
 
 
@@ -77,19 +101,34 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=360)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--no-defense", action="store_true")
-    p.add_argument("--defense-step-sizes", type=float, nargs="+", default=[1.0],
-                   help="SGLD step sizes of the defence, one row each (the paper: 1.0)")
+    p.add_argument(
+        "--defense-step-sizes",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        help="SGLD step sizes of the defence, one row each (the paper: 1.0)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    res = run(args.run_dir, n=args.n, steps=args.steps, defense=not args.no_defense,
-              defense_step_sizes=tuple(args.defense_step_sizes), progress=True)
+    res = run(
+        args.run_dir,
+        n=args.n,
+        steps=args.steps,
+        defense=not args.no_defense,
+        defense_step_sizes=tuple(args.defense_step_sizes),
+        progress=True,
+    )
     out = Path(args.run_dir)
     (out / "robustness.json").write_text(json.dumps(res, indent=2))
     md = to_markdown(res)
     (out / "robustness.md").write_text(md + "\n")
-    viz.plot_robust_accuracy(res["results"], str(out / "robust_accuracy.png"),
-                             title="digits: robust accuracy (PGD L-inf)", eps_scale=255,
-                             eps_label="eps (pixel levels / 255)")
+    viz.plot_robust_accuracy(
+        res["results"],
+        str(out / "robust_accuracy.png"),
+        title="digits: robust accuracy (PGD L-inf)",
+        eps_scale=255,
+        eps_label="eps (pixel levels / 255)",
+    )
     print(md)
     return 0
 

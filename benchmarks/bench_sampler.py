@@ -16,6 +16,7 @@ of steps (20), step size 1, noise 0.01:
 Also checked in the same run: our chain equals the floor's chain bit for bit for the same
 generator (``clamp=False``, same start), and torchebm's chain is the same chain up to rounding.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -35,8 +36,7 @@ NAME = "sampler"
 TARGET_RATIO = 1.02
 
 
-def chain_agreement(model_name: str = "digits_cnn", batch: int = 8, steps: int = 5,
-                    seed: int = 123) -> dict[str, Any]:
+def chain_agreement(model_name: str = "digits_cnn", batch: int = 8, steps: int = 5, seed: int = 123) -> dict[str, Any]:
     """Max |difference| of the final chains of ours, torchebm and the floor from the same start and
     the same generator seed (ours with ``clamp=False``: the floor does not clamp)."""
     from jem_plugin.sampling import SGLD
@@ -45,11 +45,16 @@ def chain_agreement(model_name: str = "digits_cnn", batch: int = 8, steps: int =
     x0 = uniform_batch(batch, shape, seed=seed + 1)
     with frozen(model):
         ref = floor_chain(model, x0, steps, generator=torch.Generator().manual_seed(seed))
-    ours = SGLD(steps=steps, step_size=1.0, noise=0.01, clamp=False,
-                    generator=torch.Generator().manual_seed(seed)).sample(jm, x_init=x0)
-    out = {"model": model_name, "batch": batch, "steps": steps,
-           "ours_equal_floor": bool(torch.equal(ours, ref)),
-           "ours_max_abs_diff": float((ours - ref).abs().max())}
+    ours = SGLD(
+        steps=steps, step_size=1.0, noise=0.01, clamp=False, generator=torch.Generator().manual_seed(seed)
+    ).sample(jm, x_init=x0)
+    out = {
+        "model": model_name,
+        "batch": batch,
+        "steps": steps,
+        "ours_equal_floor": bool(torch.equal(ours, ref)),
+        "ours_max_abs_diff": float((ours - ref).abs().max()),
+    }
     try:
         sampler, _ = common_torchebm(model)
         te = sampler.sample(x=x0, n_steps=steps, generator=torch.Generator().manual_seed(seed))
@@ -87,12 +92,16 @@ def common_torchebm(model):
     return torchebm_sampler(model, step_size=1.0, noise=0.01)
 
 
-def build_contenders(model_name: str, batch: int, steps: int, buffer_size: int,
-                     include: tuple[str, ...] = ("floor", "jem_plugin", "reference", "torchebm")) -> dict:
+def build_contenders(
+    model_name: str,
+    batch: int,
+    steps: int,
+    buffer_size: int,
+    include: tuple[str, ...] = ("floor", "jem_plugin", "reference", "torchebm"),
+) -> dict:
+    from benchmarks.contenders import ReferenceJEM
     from jem_plugin.buffer import ReplayBuffer
     from jem_plugin.sampling import SGLD
-
-    from benchmarks.contenders import ReferenceJEM
 
     model, jm, shape = make_model(model_name)
     x0 = uniform_batch(batch, shape)
@@ -101,13 +110,17 @@ def build_contenders(model_name: str, batch: int, steps: int, buffer_size: int,
     freezer = frozen(model)
 
     if "floor" in include:
-        contenders["floor"] = Contender(lambda: floor_chain(model, x0, steps, generator=gen),
-                                        setup=freezer.__enter__, teardown=lambda: freezer.__exit__())
+        contenders["floor"] = Contender(
+            lambda: floor_chain(model, x0, steps, generator=gen),
+            setup=freezer.__enter__,
+            teardown=lambda: freezer.__exit__(),
+        )
     if "jem_plugin" in include:
         sampler = SGLD(steps=steps, step_size=1.0, noise=0.01, generator=torch.Generator().manual_seed(0))
         buffer = ReplayBuffer(buffer_size, shape, reinit_freq=0.05)
-        contenders["jem_plugin"] = Contender(lambda: sampler.sample(jm, n=batch, buffer=buffer),
-                                             prepare=lambda: buffer.initialize(jm.domain))
+        contenders["jem_plugin"] = Contender(
+            lambda: sampler.sample(jm, n=batch, buffer=buffer), prepare=lambda: buffer.initialize(jm.domain)
+        )
     if "reference" in include:
         ref = ReferenceJEM(model, shape, buffer_size=buffer_size, n_steps=steps, batch_size=batch)
         # The reference leaves the model in train mode; the comparison is in eval mode.
@@ -122,8 +135,15 @@ def build_contenders(model_name: str, batch: int, steps: int, buffer_size: int,
     return contenders
 
 
-def run(quick: bool = False, repeats: int | None = None, models: list[str] | None = None,
-        batch: int = 64, steps: int = 20, memory: bool = True, **_: Any) -> dict[str, Any]:
+def run(
+    quick: bool = False,
+    repeats: int | None = None,
+    models: list[str] | None = None,
+    batch: int = 64,
+    steps: int = 20,
+    memory: bool = True,
+    **_: Any,
+) -> dict[str, Any]:
     if quick:
         models = models or ["digits_cnn"]
         repeats = repeats or 3
@@ -135,8 +155,13 @@ def run(quick: bool = False, repeats: int | None = None, models: list[str] | Non
         repeats = repeats or 15
         mem_steps = (5, 20, 80)
         buffer_size = 10000
-    result: dict[str, Any] = {"batch": batch, "steps": steps, "repeats": repeats,
-                              "agreement": chain_agreement(), "models": {}}
+    result: dict[str, Any] = {
+        "batch": batch,
+        "steps": steps,
+        "repeats": repeats,
+        "agreement": chain_agreement(),
+        "models": {},
+    }
     for name in models:
         contenders = build_contenders(name, batch, steps, buffer_size)
         times = common.interleaved(contenders, repeats=repeats, warmup=1)
@@ -146,17 +171,26 @@ def run(quick: bool = False, repeats: int | None = None, models: list[str] | Non
         entry["fixed_overhead_fraction"] = entry["fixed_overhead_us"] * 1e-6 / stats["floor"]["median_s"]
         if "jem_plugin" in times:
             # Paired per round, like the ratios to the floor: < 1 = we were faster in the typical round.
-            entry["jem_vs"] = {o: common.paired_ratio(times["jem_plugin"], times[o]) for o in times
-                               if o not in ("jem_plugin", "floor")}
+            entry["jem_vs"] = {
+                o: common.paired_ratio(times["jem_plugin"], times[o]) for o in times if o not in ("jem_plugin", "floor")
+            }
         if memory:
             mem: dict[str, Any] = {}
             # Quick: one implementation only, enough to keep the subprocess path alive.
-            for impl in (["jem_plugin"] if quick else list(contenders)):
+            for impl in ["jem_plugin"] if quick else list(contenders):
                 mem[impl] = {}
                 for s in mem_steps:
                     mem[impl][str(s)] = common.probe_memory(
-                        {"kind": "sampler", "impl": impl, "model": name, "batch": batch, "steps": s,
-                         "buffer_size": buffer_size, "threads": torch.get_num_threads()})
+                        {
+                            "kind": "sampler",
+                            "impl": impl,
+                            "model": name,
+                            "batch": batch,
+                            "steps": s,
+                            "buffer_size": buffer_size,
+                            "threads": torch.get_num_threads(),
+                        }
+                    )
             entry["memory"] = mem
         result["models"][name] = entry
     result["targets"] = targets(result)
@@ -202,8 +236,11 @@ def targets(result: dict) -> dict[str, Any]:
 
 
 def to_markdown(res: dict) -> str:
-    lines = [f"SGLD sampling, batch {res['batch']}, {res['steps']} steps, {res['repeats']} interleaved rounds, "
-             "medians. Ratio = median over rounds of t / t_floor (paired). Spread = IQR / median.", ""]
+    lines = [
+        f"SGLD sampling, batch {res['batch']}, {res['steps']} steps, {res['repeats']} interleaved rounds, "
+        "medians. Ratio = median over rounds of t / t_floor (paired). Spread = IQR / median.",
+        "",
+    ]
     rows = []
     for name, entry in res["models"].items():
         t = entry["time"]
@@ -211,36 +248,83 @@ def to_markdown(res: dict) -> str:
         for impl, s in t.items():
             m = mem.get(impl, {})
             keys = sorted(m, key=int)
-            mem_s = " / ".join(f"{_mem_delta(m, k):.1f}" if _mem_delta(m, k) is not None else "err"
-                               for k in keys) if keys else "n/a"
-            rows.append([name, impl, common.fmt_ms(s["median_s"]), f"{s['spread']:.1%}",
-                         common.fmt_ratio(s["ratio"]), common.fmt_ratio(s["ratio_of_medians"]), mem_s])
-    steps_hdr = "/".join(sorted({k for e in res["models"].values() for m in e.get("memory", {}).values()
-                                 for k in m}, key=int))
-    lines.append(common.md_table(
-        ["model", "implementation", "median ms", "spread", "ratio vs floor", "ratio of medians",
-         f"peak RSS growth MB ({steps_hdr} steps)"], rows))
-    lines += ["", "Fixed cost jem-plugin adds per chain (`SGLD(steps=0).sample` with the buffer: draw, reinit, "
-                  "write-back, mode handling), median of direct calls: " + "; ".join(
-                      f"{n}: {e['fixed_overhead_us']:.0f} us = {e['fixed_overhead_fraction']:.2%} of the floor's chain"
-                      for n, e in res["models"].items() if "fixed_overhead_us" in e) + "."]
+            mem_s = (
+                " / ".join(f"{_mem_delta(m, k):.1f}" if _mem_delta(m, k) is not None else "err" for k in keys)
+                if keys
+                else "n/a"
+            )
+            rows.append(
+                [
+                    name,
+                    impl,
+                    common.fmt_ms(s["median_s"]),
+                    f"{s['spread']:.1%}",
+                    common.fmt_ratio(s["ratio"]),
+                    common.fmt_ratio(s["ratio_of_medians"]),
+                    mem_s,
+                ]
+            )
+    steps_hdr = "/".join(
+        sorted({k for e in res["models"].values() for m in e.get("memory", {}).values() for k in m}, key=int)
+    )
+    lines.append(
+        common.md_table(
+            [
+                "model",
+                "implementation",
+                "median ms",
+                "spread",
+                "ratio vs floor",
+                "ratio of medians",
+                f"peak RSS growth MB ({steps_hdr} steps)",
+            ],
+            rows,
+        )
+    )
+    lines += [
+        "",
+        "Fixed cost jem-plugin adds per chain (`SGLD(steps=0).sample` with the buffer: draw, reinit, "
+        "write-back, mode handling), median of direct calls: "
+        + "; ".join(
+            f"{n}: {e['fixed_overhead_us']:.0f} us = {e['fixed_overhead_fraction']:.2%} of the floor's chain"
+            for n, e in res["models"].items()
+            if "fixed_overhead_us" in e
+        )
+        + ".",
+    ]
     a = res["agreement"]
-    lines += ["", f"Same chain check ({a['model']}, batch {a['batch']}, {a['steps']} steps, same generator): "
-                  f"jem-plugin == floor bit for bit: **{a['ours_equal_floor']}** (max |diff| "
-                  f"{a['ours_max_abs_diff']:.2e}); torchebm max |diff| vs floor: "
-                  f"{'n/a' if a['torchebm_max_abs_diff'] is None else format(a['torchebm_max_abs_diff'], '.2e')}."]
-    lines += ["", "Targets: " + "; ".join(
-        f"{n}: {common.fmt_ratio(r['ratio'])} (<= {TARGET_RATIO}x: {common.target_mark(r['le_1.02x_floor'])}"
-        + "".join(f", vs {o} {common.fmt_ratio(r.get(f'vs_{o}'))}: {common.target_mark(r.get(f'not_slower_than_{o}'))}"
-                  for o in ("reference", "torchebm") if f"not_slower_than_{o}" in r)
-        + (f", memory flat: {common.target_mark(r.get('memory_flat'))} ({r['memory_growth_mb']:+.1f} MB, floor "
-           f"{r['floor_memory_growth_mb'] if r.get('floor_memory_growth_mb') is None else format(r['floor_memory_growth_mb'], '+.1f')} MB)"
-           if r.get("memory_growth_mb") is not None else "") + ")"
-        for n, r in res["targets"].items())]
+    lines += [
+        "",
+        f"Same chain check ({a['model']}, batch {a['batch']}, {a['steps']} steps, same generator): "
+        f"jem-plugin == floor bit for bit: **{a['ours_equal_floor']}** (max |diff| "
+        f"{a['ours_max_abs_diff']:.2e}); torchebm max |diff| vs floor: "
+        f"{'n/a' if a['torchebm_max_abs_diff'] is None else format(a['torchebm_max_abs_diff'], '.2e')}.",
+    ]
+    lines += [
+        "",
+        "Targets: "
+        + "; ".join(
+            f"{n}: {common.fmt_ratio(r['ratio'])} (<= {TARGET_RATIO}x: {common.target_mark(r['le_1.02x_floor'])}"
+            + "".join(
+                f", vs {o} {common.fmt_ratio(r.get(f'vs_{o}'))}: {common.target_mark(r.get(f'not_slower_than_{o}'))}"
+                for o in ("reference", "torchebm")
+                if f"not_slower_than_{o}" in r
+            )
+            + (
+                f", memory flat: {common.target_mark(r.get('memory_flat'))} ({r['memory_growth_mb']:+.1f} MB, floor "
+                f"{r['floor_memory_growth_mb'] if r.get('floor_memory_growth_mb') is None else format(r['floor_memory_growth_mb'], '+.1f')} MB)"
+                if r.get("memory_growth_mb") is not None
+                else ""
+            )
+            + ")"
+            for n, r in res["targets"].items()
+        ),
+    ]
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
+
     def _extra(p):
         p.add_argument("--models", nargs="*", default=None, choices=list(common.MODELS))
         p.add_argument("--no-memory", dest="memory", action="store_false")

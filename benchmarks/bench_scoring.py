@@ -9,6 +9,7 @@ Also: the cost of the gradient-norm score (``grad_norm``: one forward and one in
 backward per batch) relative to ``logpx`` (one forward), and against its own floor (the bare
 forward, ``autograd.grad`` and per-example norm).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,7 +33,7 @@ def _grad_norm_floor(model, X, batch_size):
     out = []
     for xb in X.split(batch_size):
         x = xb.detach().clone().requires_grad_(True)
-        g, = torch.autograd.grad(torch.logsumexp(model(x), 1).sum(), x)
+        (g,) = torch.autograd.grad(torch.logsumexp(model(x), 1).sum(), x)
         out.append(-g.flatten(1).norm(dim=1))
     return torch.cat(out)
 
@@ -53,14 +54,17 @@ def build_contenders(model_name: str, n: int, batch_size: int) -> tuple[dict[str
         def theirs():
             with torch.no_grad():
                 return torch.cat([det.predict(xb) for xb in X.split(batch_size)])
+
         contenders["pytorch_ood_energy"] = Contender(theirs)
     except ImportError:
         theirs = None
     contenders["jem_grad_norm"] = Contender(
-        lambda: ood.score(jm, X, "grad_norm", batch_size=batch_size, progress=False))
+        lambda: ood.score(jm, X, "grad_norm", batch_size=batch_size, progress=False)
+    )
     freezer = frozen(model)
-    contenders["grad_norm_floor"] = Contender(lambda: _grad_norm_floor(model, X, batch_size),
-                                              setup=freezer.__enter__, teardown=lambda: freezer.__exit__())
+    contenders["grad_norm_floor"] = Contender(
+        lambda: _grad_norm_floor(model, X, batch_size), setup=freezer.__enter__, teardown=lambda: freezer.__exit__()
+    )
     check = {}
     ours = ood.score(jm, X, "logpx", batch_size=batch_size, progress=False)
     if theirs is not None:
@@ -74,8 +78,14 @@ def build_contenders(model_name: str, n: int, batch_size: int) -> tuple[dict[str
     return contenders, check
 
 
-def run(quick: bool = False, repeats: int | None = None, models: list[str] | None = None,
-        n: int | None = None, batch_size: int = 256, **_: Any) -> dict[str, Any]:
+def run(
+    quick: bool = False,
+    repeats: int | None = None,
+    models: list[str] | None = None,
+    n: int | None = None,
+    batch_size: int = 256,
+    **_: Any,
+) -> dict[str, Any]:
     if quick:
         models = models or ["digits_cnn"]
         repeats = repeats or 3
@@ -91,7 +101,7 @@ def run(quick: bool = False, repeats: int | None = None, models: list[str] | Non
         times = common.interleaved(contenders, repeats=repeats, warmup=1)
         stats = common.ratios(times, "jem_logpx")
         entry: dict[str, Any] = {"time": stats, "check": check}
-        for k, s in stats.items():
+        for s in stats.values():
             s["throughput_per_s"] = n / s["median_s"]
         if "pytorch_ood_energy" in times:
             # Our throughput relative to theirs = t_theirs / t_ours (paired per round).
@@ -104,13 +114,24 @@ def run(quick: bool = False, repeats: int | None = None, models: list[str] | Non
 
 
 def to_markdown(res: dict) -> str:
-    lines = [f"OOD scoring of {res['n']} inputs in batches of {res['batch_size']}, {res['repeats']} interleaved "
-             "rounds, medians; ratio = paired median of t / t(jem logpx).", ""]
+    lines = [
+        f"OOD scoring of {res['n']} inputs in batches of {res['batch_size']}, {res['repeats']} interleaved "
+        "rounds, medians; ratio = paired median of t / t(jem logpx).",
+        "",
+    ]
     rows = []
     for name, entry in res["models"].items():
         for impl, s in entry["time"].items():
-            rows.append([name, impl, common.fmt_ms(s["median_s"]), f"{s['throughput_per_s']:.0f}",
-                         f"{s['spread']:.1%}", common.fmt_ratio(s["ratio"])])
+            rows.append(
+                [
+                    name,
+                    impl,
+                    common.fmt_ms(s["median_s"]),
+                    f"{s['throughput_per_s']:.0f}",
+                    f"{s['spread']:.1%}",
+                    common.fmt_ratio(s["ratio"]),
+                ]
+            )
     lines.append(common.md_table(["model", "scorer", "median ms", "inputs/s", "spread", "time x jem logpx"], rows))
     lines.append("")
     for name, entry in res["models"].items():
@@ -122,11 +143,13 @@ def to_markdown(res: dict) -> str:
             f"identical (ours == -energy): {c.get('identical')}, max |diff| {c.get('max_abs_diff', float('nan')):.2e}; "
             f"grad_norm costs {entry['grad_norm_vs_forward']:.2f}x a logpx forward pass and "
             f"{entry['grad_norm_vs_its_floor']:.3f}x its bare floor (max |diff| vs floor "
-            f"{c['grad_norm_max_abs_diff_vs_floor']:.2e})")
+            f"{c['grad_norm_max_abs_diff_vs_floor']:.2e})"
+        )
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
+
     def _extra(p):
         p.add_argument("--models", nargs="*", default=None, choices=list(common.MODELS))
         p.add_argument("--n", type=int, default=None, help="number of inputs scored")

@@ -11,6 +11,7 @@ Contenders (model in train mode, Adam lr 1e-4, batch 64, one optimizer each on t
   concatenated ``[x; x_sample]`` batch with the same loss terms. "Sum of parts" is their sum per
   round; the target is ``jem_20 <= 1.05 x`` that sum.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -31,13 +32,13 @@ NAME = "train_step"
 TARGET_PARTS = 1.05
 
 
-def build_contenders(model_name: str, batch: int, steps_list: tuple[int, ...], buffer_size: int,
-                     ref_steps: int) -> dict[str, Contender]:
+def build_contenders(
+    model_name: str, batch: int, steps_list: tuple[int, ...], buffer_size: int, ref_steps: int
+) -> dict[str, Contender]:
+    from benchmarks.contenders import ReferenceJEM, plain_ce_step
     from jem_plugin.buffer import ReplayBuffer
     from jem_plugin.losses import JEMLoss
     from jem_plugin.sampling import SGLD
-
-    from benchmarks.contenders import ReferenceJEM, plain_ce_step
 
     model, jm, shape = make_model(model_name)
     model.train()
@@ -58,6 +59,7 @@ def build_contenders(model_name: str, batch: int, steps_list: tuple[int, ...], b
             out.loss.backward()
             opt.step()
             return out
+
         return step
 
     parts_sampler = parts_buffer = None
@@ -65,8 +67,7 @@ def build_contenders(model_name: str, batch: int, steps_list: tuple[int, ...], b
         sampler = SGLD(steps=k, step_size=1.0, noise=0.01)
         buffer = ReplayBuffer(buffer_size, shape, reinit_freq=0.05)
         loss_fn = JEMLoss(sampler, buffer)
-        contenders[f"jem_{k}"] = Contender(jem_step(loss_fn, adam()),
-                                           prepare=lambda b=buffer: b.initialize(jm.domain))
+        contenders[f"jem_{k}"] = Contender(jem_step(loss_fn, adam()), prepare=lambda b=buffer: b.initialize(jm.domain))
         if k == ref_steps:
             parts_sampler, parts_buffer = sampler, buffer
 
@@ -76,7 +77,8 @@ def build_contenders(model_name: str, batch: int, steps_list: tuple[int, ...], b
 
     if parts_sampler is not None:
         contenders[f"parts_sample_{ref_steps}"] = Contender(
-            lambda: parts_sampler.sample(jm, n=batch, buffer=parts_buffer))
+            lambda: parts_sampler.sample(jm, n=batch, buffer=parts_buffer)
+        )
         x_q = parts_sampler.sample(jm, n=batch, buffer=ReplayBuffer(max(batch, 64), shape))
         opt_parts = adam()
 
@@ -89,12 +91,14 @@ def build_contenders(model_name: str, batch: int, steps_list: tuple[int, ...], b
             opt_parts.zero_grad()
             loss.backward()
             opt_parts.step()
+
         contenders["parts_fwdbwd"] = Contender(fwdbwd)
     return contenders
 
 
-def run(quick: bool = False, repeats: int | None = None, models: list[str] | None = None,
-        batch: int = 64, **_: Any) -> dict[str, Any]:
+def run(
+    quick: bool = False, repeats: int | None = None, models: list[str] | None = None, batch: int = 64, **_: Any
+) -> dict[str, Any]:
     if quick:
         models = models or ["digits_cnn"]
         repeats = repeats or 3
@@ -103,8 +107,13 @@ def run(quick: bool = False, repeats: int | None = None, models: list[str] | Non
         models = models or ["digits_cnn", "test_resnet"]
         repeats = repeats or 15
         steps_list, ref_steps, buffer_size = (5, 10, 20), 20, 10000
-    result: dict[str, Any] = {"batch": batch, "steps": list(steps_list), "ref_steps": ref_steps,
-                              "repeats": repeats, "models": {}}
+    result: dict[str, Any] = {
+        "batch": batch,
+        "steps": list(steps_list),
+        "ref_steps": ref_steps,
+        "repeats": repeats,
+        "models": {},
+    }
     for name in models:
         contenders = build_contenders(name, batch, steps_list, buffer_size, ref_steps)
         times = common.interleaved(contenders, repeats=repeats, warmup=1)
@@ -124,8 +133,11 @@ def run(quick: bool = False, repeats: int | None = None, models: list[str] | Non
 
 
 def to_markdown(res: dict) -> str:
-    lines = [f"Training step, batch {res['batch']}, {res['repeats']} interleaved rounds, medians; ratio = "
-             "paired median of t / t_ce (the plain cross-entropy step).", ""]
+    lines = [
+        f"Training step, batch {res['batch']}, {res['repeats']} interleaved rounds, medians; ratio = "
+        "paired median of t / t_ce (the plain cross-entropy step).",
+        "",
+    ]
     rows = []
     for name, entry in res["models"].items():
         for impl, s in entry["time"].items():
@@ -139,11 +151,13 @@ def to_markdown(res: dict) -> str:
                 f"- {name}: JEM {k}-step step / (sampling + one fwd/bwd on the concatenated batch) = "
                 f"**{entry['jem_vs_sum_of_parts']:.3f}x** (target <= {TARGET_PARTS}x: "
                 f"{common.target_mark(entry['jem_vs_sum_of_parts_le_1.05'])}); JEM {k}-step / reference "
-                f"{k}-step = {entry.get('jem_vs_reference', float('nan')):.3f}x")
+                f"{k}-step = {entry.get('jem_vs_reference', float('nan')):.3f}x"
+            )
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
+
     def _extra(p):
         p.add_argument("--models", nargs="*", default=None, choices=list(common.MODELS))
 

@@ -17,6 +17,7 @@ nonlinearity, where the inner direction does change as the chain moves.
 
     python benchmarks/check_inner_steps.py [--out benchmarks/results/generative/inner_steps.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,10 @@ def _models() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
 
     from jem_plugin.app.nets import DigitsCNN
 
-    out = {name: (timm.create_model(name, pretrained=False, num_classes=10), (3, 32, 32))
-           for name in ("test_resnet", "resnet10t", "test_convnext", "test_efficientnet", "test_vit")}
+    out = {
+        name: (timm.create_model(name, pretrained=False, num_classes=10), (3, 32, 32))
+        for name in ("test_resnet", "resnet10t", "test_convnext", "test_efficientnet", "test_vit")
+    }
     out["test_vit"] = (timm.create_model("test_vit", pretrained=False, num_classes=10, img_size=32), (3, 32, 32))
     out["torchvision resnet18"] = (torchvision.models.resnet18(num_classes=10), (3, 32, 32))
     out["jem DigitsCNN (8x8)"] = (DigitsCNN(num_classes=10), (1, 8, 8))
@@ -52,8 +55,9 @@ def _first_module(model: nn.Module, x: torch.Tensor, through_activation: bool) -
     """The first leaf module the forward calls; with ``through_activation``, the first one that is
     not affine (an activation or a LayerNorm)."""
     order: list[nn.Module] = []
-    hooks = [m.register_forward_hook(lambda m, i, o: order.append(m))
-             for m in model.modules() if not list(m.children())]
+    hooks = [
+        m.register_forward_hook(lambda m, i, o: order.append(m)) for m in model.modules() if not list(m.children())
+    ]
     with torch.no_grad():
         model(x)
     for h in hooks:
@@ -66,6 +70,7 @@ def _first_module(model: nn.Module, x: torch.Tensor, through_activation: bool) -
 def _split_at(model: nn.Module, x: torch.Tensor, layer: nn.Module):
     """``(dE/dx, p = dE/dh, h(x') for any x')``: ``h`` the output of ``layer``, recomputed from
     the input by rerunning the forward up to it (the prefix, captured by a hook that stops there)."""
+
     class _Stop(Exception):
         pass
 
@@ -86,6 +91,7 @@ def _split_at(model: nn.Module, x: torch.Tensor, layer: nn.Module):
         def stop(m, i, o):
             captured["h"] = o
             raise _Stop
+
         hd = layer.register_forward_hook(stop)
         try:
             model(x2)
@@ -94,6 +100,7 @@ def _split_at(model: nn.Module, x: torch.Tensor, layer: nn.Module):
         finally:
             hd.remove()
         return captured["h"]
+
     return xg.grad.detach(), p, prefix
 
 
@@ -101,7 +108,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def measure(model: nn.Module, shape: tuple[int, ...], through_activation: bool, seed: int = 0) -> tuple[str, float, float]:
+def measure(
+    model: nn.Module, shape: tuple[int, ...], through_activation: bool, seed: int = 0
+) -> tuple[str, float, float]:
     g = torch.Generator().manual_seed(seed)
     model.eval()
     x = torch.randn((8, *shape), generator=g)
@@ -111,7 +120,7 @@ def measure(model: nn.Module, shape: tuple[int, ...], through_activation: bool, 
     # at the chain's point, then after five inner steps of 0.2 on the sign of the gradient
     for x2 in (x, (x + 5 * 0.2 * grad.sign()).detach()):
         x2 = x2.clone().requires_grad_(True)
-        inner, = torch.autograd.grad((prefix(x2) * p).sum(), x2)
+        (inner,) = torch.autograd.grad((prefix(x2) * p).sum(), x2)
         out.append(_rel(inner, grad))
     return type(layer).__name__, out[0], out[1]
 
@@ -121,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    head = ("| model | first layer | inner vs outer direction, at the point / after moving | "
-            "first non-affine module | at the point / after moving |")
+    head = (
+        "| model | first layer | inner vs outer direction, at the point / after moving | "
+        "first non-affine module | at the point / after moving |"
+    )
     rows = [head, "|---|---|---|---|---|"]
     for name, (model, shape) in _models().items():
         lin, a0, a1 = measure(model, shape, through_activation=False)
@@ -132,12 +143,15 @@ def main(argv: list[str] | None = None) -> int:
         contrast = f"{b0:.1e} / {b1:.1e}" if b0 < 1e-4 else f"not a cut ({b0:.1e} at the point)"
         rows.append(f"| {name} | {lin} | {a0:.1e} / {a1:.1e} | {act} | {contrast} |")
         print(rows[-1], flush=True)
-    text = ("# JEM++'s inner steps on networks with a linear first layer\n\n"
-            "Relative L2 difference between the inner-step direction through the first layer "
-            "(the first module the forward calls, `p = dE/dh` held fixed) and the outer gradient "
-            "`dE/dx`, on 8 random inputs, at the chain's point and after five inner steps of 0.2. "
-            "Randomly initialised models in eval mode. `python benchmarks/check_inner_steps.py`.\n\n"
-            + "\n".join(rows) + "\n")
+    text = (
+        "# JEM++'s inner steps on networks with a linear first layer\n\n"
+        "Relative L2 difference between the inner-step direction through the first layer "
+        "(the first module the forward calls, `p = dE/dh` held fixed) and the outer gradient "
+        "`dE/dx`, on 8 random inputs, at the chain's point and after five inner steps of 0.2. "
+        "Randomly initialised models in eval mode. `python benchmarks/check_inner_steps.py`.\n\n"
+        + "\n".join(rows)
+        + "\n"
+    )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)

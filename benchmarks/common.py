@@ -12,6 +12,7 @@ Why each piece is the way it is:
   the ``ru_maxrss`` (peak resident set) growth of a *fresh subprocess* across the measured call; on
   CUDA it is ``torch.cuda.max_memory_allocated``.
 """
+
 from __future__ import annotations
 
 import gc
@@ -23,7 +24,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -94,10 +96,12 @@ def machine_markdown(info: dict[str, Any]) -> str:
     gpu = info.get("gpu") or "none"
     load = info.get("load_average")
     load_s = ", ".join(f"{v:.2f}" for v in load) if load else "n/a"
-    return (f"Machine: {info['cpu']}, {info['cores']} cores (shared), torch {info['torch']} "
-            f"with {info['torch_threads']} thread(s), Python {info['python']}, GPU: {gpu}. "
-            f"timm {info.get('timm')}, torchebm {info.get('torchebm')}, pytorch-ood "
-            f"{info.get('pytorch-ood')}. Load average at start: {load_s}.")
+    return (
+        f"Machine: {info['cpu']}, {info['cores']} cores (shared), torch {info['torch']} "
+        f"with {info['torch_threads']} thread(s), Python {info['python']}, GPU: {gpu}. "
+        f"timm {info.get('timm')}, torchebm {info.get('torchebm')}, pytorch-ood "
+        f"{info.get('pytorch-ood')}. Load average at start: {load_s}."
+    )
 
 
 # ---------------------------------------------------------------------- models
@@ -148,8 +152,15 @@ class frozen:
         return False
 
 
-def floor_chain(model: nn.Module, x0: Tensor, steps: int, step_size: float = 1.0, noise: float = 0.01,
-                generator: torch.Generator | None = None, y: Tensor | None = None) -> Tensor:
+def floor_chain(
+    model: nn.Module,
+    x0: Tensor,
+    steps: int,
+    step_size: float = 1.0,
+    noise: float = 0.01,
+    generator: torch.Generator | None = None,
+    y: Tensor | None = None,
+) -> Tensor:
     """The FLOOR: ``steps`` x [forward, input gradient of logsumexp, in-place Langevin update].
 
     Nothing else: no buffer, no mode handling, no clamp, no checks. The caller freezes the
@@ -163,7 +174,7 @@ def floor_chain(model: nn.Module, x0: Tensor, steps: int, step_size: float = 1.0
     for _ in range(steps):
         out = model(x)
         score = torch.logsumexp(out, 1) if y is None else out.gather(1, y.view(-1, 1))
-        g, = torch.autograd.grad(score.sum(), x)
+        (g,) = torch.autograd.grad(score.sum(), x)
         xd.add_(g, alpha=step_size)
         if noise > 0:
             xd.add_(buf.normal_(generator=generator), alpha=noise)
@@ -175,8 +186,13 @@ class Contender:
     """One timed thing: ``fn()`` is timed; ``setup()``/``teardown()`` run around it, untimed;
     ``prepare()`` runs once before anything (one-time allocations such as filling a buffer)."""
 
-    def __init__(self, fn: Callable[[], Any], setup: Callable[[], Any] | None = None,
-                 teardown: Callable[[], Any] | None = None, prepare: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[[], Any],
+        setup: Callable[[], Any] | None = None,
+        teardown: Callable[[], Any] | None = None,
+        prepare: Callable[[], Any] | None = None,
+    ) -> None:
         self.fn, self.setup, self.teardown, self.prepare = fn, setup, teardown, prepare
 
 
@@ -221,9 +237,12 @@ def interleaved(contenders: dict[str, Any], repeats: int = 15, warmup: int = 1) 
                 if r >= warmup:
                     times[name].append(dt)
             if log:
-                print(f"[interleaved] round {r + 1}/{warmup + repeats}: "
-                      + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items() if v),
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[interleaved] round {r + 1}/{warmup + repeats}: "
+                    + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items() if v),
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         gc.unfreeze()
     return times
@@ -238,8 +257,14 @@ def summarize(samples: Sequence[float]) -> dict[str, float]:
         q1, q3 = q[0], q[2]
     else:
         q1, q3 = s[0], s[-1]
-    return {"median_s": med, "q1_s": q1, "q3_s": q3, "min_s": s[0],
-            "spread": (q3 - q1) / med if med > 0 else float("nan"), "n": len(s)}
+    return {
+        "median_s": med,
+        "q1_s": q1,
+        "q3_s": q3,
+        "min_s": s[0],
+        "spread": (q3 - q1) / med if med > 0 else float("nan"),
+        "n": len(s),
+    }
 
 
 def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
@@ -307,8 +332,14 @@ def probe_memory(config: dict[str, Any], timeout: float = 600.0) -> dict[str, An
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(config.get("threads", 1)))
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks._memprobe", json.dumps(config)],
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks._memprobe", json.dumps(config)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+        env=env,
+    )
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["failed"]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -347,8 +378,7 @@ def _json_default(o: Any) -> Any:
 
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    lines = ["| " + " | ".join(map(str, header)) + " |",
-             "|" + "|".join("---" for _ in header) + "|"]
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -357,8 +387,13 @@ def target_mark(ok: bool | None) -> str:
     return "n/a" if ok is None else ("met" if ok else "MISSED")
 
 
-def standalone_main(name: str, run: Callable[..., dict], to_markdown: Callable[[dict], str],
-                    argv: Sequence[str] | None = None, extra_args: Callable | None = None) -> dict:
+def standalone_main(
+    name: str,
+    run: Callable[..., dict],
+    to_markdown: Callable[[dict], str],
+    argv: Sequence[str] | None = None,
+    extra_args: Callable | None = None,
+) -> dict:
     """The ``__main__`` of every ``bench_*.py``: parse common flags, run, write JSON and Markdown."""
     import argparse
 

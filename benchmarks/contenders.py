@@ -25,10 +25,11 @@
     ``x - h * dE/dx + sqrt(2 h) * noise_scale * N(0, I)``, so ``h = step_size`` and
     ``noise_scale = noise / sqrt(2 h)``.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +39,19 @@ from torch import Tensor, nn
 class ReferenceJEM:
     """Reference JEM sampler + training step (see the module docstring for what is reproduced)."""
 
-    def __init__(self, model: nn.Module, sample_shape: Sequence[int], *, buffer_size: int = 10000,
-                 reinit_freq: float = 0.05, sgld_lr: float = 1.0, sgld_std: float = 0.01,
-                 n_steps: int = 20, batch_size: int = 64, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        sample_shape: Sequence[int],
+        *,
+        buffer_size: int = 10000,
+        reinit_freq: float = 0.05,
+        sgld_lr: float = 1.0,
+        sgld_std: float = 0.01,
+        n_steps: int = 20,
+        batch_size: int = 64,
+        device: str | torch.device = "cpu",
+    ) -> None:
         self.model = model
         self.sample_shape = tuple(sample_shape)
         self.reinit_freq = reinit_freq
@@ -84,8 +95,15 @@ class ReferenceJEM:
         self.replay_buffer[buffer_inds] = final_samples.cpu()
         return final_samples
 
-    def train_step(self, optim: torch.optim.Optimizer, x_p_d: Tensor, x_lab: Tensor, y_lab: Tensor,
-                   p_x_weight: float = 1.0, p_y_given_x_weight: float = 1.0) -> float:
+    def train_step(
+        self,
+        optim: torch.optim.Optimizer,
+        x_p_d: Tensor,
+        x_lab: Tensor,
+        y_lab: Tensor,
+        p_x_weight: float = 1.0,
+        p_y_given_x_weight: float = 1.0,
+    ) -> float:
         L = 0.0
         x_q = self.sample_q()
         fp_all = self.f(x_p_d)

@@ -8,6 +8,7 @@ uniform noise and transposed digits.
     python examples/digits_jem.py --epochs 30 --out runs/digits    # a few minutes on a CPU
     python examples/digits_jem.py --smoke                          # seconds
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,10 @@ def main(argv=None) -> dict:
 
     ood = digits_ood_sets(x_test, y_test, seed=args.seed)
     s_in = jem.ood.score(jm, x_test, method="logpx", progress=False)
-    aurocs = {name: jem.ood.evaluate(s_in, jem.ood.score(jm, xo, method="logpx", progress=False))["auroc"]
-              for name, xo in ood.items()}
+    aurocs = {
+        name: jem.ood.evaluate(s_in, jem.ood.score(jm, xo, method="logpx", progress=False))["auroc"]
+        for name, xo in ood.items()
+    }
     print(f"test accuracy {acc:.3f}; log p(x) AUROC " + ", ".join(f"{k} {v:.3f}" for k, v in aurocs.items()))
     print(f"samples: {out_dir}")
     return {"accuracy": acc, "auroc_logpx": aurocs}

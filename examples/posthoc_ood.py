@@ -8,6 +8,7 @@ before and after temperature scaling, and plots (score histograms, ROC, reliabil
     python examples/posthoc_ood.py --out runs/posthoc
     python examples/posthoc_ood.py --smoke
 """
+
 from __future__ import annotations
 
 import argparse

@@ -8,6 +8,7 @@ normalised space because the adapter reads mean/std from the model's pretrained 
     python examples/timm_finetune.py --model resnet10t --epochs 3     # minutes on a CPU
     python examples/timm_finetune.py --smoke                          # seconds
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,18 +46,18 @@ def main(argv=None) -> dict:
     loader = DataLoader(train, batch_size=32, shuffle=True, drop_last=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
-    jm = jem.wrap(model)                                                    # JEM
-    sampler = jem.SGLD(steps=args.sgld_steps, step_size=1.0, noise=0.01)   # JEM
-    buffer = jem.ReplayBuffer(5000, (3, 32, 32), reinit_freq=0.05)         # JEM
-    jem_loss = jem.JEMLoss(sampler, buffer, l2_weight=0.1)                 # JEM
+    jm = jem.wrap(model)  # JEM
+    sampler = jem.SGLD(steps=args.sgld_steps, step_size=1.0, noise=0.01)  # JEM
+    buffer = jem.ReplayBuffer(5000, (3, 32, 32), reinit_freq=0.05)  # JEM
+    jem_loss = jem.JEMLoss(sampler, buffer, l2_weight=0.1)  # JEM
 
     model.train()
     for epoch in range(1 if args.smoke else args.epochs):
         bar = tqdm(loader, desc=f"epoch {epoch + 1}", disable=args.smoke)
         for i, (x, y) in enumerate(bar):
             # loss = F.cross_entropy(model(x), y)                          # the original line
-            out = jem_loss(jm, x, y)                                        # JEM
-            loss = out.loss                                                 # JEM (CE + generative term)
+            out = jem_loss(jm, x, y)  # JEM
+            loss = out.loss  # JEM (CE + generative term)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -71,13 +72,19 @@ def main(argv=None) -> dict:
     from jem_plugin.viz import save_image_grid
 
     iters = 2 if args.smoke else args.epochs * len(loader)
-    grid = save_image_grid(buffer.samples(64), f"{args.out}/buffer_samples.png", domain=jm.domain,
-                           title=f"replay buffer after {iters} iterations")
+    grid = save_image_grid(
+        buffer.samples(64),
+        f"{args.out}/buffer_samples.png",
+        domain=jm.domain,
+        title=f"replay buffer after {iters} iterations",
+    )
     print(f"test accuracy {acc:.3f}; replay-buffer samples: {grid}")
     # Say plainly what the grid can show: the chains need thousands of updates to leave the noise.
-    print(f"The samples are still mostly noise after {iters} iterations: SGLD chains need thousands "
-          "(the digits demo runs about 3300) before they look like digits. This example shows how to add "
-          "the loss to a loop; for samples worth looking at, run `jem demo` (150 epochs of a small CNN).")
+    print(
+        f"The samples are still mostly noise after {iters} iterations: SGLD chains need thousands "
+        "(the digits demo runs about 3300) before they look like digits. This example shows how to add "
+        "the loss to a loop; for samples worth looking at, run `jem demo` (150 epochs of a small CNN)."
+    )
     return {"accuracy": acc}
 
 

@@ -8,6 +8,7 @@ density and SGLD samples side by side.
     python examples/toy2d_ebm.py --out runs/toy2d          # about 2 minutes on one CPU core
     python examples/toy2d_ebm.py --smoke                   # a few seconds
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,9 +58,15 @@ def main(argv=None) -> dict:
     samples = jem.SGLD(steps=200, step_size=0.01, noise=0.1).sample(jm, n=1000)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = plot_density_2d(out_dir / "toy2d_density.png", true=lambda x: toy2d_logpdf(args.dataset, x),
-                           learned=jm.log_px, samples=samples, data=x_all[:2000], lim=lim,
-                           title=f"{args.dataset}: JEM density and samples")
+    path = plot_density_2d(
+        out_dir / "toy2d_density.png",
+        true=lambda x: toy2d_logpdf(args.dataset, x),
+        learned=jm.log_px,
+        samples=samples,
+        data=x_all[:2000],
+        lim=lim,
+        title=f"{args.dataset}: JEM density and samples",
+    )
     with torch.no_grad():
         acc = float((jm(x_all[:2000]).argmax(1) == y_all[:2000]).float().mean())
     print(f"accuracy {acc:.3f}; plot: {path}")

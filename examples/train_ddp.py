@@ -18,6 +18,7 @@ What is specific to DDP (everything else is the single-process recipe):
 4. ``jdist.maybe_no_sync`` for gradient accumulation; ``jdist.DistributedCheckpointer`` saves the
    shared state once and each rank's buffer in its own file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,11 +32,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import jem_plugin as jem
 from jem_plugin import distributed as jdist
+from jem_plugin.app.data import load_digits
+from jem_plugin.app.nets import DigitsCNN
 from jem_plugin.buffer import ReplayBuffer
 from jem_plugin.checkpoint import save_checkpoint
-from jem_plugin.app.data import load_digits
 from jem_plugin.losses import JEMLoss
-from jem_plugin.app.nets import DigitsCNN
 from jem_plugin.sampling import SGLD
 
 
@@ -58,8 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fresh", action="store_true", help="ignore existing checkpoints")
-    p.add_argument("--stop-after", type=int, default=None,
-                   help="exit after this many steps of this launch without a final save (to try resuming)")
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="exit after this many steps of this launch without a final save (to try resuming)",
+    )
     p.add_argument("--smoke", action="store_true", help="a few seconds: tiny model, 5 SGLD steps, 8 steps")
     args = p.parse_args(argv)
     if args.smoke:
@@ -81,18 +86,28 @@ def main(argv=None) -> dict:
     model = jdist.wrap_ddp(jm) if info.distributed else jm
     # ... and from here on each rank draws its own data noise and chains.
     torch.manual_seed(jdist.rank_seed(args.seed))
-    sampler = SGLD(steps=args.sgld_steps, step_size=args.step_size, noise=args.noise,
-                   generator=jdist.rank_generator(args.seed, device=dev))
+    sampler = SGLD(
+        steps=args.sgld_steps,
+        step_size=args.step_size,
+        noise=args.noise,
+        generator=jdist.rank_generator(args.seed, device=dev),
+    )
     buffer = ReplayBuffer(args.buffer_size, (1, 8, 8), reinit_freq=0.05, device=dev)
     loss_fn = JEMLoss(sampler, buffer, px_weight=args.px_weight, l2_weight=args.l2_weight)
     opt = torch.optim.Adam(jm.parameters(), lr=args.lr)
 
     train = load_digits("train", seed=args.seed)
-    data_sampler = DistributedSampler(train, num_replicas=info.world_size, rank=info.rank,
-                                      shuffle=True, seed=args.seed, drop_last=True)
+    data_sampler = DistributedSampler(
+        train, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=args.seed, drop_last=True
+    )
     # The loader's own generator: iterating it must not consume the global RNG (exact resume).
-    loader = DataLoader(train, batch_size=args.batch_size, sampler=data_sampler, drop_last=True,
-                        generator=torch.Generator().manual_seed(args.seed))
+    loader = DataLoader(
+        train,
+        batch_size=args.batch_size,
+        sampler=data_sampler,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
     steps_per_epoch = len(loader) // args.accum
     if steps_per_epoch < 1:
         raise SystemExit(f"--accum {args.accum} exceeds the {len(loader)} batches per epoch")
@@ -105,8 +120,11 @@ def main(argv=None) -> dict:
     state = {} if args.fresh else ckpt.resume(model=jm, optimizer=opt, per_rank=per_rank)
     step = start = int(state.get("step", 0))
     if info.is_main:
-        print(f"world_size={info.world_size} device={dev} steps={total} "
-              + (f"resumed at step {step}" if step else "fresh start"), flush=True)
+        print(
+            f"world_size={info.world_size} device={dev} steps={total} "
+            + (f"resumed at step {step}" if step else "fresh start"),
+            flush=True,
+        )
 
     t0 = time.perf_counter()
     metrics: dict[str, float] = {}
@@ -114,8 +132,9 @@ def main(argv=None) -> dict:
     while step < total and not stopped:
         epoch, offset = divmod(step, steps_per_epoch)
         data_sampler.set_epoch(epoch)
-        batches = itertools.islice(jdist.skip_batches(loader, offset * args.accum),
-                                   (steps_per_epoch - offset) * args.accum)
+        batches = itertools.islice(
+            jdist.skip_batches(loader, offset * args.accum), (steps_per_epoch - offset) * args.accum
+        )
         model.train()
         for i, (x, y) in enumerate(batches):
             sync = (i + 1) % args.accum == 0
@@ -129,9 +148,11 @@ def main(argv=None) -> dict:
             step += 1
             metrics = out_.metrics
             if info.is_main and (step % args.log_every == 0 or step == total):
-                print(f"step {step}/{total} loss {metrics['loss']:.4f} acc {metrics['acc']:.3f} "
-                      f"E(data) {metrics['energy_data']:.3f} E(sample) {metrics.get('energy_sample', 0):.3f}",
-                      flush=True)
+                print(
+                    f"step {step}/{total} loss {metrics['loss']:.4f} acc {metrics['acc']:.3f} "
+                    f"E(data) {metrics['energy_data']:.3f} E(sample) {metrics.get('energy_sample', 0):.3f}",
+                    flush=True,
+                )
             ckpt.maybe_save(step, model=jm, optimizer=opt, per_rank=per_rank)
             if args.stop_after is not None and step - start >= args.stop_after:
                 stopped = True  # simulated interruption: no final save
@@ -142,8 +163,13 @@ def main(argv=None) -> dict:
 
     if ckpt.latest() is None or ckpt.checkpoints()[-1][0] != step:
         ckpt.save(step, model=jm, optimizer=opt, per_rank=per_rank)
-    summary = {"step": step, "world_size": info.world_size, "seconds": time.perf_counter() - t0,
-               "in_sync": jdist.params_in_sync(model), "train": metrics}
+    summary = {
+        "step": step,
+        "world_size": info.world_size,
+        "seconds": time.perf_counter() - t0,
+        "in_sync": jdist.params_in_sync(model),
+        "train": metrics,
+    }
     if bool(buffer.initialized):  # each rank's own chains
         buffer.save_grid(out / f"samples-rank{info.rank}.png", n=64)
     if info.is_main:

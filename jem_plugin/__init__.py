@@ -4,32 +4,76 @@
 >>> jm = jem.wrap(model)          # the same network, read as an energy model
 >>> jm.log_px(x)                  # unnormalised log p(x) = logsumexp f(x)
 """
+
 from __future__ import annotations
 
+from . import calibration, ood, robustness  # noqa: E402  (namespaces: jem.ood.score, ...)
 from .adapter import Adapter, InputDomain
-from .errors import (CheckpointError, CUDAGraphError, DatasetNotFoundError, DivergenceError, InferenceModeError,
-                     InvalidInputError, InvalidLabelError, InvalidScoresError, JEMError,
-                     NoLogitsError, NonFiniteLogitsError, NotWrappedError, OutOfDomainWarning,
-                     UnknownNameError)
+from .buffer import ReplayBuffer
+from .checkpoint import Checkpointer, load_checkpoint, save_checkpoint
+from .errors import (
+    CheckpointError,
+    CUDAGraphError,
+    DatasetNotFoundError,
+    DivergenceError,
+    InferenceModeError,
+    InvalidInputError,
+    InvalidLabelError,
+    InvalidScoresError,
+    JEMError,
+    NoLogitsError,
+    NonFiniteLogitsError,
+    NotWrappedError,
+    OutOfDomainWarning,
+    UnknownNameError,
+)
+from .integrations.mixin import GenerativeLossMixin
+from .losses import JEMLoss, LossOutput
 from .model import JEM, as_jem, input_grad_enabled, wrap
 from .plugins import get_plugin_manager, hookimpl, list_plugins, register, unregister
 from .sampling import SGLD, SGLDDiagnostics, SGLDStepState
-from .buffer import ReplayBuffer
-from .losses import JEMLoss, LossOutput
-from .integrations.mixin import GenerativeLossMixin
 from .stability import DivergenceGuard
-from .checkpoint import Checkpointer, load_checkpoint, save_checkpoint
-from . import calibration, ood, robustness  # noqa: E402  (namespaces: jem.ood.score, ...)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "JEM", "wrap", "as_jem", "Adapter", "InputDomain", "input_grad_enabled",
-    "SGLD", "SGLDStepState", "SGLDDiagnostics", "ReplayBuffer", "JEMLoss", "LossOutput", "GenerativeLossMixin",
-    "DivergenceGuard", "Checkpointer", "save_checkpoint", "load_checkpoint",
-    "ood", "calibration", "robustness",
-    "hookimpl", "register", "unregister", "list_plugins", "get_plugin_manager",
-    "JEMError", "NoLogitsError", "InvalidInputError", "InvalidLabelError", "NonFiniteLogitsError",
-    "DivergenceError", "CheckpointError", "UnknownNameError", "InferenceModeError",
-    "DatasetNotFoundError", "InvalidScoresError", "CUDAGraphError", "NotWrappedError", "OutOfDomainWarning",
+    "JEM",
+    "wrap",
+    "as_jem",
+    "Adapter",
+    "InputDomain",
+    "input_grad_enabled",
+    "SGLD",
+    "SGLDStepState",
+    "SGLDDiagnostics",
+    "ReplayBuffer",
+    "JEMLoss",
+    "LossOutput",
+    "GenerativeLossMixin",
+    "DivergenceGuard",
+    "Checkpointer",
+    "save_checkpoint",
+    "load_checkpoint",
+    "ood",
+    "calibration",
+    "robustness",
+    "hookimpl",
+    "register",
+    "unregister",
+    "list_plugins",
+    "get_plugin_manager",
+    "JEMError",
+    "NoLogitsError",
+    "InvalidInputError",
+    "InvalidLabelError",
+    "NonFiniteLogitsError",
+    "DivergenceError",
+    "CheckpointError",
+    "UnknownNameError",
+    "InferenceModeError",
+    "DatasetNotFoundError",
+    "InvalidScoresError",
+    "CUDAGraphError",
+    "NotWrappedError",
+    "OutOfDomainWarning",
 ]

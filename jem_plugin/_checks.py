@@ -3,22 +3,39 @@
 Private: the public entry points call these so that every one of them validates and draws the
 same way.
 """
+
 from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .errors import InvalidInputError, InvalidLabelError, OutOfDomainWarning
 
-__all__ = ["same_device", "draw", "check_labels", "check_label_range", "require_num_classes", "free_energy",
-           "unpack_batch", "model_device", "INPUT_KEYS", "LABEL_KEYS", "follow", "autocast_cache_off",
-           "unwrap_model", "unwrap_parallel", "check_input", "DomainCheck", "warn_out_of_domain"]
+__all__ = [
+    "same_device",
+    "draw",
+    "check_labels",
+    "check_label_range",
+    "require_num_classes",
+    "free_energy",
+    "unpack_batch",
+    "model_device",
+    "INPUT_KEYS",
+    "LABEL_KEYS",
+    "follow",
+    "autocast_cache_off",
+    "unwrap_model",
+    "unwrap_parallel",
+    "check_input",
+    "DomainCheck",
+    "warn_out_of_domain",
+]
 
 # Keys a dict batch may hold its inputs / labels under (torchvision, Hugging Face, hand-written).
 INPUT_KEYS: tuple[str, ...] = ("x", "input", "inputs", "image", "images", "pixel_values")
@@ -42,8 +59,13 @@ def same_device(a: torch.device | str | None, b: torch.device | str | None) -> b
     return _canonical(a) == _canonical(b)
 
 
-def draw(fn: Callable[..., Tensor], size: Sequence[int], generator: torch.Generator | None,
-         device: torch.device | str | None, **kwargs) -> Tensor:
+def draw(
+    fn: Callable[..., Tensor],
+    size: Sequence[int],
+    generator: torch.Generator | None,
+    device: torch.device | str | None,
+    **kwargs,
+) -> Tensor:
     """``fn(size, generator=..., device=...)`` (``torch.rand``, ``randn``, ...) on ``device``.
 
     A generator on another device (a CPU generator driving CUDA chains) draws where it lives and
@@ -55,8 +77,14 @@ def draw(fn: Callable[..., Tensor], size: Sequence[int], generator: torch.Genera
 
 
 # ---------------------------------------------------------------------- labels
-def check_labels(y: Any, n: int | None = None, *, num_classes: int | None = None,
-                 device: torch.device | str | None = None, what: str = "labels") -> Tensor:
+def check_labels(
+    y: Any,
+    n: int | None = None,
+    *,
+    num_classes: int | None = None,
+    device: torch.device | str | None = None,
+    what: str = "labels",
+) -> Tensor:
     """``y`` as a ``long`` tensor of ``n`` class indices (on ``device``), or :class:`InvalidLabelError`.
 
     Checks the dtype (integers, not floats/bools/one-hot), the shape ``[n]`` (1-D when ``n`` is
@@ -66,11 +94,14 @@ def check_labels(y: Any, n: int | None = None, *, num_classes: int | None = None
         try:
             y = torch.as_tensor(y)
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise InvalidLabelError(f"{what} must be a tensor of integer class indices, got "
-                                    f"{type(y).__name__}") from exc
+            raise InvalidLabelError(
+                f"{what} must be a tensor of integer class indices, got {type(y).__name__}"
+            ) from exc
     if y.dtype.is_floating_point or y.dtype == torch.bool or y.is_complex():
-        raise InvalidLabelError(f"{what} must be integer class indices, got dtype {y.dtype}; use y.long()"
-                                " (for one-hot labels, y.argmax(1)).")
+        raise InvalidLabelError(
+            f"{what} must be integer class indices, got dtype {y.dtype}; use y.long()"
+            " (for one-hot labels, y.argmax(1))."
+        )
     if (n is not None and tuple(y.shape) != (n,)) or (n is None and y.dim() != 1):
         want = f"[{n}]" if n is not None else "[N] (1-D)"
         raise InvalidLabelError(f"expected {what} of shape {want}, got {tuple(y.shape)}")
@@ -86,16 +117,19 @@ def check_label_range(y: Tensor, num_classes: int, *, what: str = "labels") -> N
         return
     lo, hi = torch.stack(list(torch.aminmax(y))).tolist()  # one transfer for both bounds
     if lo < 0 or hi >= num_classes:
-        raise InvalidLabelError(f"{what} must lie in [0, {num_classes}) for {num_classes} classes; got "
-                                f"values from {lo} to {hi}")
+        raise InvalidLabelError(
+            f"{what} must lie in [0, {num_classes}) for {num_classes} classes; got values from {lo} to {hi}"
+        )
 
 
 def require_num_classes(jm: Any, why: str) -> int:
     """``jm.num_classes``, or an error asking for ``wrap(model, num_classes=K)`` when it is unknown."""
     k = getattr(jm, "num_classes", None)
     if k is None:
-        raise InvalidLabelError(f"{why} needs the number of classes, which is not known for this model; "
-                                "pass it when wrapping: jem_plugin.wrap(model, num_classes=K)")
+        raise InvalidLabelError(
+            f"{why} needs the number of classes, which is not known for this model; "
+            "pass it when wrapping: jem_plugin.wrap(model, num_classes=K)"
+        )
     return int(k)
 
 
@@ -112,9 +146,13 @@ def _keys(key: str | Sequence[str]) -> tuple[str, ...]:
     return (key,) if isinstance(key, str) else tuple(key)
 
 
-def unpack_batch(batch: Any, *, input_key: str | Sequence[str] = INPUT_KEYS,
-                 label_key: str | Sequence[str] = LABEL_KEYS,
-                 need_labels: bool = False) -> tuple[Tensor, Tensor | None]:
+def unpack_batch(
+    batch: Any,
+    *,
+    input_key: str | Sequence[str] = INPUT_KEYS,
+    label_key: str | Sequence[str] = LABEL_KEYS,
+    need_labels: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """``(x, y)`` of one loader item: a tensor (``y`` is ``None``), ``(x, y, ...)``, or a dict.
 
     A dict holds the inputs under the first of ``input_key`` present and the labels under the
@@ -209,8 +247,7 @@ def unwrap_model(model: Any) -> Any:
             model = inner
             continue
         inner = unwrap_parallel(model)
-        if inner is model and type(model).__name__ in ("FullyShardedDataParallel", "FSDP") \
-                and hasattr(model, "module"):
+        if inner is model and type(model).__name__ in ("FullyShardedDataParallel", "FSDP") and hasattr(model, "module"):
             inner = model.module
         if inner is model:
             return model
@@ -219,8 +256,7 @@ def unwrap_model(model: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- inputs
-def check_input(x: Any, *, dtype: torch.dtype | None = None, domain: Any = None,
-                what: str = "input") -> Tensor:
+def check_input(x: Any, *, dtype: torch.dtype | None = None, domain: Any = None, what: str = "input") -> Tensor:
     """The one input check: a floating tensor ``[B, ...]`` whose channels match ``domain``.
 
     Floating inputs of any precision are cast to ``dtype`` (the model's parameter dtype);
@@ -245,8 +281,8 @@ def check_input(x: Any, *, dtype: torch.dtype | None = None, domain: Any = None,
     if size is not None and x.dim() != len(size) + 1:
         raise InvalidInputError(
             f"expected a batch of shape [B, {', '.join(map(str, size))}] (rank {len(size) + 1}), got "
-            f"shape {tuple(x.shape)}" + (". Add a batch dimension with x.unsqueeze(0)."
-                                         if x.dim() == len(size) else ".")
+            f"shape {tuple(x.shape)}"
+            + (". Add a batch dimension with x.unsqueeze(0)." if x.dim() == len(size) else ".")
         )
     if domain is not None:
         channels = domain.channels
@@ -297,15 +333,18 @@ def warn_out_of_domain(x: Tensor, domain: Any, where: str, stacklevel: int = 2) 
         return False
 
     with torch.no_grad():
-        flat = x.detach().transpose(0, 1).reshape(x.shape[1], -1) if domain.is_per_channel \
-            else x.detach().reshape(1, -1)
+        flat = (
+            x.detach().transpose(0, 1).reshape(x.shape[1], -1) if domain.is_per_channel else x.detach().reshape(1, -1)
+        )
         lo_obs, hi_obs = flat.amin(1).float(), flat.amax(1).float()
         lo_obs, hi_obs = lo_obs.cpu().tolist(), hi_obs.cpu().tolist()
     lows, highs = domain.low, domain.high
     if len(lows) == 1:
         lows, highs = lows * len(lo_obs), highs * len(hi_obs)
-    bad = [a < lo - DomainCheck.TOLERANCE * (hi - lo) or b > hi + DomainCheck.TOLERANCE * (hi - lo)
-           for a, b, lo, hi in zip(lo_obs, hi_obs, lows, highs)]
+    bad = [
+        a < lo - DomainCheck.TOLERANCE * (hi - lo) or b > hi + DomainCheck.TOLERANCE * (hi - lo)
+        for a, b, lo, hi in zip(lo_obs, hi_obs, lows, highs)
+    ]
     if not any(bad):
         return False
     warnings.warn(
@@ -313,7 +352,9 @@ def warn_out_of_domain(x: Tensor, domain: Any, where: str, stacklevel: int = 2) 
         f"is {domain.describe()}. Scale the data as the model expects (e.g. x / 255, then the "
         "model's mean/std normalisation), or tell jem-plugin the data's domain: "
         "wrap(model, data_range=(low, high)) or wrap(model, mean=..., std=...).",
-        OutOfDomainWarning, stacklevel=stacklevel + 1)
+        OutOfDomainWarning,
+        stacklevel=stacklevel + 1,
+    )
     if site is not None:
         _WARNED_SITES.add(site)
     return True

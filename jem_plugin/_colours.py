@@ -5,6 +5,7 @@ colour the data never have, which an energy learns to spot (issue 16, e55 and e6
 stationary Gaussian init (its colour rotation), the replay buffer (the projection it keeps from
 its fit) and SGLD (which applies it to every step).
 """
+
 from __future__ import annotations
 
 import torch

@@ -28,6 +28,7 @@ Where capture is impossible (per-step Python hooks, trajectory or energy recordi
 callable model, a model that synchronises with the host or otherwise fails to capture) the
 sampler runs eagerly and says why, once.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -36,20 +37,21 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from . import hookspecs, plugins
-from ._checks import autocast_cache_off, same_device
+from ._checks import autocast_cache_off, check_label_range, same_device
 from .errors import CUDAGraphError
-from .model import _CallableModule, sampling_mode
+from .model import JEM, _CallableModule, sampling_mode
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .model import JEM
-    from .sampling import SGLD
+# Every CUDA call of this module goes through this name: the CPU tests replace it with a stand-in
+# (fake graphs that record the captured step and replay it eagerly), so each line here runs in CI.
+_cuda: Any = torch.cuda
+_DEVICE_TYPE = "cuda"  # the device type whose chains are captured (the CPU tests set "cpu")
 
 __all__ = ["MODES", "check_mode", "clear", "run"]
 
@@ -60,6 +62,24 @@ WARMUP_STEPS = 3  # eager steps on a side stream before capture (cuDNN/cuBLAS se
 _graphs: weakref.WeakKeyDictionary[nn.Module, OrderedDict[tuple, _Graph | str]] = weakref.WeakKeyDictionary()
 _warned: set[str] = set()
 _pools: dict[torch.device, tuple[Any, Any]] = {}  # device -> (memory pool handle, capture stream)
+
+
+class ChainSettings(Protocol):
+    """What a chain run reads from its sampler (:class:`~jem_plugin.sampling.SGLD` provides it)."""
+
+    cuda_graph: str
+    steps: int
+    noise: float
+    grad_clip: float | None
+    clamp: bool
+    batchnorm: str
+    generator: torch.Generator | None
+    record_trajectory: bool
+    record_energies: bool
+    progress: bool
+    colour_projection: Tensor | None
+
+    def step_sizes(self) -> list[float]: ...
 
 
 def check_mode(mode: Any) -> str:
@@ -106,9 +126,9 @@ def _layout(x: Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def _blocker(sampler: SGLD, jm: JEM, x: Tensor) -> str | None:
+def _blocker(sampler: ChainSettings, jm: JEM, x: Tensor) -> str | None:
     """Why the chain cannot run as a graph, or ``None``."""
-    if x.device.type != "cuda" or not torch.cuda.is_available():
+    if x.device.type != _DEVICE_TYPE or not _cuda.is_available():
         return f"the chain is on {x.device}, not on a CUDA device"
     if sampler.record_trajectory or sampler.record_energies:
         return "trajectory/energy recording reads the chain after every step"
@@ -118,13 +138,15 @@ def _blocker(sampler: SGLD, jm: JEM, x: Tensor) -> str | None:
         return "the colour projection of SGLD(colours='data') on data with fewer colour axes than channels is not part of the captured step yet"
     if isinstance(jm.model, _CallableModule):
         return "the model is a plain callable (its tensors cannot be tracked between runs)"
-    if torch.cuda.is_current_stream_capturing():
+    if _cuda.is_current_stream_capturing():
         return "a CUDA graph is already being captured on this stream"
     return None
 
 
-def run(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None) -> Tensor | None:
-    """The chain run as a CUDA graph, or ``None`` when the eager loop must run it.
+def run(sampler: ChainSettings, jm: JEM, x: Tensor, y: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    """The chain run as a CUDA graph, ``(chain, log-density of each chain at its last step)``, or
+    ``None`` when the eager loop must run it. ``y``, when given, is already checked (``[B]`` long
+    labels on the chain's device).
 
     ``"require"`` raises :class:`CUDAGraphError` instead of returning ``None``; ``"auto"`` warns
     once per reason, and only for chains on a CUDA device (on the CPU eager is the only path).
@@ -148,30 +170,38 @@ def run(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None) -> Tensor | None:
             f"SGLD(cuda_graph='require') cannot run the chain as a CUDA graph: {reason}; use "
             "cuda_graph='auto' to fall back to the eager loop"
         )
-    if x.device.type == "cuda" and reason not in _warned:
+    if x.device.type == _DEVICE_TYPE and reason not in _warned:
         _warned.add(reason)
         warnings.warn(f"SGLD runs eagerly, not as a CUDA graph: {reason}", RuntimeWarning, stacklevel=3)
     return None
 
 
-def _key(sampler: SGLD, jm: JEM, x: Tensor, dtype: torch.dtype, cond: bool) -> tuple:
+def _key(sampler: ChainSettings, jm: JEM, x: Tensor, dtype: torch.dtype, cond: bool) -> tuple:
     domain = jm.domain
-    autocast = torch.is_autocast_enabled("cuda")
-    return (tuple(x.shape), _layout(x), dtype, x.device, cond,
-            autocast, torch.get_autocast_dtype("cuda") if autocast else None,
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-            torch.backends.cudnn.deterministic,
-            sampler.noise, sampler.grad_clip,
-            # batch or running BatchNorm statistics
-            sampler.batchnorm,
-            (tuple(domain.low), tuple(domain.high)) if sampler.clamp else None,
-            id(sampler.generator), id(jm.adapter))
+    autocast = torch.is_autocast_enabled(x.device.type)
+    return (
+        tuple(x.shape),
+        _layout(x),
+        dtype,
+        x.device,
+        cond,
+        autocast,
+        torch.get_autocast_dtype(x.device.type) if autocast else None,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.deterministic,
+        sampler.noise,
+        sampler.grad_clip,
+        # batch or running BatchNorm statistics
+        sampler.batchnorm,
+        (tuple(domain.low), tuple(domain.high)) if sampler.clamp else None,
+        id(sampler.generator),
+        id(jm.adapter),
+    )
 
 
-def _run(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None) -> Tensor:
+def _run(sampler: ChainSettings, jm: JEM, x: Tensor, y: Tensor | None) -> tuple[Tensor, Tensor]:
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    if y is not None:
-        y = sampler._check_y(jm, y, x.shape[0], x.device)
     sizes = sampler.step_sizes()
     model = jm.model
     key = _key(sampler, jm, x, dtype, y is not None)
@@ -182,8 +212,11 @@ def _run(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None) -> Tensor:
     entry = per_model.get(key)
     if isinstance(entry, str):  # this configuration failed to capture before: do not retry
         raise _CaptureFailed(entry)
-    if entry is not None and (entry.fingerprint != fingerprint or entry.owners[0] is not sampler.generator
-                              or entry.owners[1] is not jm.adapter):
+    if entry is not None and (
+        entry.fingerprint != fingerprint
+        or entry.owners[0] is not sampler.generator
+        or entry.owners[1] is not jm.adapter
+    ):
         del per_model[key]
         entry = None
     if entry is None:
@@ -197,12 +230,12 @@ def _run(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None) -> Tensor:
             per_model.popitem(last=False)
     per_model.move_to_end(key)
     if y is not None and jm.num_classes is None:
-        sampler._check_y_range(y, entry.num_classes)
+        check_label_range(y, entry.num_classes, what="y (one class per chain)")
 
     steps = range(len(sizes))
     if sampler.progress:
         steps = tqdm(steps, desc="SGLD (CUDA graph)", leave=False)
-    with torch.inference_mode(False), torch.no_grad(), torch.cuda.device(x.device):
+    with torch.inference_mode(False), torch.no_grad(), _cuda.device(x.device):
         entry.x.detach().copy_(x)
         if y is not None:
             entry.y.copy_(y.view(-1, 1))
@@ -214,12 +247,12 @@ def _run(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None) -> Tensor:
             entry.graph.replay()
         out = entry.x.detach().clone()
         score = entry.score.clone()
-    sampler._check_divergence(out, score)
-    return out
+    return out, score
 
 
-def make_step(jm: JEM, xs: Tensor, a: Tensor, ys: Tensor | None, noise_buf: Tensor | None,
-              sampler: SGLD) -> Callable[[], tuple[Tensor, Tensor]]:
+def make_step(
+    jm: JEM, xs: Tensor, a: Tensor, ys: Tensor | None, noise_buf: Tensor | None, sampler: ChainSettings
+) -> Callable[[], tuple[Tensor, Tensor]]:
     """One SGLD step on the static chain ``xs`` (a leaf that requires grad), as the eager loop
     makes it but with the step size read from the 0-d tensor ``a``; returns ``(logits, score)``."""
     model, read_logits = jm.model, jm.adapter.logits
@@ -230,7 +263,7 @@ def make_step(jm: JEM, xs: Tensor, a: Tensor, ys: Tensor | None, noise_buf: Tens
     def step() -> tuple[Tensor, Tensor]:
         out = read_logits(model(xs))
         score = torch.logsumexp(out, 1) if ys is None else out.gather(1, ys)
-        g, = torch.autograd.grad(score, xs, torch.ones_like(score))
+        (g,) = torch.autograd.grad(score, xs, torch.ones_like(score))
         if g.dtype != dtype:
             g = g.to(dtype)
         if clip is not None:
@@ -245,14 +278,21 @@ def make_step(jm: JEM, xs: Tensor, a: Tensor, ys: Tensor | None, noise_buf: Tens
     return step
 
 
-def _capture(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None, dtype: torch.dtype,
-             first_size: float, fingerprint: tuple) -> _Graph:
+def _capture(
+    sampler: ChainSettings,
+    jm: JEM,
+    x: Tensor,
+    y: Tensor | None,
+    dtype: torch.dtype,
+    first_size: float,
+    fingerprint: tuple,
+) -> _Graph:
     model = jm.model
     dev = x.device
     gen = sampler.generator
     noise = sampler.noise
-    with torch.inference_mode(False), torch.cuda.device(dev):
-        rng = gen if gen is not None else torch.cuda.default_generators[dev.index]
+    with torch.inference_mode(False), _cuda.device(dev):
+        rng = gen if gen is not None else _cuda.default_generators[dev.index]
         rng_state = rng.get_state()
         xs = torch.empty_like(x, dtype=dtype, memory_format=_layout(x))
         xs.copy_(x.detach())
@@ -263,34 +303,41 @@ def _capture(sampler: SGLD, jm: JEM, x: Tensor, y: Tensor | None, dtype: torch.d
         step = make_step(jm, xs, a, ys, noise_buf, sampler)
         try:
             # Autocast's cast cache off: it would hand later steps (and the capture) stale casts.
-            with sampling_mode(model, sampler.batchnorm), torch.enable_grad(), autocast_cache_off("cuda"):
+            with sampling_mode(model, sampler.batchnorm), torch.enable_grad(), autocast_cache_off(dev.type):
                 if dev not in _pools:
-                    _pools[dev] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev))
+                    _pools[dev] = (_cuda.graph_pool_handle(), _cuda.Stream(dev))
                 pool, side = _pools[dev]
-                side.wait_stream(torch.cuda.current_stream(dev))
+                side.wait_stream(_cuda.current_stream(dev))
                 try:
-                    with torch.cuda.stream(side):
+                    with _cuda.stream(side):
                         for _ in range(WARMUP_STEPS):
                             step()
                 except Exception as exc:  # the model's own error: the eager loop reports it
                     raise _Eager() from exc
-                torch.cuda.current_stream(dev).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
+                _cuda.current_stream(dev).wait_stream(side)
+                graph = _cuda.CUDAGraph()
                 if gen is not None and noise > 0:
                     if not hasattr(graph, "register_generator_state"):
-                        raise _CaptureFailed(f"torch {torch.__version__} cannot register a generator with a "
-                                             "CUDA graph (torch.cuda.CUDAGraph.register_generator_state)")
+                        raise _CaptureFailed(
+                            f"torch {torch.__version__} cannot register a generator with a "
+                            "CUDA graph (torch.cuda.CUDAGraph.register_generator_state)"
+                        )
                     graph.register_generator_state(gen)  # replays draw from the user's generator
                 try:
-                    with torch.cuda.graph(graph, pool=pool, stream=side,
-                                                     capture_error_mode="thread_local"):
+                    with _cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
                         out, score = step()
                 except Exception as exc:  # host syncs, data-dependent control flow, unsupported ops
                     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                     raise _CaptureFailed(f"capture failed ({type(exc).__name__}: {first[:200]})") from exc
         finally:
             rng.set_state(rng_state)  # the warm-up's draws never happened, as far as the user can tell
-    return _Graph(graph=graph, x=xs, a=a, y=ys, score=score.reshape(-1), num_classes=int(out.shape[1]),
-                  owners=(gen, jm.adapter), fingerprint=fingerprint)
-
-
+    return _Graph(
+        graph=graph,
+        x=xs,
+        a=a,
+        y=ys,
+        score=score.reshape(-1),
+        num_classes=int(out.shape[1]),
+        owners=(gen, jm.adapter),
+        fingerprint=fingerprint,
+    )

@@ -3,14 +3,16 @@ between processes, checkpoints and exact resume, the epoch's batches, progress a
 
 Each piece is small and does one thing; ``fit`` is the loop that strings them together.
 """
+
 from __future__ import annotations
 
 import logging
 import math
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +40,8 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
         if isinstance(g, torch.Generator) and all(g is not h for h in gens):
             gens.append(g)
     return gens
+
+
 class _Running:
     """Sums of per-step metrics within an epoch (averaged at the epoch's end), with the epoch's
     training time and images seen (throughput)."""
@@ -69,12 +73,20 @@ class _Running:
         if not self.count or self.seconds <= 0:
             return {}
         per_iter = self.seconds / self.count
-        return {"img_per_s": self.images / self.seconds, "ms_per_iter": 1000.0 * per_iter,
-                "remaining_s": per_iter * max(0, remaining_iters)}
+        return {
+            "img_per_s": self.images / self.seconds,
+            "ms_per_iter": 1000.0 * per_iter,
+            "remaining_s": per_iter * max(0, remaining_iters),
+        }
 
     def state(self) -> dict[str, Any]:
-        return {"sums": dict(self.sums), "count": self.count, "images": self.images,
-                "seconds": self.seconds, "cpu_seconds": self.cpu_seconds}
+        return {
+            "sums": dict(self.sums),
+            "count": self.count,
+            "images": self.images,
+            "seconds": self.seconds,
+            "cpu_seconds": self.cpu_seconds,
+        }
 
 
 def _tick() -> tuple[float, float]:
@@ -101,14 +113,12 @@ def _agree(device: torch.device, *flags: bool) -> tuple[bool, ...]:
     none is left waiting in DDP's gradient all-reduce. Returned unchanged in a single process."""
     if not _multi_process():
         return flags
-    t = torch.tensor([float(f) for f in flags],
-                     device=device if dist.get_backend() == "nccl" else "cpu")
+    t = torch.tensor([float(f) for f in flags], device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return tuple(bool(v) for v in t.tolist())
 
 
-def _stop_reason(state: TrainState, start: float, max_seconds: float | None,
-                 device: torch.device) -> str | None:
+def _stop_reason(state: TrainState, start: float, max_seconds: float | None, device: torch.device) -> str | None:
     """``"max_seconds"``, ``"callback"`` (``state.stop``) or ``None``, agreed over the ranks."""
     out_of_time = max_seconds is not None and time.perf_counter() - start > max_seconds
     state.stop, out_of_time = _agree(device, state.stop, out_of_time)
@@ -131,14 +141,16 @@ def _set_epoch(loader: Any, epoch: int) -> None:
         sampler.set_epoch(epoch)
 
 
-def _agree_on_divergence(device: torch.device, err: DivergenceError | None,
-                         iteration: int) -> DivergenceError | None:
+def _agree_on_divergence(device: torch.device, err: DivergenceError | None, iteration: int) -> DivergenceError | None:
     """Under DDP: a divergence on any rank stops every rank at the same step (before the backward's
     gradient all-reduce, where the healthy ranks would otherwise wait for the one that stopped)."""
     (anywhere,) = _agree(device, err is not None)
     if anywhere and err is None:
-        err = DivergenceError("another process diverged at this step (its error names the values); "
-                              "every process stops together", remedies=DIVERGENCE_REMEDIES, iteration=iteration)
+        err = DivergenceError(
+            "another process diverged at this step (its error names the values); every process stops together",
+            remedies=DIVERGENCE_REMEDIES,
+            iteration=iteration,
+        )
     return err
 
 
@@ -149,10 +161,10 @@ class _Position:
 
     running: _Running = field(default_factory=_Running)
     epoch_rng: dict[str, Any] | None = None  # RNG states at the epoch's start (replays its order)
-    skip: int = 0                            # batches of the epoch already done (mid-epoch resume)
+    skip: int = 0  # batches of the epoch already done (mid-epoch resume)
     resume_rng: dict[str, Any] | None = None  # RNG states at the checkpoint, set after the replay
     guard: dict[str, Any] | None = None
-    resumed: bool = False                     # restored from a checkpoint
+    resumed: bool = False  # restored from a checkpoint
 
 
 class _Checkpoints:
@@ -163,8 +175,9 @@ class _Checkpoints:
     # and RNG/loader states; the rest is shared and written once by rank 0.
     PER_RANK = ("loss", "running", "epoch_rng", "loader_rng")
 
-    def __init__(self, directory: str | Path | None, *, every: int | None, keep: int, loader: Any,
-                 objects: Mapping[str, Any]) -> None:
+    def __init__(
+        self, directory: str | Path | None, *, every: int | None, keep: int, loader: Any, objects: Mapping[str, Any]
+    ) -> None:
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"checkpoint_every must be an int >= 1 (iterations) or None, got {every!r}")
         self.every, self.multi, self.loader = every, _multi_process(), loader
@@ -183,10 +196,16 @@ class _Checkpoints:
             return
         hist = state.history.to_dict()
         hist["total_time"] = state.history.total_time + (time.perf_counter() - start)
-        items = dict(**self.objects, epoch=state.epoch, batch_in_epoch=batch_in_epoch,
-                     running=pos.running.state(), epoch_rng=pos.epoch_rng,
-                     loader_rng=[g.get_state() for g in _loader_generators(self.loader)],
-                     history=hist, guard=guard.state_dict() if guard is not None else None)
+        items = dict(
+            **self.objects,
+            epoch=state.epoch,
+            batch_in_epoch=batch_in_epoch,
+            running=pos.running.state(),
+            epoch_rng=pos.epoch_rng,
+            loader_rng=[g.get_state() for g in _loader_generators(self.loader)],
+            history=hist,
+            guard=guard.state_dict() if guard is not None else None,
+        )
         if self.multi:
             per_rank = {k: items.pop(k) for k in self.PER_RANK if k in items}
             self.ckpt.save(state.iteration, per_rank=per_rank, **items)  # type: ignore[call-arg]
@@ -210,8 +229,13 @@ class _Checkpoints:
         h = state.history
         h.epochs, h.events, h.total_time = restored.epochs, restored.events, restored.total_time
         h.events.append({"event": "resumed", "epoch": state.epoch, "iteration": state.iteration})
-        pos = _Position(_Running(extra["running"]), extra.get("epoch_rng"), int(extra["batch_in_epoch"]),
-                        guard=extra.get("guard"), resumed=True)
+        pos = _Position(
+            _Running(extra["running"]),
+            extra.get("epoch_rng"),
+            int(extra["batch_in_epoch"]),
+            guard=extra.get("guard"),
+            resumed=True,
+        )
         # The loader's own generators (shuffle order) continue where they were, too.
         for g, st in zip(_loader_generators(self.loader), extra.get("loader_rng") or []):
             g.set_state(st)
@@ -250,8 +274,14 @@ def _epoch_batches(loader: Any, epoch: int, pos: _Position) -> Iterator[tuple[in
 def _epoch_record(state: TrainState, running: _Running, remaining_iters: int) -> dict[str, float]:
     """The finished epoch's metrics: means over its steps (and the ranks), LR, throughput, times."""
     means = _mean_over_ranks({**running.means(), **running.throughput(remaining_iters)})
-    return {"epoch": state.epoch + 1, **means, "lr": state.optimizer.param_groups[0]["lr"],
-            "iterations": running.count, "time": running.seconds, "cpu_time": running.cpu_seconds}
+    return {
+        "epoch": state.epoch + 1,
+        **means,
+        "lr": state.optimizer.param_groups[0]["lr"],
+        "iterations": running.count,
+        "time": running.seconds,
+        "cpu_time": running.cpu_seconds,
+    }
 
 
 # ---------------------------------------------------------------------------- progress and logging
@@ -262,8 +292,14 @@ def _duration(seconds: float) -> str:
 
 def _postfix(metrics: Mapping[str, float], epoch: int, epochs: int) -> dict[str, str]:
     out = {"ep": f"{epoch}/{epochs}"}
-    for key, label in (("loss", "loss"), ("acc", "acc"), ("val_acc", "val"), ("energy_gap", "gap"),
-                       ("img_per_s", "img/s"), ("ms_per_iter", "ms/it")):
+    for key, label in (
+        ("loss", "loss"),
+        ("acc", "acc"),
+        ("val_acc", "val"),
+        ("energy_gap", "gap"),
+        ("img_per_s", "img/s"),
+        ("ms_per_iter", "ms/it"),
+    ):
         if key in metrics and isinstance(metrics[key], (int, float)) and math.isfinite(metrics[key]):
             out[label] = f"{metrics[key]:.3g}"
     if "remaining_s" in metrics:
@@ -279,8 +315,9 @@ class _Progress:
         self.epochs, self.iters, self.total = epochs, iters_per_epoch, epochs * iters_per_epoch
         self.bar = None
         if enabled and (not _multi_process() or dist.get_rank() == 0):
-            self.bar = tqdm(total=self.total, initial=min(iteration, self.total), desc=desc,
-                            dynamic_ncols=True, leave=True)
+            self.bar = tqdm(
+                total=self.total, initial=min(iteration, self.total), desc=desc, dynamic_ncols=True, leave=True
+            )
 
     def announce(self, message: str) -> None:
         _log.info(message)
@@ -305,10 +342,12 @@ class _Progress:
 
 
 def _note_rollback(state: TrainState, guard, log: _Progress) -> None:
-    state.history.events.append({"event": "rollback", "epoch": state.epoch,
-                                 "iteration": state.iteration, **guard.last_event})
-    log.announce(f"divergence at iteration {state.iteration}: rolled back "
-                 f"({', '.join(guard.last_event.get('changes', []))})")
+    state.history.events.append(
+        {"event": "rollback", "epoch": state.epoch, "iteration": state.iteration, **guard.last_event}
+    )
+    log.announce(
+        f"divergence at iteration {state.iteration}: rolled back ({', '.join(guard.last_event.get('changes', []))})"
+    )
 
 
 def _finish(state: TrainState, reason: str | None, start: float) -> History:
@@ -316,7 +355,7 @@ def _finish(state: TrainState, reason: str | None, start: float) -> History:
     history.stopped = reason
     history.total_time += time.perf_counter() - start
     if reason is not None:
-        history.events.append({"event": "stopped", "reason": reason, "epoch": state.epoch,
-                               "iteration": state.iteration})
+        history.events.append(
+            {"event": "stopped", "reason": reason, "epoch": state.epoch, "iteration": state.iteration}
+        )
     return history
-

@@ -6,10 +6,12 @@ where the logits are in its output, how many classes it has, and what inputs it 
 normalisation those tensors carry). Samplers initialise and clamp chains in that domain, so
 SGLD works in the same space as the user's loader.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,9 +48,7 @@ class InputDomain:
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_range(
-        cls, low: float | Sequence[float], high: float | Sequence[float], input_size=None
-    ) -> "InputDomain":
+    def from_range(cls, low: float | Sequence[float], high: float | Sequence[float], input_size=None) -> InputDomain:
         lo, hi = _as_tuple(low), _as_tuple(high)
         if len(lo) != len(hi) or any(a >= b for a, b in zip(lo, hi)):
             raise ValueError(f"data range needs low < high per channel, got {lo} and {hi}")
@@ -61,13 +61,12 @@ class InputDomain:
         std: Sequence[float],
         pixel_range: tuple[float, float] = (0.0, 1.0),
         input_size=None,
-    ) -> "InputDomain":
+    ) -> InputDomain:
         """Domain of images in ``pixel_range`` after ``(x - mean) / std``."""
         mean, std = _as_tuple(mean), _as_tuple(std)
         lo = tuple((pixel_range[0] - m) / s for m, s in zip(mean, std))
         hi = tuple((pixel_range[1] - m) / s for m, s in zip(mean, std))
-        return cls(low=lo, high=hi, mean=mean, std=std,
-                   input_size=tuple(input_size) if input_size else None)
+        return cls(low=lo, high=hi, mean=mean, std=std, input_size=tuple(input_size) if input_size else None)
 
     @property
     def is_per_channel(self) -> bool:
@@ -108,8 +107,15 @@ class InputDomain:
             return x.clamp_(lo, hi)
         return x.clamp_(self.low[0], self.high[0])
 
-    def uniform(self, n: int, shape: Sequence[int], *, generator: torch.Generator | None = None,
-                device=None, dtype=torch.float32) -> Tensor:
+    def uniform(
+        self,
+        n: int,
+        shape: Sequence[int],
+        *,
+        generator: torch.Generator | None = None,
+        device=None,
+        dtype=torch.float32,
+    ) -> Tensor:
         """``n`` samples uniform over the domain."""
         u = draw(torch.rand, (n, *shape), generator, device, dtype=dtype)
         lo, hi = self.bounds(u)
@@ -151,8 +157,9 @@ class Adapter:
         tuple index, or a callable ``output -> Tensor``.
     """
 
-    def __init__(self, name: str, domain: InputDomain | None = None,
-                 num_classes: int | None = None, logits: Any = None) -> None:
+    def __init__(
+        self, name: str, domain: InputDomain | None = None, num_classes: int | None = None, logits: Any = None
+    ) -> None:
         self.name = name
         self.domain = domain or InputDomain()
         self.num_classes = num_classes
@@ -227,8 +234,9 @@ def check_wrap_options(options: dict) -> None:
             "mean=/std= (or processor=) for normalised images, not both."
         )
     if "processor" in given and ("mean" in given or "std" in given):
-        raise ValueError("wrap() got processor= and mean=/std=: the processor already gives the "
-                         "normalisation; pass one of them")
+        raise ValueError(
+            "wrap() got processor= and mean=/std=: the processor already gives the normalisation; pass one of them"
+        )
 
 
 def with_channels(domain: InputDomain, channels: int | None) -> InputDomain:
@@ -276,8 +284,9 @@ def domain_from_options(options: dict, default: InputDomain) -> InputDomain:
             )
         return dom
     if input_size != default.input_size:
-        return InputDomain(default.low, default.high, default.mean, default.std,
-                           tuple(input_size) if input_size else None)
+        return InputDomain(
+            default.low, default.high, default.mean, default.std, tuple(input_size) if input_size else None
+        )
     return default
 
 

@@ -6,19 +6,21 @@ to long ones across steps. The buffer is part of the model's state: its samples,
 fitted initial distribution are ``nn.Module`` buffers, so ``.to(device)`` keeps them where the
 model is (no host round trip per step) and ``state_dict()`` resumes a run exactly.
 """
+
 from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from . import plugins
-from .adapter import InputDomain
 from ._checks import check_labels, draw
 from ._colours import colour_projection
+from .adapter import InputDomain
 from .errors import CheckpointError, InvalidInputError, InvalidLabelError, JEMError
 
 __all__ = ["ReplayBuffer"]
@@ -91,10 +93,18 @@ class ReplayBuffer(nn.Module):
     receives the model's :class:`~jem_plugin.adapter.InputDomain`.
     """
 
-    def __init__(self, capacity: int = 10000, sample_shape: Sequence[int] = (3, 32, 32),
-                 reinit_freq: float = 0.05, *, init: str | Callable | Any = "uniform",
-                 init_kwargs: dict | None = None, num_classes: int | None = None, device=None,
-                 auto_fit_examples: int = 1024) -> None:
+    def __init__(
+        self,
+        capacity: int = 10000,
+        sample_shape: Sequence[int] = (3, 32, 32),
+        reinit_freq: float = 0.05,
+        *,
+        init: str | Callable | Any = "uniform",
+        init_kwargs: dict | None = None,
+        num_classes: int | None = None,
+        device=None,
+        auto_fit_examples: int = 1024,
+    ) -> None:
         super().__init__()
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
@@ -194,12 +204,19 @@ class ReplayBuffer(nn.Module):
                 "class-conditional sampling (y=...) needs a class-conditional buffer: create "
                 "ReplayBuffer(..., num_classes=K)"
             )
-        return check_labels(y, n, num_classes=self.num_classes, device=self.data.device,
-                            what="y (one class segment per chain)")
+        return check_labels(
+            y, n, num_classes=self.num_classes, device=self.data.device, what="y (one class segment per chain)"
+        )
 
     @torch.no_grad()
-    def sample(self, n: int | None = None, *, domain: InputDomain, y: Tensor | None = None,
-               generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    def sample(
+        self,
+        n: int | None = None,
+        *,
+        domain: InputDomain,
+        y: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """Draw ``n`` chain starts: ``(x [n, *shape] fp32, idx [n])``; pass ``idx`` to :meth:`update`.
 
         Slots are drawn uniformly (within the class segments of ``y`` when given); each restarts
@@ -228,8 +245,7 @@ class ReplayBuffer(nn.Module):
                 rows = (draw(torch.rand, (n,), generator, dev) < self.reinit_freq).nonzero().squeeze(1)
                 if rows.numel():
                     labels = y if y is not None else (self.labels[idx] if self.num_classes is not None else None)
-                    x[rows] = self._init_draw(rows.numel(), domain, generator,
-                                              None if labels is None else labels[rows])
+                    x[rows] = self._init_draw(rows.numel(), domain, generator, None if labels is None else labels[rows])
         return x, idx
 
     @torch.no_grad()
@@ -245,7 +261,7 @@ class ReplayBuffer(nn.Module):
             self.data.index_copy_(0, idx.to(self.data.device), x.detach().to(self.data.device, self.data.dtype))
 
     # ------------------------------------------------------------------ init distribution
-    def fit(self, x: Tensor, y: Tensor | None = None) -> "ReplayBuffer":
+    def fit(self, x: Tensor, y: Tensor | None = None) -> ReplayBuffer:
         """Fit the init distribution from data (the per-class ``"gaussian"`` init needs this).
 
         Already stored chains are kept; call :meth:`reset` to redraw them from the fitted distribution.
@@ -254,7 +270,7 @@ class ReplayBuffer(nn.Module):
         self._auto_fit = None
         return self._fit(x, y)
 
-    def _fit(self, x: Tensor, y: Tensor | None, **options: Any) -> "ReplayBuffer":
+    def _fit(self, x: Tensor, y: Tensor | None, **options: Any) -> ReplayBuffer:
         fit = getattr(self.init_dist, "fit", None)
         if fit is None:
             raise JEMError(f"the init distribution {self.init_name!r} has nothing to fit (it has no fit())")
@@ -300,7 +316,9 @@ class ReplayBuffer(nn.Module):
             if self._is_init or getattr(self.init_dist, "fitted", True):
                 return False
             self._auto_fit, self._auto_fit_next = [], 0
-        self._auto_fit.append((x.detach().clone(), y.detach().reshape(-1).long().clone()))  # a loop may reuse its batch tensor
+        self._auto_fit.append(
+            (x.detach().clone(), y.detach().reshape(-1).long().clone())
+        )  # a loop may reuse its batch tensor
         held = sum(int(b.shape[0]) for b, _ in self._auto_fit)
         if held < self._auto_fit_next:
             return False
@@ -336,8 +354,7 @@ class ReplayBuffer(nn.Module):
         if y is not None:
             if self.num_classes is None or not 0 <= int(y) < self.num_classes:
                 raise InvalidLabelError(
-                    f"samples(y={y}) needs a class-conditional buffer and 0 <= y < num_classes "
-                    f"({self.num_classes})"
+                    f"samples(y={y}) needs a class-conditional buffer and 0 <= y < num_classes ({self.num_classes})"
                 )
             lo = int(self._seg_start[int(y)])
             hi = lo + int(self._seg_size[int(y)])
@@ -347,8 +364,7 @@ class ReplayBuffer(nn.Module):
         idx = torch.linspace(lo, hi - 1, n, device=self.data.device).round().long()
         return self.data[idx].clone()
 
-    def save_grid(self, path: str | os.PathLike, n: int = 64, nrow: int = 8,
-                  domain: InputDomain | None = None) -> str:
+    def save_grid(self, path: str | os.PathLike, n: int = 64, nrow: int = 8, domain: InputDomain | None = None) -> str:
         """Save ``n`` stored samples as a PNG grid (mapped to pixels through the domain); returns the
         path. Drawn by :func:`jem_plugin.viz.save_samples` (torchvision is imported only then)."""
         if len(self.sample_shape) != 3 or self.sample_shape[0] not in (1, 3):
@@ -370,8 +386,9 @@ class ReplayBuffer(nn.Module):
         if "init_state" in state and hasattr(self.init_dist, "load_state_dict"):
             self.init_dist.load_state_dict(state["init_state"])
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         data = state_dict.get(prefix + "data")
         if data is not None and tuple(data.shape) != tuple(self.data.shape):
             raise CheckpointError(
@@ -392,14 +409,17 @@ class ReplayBuffer(nn.Module):
                 f"replay buffer checkpoint was saved with init distribution {extra['init']!r}, this buffer "
                 f"uses {self.init_name!r}; create it with init={extra['init']!r}"
             )
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         if prefix + "_colours" in missing_keys:  # saved before buffers kept their colour axes
             missing_keys.remove(prefix + "_colours")
         self._is_init = bool(self.initialized)
         self._auto_fit = None  # a restored init counts as fitted
         if hasattr(self, "_colours"):  # (an init with a `fitted` flag says it itself, once loaded)
-            self._colours_fitted = not torch.equal(self._colours, torch.eye(self._colours.shape[0], device=self._colours.device))
+            self._colours_fitted = not torch.equal(
+                self._colours, torch.eye(self._colours.shape[0], device=self._colours.device)
+            )
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         try:

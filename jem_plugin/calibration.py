@@ -14,6 +14,7 @@ ECE / MCE (Naeini et al. 2015; Guo et al. 2017): predictions are grouped by conf
 bins. NLL is the mean ``-log p_y``; Brier is the original multi-class score
 ``mean_n sum_k (p_nk - 1[k = y_n])^2`` (Brier 1950; range ``[0, 2]``).
 """
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,18 @@ from torch import Tensor, nn
 from ._checks import check_labels
 from .errors import InvalidScoresError
 
-__all__ = ["ece", "mce", "nll", "brier", "accuracy", "calibration_bins",
-           "TemperatureScaler", "fit_temperature", "calibration_report", "cross_fitted_report"]
+__all__ = [
+    "ece",
+    "mce",
+    "nll",
+    "brier",
+    "accuracy",
+    "calibration_bins",
+    "TemperatureScaler",
+    "fit_temperature",
+    "calibration_report",
+    "cross_fitted_report",
+]
 
 
 # ---------------------------------------------------------------------- inputs
@@ -43,8 +54,7 @@ def _as_2d(values: Any, what: str) -> Tensor:
         values = values.double()
     if values.dim() != 2:
         raise InvalidScoresError(
-            f"{what} must be [N, K] (one row per input, one column per class), got shape "
-            f"{tuple(values.shape)}"
+            f"{what} must be [N, K] (one row per input, one column per class), got shape {tuple(values.shape)}"
         )
     if values.shape[0] == 0:
         raise InvalidScoresError(f"{what} is empty: need at least one prediction")
@@ -166,8 +176,9 @@ class TemperatureScaler(nn.Module):
         super().__init__()
         if not (temperature > 0 and math.isfinite(temperature)):
             raise ValueError(f"temperature must be positive and finite, got {temperature!r}")
-        self.log_temperature = nn.Parameter(torch.tensor(math.log(temperature), dtype=torch.float64),
-                                            requires_grad=False)
+        self.log_temperature = nn.Parameter(
+            torch.tensor(math.log(temperature), dtype=torch.float64), requires_grad=False
+        )
 
     @property
     def temperature(self) -> float:
@@ -177,7 +188,7 @@ class TemperatureScaler(nn.Module):
     def forward(self, logits: Tensor) -> Tensor:
         return logits / self.log_temperature.exp().to(logits.dtype)
 
-    def fit(self, logits: Any, labels: Any, *, max_iter: int = 100) -> "TemperatureScaler":
+    def fit(self, logits: Any, labels: Any, *, max_iter: int = 100) -> TemperatureScaler:
         """Fit ``T`` by minimising the NLL of held-out ``logits``/``labels`` (L-BFGS); returns self."""
         z = _as_2d(logits, "logits")
         y = _as_labels(labels, z.shape[0], z.shape[1])
@@ -186,8 +197,14 @@ class TemperatureScaler(nn.Module):
         with torch.inference_mode(False), torch.enable_grad():
             z = z.clone()
             log_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
-            opt = torch.optim.LBFGS([log_t], lr=1.0, max_iter=max_iter, tolerance_grad=1e-10,
-                                    tolerance_change=1e-12, line_search_fn="strong_wolfe")
+            opt = torch.optim.LBFGS(
+                [log_t],
+                lr=1.0,
+                max_iter=max_iter,
+                tolerance_grad=1e-10,
+                tolerance_change=1e-12,
+                line_search_fn="strong_wolfe",
+            )
 
             def closure():
                 opt.zero_grad()
@@ -210,12 +227,17 @@ def fit_temperature(logits: Any, labels: Any, *, max_iter: int = 100) -> float:
 
 
 def _metrics(z: Tensor, y: Tensor, n_bins: int) -> dict[str, float]:
-    return {"ece": ece(z, y, n_bins, from_logits=True), "mce": mce(z, y, n_bins, from_logits=True),
-            "nll": nll(z, y, from_logits=True), "brier": brier(z, y, from_logits=True)}
+    return {
+        "ece": ece(z, y, n_bins, from_logits=True),
+        "mce": mce(z, y, n_bins, from_logits=True),
+        "nll": nll(z, y, from_logits=True),
+        "brier": brier(z, y, from_logits=True),
+    }
 
 
-def calibration_report(logits: Any, labels: Any, *, n_bins: int = 15, fit_logits: Any = None,
-                       fit_labels: Any = None) -> dict[str, float]:
+def calibration_report(
+    logits: Any, labels: Any, *, n_bins: int = 15, fit_logits: Any = None, fit_labels: Any = None
+) -> dict[str, float]:
     """ECE, MCE, NLL and Brier before and after temperature scaling, and the temperature.
 
     Returns ``{"accuracy", "n", "temperature", "ece_before", "ece_after", "mce_before",
@@ -240,8 +262,11 @@ def calibration_report(logits: Any, labels: Any, *, n_bins: int = 15, fit_logits
 def _before_after(z: Tensor, y: Tensor, scaled: Tensor, n_bins: int, **temperatures: float) -> dict[str, float]:
     """The report's dict: accuracy, ``n``, the temperatures, and each metric on ``z`` and ``scaled``."""
     before, after = _metrics(z, y, n_bins), _metrics(scaled, y, n_bins)
-    out: dict[str, float] = {"accuracy": float((z.argmax(1) == y).double().mean()), "n": float(z.shape[0]),
-                             **temperatures}
+    out: dict[str, float] = {
+        "accuracy": float((z.argmax(1) == y).double().mean()),
+        "n": float(z.shape[0]),
+        **temperatures,
+    }
     for key in before:
         out[f"{key}_before"] = before[key]
         out[f"{key}_after"] = after[key]
@@ -264,5 +289,6 @@ def cross_fitted_report(logits: Any, labels: Any, *, n_bins: int = 15) -> dict[s
     even = torch.arange(z.shape[0]) % 2 == 0
     t_even, t_odd = fit_temperature(z[~even], y[~even]), fit_temperature(z[even], y[even])
     scaled = torch.where(even[:, None], z / t_even, z / t_odd)
-    return _before_after(z, y, scaled, n_bins, temperature=math.sqrt(t_even * t_odd),
-                         temperature_even=t_even, temperature_odd=t_odd)
+    return _before_after(
+        z, y, scaled, n_bins, temperature=math.sqrt(t_even * t_odd), temperature_even=t_even, temperature_odd=t_odd
+    )

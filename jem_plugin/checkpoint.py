@@ -18,6 +18,7 @@ bit for bit as if it had never stopped.
 >>> extra = load_checkpoint("run/ckpt.pt", model=jm, optimizer=opt, loss=loss_fn)
 >>> step = extra["step"]
 """
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,13 @@ def get_rng_state() -> dict[str, Any]:
     version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "python": {"version": int(version), "internal": list(internal), "gauss_next": gauss_next},
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -72,8 +78,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     """Restore states returned by :func:`get_rng_state`."""
     torch.set_rng_state(state["torch"])
     npst = state["numpy"]
-    np.random.set_state((npst["kind"], npst["keys"].numpy().astype(np.uint32), npst["pos"],
-                         npst["has_gauss"], npst["cached_gaussian"]))
+    np.random.set_state(
+        (npst["kind"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"], npst["cached_gaussian"])
+    )
     py = state["python"]
     random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
@@ -149,8 +156,13 @@ def save_checkpoint(path: str | os.PathLike, *, rng: bool = True, **objects: Any
             states[name], kinds[name] = obj.state_dict(), "state_dict"
         else:
             states[name], kinds[name] = obj, "value"
-    payload = {"format": FORMAT, "version": VERSION, "kinds": kinds, "objects": states,
-               "rng": get_rng_state() if rng else None}
+    payload = {
+        "format": FORMAT,
+        "version": VERSION,
+        "kinds": kinds,
+        "objects": states,
+        "rng": get_rng_state() if rng else None,
+    }
     _atomic_save(payload, path)
     return path
 
@@ -160,8 +172,10 @@ def _read(path: Path, map_location: Any) -> dict[str, Any]:
     if not path.exists():
         raise _error(MISSING, f"no checkpoint at {str(path)!r}")
     if path.is_dir():
-        raise _error(MISSING, f"{str(path)!r} is a directory; pass the checkpoint file "
-                              "(Checkpointer(dir).latest() finds the newest one)")
+        raise _error(
+            MISSING,
+            f"{str(path)!r} is a directory; pass the checkpoint file (Checkpointer(dir).latest() finds the newest one)",
+        )
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -169,28 +183,39 @@ def _read(path: Path, map_location: Any) -> dict[str, Any]:
         # arbitrary objects (which can run code). We never retry without weights_only.
         detail = _unpickling_detail(exc)
         if "global" in detail.lower():
-            raise _error(UNSAFE, (
-                f"refused to load {str(path)!r}: it asks to build Python objects other than "
-                "tensors and plain containers, which could execute code when loaded "
-                f"({detail}). Only load checkpoints written by save_checkpoint."
-            )) from None
-        raise _error(CORRUPT, (
-            f"cannot read checkpoint {str(path)!r}: it is corrupt or not a torch checkpoint "
-            f"({detail}). Resume from an earlier checkpoint."
-        )) from None
-    except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError,
-            UnicodeDecodeError) as exc:
-        raise _error(CORRUPT, (
-            f"cannot read checkpoint {str(path)!r}: the file is corrupt or truncated "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
-            "Resume from an earlier checkpoint."
-        )) from exc
+            raise _error(
+                UNSAFE,
+                (
+                    f"refused to load {str(path)!r}: it asks to build Python objects other than "
+                    "tensors and plain containers, which could execute code when loaded "
+                    f"({detail}). Only load checkpoints written by save_checkpoint."
+                ),
+            ) from None
+        raise _error(
+            CORRUPT,
+            (
+                f"cannot read checkpoint {str(path)!r}: it is corrupt or not a torch checkpoint "
+                f"({detail}). Resume from an earlier checkpoint."
+            ),
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError, UnicodeDecodeError) as exc:
+        raise _error(
+            CORRUPT,
+            (
+                f"cannot read checkpoint {str(path)!r}: the file is corrupt or truncated "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
+                "Resume from an earlier checkpoint."
+            ),
+        ) from exc
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise _error(CORRUPT, (
-            f"{str(path)!r} is not a jem-plugin checkpoint (written by save_checkpoint). "
-            "To load a bare model state_dict use model.load_state_dict(torch.load(path, "
-            "weights_only=True))."
-        ))
+        raise _error(
+            CORRUPT,
+            (
+                f"{str(path)!r} is not a jem-plugin checkpoint (written by save_checkpoint). "
+                "To load a bare model state_dict use model.load_state_dict(torch.load(path, "
+                "weights_only=True))."
+            ),
+        )
     return payload
 
 
@@ -233,7 +258,9 @@ def _module_mismatches(module: nn.Module, state: dict[str, Any]) -> list[str]:
     shapes = [
         f"{k}: checkpoint {tuple(state[k].shape)} vs object {tuple(v.shape)}"
         for k, v in expected.items()
-        if k in state and isinstance(v, torch.Tensor) and isinstance(state[k], torch.Tensor)
+        if k in state
+        and isinstance(v, torch.Tensor)
+        and isinstance(state[k], torch.Tensor)
         and v.shape != state[k].shape
     ]
     if shapes:
@@ -241,8 +268,9 @@ def _module_mismatches(module: nn.Module, state: dict[str, Any]) -> list[str]:
     return problems
 
 
-def load_checkpoint(path: str | os.PathLike, *, rng: bool = True, map_location: Any = "cpu",
-                    strict: bool = True, **objects: Any) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | os.PathLike, *, rng: bool = True, map_location: Any = "cpu", strict: bool = True, **objects: Any
+) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` into ``objects``.
 
     Every keyword names an object saved under the same name; its ``load_state_dict`` is called
@@ -264,11 +292,14 @@ def load_checkpoint(path: str | os.PathLike, *, rng: bool = True, map_location: 
     stored, kinds = payload["objects"], payload["kinds"]
     absent = [name for name in objects if name not in stored]
     if absent:
-        raise _error(MISMATCH, (
-            f"checkpoint {str(path)!r} has no entry {absent[0]!r}"
-            + (f" (nor {absent[1:]})" if len(absent) > 1 else "")
-            + f"; it holds {sorted(stored)}"
-        ))
+        raise _error(
+            MISMATCH,
+            (
+                f"checkpoint {str(path)!r} has no entry {absent[0]!r}"
+                + (f" (nor {absent[1:]})" if len(absent) > 1 else "")
+                + f"; it holds {sorted(stored)}"
+            ),
+        )
     # Validate everything we can before touching anything.
     for name, obj in objects.items():
         kind = kinds.get(name)
@@ -277,26 +308,40 @@ def load_checkpoint(path: str | os.PathLike, *, rng: bool = True, map_location: 
                 raise _error(MISMATCH, f"checkpoint entry {name!r} is a {kind}, not a torch.Generator state")
         elif _has_state(obj):
             if kind != "state_dict":
-                raise _error(MISMATCH, f"checkpoint entry {name!r} is a {kind}, not a state_dict; "
-                                       f"cannot load it into {type(obj).__name__}")
+                raise _error(
+                    MISMATCH,
+                    f"checkpoint entry {name!r} is a {kind}, not a state_dict; "
+                    f"cannot load it into {type(obj).__name__}",
+                )
             if strict and isinstance(obj, nn.Module):
                 target = obj
                 inner = getattr(obj, "model", None)
-                if (isinstance(inner, nn.Module) and hasattr(obj, "adapter") and stored[name]
-                        and not any(k.startswith("model.") for k in stored[name])):
+                if (
+                    isinstance(inner, nn.Module)
+                    and hasattr(obj, "adapter")
+                    and stored[name]
+                    and not any(k.startswith("model.") for k in stored[name])
+                ):
                     target = inner  # a JEM given the bare model's state dict (JEM.load_state_dict allows it)
                 problems = _module_mismatches(target, stored[name])
                 if problems:
-                    raise _error(MISMATCH, (
-                        f"checkpoint {str(path)!r} does not match {name!r} "
-                        f"({type(obj).__name__}): " + "; ".join(problems)
-                        + ". Was it saved from a different model or configuration?"
-                    ))
+                    raise _error(
+                        MISMATCH,
+                        (
+                            f"checkpoint {str(path)!r} does not match {name!r} "
+                            f"({type(obj).__name__}): "
+                            + "; ".join(problems)
+                            + ". Was it saved from a different model or configuration?"
+                        ),
+                    )
         else:
-            raise _error(MISMATCH, (
-                f"cannot restore {name!r}: {type(obj).__name__} has no load_state_dict(); plain "
-                "values are returned by load_checkpoint instead of being passed to it"
-            ))
+            raise _error(
+                MISMATCH,
+                (
+                    f"cannot restore {name!r}: {type(obj).__name__} has no load_state_dict(); plain "
+                    "values are returned by load_checkpoint instead of being passed to it"
+                ),
+            )
     for name, obj in objects.items():
         try:
             if isinstance(obj, torch.Generator):
@@ -306,10 +351,13 @@ def load_checkpoint(path: str | os.PathLike, *, rng: bool = True, map_location: 
             else:
                 obj.load_state_dict(stored[name])
         except Exception as exc:  # optimizer group mismatch, buffer segments, ...
-            raise _error(MISMATCH, (
-                f"checkpoint {str(path)!r} does not match {name!r} ({type(obj).__name__}): "
-                f"{type(exc).__name__}: {exc}"
-            )) from exc
+            raise _error(
+                MISMATCH,
+                (
+                    f"checkpoint {str(path)!r} does not match {name!r} ({type(obj).__name__}): "
+                    f"{type(exc).__name__}: {exc}"
+                ),
+            ) from exc
     if rng and payload.get("rng") is not None:
         set_rng_state(payload["rng"])
     return {name: value for name, value in stored.items() if name not in objects}
@@ -329,8 +377,7 @@ class Checkpointer:
     checkpoint. Only one process should write to a directory (rank 0 under DDP).
     """
 
-    def __init__(self, directory: str | os.PathLike, every: int = 1000, keep: int = 2,
-                 prefix: str = "ckpt") -> None:
+    def __init__(self, directory: str | os.PathLike, every: int = 1000, keep: int = 2, prefix: str = "ckpt") -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         if keep < 1:
@@ -367,7 +414,7 @@ class Checkpointer:
         """Save now (``step`` is stored too) and delete checkpoints beyond ``keep``."""
         path = save_checkpoint(self.path_for(step), step=step, **objects)
         # Older checkpoints beyond `keep`, and temp files of writes that were killed midway.
-        for old in [p for _, p in self.checkpoints()[:-self.keep]] + self._stale_tmp_files():
+        for old in [p for _, p in self.checkpoints()[: -self.keep]] + self._stale_tmp_files():
             try:
                 old.unlink()
             except OSError:
@@ -399,5 +446,6 @@ class Checkpointer:
         # Single writer per directory: any temp file still here belongs to a dead write.
         if not self.directory.is_dir():
             return []
-        return [p for p in self.directory.iterdir()
-                if p.name.startswith(f".{self.prefix}-") and p.name.endswith(".tmp")]
+        return [
+            p for p in self.directory.iterdir() if p.name.startswith(f".{self.prefix}-") and p.name.endswith(".tmp")
+        ]

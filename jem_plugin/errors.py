@@ -4,9 +4,10 @@ Every error a user can trigger with bad input derives from :class:`JEMError`, na
 problem and says how to fix it. They also derive from the builtin exception a user would
 expect (``ValueError``, ``TypeError``, ``RuntimeError``) so existing ``except`` clauses work.
 """
+
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 __all__ = [
     "JEMError",
@@ -60,8 +61,15 @@ class DivergenceError(JEMError, RuntimeError):
     shown with the reason (``loss``, ``energy_data``, ...). The message is built from them once.
     """
 
-    def __init__(self, reason: str, *, remedies: Sequence[str] = (), iteration: int | None = None,
-                 energy: float | None = None, metrics: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        reason: str,
+        *,
+        remedies: Sequence[str] = (),
+        iteration: int | None = None,
+        energy: float | None = None,
+        metrics: Mapping[str, float] | None = None,
+    ) -> None:
         self.reason = str(reason)
         self.remedies: tuple[str, ...] = tuple(str(r) for r in remedies)
         self.iteration = iteration
@@ -110,6 +118,8 @@ class InvalidScoresError(JEMError, ValueError):
 
 class CUDAGraphError(JEMError, RuntimeError):
     """``SGLD(cuda_graph="require")`` could not run its chain as a captured CUDA graph."""
+
+
 class OutOfDomainWarning(UserWarning):
     """Inputs lie outside the model's input domain (e.g. 0..255 pixels for a normalised model).
 

@@ -10,9 +10,11 @@ the ``jem`` entry-point group of its distribution::
 Conventions (as in pytest, llm and datasette): ``jem_register_*`` hooks receive a
 ``register(name, item, **info)`` callback for named things; ``firstresult`` hooks choose one thing.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pluggy
 

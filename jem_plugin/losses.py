@@ -23,11 +23,13 @@ device in one transfer at the end. A step therefore costs sampling plus one forw
 Note that a model with BatchNorm in train mode normalises that concatenated batch with shared
 statistics; models without BatchNorm (or with frozen BatchNorm) are the usual JEM choice.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +37,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from . import plugins
-from .buffer import INIT_HOOK, ReplayBuffer
 from ._checks import DomainCheck, check_input, check_label_range, check_labels, draw, follow, free_energy, model_device
+from .buffer import INIT_HOOK, ReplayBuffer
 from .errors import InvalidInputError
 from .model import JEM, as_jem, frozen_bn_stats, sampling_mode
 from .sampling import SGLD
@@ -170,23 +172,38 @@ class JEMLoss(nn.Module):
     batch goes through the wrapper once.
     """
 
-    def __init__(self, sampler: Any = None, buffer: nn.Module | None = None, *,
-                 ce_weight: float = 1.0, px_weight: float = 1.0, pxy_weight: float = 0.0,
-                 l2_weight: float = 0.0, data_noise: float = 0.03, n_samples: int | None = None,
-                 class_conditional_px: bool = False, terms: dict[str, dict] | None = None,
-                 generator: torch.Generator | None = None, validate: bool = True,
-                 clamp_data: bool | None = None, batchnorm: str = "joint") -> None:
+    def __init__(
+        self,
+        sampler: Any = None,
+        buffer: nn.Module | None = None,
+        *,
+        ce_weight: float = 1.0,
+        px_weight: float = 1.0,
+        pxy_weight: float = 0.0,
+        l2_weight: float = 0.0,
+        data_noise: float = 0.03,
+        n_samples: int | None = None,
+        class_conditional_px: bool = False,
+        terms: dict[str, dict] | None = None,
+        generator: torch.Generator | None = None,
+        validate: bool = True,
+        clamp_data: bool | None = None,
+        batchnorm: str = "joint",
+    ) -> None:
         super().__init__()
         if batchnorm not in LOSS_BATCHNORM_MODES:
             raise ValueError(f"batchnorm must be one of {LOSS_BATCHNORM_MODES}, got {batchnorm!r}")
         self.batchnorm = batchnorm
-        for name, value in (("ce_weight", ce_weight), ("px_weight", px_weight),
-                            ("pxy_weight", pxy_weight), ("l2_weight", l2_weight),
-                            ("data_noise", data_noise)):
+        for name, value in (
+            ("ce_weight", ce_weight),
+            ("px_weight", px_weight),
+            ("pxy_weight", pxy_weight),
+            ("l2_weight", l2_weight),
+            ("data_noise", data_noise),
+        ):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if n_samples is not None and (isinstance(n_samples, bool) or not isinstance(n_samples, int)
-                                      or n_samples < 1):
+        if n_samples is not None and (isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1):
             raise ValueError(f"n_samples must be a positive int or None, got {n_samples!r}")
         self.sampler = sampler if sampler is not None else _default_sampler()
         self.buffer = buffer
@@ -236,14 +253,19 @@ class JEMLoss(nn.Module):
     @property
     def samples_needed(self) -> bool:
         """True when a step draws SGLD samples (p(x) or p(x|y) on, or a term asking for samples)."""
-        return (self.px_weight > 0 or self.pxy_weight > 0
-                or any(getattr(t, "needs_samples", False) for _, t in self._all_terms()))
+        return (
+            self.px_weight > 0
+            or self.pxy_weight > 0
+            or any(getattr(t, "needs_samples", False) for _, t in self._all_terms())
+        )
 
     def extra_repr(self) -> str:
-        return (f"ce_weight={self.ce_weight}, px_weight={self.px_weight}, pxy_weight={self.pxy_weight}, "
-                f"l2_weight={self.l2_weight}, data_noise={self.data_noise}, n_samples={self.n_samples}, "
-                f"clamp_data={self._clamps_data()}, class_conditional_px={self.class_conditional_px}, "
-                f"sampler={self.sampler!r}")
+        return (
+            f"ce_weight={self.ce_weight}, px_weight={self.px_weight}, pxy_weight={self.pxy_weight}, "
+            f"l2_weight={self.l2_weight}, data_noise={self.data_noise}, n_samples={self.n_samples}, "
+            f"clamp_data={self._clamps_data()}, class_conditional_px={self.class_conditional_px}, "
+            f"sampler={self.sampler!r}"
+        )
 
     # ------------------------------------------------------------------ checks
     def _check_batch(self, core: JEM, x: Tensor, y: Any) -> Tensor:
@@ -332,7 +354,9 @@ class JEMLoss(nn.Module):
         batch and the generators (the loss's ``generator`` and the sampler's).
         """
         core = as_jem(jm, "JEMLoss")  # the JEM inside compile/DDP/DataParallel/FSDP wrappers
-        x = check_input(x, dtype=core.param_dtype(), domain=core.domain)  # the shared input check; floats cast to the parameters' dtype
+        x = check_input(
+            x, dtype=core.param_dtype(), domain=core.domain
+        )  # the shared input check; floats cast to the parameters' dtype
         self.__dict__.setdefault("_domain_check", DomainCheck())(x, core.domain, "JEMLoss", stacklevel=4)
         # Validation (loss module in eval mode, or no grad): no buffer write, no data noise.
         evaluating = not self.training or not torch.is_grad_enabled()
@@ -350,8 +374,9 @@ class JEMLoss(nn.Module):
             # An informative init nobody fitted: fit it from the first batches (once per iteration:
             # SAM's second pass, whose sampler replays the first pass's samples, adds nothing).
             if not evaluating and hasattr(buffer, "fit_if_unfitted") and not getattr(self.sampler, "replaying", False):
-                buffer.fit_if_unfitted(x if px_data is None else px_data, y if px_data is None or
-                                       px_data.shape[0] == y.shape[0] else None)
+                buffer.fit_if_unfitted(
+                    x if px_data is None else px_data, y if px_data is None or px_data.shape[0] == y.shape[0] else None
+                )
             n = self.n_samples or b
             if self.px_weight > 0 or not self.pxy_weight > 0:
                 if self.class_conditional_px:
@@ -414,9 +439,20 @@ class JEMLoss(nn.Module):
             loss = loss + self.pxy_weight * pxy
             metrics["pxy"] = pxy
 
-        batch = LossBatch(x=x, y=y, x_data=x_data, logits_data=logits_data, energy_data=energy_data,
-                          x_sample=x_sample, logits_sample=logits_sample, energy_sample=energy_sample,
-                          y_sample=y_sample, x_cond=x_cond, logits_cond=logits_cond, y_cond=y_cond)
+        batch = LossBatch(
+            x=x,
+            y=y,
+            x_data=x_data,
+            logits_data=logits_data,
+            energy_data=energy_data,
+            x_sample=x_sample,
+            logits_sample=logits_sample,
+            energy_sample=energy_sample,
+            y_sample=y_sample,
+            x_cond=x_cond,
+            logits_cond=logits_cond,
+            y_cond=y_cond,
+        )
         all_sample_energies = batch.sample_energies
         if all_sample_energies is not None:
             metrics["energy_sample"] = all_sample_energies.mean()
@@ -476,8 +512,13 @@ def _buffer_config(buffer: Any) -> dict[str, Any] | None:
     """The constructor arguments that rebuild ``buffer`` (a ReplayBuffer with a named init)."""
     if not isinstance(buffer, ReplayBuffer) or buffer.init_name not in plugins.collect(INIT_HOOK):
         return None
-    return {"capacity": buffer.capacity, "sample_shape": tuple(buffer.sample_shape),
-            "reinit_freq": buffer.reinit_freq, "num_classes": buffer.num_classes, "init": buffer.init_name}
+    return {
+        "capacity": buffer.capacity,
+        "sample_shape": tuple(buffer.sample_shape),
+        "reinit_freq": buffer.reinit_freq,
+        "num_classes": buffer.num_classes,
+        "init": buffer.init_name,
+    }
 
 
 def _to_floats(metrics: dict[str, Any]) -> dict[str, float]:

@@ -3,10 +3,12 @@
 Logits ``f(x)`` are reread as energies (Grathwohl et al. 2019): ``E(x, y) = -f(x)[y]``,
 ``E(x) = -logsumexp_y f(x)[y]``; ``p(y|x)`` is the softmax, unchanged.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -14,8 +16,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from ._checks import check_input, check_labels, free_energy, unwrap_model
 from .adapter import Adapter, InputDomain, check_wrap_options
-from .errors import (InferenceModeError, NoLogitsError, NotWrappedError,
-                     NonFiniteLogitsError)
+from .errors import InferenceModeError, NoLogitsError, NonFiniteLogitsError, NotWrappedError
 from .plugins import get_plugin_manager
 
 __all__ = ["JEM", "wrap", "as_jem", "input_grad_enabled", "sampling_mode", "frozen_bn_stats"]
@@ -179,8 +180,13 @@ def input_grad_enabled(x: Tensor) -> Iterator[Tensor]:
         raise
 
 
-def wrap(model: nn.Module | Callable[[Tensor], Any], *, adapter: str | Adapter | None = None,
-         check_finite: bool = True, **options: Any) -> JEM:
+def wrap(
+    model: nn.Module | Callable[[Tensor], Any],
+    *,
+    adapter: str | Adapter | None = None,
+    check_finite: bool = True,
+    **options: Any,
+) -> JEM:
     """Wrap a classifier as a :class:`JEM`. The model is not copied or modified.
 
     Parameters
@@ -219,8 +225,9 @@ def wrap(model: nn.Module | Callable[[Tensor], Any], *, adapter: str | Adapter |
     elif adapter is None:
         chosen = get_plugin_manager().hook.jem_adapter(model=unwrap_model(model), options=dict(options))
         if chosen is None:
-            raise NoLogitsError(f"no adapter accepted the model {type(model).__name__}; see "
-                                "`jem plugins` for the loaded adapters.")
+            raise NoLogitsError(
+                f"no adapter accepted the model {type(model).__name__}; see `jem plugins` for the loaded adapters."
+            )
     else:
         chosen = _forced_adapter(str(adapter), unwrap_model(model), dict(options))
     return JEM(model, chosen, check_finite=check_finite)
@@ -262,15 +269,15 @@ def as_jem(obj: Any, what: str = "this") -> JEM:
 
 # ----------------------------------------------------------------------------- sampling mode
 # Put a model into "sampling mode" for the length of an SGLD chain, then restore it exactly.
-# 
+#
 # SGLD needs gradients with respect to the *input* only. Two things go wrong if the model is left
 # as the training loop had it:
-# 
+#
 # - BatchNorm in train mode normalises with batch statistics of the (bad) samples and updates its
 #   running statistics with them; Dropout makes the energy landscape random.
 # - Parameters that require grad make autograd record (and keep alive) a parameter-gradient graph
 #   on every step, which costs time and memory, and backward hooks (DDP!) may fire.
-# 
+#
 # :func:`sampling_mode` switches every submodule to eval and every parameter to
 # ``requires_grad=False``, and on exit restores each module's own ``training`` flag and each
 # parameter's own ``requires_grad`` flag (a frozen backbone stays frozen, a module the user had put
@@ -287,8 +294,7 @@ def frozen_bn_stats(model: nn.Module | None) -> Iterator[None]:
     if model is None:
         yield
         return
-    layers = [m for m in model.modules()
-              if isinstance(m, _NormBase) and m.track_running_stats]
+    layers = [m for m in model.modules() if isinstance(m, _NormBase) and m.track_running_stats]
     for m in layers:
         m.track_running_stats = False
     try:

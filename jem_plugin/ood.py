@@ -19,11 +19,13 @@ Metrics (:func:`evaluate`) come from scikit-learn, the maintained reference, not
 curves; ``fpr95`` follows pytorch-ood's ``fpr_at_tpr`` exactly (first ROC point whose TPR is
 at least 95%, no interpolation).
 """
+
 from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,14 +54,11 @@ def _batches(data: Any, batch_size: int, input_key: str | None = None) -> tuple[
         data = torch.from_numpy(data)
     if isinstance(data, Tensor):
         if data.dim() < 2:
-            raise InvalidInputError(
-                f"expected a batch of inputs [N, ...], got a tensor of shape {tuple(data.shape)}"
-            )
+            raise InvalidInputError(f"expected a batch of inputs [N, ...], got a tensor of shape {tuple(data.shape)}")
         return data.split(batch_size), -(-data.shape[0] // batch_size), True
     if not hasattr(data, "__iter__"):
         raise InvalidInputError(
-            f"data must be a tensor or an iterable of batches (e.g. a DataLoader), got "
-            f"{type(data).__name__}"
+            f"data must be a tensor or an iterable of batches (e.g. a DataLoader), got {type(data).__name__}"
         )
     try:
         n = len(data)
@@ -87,8 +86,16 @@ def _check_kwargs(name: str, fn, kwargs: dict) -> None:
         )
 
 
-def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progress: bool | None = None,
-          input_key: str | None = None, **kwargs: Any) -> Tensor:
+def score(
+    jm,
+    data: Any,
+    method: str = "logpx",
+    *,
+    batch_size: int = 256,
+    progress: bool | None = None,
+    input_key: str | None = None,
+    **kwargs: Any,
+) -> Tensor:
     """OOD score of every input in ``data``: a ``[N]`` float tensor, higher = more in-distribution.
 
     Parameters
@@ -127,8 +134,10 @@ def score(jm, data: Any, method: str = "logpx", *, batch_size: int = 256, progre
     device = model_device(jm)
     dtype, domain_check = jm.param_dtype(), DomainCheck(batches=1)
     results: list[Tensor] = []
-    with sampling_mode(jm), tqdm(total=n_batches, desc=f"ood score {method}", unit="batch",
-                             disable=not progress, leave=False) as bar:
+    with (
+        sampling_mode(jm),
+        tqdm(total=n_batches, desc=f"ood score {method}", unit="batch", disable=not progress, leave=False) as bar,
+    ):
         for x in batches:
             if device is not None and not same_device(x.device, device):
                 x = x.to(device, non_blocking=True)
@@ -186,8 +195,9 @@ def _fpr_at_tpr(y_true: np.ndarray, y_score: np.ndarray, level: float) -> float:
     return float(fpr[np.searchsorted(tpr, level, side="left")])
 
 
-def evaluate(scores_in: Any, scores_out: Any, *, positive: str = "in",
-             aupr: str = "average_precision") -> dict[str, float]:
+def evaluate(
+    scores_in: Any, scores_out: Any, *, positive: str = "in", aupr: str = "average_precision"
+) -> dict[str, float]:
     """Separation of in- and out-of-distribution scores (higher score = more in-distribution).
 
     Returns ``{"auroc", "aupr_in", "aupr_out", "fpr95"}``:
@@ -236,10 +246,18 @@ def evaluate(scores_in: Any, scores_out: Any, *, positive: str = "in",
     }
 
 
-def evaluate_all(jm, data_in: Any, data_out: Mapping[str, Any],
-                 methods: Sequence[str] = ("logpx", "msp", "max_logit", "grad_norm"), *,
-                 method_kwargs: Mapping[str, Mapping[str, Any]] | None = None, positive: str = "in",
-                 batch_size: int = 256, progress: bool | None = None, return_scores: bool = False):
+def evaluate_all(
+    jm,
+    data_in: Any,
+    data_out: Mapping[str, Any],
+    methods: Sequence[str] = ("logpx", "msp", "max_logit", "grad_norm"),
+    *,
+    method_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    positive: str = "in",
+    batch_size: int = 256,
+    progress: bool | None = None,
+    return_scores: bool = False,
+):
     """Every score in ``methods`` against every OOD set: ``{method: {set name: evaluate(...)}}``.
 
     ``data_in`` and each value of ``data_out`` are anything :func:`score` takes. The
@@ -262,6 +280,5 @@ def evaluate_all(jm, data_in: Any, data_out: Mapping[str, Any],
         for name, data in data_out.items():
             s[str(name)] = score(jm, data, method, batch_size=batch_size, progress=progress, **kw)
         scores[method] = s
-        results[method] = {name: evaluate(s["in"], v, positive=positive)
-                           for name, v in s.items() if name != "in"}
+        results[method] = {name: evaluate(s["in"], v, positive=positive) for name, v in s.items() if name != "in"}
     return (results, scores) if return_scores else results

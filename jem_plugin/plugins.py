@@ -3,6 +3,7 @@
 External plugins come from the ``jem`` entry-point group. Set ``JEM_DISABLE_PLUGINS=1`` to load
 none of them, or to a comma-separated list of entry-point names to skip just those.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -127,9 +128,7 @@ def lookup(hook_name: str, name: str, kind: str) -> dict[str, Any]:
     """Return the entry ``name`` of a registry, or raise :class:`UnknownNameError` listing the choices."""
     entries = collect(hook_name)
     if name not in entries:
-        raise UnknownNameError(
-            f"unknown {kind} {name!r}; available: {', '.join(sorted(entries)) or '(none)'}"
-        )
+        raise UnknownNameError(f"unknown {kind} {name!r}; available: {', '.join(sorted(entries)) or '(none)'}")
     return entries[name]
 
 

@@ -9,12 +9,14 @@ wrapped model; ``jem train --recipe NAME`` uses the same objects.
 >>> print(R.get_recipe("fast"))
 >>> mine = dataclasses.replace(R.get_recipe("fast"), sgld_steps=10)
 """
+
 from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -37,47 +39,52 @@ class Recipe:
     sgld_steps: int = 20
     step_size: float = 1.0
     noise: float = 0.01
-    grad_clip: float | None = None      # proximal SGLD (JEM++): clamp each step's gradient
-    sgld_batchnorm: str = "eval"        # chains see BatchNorm with "eval" (running) or "batch" statistics
-    sgld_colours: str = "all"           # steps move every channel ("all") or the data's colour axes only ("data")
+    grad_clip: float | None = None  # proximal SGLD (JEM++): clamp each step's gradient
+    sgld_batchnorm: str = "eval"  # chains see BatchNorm with "eval" (running) or "batch" statistics
+    sgld_colours: str = "all"  # steps move every channel ("all") or the data's colour axes only ("data")
     # replay buffer
     buffer_size: int = 10000
     buffer_visits: float | None = None  # size the buffer for the run: at most buffer_size slots, few enough that
-                                        # each is drawn about this often (build_loss(total_iters=)); None: buffer_size
-    reinit_freq: float = 0.05           # a drawn slot restarts from the init with this probability: its chains are
-                                        # then at most about 1 / reinit_freq draws old on average, whatever the run
-    init: str = "uniform"               # a registered init distribution: "uniform", "gaussian", ...
-    init_covariance: str = "diagonal"   # "gaussian" init: "diagonal", "full" (JEM++, D x D), "lowrank" or "stationary" (any size)
-    init_rank: int = 32                 # "lowrank" covariance: principal directions kept per class
-    init_residual: float = 1.0          # "lowrank": share of the variance outside them drawn as isotropic noise
-    n_samples: int | None = None        # chains per iteration (None: the batch size)
+    # each is drawn about this often (build_loss(total_iters=)); None: buffer_size
+    reinit_freq: float = 0.05  # a drawn slot restarts from the init with this probability: its chains are
+    # then at most about 1 / reinit_freq draws old on average, whatever the run
+    init: str = "uniform"  # a registered init distribution: "uniform", "gaussian", ...
+    init_covariance: str = (
+        "diagonal"  # "gaussian" init: "diagonal", "full" (JEM++, D x D), "lowrank" or "stationary" (any size)
+    )
+    init_rank: int = 32  # "lowrank" covariance: principal directions kept per class
+    init_residual: float = 1.0  # "lowrank": share of the variance outside them drawn as isotropic noise
+    n_samples: int | None = None  # chains per iteration (None: the batch size)
     class_conditional_px: bool = False  # p(x) chains drawn from p(y) p(x|y): one class per chain and buffer slot
     # loss
     px_weight: float = 1.0
     pxy_weight: float = 0.0
-    l2_weight: float = 0.0              # energy L2 on data and sample energies
+    l2_weight: float = 0.0  # energy L2 on data and sample energies
     data_noise: float = 0.03
-    px_clean_data: bool = False         # the p(x) term sees the un-augmented batch (SADA-JEM): a loop that
-                                        # augments passes it as px_data=; jem train does not augment, so there it is moot
-    batchnorm: str = "joint"            # samples pass BatchNorm with the data ("joint") or on their own ("separate")
-    bn_stats_from_data: bool = False    # after training, BatchNorm running statistics recomputed from the training
-                                        # data (torch.optim.swa_utils.update_bn): "joint" mixes the samples into them
+    px_clean_data: bool = False  # the p(x) term sees the un-augmented batch (SADA-JEM): a loop that
+    # augments passes it as px_data=; jem train does not augment, so there it is moot
+    batchnorm: str = "joint"  # samples pass BatchNorm with the data ("joint") or on their own ("separate")
+    bn_stats_from_data: bool = False  # after training, BatchNorm running statistics recomputed from the training
+    # data (torch.optim.swa_utils.update_bn): "joint" mixes the samples into them
     # optimiser
-    optimizer: str = "adam"             # "adam" or "sgd"
+    optimizer: str = "adam"  # "adam" or "sgd"
     lr: float = 1e-4
     weight_decay: float = 0.0
     warmup_iters: int = 1000
-    warmup_max_fraction: float = 0.1    # the warm-up never exceeds this fraction of the run
-    sam_rho: float | None = None        # sharpness-aware minimisation radius (SADA-JEM: 2.0, adaptive)
-    sam_adaptive: bool = True           # ASAM's scale-invariant neighbourhood (jem_plugin.sam.SAM)
+    warmup_max_fraction: float = 0.1  # the warm-up never exceeds this fraction of the run
+    sam_rho: float | None = None  # sharpness-aware minimisation radius (SADA-JEM: 2.0, adaptive)
+    sam_adaptive: bool = True  # ASAM's scale-invariant neighbourhood (jem_plugin.sam.SAM)
 
     def __str__(self) -> str:
         rows = [f"recipe {self.name!r}: {self.summary}"]
-        rows += [f"  {f.name:<20} {getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                 if f.name not in ("name", "summary")]
+        rows += [
+            f"  {f.name:<20} {getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if f.name not in ("name", "summary")
+        ]
         return "\n".join(rows)
 
-    def for_inputs(self, sample_shape: Sequence[int]) -> tuple["Recipe", list[str]]:
+    def for_inputs(self, sample_shape: Sequence[int]) -> tuple[Recipe, list[str]]:
         """This recipe for inputs of ``sample_shape``, and what had to change (one line each).
 
         The image-only pieces (the stationary init, steps in the data's colours) need
@@ -90,8 +97,11 @@ class Recipe:
             changes["init_covariance"] = "diagonal"
         if self.sgld_colours != "all":
             changes["sgld_colours"] = "all"
-        notes = [f"recipe {self.name!r}: inputs of shape {tuple(sample_shape)} are not images [C, H, W]: "
-                 f"{k} {getattr(self, k)!r} -> {v!r}" for k, v in changes.items()]
+        notes = [
+            f"recipe {self.name!r}: inputs of shape {tuple(sample_shape)} are not images [C, H, W]: "
+            f"{k} {getattr(self, k)!r} -> {v!r}"
+            for k, v in changes.items()
+        ]
         return dataclasses.replace(self, **changes), notes
 
     def warmup_for(self, total_iters: int) -> int:
@@ -114,10 +124,19 @@ class Recipe:
             raise InvalidInputError(f"recipe {self.name!r}: buffer_visits must be positive, got {self.buffer_visits!r}")
         return min(self.buffer_size, max(chains, int(total_iters * chains / self.buffer_visits)))
 
-    def build_loss(self, *, sample_shape: Sequence[int], num_classes: int | None = None,
-                   x_fit: torch.Tensor | None = None, y_fit: torch.Tensor | None = None,
-                   device: torch.device | str | None = None, generator: torch.Generator | None = None,
-                   total_iters: int | None = None, batch_size: int | None = None, **overrides: Any):
+    def build_loss(
+        self,
+        *,
+        sample_shape: Sequence[int],
+        num_classes: int | None = None,
+        x_fit: torch.Tensor | None = None,
+        y_fit: torch.Tensor | None = None,
+        device: torch.device | str | None = None,
+        generator: torch.Generator | None = None,
+        total_iters: int | None = None,
+        batch_size: int | None = None,
+        **overrides: Any,
+    ):
         """A :class:`~jem_plugin.JEMLoss` with this recipe's sampler and buffer.
 
         ``x_fit``/``y_fit``: data to fit an informative initial distribution (``init="gaussian"``)
@@ -127,29 +146,53 @@ class Recipe:
         ``JEMLoss`` keywords.
         """
         if self.buffer_visits is not None and not total_iters:
-            warnings.warn(f"recipe {self.name!r} sizes its replay buffer for the run: pass build_loss("
-                          f"total_iters=...); using buffer_size {self.buffer_size} (in a short run, chains "
-                          "drawn only a few times stay near their init)", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"recipe {self.name!r} sizes its replay buffer for the run: pass build_loss("
+                f"total_iters=...); using buffer_size {self.buffer_size} (in a short run, chains "
+                "drawn only a few times stay near their init)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         buffer_size = self.buffer_size_for(total_iters, batch_size)
-        sampler = SGLD(steps=self.sgld_steps, step_size=self.step_size, noise=self.noise,
-                       grad_clip=self.grad_clip, generator=generator, batchnorm=self.sgld_batchnorm,
-                       colours=self.sgld_colours)
+        sampler = SGLD(
+            steps=self.sgld_steps,
+            step_size=self.step_size,
+            noise=self.noise,
+            grad_clip=self.grad_clip,
+            generator=generator,
+            batchnorm=self.sgld_batchnorm,
+            colours=self.sgld_colours,
+        )
         cond = self.init != "uniform" or self.pxy_weight > 0 or self.class_conditional_px
         init_kwargs = None
         if self.init == "gaussian":
             init_kwargs = {"covariance": self.init_covariance}
             if self.init_covariance == "lowrank":
                 init_kwargs.update(rank=self.init_rank, residual=self.init_residual)
-        buffer = ReplayBuffer(buffer_size, tuple(sample_shape), reinit_freq=self.reinit_freq,
-                              init=self.init, init_kwargs=init_kwargs,
-                              num_classes=num_classes if cond else None, device=device)
+        buffer = ReplayBuffer(
+            buffer_size,
+            tuple(sample_shape),
+            reinit_freq=self.reinit_freq,
+            init=self.init,
+            init_kwargs=init_kwargs,
+            num_classes=num_classes if cond else None,
+            device=device,
+        )
         if x_fit is not None and hasattr(buffer.init_dist, "fit"):
-            buffer.fit(x_fit.to(device) if device else x_fit,
-                       None if y_fit is None else (y_fit.to(device) if device else y_fit))
-        kwargs: dict[str, Any] = dict(px_weight=self.px_weight, pxy_weight=self.pxy_weight,
-                                      l2_weight=self.l2_weight, data_noise=self.data_noise,
-                                      n_samples=self.n_samples, class_conditional_px=self.class_conditional_px,
-                                      generator=generator, batchnorm=self.batchnorm)
+            buffer.fit(
+                x_fit.to(device) if device else x_fit,
+                None if y_fit is None else (y_fit.to(device) if device else y_fit),
+            )
+        kwargs: dict[str, Any] = dict(
+            px_weight=self.px_weight,
+            pxy_weight=self.pxy_weight,
+            l2_weight=self.l2_weight,
+            data_noise=self.data_noise,
+            n_samples=self.n_samples,
+            class_conditional_px=self.class_conditional_px,
+            generator=generator,
+            batchnorm=self.batchnorm,
+        )
         kwargs.update(overrides)
         loss = JEMLoss(sampler, buffer, **kwargs)
         return loss.to(device) if device is not None else loss
@@ -174,32 +217,59 @@ class Recipe:
 
 RECIPES: dict[str, Recipe] = {
     "paper": Recipe(
-        "paper", "Grathwohl et al. 2019: 20 SGLD steps from uniform noise, Adam 1e-4, 1000 warm-up iterations",
+        "paper",
+        "Grathwohl et al. 2019: 20 SGLD steps from uniform noise, Adam 1e-4, 1000 warm-up iterations",
     ),
     "fast": Recipe(
-        "fast", "5 SGLD steps on 32 chains from a per-class Gaussian fitted from the data, energy L2 0.1, "
+        "fast",
+        "5 SGLD steps on 32 chains from a per-class Gaussian fitted from the data, energy L2 0.1, "
         "Adam 3e-4; samples pass BatchNorm on their own (batch statistics, running ones from data only). "
         "About 3-4x the cross-entropy cost, within a point of its accuracy",
-        sgld_steps=5, n_samples=32, l2_weight=0.1, lr=3e-4, warmup_iters=200,
-        init="gaussian", batchnorm="separate", sgld_batchnorm="batch",
+        sgld_steps=5,
+        n_samples=32,
+        l2_weight=0.1,
+        lr=3e-4,
+        warmup_iters=200,
+        init="gaussian",
+        batchnorm="separate",
+        sgld_batchnorm="batch",
     ),
     "jempp": Recipe(
-        "jempp", "JEM++ (Yang & Ji 2021) sampling: 10 noise-free gradient-clamped steps from a per-class "
+        "jempp",
+        "JEM++ (Yang & Ji 2021) sampling: 10 noise-free gradient-clamped steps from a per-class "
         "Gaussian (full covariance) fitted from the data, BatchNorm kept; the fast preset's optimiser "
         "(the paper's SGD 0.1 is for WRN-28-10 on CIFAR). No inner steps through the first layer: on a linear "
         "stem they move along the outer gradient, a larger step (benchmarks/check_inner_steps.py)",
-        sgld_steps=10, noise=0.0, grad_clip=0.03, init="gaussian", init_covariance="full",
-        n_samples=32, l2_weight=0.1, lr=3e-4, warmup_iters=200,
+        sgld_steps=10,
+        noise=0.0,
+        grad_clip=0.03,
+        init="gaussian",
+        init_covariance="full",
+        n_samples=32,
+        l2_weight=0.1,
+        lr=3e-4,
+        warmup_iters=200,
     ),
     "sadajem": Recipe(
-        "sadajem", "SADA-JEM (2023): 5 noise-free gradient-clamped steps from a per-class Gaussian, "
+        "sadajem",
+        "SADA-JEM (2023): 5 noise-free gradient-clamped steps from a per-class Gaussian, "
         "adaptive SAM (rho 2) with BatchNorm statistics frozen on the second pass and one sampling per "
         "iteration, the p(x) term on the un-augmented batch; the fast preset's optimiser",
-        sgld_steps=5, noise=0.0, grad_clip=0.03, init="gaussian", n_samples=32, l2_weight=0.1,
-        lr=3e-4, warmup_iters=200, px_clean_data=True, sam_rho=2.0, sam_adaptive=True,
+        sgld_steps=5,
+        noise=0.0,
+        grad_clip=0.03,
+        init="gaussian",
+        n_samples=32,
+        l2_weight=0.1,
+        lr=3e-4,
+        warmup_iters=200,
+        px_clean_data=True,
+        sam_rho=2.0,
+        sam_adaptive=True,
     ),
     "generative": Recipe(
-        "generative", "For samples on BatchNorm networks: JEM++'s 10 noise-free gradient-clamped steps from a "
+        "generative",
+        "For samples on BatchNorm networks: JEM++'s 10 noise-free gradient-clamped steps from a "
         "per-class Gaussian with a stationary covariance (each class's power spectrum; images of any size), "
         "steps confined to the data's colour axes, the p(x) term at weight 0.75 on the un-augmented batch "
         "(pass px_data= in your loop), samples in the data's BatchNorm pass, whose running statistics are "
@@ -208,9 +278,21 @@ RECIPES: dict[str, Recipe] = {
         "and never restarted from the init (reinit_freq 0: every chain in it began with the run); "
         "the fast preset's optimiser. Its buffer moves towards the data where fast's stays put, at a cost "
         "in calibration",
-        sgld_steps=10, noise=0.0, grad_clip=0.03, init="gaussian", init_covariance="stationary",
-        sgld_colours="data", n_samples=32, px_weight=0.75, l2_weight=0.1, lr=3e-4, warmup_iters=200,
-        px_clean_data=True, bn_stats_from_data=True, buffer_visits=40, reinit_freq=0.0,
+        sgld_steps=10,
+        noise=0.0,
+        grad_clip=0.03,
+        init="gaussian",
+        init_covariance="stationary",
+        sgld_colours="data",
+        n_samples=32,
+        px_weight=0.75,
+        l2_weight=0.1,
+        lr=3e-4,
+        warmup_iters=200,
+        px_clean_data=True,
+        bn_stats_from_data=True,
+        buffer_visits=40,
+        reinit_freq=0.0,
     ),
 }
 

@@ -33,10 +33,12 @@ confident can saturate the cross-entropy gradient (gradient masking); ``loss="ma
 Carlini-Wagner margin) avoids that, and ``attack="worst"`` counts an input as robust only if it
 survives both attacks. Report ``"worst"`` when claiming robustness.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -114,9 +116,20 @@ def _loss_grad(jm, x_eval: Tensor, y: Tensor, loss: str = "ce", n_chains: int = 
 
 
 # ---------------------------------------------------------------------- attack
-def _pgd(jm, x: Tensor, y: Tensor, eps: float, norm: str, steps: int, step_size: float | None,
-         random_start: bool, generator: torch.Generator | None, eps_space: str, loss: str = "ce",
-         grad_fn: Callable[[Tensor, Tensor], Tensor] | None = None) -> Tensor:
+def _pgd(
+    jm,
+    x: Tensor,
+    y: Tensor,
+    eps: float,
+    norm: str,
+    steps: int,
+    step_size: float | None,
+    random_start: bool,
+    generator: torch.Generator | None,
+    eps_space: str,
+    loss: str = "ce",
+    grad_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+) -> Tensor:
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     if loss not in LOSSES:
@@ -129,7 +142,7 @@ def _pgd(jm, x: Tensor, y: Tensor, eps: float, norm: str, steps: int, step_size:
         return x.detach().clone()
     alpha = 2.5 * eps / max(steps, 1) if step_size is None else float(step_size)
     offset, scale, zlo, zhi = _space(jm, x, eps_space)
-    z0 = ((x.detach() - offset) / scale)
+    z0 = (x.detach() - offset) / scale
     # Inputs already outside the domain (e.g. Gaussian noise through a normalised model) keep
     # their coordinates: the box is widened to contain x, so eps is always respected and no
     # coordinate moves further out than it already was.
@@ -155,10 +168,20 @@ def _pgd(jm, x: Tensor, y: Tensor, eps: float, norm: str, steps: int, step_size:
     return (offset + scale * z).detach().to(x.dtype)
 
 
-def pgd_attack(jm, x: Tensor, y: Tensor, eps: float, norm: str = "linf", steps: int = 10,
-               step_size: float | None = None, random_start: bool = True,
-               generator: torch.Generator | None = None, *, eps_space: str = "unit",
-               loss: str = "ce") -> Tensor:
+def pgd_attack(
+    jm,
+    x: Tensor,
+    y: Tensor,
+    eps: float,
+    norm: str = "linf",
+    steps: int = 10,
+    step_size: float | None = None,
+    random_start: bool = True,
+    generator: torch.Generator | None = None,
+    *,
+    eps_space: str = "unit",
+    loss: str = "ce",
+) -> Tensor:
     """Untargeted PGD on ``jm``'s logits; returns ``x_adv`` (detached).
 
     Parameters
@@ -201,9 +224,18 @@ class SGLDDefense:
     as one ``[n_chains * B, ...]`` SGLD batch; ``chunk_size`` caps that batch.
     """
 
-    def __init__(self, jm, steps: int = 10, step_size: float = 1.0, noise: float = 0.01,
-                 n_chains: int = 10, *, generator: torch.Generator | None = None,
-                 chunk_size: int | None = None, **sgld_kwargs: Any) -> None:
+    def __init__(
+        self,
+        jm,
+        steps: int = 10,
+        step_size: float = 1.0,
+        noise: float = 0.01,
+        n_chains: int = 10,
+        *,
+        generator: torch.Generator | None = None,
+        chunk_size: int | None = None,
+        **sgld_kwargs: Any,
+    ) -> None:
         if isinstance(n_chains, bool) or not isinstance(n_chains, int) or n_chains < 1:
             raise ValueError(f"n_chains must be a positive int, got {n_chains!r}")
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
@@ -257,12 +289,25 @@ class SGLDDefense:
 
 
 # ---------------------------------------------------------------------- evaluation
-def robust_accuracy(jm, x: Tensor, y: Tensor, eps_list: Sequence[float], norm: str = "linf",
-                    defense: SGLDDefense | Callable[[Tensor], Tensor] | None = None, *,
-                    attack: str = "transfer", loss: str = "ce", steps: int = 10,
-                    step_size: float | None = None, eot_samples: int = 1, random_start: bool = True,
-                    generator: torch.Generator | None = None, eps_space: str = "unit",
-                    batch_size: int = 256, progress: bool = True) -> dict[str, Any]:
+def robust_accuracy(
+    jm,
+    x: Tensor,
+    y: Tensor,
+    eps_list: Sequence[float],
+    norm: str = "linf",
+    defense: SGLDDefense | Callable[[Tensor], Tensor] | None = None,
+    *,
+    attack: str = "transfer",
+    loss: str = "ce",
+    steps: int = 10,
+    step_size: float | None = None,
+    eot_samples: int = 1,
+    random_start: bool = True,
+    generator: torch.Generator | None = None,
+    eps_space: str = "unit",
+    batch_size: int = 256,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Accuracy under PGD for every ``eps`` in ``eps_list``.
 
     Without a defence, PGD attacks ``jm`` directly (white box). With ``defense`` (an
@@ -291,31 +336,56 @@ def robust_accuracy(jm, x: Tensor, y: Tensor, eps_list: Sequence[float], norm: s
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
     predict = defense if defense is not None else jm
     bpda_label = f"bpda-eot{eot_samples}"
-    label = ("pgd" if defense is None else
-             {"transfer": "pgd-transfer", "bpda": f"pgd-{bpda_label}",
-              "worst": f"pgd-worst(transfer,{bpda_label})"}[attack])
+    label = (
+        "pgd"
+        if defense is None
+        else {"transfer": "pgd-transfer", "bpda": f"pgd-{bpda_label}", "worst": f"pgd-worst(transfer,{bpda_label})"}[
+            attack
+        ]
+    )
     if loss != "ce":
         label += f"-{loss}"
 
     def bpda_grad(x_cur: Tensor, y_b: Tensor) -> Tensor:
         return defense.bpda_grad(x_cur, y_b, eot_samples, loss)
 
-    plans = {"transfer": [None], "bpda": [bpda_grad], "worst": [None, bpda_grad]}[attack if defense is not None else "transfer"]
+    plans = {"transfer": [None], "bpda": [bpda_grad], "worst": [None, bpda_grad]}[
+        attack if defense is not None else "transfer"
+    ]
     accs = []
     batches = list(zip(x.split(batch_size), y.split(batch_size)))
-    with sampling_mode(jm), tqdm(total=len(eps_values) * len(batches), desc=f"robust acc ({norm})",
-                                 disable=not progress, leave=False) as bar:
+    with (
+        sampling_mode(jm),
+        tqdm(
+            total=len(eps_values) * len(batches), desc=f"robust acc ({norm})", disable=not progress, leave=False
+        ) as bar,
+    ):
         for eps in eps_values:
             correct = 0
             for xb, yb in batches:
                 ok = torch.ones_like(yb, dtype=torch.bool)
-                for grad_fn in (plans if eps > 0 else [None]):
-                    xa = xb if eps == 0 else _pgd(jm, xb, yb, eps, norm, steps, step_size, random_start,
-                                                  generator, eps_space, loss, grad_fn=grad_fn)
+                for grad_fn in plans if eps > 0 else [None]:
+                    xa = (
+                        xb
+                        if eps == 0
+                        else _pgd(
+                            jm,
+                            xb,
+                            yb,
+                            eps,
+                            norm,
+                            steps,
+                            step_size,
+                            random_start,
+                            generator,
+                            eps_space,
+                            loss,
+                            grad_fn=grad_fn,
+                        )
+                    )
                     with torch.no_grad():
                         ok &= predict(xa).argmax(1) == yb
                 correct += int(ok.sum())
                 bar.update(1)
             accs.append(correct / x.shape[0])
-    return {"eps": eps_values, "accuracy": accs, "norm": norm, "attack": label, "steps": steps,
-            "n": int(x.shape[0])}
+    return {"eps": eps_values, "accuracy": accs, "norm": norm, "attack": label, "steps": steps, "n": int(x.shape[0])}

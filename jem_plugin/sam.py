@@ -20,11 +20,13 @@ Two JEM-specific rules (SADA-JEM):
 ...     return out
 >>> out = sam.step(closure, model=model, loss_fn=loss_fn)   # two passes, one sampling
 """
+
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -46,8 +48,10 @@ class _Replay:
             self.recorded.append(x)
             return x
         if not self.recorded:
-            raise RuntimeError("the second SAM pass asked for more samples than the first drew; the "
-                               "closure must compute the same loss both times")
+            raise RuntimeError(
+                "the second SAM pass asked for more samples than the first drew; the "
+                "closure must compute the same loss both times"
+            )
         return self.recorded.pop(0)
 
     def __getattr__(self, name: str) -> Any:  # clamp, steps, ...: the real sampler's

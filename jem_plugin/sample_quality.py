@@ -23,10 +23,12 @@ same sizes (``reference_points`` splits the held-out set the same way ``sample_q
 >>> q = sample_quality(judge, x_cond, x_test, y_samples=y_cond)   # adds "judge_acc"
 >>> t = chain_trace(jm, judge, buffer.samples(352), x_test, sampler=loss_fn.sampler, batch_size=32)
 """
+
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,8 +38,16 @@ from torch import Tensor, nn
 from ._checks import model_device
 from .errors import InvalidInputError, InvalidLabelError
 
-__all__ = ["frechet_distance", "frechet_from_moments", "JudgeNet", "Judge", "train_judge",
-           "sample_quality", "reference_points", "chain_trace"]
+__all__ = [
+    "frechet_distance",
+    "frechet_from_moments",
+    "JudgeNet",
+    "Judge",
+    "train_judge",
+    "sample_quality",
+    "reference_points",
+    "chain_trace",
+]
 
 
 # ---------------------------------------------------------------------------- Fréchet distance
@@ -93,10 +103,17 @@ class JudgeNet(nn.Module):
         super().__init__()
         w = width
         self.body = nn.Sequential(
-            nn.Conv2d(in_channels, w, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(w, 2 * w, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True),
-            nn.Conv2d(2 * w, 4 * w, 3, padding=1), nn.ReLU(), nn.AdaptiveMaxPool2d(2),
-            nn.Flatten(), nn.Linear(4 * w * 4, feature_dim), nn.ReLU(),
+            nn.Conv2d(in_channels, w, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(w, 2 * w, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2, ceil_mode=True),
+            nn.Conv2d(2 * w, 4 * w, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveMaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(4 * w * 4, feature_dim),
+            nn.ReLU(),
         )
         self.head = nn.Linear(feature_dim, num_classes)
 
@@ -111,8 +128,9 @@ class Judge:
     when none was given): a judge that cannot classify real data says nothing about samples.
     """
 
-    def __init__(self, net: nn.Module, input_shape: tuple[int, ...], test_accuracy: float | None = None,
-                 batch_size: int = 512) -> None:
+    def __init__(
+        self, net: nn.Module, input_shape: tuple[int, ...], test_accuracy: float | None = None, batch_size: int = 512
+    ) -> None:
         self.net = net.eval()
         self.input_shape = tuple(input_shape)
         self.test_accuracy = test_accuracy
@@ -151,10 +169,21 @@ class Judge:
         return float((self.predict(x) == y).float().mean())
 
 
-def train_judge(x: Tensor, y: Tensor, *, epochs: int = 15, batch_size: int = 64, lr: float = 2e-3,
-                width: int = 16, feature_dim: int = 64, num_classes: int | None = None,
-                x_test: Tensor | None = None, y_test: Tensor | None = None, seed: int = 0,
-                device: torch.device | str | None = None) -> Judge:
+def train_judge(
+    x: Tensor,
+    y: Tensor,
+    *,
+    epochs: int = 15,
+    batch_size: int = 64,
+    lr: float = 2e-3,
+    width: int = 16,
+    feature_dim: int = 64,
+    num_classes: int | None = None,
+    x_test: Tensor | None = None,
+    y_test: Tensor | None = None,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+) -> Judge:
     """Train a :class:`JudgeNet` on ``(x, y)`` with plain cross-entropy (Adam, no augmentation).
 
     Seconds on a CPU for the digits (8x8 or 32x32 RGB). ``x_test``/``y_test`` set
@@ -196,15 +225,24 @@ def sample_quality(judge: Judge, samples: Tensor, heldout: Tensor, y_samples: Te
     puts in their class (chance is ``1 / num_classes``). Compare ``fd`` with
     :func:`reference_points` at the same sizes.
     """
-    out: dict[str, float] = {"fd": frechet_distance(judge.features(samples), judge.features(heldout)),
-                             "n_samples": int(samples.shape[0])}
+    out: dict[str, float] = {
+        "fd": frechet_distance(judge.features(samples), judge.features(heldout)),
+        "n_samples": int(samples.shape[0]),
+    }
     if y_samples is not None:
         out["judge_acc"] = judge.accuracy(samples, y_samples)
     return out
 
 
-def reference_points(judge: Judge, heldout: Tensor, *, train: Tensor | None = None,
-                     init: Tensor | None = None, n: int | None = None, seed: int = 0) -> dict[str, float]:
+def reference_points(
+    judge: Judge,
+    heldout: Tensor,
+    *,
+    train: Tensor | None = None,
+    init: Tensor | None = None,
+    n: int | None = None,
+    seed: int = 0,
+) -> dict[str, float]:
     """The numbers a sample-quality figure needs beside it.
 
     ``heldout_halves``: held-out data against itself, two random halves (the floor at that size);
@@ -215,8 +253,11 @@ def reference_points(judge: Judge, heldout: Tensor, *, train: Tensor | None = No
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(heldout.shape[0], generator=g)
     half = heldout.shape[0] // 2
-    out = {"heldout_halves": frechet_distance(judge.features(heldout[perm[:half]]),
-                                              judge.features(heldout[perm[half:2 * half]]))}
+    out = {
+        "heldout_halves": frechet_distance(
+            judge.features(heldout[perm[:half]]), judge.features(heldout[perm[half : 2 * half]])
+        )
+    }
     feats_h = judge.features(heldout)
     for name, x in (("train", train), ("init", init)):
         if x is not None:
@@ -225,8 +266,16 @@ def reference_points(judge: Judge, heldout: Tensor, *, train: Tensor | None = No
     return out
 
 
-def chain_trace(jm: nn.Module, judge: Judge, x_init: Tensor, heldout: Tensor, *, sampler: Any,
-                rounds: Sequence[int] = (0, 4, 20), batch_size: int | None = None) -> dict[str, Any]:
+def chain_trace(
+    jm: nn.Module,
+    judge: Judge,
+    x_init: Tensor,
+    heldout: Tensor,
+    *,
+    sampler: Any,
+    rounds: Sequence[int] = (0, 4, 20),
+    batch_size: int | None = None,
+) -> dict[str, Any]:
     """The model's energy and the judge's Fréchet distance along chains continued from ``x_init``.
 
     Each entry of ``rounds`` (increasing) is a point on the chains: after ``rounds * sampler.steps``
@@ -259,7 +308,7 @@ def chain_trace(jm: nn.Module, judge: Judge, x_init: Tensor, heldout: Tensor, *,
         size = batch_size or x.shape[0]
         outs, energies = [], []
         for i in range(0, x.shape[0], size):
-            xc, diag = tracer.sample(jm, x_init=x[i:i + size], return_diagnostics=True)
+            xc, diag = tracer.sample(jm, x_init=x[i : i + size], return_diagnostics=True)
             outs.append(xc.detach())
             energies.append(diag.energies[-1].detach().float())
         return torch.cat(outs), torch.cat(energies)
@@ -270,6 +319,12 @@ def chain_trace(jm: nn.Module, judge: Judge, x_init: Tensor, heldout: Tensor, *,
     for r in rounds:
         x, energy = advance(x, (r - done) * sampler.steps)
         done = r
-        trace.append({"rounds": r, "steps": r * sampler.steps, "energy": float(energy.mean()),
-                      "fd": frechet_distance(judge.features(x), feats_heldout)})
+        trace.append(
+            {
+                "rounds": r,
+                "steps": r * sampler.steps,
+                "energy": float(energy.mean()),
+                "fd": frechet_distance(judge.features(x), feats_heldout),
+            }
+        )
     return {"heldout_energy": float(e_heldout.mean()), "trace": trace}

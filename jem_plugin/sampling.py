@@ -14,20 +14,31 @@ backward, one in-place update per step): parameters are frozen for the chain (no
 the chain is updated in place, the noise buffer is reused, and nothing syncs with the device per
 step unless something is recorded.
 """
+
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from . import _cuda_graph, hookspecs, plugins
+from ._checks import (
+    DomainCheck,
+    autocast_cache_off,
+    check_input,
+    check_label_range,
+    check_labels,
+    follow,
+    model_device,
+    same_device,
+)
 from ._colours import project_colours
-from ._checks import (DomainCheck, autocast_cache_off, check_input, check_label_range, check_labels, follow,
-                      model_device, same_device)
 from .errors import DivergenceError, InvalidInputError, JEMError
 from .model import BATCHNORM_MODES, as_jem, input_grad_enabled, sampling_mode
 
@@ -63,7 +74,7 @@ class SGLDStepState:
     step_size: float
     noise: float
     y: Tensor | None
-    sampler: "SGLD"
+    sampler: SGLD
 
 
 @dataclass(frozen=True)
@@ -130,10 +141,12 @@ class SGLD:
         gives bitwise identical samples.
     max_energy: also raise :class:`DivergenceError` when ``|E|`` of the final chain exceeds this
         (exploding but still finite energies); ``None`` checks finiteness only.
-    cuda_graph: ``"auto"`` runs chains on a CUDA device as one captured CUDA graph per step,
-        replayed ``steps`` times (eager where capture is impossible, with a one-time warning
-        saying why); ``"off"`` always runs eagerly; ``"require"`` raises
-        :class:`~jem_plugin.errors.CUDAGraphError` with the reason instead of falling back.
+    cuda_graph: ``"off"`` (default) always runs eagerly. ``"auto"`` runs chains on a CUDA device
+        as one captured CUDA graph per step, replayed ``steps`` times (eager where capture is
+        impossible, with a one-time warning saying why); ``"require"`` raises
+        :class:`~jem_plugin.errors.CUDAGraphError` with the reason instead of falling back. Opt-in
+        until the CUDA tests and the GPU benchmark have passed on a real GPU (``jem doctor
+        --device cuda`` checks it on yours).
     batchnorm: how BatchNorm layers in train mode normalise the chains. ``"eval"``: with their
         running statistics (each chain independent of the others). ``"batch"``: with the
         statistics of the batch of chains itself, running statistics untouched; this is how
@@ -154,12 +167,26 @@ class SGLD:
         yourself to confine chains run from ``x_init``.
     """
 
-    def __init__(self, steps: int = 20, step_size: float | Callable[[int], float] = 1.0, noise: float = 0.01,
-                 *, schedule: str = "constant", decay_power: float = 0.55,
-                 final_step_size: float | None = None, clamp: bool = True, grad_clip: float | None = None,
-                 record_trajectory: bool = False, record_energies: bool = False, progress: bool = False,
-                 generator: torch.Generator | None = None, max_energy: float | None = None,
-                 cuda_graph: str = "auto", batchnorm: str = "eval", colours: str = "all") -> None:
+    def __init__(
+        self,
+        steps: int = 20,
+        step_size: float | Callable[[int], float] = 1.0,
+        noise: float = 0.01,
+        *,
+        schedule: str = "constant",
+        decay_power: float = 0.55,
+        final_step_size: float | None = None,
+        clamp: bool = True,
+        grad_clip: float | None = None,
+        record_trajectory: bool = False,
+        record_energies: bool = False,
+        progress: bool = False,
+        generator: torch.Generator | None = None,
+        max_energy: float | None = None,
+        cuda_graph: str = "off",
+        batchnorm: str = "eval",
+        colours: str = "all",
+    ) -> None:
         self.cuda_graph = _cuda_graph.check_mode(cuda_graph)
         if batchnorm not in BATCHNORM_MODES:
             raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
@@ -231,7 +258,7 @@ class SGLD:
 
     # ------------------------------------------------------------------ chains
     @staticmethod
-    def _check_y(jm: "JEM", y: Any, batch: int, device) -> Tensor:
+    def _check_y(jm: JEM, y: Any, batch: int, device) -> Tensor:
         y = check_labels(y, batch, num_classes=jm.num_classes, device=device, what="y (one class per chain)")
         if y.is_inference():  # labels made under inference_mode cannot be saved for backward
             with torch.inference_mode(False):
@@ -239,15 +266,18 @@ class SGLD:
         return y
 
     @overload
-    def run(self, jm: "JEM", x: Tensor, y: Tensor | None = ..., *,
-            return_diagnostics: Literal[False] = ...) -> Tensor: ...
+    def run(
+        self, jm: JEM, x: Tensor, y: Tensor | None = ..., *, return_diagnostics: Literal[False] = ...
+    ) -> Tensor: ...
 
     @overload
-    def run(self, jm: "JEM", x: Tensor, y: Tensor | None = ..., *,
-            return_diagnostics: Literal[True]) -> tuple[Tensor, SGLDDiagnostics]: ...
+    def run(
+        self, jm: JEM, x: Tensor, y: Tensor | None = ..., *, return_diagnostics: Literal[True]
+    ) -> tuple[Tensor, SGLDDiagnostics]: ...
 
-    def run(self, jm: "JEM", x: Tensor, y: Tensor | None = None, *,
-            return_diagnostics: bool = False) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
+    def run(
+        self, jm: JEM, x: Tensor, y: Tensor | None = None, *, return_diagnostics: bool = False
+    ) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
         """Run ``steps`` Langevin updates from ``x``; returns a new detached fp32 tensor, or
         ``(x, SGLDDiagnostics)`` with ``return_diagnostics=True``.
 
@@ -257,19 +287,21 @@ class SGLD:
         """
         jm = as_jem(jm, "SGLD.run")
         x = check_input(x, domain=jm.domain, what="chain start")
+        if y is not None:
+            y = self._check_y(jm, y, x.shape[0], x.device)
+        sizes = self.step_sizes()
         if self.cuda_graph != "off" and self.steps:
-            out = _cuda_graph.run(self, jm, x, y)  # None: this chain runs eagerly
-            if out is not None:
+            graphed = _cuda_graph.run(self, jm, x, y)  # None: this chain runs eagerly
+            if graphed is not None:
+                out, last = graphed
+                self._check_divergence(out, last)
                 if not return_diagnostics:
                     return out
-                sizes = self.step_sizes()
                 return out, SGLDDiagnostics(steps=len(sizes), final_step_size=sizes[-1] if sizes else None)
         # fp32 chain whatever the caller's precision (float64 chains stay float64 for float64 models).
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         if y is not None:
-            y = self._check_y(jm, y, x.shape[0], x.device)
             y_index = y.view(-1, 1)
-        sizes = self.step_sizes()
         noise, clip, gen = self.noise, self.grad_clip, self.generator
         colour = self._colour_matrix(x, dtype)
         domain = jm.domain
@@ -284,8 +316,11 @@ class SGLD:
         # jm(x) is adapter.logits(model(x)): call the two directly (no wrapper-module dispatch per step).
         model, read_logits = jm.model, jm.adapter.logits
 
-        with sampling_mode(model, self.batchnorm), autocast_cache_off(x.device.type), \
-                input_grad_enabled(x.detach().to(dtype)) as xg:
+        with (
+            sampling_mode(model, self.batchnorm),
+            autocast_cache_off(x.device.type),
+            input_grad_enabled(x.detach().to(dtype)) as xg,
+        ):
             xd = xg.detach()  # alias of the leaf: in-place updates without autograd bookkeeping
             if gen is not None and not same_device(gen.device, xd.device):
                 raise InvalidInputError(
@@ -312,7 +347,7 @@ class SGLD:
                     score = out.gather(1, y_index)
                 if ones is None:  # d(sum)/d(score) = 1: pass it directly, no sum kernel per step
                     ones = torch.ones_like(score)
-                g, = grad(score, xg, ones)  # frees the graph: nothing outlives the step
+                (g,) = grad(score, xg, ones)  # frees the graph: nothing outlives the step
                 if g.dtype != dtype:  # only under exotic autocast setups
                     g = g.to(dtype)
                 if clip is not None:
@@ -347,11 +382,14 @@ class SGLD:
             self._check_divergence(xd, last_score)
         if not return_diagnostics:
             return xd
-        return xd, SGLDDiagnostics(steps=len(sizes), final_step_size=sizes[-1] if sizes else None,
-                                   trajectory=trajectory if record_x else None,
-                                   energies=torch.stack(energies) if record_e else None)
+        return xd, SGLDDiagnostics(
+            steps=len(sizes),
+            final_step_size=sizes[-1] if sizes else None,
+            trajectory=trajectory if record_x else None,
+            energies=torch.stack(energies) if record_e else None,
+        )
 
-    def use_colours_of(self, buffer: "ReplayBuffer") -> None:
+    def use_colours_of(self, buffer: ReplayBuffer) -> None:
         """Confine steps to the colour axes of the data ``buffer`` was fitted on (what
         ``colours="data"`` does at each ``sample(..., buffer=)``); no projection when they are all."""
         p = getattr(buffer, "colour_projection", None)
@@ -359,7 +397,8 @@ class SGLD:
             raise JEMError(
                 "SGLD(colours='data') confines steps to the colour axes of the buffer's data, and this "
                 "buffer has none: fit its init (buffer.fit(x, y), or let JEMLoss fit it) on image data "
-                "[N, C, ...], or use colours='all'")
+                "[N, C, ...], or use colours='all'"
+            )
         if p is not self._colours_of:  # a new fit or device: one check, not one per iteration
             self._colours_of = p
             self.colour_projection = None if torch.equal(p, torch.eye(p.shape[0], device=p.device)) else p
@@ -371,12 +410,14 @@ class SGLD:
             if self.colours == "data" and self._colours_of is None:
                 raise JEMError(
                     "SGLD(colours='data') has no colour axes yet: they come from the buffer at "
-                    "sample(..., buffer=); set sampler.colour_projection to run chains from x_init first")
+                    "sample(..., buffer=); set sampler.colour_projection to run chains from x_init first"
+                )
             return None
         if x.dim() < 2 or tuple(p.shape) != (x.shape[1], x.shape[1]):
             raise InvalidInputError(
                 f"SGLD colour_projection of shape {tuple(p.shape)} does not fit chains of shape "
-                f"{tuple(x.shape)}: it needs [C, C] with C = {x.shape[1] if x.dim() > 1 else '?'} channels (dim 1)")
+                f"{tuple(x.shape)}: it needs [C, C] with C = {x.shape[1] if x.dim() > 1 else '?'} channels (dim 1)"
+            )
         return p.to(device=x.device, dtype=dtype)
 
     def _check_divergence(self, x: Tensor, score: Tensor) -> None:
@@ -390,29 +431,57 @@ class SGLD:
         if bool(ok):
             return
         finite = torch.isfinite(score)
-        what = (f"{int((~finite).sum())} of {score.numel()} chains have non-finite energies"
-                if not bool(finite.all()) else
-                f"|energy| reached {float(score.abs().max()):.3g} (max_energy={self.max_energy})"
-                if bool(torch.isfinite(x).all()) else "the chain holds NaN/inf values")
+        what = (
+            f"{int((~finite).sum())} of {score.numel()} chains have non-finite energies"
+            if not bool(finite.all())
+            else f"|energy| reached {float(score.abs().max()):.3g} (max_energy={self.max_energy})"
+            if bool(torch.isfinite(x).all())
+            else "the chain holds NaN/inf values"
+        )
         energy = float(score.abs().max()) if bool(finite.all()) else math.nan
         raise DivergenceError(
             f"SGLD diverged: {what} after {self.steps} steps (step_size={self.step_size}, noise={self.noise})",
-            remedies=SGLD_REMEDIES, energy=energy)
+            remedies=SGLD_REMEDIES,
+            energy=energy,
+        )
 
     @overload
-    def sample(self, jm: "JEM", n: int | None = ..., *, buffer: "ReplayBuffer | None" = ...,
-               y: Tensor | None = ..., x_init: Tensor | None = ..., shape: Sequence[int] | None = ...,
-               return_diagnostics: Literal[False] = ...) -> Tensor: ...
+    def sample(
+        self,
+        jm: JEM,
+        n: int | None = ...,
+        *,
+        buffer: ReplayBuffer | None = ...,
+        y: Tensor | None = ...,
+        x_init: Tensor | None = ...,
+        shape: Sequence[int] | None = ...,
+        return_diagnostics: Literal[False] = ...,
+    ) -> Tensor: ...
 
     @overload
-    def sample(self, jm: "JEM", n: int | None = ..., *, buffer: "ReplayBuffer | None" = ...,
-               y: Tensor | None = ..., x_init: Tensor | None = ..., shape: Sequence[int] | None = ...,
-               return_diagnostics: Literal[True]) -> tuple[Tensor, SGLDDiagnostics]: ...
+    def sample(
+        self,
+        jm: JEM,
+        n: int | None = ...,
+        *,
+        buffer: ReplayBuffer | None = ...,
+        y: Tensor | None = ...,
+        x_init: Tensor | None = ...,
+        shape: Sequence[int] | None = ...,
+        return_diagnostics: Literal[True],
+    ) -> tuple[Tensor, SGLDDiagnostics]: ...
 
-    def sample(self, jm: "JEM", n: int | None = None, *, buffer: "ReplayBuffer | None" = None,
-               y: Tensor | None = None, x_init: Tensor | None = None,
-               shape: Sequence[int] | None = None,
-               return_diagnostics: bool = False) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
+    def sample(
+        self,
+        jm: JEM,
+        n: int | None = None,
+        *,
+        buffer: ReplayBuffer | None = None,
+        y: Tensor | None = None,
+        x_init: Tensor | None = None,
+        shape: Sequence[int] | None = None,
+        return_diagnostics: bool = False,
+    ) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
         """Draw ``n`` samples (class-conditional when ``y`` is given); with
         ``return_diagnostics=True``, ``(samples, SGLDDiagnostics)``.
 
@@ -452,43 +521,41 @@ class SGLD:
             return out
         shape = tuple(shape) if shape is not None else jm.domain.input_size
         if shape is None:
-            raise ValueError(
-                "the input shape is unknown: pass shape=(C, H, W), x_init=..., or a ReplayBuffer"
-            )
+            raise ValueError("the input shape is unknown: pass shape=(C, H, W), x_init=..., or a ReplayBuffer")
         x0 = jm.domain.uniform(n, shape, generator=self.generator, device=device or torch.device("cpu"))
         return self.run(jm, x0, y, return_diagnostics=return_diagnostics)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """Configuration and generator state (plain tensors and Python values: ``weights_only``-loadable)."""
+        """Every constructor setting and the generator's state (plain tensors and Python values:
+        ``weights_only``-loadable). A callable step size is saved as ``None``: it is not data."""
+        state: dict[str, Any] = {name: getattr(self, name) for name in _SETTINGS}
+        if callable(self.step_size):
+            state["step_size"] = None
         gen = self.generator
-        return {
-            "steps": self.steps,
-            "step_size": None if callable(self.step_size) else self.step_size,
-            "noise": self.noise,
-            "schedule": self.schedule,
-            "decay_power": self.decay_power,
-            "final_step_size": self.final_step_size,
-            "clamp": self.clamp,
-            "grad_clip": self.grad_clip,
-            "colours": self.colours,
-            "max_energy": self.max_energy,
-            "record_trajectory": self.record_trajectory,
-            "record_energies": self.record_energies,
-            "progress": self.progress,
-            "generator_state": gen.get_state() if gen is not None else None,
-            "generator_device": str(gen.device) if gen is not None else None,
-        }
+        state["generator_state"] = gen.get_state() if gen is not None else None
+        state["generator_device"] = str(gen.device) if gen is not None else None
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` saved (a callable step size is kept: it is not saved)."""
-        for key in ("steps", "noise", "schedule", "decay_power", "final_step_size", "clamp", "grad_clip",
-                    "colours", "max_energy", "record_trajectory", "record_energies", "progress"):
-            if key in state:
-                setattr(self, key, state[key])
+        """Restore what :meth:`state_dict` saved; settings it lacks (older checkpoints) keep their
+        current values, and a callable step size is kept. The settings are validated together,
+        as the constructor does."""
+        settings = {name: getattr(self, name) for name in _SETTINGS}
+        settings.update((k, state[k]) for k in _SETTINGS if k in state and k != "step_size")
         if state.get("step_size") is not None:
-            self.step_size = float(state["step_size"])
+            settings["step_size"] = float(state["step_size"])
+        checked = SGLD(**settings)
+        for name in _SETTINGS:
+            setattr(self, name, getattr(checked, name))
         if state.get("generator_state") is not None:
             if self.generator is None:
                 self.generator = torch.Generator(device=state.get("generator_device") or "cpu")
             self.generator.set_state(state["generator_state"])
+
+
+# The settings a checkpoint carries: every constructor argument but the generator (whose state is
+# saved instead), read from the signature so that a new argument cannot be left out.
+_SETTINGS: tuple[str, ...] = tuple(
+    name for name in inspect.signature(SGLD.__init__).parameters if name not in ("self", "generator")
+)

@@ -37,13 +37,15 @@ settings, warn, and go on; after ``max_rollbacks`` rollbacks raise. The safer se
 The global RNG is deliberately *not* rolled back, so the retried iterations see new noise (the
 authors restarted "with a different random seed").
 """
+
 from __future__ import annotations
 
 import math
 import statistics
 import warnings
 from collections import deque
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -72,8 +74,11 @@ def _copy_state(obj: Any, device: torch.device | None) -> Any:
         t = obj.detach()
         return t.to(device, copy=True) if device is not None else t.clone()
     if isinstance(obj, Mapping):
-        out = type(obj)((k, _copy_state(v, device)) for k, v in obj.items()) \
-            if isinstance(obj, dict) else {k: _copy_state(v, device) for k, v in obj.items()}
+        out = (
+            type(obj)((k, _copy_state(v, device)) for k, v in obj.items())
+            if isinstance(obj, dict)
+            else {k: _copy_state(v, device) for k, v in obj.items()}
+        )
         if hasattr(obj, "_metadata"):  # module state dicts carry per-module versions
             out._metadata = obj._metadata
         return out
@@ -112,11 +117,23 @@ class DivergenceGuard:
         where the tensors are (fastest).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                 loss_fn: nn.Module | None = None, policy: str = "raise", max_abs_energy: float = 1e4,
-                 explode_factor: float | None = None, window: int = 200, min_history: int = 20,
-                 snapshot_every: int = 50, max_rollbacks: int = 3, remedies: Iterable[str] = REMEDIES,
-                 scheduler: Any = None, snapshot_device: str | torch.device | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        loss_fn: nn.Module | None = None,
+        policy: str = "raise",
+        max_abs_energy: float = 1e4,
+        explode_factor: float | None = None,
+        window: int = 200,
+        min_history: int = 20,
+        snapshot_every: int = 50,
+        max_rollbacks: int = 3,
+        remedies: Iterable[str] = REMEDIES,
+        scheduler: Any = None,
+        snapshot_device: str | torch.device | None = None,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         remedies = tuple(remedies)
@@ -143,7 +160,7 @@ class DivergenceGuard:
         self.max_rollbacks = max_rollbacks
         self.remedies = remedies
         self.snapshot_device = torch.device(snapshot_device) if snapshot_device is not None else None
-        self.iteration = 0          # check() calls so far
+        self.iteration = 0  # check() calls so far
         self.rollbacks = 0
         self.snapshot_iteration: int | None = None  # iteration of the snapshot we would restore
         self.applied: list[str] = []  # human-readable log of the remedies applied
@@ -181,16 +198,17 @@ class DivergenceGuard:
             median = statistics.median(self._history)
             limit = self.explode_factor * max(median, 1.0)
             if worst > limit:
-                return (f"|{name}| = {_fmt(worst)} jumped above {self.explode_factor}x the running "
-                        f"median {_fmt(median)} of the last {len(self._history)} iterations")
+                return (
+                    f"|{name}| = {_fmt(worst)} jumped above {self.explode_factor}x the running "
+                    f"median {_fmt(median)} of the last {len(self._history)} iterations"
+                )
         return None
 
     def before_step(self, iteration: int) -> None:
         """Align the guard's iteration counter with the training loop's (optional)."""
         self.iteration = int(iteration)
 
-    def check(self, out: Any, metrics: Mapping[str, float] | None = None, *,
-              iteration: int | None = None) -> bool:
+    def check(self, out: Any, metrics: Mapping[str, float] | None = None, *, iteration: int | None = None) -> bool:
         """Inspect one iteration, before its backward and optimizer step; ``True`` when healthy.
 
         ``out`` is the :class:`~jem_plugin.losses.LossOutput` (or a loss tensor/float, with the
@@ -227,13 +245,13 @@ class DivergenceGuard:
             shown = {k: metrics[k] for k in ("loss", *ENERGY_KEYS) if k in metrics}
             energies = [abs(metrics[k]) for k in ENERGY_KEYS if k in metrics]
             energy = (max(energies) if all(map(math.isfinite, energies)) else math.nan) if energies else None
-            raise DivergenceError(problem, remedies=DIVERGENCE_REMEDIES, iteration=it, energy=energy,
-                                  metrics=shown)
+            raise DivergenceError(problem, remedies=DIVERGENCE_REMEDIES, iteration=it, energy=energy, metrics=shown)
         energies = [abs(metrics[k]) for k in ENERGY_KEYS if k in metrics]
         if energies:
             self._history.append(max(energies))
         if self.policy == "rollback" and (
-                self.snapshot_iteration is None or it - self.snapshot_iteration >= self.snapshot_every):
+            self.snapshot_iteration is None or it - self.snapshot_iteration >= self.snapshot_every
+        ):
             self.snapshot(it)
 
     def step(self, out: Any, metrics: Mapping[str, float] | None = None) -> bool:
@@ -246,7 +264,7 @@ class DivergenceGuard:
             self._depth = depth
 
     # ------------------------------------------------------------------ context manager
-    def __enter__(self) -> "DivergenceGuard":
+    def __enter__(self) -> DivergenceGuard:
         self._depth += 1
         return self
 
@@ -270,36 +288,53 @@ class DivergenceGuard:
             # say where it happened and what helps, in the guard's terms.
             it = self.iteration
             self.iteration += 1
-            wrapped = DivergenceError(exc.reason, remedies=DIVERGENCE_REMEDIES, iteration=it, energy=exc.energy,
-                                      metrics=exc.metrics)
+            wrapped = DivergenceError(
+                exc.reason, remedies=DIVERGENCE_REMEDIES, iteration=it, energy=exc.energy, metrics=exc.metrics
+            )
             wrapped.__cause__ = exc
             exc = wrapped
         if self.policy == "raise":
             raise self._final(exc)
         if self._snapshot is None:
-            raise self._final(DivergenceError(
-                f"{exc.reason}; could not roll back: no healthy iteration was seen yet, so there is no "
-                "snapshot", remedies=exc.remedies, iteration=exc.iteration, energy=exc.energy,
-                metrics=exc.metrics)) from exc
+            raise self._final(
+                DivergenceError(
+                    f"{exc.reason}; could not roll back: no healthy iteration was seen yet, so there is no snapshot",
+                    remedies=exc.remedies,
+                    iteration=exc.iteration,
+                    energy=exc.energy,
+                    metrics=exc.metrics,
+                )
+            ) from exc
         if self.rollbacks >= self.max_rollbacks:
-            raise self._final(DivergenceError(
-                f"{exc.reason}; diverged again after {self.rollbacks} rollbacks to the snapshot of "
-                f"iteration {self.snapshot_iteration} (safer settings applied: "
-                f"{'; '.join(self.applied) or 'none'})", remedies=exc.remedies, iteration=exc.iteration,
-                energy=exc.energy, metrics=exc.metrics)) from exc
+            raise self._final(
+                DivergenceError(
+                    f"{exc.reason}; diverged again after {self.rollbacks} rollbacks to the snapshot of "
+                    f"iteration {self.snapshot_iteration} (safer settings applied: "
+                    f"{'; '.join(self.applied) or 'none'})",
+                    remedies=exc.remedies,
+                    iteration=exc.iteration,
+                    energy=exc.energy,
+                    metrics=exc.metrics,
+                )
+            ) from exc
         self.rollback()
         changes = self._apply_remedies()
         self.rollbacks += 1
         self.applied.extend(changes)
         where = f"JEM training diverged at iteration {exc.iteration}: " if exc.iteration is not None else ""
-        self.last_event = {"problem": exc.reason, "diverged_at": exc.iteration,
-                           "restored_iteration": self.snapshot_iteration, "rollbacks": self.rollbacks,
-                           "changes": list(changes)}
+        self.last_event = {
+            "problem": exc.reason,
+            "diverged_at": exc.iteration,
+            "restored_iteration": self.snapshot_iteration,
+            "rollbacks": self.rollbacks,
+            "changes": list(changes),
+        }
         warnings.warn(
             f"jem-plugin: {where}{exc.reason}. Rolled back to the snapshot of "
             f"iteration {self.snapshot_iteration} (rollback {self.rollbacks}/{self.max_rollbacks}); "
             f"safer settings: {', '.join(changes) or 'none (remedies=())'}.",
-            RuntimeWarning, stacklevel=3,
+            RuntimeWarning,
+            stacklevel=3,
         )
         # The restored state plus the new settings is the new "last good" state: a later rollback
         # keeps the remedies (the sampler's step size and the lr live in the saved states).
@@ -318,8 +353,9 @@ class DivergenceGuard:
 
     def snapshot(self, iteration: int | None = None) -> None:
         """Copy the current state of every watched object (done automatically by :meth:`check`)."""
-        self._snapshot = {name: _copy_state(obj.state_dict(), self.snapshot_device)
-                          for name, obj in self._objects().items()}
+        self._snapshot = {
+            name: _copy_state(obj.state_dict(), self.snapshot_device) for name, obj in self._objects().items()
+        }
         self.snapshot_iteration = self.iteration if iteration is None else iteration
 
     def rollback(self) -> None:
@@ -362,8 +398,10 @@ class DivergenceGuard:
                     g["initial_lr"] = 0.5 * g["initial_lr"]
             if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
                 self.scheduler.base_lrs = [0.5 * b for b in self.scheduler.base_lrs]
-            changes.append(f"lr {_fmt(float(olds[0]))} -> {_fmt(float(olds[0]) * 0.5)}"
-                           + (" (all groups x0.5)" if len(olds) > 1 else ""))
+            changes.append(
+                f"lr {_fmt(float(olds[0]))} -> {_fmt(float(olds[0]) * 0.5)}"
+                + (" (all groups x0.5)" if len(olds) > 1 else "")
+            )
         return changes
 
     # ------------------------------------------------------------------ state
@@ -374,10 +412,15 @@ class DivergenceGuard:
         optimizer's own state; ``l2_weight`` is not in ``JEMLoss.state_dict()``, so it is kept here.
         """
         _, loss_fn = self._sampler()
-        return {"iteration": self.iteration, "rollbacks": self.rollbacks, "applied": list(self.applied),
-                "history": list(self._history),
-                "l2_weight": float(loss_fn.l2_weight) if self.rollbacks and loss_fn is not None
-                and hasattr(loss_fn, "l2_weight") else None}
+        return {
+            "iteration": self.iteration,
+            "rollbacks": self.rollbacks,
+            "applied": list(self.applied),
+            "history": list(self._history),
+            "l2_weight": float(loss_fn.l2_weight)
+            if self.rollbacks and loss_fn is not None and hasattr(loss_fn, "l2_weight")
+            else None,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
@@ -400,4 +443,3 @@ class _Halved:
 
     def __call__(self, t: int) -> float:
         return 0.5 * float(self.fn(t))
-

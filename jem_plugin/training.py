@@ -20,22 +20,36 @@ What it adds over a hand-written loop:
   (:class:`~jem_plugin.distributed.DistributedCheckpointer`); stop decisions are agreed across
   ranks; epoch metrics are averaged over the ranks; the bar shows on rank 0 only.
 """
+
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._training_run import (_agree_on_divergence, _call_callbacks, _Checkpoints, _epoch_batches,
-                            _epoch_record, _finish, _multi_process, _note_rollback, _Position,
-                            _Progress, _Running, _stop_reason, _tick)
 from ._checks import model_device, unpack_batch, unwrap_parallel
+from ._training_run import (
+    _agree_on_divergence,
+    _call_callbacks,
+    _Checkpoints,
+    _epoch_batches,
+    _epoch_record,
+    _finish,
+    _multi_process,
+    _note_rollback,
+    _Position,
+    _Progress,
+    _Running,
+    _stop_reason,
+    _tick,
+)
 from .errors import DivergenceError
 from .stability import DivergenceGuard
 
@@ -85,14 +99,21 @@ class History:
         return {k: self[k] for k in keys}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"epochs": [dict(r) for r in self.epochs], "events": [dict(e) for e in self.events],
-                "stopped": self.stopped, "total_time": self.total_time}
+        return {
+            "epochs": [dict(r) for r in self.epochs],
+            "events": [dict(e) for e in self.events],
+            "stopped": self.stopped,
+            "total_time": self.total_time,
+        }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "History":
-        return cls(epochs=[dict(r) for r in d.get("epochs", [])],
-                   events=[dict(e) for e in d.get("events", [])],
-                   stopped=d.get("stopped"), total_time=float(d.get("total_time", 0.0)))
+    def from_dict(cls, d: Mapping[str, Any]) -> History:
+        return cls(
+            epochs=[dict(r) for r in d.get("epochs", [])],
+            events=[dict(e) for e in d.get("events", [])],
+            stopped=d.get("stopped"),
+            total_time=float(d.get("total_time", 0.0)),
+        )
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -110,15 +131,16 @@ class TrainState:
     scheduler: Any
     loss_fn: nn.Module | None
     history: History
-    epoch: int = 0          # epochs finished
-    iteration: int = 0      # optimizer steps taken
+    epoch: int = 0  # epochs finished
+    iteration: int = 0  # optimizer steps taken
     metrics: dict[str, float] = field(default_factory=dict)  # last step's metrics
     stop: bool = False
 
 
 # ---------------------------------------------------------------------------- helpers
-def warmup_schedule(warmup_iters: int, iters_per_epoch: int = 1, decay_epochs: Sequence[int] = (),
-                    decay_rate: float = 0.3) -> Callable[[int], float]:
+def warmup_schedule(
+    warmup_iters: int, iters_per_epoch: int = 1, decay_epochs: Sequence[int] = (), decay_rate: float = 0.3
+) -> Callable[[int], float]:
     """LR multiplier for iteration ``it``: linear warmup over ``warmup_iters`` (as JEM's code:
     ``(it + 1) / warmup_iters``), times ``decay_rate`` per epoch boundary passed in ``decay_epochs``."""
     decay_epochs = sorted(int(e) for e in decay_epochs)
@@ -144,15 +166,16 @@ def _iter_values(data: Any) -> Iterable[tuple[Tensor, Tensor]]:
     if _is_xy(data):
         x, y = data
         for i in range(0, len(x), 512):
-            yield x[i:i + 512], y[i:i + 512]
+            yield x[i : i + 512], y[i : i + 512]
     else:
         for batch in data:
             yield unpack_batch(batch, need_labels=True)
 
 
 @torch.no_grad()
-def evaluate_classifier(jm: nn.Module, x_test: Tensor | Iterable, y_test: Tensor | None = None,
-                        batch_size: int = 512) -> dict[str, float]:
+def evaluate_classifier(
+    jm: nn.Module, x_test: Tensor | Iterable, y_test: Tensor | None = None, batch_size: int = 512
+) -> dict[str, float]:
     """Accuracy and mean NLL of ``jm`` (any classifier returning logits) on ``(x_test, y_test)``
     tensors or on a loader of ``(x, y)`` batches. The model is evaluated in eval mode and its
     own mode restored."""
@@ -162,8 +185,9 @@ def evaluate_classifier(jm: nn.Module, x_test: Tensor | Iterable, y_test: Tensor
     correct, nll, n = 0, 0.0, 0
     try:
         if y_test is not None:
-            batches = ((x_test[i:i + batch_size], y_test[i:i + batch_size])
-                       for i in range(0, len(x_test), batch_size))
+            batches = (
+                (x_test[i : i + batch_size], y_test[i : i + batch_size]) for i in range(0, len(x_test), batch_size)
+            )
         else:
             batches = _iter_values(x_test)
         for xb, yb in batches:
@@ -191,14 +215,18 @@ def _check_args(epochs: Any, guard_policy: Any, amp: Any, device: torch.device, 
     if amp not in _AMP:
         raise ValueError(f"amp must be 'off', 'bf16' or 'fp16', got {amp!r}")
     if amp == "fp16" and device.type != "cuda":
-        raise ValueError(f"amp='fp16' needs a CUDA model (gradient scaling), the model is on {device}: "
-                         "use amp='bf16', which needs no scaler and runs on the CPU too")
+        raise ValueError(
+            f"amp='fp16' needs a CUDA model (gradient scaling), the model is on {device}: "
+            "use amp='bf16', which needs no scaler and runs on the CPU too"
+        )
     if multi and guard_policy == "rollback":
         # A rollback on one rank would leave the others a step ahead (and waiting in DDP's
         # all-reduce): restoring would have to be collective.
-        raise ValueError("guard_policy='rollback' is not supported with multiple processes (DDP): "
-                         "use guard_policy='raise' (jem train --on-divergence raise) and resume "
-                         "from the last checkpoint with a safer setting")
+        raise ValueError(
+            "guard_policy='rollback' is not supported with multiple processes (DDP): "
+            "use guard_policy='raise' (jem train --on-divergence raise) and resume "
+            "from the last checkpoint with a safer setting"
+        )
 
 
 def _iters_per_epoch(loader: Any) -> int:
@@ -211,13 +239,20 @@ def _iters_per_epoch(loader: Any) -> int:
     return n
 
 
-def _make_guard(policy: str | None, state: TrainState, options: Mapping[str, Any] | None,
-                saved: Mapping[str, Any] | None):
+def _make_guard(
+    policy: str | None, state: TrainState, options: Mapping[str, Any] | None, saved: Mapping[str, Any] | None
+):
     """The :class:`~jem_plugin.stability.DivergenceGuard` for ``policy`` (its ``saved`` state restored)."""
     if policy is None:
         return None
-    guard = DivergenceGuard(state.jm, state.optimizer, loss_fn=state.loss_fn, policy=policy,
-                            scheduler=state.scheduler, **dict(options or {}))
+    guard = DivergenceGuard(
+        state.jm,
+        state.optimizer,
+        loss_fn=state.loss_fn,
+        policy=policy,
+        scheduler=state.scheduler,
+        **dict(options or {}),
+    )
     if saved is not None:
         guard.load_state_dict(saved)
     return guard
@@ -228,8 +263,17 @@ class _Step:
     autocast, the divergence guard (agreed over the ranks), backward (scaled for fp16), gradient
     clipping, optimizer and scheduler. Returns the step's metrics, ``None`` after a rollback."""
 
-    def __init__(self, jm: nn.Module, loss_fn: nn.Module | None, optimizer, scheduler, *, amp: str,
-                 channels_last: bool, grad_clip: float | None) -> None:
+    def __init__(
+        self,
+        jm: nn.Module,
+        loss_fn: nn.Module | None,
+        optimizer,
+        scheduler,
+        *,
+        amp: str,
+        channels_last: bool,
+        grad_clip: float | None,
+    ) -> None:
         self.jm, self.loss_fn, self.optimizer, self.scheduler = jm, loss_fn, optimizer, scheduler
         self.device, self.dtype, self.channels_last = model_device(jm, "cpu"), _AMP[amp], channels_last
         self.grad_clip, self.multi, self.guard, self.batch_size = grad_clip, _multi_process(), None, 0
@@ -300,16 +344,33 @@ def _validate(jm: nn.Module, val_data: Any, multi: bool) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------- fit
-def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
-        optimizer: torch.optim.Optimizer | None = None, lr: float = 1e-4, warmup_iters: int = 1000,
-        decay_epochs: Sequence[int] = (), decay_rate: float = 0.3,
-        loss_fn: nn.Module | None = None, val_data: Any = None, eval_every: int = 1,
-        checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None,
-        keep_checkpoints: int = 2, resume: bool = True,
-        guard_policy: str | None = "raise", guard_options: Mapping[str, Any] | None = None,
-        amp: str = "off", channels_last: bool = False, progress: bool = True,
-        callbacks: Sequence[Any] | None = None, max_seconds: float | None = None,
-        grad_clip: float | None = None, desc: str | None = None) -> History:
+def fit(
+    jm: nn.Module,
+    train_loader: Iterable,
+    *,
+    epochs: int,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr: float = 1e-4,
+    warmup_iters: int = 1000,
+    decay_epochs: Sequence[int] = (),
+    decay_rate: float = 0.3,
+    loss_fn: nn.Module | None = None,
+    val_data: Any = None,
+    eval_every: int = 1,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int | None = None,
+    keep_checkpoints: int = 2,
+    resume: bool = True,
+    guard_policy: str | None = "raise",
+    guard_options: Mapping[str, Any] | None = None,
+    amp: str = "off",
+    channels_last: bool = False,
+    progress: bool = True,
+    callbacks: Sequence[Any] | None = None,
+    max_seconds: float | None = None,
+    grad_clip: float | None = None,
+    desc: str | None = None,
+) -> History:
     """Train ``jm`` (``jem_plugin.wrap(model)``, or any classifier for the cross-entropy baseline)
     on ``train_loader`` (``(x, y)`` batches; its length is the epoch) up to ``epochs`` epochs.
 
@@ -335,16 +396,26 @@ def fit(jm: nn.Module, train_loader: Iterable, *, epochs: int,
     iters, callbacks, start = _iters_per_epoch(train_loader), list(callbacks or []), time.perf_counter()
     optimizer = optimizer if optimizer is not None else torch.optim.Adam(jm.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_schedule(warmup_iters, iters, decay_epochs, decay_rate))
+        optimizer, warmup_schedule(warmup_iters, iters, decay_epochs, decay_rate)
+    )
     state = TrainState(jm, optimizer, scheduler, loss_fn, History())
     step = _Step(jm, loss_fn, optimizer, scheduler, amp=amp, channels_last=channels_last, grad_clip=grad_clip)
-    ckpts = _Checkpoints(checkpoint_dir, every=checkpoint_every, keep=keep_checkpoints, loader=train_loader,
-                         objects=dict(model=jm, optimizer=optimizer, scheduler=scheduler, loss=loss_fn,
-                                      scaler=step.scaler))
+    ckpts = _Checkpoints(
+        checkpoint_dir,
+        every=checkpoint_every,
+        keep=keep_checkpoints,
+        loader=train_loader,
+        objects=dict(model=jm, optimizer=optimizer, scheduler=scheduler, loss=loss_fn, scaler=step.scaler),
+    )
     pos = ckpts.resume(state) if resume else _Position()
     step.guard = guard = _make_guard(guard_policy, state, guard_options, pos.guard)
-    log = _Progress(progress, epochs=epochs, iters_per_epoch=iters, iteration=state.iteration,
-                    desc=desc or ("JEM" if loss_fn is not None else "baseline"))
+    log = _Progress(
+        progress,
+        epochs=epochs,
+        iters_per_epoch=iters,
+        iteration=state.iteration,
+        desc=desc or ("JEM" if loss_fn is not None else "baseline"),
+    )
     if pos.resumed:
         log.announce(f"resuming at epoch {state.epoch + 1}, iteration {state.iteration} of {epochs * iters}")
     reason: str | None = None

@@ -8,12 +8,14 @@ writes a PNG to ``path`` and returns the path; nothing opens a window. The scien
 compute the numbers; this module only draws them. Importing :mod:`jem_plugin` does not import
 this module, matplotlib or torchvision.
 """
+
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import matplotlib
 import matplotlib.ticker
@@ -24,13 +26,31 @@ from torch import Tensor
 
 from .adapter import InputDomain
 
-__all__ = ["save_image_grid", "save_samples", "image_grid", "plot_training_curves", "plot_density_2d",
-           "density_grid", "plot_histograms", "plot_roc", "reliability_diagram", "plot_robust_accuracy",
-           "STYLE"]
+__all__ = [
+    "save_image_grid",
+    "save_samples",
+    "image_grid",
+    "plot_training_curves",
+    "plot_density_2d",
+    "density_grid",
+    "plot_histograms",
+    "plot_roc",
+    "reliability_diagram",
+    "plot_robust_accuracy",
+    "STYLE",
+]
 
 #: Readable defaults used by every figure here.
-STYLE = {"font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "legend.fontsize": 10,
-         "figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3, "axes.formatter.useoffset": False}
+STYLE = {
+    "font.size": 11,
+    "axes.titlesize": 12,
+    "axes.labelsize": 11,
+    "legend.fontsize": 10,
+    "figure.dpi": 110,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.formatter.useoffset": False,
+}
 
 # Curve metrics, in display order, with axis labels. Others present in the history are appended.
 _CURVES = {
@@ -53,8 +73,9 @@ def _to_path(path: str | Path) -> Path:
     return p
 
 
-def image_grid(x: Tensor, domain: InputDomain | None = None, nrow: int = 8, padding: int = 1,
-               pad_value: float = 1.0) -> Tensor:
+def image_grid(
+    x: Tensor, domain: InputDomain | None = None, nrow: int = 8, padding: int = 1, pad_value: float = 1.0
+) -> Tensor:
     """A ``[C, H, W]`` grid in ``[0, 1]`` of images ``x [B, C, H, W]`` (``domain.to_unit`` for
     display; ``[-1, 1]`` assumed when ``domain`` is ``None``)."""
     from torchvision.utils import make_grid
@@ -66,9 +87,15 @@ def image_grid(x: Tensor, domain: InputDomain | None = None, nrow: int = 8, padd
     return make_grid(unit, nrow=nrow, padding=padding, pad_value=pad_value)
 
 
-def save_image_grid(x: Tensor, path: str | Path, domain: InputDomain | None = None, nrow: int = 8,
-                    title: str | None = None, row_labels: Sequence[str] | None = None,
-                    scale: float = 0.5) -> Path:
+def save_image_grid(
+    x: Tensor,
+    path: str | Path,
+    domain: InputDomain | None = None,
+    nrow: int = 8,
+    title: str | None = None,
+    row_labels: Sequence[str] | None = None,
+    scale: float = 0.5,
+) -> Path:
     """Save images ``x [B, C, H, W]`` as a grid PNG (``nrow`` images per row).
 
     ``domain`` maps samples back to pixels (default ``[-1, 1]``); ``row_labels`` names each row
@@ -87,8 +114,7 @@ def save_image_grid(x: Tensor, path: str | Path, domain: InputDomain | None = No
         fig_h = max(1.5, nrows * scale + (0.5 if title else 0.1))
         fig = Figure(figsize=(fig_w, fig_h))
         ax = fig.subplots()
-        ax.imshow(img, cmap="gray" if img.ndim == 2 else None, vmin=0, vmax=1,
-                  interpolation="nearest")
+        ax.imshow(img, cmap="gray" if img.ndim == 2 else None, vmin=0, vmax=1, interpolation="nearest")
         ax.grid(False)
         ax.set_xticks([])
         if row_labels:
@@ -133,19 +159,27 @@ def _series(h) -> dict[str, tuple[list[float], list[float]]]:
 
 def _as_runs(history) -> dict[str, dict[str, tuple[list[float], list[float]]]]:
     """Accept one history (``{metric: [values]}`` or a History), or ``{run: history}``."""
-    def is_run(v) -> bool:
-        return hasattr(v, "to_dict") or (isinstance(v, Mapping) and (
-            isinstance(v.get("epochs"), list) or all(isinstance(a, (list, tuple)) for a in v.values())))
 
-    if isinstance(history, Mapping) and history and not isinstance(history.get("epochs"), list) \
-            and all(is_run(v) for v in history.values()) \
-            and not all(isinstance(v, (list, tuple)) for v in history.values()):
+    def is_run(v) -> bool:
+        return hasattr(v, "to_dict") or (
+            isinstance(v, Mapping)
+            and (isinstance(v.get("epochs"), list) or all(isinstance(a, (list, tuple)) for a in v.values()))
+        )
+
+    if (
+        isinstance(history, Mapping)
+        and history
+        and not isinstance(history.get("epochs"), list)
+        and all(is_run(v) for v in history.values())
+        and not all(isinstance(v, (list, tuple)) for v in history.values())
+    ):
         return {name: _series(v) for name, v in history.items()}
     return {"": _series(history)}
 
 
-def plot_training_curves(history, path: str | Path,
-                         metrics: Sequence[str] | None = None, title: str | None = None) -> Path:
+def plot_training_curves(
+    history, path: str | Path, metrics: Sequence[str] | None = None, title: str | None = None
+) -> Path:
     """Plot per-epoch metrics, one panel per metric, several runs overlaid (e.g. baseline vs JEM).
 
     ``history``: ``{metric: [per-epoch values]}``, a :class:`~jem_plugin.training.History`, or
@@ -174,15 +208,21 @@ def plot_training_curves(history, path: str | Path,
             for i, (name, h) in enumerate(runs.items()):
                 if m in h and len(h[m][1]):
                     xs, ys = np.asarray(h[m][0]), np.asarray(h[m][1])
-                    ax.plot(xs, ys, label=name or None, color=colors[i % len(colors)],
-                            marker="o" if len(ys) <= 12 else None, ms=3)
+                    ax.plot(
+                        xs,
+                        ys,
+                        label=name or None,
+                        color=colors[i % len(colors)],
+                        marker="o" if len(ys) <= 12 else None,
+                        ms=3,
+                    )
             ax.set_title(_CURVES.get(m, m))
             ax.set_xlabel("epoch")
             ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
             ax.set_ylabel(m)
             if m == "energy_gap":
                 ax.axhline(0.0, color="0.4", lw=0.8, ls="--")
-        for ax in list(axes.flat)[len(metrics):]:
+        for ax in list(axes.flat)[len(metrics) :]:
             ax.set_visible(False)
         if len(runs) > 1:
             handles, labels = axes.flat[0].get_legend_handles_labels()
@@ -203,14 +243,14 @@ def plot_training_curves(history, path: str | Path,
                 fig.suptitle(title, y=y, va="top")
                 y -= 0.3 / h
             if len(runs) > 1:
-                fig.legend(handles, labels, loc="upper center", ncol=len(runs), frameon=False,
-                           bbox_to_anchor=(0.5, y))
+                fig.legend(handles, labels, loc="upper center", ncol=len(runs), frameon=False, bbox_to_anchor=(0.5, y))
         fig.savefig(path, bbox_inches="tight")
     return path
 
 
-def density_grid(log_density: Callable[[Tensor], Tensor], lim: float = 3.0, n: int = 150
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def density_grid(
+    log_density: Callable[[Tensor], Tensor], lim: float = 3.0, n: int = 150
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Evaluate a log density on an ``n x n`` grid over ``[-lim, lim]^2``; returns the normalised
     density ``p [n, n]`` (sums to 1 over the grid times cell area) and the grid axes."""
     g = torch.linspace(-lim, lim, n)
@@ -224,10 +264,17 @@ def density_grid(log_density: Callable[[Tensor], Tensor], lim: float = 3.0, n: i
     return p, g.numpy(), g.numpy()
 
 
-def plot_density_2d(path: str | Path, *, learned: Callable[[Tensor], Tensor] | None = None,
-                    true: Callable[[Tensor], Tensor] | None = None, samples: Tensor | None = None,
-                    data: Tensor | None = None, lim: float = 3.0, n: int = 150,
-                    title: str | None = None) -> Path:
+def plot_density_2d(
+    path: str | Path,
+    *,
+    learned: Callable[[Tensor], Tensor] | None = None,
+    true: Callable[[Tensor], Tensor] | None = None,
+    samples: Tensor | None = None,
+    data: Tensor | None = None,
+    lim: float = 3.0,
+    n: int = 150,
+    title: str | None = None,
+) -> Path:
     """Side-by-side panels for a 2D EBM: true density, learned density (``exp(log_px)``
     normalised on the grid), and model samples (over the data, if given).
 
@@ -250,8 +297,7 @@ def plot_density_2d(path: str | Path, *, learned: Callable[[Tensor], Tensor] | N
         for ax, (name, fn) in zip(axes[0], panels):
             if fn is not None:
                 p, gx, gy = density_grid(fn, lim, n)
-                ax.imshow(p, origin="lower", extent=(-lim, lim, -lim, lim), cmap="viridis",
-                          interpolation="bilinear")
+                ax.imshow(p, origin="lower", extent=(-lim, lim, -lim, lim), cmap="viridis", interpolation="bilinear")
             else:
                 if data is not None:
                     d = data.detach().cpu().numpy()
@@ -274,8 +320,7 @@ def plot_density_2d(path: str | Path, *, learned: Callable[[Tensor], Tensor] | N
     return path
 
 
-def save_samples(x: Tensor, path: str | os.PathLike, *, domain: InputDomain | None = None,
-                 nrow: int = 8) -> str:
+def save_samples(x: Tensor, path: str | os.PathLike, *, domain: InputDomain | None = None, nrow: int = 8) -> str:
     """Write images ``x [B, C, H, W]`` (C = 1 or 3) as a bare PNG grid, one pixel per pixel.
 
     ``domain`` maps them to pixels; without one each grid is min-max normalised. What
@@ -309,9 +354,16 @@ def _out_dict(scores_out: Any) -> dict[str, np.ndarray]:
     return {"out": _scores(scores_out, "scores_out")}
 
 
-def plot_histograms(scores_in: Any, scores_out: Any, path: str, title: str | None = None, *,
-                    bins: int = 50, label_in: str = "in-distribution",
-                    xlabel: str = "score (higher = more in-distribution)") -> str:
+def plot_histograms(
+    scores_in: Any,
+    scores_out: Any,
+    path: str,
+    title: str | None = None,
+    *,
+    bins: int = 50,
+    label_in: str = "in-distribution",
+    xlabel: str = "score (higher = more in-distribution)",
+) -> str:
     """Save overlaid, density-normalised histograms of in- vs out-of-distribution scores as a PNG.
 
     ``scores_out`` is one set or ``{name: scores}`` for several OOD sets; each legend entry
@@ -326,12 +378,10 @@ def plot_histograms(scores_in: Any, scores_out: Any, path: str, title: str | Non
     edges = np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.subplots()
-    ax.hist(s_in, bins=edges, density=True, alpha=0.55, label=f"{label_in} (n={s_in.size})",
-            color="C0")
+    ax.hist(s_in, bins=edges, density=True, alpha=0.55, label=f"{label_in} (n={s_in.size})", color="C0")
     for i, (name, s) in enumerate(outs.items(), start=1):
         au = evaluate(s_in, s)["auroc"]
-        ax.hist(s, bins=edges, density=True, alpha=0.45, color=f"C{i}",
-                label=f"{name} (n={s.size}, AUROC {au:.3f})")
+        ax.hist(s, bins=edges, density=True, alpha=0.45, color=f"C{i}", label=f"{name} (n={s.size}, AUROC {au:.3f})")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("density")
     ax.set_title(title or "OOD scores")
@@ -359,8 +409,7 @@ def plot_roc(scores_in: Any, scores_out: Any, path: str, title: str | None = Non
         y = np.concatenate([np.ones(s_in.size), np.zeros(s.size)])
         fpr, tpr, _ = roc_curve(y, np.concatenate([s_in, s]))
         m = evaluate(s_in, s)
-        ax.plot(fpr, tpr, color=f"C{i}", lw=1.8,
-                label=f"{name}: AUROC {m['auroc']:.3f}, FPR95 {m['fpr95']:.3f}")
+        ax.plot(fpr, tpr, color=f"C{i}", lw=1.8, label=f"{name}: AUROC {m['auroc']:.3f}, FPR95 {m['fpr95']:.3f}")
     ax.plot([0, 1], [0, 1], ls="--", color="grey", lw=1, label="chance")
     ax.axhline(0.95, ls=":", color="k", lw=0.8)
     ax.set_xlim(0, 1)
@@ -375,8 +424,9 @@ def plot_roc(scores_in: Any, scores_out: Any, path: str, title: str | None = Non
 
 
 # ---------------------------------------------------------------------- calibration
-def reliability_diagram(probs: Any, labels: Any, path: str, n_bins: int = 15, title: str | None = None,
-                        *, from_logits: bool = False) -> str:
+def reliability_diagram(
+    probs: Any, labels: Any, path: str, n_bins: int = 15, title: str | None = None, *, from_logits: bool = False
+) -> str:
     """Save a reliability diagram as a PNG (Guo et al. 2017, Fig. 1 style); returns ``path``.
 
     Top: accuracy per confidence bin (bars), the gap to the bin's mean confidence (hatched), the
@@ -399,11 +449,20 @@ def reliability_diagram(probs: Any, labels: Any, path: str, n_bins: int = 15, ti
 
     fig = Figure(figsize=(5.0, 6.2))
     ax, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    ax.bar(centers[nonempty], acc[nonempty], width=width, color="C0", edgecolor="k", lw=0.6,
-           label="accuracy per bin")
+    ax.bar(centers[nonempty], acc[nonempty], width=width, color="C0", edgecolor="k", lw=0.6, label="accuracy per bin")
     gap_lo = np.minimum(acc, conf)[nonempty]
-    ax.bar(centers[nonempty], np.abs(conf - acc)[nonempty], bottom=gap_lo, width=width,
-           color="C3", alpha=0.35, edgecolor="C3", hatch="//", lw=0.6, label="gap to confidence")
+    ax.bar(
+        centers[nonempty],
+        np.abs(conf - acc)[nonempty],
+        bottom=gap_lo,
+        width=width,
+        color="C3",
+        alpha=0.35,
+        edgecolor="C3",
+        hatch="//",
+        lw=0.6,
+        label="gap to confidence",
+    )
     ax.plot([0, 1], [0, 1], ls="--", color="grey", lw=1, label="perfect calibration")
     ax.plot([], [], " ", label=f"ECE {e:.4f}   MCE {m:.4f}")
     ax.set_xlim(0, 1)
@@ -424,8 +483,14 @@ def reliability_diagram(probs: Any, labels: Any, path: str, n_bins: int = 15, ti
 
 
 # ---------------------------------------------------------------------- robustness
-def plot_robust_accuracy(results: Mapping[str, Any], path: str, title: str | None = None, *,
-                         eps_scale: float = 1.0, eps_label: str | None = None) -> str:
+def plot_robust_accuracy(
+    results: Mapping[str, Any],
+    path: str,
+    title: str | None = None,
+    *,
+    eps_scale: float = 1.0,
+    eps_label: str | None = None,
+) -> str:
     """Save robust accuracy against ``eps`` as a PNG; returns ``path``.
 
     ``results`` is one :func:`~jem_plugin.robustness.robust_accuracy` result or ``{label: result}``
@@ -440,11 +505,10 @@ def plot_robust_accuracy(results: Mapping[str, Any], path: str, title: str | Non
     norms = set()
     for i, (name, r) in enumerate(results.items()):
         eps = np.asarray(r["eps"], dtype=float) * eps_scale
-        ax.plot(eps, r["accuracy"], marker="o", ms=4, lw=1.8, color=f"C{i}",
-                label=f"{name} ({r.get('attack', 'pgd')})")
+        ax.plot(eps, r["accuracy"], marker="o", ms=4, lw=1.8, color=f"C{i}", label=f"{name} ({r.get('attack', 'pgd')})")
         norms.add(r.get("norm", "linf"))
     norm_txt = "/".join(sorted(norms))
-    ax.set_xlabel(eps_label or f"eps ({norm_txt}{', x%g' % eps_scale if eps_scale != 1 else ''})")
+    ax.set_xlabel(eps_label or f"eps ({norm_txt}{f', x{eps_scale:g}' if eps_scale != 1 else ''})")
     ax.set_ylabel("accuracy")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)

@@ -8,6 +8,7 @@ resuming from the newest one on start. Batches and data noise come from the *glo
 so an exact resume depends on the RNG state in the checkpoint. On completion it writes
 ``OUT_DIR/final.pt`` with the model parameters and the replay buffer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,14 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     x_all, y_all = digits()
-    net = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.SiLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1),
-                        nn.SiLU(), nn.Flatten(), nn.Linear(8 * 16, 10))
+    net = nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.SiLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1),
+        nn.SiLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 16, 10),
+    )
     jm = jem.wrap(net, num_classes=10, data_range=(-1.0, 1.0))
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     loss_fn = JEMLoss(SGLD(steps=3), ReplayBuffer(capacity=256, sample_shape=(1, 8, 8)), l2_weight=0.1)
@@ -66,9 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         ckpt.maybe_save(step + 1, model=jm, optimizer=opt, loss=loss_fn)
         if args.sleep:
             time.sleep(args.sleep)
-    torch.save({"params": {k: v.clone() for k, v in net.state_dict().items()},
-                "buffer": loss_fn.buffer.data.clone(), "rng": torch.get_rng_state()},
-               os.path.join(args.out, "final.pt"))
+    torch.save(
+        {
+            "params": {k: v.clone() for k, v in net.state_dict().items()},
+            "buffer": loss_fn.buffer.data.clone(),
+            "rng": torch.get_rng_state(),
+        },
+        os.path.join(args.out, "final.pt"),
+    )
     print("done", flush=True)
     return 0
 

@@ -1,4 +1,5 @@
 """Shared fixtures. Tests run on CPU with one thread: the machine (and CI) has 2 cores."""
+
 from __future__ import annotations
 
 import os
@@ -23,9 +24,14 @@ class TinyCNN(torch.nn.Module):
     def __init__(self, num_classes: int = 10, in_ch: int = 1):
         super().__init__()
         self.features = torch.nn.Sequential(
-            torch.nn.Conv2d(in_ch, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.SiLU(),
-            torch.nn.Conv2d(8, 16, 3, stride=2, padding=1), torch.nn.SiLU(),
-            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Dropout(0.1),
+            torch.nn.Conv2d(in_ch, 8, 3, padding=1),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.SiLU(),
+            torch.nn.Conv2d(8, 16, 3, stride=2, padding=1),
+            torch.nn.SiLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Dropout(0.1),
         )
         self.head = torch.nn.Linear(16, num_classes)
 

@@ -1,4 +1,5 @@
 """Adapters: timm families, torchvision, Hugging Face outputs, tuples and dicts."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -106,8 +107,16 @@ def _hf_model():
     except ImportError:
         ViTForImageClassification = None
     if ViTForImageClassification is not None:
-        cfg = ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=16, num_hidden_layers=1,
-                        num_attention_heads=2, intermediate_size=32, num_labels=4)
+        cfg = ViTConfig(
+            image_size=16,
+            patch_size=8,
+            num_channels=3,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            num_labels=4,
+        )
         return ViTForImageClassification(cfg).eval(), True
 
     @dataclasses.dataclass

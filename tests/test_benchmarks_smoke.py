@@ -1,5 +1,6 @@
 """Smoke tests of benchmarks/: tiny settings, so the benchmarks cannot rot, plus the strongest
 correctness check we have for the sampler: it computes exactly the bare loop's chain."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,16 @@ import json
 import pytest
 import torch
 
-from benchmarks import bench_gpu_path, bench_quality, bench_sampler, bench_scaling, bench_scoring, bench_train_step
-from benchmarks import common, run_all
+from benchmarks import (
+    bench_gpu_path,
+    bench_quality,
+    bench_sampler,
+    bench_scaling,
+    bench_scoring,
+    bench_train_step,
+    common,
+    run_all,
+)
 from benchmarks.bench_quality import check_targets
 from benchmarks.common import floor_chain, frozen, make_model, uniform_batch
 from jem_plugin.sampling import SGLD
@@ -31,8 +40,9 @@ def test_sampler_computes_the_floors_chain_bit_for_bit(model_name, conditional):
     model.train()  # the sampler must switch BatchNorm (test_resnet) to eval itself; the floor runs in eval
     x0 = uniform_batch(4, shape, seed=5)
     y = torch.tensor([0, 3, 7, 9]) if conditional else None
-    ours = SGLD(steps=3, step_size=1.0, noise=0.01, clamp=False,
-                generator=torch.Generator().manual_seed(42)).sample(jm, x_init=x0, y=y)
+    ours = SGLD(steps=3, step_size=1.0, noise=0.01, clamp=False, generator=torch.Generator().manual_seed(42)).sample(
+        jm, x_init=x0, y=y
+    )
     assert model.training, "the sampler must restore the model's train mode"
     model.eval()
     with frozen(model):
@@ -100,8 +110,17 @@ def test_quick_benchmarks_write_the_report(tmp_path):
 
 
 def test_memory_probe_runs_in_a_fresh_process():
-    r = common.probe_memory({"kind": "sampler", "impl": "jem_plugin", "model": "digits_cnn", "batch": 4,
-                             "steps": 2, "buffer_size": 16, "threads": 1})
+    r = common.probe_memory(
+        {
+            "kind": "sampler",
+            "impl": "jem_plugin",
+            "model": "digits_cnn",
+            "batch": 4,
+            "steps": 2,
+            "buffer_size": 16,
+            "threads": 1,
+        }
+    )
     assert "error" not in r, r
     assert r["delta_mb"] >= 0 and r["method"] in ("VmHWM reset", "ru_maxrss delta")
 
@@ -113,15 +132,25 @@ def test_quality_comparisons_and_table():
         r.update({f"auroc_{m}_{s}": auroc for m in ("logpx", "grad_norm") for s in bench_quality.SETS})
         r["train_cpu_seconds"] = 150 * cpu
         return r
-    res = {"epochs": 1, "workers": 1, "wall_s": 1.0, "heldout": {},
-           "table": {"baseline": row(0.95, 0.5, 1.0), "jem_20": row(0.95, 0.99, 13.0),
-                     "jem_5": row(0.93, 0.99, 5.0), "baseline_fast": row(0.97, 0.5, 2.0),
-                     "jem_5_fast": row(0.948, 0.98, 7.0),
-                     "jem_5_proximal": {"diverged": "|energy_sample| = 2e+04 exceeds max_abs_energy=1e+04"}}}
+
+    res = {
+        "epochs": 1,
+        "workers": 1,
+        "wall_s": 1.0,
+        "heldout": {},
+        "table": {
+            "baseline": row(0.95, 0.5, 1.0),
+            "jem_20": row(0.95, 0.99, 13.0),
+            "jem_5": row(0.93, 0.99, 5.0),
+            "baseline_fast": row(0.97, 0.5, 2.0),
+            "jem_5_fast": row(0.948, 0.98, 7.0),
+            "jem_5_proximal": {"diverged": "|energy_sample| = 2e+04 exceeds max_abs_energy=1e+04"},
+        },
+    }
     res["comparisons"] = bench_quality.compare(res)
     c = res["comparisons"]
-    assert c["jem_5"]["matches_20step"] is False          # 2 points below
-    assert c["jem_5_fast"]["matches_20step"] is True      # 0.2 point, 0.01 AUROC below
+    assert c["jem_5"]["matches_20step"] is False  # 2 points below
+    assert c["jem_5_fast"]["matches_20step"] is True  # 0.2 point, 0.01 AUROC below
     # cost and accuracy against the baseline trained with the same optimiser (baseline_fast)
     assert c["fast_recipe_cost_ok"] is True and c["fast_recipe_cost_vs_baseline"] == pytest.approx(3.5)
     assert res["table"]["jem_5_fast"]["acc_vs_baseline"] == pytest.approx(-0.022)
@@ -131,11 +160,12 @@ def test_quality_comparisons_and_table():
     assert "jem_5_fast" in md and "MISSED" in md and "diverged" in md
 
     # Other seeds: one meets every target, one is 2 points below its baseline.
-    res["seeds"] = {"1": {"baseline": row(0.97, 0.5, 2.0), "jem": row(0.965, 0.995, 7.0)},
-                    "2": {"baseline": row(0.97, 0.5, 2.0), "jem": row(0.95, 0.995, 7.0)}}
+    res["seeds"] = {
+        "1": {"baseline": row(0.97, 0.5, 2.0), "jem": row(0.965, 0.995, 7.0)},
+        "2": {"baseline": row(0.97, 0.5, 2.0), "jem": row(0.95, 0.995, 7.0)},
+    }
     for r in res["seeds"].values():
-        r["targets"] = check_targets({"runs": {"baseline": {"summary": r["baseline"]},
-                                               "JEM": {"summary": r["jem"]}}})
+        r["targets"] = check_targets({"runs": {"baseline": {"summary": r["baseline"]}, "JEM": {"summary": r["jem"]}}})
     fs = bench_quality.compare(res)["fast_recipe_seeds"]
     assert fs["n"] == 3 and fs["all_targets_met"] == 1  # seed 0: logpx AUROC 0.98 < 0.99
     assert fs["worst_acc_vs_baseline"] == pytest.approx(-0.022)  # seed 0: 0.948 vs 0.97
@@ -149,11 +179,11 @@ def test_robustness_table_from_a_digits_run(tmp_path):
     from benchmarks import bench_robustness
     from jem_plugin.app.experiments import run_digits
 
-    run_digits(tmp_path, epochs=1, sgld_steps=2, buffer_size=200, class_sample_steps=2,
-               progress=False, plots=False)
+    run_digits(tmp_path, epochs=1, sgld_steps=2, buffer_size=200, class_sample_steps=2, progress=False, plots=False)
     res = bench_robustness.run(tmp_path, n=16, steps=2, defense_step_sizes=(1.0, 0.1))
     assert set(res["results"]) == {"baseline", "JEM"} | {
-        f"{m} + SGLD defence (step {s}, worst case)" for m in ("baseline", "JEM") for s in ("1", "0.1")}
+        f"{m} + SGLD defence (step {s}, worst case)" for m in ("baseline", "JEM") for s in ("1", "0.1")
+    }
     for r in res["results"].values():
         assert len(r["accuracy"]) == len(bench_robustness.EPS_255)
         # PGD can only lower accuracy as the budget grows (eps 0 = clean accuracy)

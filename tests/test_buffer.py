@@ -1,4 +1,5 @@
 """Replay buffer: lazy init, reinit frequency, class segments, init distributions, state, grid PNG."""
+
 from __future__ import annotations
 
 import io
@@ -11,9 +12,8 @@ import torch
 import jem_plugin as jem
 from jem_plugin.adapter import IMAGENET_MEAN, IMAGENET_STD, InputDomain
 from jem_plugin.buffer import ReplayBuffer
-from jem_plugin.errors import (CheckpointError, InvalidInputError, InvalidLabelError, JEMError,
-                               UnknownNameError)
 from jem_plugin.builtins.init_distributions import GaussianInit
+from jem_plugin.errors import CheckpointError, InvalidInputError, InvalidLabelError, JEMError, UnknownNameError
 
 SHAPE = (1, 8, 8)
 DOMAIN = InputDomain()  # [-1, 1]
@@ -160,15 +160,16 @@ def test_lowrank_covariance_keeps_leading_directions_and_total_variance():
     variances; the rest comes back as isotropic noise (total variance unchanged), a share of it
     (residual=0.25), or none (residual=0)."""
     g = gen(0)
-    dirs = torch.linalg.qr(torch.randn(64, 2, generator=g))[0]                  # orthonormal [64, 2]
+    dirs = torch.linalg.qr(torch.randn(64, 2, generator=g))[0]  # orthonormal [64, 2]
     x = (torch.randn(3000, 2, generator=g) * torch.tensor([0.3, 0.2])) @ dirs.T
     x = (x + 0.05 * torch.randn(3000, 64, generator=g)).view(3000, *SHAPE)
     y = torch.zeros(3000, dtype=torch.long)
-    outside = lambda s: s - s.mean(0) - (s - s.mean(0)) @ dirs @ dirs.T         # off the two directions
+    outside = lambda s: s - s.mean(0) - (s - s.mean(0)) @ dirs @ dirs.T  # off the two directions
     low = GaussianInit(covariance="lowrank", rank=2).fit(x, y)
     draws = low.sample(20000, SHAPE, DOMAIN, gen(1), "cpu").flatten(1)
-    torch.testing.assert_close(((draws - low.mean[0]) @ dirs).std(0),
-                               ((x.flatten(1) - low.mean[0]) @ dirs).std(0), atol=0.01, rtol=0)
+    torch.testing.assert_close(
+        ((draws - low.mean[0]) @ dirs).std(0), ((x.flatten(1) - low.mean[0]) @ dirs).std(0), atol=0.01, rtol=0
+    )
     torch.testing.assert_close(draws.var(0).sum(), x.flatten(1).var(0).sum(), atol=0.01, rtol=0.02)
     assert abs(outside(draws).std() - 0.05) < 0.005
     span = GaussianInit(covariance="lowrank", rank=2, residual=0.0).fit(x, y)
@@ -183,12 +184,14 @@ def test_lowrank_covariance_keeps_leading_directions_and_total_variance():
 def test_lowrank_covariance_fits_where_full_is_refused_and_round_trips():
     """At 3x224x224 the full covariance is refused; the low-rank one fits, draws and saves."""
     x, y = torch.rand(6, 3, 224, 224, generator=gen(0)) * 2 - 1, torch.tensor([0, 1, 2, 0, 1, 2])
-    buf = ReplayBuffer(6, (3, 224, 224), init="gaussian", num_classes=3,
-                       init_kwargs={"covariance": "lowrank", "rank": 8}).fit(x, y)
+    buf = ReplayBuffer(
+        6, (3, 224, 224), init="gaussian", num_classes=3, init_kwargs={"covariance": "lowrank", "rank": 8}
+    ).fit(x, y)
     # two examples per class give two directions: the factor stores two columns, not eight
     assert buf.init_dist.factor.shape == (3, 3 * 224 * 224, 2) and "rank=8" in repr(buf.init_dist)
-    new = ReplayBuffer(6, (3, 224, 224), init="gaussian", num_classes=3,
-                       init_kwargs={"covariance": "lowrank", "rank": 8})
+    new = ReplayBuffer(
+        6, (3, 224, 224), init="gaussian", num_classes=3, init_kwargs={"covariance": "lowrank", "rank": 8}
+    )
     new.load_state_dict(roundtrip(buf.state_dict()))
     a = buf.init_dist.sample(4, (3, 224, 224), DOMAIN, gen(5), "cpu", y=torch.tensor([2, 0, 1, 2]))
     b = new.init_dist.sample(4, (3, 224, 224), DOMAIN, gen(5), "cpu", y=torch.tensor([2, 0, 1, 2]))
@@ -209,18 +212,20 @@ def test_stationary_covariance_keeps_each_class_mean_and_the_data_power_spectrum
     x = grey.expand(300, 3, 16, 16) + 2.0 * y.view(-1, 1, 1, 1) * torch.tensor([1.0, 0.5, 0.0]).view(1, 3, 1, 1)
     wide = InputDomain((-9.0,), (9.0,))
     yy = torch.ones(2000, dtype=torch.long)
-    draws = {cov: GaussianInit(covariance=cov).fit(x, y).sample(2000, (3, 16, 16), wide, g, "cpu", y=yy)
-             for cov in ("stationary", "diagonal")}
+    draws = {
+        cov: GaussianInit(covariance=cov).fit(x, y).sample(2000, (3, 16, 16), wide, g, "cpu", y=yy)
+        for cov in ("stationary", "diagonal")
+    }
     d, data = draws["stationary"], x[y == 1]
-    assert torch.allclose(d.mean(0), data.mean(0), atol=0.05)            # the class mean
+    assert torch.allclose(d.mean(0), data.mean(0), atol=0.05)  # the class mean
     centred = d - d.mean(0)
-    assert (centred[:, 0] - centred[:, 1]).abs().max() < 1e-4            # grey stays grey
+    assert (centred[:, 0] - centred[:, 1]).abs().max() < 1e-4  # grey stays grey
     power = lambda t: torch.fft.fft2(t[:, 0] - t[:, 0].mean(0)).abs().square().mean(0)
     ratio = power(d) / power(data)
     low, high = ratio[:2, :2].mean(), ratio[6:10, 6:10].mean()
-    assert 0.8 < low < 1.25 and 0.5 < high < 2.0                         # the same spectrum
+    assert 0.8 < low < 1.25 and 0.5 < high < 2.0  # the same spectrum
     jumps = lambda t: float((t[..., 1:] - t[..., :-1]).abs().mean() / (t - t.mean(0)).abs().mean())
-    assert jumps(d) < 0.6 * jumps(draws["diagonal"])                      # as smooth as the data
+    assert jumps(d) < 0.6 * jumps(draws["diagonal"])  # as smooth as the data
 
 
 def test_stationary_covariance_round_trips_at_any_size_and_refuses_non_images():
@@ -247,6 +252,7 @@ def test_lowrank_covariance_too_large_for_memory_is_refused_with_the_rank_that_f
     """rank 8 for 1000 classes at 3x224x224 takes 4.5 GiB: refused with the largest rank that fits
     (here the cap is lowered so that 3 classes of 64 values at rank 4 pass it)."""
     import jem_plugin.builtins.init_distributions as init_module
+
     monkeypatch.setattr(init_module, "COVARIANCE_MAX_BYTES", 3 * 64 * 4 * 3)
     x, y, _ = class_data()
     with pytest.raises(InvalidInputError, match=r"rank-8 covariance for 3 classes of 64 values.*use rank <= 3"):

@@ -1,6 +1,6 @@
 """Calibration metrics and temperature scaling."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import numpy as np
 import pytest
@@ -86,7 +86,8 @@ def test_nll_and_brier_from_logits_match_torch():
     assert cal.nll(probs, labels) == pytest.approx(float(F.cross_entropy(logits.double(), labels)), abs=1e-5)
     onehot = F.one_hot(labels, 4).double()
     assert cal.brier(logits, labels, from_logits=True) == pytest.approx(
-        float(((torch.softmax(logits.double(), 1) - onehot) ** 2).sum(1).mean()))
+        float(((torch.softmax(logits.double(), 1) - onehot) ** 2).sum(1).mean())
+    )
 
 
 def test_temperature_scaling_recovers_known_temperature():
@@ -115,8 +116,19 @@ def test_temperature_fit_works_inside_inference_mode():
 def test_calibration_report_before_after():
     z, _, labels = _synthetic_calibrated(20_000, 10, 6)
     r = cal.calibration_report(3.0 * z, labels)
-    assert set(r) == {"accuracy", "n", "temperature", "ece_before", "ece_after", "mce_before",
-                      "mce_after", "nll_before", "nll_after", "brier_before", "brier_after"}
+    assert set(r) == {
+        "accuracy",
+        "n",
+        "temperature",
+        "ece_before",
+        "ece_after",
+        "mce_before",
+        "mce_after",
+        "nll_before",
+        "nll_after",
+        "brier_before",
+        "brier_after",
+    }
     assert r["temperature"] == pytest.approx(3.0, rel=0.05)
     assert r["ece_after"] < 0.02 < r["ece_before"]
     assert r["nll_after"] < r["nll_before"] and r["brier_after"] < r["brier_before"]
@@ -139,22 +151,25 @@ def test_cross_fitted_report_scales_each_half_by_the_other_halfs_temperature():
     mixed[::2] *= 10.0  # even half far too confident, odd half calibrated
     r = cal.cross_fitted_report(mixed, labels)
     assert r["temperature_even"] == pytest.approx(1.0, rel=0.1)  # fitted on the odd half
-    assert r["temperature_odd"] > 5.0                             # fitted on the even half
+    assert r["temperature_odd"] > 5.0  # fitted on the even half
     assert r["ece_after"] > 0.1 > cal.calibration_report(mixed[::2], labels[::2])["ece_after"]
     with pytest.raises(InvalidScoresError, match="at least 4"):
         cal.cross_fitted_report(z[:3], labels[:3])
 
 
-@pytest.mark.parametrize("probs,labels,exc,match", [
-    (torch.empty(0, 3), torch.empty(0, dtype=torch.long), InvalidScoresError, "empty"),
-    (torch.ones(4), torch.zeros(4, dtype=torch.long), InvalidScoresError, r"\[N, K\]"),
-    (torch.tensor([[0.5, 0.5], [0.5, float("nan")]]), torch.tensor([0, 1]), InvalidScoresError, "non-finite"),
-    (torch.tensor([[2.0, -1.0]]), torch.tensor([0]), InvalidScoresError, "from_logits=True"),
-    (torch.tensor([[0.3, 0.3]]), torch.tensor([0]), InvalidScoresError, "sum to 1"),
-    (torch.tensor([[0.5, 0.5]]), torch.tensor([0, 1]), InvalidLabelError, "one per prediction"),
-    (torch.tensor([[0.5, 0.5]]), torch.tensor([2]), InvalidLabelError, r"\[0, 2\)"),
-    (torch.tensor([[0.5, 0.5]]), torch.tensor([0.0]), InvalidLabelError, "integer"),
-])
+@pytest.mark.parametrize(
+    "probs,labels,exc,match",
+    [
+        (torch.empty(0, 3), torch.empty(0, dtype=torch.long), InvalidScoresError, "empty"),
+        (torch.ones(4), torch.zeros(4, dtype=torch.long), InvalidScoresError, r"\[N, K\]"),
+        (torch.tensor([[0.5, 0.5], [0.5, float("nan")]]), torch.tensor([0, 1]), InvalidScoresError, "non-finite"),
+        (torch.tensor([[2.0, -1.0]]), torch.tensor([0]), InvalidScoresError, "from_logits=True"),
+        (torch.tensor([[0.3, 0.3]]), torch.tensor([0]), InvalidScoresError, "sum to 1"),
+        (torch.tensor([[0.5, 0.5]]), torch.tensor([0, 1]), InvalidLabelError, "one per prediction"),
+        (torch.tensor([[0.5, 0.5]]), torch.tensor([2]), InvalidLabelError, r"\[0, 2\)"),
+        (torch.tensor([[0.5, 0.5]]), torch.tensor([0.0]), InvalidLabelError, "integer"),
+    ],
+)
 def test_bad_inputs(probs, labels, exc, match):
     with pytest.raises(exc, match=match) as info:
         cal.ece(probs, labels)

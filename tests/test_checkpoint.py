@@ -1,4 +1,5 @@
 """Checkpoints: exact resume after SIGKILL, atomic writes, clear errors, never executing code."""
+
 from __future__ import annotations
 
 import os
@@ -62,8 +63,12 @@ def test_sigkill_mid_training_resumes_bitwise(tmp_path, capsys):
     """
     iters, every = "16", "4"
     killed = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(killed), "--iters", iters, "--every", every,
-                             "--sleep", "0.1"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(killed), "--iters", iters, "--every", every, "--sleep", "0.1"],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         ckpt = Checkpointer(killed, every=int(every))
         deadline = time.monotonic() + 45
@@ -178,8 +183,9 @@ WRITER = textwrap.dedent("""
 
 
 def _kill_writer_midway(path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path)], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         lines = [proc.stdout.readline().strip() for _ in range(3)]
         assert lines == ["1", "2", "mid-write"], (lines, proc.stderr.read() if proc.poll() is not None else "")
@@ -245,8 +251,11 @@ def test_mismatched_model_names_object_and_first_mismatches_and_loads_nothing(tm
     other = net(width=5)
     opt = torch.optim.SGD(other.parameters(), lr=0.1)
     before = {k: v.clone() for k, v in other.state_dict().items()}
-    with pytest.raises(CheckpointError, match=r"'model' \(Sequential\).*shape mismatch 1.weight: checkpoint "
-                                              r"\(4, 16\) vs object \(5, 16\)") as info:
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model' \(Sequential\).*shape mismatch 1.weight: checkpoint "
+        r"\(4, 16\) vs object \(5, 16\)",
+    ) as info:
         load_checkpoint(path, model=other, optimizer=opt)
     assert info.value.reason == "mismatch"
     assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
@@ -281,8 +290,13 @@ class Evil:
 def test_pickled_code_is_refused_and_never_runs(tmp_path, writer):
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.pt"
-    payload = {"format": "jem-plugin-checkpoint", "version": 1, "kinds": {"x": "value"},
-               "objects": {"x": Evil(marker)}, "rng": None}
+    payload = {
+        "format": "jem-plugin-checkpoint",
+        "version": 1,
+        "kinds": {"x": "value"},
+        "objects": {"x": Evil(marker)},
+        "rng": None,
+    }
     if writer == "torch":
         torch.save(payload, path)
     elif writer == "pickle":

@@ -1,4 +1,5 @@
 """The shared helpers of jem_plugin._checks, and the public entry points that rely on them."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,14 +31,17 @@ class BufferOnly(nn.Module):
         self.register_buffer("scale", torch.ones(1, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("bad, match", [
-    (torch.tensor([0.0, 1.0]), "integer class indices"),
-    (torch.tensor([True, False]), "integer class indices"),
-    (torch.tensor([[0, 1]]), r"shape \[2\]"),
-    (torch.tensor([0, 4]), r"\[0, 4\) for 4 classes; got values from 0 to 4"),
-    (torch.tensor([-1, 0]), r"from -1 to 0"),
-    (["a", "b"], "integer class indices"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (torch.tensor([0.0, 1.0]), "integer class indices"),
+        (torch.tensor([True, False]), "integer class indices"),
+        (torch.tensor([[0, 1]]), r"shape \[2\]"),
+        (torch.tensor([0, 4]), r"\[0, 4\) for 4 classes; got values from 0 to 4"),
+        (torch.tensor([-1, 0]), r"from -1 to 0"),
+        (["a", "b"], "integer class indices"),
+    ],
+)
 def test_every_entry_point_rejects_bad_labels_with_the_same_message(bad, match):
     with pytest.raises(InvalidLabelError, match=match):
         _checks.check_labels(bad, 2, num_classes=4)
@@ -88,12 +92,17 @@ def test_ood_scores_and_outlier_loaders_read_dict_batches():
     jm = jem.wrap(TwoLayer(), data_range=(-3.0, 3.0), input_size=(5,))
     x = torch.randn(12, 5, generator=torch.Generator().manual_seed(0))
     expected = ood.score(jm, x, "logpx", progress=False)
-    dicts = [{"pixel_values": x[i:i + 4], "labels": torch.zeros(4)} for i in range(0, 12, 4)]
+    dicts = [{"pixel_values": x[i : i + 4], "labels": torch.zeros(4)} for i in range(0, 12, 4)]
     torch.testing.assert_close(ood.score(jm, dicts, "logpx", progress=False), expected)
     # energy_bounded's outlier loader goes through the same batch helper (no private ood import)
     term = EnergyBoundedTerm(m_in=-5.0, m_out=-1.0, outliers=dicts)
     logits = jm(x[:4])
-    batch = LossBatch(x=x[:4], y=torch.zeros(4, dtype=torch.long), x_data=x[:4], logits_data=logits,
-                      energy_data=_checks.free_energy(logits))
+    batch = LossBatch(
+        x=x[:4],
+        y=torch.zeros(4, dtype=torch.long),
+        x_data=x[:4],
+        logits_data=logits,
+        energy_data=_checks.free_energy(logits),
+    )
     _, metrics = term(jm, batch)
     torch.testing.assert_close(metrics["e_out"], _checks.free_energy(jm(x[:4])).mean())

@@ -1,4 +1,5 @@
 """Every `jem` subcommand, end to end on tiny budgets, and its one-line errors."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,24 @@ from jem_plugin.app.cli import main
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    rc = main(["train", "--epochs", "1", "--sgld-steps", "2", "--buffer-size", "500", "--warmup-iters", "10",
-               "--lr", "1e-3", "--out", str(out), "--quiet"])
+    rc = main(
+        [
+            "train",
+            "--epochs",
+            "1",
+            "--sgld-steps",
+            "2",
+            "--buffer-size",
+            "500",
+            "--warmup-iters",
+            "10",
+            "--lr",
+            "1e-3",
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     return out
 
@@ -28,8 +45,15 @@ def test_train_writes_model_checkpoints_history(trained_run):
     assert (trained_run / "buffer.png").stat().st_size > 100
     # Sample quality by an independent judge, once at the end, with its reference points (issue 16)
     q = history["sample_quality"]
-    assert set(q) == {"fd_buffer", "fd_init", "fd_heldout_floor", "fd_n_samples", "judge_acc_heldout",
-                      "judge_acc_samples", "judge_acc_init"}
+    assert set(q) == {
+        "fd_buffer",
+        "fd_init",
+        "fd_heldout_floor",
+        "fd_n_samples",
+        "judge_acc_heldout",
+        "judge_acc_samples",
+        "judge_acc_init",
+    }
     assert q["fd_n_samples"] == 180  # half the 360 held-out digits: every distance at the same n
     assert q["fd_heldout_floor"] < q["fd_init"] and q["judge_acc_heldout"] > 0.5  # the judge sees digits
     assert 0.0 <= q["judge_acc_samples"] <= 1.0 and q["fd_buffer"] >= 0.0
@@ -37,8 +61,24 @@ def test_train_writes_model_checkpoints_history(trained_run):
 
 def test_train_resumes_from_its_checkpoints(trained_run, capsys):
     # Asking for 2 epochs in the same directory continues from epoch 1 instead of starting over.
-    rc = main(["train", "--epochs", "2", "--sgld-steps", "2", "--buffer-size", "500", "--warmup-iters", "10",
-               "--lr", "1e-3", "--out", str(trained_run), "--quiet"])
+    rc = main(
+        [
+            "train",
+            "--epochs",
+            "2",
+            "--sgld-steps",
+            "2",
+            "--buffer-size",
+            "500",
+            "--warmup-iters",
+            "10",
+            "--lr",
+            "1e-3",
+            "--out",
+            str(trained_run),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     history = json.loads((trained_run / "history.json").read_text())
     assert [e["epoch"] for e in history["epochs"]] == [1, 2]
@@ -61,8 +101,22 @@ def test_ood(trained_run, tmp_path):
 
 def test_sample(trained_run, tmp_path):
     out = tmp_path / "grid.png"
-    assert main(["sample", str(trained_run / "model.pt"), "--per-class", "--n", "20", "--sgld-steps", "3",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                str(trained_run / "model.pt"),
+                "--per-class",
+                "--n",
+                "20",
+                "--sgld-steps",
+                "3",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     from PIL import Image
 
     w, h = Image.open(out).size
@@ -100,13 +154,22 @@ def test_demo_smoke_writes_report(tmp_path, capsys):
     assert "MISSED" not in html and "targets" not in metrics
     # Sample quality of the JEM by an independent judge, reference points beside it (issue 16)
     q = metrics["runs"]["JEM"]["summary"]
-    assert {"fd_buffer", "fd_init", "fd_heldout_floor", "fd_n_samples", "judge_acc_samples", "judge_acc_init",
-            "judge_acc_heldout"} <= set(q)
+    assert {
+        "fd_buffer",
+        "fd_init",
+        "fd_heldout_floor",
+        "fd_n_samples",
+        "judge_acc_samples",
+        "judge_acc_init",
+        "judge_acc_heldout",
+    } <= set(q)
     assert "fd_buffer" not in metrics["runs"]["baseline"]["summary"]  # no buffer, no samples to judge
     assert q["fd_heldout_floor"] < q["fd_init"]
     assert "Sample distance: replay buffer (FD)" in html and "reference: initial distribution (FD)" in html
     assert "reference: held-out vs held-out (FD)" in html and "Judge accuracy on class samples" in html
-    assert "should fall well below its initial distribution" in html and "fd_buffer" not in html.split("<h2>Settings")[0]
+    assert (
+        "should fall well below its initial distribution" in html and "fd_buffer" not in html.split("<h2>Settings")[0]
+    )
     # The demo's models are ordinary model files: the post-hoc commands read them.
     assert main(["eval", str(tmp_path / "model_JEM.pt"), "--quiet"]) == 0
     evaluated = json.loads(capsys.readouterr().out)  # same test split: the same accuracy
@@ -127,13 +190,16 @@ def test_config_file_sets_defaults_and_flags_win(tmp_path):
     assert parse_args(["train", "--config", str(toml)]).epochs == 5
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["eval", "does/not/exist.pt"], "no checkpoint at"),
-    (["train", "--data", "cifar10:/nonexistent", "--epochs", "1"], "CIFAR-10 not found"),
-    (["train", "--data", "mnist"], "unknown --data"),
-    (["train", "--model", "not_a_model_anywhere"], "unknown --model"),
-    (["train", "--config", "missing.json"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["eval", "does/not/exist.pt"], "no checkpoint at"),
+        (["train", "--data", "cifar10:/nonexistent", "--epochs", "1"], "CIFAR-10 not found"),
+        (["train", "--data", "mnist"], "unknown --data"),
+        (["train", "--model", "not_a_model_anywhere"], "unknown --model"),
+        (["train", "--config", "missing.json"], "does not exist"),
+    ],
+)
 def test_user_errors_are_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -159,8 +225,11 @@ def test_config_with_unknown_option(tmp_path, capsys):
 
 def test_output_into_a_closed_pipe_is_not_a_traceback():
     """`jem plugins | head -0`: the reader is gone before jem writes (it is still importing torch)."""
-    proc = subprocess.Popen([sys.executable, "-m", "jem_plugin.app.cli", "plugins", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jem_plugin.app.cli", "plugins", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0
@@ -170,8 +239,9 @@ def test_output_into_a_closed_pipe_is_not_a_traceback():
 def test_console_script_entry_point():
     proc = subprocess.run([sys.executable, "-m", "jem_plugin.app.cli", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "demo" in proc.stdout and "plugins" in proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "jem_plugin.app.cli", "train", "--epochs", "x"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "jem_plugin.app.cli", "train", "--epochs", "x"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "invalid int value" in bad.stderr
 
 
@@ -184,8 +254,17 @@ def captured_fit(monkeypatch):
     calls = []
 
     def fake_fit(jm, train_loader, *, epochs, amp="off", channels_last=False, checkpoint_every=None, **kw):
-        calls.append(dict(jm=jm, loader=train_loader, epochs=epochs, amp=amp, channels_last=channels_last,
-                          checkpoint_every=checkpoint_every, **kw))
+        calls.append(
+            dict(
+                jm=jm,
+                loader=train_loader,
+                epochs=epochs,
+                amp=amp,
+                channels_last=channels_last,
+                checkpoint_every=checkpoint_every,
+                **kw,
+            )
+        )
         return training.History()
 
     monkeypatch.setattr(training, "fit", fake_fit)
@@ -223,8 +302,28 @@ def test_train_sizes_the_replay_buffer_for_the_run_unless_told(captured_fit, tmp
 
 
 def test_train_recipe_paper_on_a_short_run_caps_the_warmup(captured_fit, tmp_path):
-    assert main(["train", "--recipe", "paper", "--epochs", "10", "--n-samples", "16", "--amp", "bf16",
-                 "--channels-last", "--checkpoint-every", "7", "--out", str(tmp_path), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--recipe",
+                "paper",
+                "--epochs",
+                "10",
+                "--n-samples",
+                "16",
+                "--amp",
+                "bf16",
+                "--channels-last",
+                "--checkpoint-every",
+                "7",
+                "--out",
+                str(tmp_path),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     call = captured_fit[0]
     # The paper's 1000 warm-up iterations would outlast 10 epochs of 22 iterations; a tenth of the run.
     assert call["warmup_iters"] == 22 and call["loss_fn"].sampler.steps == 20
@@ -237,8 +336,9 @@ def test_recipe_choices_come_from_the_registry(monkeypatch, captured_fit, tmp_pa
 
     from jem_plugin import recipes
 
-    monkeypatch.setitem(recipes.RECIPES, "mine", dataclasses.replace(recipes.get_recipe("fast"), name="mine",
-                                                                     sgld_steps=3))
+    monkeypatch.setitem(
+        recipes.RECIPES, "mine", dataclasses.replace(recipes.get_recipe("fast"), name="mine", sgld_steps=3)
+    )
     assert main(["train", "--recipe", "mine", "--epochs", "1", "--out", str(tmp_path), "--quiet"]) == 0
     assert captured_fit[0]["loss_fn"].sampler.steps == 3
 
@@ -247,7 +347,8 @@ def test_factory_from_the_current_directory(captured_fit, tmp_path, monkeypatch)
     (tmp_path / "mynet.py").write_text(
         "import torch.nn as nn\n"
         "def build(num_classes, **options):\n"
-        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))\n")
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))\n"
+    )
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--model", "mynet:build", "--epochs", "1", "--out", "run", "--quiet"]) == 0
     assert json.loads((tmp_path / "run" / "spec.json").read_text())["model"] == "mynet:build"
@@ -263,9 +364,33 @@ def folder_run(tmp_path_factory):
     write_digits_folder(root / "other", classes=(0, 1, 2), per_class=4, offset=10)
     write_photo_folder(root / "ood", n=8)
     out = root / "run"
-    assert main(["train", "--data", f"folder:{root / 'train'}", "--image-size", "16", "--model", "resnet10t",
-                 "--epochs", "1", "--batch-size", "8", "--sgld-steps", "1", "--buffer-size", "64",
-                 "--checkpoint-buffer", "none", "--out", str(out), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                f"folder:{root / 'train'}",
+                "--image-size",
+                "16",
+                "--model",
+                "resnet10t",
+                "--epochs",
+                "1",
+                "--batch-size",
+                "8",
+                "--sgld-steps",
+                "1",
+                "--buffer-size",
+                "64",
+                "--checkpoint-buffer",
+                "none",
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     return root
 
 
@@ -285,8 +410,22 @@ def test_folder_run_holds_out_a_stratified_split_and_evaluates_on_it(folder_run,
 
 def test_ood_against_named_folders_and_noise(folder_run, capsys):
     capsys.readouterr()
-    assert main(["ood", str(folder_run / "run" / "model.pt"), "--scores", "logpx", "--quiet",
-                 "--ood", f"folder:{folder_run / 'ood'}", "--ood", "noise"]) == 0
+    assert (
+        main(
+            [
+                "ood",
+                str(folder_run / "run" / "model.pt"),
+                "--scores",
+                "logpx",
+                "--quiet",
+                "--ood",
+                f"folder:{folder_run / 'ood'}",
+                "--ood",
+                "noise",
+            ]
+        )
+        == 0
+    )
     assert set(json.loads(capsys.readouterr().out)) == {"logpx/ood", "logpx/noise"}
 
 
@@ -297,9 +436,33 @@ def test_checkpoint_without_buffer_is_smaller_and_resumes(folder_run, capsys):
     state = torch.load(ckpt, weights_only=True)
     loss_state = state["objects"]["loss"]
     assert any(k.startswith("buffer.") for k in loss_state) and not any(k.endswith("buffer.data") for k in loss_state)
-    assert main(["train", "--data", f"folder:{folder_run / 'train'}", "--image-size", "16", "--model", "resnet10t",
-                 "--epochs", "2", "--batch-size", "8", "--sgld-steps", "1", "--buffer-size", "64",
-                 "--checkpoint-buffer", "none", "--out", str(folder_run / "run"), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                f"folder:{folder_run / 'train'}",
+                "--image-size",
+                "16",
+                "--model",
+                "resnet10t",
+                "--epochs",
+                "2",
+                "--batch-size",
+                "8",
+                "--sgld-steps",
+                "1",
+                "--buffer-size",
+                "64",
+                "--checkpoint-buffer",
+                "none",
+                "--out",
+                str(folder_run / "run"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert "continuing it" in capsys.readouterr().out
     history = json.loads((folder_run / "run" / "history.json").read_text())
     assert [e["epoch"] for e in history["epochs"]] == [1, 2]
@@ -308,8 +471,27 @@ def test_checkpoint_without_buffer_is_smaller_and_resumes(folder_run, capsys):
 def test_refused_resume_changes_no_file(folder_run, capsys):
     run = folder_run / "run"
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    assert main(["train", "--data", f"folder:{folder_run / 'train'}", "--image-size", "16", "--model", "resnet18",
-                 "--epochs", "3", "--batch-size", "8", "--out", str(run), "--quiet"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                f"folder:{folder_run / 'train'}",
+                "--image-size",
+                "16",
+                "--model",
+                "resnet18",
+                "--epochs",
+                "3",
+                "--batch-size",
+                "8",
+                "--out",
+                str(run),
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     assert "holds a run of --model resnet10t" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
@@ -319,11 +501,17 @@ def test_a_run_cut_short_says_so_in_the_result_and_the_report(tmp_path, monkeypa
 
     # The demo's budget, after its evaluation reserve, leaves 0.05 s: both runs stop early.
     monkeypatch.setattr(experiments, "DEMO_EVAL_SECONDS", 0.0)
-    monkeypatch.setattr(experiments, "DEMO_RECIPE", {**experiments.DEMO_RECIPE, "epochs": 4, "buffer_size": 200,
-                                                     "class_sample_steps": 1})
+    monkeypatch.setattr(
+        experiments,
+        "DEMO_RECIPE",
+        {**experiments.DEMO_RECIPE, "epochs": 4, "buffer_size": 200, "class_sample_steps": 1},
+    )
     real_run = experiments.run_digits
-    monkeypatch.setattr(experiments, "run_digits", lambda *a, budget_seconds, **k: real_run(
-        *a, budget_seconds=None, max_seconds=0.05, **k))
+    monkeypatch.setattr(
+        experiments,
+        "run_digits",
+        lambda *a, budget_seconds, **k: real_run(*a, budget_seconds=None, max_seconds=0.05, **k),
+    )
     assert main(["demo", "--quiet", "--budget-seconds", "20", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     metrics = json.loads((tmp_path / "metrics.json").read_text())
@@ -343,9 +531,28 @@ def test_truncation_note_suggests_a_budget():
 
 def test_val_data_is_what_eval_uses_by_default(folder_run, captured_fit, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["train", "--data", f"folder:{folder_run / 'train'}", "--val-data", f"folder:{folder_run / 'other'}",
-                 "--image-size", "16", "--model", "resnet10t", "--batch-size", "8", "--baseline", "--out", str(out),
-                 "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                f"folder:{folder_run / 'train'}",
+                "--val-data",
+                f"folder:{folder_run / 'other'}",
+                "--image-size",
+                "16",
+                "--model",
+                "resnet10t",
+                "--batch-size",
+                "8",
+                "--baseline",
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert len(captured_fit[0]["loader"].dataset) == 30  # nothing split off: the held-out set is --val-data
     capsys.readouterr()
     assert main(["eval", str(out / "model.pt")]) == 0
@@ -354,8 +561,10 @@ def test_val_data_is_what_eval_uses_by_default(folder_run, captured_fit, tmp_pat
 
 
 def test_checkpoint_every_n_iterations(tmp_path):
-    assert main(["train", "--baseline", "--epochs", "1", "--checkpoint-every", "5", "--out", str(tmp_path),
-                 "--quiet"]) == 0
+    assert (
+        main(["train", "--baseline", "--epochs", "1", "--checkpoint-every", "5", "--out", str(tmp_path), "--quiet"])
+        == 0
+    )
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt"))
     assert any("000000020" in n for n in names), names  # mid-epoch (an epoch is 22 iterations)
 
@@ -365,20 +574,69 @@ def test_train_batchnorm_flags_reach_the_loss_and_fast_keeps_the_samples_apart(c
     loss_fn = captured_fit[0]["loss_fn"]
     assert (loss_fn.batchnorm, loss_fn.sampler.batchnorm) == ("separate", "batch")
     assert loss_fn.buffer.init_dist.fitted  # fast fits its per-class Gaussian on the training data
-    assert main(["train", "--epochs", "1", "--recipe", "fast", "--batchnorm", "joint", "--sgld-batchnorm", "eval",
-                 "--out", str(tmp_path / "b"), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--epochs",
+                "1",
+                "--recipe",
+                "fast",
+                "--batchnorm",
+                "joint",
+                "--sgld-batchnorm",
+                "eval",
+                "--out",
+                str(tmp_path / "b"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     loss_fn = captured_fit[1]["loss_fn"]
     assert (loss_fn.batchnorm, loss_fn.sampler.batchnorm) == ("joint", "eval")
 
 
 def test_train_init_covariance_flag_reaches_the_fitted_init(captured_fit, tmp_path):
     """--init-covariance lowrank: the recipe's Gaussian init keeps principal directions per class."""
-    assert main(["train", "--epochs", "1", "--recipe", "jempp", "--init-covariance", "lowrank",
-                 "--init-rank", "4", "--out", str(tmp_path), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--epochs",
+                "1",
+                "--recipe",
+                "jempp",
+                "--init-covariance",
+                "lowrank",
+                "--init-rank",
+                "4",
+                "--out",
+                str(tmp_path),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     init = captured_fit[0]["loss_fn"].buffer.init_dist
     assert init.covariance == "lowrank" and init.fitted and init.factor.shape == (10, 64, 4)
-    assert main(["train", "--epochs", "1", "--recipe", "jempp", "--init-covariance", "stationary",
-                 "--out", str(tmp_path / "s"), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--epochs",
+                "1",
+                "--recipe",
+                "jempp",
+                "--init-covariance",
+                "stationary",
+                "--out",
+                str(tmp_path / "s"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     init = captured_fit[1]["loss_fn"].buffer.init_dist
     assert init.covariance == "stationary" and init.fitted and init.std.shape == (10, 1, 8, 8)
 
@@ -393,8 +651,25 @@ def test_train_sgld_colours_flag_reaches_the_sampler(captured_fit, tmp_path):
 
 def test_train_generative_on_points_falls_back_from_its_image_pieces_and_says_so(captured_fit, tmp_path, capsys):
     """toy2d points are not images: the stationary init and colour steps give way, with one line each."""
-    assert main(["train", "--recipe", "generative", "--data", "toy2d", "--model", "toy-mlp", "--epochs", "1",
-                 "--out", str(tmp_path), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--recipe",
+                "generative",
+                "--data",
+                "toy2d",
+                "--model",
+                "toy-mlp",
+                "--epochs",
+                "1",
+                "--out",
+                str(tmp_path),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     loss_fn = captured_fit[0]["loss_fn"]
     assert loss_fn.buffer.init_dist.covariance == "diagonal" and loss_fn.sampler.colours == "all"
     out = capsys.readouterr().out
@@ -411,15 +686,17 @@ def test_train_reports_held_out_calibration_before_and_after_a_temperature(tmp_p
     assert f"ECE {cal['ece_before']:.3f}, {cal['ece_after']:.3f} after a temperature" in out
 
 
-def test_generative_train_recomputes_batchnorm_statistics_from_the_training_data(captured_fit, tmp_path,
-                                                                                  monkeypatch, capsys):
+def test_generative_train_recomputes_batchnorm_statistics_from_the_training_data(
+    captured_fit, tmp_path, monkeypatch, capsys
+):
     """The joint pass mixes samples into BatchNorm's running statistics; `generative` recomputes
     them from the training data after training (issue 16, e75-e76), says so with the held-out
     accuracy before and after, and records both; --no-bn-stats-from-data and `fast` keep them."""
     (tmp_path / "bnnet.py").write_text(
         "import torch.nn as nn\n"
         "def build(num_classes, **options):\n"
-        "    return nn.Sequential(nn.BatchNorm2d(1), nn.Flatten(), nn.Linear(64, num_classes))\n")
+        "    return nn.Sequential(nn.BatchNorm2d(1), nn.Flatten(), nn.Linear(64, num_classes))\n"
+    )
     monkeypatch.chdir(tmp_path)
     runs = {"on": [], "off": ["--no-bn-stats-from-data"], "fast": ["--recipe", "fast"]}
     for name, flags in runs.items():
@@ -434,7 +711,9 @@ def test_generative_train_recomputes_batchnorm_statistics_from_the_training_data
     record = json.loads((tmp_path / "on" / "history.json").read_text())["bn_stats_from_data"]
     assert 0.0 <= record["val_acc_before"] <= 1.0 and 0.0 <= record["val_acc_after"] <= 1.0
     assert "bn_stats_from_data" not in json.loads((tmp_path / "off" / "history.json").read_text())
-    assert "BatchNorm running statistics recomputed from the training data: held-out accuracy" in capsys.readouterr().out
+    assert (
+        "BatchNorm running statistics recomputed from the training data: held-out accuracy" in capsys.readouterr().out
+    )
 
 
 def test_train_continued_for_more_epochs_keeps_the_replay_buffer_it_began_with(tmp_path, capsys):
@@ -449,4 +728,3 @@ def test_train_continued_for_more_epochs_keeps_the_replay_buffer_it_began_with(t
     assert "continuing it" in capsys.readouterr().out
     assert json.loads((out / "spec.json").read_text())["replay_buffer_slots"] == slots
     assert [e["epoch"] for e in json.loads((out / "history.json").read_text())["epochs"]][-1] == 3
-

@@ -1,4 +1,5 @@
 """`jem train` under torchrun: 2 processes, gloo backend, CPU; one model file, per-rank buffers, resume."""
+
 from __future__ import annotations
 
 import json
@@ -18,16 +19,31 @@ TRAIN = ["--sgld-steps", "2", "--buffer-size", "200", "--warmup-iters", "5", "--
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="torch.distributed with the gloo backend is not available in this build")
+    reason="torch.distributed with the gloo backend is not available in this build",
+)
 
 
 def _torchrun_train(out: Path, epochs: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "jem_plugin.app.cli", "train", "--epochs", str(epochs), *TRAIN, "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "jem_plugin.app.cli",
+        "train",
+        "--epochs",
+        str(epochs),
+        *TRAIN,
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, (f"{' '.join(cmd)} failed ({proc.returncode}):\n"
-                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
     return proc
 
 
@@ -110,8 +126,9 @@ def _fit_run(out: str, stop_rank1_at: int | None) -> dict:  # pragma: no cover -
     torch.manual_seed(jdist.rank_seed(0))
     loss_fn = jem.JEMLoss(jem.SGLD(steps=2, generator=jdist.rank_generator(0)), jem.ReplayBuffer(100, (1, 8, 8)))
     ds = load_digits("train", seed=0)
-    loader = DataLoader(ds, batch_size=32, drop_last=True,
-                        sampler=DistributedSampler(ds, shuffle=True, seed=0, drop_last=True))
+    loader = DataLoader(
+        ds, batch_size=32, drop_last=True, sampler=DistributedSampler(ds, shuffle=True, seed=0, drop_last=True)
+    )
 
     class StopOnRank1:  # one rank alone asks to stop: every rank must stop there (no hang)
         def on_step_end(self, state):
@@ -120,12 +137,24 @@ def _fit_run(out: str, stop_rank1_at: int | None) -> dict:  # pragma: no cover -
 
     res: dict = {}
     if stop_rank1_at is not None:
-        h = fit(ddp, loader, epochs=1, loss_fn=loss_fn, warmup_iters=5, checkpoint_dir=out,
-                callbacks=[StopOnRank1()], progress=False)
+        h = fit(
+            ddp,
+            loader,
+            epochs=1,
+            loss_fn=loss_fn,
+            warmup_iters=5,
+            checkpoint_dir=out,
+            callbacks=[StopOnRank1()],
+            progress=False,
+        )
         res["stopped"] = [h.stopped, h.events[-1]["iteration"]]
     h = fit(ddp, loader, epochs=1, loss_fn=loss_fn, warmup_iters=5, checkpoint_dir=out, progress=False)
-    res.update(history=h.epochs, in_sync=jdist.params_in_sync(ddp),
-               params=[p.detach().clone() for p in jm.parameters()], buffer=loss_fn.buffer.data.clone())
+    res.update(
+        history=h.epochs,
+        in_sync=jdist.params_in_sync(ddp),
+        params=[p.detach().clone() for p in jm.parameters()],
+        buffer=loss_fn.buffer.data.clone(),
+    )
     return res
 
 
@@ -155,8 +184,7 @@ def _diverge_on_rank1() -> str:  # pragma: no cover - torchrun children
     jm = jem.wrap(NaNOnRank1(), data_range=(-1.0, 1.0), input_size=(1, 8, 8), num_classes=10)
     ddp = jdist.wrap_ddp(jm)
     g = torch.Generator().manual_seed(rank)
-    batches = [(torch.rand(8, 1, 8, 8, generator=g) * 2 - 1, torch.randint(0, 10, (8,), generator=g))
-               for _ in range(6)]
+    batches = [(torch.rand(8, 1, 8, 8, generator=g) * 2 - 1, torch.randint(0, 10, (8,), generator=g)) for _ in range(6)]
     try:
         fit(ddp, batches, epochs=1, loss_fn=jem.JEMLoss(jem.SGLD(steps=1)), warmup_iters=1, progress=False)
     except jem.DivergenceError as e:
@@ -176,8 +204,13 @@ def _fit_worker(out: str) -> None:  # pragma: no cover - runs in the torchrun ch
     with pytest.raises(ValueError, match="not supported with multiple processes"):
         from jem_plugin.training import fit
 
-        fit(torch.nn.Linear(2, 2), [(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))], epochs=1,
-            guard_policy="rollback", progress=False)
+        fit(
+            torch.nn.Linear(2, 2),
+            [(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))],
+            epochs=1,
+            guard_policy="rollback",
+            progress=False,
+        )
     diverged = _diverge_on_rank1()
     report = {
         "rank": info.rank,
@@ -196,8 +229,16 @@ def _fit_worker(out: str) -> None:  # pragma: no cover - runs in the torchrun ch
 
 def test_fit_under_ddp_stops_together_and_resumes_exactly(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           __file__, "--fit-worker", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        __file__,
+        "--fit-worker",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r0, r1 = (json.loads((tmp_path / f"report{r}.json").read_text()) for r in (0, 1))

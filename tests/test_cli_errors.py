@@ -1,4 +1,5 @@
 """Every user mistake a newcomer made in issue 14 ends in one line naming the fix, exit status 2."""
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,33 @@ def world(tmp_path_factory):
     write_digits_folder(root / "three", classes=(0, 1, 2), per_class=10)
     write_digits_folder(root / "two", classes=(0, 2), per_class=5, offset=10)
     folder_run = root / "folder_run"
-    assert main(["train", "--baseline", "--epochs", "1", "--batch-size", "8", "--data", f"folder:{root / 'three'}",
-                 "--image-size", "16", "--model", "resnet10t", "--out", str(folder_run), "--quiet"]) == 0
-    (root / "nonc.py").write_text(
-        "import torch.nn as nn\ndef build():\n    return nn.Linear(64, 10)\n")
+    assert (
+        main(
+            [
+                "train",
+                "--baseline",
+                "--epochs",
+                "1",
+                "--batch-size",
+                "8",
+                "--data",
+                f"folder:{root / 'three'}",
+                "--image-size",
+                "16",
+                "--model",
+                "resnet10t",
+                "--out",
+                str(folder_run),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    (root / "nonc.py").write_text("import torch.nn as nn\ndef build():\n    return nn.Linear(64, 10)\n")
     (root / "fixedsize.py").write_text(
         "import torch.nn as nn\n"
-        "def build(num_classes):\n    return nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))\n")
+        "def build(num_classes):\n    return nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))\n"
+    )
     (root / "a_file").write_text("not a directory")
     (root / "bad.json").write_text(json.dumps({"epochs": "five"}))
     return root
@@ -43,15 +64,19 @@ CASES = [
     (["eval", "{root}/digits_run/model.pt", "--out", "{root}"], "give a file name"),
     (["train", "--model", "nonc:build"], "takes no num_classes argument"),
     (["train", "--model", "no_such_module_here:build"], "PYTHONPATH"),
-    (["train", "--model", "fixedsize:build", "--data", "folder:{root}/three", "--image-size", "16"],
-     "make the model accept this input size"),
+    (
+        ["train", "--model", "fixedsize:build", "--data", "folder:{root}/three", "--image-size", "16"],
+        "make the model accept this input size",
+    ),
     (["train", "--model", "vit_tiny_patch16_224"], "--image-size"),
     (["train", "--epochs", "0"], "must be at least 1"),
     (["train", "--config", "{root}/bad.json"], "bad.json"),
     (["train", "--recipe", "no_such_recipe"], "invalid choice"),
     (["ood", "{root}/digits_run/model.pt", "--ood", "mnist"], "use noise or folder:PATH"),
-    (["train", "--data", "folder:{root}/three", "--model", "resnet10t", "--batch-size", "64", "--image-size", "16"],
-     "lower --batch-size"),
+    (
+        ["train", "--data", "folder:{root}/three", "--model", "resnet10t", "--batch-size", "64", "--image-size", "16"],
+        "lower --batch-size",
+    ),
     (["train", "--data", "folder:{root}/three", "--image-size", "16"], "--model resnet10t"),
 ]
 

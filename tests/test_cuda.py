@@ -1,6 +1,7 @@
 """JEM on a GPU: devices, mixed precision, memory layout, compile, checkpoints and the CUDA-graph
 SGLD path. The CUDA tests skip with a reason where no GPU is present; the CPU tests check the
 dispatch logic and the device handling that runs everywhere."""
+
 from __future__ import annotations
 
 import warnings
@@ -22,9 +23,15 @@ class SmallConvNet(nn.Module):
 
     def __init__(self, k: int = 10, bn: bool = True) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16) if bn else nn.Identity(),
-                                  nn.LeakyReLU(0.2), nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.LeakyReLU(0.2),
-                                  nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16) if bn else nn.Identity(),
+            nn.LeakyReLU(0.2),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1),
+            nn.LeakyReLU(0.2),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
         self.head = nn.Linear(32, k)
 
     def forward(self, x):
@@ -118,8 +125,7 @@ class _SpySampler:
 def test_loss_moves_given_or_restored_buffer_to_the_models_device(how):
     spy = _SpySampler()
     if how == "given":
-        loss = jem.JEMLoss(sampler=spy, buffer=jem.ReplayBuffer(capacity=16, sample_shape=(3, 16, 16)),
-                           validate=False)
+        loss = jem.JEMLoss(sampler=spy, buffer=jem.ReplayBuffer(capacity=16, sample_shape=(3, 16, 16)), validate=False)
     else:  # a lazily created buffer restored from a checkpoint: rebuilt on the CPU
         src = jem.JEMLoss(sampler=jem.SGLD(steps=1), validate=False)
         model = SmallConvNet()
@@ -341,8 +347,9 @@ def test_graph_sees_parameters_updated_by_the_optimizer():
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after, eager, rtol=1e-4, atol=1e-4)
     model.half().float()  # replaces every parameter tensor: the graph must be captured again
-    torch.testing.assert_close(sampler.run(jm, x), jem.SGLD(steps=5, noise=0.0, cuda_graph="off").run(jm, x),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        sampler.run(jm, x), jem.SGLD(steps=5, noise=0.0, cuda_graph="off").run(jm, x), rtol=1e-4, atol=1e-4
+    )
 
 
 @cuda
@@ -465,8 +472,7 @@ def test_the_captured_step_is_the_eager_step(conditional):
     jm = jem.wrap(model, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3), input_size=(3, 16, 16), num_classes=10)
     x = _x()
     y = torch.arange(8) % 10 if conditional else None
-    opts = {"steps": 6, "step_size": 2.0, "noise": 0.05, "schedule": "poly", "final_step_size": 0.5,
-            "grad_clip": 0.3}
+    opts = {"steps": 6, "step_size": 2.0, "noise": 0.05, "schedule": "poly", "final_step_size": 0.5, "grad_clip": 0.3}
     eager = jem.SGLD(**opts, generator=torch.Generator().manual_seed(3), cuda_graph="off").run(jm, x, y)
     sampler = jem.SGLD(**opts, generator=torch.Generator().manual_seed(3))
     xs = x.clone().requires_grad_(True)
@@ -489,8 +495,15 @@ def test_bench_gpu_prints_one_note_and_exits_0_without_a_gpu():
 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_gpu"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_gpu"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1 and "no CUDA device" in lines[0]
@@ -538,8 +551,16 @@ def fake_graphs(monkeypatch):
         noise_buf = torch.empty_like(xs, requires_grad=False) if sampler.noise > 0 else None
         step = _cuda_graph.make_step(jm, xs, a, ys, noise_buf, sampler)
         score = torch.zeros(x.shape[0], dtype=dtype)
-        return _cuda_graph._Graph(graph=FakeGraph(step, jm.model, score), x=xs, a=a, y=ys, score=score,
-                                  num_classes=10, owners=(sampler.generator, jm.adapter), fingerprint=fingerprint)
+        return _cuda_graph._Graph(
+            graph=FakeGraph(step, jm.model, score),
+            x=xs,
+            a=a,
+            y=ys,
+            score=score,
+            num_classes=10,
+            owners=(sampler.generator, jm.adapter),
+            fingerprint=fingerprint,
+        )
 
     monkeypatch.setattr(_cuda_graph, "_blocker", lambda *a: None)
     monkeypatch.setattr(_cuda_graph, "_capture", capture)
@@ -564,16 +585,19 @@ def test_graph_path_runs_the_eager_chain_and_reuses_its_capture(fake_graphs):
     sampler = jem.SGLD(**opts, generator=gen, cuda_graph="require")
     sampler.run(jm, x)
     assert len(fake_graphs) == 1  # same model, shape, options and generator: replayed, not recaptured
-    for opt in (torch.optim.Adam(model.parameters(), lr=0.01),
-                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)):
+    for opt in (
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True),
+    ):
         model(x).logsumexp(1).mean().backward()
         opt.step()  # optimizers update in place: the graph reads the live tensors
         opt.zero_grad()
         gen.manual_seed(4)
         seen = sampler.run(jm, x)
         gen.manual_seed(4)
-        torch.testing.assert_close(seen, jem.SGLD(**opts, generator=gen, cuda_graph="off").run(jm, x),
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            seen, jem.SGLD(**opts, generator=gen, cuda_graph="off").run(jm, x), rtol=0, atol=1e-6
+        )
     assert len(fake_graphs) == 1  # Adam and foreach SGD kept every parameter's address
     model.double().float()  # every parameter tensor replaced: captured again
     sampler.run(jm, x)
@@ -594,7 +618,9 @@ def test_graph_cache_keeps_a_few_graphs_per_model(fake_graphs):
 def test_failed_capture_is_remembered_and_require_reports_it(fake_graphs, monkeypatch):
     def fail(*a, **k):
         fake_graphs.append("fail")
-        raise _cuda_graph._CaptureFailed("capture failed (RuntimeError: operation not permitted when stream is capturing)")
+        raise _cuda_graph._CaptureFailed(
+            "capture failed (RuntimeError: operation not permitted when stream is capturing)"
+        )
 
     monkeypatch.setattr(_cuda_graph, "_capture", fail)
     monkeypatch.setattr(_cuda_graph, "_warned", set())

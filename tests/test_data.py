@@ -1,4 +1,5 @@
 """Embedded data: digits, OOD sets, toy 2D densities, local-only datasets, reference nets, plots."""
+
 from __future__ import annotations
 
 import math
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from jem_plugin.app import data as D
-from jem_plugin.errors import DatasetNotFoundError, JEMError
 from jem_plugin.app.nets import DigitsCNN, ToyMLP
+from jem_plugin.errors import DatasetNotFoundError, JEMError
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +39,7 @@ def test_digits_pixel_mapping_matches_sklearn():
 def test_digits_split_is_stratified_disjoint_and_deterministic():
     x, y = D.digits_tensors("train", seed=3)
     xt, yt = D.digits_tensors("test", seed=3)
-    frac = torch.bincount(yt, minlength=10).float() / torch.bincount(
-        torch.cat([y, yt]), minlength=10).float()
+    frac = torch.bincount(yt, minlength=10).float() / torch.bincount(torch.cat([y, yt]), minlength=10).float()
     assert torch.all((frac - 0.2).abs() < 0.02), frac  # every class ~20% in test
     # disjoint: no test image appears in train (digits has a few exact duplicates; compare indices
     # through the full set instead)

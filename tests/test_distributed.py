@@ -5,6 +5,7 @@ of THIS file as a script runs every in-process check and writes each rank's find
 the tests below assert on them. Two more launches of ``examples/train_ddp.py`` (interrupted, then
 resumed) check that a real restart continues bit for bit like the uninterrupted run.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,7 +25,8 @@ SMOKE = ["--smoke", "--ckpt-every", "2"]  # 8 optimizer steps, checkpoints at 2,
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="torch.distributed with the gloo backend is not available in this build")
+    reason="torch.distributed with the gloo backend is not available in this build",
+)
 
 
 def _torchrun(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
@@ -32,7 +34,9 @@ def _torchrun(args: list[str], timeout: float = 240) -> subprocess.CompletedProc
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -202,20 +206,36 @@ def _worker(out_dir: str) -> None:  # pragma: no cover - runs in the torchrun ch
         from jem_plugin.integrations.lightning import JEMLightningModule
 
         torch.manual_seed(0)
-        module = JEMLightningModule(TinyCNN(), sampler=jem.SGLD(steps=2, generator=jdist.rank_generator(0)),
-                                    buffer=jem.ReplayBuffer(16, (1, 8, 8)), val_scores=("grad_norm",), lr=1e-2,
-                                    wrap_options={"data_range": (-1.0, 1.0), "input_size": (1, 8, 8)})
+        module = JEMLightningModule(
+            TinyCNN(),
+            sampler=jem.SGLD(steps=2, generator=jdist.rank_generator(0)),
+            buffer=jem.ReplayBuffer(16, (1, 8, 8)),
+            val_scores=("grad_norm",),
+            lr=1e-2,
+            wrap_options={"data_range": (-1.0, 1.0), "input_size": (1, 8, 8)},
+        )
         data = TensorDataset(*_batch(torch.Generator().manual_seed(0), 32))
-        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
-                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                             limit_val_batches=1, val_check_interval=2, enable_checkpointing=False,
-                             default_root_dir=out_dir)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp",
+            max_steps=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=1,
+            val_check_interval=2,
+            enable_checkpointing=False,
+            default_root_dir=out_dir,
+        )
         trainer.fit(module, DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
         ckpt = str(Path(out_dir, "lightning.ckpt"))
         trainer.save_checkpoint(ckpt)
         dist.barrier()
-        restored = JEMLightningModule.load_from_checkpoint(ckpt, model=TinyCNN(), sampler=jem.SGLD(steps=2),
-                                                           buffer=jem.ReplayBuffer(16, (1, 8, 8)))
+        restored = JEMLightningModule.load_from_checkpoint(
+            ckpt, model=TinyCNN(), sampler=jem.SGLD(steps=2), buffer=jem.ReplayBuffer(16, (1, 8, 8))
+        )
         res["lightning_in_sync"] = jdist.params_in_sync(module.model)
         res["lightning_buffer_sums"] = _gather(_checksum(module.jem_loss.buffer.data))
         res["lightning_restored_own"] = bool(torch.equal(restored.jem_loss.buffer.data, module.jem_loss.buffer.data))
@@ -260,8 +280,9 @@ def _worker(out_dir: str) -> None:  # pragma: no cover - runs in the torchrun ch
 
     stopped = train_ddp.main([*SMOKE, "--out", str(Path(out_dir, "interrupted")), "--stop-after", "3"])
     summary = train_ddp.main([*SMOKE, "--out", str(Path(out_dir, "uninterrupted"))])
-    Path(out_dir, f"example-rank{rank}.json").write_text(json.dumps(
-        {"stopped": stopped, "in_sync": summary["in_sync"], "step": summary["step"]}))
+    Path(out_dir, f"example-rank{rank}.json").write_text(
+        json.dumps({"stopped": stopped, "in_sync": summary["in_sync"], "step": summary["step"]})
+    )
     jdist.cleanup()
 
 
@@ -383,9 +404,9 @@ def test_example_resumes_bit_for_bit_after_a_restart(worker_results):
     # The shared file holds the bare model (no DDP "module." prefix): it loads in one process.
     import jem_plugin as jem
     from jem_plugin import distributed as jdist
+    from jem_plugin.app.nets import DigitsCNN
     from jem_plugin.checkpoint import load_checkpoint
     from jem_plugin.errors import CheckpointError
-    from jem_plugin.app.nets import DigitsCNN
 
     jm = jem.wrap(DigitsCNN(width=8), data_range=(-1.0, 1.0), input_size=(1, 8, 8))
     extra = load_checkpoint(run / "checkpoints" / "ckpt-000000008.pt", rng=False, model=jm)
@@ -405,8 +426,8 @@ def test_helpers_without_a_process_group(tmp_path):
     """The same script runs under plain ``python``: helpers degrade to one process."""
     import jem_plugin as jem
     from jem_plugin import distributed as jdist
-    from jem_plugin.errors import CheckpointError, JEMError
     from jem_plugin.app.nets import DigitsCNN
+    from jem_plugin.errors import CheckpointError, JEMError
 
     info = jdist.init_distributed()
     assert (info.rank, info.world_size, info.distributed) == (0, 1, False)

@@ -1,4 +1,5 @@
 """Energy-bounded fine-tuning (Liu et al. 2020) as a loss-term plugin."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import jem_plugin as jem
 from jem_plugin import ood, plugins
-from jem_plugin.builtins.energy_bounded import (EnergyBoundedTerm, calibrate_margins, energy_bounded_loss,
-                                       free_energy)
+from jem_plugin.builtins.energy_bounded import EnergyBoundedTerm, calibrate_margins, energy_bounded_loss, free_energy
 from jem_plugin.errors import InvalidInputError
 from jem_plugin.losses import JEMLoss
 
@@ -41,8 +41,7 @@ def test_free_energy_matches_pytorch_ood():
     detector = pytest.importorskip("pytorch_ood.detector")
     logits = 5 * torch.randn(32, 7)
     for t in (1.0, 2.0):
-        torch.testing.assert_close(free_energy(logits, t), detector.EnergyBased.score(logits, t=t),
-                                   atol=1e-6, rtol=0)
+        torch.testing.assert_close(free_energy(logits, t), detector.EnergyBased.score(logits, t=t), atol=1e-6, rtol=0)
 
 
 def test_calibrate_margins_rule():
@@ -74,8 +73,9 @@ def test_default_margins_come_from_the_models_own_energies():
     g = torch.Generator().manual_seed(0)
     x, y = _blobs(64, g)
     x_out = 3.0 * torch.randn(64, 2, generator=g)
-    loss_fn = JEMLoss(px_weight=0.0, data_noise=0.0,
-                      terms={"energy_bounded": {"outliers": lambda x: x_out, "calibration_size": 128}})
+    loss_fn = JEMLoss(
+        px_weight=0.0, data_noise=0.0, terms={"energy_bounded": {"outliers": lambda x: x_out, "calibration_size": 128}}
+    )
     term = loss_fn._all_terms()[0][1]
     out1 = loss_fn(jm, x, y)  # 64 of 128 calibration energies: no loss yet
     assert not term.calibrated and out1.metrics["energy_bounded"] == 0.0
@@ -86,7 +86,8 @@ def test_default_margins_come_from_the_models_own_energies():
     assert (term.m_in, term.m_out) == pytest.approx(expected, abs=1e-5)
     assert out2.metrics["energy_bounded/m_in"] == pytest.approx(expected[0], abs=1e-5)
     assert out2.metrics["energy_bounded"] == pytest.approx(
-        0.1 * float(energy_bounded_loss(e_in, e_out, *expected)), rel=1e-4)
+        0.1 * float(energy_bounded_loss(e_in, e_out, *expected)), rel=1e-4
+    )
     # a resumed run keeps the measured margins
     fresh = JEMLoss(px_weight=0.0, data_noise=0.0, terms={"energy_bounded": {"outliers": "uniform"}})
     fresh.load_state_dict(loss_fn.state_dict())
@@ -132,8 +133,12 @@ def test_outliers_from_sgld_samples():
     jm = _wrap(_mlp())
     from jem_plugin.sampling import SGLD
 
-    loss_fn = JEMLoss(sampler=SGLD(steps=2, step_size=0.1, noise=0.01), px_weight=1.0, data_noise=0.0,
-                      terms={"energy_bounded": {"outliers": "samples", "calibration_size": 1}})
+    loss_fn = JEMLoss(
+        sampler=SGLD(steps=2, step_size=0.1, noise=0.01),
+        px_weight=1.0,
+        data_noise=0.0,
+        terms={"energy_bounded": {"outliers": "samples", "calibration_size": 1}},
+    )
     x, y = _blobs(32, torch.Generator().manual_seed(2))
     out = loss_fn(jm, x, y)
     assert "energy_bounded/m_out" in out.metrics
@@ -165,8 +170,11 @@ def test_fine_tuning_separates_energies_and_keeps_accuracy():
 
     acc0, auroc0 = evaluate()
     assert acc0 > 0.97 and auroc0 < 0.6
-    eb = JEMLoss(px_weight=0.0, data_noise=0.0,
-                 terms={"energy_bounded": {"outliers": "uniform", "generator": torch.Generator().manual_seed(1)}})
+    eb = JEMLoss(
+        px_weight=0.0,
+        data_noise=0.0,
+        terms={"energy_bounded": {"outliers": "uniform", "generator": torch.Generator().manual_seed(1)}},
+    )
     for _ in range(200):
         x, y = _blobs(128, g)
         opt.zero_grad()

@@ -1,4 +1,5 @@
 """Bad input raises the documented, exported exception with a message that names the fix."""
+
 from __future__ import annotations
 
 import pytest
@@ -57,12 +58,15 @@ def test_wrong_rank_input_for_image_model():
         jm.energy(torch.randn(3, 32, 32))
 
 
-@pytest.mark.parametrize("labels, pattern", [
-    (torch.tensor([0, 3]), r"\[0, 3\)"),
-    (torch.tensor([-1, 0]), r"\[0, 3\)"),
-    (torch.tensor([0.0, 1.0]), "integer"),
-    (torch.tensor([0, 1, 2]), "shape"),
-])
+@pytest.mark.parametrize(
+    "labels, pattern",
+    [
+        (torch.tensor([0, 3]), r"\[0, 3\)"),
+        (torch.tensor([-1, 0]), r"\[0, 3\)"),
+        (torch.tensor([0.0, 1.0]), "integer"),
+        (torch.tensor([0, 1, 2]), "shape"),
+    ],
+)
 def test_bad_labels(labels, pattern):
     jm = jem.wrap(torch.nn.Linear(4, 3))
     with pytest.raises(jem.InvalidLabelError, match=pattern):
@@ -100,13 +104,26 @@ def test_bad_data_range():
 def test_divergence_and_checkpoint_errors_carry_fields_that_survive_pickling():
     import pickle
 
-    err = jem.DivergenceError("|energy_data| = 2e+04 exceeds max_abs_energy=1e+04", remedies=("a", "b"),
-                              iteration=7, energy=2e4, metrics={"loss": 1.5})
-    assert str(err) == ("JEM training diverged at iteration 7: |energy_data| = 2e+04 exceeds "
-                        "max_abs_energy=1e+04 (loss=1.5). Known remedies: (1) a; (2) b.")
+    err = jem.DivergenceError(
+        "|energy_data| = 2e+04 exceeds max_abs_energy=1e+04",
+        remedies=("a", "b"),
+        iteration=7,
+        energy=2e4,
+        metrics={"loss": 1.5},
+    )
+    assert str(err) == (
+        "JEM training diverged at iteration 7: |energy_data| = 2e+04 exceeds "
+        "max_abs_energy=1e+04 (loss=1.5). Known remedies: (1) a; (2) b."
+    )
     back = pickle.loads(pickle.dumps(err))  # errors cross process boundaries (DDP, workers)
-    assert (back.reason, back.remedies, back.iteration, back.energy, back.metrics, str(back)) == \
-        (err.reason, err.remedies, err.iteration, err.energy, err.metrics, str(err))
+    assert (back.reason, back.remedies, back.iteration, back.energy, back.metrics, str(back)) == (
+        err.reason,
+        err.remedies,
+        err.iteration,
+        err.energy,
+        err.metrics,
+        str(err),
+    )
     plain = jem.DivergenceError("chains exploded")
     assert plain.reason == "chains exploded" and plain.remedies == () and plain.iteration is None
     ck = pickle.loads(pickle.dumps(jem.CheckpointError("bad file", reason="corrupt")))

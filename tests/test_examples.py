@@ -1,4 +1,5 @@
 """Every example runs with --smoke (seconds), so none of them can rot."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,13 @@ def _env():
 
 @pytest.mark.parametrize("script", SINGLE_PROCESS)
 def test_example_smoke(script, tmp_path):
-    proc = subprocess.run([sys.executable, str(EXAMPLES / script), "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, env=_env())
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list(tmp_path.rglob("*.png")), f"{script} wrote no figure"
 

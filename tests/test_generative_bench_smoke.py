@@ -1,5 +1,6 @@
 """Smoke test of benchmarks/bench_generative.py at tiny sizes: it runs, writes its JSON, markdown
 and grids, and the numbers it reports are the kind it says they are."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ import os
 import pytest
 import torch
 
-from benchmarks import bench_generative as B
 import jem_plugin as jem
+from benchmarks import bench_generative as B
 from jem_plugin.recipes import get_recipe
 
 
@@ -50,8 +51,15 @@ def test_bn_modes_map_to_the_library_options():
 def test_bench_generative_quick_run(tmp_path):
     threads = torch.get_num_threads()  # the benchmark's jobs run on one thread each
     try:
-        res = B.run(settings=("digits8_cnn",), runs=("baseline", "sadajem"), epochs8=1, quick=True,
-                    out_dir=str(tmp_path), workers=1, n_train=128)
+        res = B.run(
+            settings=("digits8_cnn",),
+            runs=("baseline", "sadajem"),
+            epochs8=1,
+            quick=True,
+            out_dir=str(tmp_path),
+            workers=1,
+            n_train=128,
+        )
     finally:
         torch.set_num_threads(threads)
     rows = {r["run"]: r for r in res["rows"]}
@@ -81,9 +89,25 @@ def test_a_recipe_is_reported_as_jem_train_leaves_it_with_batchnorm_statistics_f
     monkeypatch.setattr(B, "update_bn", lambda loader, model: calls.append(len(loader)))
     monkeypatch.setattr(B, "save_grid", lambda path, *a, **k: path)
     calls: list[int] = []
-    job = lambda run, both: [r["run"] for r in B._job(("digits8_cnn", run, 1, None, True, "", 64,  # noqa: E731
-                                                        {"bn_stats_from_data": run == "generative"}, "", 0,
-                                                        "loop", both))]
+    job = lambda run, both: [
+        r["run"]
+        for r in B._job(
+            (
+                "digits8_cnn",
+                run,
+                1,
+                None,
+                True,
+                "",
+                64,  # noqa: E731
+                {"bn_stats_from_data": run == "generative"},
+                "",
+                0,
+                "loop",
+                both,
+            )
+        )
+    ]
     torch_threads = torch.get_num_threads()
     try:
         assert job("generative", False) == ["generative"] and calls == [1]
@@ -113,7 +137,7 @@ def test_plugin_files_register_an_init_the_recipes_can_name():
         buf.fit(torch.randn(60, 1, 8, 8, generator=g) * 0.3, torch.arange(60) % 2)
         init = buf.init_dist
         draws = init.sample(400, (1, 8, 8), jem.InputDomain(), g, "cpu", y=torch.zeros(400)).flatten(1)
-        basis = torch.linalg.qr(init.clean.factor[0])[0]                 # the class's 8 directions
+        basis = torch.linalg.qr(init.clean.factor[0])[0]  # the class's 8 directions
         centred = draws - init.clean.mean[0]
         outside = (centred - centred @ basis @ basis.T).std(1)
         noisy = outside > 3 * float(init.clean.std[0])
@@ -140,9 +164,10 @@ def test_structured_noise_inits_are_grey_in_pixels_and_smooth_where_asked():
             init = jem.ReplayBuffer(8, (3, 16, 16), init=name, num_classes=2).fit(x, y).init_dist
             yy = torch.zeros(200, dtype=torch.long)
             # the same seed draws the same noise-free part first, then the noise on top
-            added = (init.sample(200, (3, 16, 16), dom, torch.Generator().manual_seed(5), "cpu", y=yy)
-                     - init.clean.sample(200, (3, 16, 16), dom, torch.Generator().manual_seed(5), "cpu", y=yy))
-            noise_px = added * std                                   # back to pixel units
+            added = init.sample(
+                200, (3, 16, 16), dom, torch.Generator().manual_seed(5), "cpu", y=yy
+            ) - init.clean.sample(200, (3, 16, 16), dom, torch.Generator().manual_seed(5), "cpu", y=yy)
+            noise_px = added * std  # back to pixel units
             for a, b in ((0, 1), (1, 2)):  # equal in every channel (ImageNet's stds differ by 2%)
                 assert (noise_px[:, a] - noise_px[:, b]).abs().max() < 1e-3 * noise_px.abs().max()
             jumps[name] = float((noise_px[..., 1:] - noise_px[..., :-1]).abs().mean() / noise_px.abs().mean())

@@ -1,4 +1,5 @@
 """Issue 13: one input contract for every entry point, on models the rest of the suite does not name."""
+
 from __future__ import annotations
 
 import inspect
@@ -251,8 +252,15 @@ def test_lightning_load_from_checkpoint_restores_the_buffer(tmp_path):
     from jem_plugin.integrations.lightning import JEMLightningModule
 
     module = JEMLightningModule(MLP(), sampler=jem.SGLD(steps=1), buffer=jem.ReplayBuffer(16, (5,)))
-    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, accelerator="cpu", limit_val_batches=0)
+    trainer = L.Trainer(
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        limit_val_batches=0,
+    )
     data = torch.utils.data.TensorDataset(torch.rand(8, 5) * 2 - 1, torch.randint(0, 4, (8,)))
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
     trainer.save_checkpoint(tmp_path / "ck.ckpt")
@@ -268,8 +276,12 @@ def test_lightning_load_from_checkpoint_restores_the_buffer(tmp_path):
 def test_validation_loss_does_not_touch_the_buffer_and_is_deterministic(mode):
     jm = jem.wrap(MLP())
     x, y = torch.rand(8, 5) * 2 - 1, torch.randint(0, 4, (8,))
-    loss = jem.JEMLoss(jem.SGLD(steps=2, generator=torch.Generator()), buffer=jem.ReplayBuffer(32, (5,)),
-                       data_noise=0.5, generator=torch.Generator())
+    loss = jem.JEMLoss(
+        jem.SGLD(steps=2, generator=torch.Generator()),
+        buffer=jem.ReplayBuffer(32, (5,)),
+        data_noise=0.5,
+        generator=torch.Generator(),
+    )
     loss(jm, x, y)  # training step: initialises the buffer
     before = loss.buffer.data.clone()
 
@@ -317,15 +329,15 @@ def test_dict_batches_take_input_key():
 # ------------------------------------------------------------------ 10. Hugging Face
 def _hf_resnet():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
-                                    num_labels=3)
+    cfg = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)
     return transformers.ResNetForImageClassification(cfg).eval(), transformers
 
 
 def test_hf_processor_gives_the_normalisation_and_size():
     model, transformers = _hf_resnet()
-    proc = transformers.ViTImageProcessor(size={"height": 48, "width": 48},
-                                          image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+    proc = transformers.ViTImageProcessor(
+        size={"height": 48, "width": 48}, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]
+    )
     jm = jem.wrap(model, processor=proc)
     assert jm.domain.mean == pytest.approx(tuple(proc.image_mean))
     assert jm.domain.input_size == (3, 48, 48)
@@ -374,7 +386,8 @@ def test_num_classes_is_settled_on_the_jem_and_the_adapter_is_never_mutated():
 def test_every_public_member_has_a_docstring():
     missing = []
     spaces = [("jem_plugin", jem, jem.__all__)] + [
-        (f"jem_plugin.{m}", getattr(jem, m), getattr(jem, m).__all__) for m in ("ood", "calibration", "robustness")]
+        (f"jem_plugin.{m}", getattr(jem, m), getattr(jem, m).__all__) for m in ("ood", "calibration", "robustness")
+    ]
     for prefix, mod, names in spaces:
         for name in names:
             obj = getattr(mod, name)

@@ -1,14 +1,14 @@
 """JEM inside the trainers users already run: timm's task API, Lightning, Accelerate (CPU)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TinyCNN
 from torch.utils.data import DataLoader, TensorDataset
 
 import jem_plugin as jem
 from jem_plugin.errors import InvalidLabelError
-
-from conftest import TinyCNN
 
 
 def _digits_like(n: int = 32, k: int = 10, seed: int = 0) -> TensorDataset:
@@ -17,13 +17,11 @@ def _digits_like(n: int = 32, k: int = 10, seed: int = 0) -> TensorDataset:
 
 
 def _state_equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(
-        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else True for k in a)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else True for k in a)
 
 
 # =============================================================================== timm
-timm_task = pytest.importorskip("jem_plugin.integrations.timm_task",
-                                reason="this timm has no task API (timm.task)")
+timm_task = pytest.importorskip("jem_plugin.integrations.timm_task", reason="this timm has no task API (timm.task)")
 
 
 def _timm_task(num_classes=5, **kwargs):
@@ -66,8 +64,9 @@ def test_timm_task_trains_test_resnet_and_round_trips_through_timm_checkpoints(t
     eval_model = task.get_eval_model()
     assert type(eval_model).__name__ == "ResNet" and eval_model is task.jem.model
 
-    saver = CheckpointSaver(model=eval_model, optimizer=opt, task=task, checkpoint_dir=str(tmp_path),
-                            recovery_dir=str(tmp_path))
+    saver = CheckpointSaver(
+        model=eval_model, optimizer=opt, task=task, checkpoint_dir=str(tmp_path), recovery_dir=str(tmp_path)
+    )
     saver.save_recovery(epoch=0, batch_idx=3)
     path = saver.find_recovery()
     assert path
@@ -119,9 +118,17 @@ def _lightning():
 
 def _trainer(pl, root, **kwargs):
     kwargs.setdefault("max_steps", 2)
-    return pl.Trainer(accelerator="cpu", devices=1, limit_val_batches=1, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      default_root_dir=str(root), **kwargs)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        limit_val_batches=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(root),
+        **kwargs,
+    )
 
 
 def test_lightning_module_fits_validates_under_inference_mode_and_checkpoints(tmp_path):
@@ -134,10 +141,17 @@ def test_lightning_module_fits_validates_under_inference_mode_and_checkpoints(tm
             return super().validation_step(batch, batch_idx)
 
     def make(model=None):
-        return Recording(model or TinyCNN(), lr=1e-3, val_scores=("logpx", "grad_norm"),
-                                  val_sgld_steps=2, sampler=jem.SGLD(steps=2), buffer=jem.ReplayBuffer(64, (1, 8, 8)),
-                                  wrap_options={"data_range": (-1.0, 1.0), "input_size": (1, 8, 8)},
-                                  px_weight=1.0, l2_weight=0.1)
+        return Recording(
+            model or TinyCNN(),
+            lr=1e-3,
+            val_scores=("logpx", "grad_norm"),
+            val_sgld_steps=2,
+            sampler=jem.SGLD(steps=2),
+            buffer=jem.ReplayBuffer(64, (1, 8, 8)),
+            wrap_options={"data_range": (-1.0, 1.0), "input_size": (1, 8, 8)},
+            px_weight=1.0,
+            l2_weight=0.1,
+        )
 
     module = make()
     module.seen_modes = []
@@ -157,8 +171,9 @@ def test_lightning_module_fits_validates_under_inference_mode_and_checkpoints(tm
 
     path = tmp_path / "jem.ckpt"
     trainer.save_checkpoint(path)
-    loaded = Recording.load_from_checkpoint(path, model=TinyCNN(), sampler=jem.SGLD(steps=2),
-                                                     buffer=jem.ReplayBuffer(64, (1, 8, 8)))
+    loaded = Recording.load_from_checkpoint(
+        path, model=TinyCNN(), sampler=jem.SGLD(steps=2), buffer=jem.ReplayBuffer(64, (1, 8, 8))
+    )
     assert torch.equal(loaded.jem_loss.buffer.data, module.jem_loss.buffer.data)
     assert _state_equal(loaded.model.state_dict(), module.model.state_dict())
     assert loaded.hparams.l2_weight == 0.1
@@ -173,8 +188,12 @@ def test_lightning_gradient_scores_and_sgld_inside_inference_mode():
     _lightning()
     from jem_plugin.integrations.lightning import JEMLightningModule
 
-    module = JEMLightningModule(TinyCNN(), sampler=jem.SGLD(steps=3), buffer=jem.ReplayBuffer(16, (1, 8, 8)),
-                                wrap_options={"data_range": (-1.0, 1.0), "input_size": (1, 8, 8)})
+    module = JEMLightningModule(
+        TinyCNN(),
+        sampler=jem.SGLD(steps=3),
+        buffer=jem.ReplayBuffer(16, (1, 8, 8)),
+        wrap_options={"data_range": (-1.0, 1.0), "input_size": (1, 8, 8)},
+    )
     module.eval()
     with torch.inference_mode():
         x = torch.rand(4, 1, 8, 8) * 2 - 1  # an inference tensor, as Lightning's batches are
@@ -191,13 +210,23 @@ def test_lightning_loads_this_ranks_buffer_from_a_per_rank_checkpoint():
     from jem_plugin.distributed import PER_RANK_FORMAT
     from jem_plugin.integrations.lightning import PER_RANK_KEY, JEMLightningModule
 
-    module = JEMLightningModule(TinyCNN(), sampler=jem.SGLD(steps=1), buffer=jem.ReplayBuffer(8, (1, 8, 8)),
-                                wrap_options={"data_range": (-1.0, 1.0), "input_size": (1, 8, 8)})
+    module = JEMLightningModule(
+        TinyCNN(),
+        sampler=jem.SGLD(steps=1),
+        buffer=jem.ReplayBuffer(8, (1, 8, 8)),
+        wrap_options={"data_range": (-1.0, 1.0), "input_size": (1, 8, 8)},
+    )
     state = module.state_dict()
-    own = {k[len("jem_loss."):]: v.clone() if isinstance(v, torch.Tensor) else v
-           for k, v in state.items() if k.startswith("jem_loss.")}
+    own = {
+        k[len("jem_loss.") :]: v.clone() if isinstance(v, torch.Tensor) else v
+        for k, v in state.items()
+        if k.startswith("jem_loss.")
+    }
     own["buffer.data"] = torch.full_like(own["buffer.data"], 7.0)
-    checkpoint = {"state_dict": dict(state), PER_RANK_KEY: {"format": PER_RANK_FORMAT, "world_size": 1, "states": [own]}}
+    checkpoint = {
+        "state_dict": dict(state),
+        PER_RANK_KEY: {"format": PER_RANK_FORMAT, "world_size": 1, "states": [own]},
+    }
     module.on_load_checkpoint(checkpoint)
     module.load_state_dict(checkpoint["state_dict"])
     assert torch.equal(module.jem_loss.buffer.data, torch.full((8, 1, 8, 8), 7.0))
@@ -213,7 +242,9 @@ def test_accelerate_save_state_restores_the_replay_buffer(tmp_path):
     opt = torch.optim.Adam(jm.parameters(), lr=1e-3)
     loader = DataLoader(_digits_like(16), batch_size=8)
     jm, opt, loader = accelerator.prepare(jm, opt, loader)
-    loss_fn = jem.JEMLoss(jem.SGLD(steps=2, generator=torch.Generator().manual_seed(0)), jem.ReplayBuffer(32, (1, 8, 8)))
+    loss_fn = jem.JEMLoss(
+        jem.SGLD(steps=2, generator=torch.Generator().manual_seed(0)), jem.ReplayBuffer(32, (1, 8, 8))
+    )
     (wrapper,) = register_jem_state(accelerator, loss_fn)
     for x, y in loader:
         with accelerator.accumulate(jm):

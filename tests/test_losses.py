@@ -1,4 +1,5 @@
 """JEMLoss and GenerativeLossMixin: the objective of the reference code, in one forward."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,10 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import jem_plugin as jem
-from jem_plugin import plugins
+from jem_plugin import GenerativeLossMixin, plugins
 from jem_plugin.buffer import ReplayBuffer
 from jem_plugin.errors import InvalidInputError, InvalidLabelError, UnknownNameError
-from jem_plugin import GenerativeLossMixin
 from jem_plugin.losses import JEMLoss, LossBatch, LossOutput
 from jem_plugin.sampling import SGLD
 
@@ -70,7 +70,7 @@ def test_loss_equals_reference_objective_and_gradients():
     l_px = -(fp.mean() - fq.mean())
     l_pxy = -(lp.gather(1, y[:, None]).mean() - lqy.gather(1, y[:, None]).mean())
     eq = torch.cat([fq, lqy.logsumexp(1)])
-    l2 = (fp ** 2).mean() + (eq ** 2).mean()
+    l2 = (fp**2).mean() + (eq**2).mean()
     ref = 0.7 * ce + 1.3 * l_px + 0.5 * l_pxy + 0.2 * l2
     ref.backward()
 
@@ -103,8 +103,10 @@ def test_data_noise_is_gaussian_with_given_std_and_generator():
     torch.testing.assert_close(seen[-1][:8], expected)
 
 
-@pytest.mark.parametrize("sampler_clamp, clamp_data, inside", [
-    (True, None, True), (False, None, False), (True, False, False), (False, True, True)])
+@pytest.mark.parametrize(
+    "sampler_clamp, clamp_data, inside",
+    [(True, None, True), (False, None, False), (True, False, False), (False, True, True)],
+)
 def test_noisy_data_stays_in_the_domain_the_chains_are_clamped_to(sampler_clamp, clamp_data, inside):
     """Clamped chains + unclamped data noise put positive-phase mass where no sample can go
     (saturated pixels + noise); by default the noisy batch is clamped exactly when the chains are."""
@@ -112,8 +114,12 @@ def test_noisy_data_stays_in_the_domain_the_chains_are_clamped_to(sampler_clamp,
     x, y = batch()
     x[:, :, :4] = -1.0  # saturated background, like the digits
     x[:, :, 4:] = 1.0
-    loss_fn = JEMLoss(SGLD(steps=1, clamp=sampler_clamp), data_noise=0.3, clamp_data=clamp_data,
-                      generator=torch.Generator().manual_seed(0))
+    loss_fn = JEMLoss(
+        SGLD(steps=1, clamp=sampler_clamp),
+        data_noise=0.3,
+        clamp_data=clamp_data,
+        generator=torch.Generator().manual_seed(0),
+    )
     seen = []
     jm.model.register_forward_pre_hook(lambda m, inp: seen.append(inp[0].detach().clone()))
     loss_fn(jm, x, y)
@@ -164,8 +170,11 @@ def test_lazy_buffer_defaults_and_exact_state_roundtrip():
     torch.manual_seed(0)
     jm = jem.wrap(small_net(), num_classes=K)
     x, y = batch(8)
-    make = lambda: JEMLoss(SGLD(steps=2, generator=torch.Generator().manual_seed(3)), pxy_weight=1.0,
-                           generator=torch.Generator().manual_seed(4))
+    make = lambda: JEMLoss(
+        SGLD(steps=2, generator=torch.Generator().manual_seed(3)),
+        pxy_weight=1.0,
+        generator=torch.Generator().manual_seed(4),
+    )
     loss_fn = make()
     assert loss_fn.buffer is None
     loss_fn(jm, x, y)
@@ -251,8 +260,10 @@ class ConstTermPlugin:
             def term(jm, b: LossBatch):
                 assert b.logits_sample is not None and b.logits_data.shape[0] == b.x.shape[0]
                 return b.logits_data.new_tensor(value), {"seen": float(b.x_sample.shape[0])}
+
             term.needs_samples = True
             return term
+
         register("const", factory)
 
 
@@ -262,8 +273,9 @@ def test_third_party_term_through_the_hook():
     try:
         jm = jem.wrap(small_net())
         x, y = batch()
-        loss_fn = JEMLoss(FixedSampler(torch.rand(8, 1, 8, 8)), px_weight=0.0, data_noise=0.0,
-                          terms={"const": {"value": 2.5}})
+        loss_fn = JEMLoss(
+            FixedSampler(torch.rand(8, 1, 8, 8)), px_weight=0.0, data_noise=0.0, terms={"const": {"value": 2.5}}
+        )
         out = loss_fn(jm, x, y)
         assert out.metrics["const"] == 2.5 and out.metrics["const/seen"] == 8.0
         assert out.loss.item() == pytest.approx(out.metrics["ce"] + 2.5, rel=1e-6)
@@ -271,12 +283,15 @@ def test_third_party_term_through_the_hook():
         plugins.unregister(name=name)
 
 
-@pytest.mark.parametrize("bad_y, match", [
-    (torch.tensor([0, 1, 2, 10, 3, 4, 5, 6]), r"\[0, 10\).*from 0 to 10"),
-    (torch.tensor([0, 1, 2, -1, 3, 4, 5, 6]), r"from -1 to 6"),
-    (torch.zeros(8), "integer class indices"),
-    (torch.zeros(7, dtype=torch.long), r"shape \[8\]"),
-])
+@pytest.mark.parametrize(
+    "bad_y, match",
+    [
+        (torch.tensor([0, 1, 2, 10, 3, 4, 5, 6]), r"\[0, 10\).*from 0 to 10"),
+        (torch.tensor([0, 1, 2, -1, 3, 4, 5, 6]), r"from -1 to 6"),
+        (torch.zeros(8), "integer class indices"),
+        (torch.zeros(7, dtype=torch.long), r"shape \[8\]"),
+    ],
+)
 def test_bad_labels_are_clear_errors(bad_y, match):
     jm = jem.wrap(small_net(), num_classes=K)
     x, _ = batch(8)

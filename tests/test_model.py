@@ -1,10 +1,11 @@
 """The energy view of a classifier: identities, gradients, parameter sharing, checkpoints."""
+
 from __future__ import annotations
 
 import torch
+from conftest import TinyCNN
 
 import jem_plugin as jem
-from conftest import TinyCNN
 
 
 def test_forward_is_the_model_bit_for_bit(tiny_cnn):

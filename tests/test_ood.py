@@ -1,16 +1,16 @@
 """OOD scores and metrics: equal to the reference libraries, plugin-extensible, robust to bad input."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from conftest import TinyCNN
 from torch.utils.data import DataLoader, TensorDataset
 
 import jem_plugin as jem
 from jem_plugin import ood
 from jem_plugin.errors import InvalidInputError, InvalidScoresError, UnknownNameError
-
-from conftest import TinyCNN
 
 pytest.importorskip("pytorch_ood")
 from pytorch_ood.detector import EnergyBased, MaxLogit, MaxSoftmax  # noqa: E402
@@ -57,8 +57,7 @@ def test_msp_equals_pytorch_ood_maxsoftmax(model, jm, x, t):
 
 def test_max_logit_equals_pytorch_ood(model, jm, x):
     model.eval()
-    torch.testing.assert_close(ood.score(jm, x, "max_logit", progress=False), -MaxLogit(model)(x),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(ood.score(jm, x, "max_logit", progress=False), -MaxLogit(model)(x), atol=1e-6, rtol=0)
 
 
 def test_score_runs_in_eval_mode_and_restores_train_mode(model, jm, x):
@@ -88,8 +87,9 @@ def _pytorch_ood_metrics(outlier_scores: torch.Tensor, is_ood: torch.Tensor) -> 
     return m.compute()
 
 
-@pytest.mark.parametrize("seed,n_in,n_out,ties", [(0, 200, 150, False), (1, 37, 500, True),
-                                                  (2, 1000, 20, True), (3, 20, 19, False)])
+@pytest.mark.parametrize(
+    "seed,n_in,n_out,ties", [(0, 200, 150, False), (1, 37, 500, True), (2, 1000, 20, True), (3, 20, 19, False)]
+)
 def test_evaluate_matches_pytorch_ood_and_sklearn(seed, n_in, n_out, ties):
     s_in, s_out = _random_scores(seed, n_in, n_out, ties)
     s = torch.cat([s_in, s_out])
@@ -131,14 +131,17 @@ def test_fpr95_by_hand():
     assert perfect == {"auroc": 1.0, "aupr_in": 1.0, "aupr_out": 1.0, "fpr95": 0.0}
 
 
-@pytest.mark.parametrize("bad_in,bad_out,match", [
-    ([], [1.0], "scores_in is empty"),
-    ([1.0], torch.tensor([]), "scores_out is empty"),
-    (torch.ones(3, 2), [1.0], "1-D"),
-    ([1.0, float("nan")], [0.0], "non-finite"),
-    ([1.0], [0.0, float("inf")], "non-finite"),
-    (["a"], [0.0], "1-D array of numbers"),
-])
+@pytest.mark.parametrize(
+    "bad_in,bad_out,match",
+    [
+        ([], [1.0], "scores_in is empty"),
+        ([1.0], torch.tensor([]), "scores_out is empty"),
+        (torch.ones(3, 2), [1.0], "1-D"),
+        ([1.0, float("nan")], [0.0], "non-finite"),
+        ([1.0], [0.0, float("inf")], "non-finite"),
+        (["a"], [0.0], "1-D array of numbers"),
+    ],
+)
 def test_evaluate_rejects_bad_scores(bad_in, bad_out, match):
     with pytest.raises(InvalidScoresError, match=match) as info:
         ood.evaluate(bad_in, bad_out)
@@ -192,13 +195,17 @@ def test_grad_norm_projected_drops_only_components_leaving_the_domain():
     with torch.no_grad():
         lin.weight.copy_(w)
     jm = jem.wrap(lin, data_range=(-1.0, 1.0), num_classes=1)
-    x = torch.tensor([[-1.0, 1.0, 0.2, -0.3],     # pixels 0 and 1 saturated, pointing outwards
-                      [-1.0, -1.0, 1.0, 1.0],     # all saturated: 0 and 2 point out, 1 and 3 in
-                      [0.1, 0.2, 0.3, 0.4]])      # strictly inside
+    x = torch.tensor(
+        [
+            [-1.0, 1.0, 0.2, -0.3],  # pixels 0 and 1 saturated, pointing outwards
+            [-1.0, -1.0, 1.0, 1.0],  # all saturated: 0 and 2 point out, 1 and 3 in
+            [0.1, 0.2, 0.3, 0.4],
+        ]
+    )  # strictly inside
     plain = ood.score(jm, x, "grad_norm", progress=False)
     projected = ood.score(jm, x, "grad_norm_projected", progress=False)
-    torch.testing.assert_close(plain, torch.full((3,), -30.0 ** 0.5))
-    torch.testing.assert_close(projected, torch.tensor([-(5.0 ** 0.5), -(17.0 ** 0.5), -(30.0 ** 0.5)]))
+    torch.testing.assert_close(plain, torch.full((3,), -(30.0**0.5)))
+    torch.testing.assert_close(projected, torch.tensor([-(5.0**0.5), -(17.0**0.5), -(30.0**0.5)]))
     torch.testing.assert_close(ood.score(jm, x, "grad_norm", project=True, progress=False), projected)
 
 
@@ -222,8 +229,10 @@ def test_sgld_refined_scores(jm, x):
         s2 = ood.score(jm, x, "msp_sgld", steps=2, progress=False)
     assert ((s2 > 0) & (s2 <= 1)).all()
     # options reach the sampler: a seeded generator makes the refined score reproducible
-    a, b = (ood.score(jm, x, "logpx_sgld", steps=3, noise=0.1, progress=False,
-                      generator=torch.Generator().manual_seed(7)) for _ in range(2))
+    a, b = (
+        ood.score(jm, x, "logpx_sgld", steps=3, noise=0.1, progress=False, generator=torch.Generator().manual_seed(7))
+        for _ in range(2)
+    )
     torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert not torch.equal(a, s)
 
@@ -252,8 +261,12 @@ def test_third_party_score_through_the_hook(jm, x):
     class MyPlugin:
         @jem.hookimpl
         def jem_register_ood_scores(self, register):
-            register("neg_l1", lambda jm, x, scale=1.0: -scale * x.abs().flatten(1).sum(1),
-                     needs_grad=False, description="-scale * ||x||_1")
+            register(
+                "neg_l1",
+                lambda jm, x, scale=1.0: -scale * x.abs().flatten(1).sum(1),
+                needs_grad=False,
+                description="-scale * ||x||_1",
+            )
 
     plugin = MyPlugin()
     name = jem.register(plugin, name="test-ood-plugin")
@@ -309,9 +322,15 @@ def test_bad_data_is_rejected(jm, x):
 def test_evaluate_all_every_method_against_every_set(jm, x):
     far = 5.0 * torch.rand_like(x) + 1.0
     noise = torch.rand(40, 1, 8, 8)
-    res, scores = ood.evaluate_all(jm, x, {"far": far, "noise": DataLoader(TensorDataset(noise), batch_size=16)},
-                                   methods=("logpx", "msp"), method_kwargs={"msp": {"temperature": 2.0}},
-                                   progress=False, return_scores=True)
+    res, scores = ood.evaluate_all(
+        jm,
+        x,
+        {"far": far, "noise": DataLoader(TensorDataset(noise), batch_size=16)},
+        methods=("logpx", "msp"),
+        method_kwargs={"msp": {"temperature": 2.0}},
+        progress=False,
+        return_scores=True,
+    )
     assert set(res) == {"logpx", "msp"} and set(res["logpx"]) == {"far", "noise"}
     assert res["logpx"]["far"] == ood.evaluate(ood.score(jm, x, progress=False), ood.score(jm, far, progress=False))
     torch.testing.assert_close(scores["msp"]["noise"], ood.score(jm, noise, "msp", temperature=2.0, progress=False))

@@ -1,4 +1,5 @@
 """A non-editable install ships every subpackage (pyproject lists them by hand)."""
+
 from __future__ import annotations
 
 import pathlib

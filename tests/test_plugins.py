@@ -1,4 +1,5 @@
 """Plugin manager: built-ins registered like plugins, run-time registration, entry points, disabling."""
+
 from __future__ import annotations
 
 import sys
@@ -21,8 +22,12 @@ def fresh_manager(monkeypatch):
 
 def test_builtins_are_registered_as_plugins():
     rows = {r["name"]: r for r in jem.list_plugins()}
-    for name in ("jem_adapters.generic", "jem_adapters.timm_adapter", "jem_adapters.torchvision_adapter",
-                 "jem_adapters.huggingface"):
+    for name in (
+        "jem_adapters.generic",
+        "jem_adapters.timm_adapter",
+        "jem_adapters.torchvision_adapter",
+        "jem_adapters.huggingface",
+    ):
         assert rows[name]["builtin"] and "jem_adapter" in rows[name]["hooks"]
 
 
@@ -50,7 +55,8 @@ def test_register_overrides_adapter_choice():
 
 def _fake_distribution(tmp_path, monkeypatch):
     """Install a throwaway distribution on sys.path exposing a `jem` entry point."""
-    (tmp_path / "fake_jem_plugin.py").write_text(textwrap.dedent("""
+    (tmp_path / "fake_jem_plugin.py").write_text(
+        textwrap.dedent("""
         import torch
         import jem_plugin as jem
 
@@ -58,7 +64,8 @@ def _fake_distribution(tmp_path, monkeypatch):
         def jem_adapter(model, options):
             if isinstance(model, torch.nn.Linear):
                 return jem.Adapter("from-entry-point", num_classes=model.out_features)
-    """))
+    """)
+    )
     info = tmp_path / "fake_jem_plugin-0.3.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-jem-plugin\nVersion: 0.3\n")

@@ -1,5 +1,6 @@
 """JEM-family recipe pieces on their own: px_data, noise-free clamped steps, the auto-fitted
 Gaussian init, and the jempp/sadajem presets."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -99,8 +100,9 @@ def test_auto_fit_pools_the_first_batches_refitting_at_doublings_then_stops():
         refits.append(before is None or not torch.equal(before, mean))
         if refits[-1]:
             torch.testing.assert_close(mean, torch.full_like(mean, sum(levels) / len(levels)))
-            assert buffer.samples().mean() == pytest.approx(sum(levels) / len(levels), abs=0.005), \
+            assert buffer.samples().mean() == pytest.approx(sum(levels) / len(levels), abs=0.005), (
                 "the chains are redrawn from the new fit"
+            )
     assert refits == [True, True, False, True, False, False]  # 8, 16, 32 examples, then done
 
 
@@ -117,8 +119,6 @@ def test_auto_fit_counts_a_sam_iteration_once():
 
 
 def test_auto_fit_zero_fits_once_and_a_users_fit_stops_it():
-    model = _net(2)
-    jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
     y = torch.tensor([0, 1, 2, 0, 1, 2])
     once = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3, auto_fit_examples=0)
     assert once.fit_if_unfitted(torch.zeros(6, 1, 4, 4), y)
@@ -187,7 +187,6 @@ def test_family_presets_build_a_working_loss(name):
     assert loss_fn.sampler.noise == 0.0 and loss_fn.sampler.grad_clip is not None
 
 
-
 def test_generative_preset_fits_a_stationary_init_on_the_clean_batch():
     """generative (issue 16, e59-e62): the per-class stationary Gaussian, fitted from px_data (the
     un-augmented batch) when the user did not fit it, and samples in the data's BatchNorm pass."""
@@ -201,6 +200,7 @@ def test_generative_preset_fits_a_stationary_init_on_the_clean_batch():
     init = loss_fn.buffer.init_dist
     assert init.covariance == "stationary" and init.std.shape == (3, 3, 4, 4)
     torch.testing.assert_close(init.mean[0], (clean[0] + clean[3]).flatten() / 2)
+
 
 # ---------------------------------------------------------------- how samples meet BatchNorm
 def _bn_net(seed=0):
@@ -256,8 +256,9 @@ def test_batchnorm_options_reject_unknown_modes():
 
 
 def test_recipe_batchnorm_and_conditional_fields_reach_the_loss_and_sampler():
-    r = dataclasses.replace(get_recipe("fast"), batchnorm="separate", sgld_batchnorm="batch",
-                            class_conditional_px=True, buffer_size=30)
+    r = dataclasses.replace(
+        get_recipe("fast"), batchnorm="separate", sgld_batchnorm="batch", class_conditional_px=True, buffer_size=30
+    )
     loss_fn = r.build_loss(sample_shape=(1, 4, 4), num_classes=3)
     assert loss_fn.batchnorm == "separate" and loss_fn.sampler.batchnorm == "batch"
     assert loss_fn.class_conditional_px and loss_fn.buffer.num_classes == 3  # one class per slot
@@ -286,8 +287,11 @@ def test_separate_batchnorm_keeps_one_forward_without_batch_statistics():
     assert calls == [8]  # data and samples in one forward: the result is the same, the cost lower
     bn = _bn_net()
     bn.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
-    loss_fn(jem.wrap(bn, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3),
-            torch.rand(4, 1, 4, 4) * 2 - 1, torch.tensor([0, 1, 2, 0]))
+    loss_fn(
+        jem.wrap(bn, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3),
+        torch.rand(4, 1, 4, 4) * 2 - 1,
+        torch.tensor([0, 1, 2, 0]),
+    )
     assert calls[1:] == [4, 4]
 
 
@@ -319,7 +323,9 @@ def test_colour_steps_keep_grey_chains_grey_and_colour_data_unchanged():
         buffer.data.copy_(x)
         buffer.initialized.fill_(True)
         buffer._is_init = True
-        sampler = jem.SGLD(steps=5, step_size=1.0, noise=0.01, colours=colours, generator=torch.Generator().manual_seed(1))
+        sampler = jem.SGLD(
+            steps=5, step_size=1.0, noise=0.01, colours=colours, generator=torch.Generator().manual_seed(1)
+        )
         start[colours] = sampler.sample(jm, 30, buffer=buffer)
     assert _is_grey(start["all"]) > 1e-3, "the model's gradient is not grey: free steps add colour"
     assert _is_grey(start["data"]) < 1e-4, "confined steps (gradient and noise) keep the chains grey"
@@ -336,7 +342,9 @@ def test_colour_steps_keep_grey_chains_grey_and_colour_data_unchanged():
 
 def test_colour_steps_errors_and_checkpoint():
     g = torch.Generator().manual_seed(0)
-    jm = jem.wrap(nn.Sequential(nn.Flatten(), nn.Linear(108, 3)), data_range=(-3, 3), input_size=(3, 6, 6), num_classes=3)
+    jm = jem.wrap(
+        nn.Sequential(nn.Flatten(), nn.Linear(108, 3)), data_range=(-3, 3), input_size=(3, 6, 6), num_classes=3
+    )
     sampler = jem.SGLD(steps=2, colours="data")
     unfitted = jem.ReplayBuffer(30, (3, 6, 6))  # uniform init: nothing fitted, no colour axes
     assert unfitted.colour_projection is None
@@ -367,15 +375,15 @@ def test_generative_sizes_its_replay_buffer_for_the_run():
     slot (the 1000-slot benchmark, e76), up to buffer_size for long runs."""
     r = get_recipe("generative")
     assert r.buffer_visits == 40 and r.n_samples == 32
-    assert r.buffer_size_for(1380) == 1104                 # 60 epochs of the 32x32 digits
-    assert r.buffer_size_for(150 * 782) == r.buffer_size   # CIFAR-10's 150 epochs: the paper's 10000
-    assert r.buffer_size_for(3) == 32                       # never fewer slots than chains per iteration
+    assert r.buffer_size_for(1380) == 1104  # 60 epochs of the 32x32 digits
+    assert r.buffer_size_for(150 * 782) == r.buffer_size  # CIFAR-10's 150 epochs: the paper's 10000
+    assert r.buffer_size_for(3) == 32  # never fewer slots than chains per iteration
     assert get_recipe("paper").buffer_size_for(1380) == 10000  # the other presets keep their size
     loss_fn = r.build_loss(sample_shape=(3, 4, 4), num_classes=3, total_iters=1380)
     assert loss_fn.buffer.capacity == 1104
     with pytest.warns(RuntimeWarning, match="total_iters"):
         assert r.build_loss(sample_shape=(3, 4, 4), num_classes=3).buffer.capacity == 10000
-    per_batch = dataclasses.replace(r, n_samples=None)     # chains = the batch
+    per_batch = dataclasses.replace(r, n_samples=None)  # chains = the batch
     assert per_batch.buffer_size_for(1000, batch_size=64) == 1600
     with pytest.raises(jem.InvalidInputError, match="buffer_visits"):
         dataclasses.replace(r, buffer_visits=0).buffer_size_for(1000)

@@ -1,4 +1,5 @@
 """PGD attacks, the SGLD defence and robust accuracy on a tiny model trained on separable data."""
+
 from __future__ import annotations
 
 import pytest
@@ -160,8 +161,9 @@ def test_defense_shapes_identity_and_determinism(trained, test_data):
     assert a.shape == (20, 2)
     torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert not torch.equal(a, c)
-    f = rob.SGLDDefense(jm, steps=4, step_size=0.01, noise=0.05, n_chains=3,
-                        generator=torch.Generator().manual_seed(0))(x)
+    f = rob.SGLDDefense(
+        jm, steps=4, step_size=0.01, noise=0.05, n_chains=3, generator=torch.Generator().manual_seed(0)
+    )(x)
     torch.testing.assert_close(f, a)  # the generator given at construction is the default
     # chunking the chains changes only which noise goes where: without noise it changes nothing
     whole = rob.SGLDDefense(jm, steps=4, step_size=0.01, noise=0.0, n_chains=3)(x)
@@ -177,8 +179,9 @@ def test_robust_accuracy_with_defense_transfer_and_bpda(trained, test_data):
     _, jm = trained
     x, y = test_data
     x, y = x[:64], y[:64]
-    d = rob.SGLDDefense(jm, steps=2, step_size=0.001, noise=0.01, n_chains=2,
-                        generator=torch.Generator().manual_seed(0))
+    d = rob.SGLDDefense(
+        jm, steps=2, step_size=0.001, noise=0.01, n_chains=2, generator=torch.Generator().manual_seed(0)
+    )
     eps = [0.0, 0.3]
     base = rob.robust_accuracy(jm, x, y, eps, steps=10, progress=False)
     transfer = rob.robust_accuracy(jm, x, y, eps, defense=d, steps=10, progress=False)

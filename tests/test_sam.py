@@ -1,5 +1,6 @@
 """SAM for JEM: BatchNorm statistics frozen on the second pass, weights restored before the base
 step, one sampling per iteration."""
+
 from __future__ import annotations
 
 import copy
@@ -84,8 +85,10 @@ def test_base_step_starts_from_the_restored_weights_with_the_perturbed_gradient(
     w0 = [p.detach().clone() for p in model.parameters()]
     seen_at_step = []
     real_step = base.step
-    base.step = lambda *a, **k: (seen_at_step.append([p.detach().clone() for p in model.parameters()]),
-                                 real_step(*a, **k))[1]
+    base.step = lambda *a, **k: (
+        seen_at_step.append([p.detach().clone() for p in model.parameters()]),
+        real_step(*a, **k),
+    )[1]
     fixed = torch.rand(6, 3, 8, 8) * 2 - 1  # samples fixed so both passes see the same loss
 
     def loss_at(m):
@@ -100,7 +103,7 @@ def test_base_step_starts_from_the_restored_weights_with_the_perturbed_gradient(
     # the expected update, by hand
     ref = copy.deepcopy(model)
     g = torch.autograd.grad(loss_at(ref), list(ref.parameters()))
-    norm = torch.sqrt(sum((gi ** 2).sum() for gi in g))
+    norm = torch.sqrt(sum((gi**2).sum() for gi in g))
     with torch.no_grad():
         for p, gi in zip(ref.parameters(), g):
             p.add_(0.5 * gi / norm)

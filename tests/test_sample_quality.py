@@ -1,4 +1,5 @@
 """The sample-quality measure: Fréchet distance (closed form) and the independent judge."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,8 +8,13 @@ import torch
 
 from jem_plugin.app.data import digits_tensors, uniform_noise
 from jem_plugin.errors import InvalidInputError
-from jem_plugin.sample_quality import (frechet_distance, frechet_from_moments, reference_points,
-                                       sample_quality, train_judge)
+from jem_plugin.sample_quality import (
+    frechet_distance,
+    frechet_from_moments,
+    reference_points,
+    sample_quality,
+    train_judge,
+)
 
 
 def _closed_form_diag(mu_a, var_a, mu_b, var_b):
@@ -25,7 +31,8 @@ def test_frechet_from_moments_matches_the_closed_form():
     rot = np.array([[np.cos(0.3), -np.sin(0.3)], [np.sin(0.3), np.cos(0.3)]])
     a = rot @ np.diag([4.0, 0.25]) @ rot.T
     assert frechet_from_moments(np.zeros(2), a, np.zeros(2), np.eye(2)) == pytest.approx(
-        4.25 + 2 - 2 * (2.0 + 0.5), rel=1e-9)
+        4.25 + 2 - 2 * (2.0 + 0.5), rel=1e-9
+    )
 
 
 def test_frechet_distance_of_samples_estimates_the_gaussians_distance():
@@ -59,7 +66,7 @@ def test_judge_tells_data_from_noise(digits_judge):
     q_real = sample_quality(judge, x[: len(xt)], xt, y_samples=y[: len(xt)])
     q_noise = sample_quality(judge, noise, xt, y_samples=yt)
     assert q_real["judge_acc"] > 0.9
-    assert q_noise["judge_acc"] < 0.3          # about chance (0.1): noise carries no class
+    assert q_noise["judge_acc"] < 0.3  # about chance (0.1): noise carries no class
     assert q_noise["fd"] > 20 * q_real["fd"]
     ref = reference_points(judge, xt, train=x, init=noise)
     assert ref["heldout_halves"] < ref["init"] / 10
@@ -125,8 +132,9 @@ def test_chain_trace_shows_chains_that_fool_the_model(digits_judge):
 
     judge, (x, y, xt, yt) = digits_judge
     start = xt[:100].clone()
-    out = chain_trace(_jem(_Tilt(64)), judge, start, xt, sampler=jem.SGLD(steps=5, step_size=0.05, noise=0.0),
-                      rounds=(0, 10))
+    out = chain_trace(
+        _jem(_Tilt(64)), judge, start, xt, sampler=jem.SGLD(steps=5, step_size=0.05, noise=0.0), rounds=(0, 10)
+    )
     first, last = out["trace"]
     assert last["energy"] < out["heldout_energy"] and last["energy"] < first["energy"]
     assert last["fd"] > 3 * first["fd"], out

@@ -1,14 +1,16 @@
 """SGLD: the update rule, mode/BatchNorm safety, no graph kept, grad modes, precision, hooks, divergence."""
+
 from __future__ import annotations
 
 import gc
-import math
 import io
+import math
 import weakref
 
 import pytest
 import timm
 import torch
+from conftest import TinyCNN
 from torch import nn
 
 import jem_plugin as jem
@@ -17,8 +19,6 @@ from jem_plugin.buffer import ReplayBuffer
 from jem_plugin.errors import DivergenceError, InvalidLabelError
 from jem_plugin.model import sampling_mode
 from jem_plugin.sampling import SGLD, SGLDStepState
-
-from conftest import TinyCNN
 
 SHAPE = (1, 8, 8)
 
@@ -76,7 +76,7 @@ def test_input_is_not_modified_and_result_is_detached_fp32(jm):
 def test_batchnorm_stats_modes_and_flags_restored(jm):
     model = jm.model
     model.train()
-    model.features[7].eval()               # a layer the user put in eval stays in eval
+    model.features[7].eval()  # a layer the user put in eval stays in eval
     model.head.bias.requires_grad_(False)  # a frozen parameter stays frozen
     state = {k: v.clone() for k, v in model.state_dict().items()}
     flags = snapshot_flags(model)
@@ -102,8 +102,9 @@ def test_inside_sampling_mode_everything_is_eval_and_frozen(jm):
     class Spy:
         @jem.hookimpl
         def jem_sgld_step(self, state):
-            seen.append((any(m.training for m in jm.model.modules()),
-                         any(p.requires_grad for p in jm.model.parameters())))
+            seen.append(
+                (any(m.training for m in jm.model.modules()), any(p.requires_grad for p in jm.model.parameters()))
+            )
 
     jem.register(Spy(), name="spy-modes")
     try:
@@ -233,8 +234,9 @@ def test_same_generator_seed_gives_bitwise_identical_samples(jm):
 
 
 def test_state_dict_round_trip_resumes_the_generator(jm):
-    sampler = SGLD(steps=3, step_size=0.5, noise=0.02, schedule="poly", final_step_size=0.1,
-                   grad_clip=0.05, generator=gen(5))
+    sampler = SGLD(
+        steps=3, step_size=0.5, noise=0.02, schedule="poly", final_step_size=0.1, grad_clip=0.05, generator=gen(5)
+    )
     sampler.sample(jm, 4, shape=SHAPE)  # advance the generator
     blob = io.BytesIO()
     torch.save(sampler.state_dict(), blob)
@@ -267,8 +269,9 @@ def test_class_conditional_sampling_increases_target_logit(jm):
 
 
 def test_trajectory_and_energies_are_returned_not_kept_on_the_sampler(jm):
-    sampler = SGLD(steps=4, step_size=0.5, schedule="poly", final_step_size=0.1, record_trajectory=True,
-                   record_energies=True)
+    sampler = SGLD(
+        steps=4, step_size=0.5, schedule="poly", final_step_size=0.1, record_trajectory=True, record_energies=True
+    )
     out, diag = sampler.sample(jm, 6, shape=SHAPE, return_diagnostics=True)
     assert isinstance(diag, jem.SGLDDiagnostics) and diag.steps == 4
     assert diag.final_step_size == pytest.approx(0.1)

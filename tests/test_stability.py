@@ -1,4 +1,5 @@
 """DivergenceGuard: forced divergences are caught; raise names the remedies; rollback restores bitwise."""
+
 from __future__ import annotations
 
 import warnings
@@ -8,9 +9,9 @@ import torch
 from torch import nn
 
 import jem_plugin as jem
+from jem_plugin import GenerativeLossMixin
 from jem_plugin.buffer import ReplayBuffer
 from jem_plugin.errors import DivergenceError
-from jem_plugin import GenerativeLossMixin
 from jem_plugin.losses import JEMLoss, LossOutput
 from jem_plugin.sampling import SGLD
 from jem_plugin.stability import DivergenceGuard
@@ -47,9 +48,12 @@ def blow_up(net, factor=1e20):
 
 def states(jm, opt, loss_fn):
     clone = lambda sd: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in sd.items()}
-    return {"model": clone(jm.state_dict()), "buffer": loss_fn.buffer.data.clone(),
-            "opt": {i: clone(s) for i, s in opt.state_dict()["state"].items()},
-            "gen": loss_fn.state_dict()["_extra_state"]}
+    return {
+        "model": clone(jm.state_dict()),
+        "buffer": loss_fn.buffer.data.clone(),
+        "opt": {i: clone(s) for i, s in opt.state_dict()["state"].items()},
+        "gen": loss_fn.state_dict()["_extra_state"],
+    }
 
 
 def test_healthy_training_passes_and_snapshots_only_every_n(monkeypatch):

@@ -1,4 +1,5 @@
 """The trainer: learns, resumes exactly, honours its time budget, and records a usable history."""
+
 from __future__ import annotations
 
 import json
@@ -89,8 +90,17 @@ def test_resume_is_exact(digits, tmp_path, global_shuffle, every_iters, resumed_
         torch.manual_seed(123)  # the global RNG drives data order when the loader has no generator
         jm = _model(width=4)
         dl = _loader(sub, shuffle_generator=not global_shuffle)  # a fresh loader, as after a restart
-        h = fit(jm, dl, epochs=3, lr=1e-3, warmup_iters=4, checkpoint_dir=ckpt_dir,
-                checkpoint_every=every_iters, callbacks=callbacks, progress=False)
+        h = fit(
+            jm,
+            dl,
+            epochs=3,
+            lr=1e-3,
+            warmup_iters=4,
+            checkpoint_dir=ckpt_dir,
+            checkpoint_every=every_iters,
+            callbacks=callbacks,
+            progress=False,
+        )
         return jm, h
 
     ref, ref_hist = run()
@@ -114,8 +124,18 @@ def test_resume_with_jem_loss_restores_buffer_and_sampler(digits, tmp_path):
         torch.manual_seed(7)
         jm = _model(width=4)
         loss_fn = JEMLoss(SGLD(steps=2), ReplayBuffer(200, (1, 8, 8), init="uniform"), l2_weight=0.1)
-        h = fit(jm, _loader(sub, seed=1), epochs=2, lr=1e-3, warmup_iters=2, loss_fn=loss_fn,
-                checkpoint_dir=ckpt_dir, checkpoint_every=2, callbacks=callbacks, progress=False)
+        h = fit(
+            jm,
+            _loader(sub, seed=1),
+            epochs=2,
+            lr=1e-3,
+            warmup_iters=2,
+            loss_fn=loss_fn,
+            checkpoint_dir=ckpt_dir,
+            checkpoint_every=2,
+            callbacks=callbacks,
+            progress=False,
+        )
         return jm, loss_fn, h
 
     ref, ref_loss, ref_hist = run()
@@ -133,6 +153,7 @@ def test_max_seconds_stops_cleanly_and_resume_finishes_the_run(digits, tmp_path)
 
     def slow(state):  # make each step take a while so the budget ends mid-run
         import time
+
         time.sleep(0.05)
 
     class Slow:
@@ -145,9 +166,19 @@ def test_max_seconds_stops_cleanly_and_resume_finishes_the_run(digits, tmp_path)
     torch.manual_seed(0)
     jm = _model(width=4)
     import time
+
     t0 = time.perf_counter()
-    h = fit(jm, _loader(sub), epochs=3, lr=1e-3, warmup_iters=4, checkpoint_dir=tmp_path,
-            max_seconds=0.3, callbacks=[Slow()], progress=False)
+    h = fit(
+        jm,
+        _loader(sub),
+        epochs=3,
+        lr=1e-3,
+        warmup_iters=4,
+        checkpoint_dir=tmp_path,
+        max_seconds=0.3,
+        callbacks=[Slow()],
+        progress=False,
+    )
     elapsed = time.perf_counter() - t0
     assert h.stopped == "max_seconds" and len(h) < 3
     assert elapsed < 0.3 + 1.0  # stops within about one step of the budget (+ the checkpoint)
@@ -214,9 +245,18 @@ def test_guard_rollback_continues_with_safer_settings(digits, tmp_path):
     jm = jem.wrap(_Poisoned(DigitsCNN(width=4), at=6))
     loss_fn = JEMLoss(SGLD(steps=1), ReplayBuffer(100, (1, 8, 8)))
     with pytest.warns(RuntimeWarning, match="Rolled back"):
-        hist = fit(jm, _loader(sub), epochs=2, lr=1e-3, warmup_iters=0, loss_fn=loss_fn,
-                   guard_policy="rollback", guard_options={"snapshot_every": 2},
-                   checkpoint_dir=tmp_path, progress=False)
+        hist = fit(
+            jm,
+            _loader(sub),
+            epochs=2,
+            lr=1e-3,
+            warmup_iters=0,
+            loss_fn=loss_fn,
+            guard_policy="rollback",
+            guard_options={"snapshot_every": 2},
+            checkpoint_dir=tmp_path,
+            progress=False,
+        )
     events = [e for e in hist.events if e["event"] == "rollback"]
     assert len(events) == 1 and events[0]["iteration"] == 5
     assert loss_fn.l2_weight == pytest.approx(0.1)  # the authors' remedy was applied
@@ -225,8 +265,7 @@ def test_guard_rollback_continues_with_safer_settings(digits, tmp_path):
     # the remedy survives a resume: the guard's state is in the checkpoint
     loss2 = JEMLoss(SGLD(steps=1), ReplayBuffer(100, (1, 8, 8)))
     jm2 = jem.wrap(_Poisoned(DigitsCNN(width=4), at=-1))
-    fit(jm2, _loader(sub), epochs=2, loss_fn=loss2, guard_policy="rollback", checkpoint_dir=tmp_path,
-        progress=False)
+    fit(jm2, _loader(sub), epochs=2, loss_fn=loss2, guard_policy="rollback", checkpoint_dir=tmp_path, progress=False)
     assert loss2.l2_weight == pytest.approx(0.1)
 
 
@@ -234,8 +273,16 @@ def test_run_digits_smoke_writes_metrics_and_figures(tmp_path):
     from jem_plugin.app.experiments import OOD_SCORES, run_digits_demo
 
     # the demo entry point with a tiny budget: both runs, the budget split, every figure
-    result = run_digits_demo(tmp_path, epochs=1, sgld_steps=1, buffer_size=200, class_sample_steps=1,
-                             warmup_iters=10, progress=False, budget_seconds=60)
+    result = run_digits_demo(
+        tmp_path,
+        epochs=1,
+        sgld_steps=1,
+        buffer_size=200,
+        class_sample_steps=1,
+        warmup_iters=10,
+        progress=False,
+        budget_seconds=60,
+    )
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert set(saved["runs"]) == {"baseline", "JEM"} == set(result["runs"])
     for run in saved["runs"].values():
@@ -246,8 +293,13 @@ def test_run_digits_smoke_writes_metrics_and_figures(tmp_path):
             for ood_set in ("noise", "patches", "blends", "transposed"):
                 assert 0.0 <= s[f"auroc_{method}_{ood_set}"] <= 1.0
     assert "targets" not in saved  # internal acceptance targets live in benchmarks/, not in a user's run
-    for png in ("samples_buffer.png", "samples_per_class.png", "curves_training.png",
-                "reliability_JEM.png", "roc_logpx_baseline.png"):
+    for png in (
+        "samples_buffer.png",
+        "samples_per_class.png",
+        "curves_training.png",
+        "reliability_JEM.png",
+        "roc_logpx_baseline.png",
+    ):
         assert (tmp_path / png).stat().st_size > 1000, png
 
 
@@ -266,8 +318,7 @@ class _Probe(torch.nn.Module):
 
     def forward(self, x):
         h = self.conv2(self.conv(x))  # 4 channels: the two layouts differ
-        self.seen.append((h.dtype, h.is_contiguous(memory_format=torch.channels_last)
-                          and not h.is_contiguous()))
+        self.seen.append((h.dtype, h.is_contiguous(memory_format=torch.channels_last) and not h.is_contiguous()))
         return self.head(torch.relu(self.bn(h)).flatten(1))
 
 
@@ -277,8 +328,16 @@ def test_amp_and_channels_last_reach_the_model(digits, amp, channels_last):
     sub = TensorDataset(*[t[:128] for t in train.tensors])
     torch.manual_seed(0)
     net = _Probe()
-    hist = fit(jem.wrap(net), _loader(sub), epochs=1, lr=1e-3, warmup_iters=0, amp=amp,
-               channels_last=channels_last, progress=False)
+    hist = fit(
+        jem.wrap(net),
+        _loader(sub),
+        epochs=1,
+        lr=1e-3,
+        warmup_iters=0,
+        amp=amp,
+        channels_last=channels_last,
+        progress=False,
+    )
     assert len(hist) == 1 and torch.isfinite(torch.tensor(hist["loss"])).all()
     dtypes, layouts = zip(*net.seen)
     assert set(dtypes) == {torch.bfloat16 if amp == "bf16" else torch.float32}
@@ -296,8 +355,16 @@ def test_bf16_jem_training_with_a_replay_buffer(digits):
     sub = TensorDataset(*[t[:128] for t in train.tensors])
     torch.manual_seed(0)
     loss_fn = JEMLoss(SGLD(steps=2), ReplayBuffer(100, (1, 8, 8)))
-    hist = fit(jem.wrap(_Probe()), _loader(sub), epochs=1, warmup_iters=0, loss_fn=loss_fn, amp="bf16",
-               channels_last=True, progress=False)
+    hist = fit(
+        jem.wrap(_Probe()),
+        _loader(sub),
+        epochs=1,
+        warmup_iters=0,
+        loss_fn=loss_fn,
+        amp="bf16",
+        channels_last=True,
+        progress=False,
+    )
     assert "energy_gap" in hist.last and loss_fn.buffer.data.dtype == torch.float32
 
 
@@ -339,8 +406,16 @@ def test_resume_is_announced(digits, tmp_path, caplog):
     train, _ = digits
     sub = TensorDataset(*[t[:320] for t in train.tensors])  # 5 batches per epoch
     with pytest.raises(KeyboardInterrupt):
-        fit(_model(width=4), _loader(sub), epochs=3, warmup_iters=0, checkpoint_dir=tmp_path,
-            checkpoint_every=3, callbacks=[_Crash(at=8)], progress=False)
+        fit(
+            _model(width=4),
+            _loader(sub),
+            epochs=3,
+            warmup_iters=0,
+            checkpoint_dir=tmp_path,
+            checkpoint_every=3,
+            callbacks=[_Crash(at=8)],
+            progress=False,
+        )
     with caplog.at_level("INFO", logger="jem_plugin.training"):
         fit(_model(width=4), _loader(sub), epochs=3, warmup_iters=0, checkpoint_dir=tmp_path, progress=False)
     assert "resuming at epoch 2, iteration 6 of 15" in caplog.text

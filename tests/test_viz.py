@@ -1,5 +1,6 @@
 """Figures: every one lives in jem_plugin.viz, draws on its own Figure and leaves matplotlib's
 backend alone; importing the library pulls in neither matplotlib nor torchvision."""
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,7 @@ def test_reliability_diagram_png(tmp_path):
     g = torch.Generator().manual_seed(0)
     logits = 3.0 * torch.randn(2000, 10, generator=g)
     labels = torch.randint(0, 10, (2000,), generator=g)
-    path = viz.reliability_diagram(logits, labels, str(tmp_path / "rel.png"), title="overconfident",
-                                   from_logits=True)
+    path = viz.reliability_diagram(logits, labels, str(tmp_path / "rel.png"), title="overconfident", from_logits=True)
     assert path == str(tmp_path / "rel.png")
     _png(path)
 
@@ -58,8 +58,11 @@ def test_reliability_diagram_png(tmp_path):
 def test_robust_accuracy_plot_one_or_several_results(tmp_path):
     base = {"eps": [0.0, 0.1, 0.3], "accuracy": [0.95, 0.5, 0.1], "norm": "linf", "attack": "pgd"}
     defended = {**base, "accuracy": [0.9, 0.7, 0.3], "attack": "pgd-bpda-eot1"}
-    _png(viz.plot_robust_accuracy({"baseline": base, "defence": defended}, str(tmp_path / "r.png"),
-                                  "test", eps_scale=255))
+    _png(
+        viz.plot_robust_accuracy(
+            {"baseline": base, "defence": defended}, str(tmp_path / "r.png"), "test", eps_scale=255
+        )
+    )
     _png(viz.plot_robust_accuracy(base, str(tmp_path / "single.png")))
     with pytest.raises(ValueError, match="empty"):
         viz.plot_robust_accuracy({}, str(tmp_path / "x.png"))
@@ -68,15 +71,19 @@ def test_robust_accuracy_plot_one_or_several_results(tmp_path):
 def test_plot_functions_left_the_science_modules():
     from jem_plugin import buffer, calibration, ood, robustness
 
-    for mod, name in ((ood, "plot_histograms"), (ood, "plot_roc"), (calibration, "reliability_diagram"),
-                      (robustness, "plot_robust_accuracy"), (robustness, "plot_curve")):
+    for mod, name in (
+        (ood, "plot_histograms"),
+        (ood, "plot_roc"),
+        (calibration, "reliability_diagram"),
+        (robustness, "plot_robust_accuracy"),
+        (robustness, "plot_curve"),
+    ):
         assert not hasattr(mod, name), f"{mod.__name__}.{name}"
     assert "matplotlib" not in open(buffer.__file__).read()
 
 
 def _run(code: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                         timeout=240)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

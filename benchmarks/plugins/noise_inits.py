@@ -14,9 +14,10 @@ noise keep log p(x)'s OOD scores and never move; negatives without it move and l
     the same noise drawn at a quarter of the resolution and scaled up bilinearly, as smooth as the
     scaled-up digits: is it its high frequencies?
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ class _NoiseVariant(nn.Module):
     def fitted(self) -> bool:
         return self.clean.fitted
 
-    def fit(self, x: Tensor, y: Tensor, num_classes: int | None = None) -> "_NoiseVariant":
+    def fit(self, x: Tensor, y: Tensor, num_classes: int | None = None) -> _NoiseVariant:
         self.noisy.fit(x, y, num_classes)
         self.clean.fit(x, y, num_classes)
         return self
@@ -76,22 +77,34 @@ class StructuredNoiseInit(_NoiseVariant):
         x = self.clean.sample(n, shape, domain, generator, device, y=y)
         c, h, w = shape
         if self.smooth:
-            z = F.interpolate(draw(torch.randn, (n, 1, h // 4, w // 4), generator, device), size=(h, w),
-                              mode="bilinear", align_corners=False)
+            z = F.interpolate(
+                draw(torch.randn, (n, 1, h // 4, w // 4), generator, device),
+                size=(h, w),
+                mode="bilinear",
+                align_corners=False,
+            )
             z = z / z.std()
         else:
             z = draw(torch.randn, (n, 1, h, w), generator, device)
         sigma = self.noisy.std.to(device)[y].view(n, 1, 1, 1)
         # Grey in pixels: each channel's noise scaled by its width in the normalised space (1/std).
         width = torch.tensor([hi - lo for lo, hi in zip(domain.low, domain.high)], device=device)
-        width = (width / width.mean()).view(1, -1, 1, 1) if width.numel() == c else torch.ones(1, c, 1, 1, device=device)
+        width = (
+            (width / width.mean()).view(1, -1, 1, 1) if width.numel() == c else torch.ones(1, c, 1, 1, device=device)
+        )
         return domain.clamp(x + sigma * z.expand(n, c, h, w) * width)
 
 
 @jem.hookimpl
 def jem_register_init_distributions(register):
     register("half_noisy", HalfNoisyInit, description="rank-8 Gaussian, half the draws with its residual noise")
-    register("grey_noisy", lambda **kw: StructuredNoiseInit(smooth=False, **kw),
-             description="rank-8 Gaussian span plus grey per-pixel noise")
-    register("smooth_noisy", lambda **kw: StructuredNoiseInit(smooth=True, **kw),
-             description="rank-8 Gaussian span plus grey noise at a quarter resolution, scaled up")
+    register(
+        "grey_noisy",
+        lambda **kw: StructuredNoiseInit(smooth=False, **kw),
+        description="rank-8 Gaussian span plus grey per-pixel noise",
+    )
+    register(
+        "smooth_noisy",
+        lambda **kw: StructuredNoiseInit(smooth=True, **kw),
+        description="rank-8 Gaussian span plus grey noise at a quarter resolution, scaled up",
+    )

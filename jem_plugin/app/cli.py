@@ -4,6 +4,7 @@ Every subcommand takes ``--device``, ``--seed``, ``--out`` and ``--config FILE``
 whose keys are option names, e.g. ``{"epochs": 5, "sgld_steps": 10}``; flags on the command line
 win). User errors (bad flags, missing paths, incompatible checkpoints) print one line and exit 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,9 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -29,9 +31,21 @@ from ..recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 from ..sampling import COLOURS, SGLD
 from . import CLIError
 from .experiments import dataset_sample_quality, run_digits_demo
-from .model_files import (build_model, check_classes, check_inputs, check_resume, drop_buffer_from_checkpoints,
-                          held_out_data, load_data, load_model_checkpoint, model_spec, ood_sets,
-                          save_model_checkpoint, split_held_out, wrap_for_data)
+from .model_files import (
+    build_model,
+    check_classes,
+    check_inputs,
+    check_resume,
+    drop_buffer_from_checkpoints,
+    held_out_data,
+    load_data,
+    load_model_checkpoint,
+    model_spec,
+    ood_sets,
+    save_model_checkpoint,
+    split_held_out,
+    wrap_for_data,
+)
 from .report import QUALITY_HOW_TO_READ, metric_label, write_report
 
 # `jem demo --smoke`: the whole pipeline in seconds (tests, a first look); not a meaningful result.
@@ -68,10 +82,23 @@ def _check_config_types(config: dict[str, Any], actions: dict[str, argparse.Acti
     for key, value in config.items():
         a = actions[key]
         want = bool if a.nargs == 0 else {_positive: int}.get(a.type, a.type) or str
-        ok = isinstance(value, bool) if want is bool else (
-            value is None or (not isinstance(value, bool) and (
-                isinstance(value, int) if want is int else
-                isinstance(value, (int, float)) if want is float else isinstance(value, str))))
+        ok = (
+            isinstance(value, bool)
+            if want is bool
+            else (
+                value is None
+                or (
+                    not isinstance(value, bool)
+                    and (
+                        isinstance(value, int)
+                        if want is int
+                        else isinstance(value, (int, float))
+                        if want is float
+                        else isinstance(value, str)
+                    )
+                )
+            )
+        )
         if not ok:
             name = getattr(want, "__name__", "text")
             raise CLIError(f"config file {path!r}: {key} = {value!r} is not {name}; write it as a JSON/TOML {name}")
@@ -146,15 +173,23 @@ def cmd_demo(args) -> int:
     out = _out_dir(args.out or "jem-report")
     _device(args.device)
     overrides = SMOKE_DEMO if args.smoke else {}
-    result = run_digits_demo(out, seed=args.seed, device=args.device, progress=not args.quiet,
-                             budget_seconds=args.budget_seconds, **overrides)
+    result = run_digits_demo(
+        out,
+        seed=args.seed,
+        device=args.device,
+        progress=not args.quiet,
+        budget_seconds=args.budget_seconds,
+        **overrides,
+    )
     report = write_report(out, result, title="jem demo: a classifier and a JEM on the digits")
     runs = result.get("runs", {})
     keys = [k for k in next(iter(runs.values()), {}).get("summary", {}) if k.startswith(("acc", "ece", "auroc_logpx"))]
     print(f"\n{'':<34}" + "".join(f"{n:>12}" for n in runs))
     for k in keys:
         vals = [runs[n]["summary"].get(k) for n in runs]
-        print(f"{metric_label(k)[0]:<34}" + "".join(f"{v:>12.3f}" if isinstance(v, float) else f"{'':>12}" for v in vals))
+        print(
+            f"{metric_label(k)[0]:<34}" + "".join(f"{v:>12.3f}" if isinstance(v, float) else f"{'':>12}" for v in vals)
+        )
     if result.get("warning"):
         print(f"\nWARNING: {result['warning']}")
     print(f"\nreport: {report}  (metrics.json, model_baseline.pt and model_JEM.pt are next to it)")
@@ -171,8 +206,7 @@ def cmd_train(args) -> int:
 def _train(args, info) -> int:
     dev, out = info.device, _out_dir(args.out or "runs/jem")
     recipe = get_recipe(args.recipe)
-    recipe = dataclasses.replace(recipe, **{k: v for k, v in vars(args).items()
-                                            if k in RECIPE_FLAGS and v is not None})
+    recipe = dataclasses.replace(recipe, **{k: v for k, v in vars(args).items() if k in RECIPE_FLAGS and v is not None})
     if args.buffer_size is not None and args.buffer_visits is None:
         recipe = dataclasses.replace(recipe, buffer_visits=None)  # the size asked for, not one for the run
     if recipe.sam_rho:
@@ -187,8 +221,11 @@ def _train(args, info) -> int:
     held_out, val = None, None
     if args.val_data:
         val, *_ = load_data(args.val_data, train=False, image_size=args.image_size, seed=args.seed)
-        check_classes([str(c) for c in data_classes or range(k)], [str(c) for c in getattr(val, "classes", [])],
-                      f"--val-data {args.val_data}")
+        check_classes(
+            [str(c) for c in data_classes or range(k)],
+            [str(c) for c in getattr(val, "classes", [])],
+            f"--val-data {args.val_data}",
+        )
         held_out = {"data": args.val_data}
     elif args.data.startswith("folder:") and args.val_fraction > 0:
         n_total = len(ds)
@@ -206,56 +243,88 @@ def _train(args, info) -> int:
     if before is not None and args.buffer_size is None:
         # A continued run keeps its chains: the slots it began with, whatever --epochs says now
         # (a run from before the buffer was sized for the run has the recipe's buffer_size).
-        recipe = dataclasses.replace(recipe, buffer_size=before.get("replay_buffer_slots", recipe.buffer_size),
-                                     buffer_visits=None)
+        recipe = dataclasses.replace(
+            recipe, buffer_size=before.get("replay_buffer_slots", recipe.buffer_size), buffer_visits=None
+        )
     if info.distributed:
         # From here on each rank draws its own data noise and chains.
         torch.manual_seed(jdist.rank_seed(args.seed))
     g = torch.Generator().manual_seed(args.seed)
     if info.distributed:
         # Each rank its share of the data, reshuffled per epoch (fit calls set_epoch).
-        shard = DistributedSampler(ds, num_replicas=info.world_size, rank=info.rank, shuffle=True,
-                                   seed=args.seed, drop_last=True)
+        shard = DistributedSampler(
+            ds, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=args.seed, drop_last=True
+        )
         loader = DataLoader(ds, batch_size=args.batch_size, sampler=shard, drop_last=True, generator=g)
         model = jdist.wrap_ddp(jm)
     else:
         loader = DataLoader(ds, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=g)
         model = jm
     if len(loader) == 0:
-        raise CLIError(f"--data {args.data} has {len(ds)} training images, fewer than --batch-size "
-                       f"{args.batch_size}; lower --batch-size")
+        raise CLIError(
+            f"--data {args.data} has {len(ds)} training images, fewer than --batch-size "
+            f"{args.batch_size}; lower --batch-size"
+        )
     loss_fn = None
     if not args.baseline:
-        xs, ys = (next(iter(DataLoader(ds, batch_size=min(len(ds), 5000), shuffle=False)))
-                  if recipe.init != "uniform" else (None, None))
-        loss_fn = recipe.build_loss(sample_shape=shape, num_classes=k, x_fit=xs, y_fit=ys, device=dev,
-                                    generator=jdist.rank_generator(args.seed, dev), ce_weight=args.ce_weight,
-                                    total_iters=epochs * len(loader), batch_size=args.batch_size)
+        xs, ys = (
+            next(iter(DataLoader(ds, batch_size=min(len(ds), 5000), shuffle=False)))
+            if recipe.init != "uniform"
+            else (None, None)
+        )
+        loss_fn = recipe.build_loss(
+            sample_shape=shape,
+            num_classes=k,
+            x_fit=xs,
+            y_fit=ys,
+            device=dev,
+            generator=jdist.rank_generator(args.seed, dev),
+            ce_weight=args.ce_weight,
+            total_iters=epochs * len(loader),
+            batch_size=args.batch_size,
+        )
         spec["replay_buffer_slots"] = loss_fn.buffer.capacity  # per rank; what a resumed run keeps
         if args.checkpoint_buffer == "none":
             drop_buffer_from_checkpoints(loss_fn.buffer)
     warmup = recipe.warmup_for(epochs * len(loader))
     if info.is_main:
-        print(f"jem train: {args.model} on {args.data}, {'baseline (cross-entropy only)' if args.baseline else 'recipe ' + recipe.name}, "
-              f"{epochs} epochs of {len(loader)} iterations, warm-up {warmup}; output in {out}/")
+        print(
+            f"jem train: {args.model} on {args.data}, {'baseline (cross-entropy only)' if args.baseline else 'recipe ' + recipe.name}, "
+            f"{epochs} epochs of {len(loader)} iterations, warm-up {warmup}; output in {out}/"
+        )
         if loss_fn is not None and loss_fn.buffer.capacity < recipe.buffer_size:
-            print(f"jem train: replay buffer of {loss_fn.buffer.capacity} slots, not {recipe.buffer_size}: "
-                  f"recipe {recipe.name!r} draws each about {recipe.buffer_visits:g} times in the run's "
-                  f"{epochs * len(loader)} iterations (--buffer-size sets it)")
+            print(
+                f"jem train: replay buffer of {loss_fn.buffer.capacity} slots, not {recipe.buffer_size}: "
+                f"recipe {recipe.name!r} draws each about {recipe.buffer_visits:g} times in the run's "
+                f"{epochs * len(loader)} iterations (--buffer-size sets it)"
+            )
         if not args.no_resume and list((out / "checkpoints").glob("*.pt")):
-            print(f"jem train: {out}/checkpoints holds an earlier run of this model: continuing it "
-                  "(--no-resume starts over)")
+            print(
+                f"jem train: {out}/checkpoints holds an earlier run of this model: continuing it "
+                "(--no-resume starts over)"
+            )
         out.mkdir(parents=True, exist_ok=True)
         (out / "spec.json").write_text(json.dumps(spec, indent=2))
     val_loader = DataLoader(val, batch_size=256) if val is not None else None
     # training.fit read at call time: the CLI tests replace it to capture what `jem train` asks for
     history = training.fit(
-        model, train_loader=loader, epochs=epochs, optimizer=recipe.build_optimizer(jm.parameters()),
-        warmup_iters=warmup, loss_fn=loss_fn, val_data=val_loader, eval_every=max(1, epochs // 10),
-        checkpoint_dir=out / "checkpoints", resume=not args.no_resume,
-        checkpoint_every=args.checkpoint_every, guard_policy=args.on_divergence,
-        progress=not args.quiet, max_seconds=args.max_seconds, amp=args.amp,
-        channels_last=args.channels_last)
+        model,
+        train_loader=loader,
+        epochs=epochs,
+        optimizer=recipe.build_optimizer(jm.parameters()),
+        warmup_iters=warmup,
+        loss_fn=loss_fn,
+        val_data=val_loader,
+        eval_every=max(1, epochs // 10),
+        checkpoint_dir=out / "checkpoints",
+        resume=not args.no_resume,
+        checkpoint_every=args.checkpoint_every,
+        guard_policy=args.on_divergence,
+        progress=not args.quiet,
+        max_seconds=args.max_seconds,
+        amp=args.amp,
+        channels_last=args.channels_last,
+    )
     record = history.to_dict()
     # The final model's held-out logits, once: rank 0 reports accuracy and calibration from them.
     scored = info.is_main and val_loader is not None
@@ -270,30 +339,54 @@ def _train(args, info) -> int:
         acc_after = _accuracy(*final_logits) if scored else None
         record["bn_stats_from_data"] = {"val_acc_before": acc_before, "val_acc_after": acc_after}
         if info.is_main:
-            print("jem train: BatchNorm running statistics recomputed from the training data"
-                  + (f": held-out accuracy {acc_before:.3f} -> {acc_after:.3f}" if acc_before is not None else "")
-                  + " (--no-bn-stats-from-data keeps those of training)")
+            print(
+                "jem train: BatchNorm running statistics recomputed from the training data"
+                + (f": held-out accuracy {acc_before:.3f} -> {acc_after:.3f}" if acc_before is not None else "")
+                + " (--no-bn-stats-from-data keeps those of training)"
+            )
     if loss_fn is not None and len(shape) == 3 and bool(loss_fn.buffer.initialized):  # each rank's own chains
         from ..viz import save_image_grid
 
         name = f"buffer_rank{info.rank}.png" if info.distributed else "buffer.png"
-        save_image_grid(loss_fn.buffer.samples(64).cpu(), out / name, domain=domain, nrow=8,
-                        title=f"replay buffer after {len(history)} epochs\n(unconditional samples)")
+        save_image_grid(
+            loss_fn.buffer.samples(64).cpu(),
+            out / name,
+            domain=domain,
+            nrow=8,
+            title=f"replay buffer after {len(history)} epochs\n(unconditional samples)",
+        )
     if info.is_main and loss_fn is not None and len(shape) == 3 and bool(loss_fn.buffer.initialized):
         # Once, at the end (a judge costs seconds): rank 0's buffer against the held-out split (issue 16)
         q = record["sample_quality"] = dataset_sample_quality(
-            jm, loss_fn.buffer, ds, val, sgld_steps=max(20, recipe.sgld_steps), step_size=recipe.step_size,
-            noise=recipe.noise, grad_clip=recipe.grad_clip, seed=args.seed, batchnorm=recipe.sgld_batchnorm,
-            colours=recipe.sgld_colours)
-        print("sample quality: " + (q["skipped"] if "skipped" in q else
-              f"buffer FD {q['fd_buffer']:.3g} (init {q['fd_init']:.3g}, held-out floor {q['fd_heldout_floor']:.3g}; "
-              f"{int(q['fd_n_samples'])} images), judge accuracy on class samples {q['judge_acc_samples']:.2f} "
-              f"(init {q['judge_acc_init']:.2f}, test images {q['judge_acc_heldout']:.2f}). " + QUALITY_HOW_TO_READ))
+            jm,
+            loss_fn.buffer,
+            ds,
+            val,
+            sgld_steps=max(20, recipe.sgld_steps),
+            step_size=recipe.step_size,
+            noise=recipe.noise,
+            grad_clip=recipe.grad_clip,
+            seed=args.seed,
+            batchnorm=recipe.sgld_batchnorm,
+            colours=recipe.sgld_colours,
+        )
+        print(
+            "sample quality: "
+            + (
+                q["skipped"]
+                if "skipped" in q
+                else f"buffer FD {q['fd_buffer']:.3g} (init {q['fd_init']:.3g}, held-out floor {q['fd_heldout_floor']:.3g}; "
+                f"{int(q['fd_n_samples'])} images), judge accuracy on class samples {q['judge_acc_samples']:.2f} "
+                f"(init {q['judge_acc_init']:.2f}, test images {q['judge_acc_heldout']:.2f}). " + QUALITY_HOW_TO_READ
+            )
+        )
     if scored:
         c = record["calibration"] = calibration.cross_fitted_report(*(final_logits or _held_out_logits(jm, val_loader)))
-        print(f"held-out calibration ({int(c['n'])} images): ECE {c['ece_before']:.3f}, {c['ece_after']:.3f} "
-              f"after a temperature of {c['temperature']:.2f} (each half of the held-out split scaled by one "
-              "fitted on the other; fit yours with jem.calibration.TemperatureScaler)")
+        print(
+            f"held-out calibration ({int(c['n'])} images): ECE {c['ece_before']:.3f}, {c['ece_after']:.3f} "
+            f"after a temperature of {c['temperature']:.2f} (each half of the held-out split scaled by one "
+            "fitted on the other; fit yours with jem.calibration.TemperatureScaler)"
+        )
     if info.is_main:
         save_model_checkpoint(out / "model.pt", jm, spec)
         (out / "history.json").write_text(json.dumps(record, indent=2))
@@ -333,8 +426,12 @@ def cmd_eval(args) -> int:
     check_inputs(jm, x, spec, args.data or spec["data"])
     with torch.no_grad():
         logits = torch.cat([jm.logits(xb.to(model_device(jm))).cpu() for xb in x.split(512)])
-    result = {"data": where, "accuracy": float((logits.argmax(1) == y).float().mean()),
-              **calibration.calibration_report(logits, y), "n": len(y)}
+    result = {
+        "data": where,
+        "accuracy": float((logits.argmax(1) == y).float().mean()),
+        **calibration.calibration_report(logits, y),
+        "n": len(y),
+    }
     _emit(result, args)
     return 0
 
@@ -360,21 +457,29 @@ def cmd_sample(args) -> int:
     jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
     if len(spec["sample_shape"]) != 3:
         raise CLIError(f"jem sample draws images; this model's inputs have shape {tuple(spec['sample_shape'])}")
-    out = _out_file(args.out) if args.out else Path(args.checkpoint).with_name(Path(args.checkpoint).stem + "_samples.png")
+    out = (
+        _out_file(args.out)
+        if args.out
+        else Path(args.checkpoint).with_name(Path(args.checkpoint).stem + "_samples.png")
+    )
     g = torch.Generator().manual_seed(args.seed)
     sampler = SGLD(steps=args.sgld_steps, step_size=args.step_size, noise=args.noise, generator=g)
     k, classes = spec["num_classes"], spec.get("classes") or [str(i) for i in range(spec["num_classes"])]
     per = max(1, args.n // k) if args.per_class else args.n
     y = torch.arange(k).repeat_interleave(per) if args.per_class else None
     x0 = jm.domain.uniform(len(y) if y is not None else args.n, spec["sample_shape"], generator=g)
-    x = sampler.sample(jm, x_init=x0.to(model_device(jm)),
-                       y=None if y is None else y.to(x0.device)).cpu()
+    x = sampler.sample(jm, x_init=x0.to(model_device(jm)), y=None if y is None else y.to(x0.device)).cpu()
     with torch.no_grad():
         pred = jm(x.to(model_device(jm))).argmax(1).cpu()
     what = "class-conditional" if y is not None else "unconditional"
-    save_image_grid(x, out, domain=jm.domain, nrow=per if y is not None else min(8, args.n),
-                    title=f"{what} samples\n{args.sgld_steps} SGLD steps, {Path(args.checkpoint).name}",
-                    row_labels=[f"class {c}" for c in classes] if y is not None else None)
+    save_image_grid(
+        x,
+        out,
+        domain=jm.domain,
+        nrow=per if y is not None else min(8, args.n),
+        title=f"{what} samples\n{args.sgld_steps} SGLD steps, {Path(args.checkpoint).name}",
+        row_labels=[f"class {c}" for c in classes] if y is not None else None,
+    )
     if y is not None:
         print(f"the model classifies {float((pred == y).float().mean()):.0%} of them as the class they were drawn for")
     print(f"samples: {out}")
@@ -389,10 +494,29 @@ def _emit(result: dict[str, Any], args) -> None:
 
 
 # ----------------------------------------------------------------------------- parser
-RECIPE_FLAGS = ("sgld_steps", "step_size", "noise", "grad_clip", "buffer_size", "buffer_visits", "reinit_freq",
-                "init", "init_covariance", "init_rank", "n_samples", "px_weight", "pxy_weight", "l2_weight",
-                "data_noise", "lr", "warmup_iters", "batchnorm", "sgld_batchnorm", "sgld_colours",
-                "bn_stats_from_data")
+RECIPE_FLAGS = (
+    "sgld_steps",
+    "step_size",
+    "noise",
+    "grad_clip",
+    "buffer_size",
+    "buffer_visits",
+    "reinit_freq",
+    "init",
+    "init_covariance",
+    "init_rank",
+    "n_samples",
+    "px_weight",
+    "pxy_weight",
+    "l2_weight",
+    "data_noise",
+    "lr",
+    "warmup_iters",
+    "batchnorm",
+    "sgld_batchnorm",
+    "sgld_colours",
+    "bn_stats_from_data",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -407,29 +531,51 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("demo", parents=[common], help="baseline vs JEM on the bundled digits, with a report")
-    p.add_argument("--budget-seconds", type=float, default=240.0,
-                   help="time for both runs (default 240); a run it cuts short is reported as such")
+    p.add_argument(
+        "--budget-seconds",
+        type=float,
+        default=240.0,
+        help="time for both runs (default 240); a run it cuts short is reported as such",
+    )
     p.add_argument("--smoke", action="store_true", help="run the pipeline in seconds (not a meaningful result)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser(
-        "train", parents=[common], help="train a classifier with (or without) the JEM loss",
+        "train",
+        parents=[common],
+        help="train a classifier with (or without) the JEM loss",
         description="Train a classifier with (or without) the JEM loss; resumes from --out/checkpoints. "
-                    "Recipe settings (--sgld-steps ... --warmup-iters) default to the --recipe's. "
-                    "Multi-process (DDP, one replay buffer per rank; --batch-size and --buffer-size are "
-                    "per rank): torchrun --nproc_per_node=2 -m jem_plugin.app.cli train --out runs/jem-ddp ... "
-                    "(resume with the same --nproc_per_node).")
-    p.add_argument("--model", default="digits-cnn",
-                   help="digits-cnn, toy-mlp, a timm name, or module:factory (factory(num_classes=K) -> nn.Module)")
+        "Recipe settings (--sgld-steps ... --warmup-iters) default to the --recipe's. "
+        "Multi-process (DDP, one replay buffer per rank; --batch-size and --buffer-size are "
+        "per rank): torchrun --nproc_per_node=2 -m jem_plugin.app.cli train --out runs/jem-ddp ... "
+        "(resume with the same --nproc_per_node).",
+    )
+    p.add_argument(
+        "--model",
+        default="digits-cnn",
+        help="digits-cnn, toy-mlp, a timm name, or module:factory (factory(num_classes=K) -> nn.Module)",
+    )
     p.add_argument("--data", default="digits", help="digits, toy2d[:NAME], folder:PATH, cifar10:PATH")
-    p.add_argument("--val-fraction", type=float, default=0.2,
-                   help="folder data: share of each class held out for evaluation (default 0.2; 0 keeps none)")
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.2,
+        help="folder data: share of each class held out for evaluation (default 0.2; 0 keeps none)",
+    )
     p.add_argument("--val-data", default=None, help="held-out data instead of a split, e.g. folder:data/val")
     p.add_argument("--image-size", type=int, default=32)
-    p.add_argument("--recipe", choices=sorted(RECIPES), default=DEFAULT_RECIPE,
-                   help=f"JEM recipe (default: {DEFAULT_RECIPE}; fast keeps calibration, its samples barely move at 32x32)")
-    p.add_argument("--epochs", type=_positive, default=None,
-                   help="default: 150 for digits and toy2d (about 2.5 min on 2 cores), 30 otherwise")
+    p.add_argument(
+        "--recipe",
+        choices=sorted(RECIPES),
+        default=DEFAULT_RECIPE,
+        help=f"JEM recipe (default: {DEFAULT_RECIPE}; fast keeps calibration, its samples barely move at 32x32)",
+    )
+    p.add_argument(
+        "--epochs",
+        type=_positive,
+        default=None,
+        help="default: 150 for digits and toy2d (about 2.5 min on 2 cores), 30 otherwise",
+    )
     p.add_argument("--batch-size", type=_positive, default=64)
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--warmup-iters", type=int, default=None, help="capped to a tenth of the run")
@@ -439,29 +585,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-size", type=float, default=None)
     p.add_argument("--noise", type=float, default=None)
     p.add_argument("--grad-clip", type=float, default=None, help="proximal SGLD: clip each update (JEM++)")
-    p.add_argument("--buffer-size", type=_positive, default=None,
-                   help="replay-buffer slots (default: the recipe's; generative sizes it for the run)")
-    p.add_argument("--buffer-visits", type=_positive, default=None,
-                   help="size the buffer so each slot is drawn about this many times in the run, at most "
-                        "--buffer-size (default: recipe; generative 40)")
+    p.add_argument(
+        "--buffer-size",
+        type=_positive,
+        default=None,
+        help="replay-buffer slots (default: the recipe's; generative sizes it for the run)",
+    )
+    p.add_argument(
+        "--buffer-visits",
+        type=_positive,
+        default=None,
+        help="size the buffer so each slot is drawn about this many times in the run, at most "
+        "--buffer-size (default: recipe; generative 40)",
+    )
     p.add_argument("--reinit-freq", type=float, default=None)
     p.add_argument("--init", default=None, help="SGLD init distribution (uniform, gaussian, ...)")
-    p.add_argument("--init-covariance", choices=list(COVARIANCES), default=None,
-                   help="gaussian init: per-pixel variances, JEM++'s full covariance (up to about 3x58x58), "
-                        "--init-rank principal directions per class (any size), or each class's power "
-                        "spectrum (stationary: images, any size)")
-    p.add_argument("--init-rank", type=_positive, default=None,
-                   help="principal directions per class of a lowrank init covariance (default: recipe, 32)")
-    p.add_argument("--batchnorm", choices=["joint", "separate"], default=None,
-                   help="samples pass BatchNorm with the data (joint) or on their own (separate; fast's default)")
-    p.add_argument("--bn-stats-from-data", action=argparse.BooleanOptionalAction, default=None,
-                   help="after training, recompute BatchNorm running statistics from the training data "
-                        "(the joint pass mixes the samples into them; generative's default)")
-    p.add_argument("--sgld-batchnorm", choices=["eval", "batch"], default=None,
-                   help="chains normalised by running (eval) or their own batch (batch; fast's default) statistics")
-    p.add_argument("--sgld-colours", choices=list(COLOURS), default=None,
-                   help="SGLD steps move every channel (all) or only the colour axes the data vary along "
-                        "(data: grey images stay grey in an RGB model; generative's default)")
+    p.add_argument(
+        "--init-covariance",
+        choices=list(COVARIANCES),
+        default=None,
+        help="gaussian init: per-pixel variances, JEM++'s full covariance (up to about 3x58x58), "
+        "--init-rank principal directions per class (any size), or each class's power "
+        "spectrum (stationary: images, any size)",
+    )
+    p.add_argument(
+        "--init-rank",
+        type=_positive,
+        default=None,
+        help="principal directions per class of a lowrank init covariance (default: recipe, 32)",
+    )
+    p.add_argument(
+        "--batchnorm",
+        choices=["joint", "separate"],
+        default=None,
+        help="samples pass BatchNorm with the data (joint) or on their own (separate; fast's default)",
+    )
+    p.add_argument(
+        "--bn-stats-from-data",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="after training, recompute BatchNorm running statistics from the training data "
+        "(the joint pass mixes the samples into them; generative's default)",
+    )
+    p.add_argument(
+        "--sgld-batchnorm",
+        choices=["eval", "batch"],
+        default=None,
+        help="chains normalised by running (eval) or their own batch (batch; fast's default) statistics",
+    )
+    p.add_argument(
+        "--sgld-colours",
+        choices=list(COLOURS),
+        default=None,
+        help="SGLD steps move every channel (all) or only the colour axes the data vary along "
+        "(data: grey images stay grey in an RGB model; generative's default)",
+    )
     p.add_argument("--ce-weight", type=float, default=1.0)
     p.add_argument("--px-weight", type=float, default=None)
     p.add_argument("--pxy-weight", type=float, default=None)
@@ -469,26 +647,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-noise", type=float, default=None)
     p.add_argument("--on-divergence", choices=["raise", "rollback"], default="raise")
     p.add_argument("--no-resume", action="store_true", help="start over even if --out holds checkpoints")
-    p.add_argument("--checkpoint-every", type=_positive, default=None,
-                   help="also checkpoint every N iterations (default: at epoch ends only)")
-    p.add_argument("--checkpoint-buffer", choices=["full", "none"], default="full",
-                   help="none: checkpoints leave out the replay buffer (smaller); a resume restarts its chains")
+    p.add_argument(
+        "--checkpoint-every",
+        type=_positive,
+        default=None,
+        help="also checkpoint every N iterations (default: at epoch ends only)",
+    )
+    p.add_argument(
+        "--checkpoint-buffer",
+        choices=["full", "none"],
+        default="full",
+        help="none: checkpoints leave out the replay buffer (smaller); a resume restarts its chains",
+    )
     p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off", help="mixed precision (fp16: CUDA)")
     p.add_argument("--channels-last", action="store_true", help="channels-last memory format (CNNs on GPU)")
     p.add_argument("--max-seconds", type=float, default=None, help="stop (after checkpointing) after this long")
     p.set_defaults(func=cmd_train)
 
-    for name, func, helptext in (("eval", cmd_eval, "accuracy and calibration of a trained model"),
-                                 ("ood", cmd_ood, "OOD detection scores and metrics of a trained model")):
+    for name, func, helptext in (
+        ("eval", cmd_eval, "accuracy and calibration of a trained model"),
+        ("ood", cmd_ood, "OOD detection scores and metrics of a trained model"),
+    ):
         p = sub.add_parser(name, parents=[common], help=helptext)
         p.add_argument("checkpoint", help="model.pt written by `jem train`")
         p.add_argument("--data", default=None, help="evaluation data (default: what training held out)")
         p.add_argument("--image-size", type=int, default=None, help="default: the model's")
         if name == "ood":
             p.add_argument("--scores", default="logpx,msp,grad_norm", help="comma-separated score names")
-            p.add_argument("--ood", action="append", default=None, metavar="SET",
-                           help="noise or folder:PATH, repeatable (named by the folder); default: noise "
-                                "(digits: noise, patches, blends, transposed)")
+            p.add_argument(
+                "--ood",
+                action="append",
+                default=None,
+                metavar="SET",
+                help="noise or folder:PATH, repeatable (named by the folder); default: noise "
+                "(digits: noise, patches, blends, transposed)",
+            )
         p.set_defaults(func=func)
 
     p = sub.add_parser("sample", parents=[common], help="draw SGLD samples from a trained model")
@@ -516,7 +709,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         known = {a.dest for a in subparser._actions}  # noqa: SLF001
         unknown = sorted(set(config) - known)
         if unknown:
-            raise CLIError(f"config file {args.config!r} has unknown options for `jem {args.command}`: {', '.join(unknown)}")
+            raise CLIError(
+                f"config file {args.config!r} has unknown options for `jem {args.command}`: {', '.join(unknown)}"
+            )
         _check_config_types(config, {a.dest: a for a in subparser._actions}, args.config)  # noqa: SLF001
         subparser.set_defaults(**config)
         args = parser.parse_args(argv)

@@ -9,12 +9,13 @@ Images follow the paper's convention: float ``[N, C, H, W]`` in ``[-1, 1]``, whi
 default :class:`~jem_plugin.adapter.InputDomain` of ``jem.wrap``. Each dataset built here
 carries its domain as ``dataset.domain``.
 """
+
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -25,12 +26,27 @@ from ..adapter import InputDomain
 from ..errors import DatasetNotFoundError
 
 __all__ = [
-    "DIGITS_DOMAIN", "DIGITS_CLASSES",
-    "load_digits", "digits_tensors",
-    "uniform_noise", "photo_patches", "blends", "transposed", "digits_ood_sets",
-    "toy2d", "toy2d_logpdf", "gaussian_mixture_logpdf", "TOY2D_NAMES",
-    "signed_domain", "normalize_transform", "image_folder", "cifar10", "CIFAR10_MEAN", "CIFAR10_STD",
-    "write_digits_folder", "write_photo_folder",
+    "DIGITS_DOMAIN",
+    "DIGITS_CLASSES",
+    "load_digits",
+    "digits_tensors",
+    "uniform_noise",
+    "photo_patches",
+    "blends",
+    "transposed",
+    "digits_ood_sets",
+    "toy2d",
+    "toy2d_logpdf",
+    "gaussian_mixture_logpdf",
+    "TOY2D_NAMES",
+    "signed_domain",
+    "normalize_transform",
+    "image_folder",
+    "cifar10",
+    "CIFAR10_MEAN",
+    "CIFAR10_STD",
+    "write_digits_folder",
+    "write_photo_folder",
 ]
 
 #: Domain of the embedded digits: one channel, 8x8, values in [-1, 1].
@@ -66,8 +82,9 @@ def _with_domain(ds: Dataset, domain: InputDomain, classes: Sequence[str] | None
     return ds
 
 
-def load_digits(split: str = "train", test_fraction: float = 0.2, seed: int = 0,
-                classes: Iterable[int] | None = None) -> TensorDataset:
+def load_digits(
+    split: str = "train", test_fraction: float = 0.2, seed: int = 0, classes: Iterable[int] | None = None
+) -> TensorDataset:
     """scikit-learn's bundled 8x8 digits as a ``TensorDataset`` of ``x [N, 1, 8, 8]`` in ``[-1, 1]``
     and ``y [N]`` (long).
 
@@ -84,7 +101,8 @@ def load_digits(split: str = "train", test_fraction: float = 0.2, seed: int = 0,
         from sklearn.model_selection import train_test_split
 
         idx_train, idx_test = train_test_split(
-            np.arange(len(y)), test_size=test_fraction, random_state=seed, stratify=y)
+            np.arange(len(y)), test_size=test_fraction, random_state=seed, stratify=y
+        )
         idx = np.sort(idx_train if split == "train" else idx_test)
         x, y = x[idx], y[idx]
     if classes is not None:
@@ -122,8 +140,7 @@ def _photos_gray() -> list[np.ndarray]:
 
         imgs = load_sample_images().images  # two 427x640x3 uint8 photos
         # ITU-R 601 luma, as PIL's "L" mode
-        _PHOTO_GRAY = [(im.astype(np.float32) @ np.array([0.299, 0.587, 0.114], np.float32))
-                       for im in imgs]
+        _PHOTO_GRAY = [(im.astype(np.float32) @ np.array([0.299, 0.587, 0.114], np.float32)) for im in imgs]
     return list(_PHOTO_GRAY)
 
 
@@ -144,7 +161,7 @@ def photo_patches(n: int, size: int = 8, seed: int = 0, patch: int = 32) -> Tens
         im = photos[rng.integers(len(photos))]
         r = rng.integers(0, im.shape[0] - patch + 1)
         c = rng.integers(0, im.shape[1] - patch + 1)
-        p = im[r:r + patch, c:c + patch].reshape(size, f, size, f).mean(axis=(1, 3))
+        p = im[r : r + patch, c : c + patch].reshape(size, f, size, f).mean(axis=(1, 3))
         lo, hi = p.min(), p.max()
         out[i, 0] = (p - lo) / max(hi - lo, 1e-6) * 2.0 - 1.0
     return torch.from_numpy(out)
@@ -236,20 +253,21 @@ def toy2d(name: str = "8gaussians", n: int = 1000, seed: int = 0) -> tuple[Tenso
     return x.float(), y.long()
 
 
-def gaussian_mixture_logpdf(x: Tensor, means: Tensor, std: float | Tensor,
-                            weights: Tensor | None = None) -> Tensor:
+def gaussian_mixture_logpdf(x: Tensor, means: Tensor, std: float | Tensor, weights: Tensor | None = None) -> Tensor:
     """Log density of an isotropic Gaussian mixture at ``x [N, D]`` (``means [K, D]``,
     ``std`` scalar or ``[K]``, ``weights [K]`` summing to 1, uniform by default)."""
     x = x.to(torch.float64)
     means = means.to(torch.float64)
     d = x.shape[1]
     std = torch.as_tensor(std, dtype=torch.float64).expand(means.shape[0])
-    logw = (torch.full((means.shape[0],), -math.log(means.shape[0]), dtype=torch.float64)
-            if weights is None else torch.as_tensor(weights, dtype=torch.float64).log())
+    logw = (
+        torch.full((means.shape[0],), -math.log(means.shape[0]), dtype=torch.float64)
+        if weights is None
+        else torch.as_tensor(weights, dtype=torch.float64).log()
+    )
     const = logw - d * torch.log(std) - 0.5 * d * math.log(2 * math.pi)
     chunk = max(1, 2_000_000 // max(1, means.shape[0]))  # bound the [N, K] matrix in memory
-    out = [torch.logsumexp(-0.5 * torch.cdist(xc, means).pow(2) / std**2 + const, dim=1)
-           for xc in x.split(chunk)]
+    out = [torch.logsumexp(-0.5 * torch.cdist(xc, means).pow(2) / std**2 + const, dim=1) for xc in x.split(chunk)]
     return torch.cat(out) if out else x.new_zeros(0)
 
 
@@ -271,14 +289,12 @@ def toy2d_logpdf(name: str, x: Tensor) -> Tensor:
         inside = (x.abs() < 2).all(1)
         cell = torch.floor(x + 2.0)
         filled = ((cell[:, 0] + cell[:, 1]) % 2 == 0) & inside
-        return torch.where(filled, torch.full_like(x[:, 0], -math.log(8.0)),
-                           torch.full_like(x[:, 0], -math.inf))
+        return torch.where(filled, torch.full_like(x[:, 0], -math.log(8.0)), torch.full_like(x[:, 0], -math.inf))
     if name == "rings":
         # radius ~ N(r_k, s), angle uniform: p(x) = mean_k N(|x|; r_k, s) / (2 pi |x|)
         r = x.norm(dim=1).clamp_min(1e-12)
         radii = torch.tensor(_RING_RADII, dtype=torch.float64)
-        comp = (-0.5 * ((r[:, None] - radii) / _RING_STD) ** 2
-                - math.log(_RING_STD * math.sqrt(2 * math.pi)))
+        comp = -0.5 * ((r[:, None] - radii) / _RING_STD) ** 2 - math.log(_RING_STD * math.sqrt(2 * math.pi))
         return torch.logsumexp(comp, 1) - math.log(len(_RING_RADII)) - torch.log(2 * math.pi * r)
     raise ValueError(f"unknown toy2d dataset {name!r}; choose one of {', '.join(TOY2D_NAMES)}")
 
@@ -289,8 +305,12 @@ def signed_domain(channels: int = 3, input_size: Sequence[int] | None = None) ->
     return InputDomain.from_normalization((0.5,) * channels, (0.5,) * channels, input_size=input_size)
 
 
-def normalize_transform(mean: Sequence[float] | None, std: Sequence[float] | None,
-                        image_size: int | Sequence[int] | None = None, channels: int = 3):
+def normalize_transform(
+    mean: Sequence[float] | None,
+    std: Sequence[float] | None,
+    image_size: int | Sequence[int] | None = None,
+    channels: int = 3,
+):
     """``(transform, domain)``: ``ToTensor`` (+ resize/centre-crop) + ``Normalize(mean, std)`` and
     the matching :class:`InputDomain`. ``mean=std=None`` means the paper's ``[-1, 1]``."""
     from torchvision import transforms as T
@@ -306,12 +326,17 @@ def normalize_transform(mean: Sequence[float] | None, std: Sequence[float] | Non
         steps += [T.Resize(size), T.CenterCrop(size)]
     steps += [T.ToTensor(), T.Normalize(tuple(mean), tuple(std))]
     domain = InputDomain.from_normalization(
-        tuple(mean), tuple(std), input_size=(len(tuple(mean)), *size) if size else None)
+        tuple(mean), tuple(std), input_size=(len(tuple(mean)), *size) if size else None
+    )
     return T.Compose(steps), domain
 
 
-def image_folder(path: str | Path, image_size: int | Sequence[int] = 32,
-                 mean: Sequence[float] | None = None, std: Sequence[float] | None = None) -> Dataset:
+def image_folder(
+    path: str | Path,
+    image_size: int | Sequence[int] = 32,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+) -> Dataset:
     """A ``torchvision.datasets.ImageFolder`` (``path/<class>/<image>``) resized to
     ``image_size``, normalised by ``mean``/``std`` (default: ``[-1, 1]``); ``.domain`` is set."""
     from torchvision.datasets import ImageFolder
@@ -320,19 +345,22 @@ def image_folder(path: str | Path, image_size: int | Sequence[int] = 32,
     if not p.is_dir():
         raise DatasetNotFoundError(
             f"image folder {str(p)!r} does not exist. Point it at a directory with one "
-            "sub-directory per class, e.g. data/train/cat/001.png, data/train/dog/002.png.")
+            "sub-directory per class, e.g. data/train/cat/001.png, data/train/dog/002.png."
+        )
     transform, domain = normalize_transform(mean, std, image_size)
     try:
         ds = ImageFolder(str(p), transform=transform)
     except (FileNotFoundError, RuntimeError) as exc:
         raise DatasetNotFoundError(
             f"no images found under {str(p)!r} ({exc}). Expected one sub-directory per class "
-            "holding .png/.jpg files, e.g. data/train/cat/001.png.") from exc
+            "holding .png/.jpg files, e.g. data/train/cat/001.png."
+        ) from exc
     return _with_domain(ds, domain, ds.classes)
 
 
-def cifar10(root: str | Path, train: bool = True, mean: Sequence[float] | None = None,
-            std: Sequence[float] | None = None) -> Dataset:
+def cifar10(
+    root: str | Path, train: bool = True, mean: Sequence[float] | None = None, std: Sequence[float] | None = None
+) -> Dataset:
     """CIFAR-10 from a LOCAL copy (never downloaded), in ``[-1, 1]`` by default; ``.domain`` set.
 
     ``root`` is the directory holding ``cifar-10-batches-py/`` (the extracted python version
@@ -351,21 +379,24 @@ def cifar10(root: str | Path, train: bool = True, mean: Sequence[float] | None =
             f"CIFAR-10 not found: {str(folder)!r} is missing {', '.join(missing)}. jem-plugin never "
             "downloads data; get cifar-10-python.tar.gz (https://www.cs.toronto.edu/~kriz/"
             f"cifar-10-python.tar.gz) and extract it into {str(p)!r} so that {str(folder)!r} "
-            "holds data_batch_1..5, test_batch and batches.meta.")
+            "holds data_batch_1..5, test_batch and batches.meta."
+        )
     transform, domain = normalize_transform(mean, std, None)
     try:
         ds = CIFAR10(str(p), train=train, transform=transform, download=False)
     except RuntimeError as exc:
         raise DatasetNotFoundError(
             f"CIFAR-10 files under {str(folder)!r} are corrupt or incomplete ({exc}); "
-            "re-extract cifar-10-python.tar.gz there.") from exc
+            "re-extract cifar-10-python.tar.gz there."
+        ) from exc
     domain = InputDomain(domain.low, domain.high, domain.mean, domain.std, (3, 32, 32))
     return _with_domain(ds, domain, ds.classes)
 
 
 # ---------------------------------------------------------------------------- example folders
-def write_digits_folder(root: str | Path, classes: Iterable[int] = range(10), per_class: int = 20,
-                        size: int = 16, offset: int = 0) -> Path:
+def write_digits_folder(
+    root: str | Path, classes: Iterable[int] = range(10), per_class: int = 20, size: int = 16, offset: int = 0
+) -> Path:
     """Write bundled digits as an image folder (``root/<digit>/<n>.png``, RGB, ``size`` pixels), to
     try the folder workflow (``jem train --data folder:ROOT``) without images of one's own.
     ``offset`` skips that many images of each class (two calls give disjoint folders)."""
@@ -376,7 +407,7 @@ def write_digits_folder(root: str | Path, classes: Iterable[int] = range(10), pe
     for c in classes:
         d = root / str(c)
         d.mkdir(parents=True, exist_ok=True)
-        for i, j in enumerate(np.flatnonzero(y == c)[offset:offset + per_class]):
+        for i, j in enumerate(np.flatnonzero(y == c)[offset : offset + per_class]):
             pix = ((x[j, 0] + 1.0) * 127.5).astype(np.uint8)
             Image.fromarray(pix).resize((size, size), Image.NEAREST).convert("RGB").save(d / f"{i:03d}.png")
     return root
@@ -395,5 +426,5 @@ def write_photo_folder(root: str | Path, n: int = 20, size: int = 16, seed: int 
     for i in range(n):
         im = photos[rng.integers(len(photos))]
         r, c = rng.integers(0, im.shape[0] - 64), rng.integers(0, im.shape[1] - 64)
-        Image.fromarray(im[r:r + 64, c:c + 64]).resize((size, size), Image.BILINEAR).save(d / f"{i:03d}.png")
+        Image.fromarray(im[r : r + 64, c : c + 64]).resize((size, size), Image.BILINEAR).save(d / f"{i:03d}.png")
     return Path(root)

@@ -16,15 +16,17 @@ training curves, reliability diagrams, score histograms and ROC curves.
 
 From the command line: ``python -m jem_plugin.app.experiments OUT_DIR [--fast | --demo] [--epochs N]``.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -42,10 +44,21 @@ from . import data as D
 from .model_files import model_spec, save_model_checkpoint
 from .nets import DigitsCNN
 
-__all__ = ["DigitsConfig", "run_digits", "run_digits_demo", "PAPER_RECIPE", "FAST_RECIPE",
-           "DEMO_RECIPE", "OOD_SCORES", "truncation_note", "sample_quality_figures", "dataset_sample_quality"]
+__all__ = [
+    "DigitsConfig",
+    "run_digits",
+    "run_digits_demo",
+    "PAPER_RECIPE",
+    "FAST_RECIPE",
+    "DEMO_RECIPE",
+    "OOD_SCORES",
+    "truncation_note",
+    "sample_quality_figures",
+    "dataset_sample_quality",
+]
 
 OOD_SCORES = ("logpx", "msp", "grad_norm", "grad_norm_projected")
+
 
 @dataclass
 class DigitsConfig:
@@ -66,18 +79,18 @@ class DigitsConfig:
     data_noise: float = 0.03
     buffer_size: int = 10000
     reinit_freq: float = 0.05
-    init: str = "uniform"               # "uniform" (JEM) or "gaussian" (per-class, JEM++)
-    proximal: float | None = None       # SGLD grad_clip (JEM++'s proximal SGLD)
-    clamp: bool = True                  # clamp chains to [-1, 1] (the reference code does not)
-    l2_weight: float = 0.0              # energy L2 regulariser (data and sample energies)
+    init: str = "uniform"  # "uniform" (JEM) or "gaussian" (per-class, JEM++)
+    proximal: float | None = None  # SGLD grad_clip (JEM++'s proximal SGLD)
+    clamp: bool = True  # clamp chains to [-1, 1] (the reference code does not)
+    l2_weight: float = 0.0  # energy L2 regulariser (data and sample energies)
     px_weight: float = 1.0
-    n_samples: int | None = None        # SGLD chains per step (default: the batch size)
+    n_samples: int | None = None  # SGLD chains per step (default: the batch size)
     pxy_weight: float = 0.0
     # bookkeeping
     seed: int = 0
     test_fraction: float = 0.2
-    class_sample_steps: int = 60        # conditional SGLD steps for the per-class grid
-    judge_epochs: int = 15              # the sample-quality judge's training (seconds; 0 = no judge)
+    class_sample_steps: int = 60  # conditional SGLD steps for the per-class grid
+    judge_epochs: int = 15  # the sample-quality judge's training (seconds; 0 = no judge)
     baseline_epochs: int | None = None  # default: same as epochs
 
     def jem_name(self) -> str:
@@ -101,8 +114,10 @@ PAPER_RECIPE: dict[str, Any] = {}
 #: +0.8, +0.3 points vs their baselines, the OOD targets met on all. Uniform init and plain SGLD
 #: measured better than per-class Gaussian init and proximal SGLD here; unclamped chains drift to
 #: +-4 and lose the model after ~90 epochs.
-FAST_RECIPE: dict[str, Any] = {name: getattr(get_recipe("fast"), name)  # one copy: jem_plugin.recipes
-                               for name in ("sgld_steps", "n_samples", "l2_weight", "lr", "warmup_iters")}
+FAST_RECIPE: dict[str, Any] = {
+    name: getattr(get_recipe("fast"), name)  # one copy: jem_plugin.recipes
+    for name in ("sgld_steps", "n_samples", "l2_weight", "lr", "warmup_iters")
+}
 #: Seconds kept aside from the demo's budget for evaluation and figures.
 DEMO_EVAL_SECONDS = 30.0
 #: `jem demo`: the fast recipe itself (150 epochs). Measured: baseline + JEM + evaluation in about
@@ -114,15 +129,20 @@ DEMO_RECIPE: dict[str, Any] = dict(FAST_RECIPE)
 # ---------------------------------------------------------------------------- pieces
 def _build(cfg: DigitsConfig, device) -> JEM:
     torch.manual_seed(cfg.seed)  # both runs start from the same weights
-    return wrap(DigitsCNN(10, width=cfg.width, act=cfg.act, pool=cfg.pool), data_range=(-1.0, 1.0),
-                input_size=(1, 8, 8), num_classes=10).to(device)
+    return wrap(
+        DigitsCNN(10, width=cfg.width, act=cfg.act, pool=cfg.pool),
+        data_range=(-1.0, 1.0),
+        input_size=(1, 8, 8),
+        num_classes=10,
+    ).to(device)
 
 
 def _save_model(path: Path, jm: JEM, cfg: DigitsConfig) -> None:
     """The model in the CLI's format (spec + weights, code-free), like ``jem train``'s model.pt."""
 
-    spec = model_spec("digits-cnn", "digits", 10, (1, 8, 8), jm.domain,
-                      {"width": cfg.width, "act": cfg.act, "pool": cfg.pool})
+    spec = model_spec(
+        "digits-cnn", "digits", 10, (1, 8, 8), jm.domain, {"width": cfg.width, "act": cfg.act, "pool": cfg.pool}
+    )
     save_model_checkpoint(path, jm, spec)
 
 
@@ -133,15 +153,29 @@ def _loader(train, cfg: DigitsConfig) -> DataLoader:
 
 def _jem_loss(cfg: DigitsConfig, x_train, y_train, device):
 
-    sampler = SGLD(steps=cfg.sgld_steps, step_size=cfg.step_size, noise=cfg.noise,
-                   grad_clip=cfg.proximal, clamp=cfg.clamp)
+    sampler = SGLD(
+        steps=cfg.sgld_steps, step_size=cfg.step_size, noise=cfg.noise, grad_clip=cfg.proximal, clamp=cfg.clamp
+    )
     cond = cfg.init == "gaussian" or cfg.pxy_weight > 0
-    buffer = ReplayBuffer(cfg.buffer_size, (1, 8, 8), reinit_freq=cfg.reinit_freq, init=cfg.init,
-                          num_classes=10 if cond else None, device=device)
+    buffer = ReplayBuffer(
+        cfg.buffer_size,
+        (1, 8, 8),
+        reinit_freq=cfg.reinit_freq,
+        init=cfg.init,
+        num_classes=10 if cond else None,
+        device=device,
+    )
     if cfg.init == "gaussian":
         buffer.fit(x_train.to(device), y_train.to(device))
-    return JEMLoss(sampler, buffer, px_weight=cfg.px_weight, pxy_weight=cfg.pxy_weight,
-                   l2_weight=cfg.l2_weight, data_noise=cfg.data_noise, n_samples=cfg.n_samples).to(device)
+    return JEMLoss(
+        sampler,
+        buffer,
+        px_weight=cfg.px_weight,
+        pxy_weight=cfg.pxy_weight,
+        l2_weight=cfg.l2_weight,
+        data_noise=cfg.data_noise,
+        n_samples=cfg.n_samples,
+    ).to(device)
 
 
 @torch.no_grad()
@@ -151,8 +185,9 @@ def _logits(jm, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([jm(xb.to(dev)).cpu() for xb in x.split(512)])
 
 
-def _evaluate(jm, x_test, y_test, ood_sets: Mapping[str, torch.Tensor], out: Path, tag: str,
-              plots: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+def _evaluate(
+    jm, x_test, y_test, ood_sets: Mapping[str, torch.Tensor], out: Path, tag: str, plots: bool = True
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Accuracy, calibration, OOD AUROCs (flat summary) and the detailed OOD metrics."""
     from .. import viz  # lazy: matplotlib
 
@@ -175,13 +210,22 @@ def _evaluate(jm, x_test, y_test, ood_sets: Mapping[str, torch.Tensor], out: Pat
             detail["ood"][method][name] = m
             summary[f"auroc_{method}_{name}"] = m["auroc"]
         if plots and method in ("logpx", "grad_norm"):
-            viz.plot_histograms(s_in, s_out, str(out / f"hist_{method}_{tag}.png"),
-                                title=f"{tag}: {method} (higher = more in-distribution)")
+            viz.plot_histograms(
+                s_in,
+                s_out,
+                str(out / f"hist_{method}_{tag}.png"),
+                title=f"{tag}: {method} (higher = more in-distribution)",
+            )
             if method == "logpx":
                 viz.plot_roc(s_in, s_out, str(out / f"roc_{method}_{tag}.png"), title=f"{tag}: ROC of {method}")
     if plots:
-        viz.reliability_diagram(logits, y_test, str(out / f"reliability_{tag}.png"),
-                                title=f"{tag}: reliability (ECE {cal['ece_before']:.3f})", from_logits=True)
+        viz.reliability_diagram(
+            logits,
+            y_test,
+            str(out / f"reliability_{tag}.png"),
+            title=f"{tag}: reliability (ECE {cal['ece_before']:.3f})",
+            from_logits=True,
+        )
     return summary, detail
 
 
@@ -195,18 +239,38 @@ def _sample_grids(jm, loss_fn, cfg: DigitsConfig, out: Path) -> dict[str, str]:
     g = torch.Generator(device=buffer.data.device).manual_seed(cfg.seed + 1)
     idx = torch.randperm(buffer.capacity, generator=g, device=buffer.data.device)[:64]
     x_buf = buffer.data[idx].cpu()
-    paths["buffer"] = str(save_image_grid(x_buf, out / "samples_buffer.png", domain=jm.domain, nrow=8,
-                                          title="JEM replay buffer (unconditional SGLD samples)"))
+    paths["buffer"] = str(
+        save_image_grid(
+            x_buf,
+            out / "samples_buffer.png",
+            domain=jm.domain,
+            nrow=8,
+            title="JEM replay buffer (unconditional SGLD samples)",
+        )
+    )
     # Class-conditional: start from buffer samples (on the learned manifold), ascend f(x)[y].
     per = 8
     y = torch.arange(10, device=buffer.data.device).repeat_interleave(per)
-    start = buffer.data[torch.randperm(buffer.capacity, generator=g, device=buffer.data.device)[:10 * per]]
-    sampler = SGLD(steps=cfg.class_sample_steps, step_size=cfg.step_size, noise=cfg.noise,
-                   grad_clip=cfg.proximal, clamp=cfg.clamp, generator=g)
+    start = buffer.data[torch.randperm(buffer.capacity, generator=g, device=buffer.data.device)[: 10 * per]]
+    sampler = SGLD(
+        steps=cfg.class_sample_steps,
+        step_size=cfg.step_size,
+        noise=cfg.noise,
+        grad_clip=cfg.proximal,
+        clamp=cfg.clamp,
+        generator=g,
+    )
     x_cls = sampler.sample(jm, x_init=start, y=y).cpu()
-    paths["class"] = str(save_image_grid(x_cls, out / "samples_per_class.png", domain=jm.domain, nrow=per,
-                                         title="class-conditional SGLD samples",
-                                         row_labels=[f"class {c}" for c in range(10)]))
+    paths["class"] = str(
+        save_image_grid(
+            x_cls,
+            out / "samples_per_class.png",
+            domain=jm.domain,
+            nrow=per,
+            title="class-conditional SGLD samples",
+            row_labels=[f"class {c}" for c in range(10)],
+        )
+    )
     with torch.no_grad():
         pred = jm(x_cls.to(buffer.data.device)).argmax(1).cpu()
     paths["class_sample_accuracy"] = float((pred == y.cpu()).float().mean())
@@ -214,8 +278,16 @@ def _sample_grids(jm, loss_fn, cfg: DigitsConfig, out: Path) -> dict[str, str]:
     return paths
 
 
-def sample_quality_figures(judge, buffer, x_heldout: torch.Tensor, domain, *, x_cond: torch.Tensor | None = None,
-                           y_cond: torch.Tensor | None = None, seed: int = 0) -> dict[str, float]:
+def sample_quality_figures(
+    judge,
+    buffer,
+    x_heldout: torch.Tensor,
+    domain,
+    *,
+    x_cond: torch.Tensor | None = None,
+    y_cond: torch.Tensor | None = None,
+    seed: int = 0,
+) -> dict[str, float]:
     """The replay buffer's samples against held-out images as an independent ``judge`` sees them
     (:mod:`jem_plugin.sample_quality`), with the reference points beside them (issue 16).
 
@@ -234,12 +306,15 @@ def sample_quality_figures(judge, buffer, x_heldout: torch.Tensor, domain, *, x_
     half = len(x_heldout) // 2
     n = min(half, buffer.capacity)
     perm = torch.randperm(len(x_heldout), generator=g)
-    ref, other = x_heldout[perm[half:half + n]], x_heldout[perm[:n]]
+    ref, other = x_heldout[perm[half : half + n]], x_heldout[perm[:n]]
     shape = tuple(buffer.sample_shape)
     init = buffer.init_dist.sample(n, shape, domain, g, buffer.device).cpu()
-    out = {"fd_buffer": sample_quality(judge, buffer.samples(n).cpu(), ref)["fd"],
-           "fd_init": sample_quality(judge, init, ref)["fd"],
-           "fd_heldout_floor": sample_quality(judge, other, ref)["fd"], "fd_n_samples": float(n)}
+    out = {
+        "fd_buffer": sample_quality(judge, buffer.samples(n).cpu(), ref)["fd"],
+        "fd_init": sample_quality(judge, init, ref)["fd"],
+        "fd_heldout_floor": sample_quality(judge, other, ref)["fd"],
+        "fd_n_samples": float(n),
+    }
     if judge.test_accuracy is not None:
         out["judge_acc_heldout"] = float(judge.test_accuracy)
     if x_cond is not None and y_cond is not None:
@@ -250,10 +325,22 @@ def sample_quality_figures(judge, buffer, x_heldout: torch.Tensor, domain, *, x_
     return out
 
 
-def dataset_sample_quality(jm, buffer, train_ds, heldout_ds, *, sgld_steps: int = 20, step_size: float = 1.0,
-                           noise: float = 0.01, grad_clip: float | None = None, seed: int = 0,
-                           max_train: int = 5000, max_heldout: int = 2000,
-                           batchnorm: str = "eval", colours: str = "all") -> dict[str, Any]:
+def dataset_sample_quality(
+    jm,
+    buffer,
+    train_ds,
+    heldout_ds,
+    *,
+    sgld_steps: int = 20,
+    step_size: float = 1.0,
+    noise: float = 0.01,
+    grad_clip: float | None = None,
+    seed: int = 0,
+    max_train: int = 5000,
+    max_heldout: int = 2000,
+    batchnorm: str = "eval",
+    colours: str = "all",
+) -> dict[str, Any]:
     """:func:`sample_quality_figures` for ``jem train``'s end: a judge trained on (at most
     ``max_train`` of) ``train_ds``, the buffer against (at most ``max_heldout`` of) ``heldout_ds``,
     and class-conditional samples (``sgld_steps`` of conditional SGLD from per-class init draws,
@@ -261,21 +348,30 @@ def dataset_sample_quality(jm, buffer, train_ds, heldout_ds, *, sgld_steps: int 
     ``{"skipped": reason}`` when the held-out split is too small."""
 
     if heldout_ds is None or len(heldout_ds) < 20:
-        return {"skipped": f"sample quality needs >= 20 held-out images, got {len(heldout_ds or ())}; "
-                           "give --val-data or a larger --val-fraction"}
+        return {
+            "skipped": f"sample quality needs >= 20 held-out images, got {len(heldout_ds or ())}; "
+            "give --val-data or a larger --val-fraction"
+        }
     g = torch.Generator().manual_seed(seed)
     x, y = next(iter(DataLoader(train_ds, batch_size=min(len(train_ds), max_train), shuffle=True, generator=g)))
-    xh, yh = next(iter(DataLoader(heldout_ds, batch_size=min(len(heldout_ds), max_heldout), shuffle=True,
-                                  generator=g)))
+    xh, yh = next(iter(DataLoader(heldout_ds, batch_size=min(len(heldout_ds), max_heldout), shuffle=True, generator=g)))
     dev = model_device(jm)
     # ~350 optimiser steps whatever the data size: seconds on a CPU
     k = jm.num_classes or int(y.max()) + 1
-    judge = train_judge(x, y, x_test=xh, y_test=yh, epochs=max(2, min(15, 22500 // len(x))),
-                        num_classes=k, seed=seed, device=dev)
+    judge = train_judge(
+        x, y, x_test=xh, y_test=yh, epochs=max(2, min(15, 22500 // len(x))), num_classes=k, seed=seed, device=dev
+    )
     y_cond = torch.arange(k, device=buffer.device).repeat_interleave(max(1, 100 // k))
     x0 = buffer.init_dist.sample(len(y_cond), tuple(buffer.sample_shape), jm.domain, g, buffer.device, y=y_cond)
-    sampler = SGLD(steps=sgld_steps, step_size=step_size, noise=noise, grad_clip=grad_clip, generator=g,
-                   batchnorm=batchnorm, colours=colours)
+    sampler = SGLD(
+        steps=sgld_steps,
+        step_size=step_size,
+        noise=noise,
+        grad_clip=grad_clip,
+        generator=g,
+        batchnorm=batchnorm,
+        colours=colours,
+    )
     if colours == "data":
         sampler.use_colours_of(buffer)
     jm.eval()
@@ -298,17 +394,33 @@ def _jsonable(obj: Any) -> Any:
 def truncation_note(truncated: Mapping[str, tuple[int, int]], suggest_seconds: float | None) -> str:
     """The sentence that says runs were cut short by the time budget, and what to do about it."""
     parts = [f"{tag} stopped after {done} of {planned} epochs" for tag, (done, planned) in truncated.items()]
-    fix = (f"rerun with --budget-seconds {int(math.ceil(suggest_seconds / 30.0) * 30)} (or on a less busy machine)"
-           if suggest_seconds else "rerun without a time limit")
+    fix = (
+        f"rerun with --budget-seconds {int(math.ceil(suggest_seconds / 30.0) * 30)} (or on a less busy machine)"
+        if suggest_seconds
+        else "rerun without a time limit"
+    )
     return "; ".join(parts) + ": the results are not representative; " + fix
 
 
 # ---------------------------------------------------------------------------- the experiment
-def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, init: str = "uniform",
-               proximal: float | None = None, l2_weight: float = 0.0, seed: int = 0, baseline: bool = True,
-               progress: bool = True, device: str | torch.device = "cpu",
-               max_seconds: float | None = None, budget_seconds: float | None = None,
-               guard_policy: str | None = "raise", plots: bool = True, **overrides: Any) -> dict[str, Any]:
+def run_digits(
+    out_dir: str | Path,
+    *,
+    epochs: int = 150,
+    sgld_steps: int = 20,
+    init: str = "uniform",
+    proximal: float | None = None,
+    l2_weight: float = 0.0,
+    seed: int = 0,
+    baseline: bool = True,
+    progress: bool = True,
+    device: str | torch.device = "cpu",
+    max_seconds: float | None = None,
+    budget_seconds: float | None = None,
+    guard_policy: str | None = "raise",
+    plots: bool = True,
+    **overrides: Any,
+) -> dict[str, Any]:
     """Train a baseline and a JEM :class:`~jem_plugin.app.nets.DigitsCNN` on the digits, evaluate both,
     write ``metrics.json`` and figures to ``out_dir``; returns the result dict.
 
@@ -326,8 +438,16 @@ def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, 
     epochs, seconds_per_epoch, train_seconds) and ``planned_epochs``; a run stopped early by the
     time budget adds ``"truncated": {run: (done, planned)}`` and a ``"warning"`` sentence.
     """
-    cfg = replace(DigitsConfig(), epochs=epochs, sgld_steps=sgld_steps, init=init, proximal=proximal,
-                  l2_weight=l2_weight, seed=seed, **overrides)
+    cfg = replace(
+        DigitsConfig(),
+        epochs=epochs,
+        sgld_steps=sgld_steps,
+        init=init,
+        proximal=proximal,
+        l2_weight=l2_weight,
+        seed=seed,
+        **overrides,
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(device)
@@ -351,11 +471,21 @@ def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, 
             share = 0.25 * float(budget_seconds) if loss_fn is None else left
             limit = max(5.0, min(share, left)) if limit is None else min(limit, max(5.0, min(share, left)))
         t0 = time.perf_counter()
-        hist = fit(jm, _loader(train, cfg), epochs=n_epochs, lr=cfg.lr, warmup_iters=cfg.warmup_iters,
-                   decay_epochs=cfg.decay_epochs,
-                   loss_fn=loss_fn, val_data=(x_test, y_test), eval_every=max(1, n_epochs // 30),
-                   progress=progress, max_seconds=limit, desc=tag,
-                   guard_policy=guard_policy if loss_fn is not None else None)
+        hist = fit(
+            jm,
+            _loader(train, cfg),
+            epochs=n_epochs,
+            lr=cfg.lr,
+            warmup_iters=cfg.warmup_iters,
+            decay_epochs=cfg.decay_epochs,
+            loss_fn=loss_fn,
+            val_data=(x_test, y_test),
+            eval_every=max(1, n_epochs // 30),
+            progress=progress,
+            max_seconds=limit,
+            desc=tag,
+            guard_policy=guard_policy if loss_fn is not None else None,
+        )
         wall = time.perf_counter() - t0
         histories[tag] = hist
         hist.save(out / f"history_{tag}.json")
@@ -363,9 +493,16 @@ def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, 
         summary, detail = _evaluate(jm, x_test, y_test, ood_sets, out, tag, plots=plots)
         train_seconds, cpu_seconds = sum(hist["time"]), sum(hist["cpu_time"])
         n = max(1, len(hist))
-        summary.update({"epochs": float(len(hist)), "seconds_per_epoch": train_seconds / n,
-                        "cpu_seconds_per_epoch": cpu_seconds / n, "train_seconds": train_seconds,
-                        "train_cpu_seconds": cpu_seconds, "wall_seconds": wall})
+        summary.update(
+            {
+                "epochs": float(len(hist)),
+                "seconds_per_epoch": train_seconds / n,
+                "cpu_seconds_per_epoch": cpu_seconds / n,
+                "train_seconds": train_seconds,
+                "train_cpu_seconds": cpu_seconds,
+                "wall_seconds": wall,
+            }
+        )
         runs[tag] = {"summary": summary, "detail": detail, "stopped": hist.stopped, "planned_epochs": n_epochs}
         return jm, runs[tag]
 
@@ -383,32 +520,48 @@ def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, 
         # An independent judge (issue 16): the JEM's own class-sample accuracy cannot tell digits from
         # noise it likes. The baseline has no buffer and draws no samples here: nothing to judge.
 
-        judge = train_judge(x_train, y_train, x_test=x_test, y_test=y_test, epochs=cfg.judge_epochs,
-                            seed=cfg.seed, device=device)
-        runs[jem_label]["summary"].update(sample_quality_figures(
-            judge, loss_fn.buffer, x_test, jm.domain, x_cond=x_cond, y_cond=y_cond, seed=cfg.seed))
+        judge = train_judge(
+            x_train, y_train, x_test=x_test, y_test=y_test, epochs=cfg.judge_epochs, seed=cfg.seed, device=device
+        )
+        runs[jem_label]["summary"].update(
+            sample_quality_figures(
+                judge, loss_fn.buffer, x_test, jm.domain, x_cond=x_cond, y_cond=y_cond, seed=cfg.seed
+            )
+        )
     if plots and any(len(h) for h in histories.values()):
         from ..viz import plot_training_curves
 
-        plot_training_curves(histories, out / "curves_training.png",
-                             metrics=[m for m in ("loss", "acc", "val_acc", "val_nll", "energy_gap", "cpu_time")
-                                      if any(m in h for h in histories.values())],
-                             title="digits: baseline vs JEM")
+        plot_training_curves(
+            histories,
+            out / "curves_training.png",
+            metrics=[
+                m
+                for m in ("loss", "acc", "val_acc", "val_nll", "energy_gap", "cpu_time")
+                if any(m in h for h in histories.values())
+            ],
+            title="digits: baseline vs JEM",
+        )
     if baseline:
         b = runs["baseline"]["summary"]
         j = runs[jem_label]["summary"]
         # CPU time: the fair measure on a shared machine (wall time also recorded)
         j["cost_vs_baseline"] = j["train_cpu_seconds"] / max(1e-9, b["train_cpu_seconds"])
         j["wall_cost_vs_baseline"] = j["train_seconds"] / max(1e-9, b["train_seconds"])
-    truncated = {tag: (int(r["summary"]["epochs"]), r["planned_epochs"]) for tag, r in runs.items()
-                 if r["summary"]["epochs"] < r["planned_epochs"]}
+    truncated = {
+        tag: (int(r["summary"]["epochs"]), r["planned_epochs"])
+        for tag, r in runs.items()
+        if r["summary"]["epochs"] < r["planned_epochs"]
+    }
     epochs_text = f"{cfg.epochs} epochs each"
     if truncated:
-        epochs_text = ", ".join(f"{tag} {int(r['summary']['epochs'])} of {r['planned_epochs']} epochs"
-                                for tag, r in runs.items())
+        epochs_text = ", ".join(
+            f"{tag} {int(r['summary']['epochs'])} of {r['planned_epochs']} epochs" for tag, r in runs.items()
+        )
     result = {
-        "description": (f"Digits (sklearn 8x8, {len(x_train)} train / {len(x_test)} test), DigitsCNN width "
-                        f"{cfg.width}; baseline vs {cfg.jem_name()}, {epochs_text}."),
+        "description": (
+            f"Digits (sklearn 8x8, {len(x_train)} train / {len(x_test)} test), DigitsCNN width "
+            f"{cfg.width}; baseline vs {cfg.jem_name()}, {epochs_text}."
+        ),
         "config": asdict(cfg),
         "runs": runs,
         "ood_sets": {k: int(v.shape[0]) for k, v in ood_sets.items()},
@@ -418,33 +571,59 @@ def run_digits(out_dir: str | Path, *, epochs: int = 150, sgld_steps: int = 20, 
     if truncated:
         # What the whole training would have taken at the measured speed, plus evaluation time.
         # (a run stopped inside its first epoch: at least its whole wall time per epoch)
-        need = sum(r["planned_epochs"] * (r["summary"]["train_seconds"] / r["summary"]["epochs"]
-                                          if r["summary"]["epochs"] else r["summary"]["wall_seconds"])
-                   for r in runs.values()) + DEMO_EVAL_SECONDS
+        need = (
+            sum(
+                r["planned_epochs"]
+                * (
+                    r["summary"]["train_seconds"] / r["summary"]["epochs"]
+                    if r["summary"]["epochs"]
+                    else r["summary"]["wall_seconds"]
+                )
+                for r in runs.values()
+            )
+            + DEMO_EVAL_SECONDS
+        )
         result["truncated"] = truncated
         result["warning"] = truncation_note(truncated, need if budget_seconds is not None else None)
     (out / "metrics.json").write_text(json.dumps(_jsonable(result), indent=2))
     return result
 
 
-def run_digits_demo(out_dir: str | Path, *, seed: int = 0, device: str = "cpu", progress: bool = True,
-                    budget_seconds: float | None = 240.0, **overrides: Any) -> dict[str, Any]:
+def run_digits_demo(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    progress: bool = True,
+    budget_seconds: float | None = 240.0,
+    **overrides: Any,
+) -> dict[str, Any]:
     """``jem demo``: :data:`DEMO_RECIPE` (baseline + a fast JEM), within ``budget_seconds`` of
     training for both runs together (the JEM run gets what the baseline leaves)."""
     kw = {**DEMO_RECIPE, **overrides}
     if budget_seconds is not None:
         budget_seconds = max(10.0, float(budget_seconds) - DEMO_EVAL_SECONDS)  # leave time to evaluate
-    return run_digits(out_dir, seed=seed, device=device, progress=progress, budget_seconds=budget_seconds,
-                      guard_policy="rollback", **kw)
+    return run_digits(
+        out_dir,
+        seed=seed,
+        device=device,
+        progress=progress,
+        budget_seconds=budget_seconds,
+        guard_policy="rollback",
+        **kw,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jem_plugin.app.experiments",
-                                description="Digits: baseline vs JEM (accuracy, calibration, OOD, samples).")
+    p = argparse.ArgumentParser(
+        prog="python -m jem_plugin.app.experiments",
+        description="Digits: baseline vs JEM (accuracy, calibration, OOD, samples).",
+    )
     p.add_argument("out")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--fast", action="store_true",
-                       help="the fast recipe (5 SGLD steps on 32 chains, energy L2, lr 3e-4)")
+    group.add_argument(
+        "--fast", action="store_true", help="the fast recipe (5 SGLD steps on 32 chains, energy L2, lr 3e-4)"
+    )
     group.add_argument("--demo", action="store_true", help="the demo's small budget")
     p.add_argument("--epochs", type=int)
     p.add_argument("--sgld-steps", type=int)
@@ -456,24 +635,44 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decay-epochs", type=int, nargs="*", help="epochs where the LR is multiplied by 0.3")
     p.add_argument("--width", type=int)
     p.add_argument("--n-samples", type=int)
-    p.add_argument("--clamp", action=argparse.BooleanOptionalAction, default=None,
-                   help="clamp SGLD chains to [-1, 1]")
+    p.add_argument("--clamp", action=argparse.BooleanOptionalAction, default=None, help="clamp SGLD chains to [-1, 1]")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--guard", choices=["raise", "rollback", "off"], default="raise",
-                   help="divergence guard policy (default: raise a DivergenceError)")
+    p.add_argument(
+        "--guard",
+        choices=["raise", "rollback", "off"],
+        default="raise",
+        help="divergence guard policy (default: raise a DivergenceError)",
+    )
     p.add_argument("--budget-seconds", type=float, default=None, help="training budget for both runs")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     kw: dict[str, Any] = dict(FAST_RECIPE if args.fast else DEMO_RECIPE if args.demo else PAPER_RECIPE)
-    for name in ("epochs", "sgld_steps", "init", "proximal", "l2_weight", "lr", "warmup_iters", "decay_epochs",
-                 "width", "n_samples", "clamp"):
+    for name in (
+        "epochs",
+        "sgld_steps",
+        "init",
+        "proximal",
+        "l2_weight",
+        "lr",
+        "warmup_iters",
+        "decay_epochs",
+        "width",
+        "n_samples",
+        "clamp",
+    ):
         v = getattr(args, name)
         if v is not None:
             kw[name] = tuple(v) if isinstance(v, list) else v
-    result = run_digits(args.out, seed=args.seed, baseline=not args.no_baseline, progress=not args.quiet,
-                        guard_policy=None if args.guard == "off" else args.guard,
-                        budget_seconds=args.budget_seconds, **kw)
+    result = run_digits(
+        args.out,
+        seed=args.seed,
+        baseline=not args.no_baseline,
+        progress=not args.quiet,
+        guard_policy=None if args.guard == "off" else args.guard,
+        budget_seconds=args.budget_seconds,
+        **kw,
+    )
     for name, r in result["runs"].items():
         print(f"== {name}")
         for k, v in r["summary"].items():

@@ -4,6 +4,7 @@ A model file is a code-free checkpoint (``weights_only``) holding the spec neede
 network (``--model``/``--data`` specs, classes, input shape and domain, a built-in net's options)
 and its weights. ``--data`` specs are read here too, since a spec names its data.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -12,8 +13,9 @@ import json
 import os
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import Subset, TensorDataset
@@ -84,7 +86,8 @@ def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, A
     if not timm.is_model(spec):
         raise CLIError(
             f"unknown --model {spec!r}: not a built-in ({', '.join(BUILTIN_NETS)}), not a timm "
-            "model name (see timm.list_models()), and not a module:factory path")
+            "model name (see timm.list_models()), and not a module:factory path"
+        )
     return timm.create_model(spec, pretrained=False, num_classes=num_classes, in_chans=in_chans)
 
 
@@ -95,8 +98,10 @@ def _from_factory(spec: str, num_classes: int, options: dict[str, Any] | None):
     try:
         factory = getattr(importlib.import_module(modname), attr)
     except (ImportError, AttributeError) as exc:
-        raise CLIError(f"cannot load --model {spec!r}: {exc} (run jem from the directory holding "
-                       f"{modname.replace('.', '/')}.py, or put it on PYTHONPATH)") from exc
+        raise CLIError(
+            f"cannot load --model {spec!r}: {exc} (run jem from the directory holding "
+            f"{modname.replace('.', '/')}.py, or put it on PYTHONPATH)"
+        ) from exc
     usage = f"def {attr}(num_classes, **options): return an nn.Module giving [batch, num_classes] logits"
     try:
         params = inspect.signature(factory).parameters
@@ -107,18 +112,31 @@ def _from_factory(spec: str, num_classes: int, options: dict[str, Any] | None):
     return factory(num_classes=num_classes, **(options or {}))
 
 
-def model_spec(model: str, data: str, num_classes: int, sample_shape, domain,
-               model_options: dict[str, Any] | None = None, classes: Sequence[str] | None = None,
-               held_out: dict[str, Any] | None = None) -> dict[str, Any]:
+def model_spec(
+    model: str,
+    data: str,
+    num_classes: int,
+    sample_shape,
+    domain,
+    model_options: dict[str, Any] | None = None,
+    classes: Sequence[str] | None = None,
+    held_out: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """What a model file stores to rebuild the model: the ``--model``/``--data`` specs, the
     classes (count and names), the input shape, the input domain, a built-in net's constructor
     options, and which data was held out from training (``held_out``: ``{"fraction", "seed",
     "n_total"}`` of a split, or ``{"data": SPEC}``)."""
-    spec = {"model": model, "data": data, "num_classes": num_classes, "sample_shape": list(sample_shape),
-            "low": list(domain.low), "high": list(domain.high),
-            "mean": list(domain.mean) if domain.mean else None,
-            "std": list(domain.std) if domain.std else None,
-            "classes": [str(c) for c in classes] if classes is not None else [str(i) for i in range(num_classes)]}
+    spec = {
+        "model": model,
+        "data": data,
+        "num_classes": num_classes,
+        "sample_shape": list(sample_shape),
+        "low": list(domain.low),
+        "high": list(domain.high),
+        "mean": list(domain.mean) if domain.mean else None,
+        "std": list(domain.std) if domain.std else None,
+        "classes": [str(c) for c in classes] if classes is not None else [str(i) for i in range(num_classes)],
+    }
     if model_options:
         spec["model_options"] = dict(model_options)
     if held_out:
@@ -145,11 +163,12 @@ def split_held_out(ds, fraction: float, seed: int):
     counts = {c: labels.count(c) for c in set(labels)}
     stratify = labels if min(counts.values()) >= 2 and round(fraction * len(labels)) >= len(counts) else None
     try:
-        tr, va = train_test_split(list(range(len(labels))), test_size=fraction, random_state=seed,
-                                  stratify=stratify)
+        tr, va = train_test_split(list(range(len(labels))), test_size=fraction, random_state=seed, stratify=stratify)
     except ValueError as exc:
-        raise CLIError(f"cannot keep {fraction:g} of {len(labels)} images aside ({exc}); add images or "
-                       "pass --val-fraction 0 with --val-data folder:PATH") from exc
+        raise CLIError(
+            f"cannot keep {fraction:g} of {len(labels)} images aside ({exc}); add images or "
+            "pass --val-fraction 0 with --val-data folder:PATH"
+        ) from exc
     return Subset(ds, sorted(tr)), Subset(ds, sorted(va))
 
 
@@ -158,20 +177,30 @@ def check_classes(model_classes: Sequence[str], data_classes: Sequence[str], whe
     if list(model_classes) != list(data_classes):
         missing = [c for c in model_classes if c not in data_classes]
         extra = [c for c in data_classes if c not in model_classes]
-        detail = "; ".join(p for p in (f"missing {', '.join(missing)}" if missing else "",
-                                       f"unknown {', '.join(extra)}" if extra else "") if p)
-        raise CLIError(f"{where} has classes [{', '.join(data_classes)}] but the model was trained on "
-                       f"[{', '.join(model_classes)}] ({detail or 'different order'}); give a folder with "
-                       "one sub-directory per training class")
+        detail = "; ".join(
+            p
+            for p in (
+                f"missing {', '.join(missing)}" if missing else "",
+                f"unknown {', '.join(extra)}" if extra else "",
+            )
+            if p
+        )
+        raise CLIError(
+            f"{where} has classes [{', '.join(data_classes)}] but the model was trained on "
+            f"[{', '.join(model_classes)}] ({detail or 'different order'}); give a folder with "
+            "one sub-directory per training class"
+        )
 
 
 def check_shape(spec: dict[str, Any], shape, data: str) -> None:
     """Data of another shape than the model's training data: one line naming the data to use."""
     if spec.get("sample_shape") and tuple(spec["sample_shape"]) != tuple(shape):
-        raise CLIError(f"the model (trained on --data {spec['data']}) takes inputs of shape "
-                       f"{tuple(spec['sample_shape'])}, --data {data} gives {tuple(shape)}; evaluate on data "
-                       f"like its training data (--data {spec['data']}, or --image-size "
-                       f"{spec['sample_shape'][-1]} for a folder)")
+        raise CLIError(
+            f"the model (trained on --data {spec['data']}) takes inputs of shape "
+            f"{tuple(spec['sample_shape'])}, --data {data} gives {tuple(shape)}; evaluate on data "
+            f"like its training data (--data {spec['data']}, or --image-size "
+            f"{spec['sample_shape'][-1]} for a folder)"
+        )
 
 
 def check_inputs(jm, x, spec: dict[str, Any], data: str) -> None:
@@ -184,19 +213,26 @@ def check_inputs(jm, x, spec: dict[str, Any], data: str) -> None:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         model = spec["model"]
         if model in BUILTIN_NETS:
-            hint = (f"{model} is made for --data {'digits' if model == 'digits-cnn' else 'toy2d'}; for other "
-                    "images use a timm model, e.g. --model resnet10t")
+            hint = (
+                f"{model} is made for --data {'digits' if model == 'digits-cnn' else 'toy2d'}; for other "
+                "images use a timm model, e.g. --model resnet10t"
+            )
         elif ":" in model:
             hint = "make the model accept this input size, or change --image-size"
         else:
             size = (getattr(jm.model, "pretrained_cfg", None) or {}).get("input_size", (0, 224))[-1]
-            hint = (f"it expects {size}x{size} inputs; use a convolutional model (e.g. --model resnet10t), or "
-                    f"folder data with --image-size {size}")
-        raise CLIError(f"--model {model} fails on inputs of shape {tuple(x.shape[1:])} from --data {data} "
-                       f"({first[:160]}): {hint}") from exc
+            hint = (
+                f"it expects {size}x{size} inputs; use a convolutional model (e.g. --model resnet10t), or "
+                f"folder data with --image-size {size}"
+            )
+        raise CLIError(
+            f"--model {model} fails on inputs of shape {tuple(x.shape[1:])} from --data {data} ({first[:160]}): {hint}"
+        ) from exc
     if getattr(out, "ndim", 0) != 2 or out.shape[1] != spec["num_classes"]:
-        raise CLIError(f"--model {spec['model']} returns shape {tuple(getattr(out, 'shape', ()))}, not "
-                       f"[batch, {spec['num_classes']}] logits; its factory must honour num_classes")
+        raise CLIError(
+            f"--model {spec['model']} returns shape {tuple(getattr(out, 'shape', ()))}, not "
+            f"[batch, {spec['num_classes']}] logits; its factory must honour num_classes"
+        )
 
 
 def held_out_data(spec: dict[str, Any], data: str | None, image_size: int | None, seed: int = 0):
@@ -214,12 +250,16 @@ def held_out_data(spec: dict[str, Any], data: str | None, image_size: int | None
             where = f"{kept['data']} (the run's --val-data)"
         elif source.startswith("folder:"):
             if not kept.get("fraction"):
-                raise CLIError(f"this model was trained on all of {source} (--val-fraction 0); "
-                               "evaluate it on other images with --data folder:PATH")
+                raise CLIError(
+                    f"this model was trained on all of {source} (--val-fraction 0); "
+                    "evaluate it on other images with --data folder:PATH"
+                )
             full, *_ = load_data(source, train=False, image_size=size, seed=seed)
             if len(full) != kept.get("n_total", len(full)):
-                raise CLIError(f"{source} holds {len(full)} images, {kept['n_total']} when the model was "
-                               "trained, so its held-out split is lost; evaluate with --data folder:PATH")
+                raise CLIError(
+                    f"{source} holds {len(full)} images, {kept['n_total']} when the model was "
+                    "trained, so its held-out split is lost; evaluate with --data folder:PATH"
+                )
             _, ds = split_held_out(full, kept["fraction"], kept.get("seed", 0))
             ds.classes = full.classes  # type: ignore[attr-defined]
             where = f"{source}, the {kept['fraction']:g} held out from training"
@@ -242,8 +282,10 @@ def load_model_checkpoint(path: str, device=None):
     """Rebuild the wrapped model saved by ``jem train`` or ``jem demo``; returns ``(jm, spec)``."""
     stored = load_checkpoint(path, rng=False)  # CheckpointError: missing, corrupt, unsafe
     if stored.get("kind") != CKPT_FORMAT:
-        raise CLIError(f"{path!r} is not a model checkpoint written by `jem train` or `jem demo` "
-                       "(use the model*.pt in the run directory)")
+        raise CLIError(
+            f"{path!r} is not a model checkpoint written by `jem train` or `jem demo` "
+            "(use the model*.pt in the run directory)"
+        )
     spec = stored["spec"]
     model = build_model(spec["model"], spec["num_classes"], spec["sample_shape"][0], spec.get("model_options"))
     jm = wrap_for_data(model, spec)
@@ -279,15 +321,18 @@ def check_resume(out: Path, spec: dict[str, Any], no_resume: bool = False) -> di
         return None
     diff = [k for k in ("model", "data", "num_classes", "sample_shape", "classes") if before.get(k) != spec.get(k)]
     if diff:
-        raise CLIError(f"--out {out} holds a run of --model {before.get('model')} on --data {before.get('data')} "
-                       f"(differs in {', '.join(diff)}); pass the same flags to resume it, --no-resume to "
-                       "start over there, or another --out")
+        raise CLIError(
+            f"--out {out} holds a run of --model {before.get('model')} on --data {before.get('data')} "
+            f"(differs in {', '.join(diff)}); pass the same flags to resume it, --no-resume to "
+            "start over there, or another --out"
+        )
     return before
 
 
 def drop_buffer_from_checkpoints(buffer) -> None:
     """--checkpoint-buffer none: checkpoints leave out the replay buffer's chains; a resumed run
     keeps its freshly initialised buffer (chains restart from the init distribution)."""
+
     def drop(module, state, prefix, local_metadata):
         state.pop(prefix + "data", None)
         state.pop(prefix + "initialized", None)
@@ -312,10 +357,10 @@ def ood_sets(items: Sequence[str] | None, spec: dict[str, Any], jm, x, y, seed: 
         if item == "noise":
             sets["noise"] = jm.domain.uniform(len(x), x.shape[1:], generator=torch.Generator().manual_seed(seed))
             continue
-        if not item.startswith("folder:") or not item[len("folder:"):]:
+        if not item.startswith("folder:") or not item[len("folder:") :]:
             raise CLIError(f"--ood {item!r}: use noise or folder:PATH (a folder of images, any sub-folders)")
         ds, *_ = load_data(item, train=False, image_size=int(spec["sample_shape"][-1]), seed=seed)
-        name = Path(item[len("folder:"):]).name or item
+        name = Path(item[len("folder:") :]).name or item
         while name in sets:
             name += "'"
         sets[name] = torch.stack([ds[i][0] for i in range(len(ds))])

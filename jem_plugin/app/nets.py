@@ -6,6 +6,7 @@ data and SGLD samples, the JEM paper drops it too) and activations whose input g
 vanishes (LeakyReLU as in JEM's Wide-ResNet, or SiLU/ELU): SGLD follows input gradients, and
 ReLU zeroes them wherever a unit is off.
 """
+
 from __future__ import annotations
 
 import torch.nn.functional as F
@@ -15,8 +16,15 @@ __all__ = ["DigitsCNN", "ToyMLP", "WideResNet"]
 
 
 def _act(name: str) -> nn.Module:
-    acts = {"silu": nn.SiLU, "swish": nn.SiLU, "elu": nn.ELU, "gelu": nn.GELU,
-            "leaky_relu": lambda: nn.LeakyReLU(0.2), "relu": nn.ReLU, "softplus": nn.Softplus}
+    acts = {
+        "silu": nn.SiLU,
+        "swish": nn.SiLU,
+        "elu": nn.ELU,
+        "gelu": nn.GELU,
+        "leaky_relu": lambda: nn.LeakyReLU(0.2),
+        "relu": nn.ReLU,
+        "softplus": nn.Softplus,
+    }
     if name not in acts:
         raise ValueError(f"unknown activation {name!r}; choose one of {', '.join(acts)}")
     return acts[name]()
@@ -32,19 +40,24 @@ class DigitsCNN(nn.Module):
     (which learns much more slowly at the paper's learning rate).
     """
 
-    def __init__(self, num_classes: int = 10, width: int = 32, in_channels: int = 1,
-                 act: str = "leaky_relu", pool: str = "max") -> None:
+    def __init__(
+        self, num_classes: int = 10, width: int = 32, in_channels: int = 1, act: str = "leaky_relu", pool: str = "max"
+    ) -> None:
         super().__init__()
         if pool not in ("max", "avg"):
             raise ValueError(f"pool must be 'max' or 'avg', got {pool!r}")
         w = width
         Pool = nn.MaxPool2d if pool == "max" else nn.AvgPool2d
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, w, 3, padding=1), _act(act),
-            nn.Conv2d(w, w, 3, padding=1), _act(act),
+            nn.Conv2d(in_channels, w, 3, padding=1),
+            _act(act),
+            nn.Conv2d(w, w, 3, padding=1),
+            _act(act),
             Pool(2),  # 8 -> 4
-            nn.Conv2d(w, 2 * w, 3, padding=1), _act(act),
-            nn.Conv2d(2 * w, 2 * w, 3, padding=1), _act(act),
+            nn.Conv2d(w, 2 * w, 3, padding=1),
+            _act(act),
+            nn.Conv2d(2 * w, 2 * w, 3, padding=1),
+            _act(act),
             Pool(2),  # 4 -> 2
         )
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(2 * w * 4, num_classes))
@@ -59,8 +72,9 @@ class ToyMLP(nn.Module):
     with Swish (SiLU) or ELU, then ``num_classes`` logits (``num_classes=1``: a plain EBM whose
     single logit is ``-E(x)``)."""
 
-    def __init__(self, in_dim: int = 2, num_classes: int = 8, hidden: int = 128, depth: int = 3,
-                 act: str = "silu") -> None:
+    def __init__(
+        self, in_dim: int = 2, num_classes: int = 8, hidden: int = 128, depth: int = 3, act: str = "silu"
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         d = in_dim
@@ -86,16 +100,14 @@ def _norm(kind: str | None, channels: int) -> nn.Module:
 class _WideBlock(nn.Module):
     """Pre-activation wide basic block of JEM's Wide-ResNet (biased 3x3 convolutions)."""
 
-    def __init__(self, c_in: int, c_out: int, stride: int, norm: str | None, leak: float,
-                 dropout: float) -> None:
+    def __init__(self, c_in: int, c_out: int, stride: int, norm: str | None, leak: float, dropout: float) -> None:
         super().__init__()
         self.norm1, self.norm2 = _norm(norm, c_in), _norm(norm, c_out)
         self.act = nn.LeakyReLU(leak)
         self.conv1 = nn.Conv2d(c_in, c_out, 3, padding=1)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.conv2 = nn.Conv2d(c_out, c_out, 3, stride=stride, padding=1)
-        self.shortcut = (nn.Conv2d(c_in, c_out, 1, stride=stride) if stride != 1 or c_in != c_out
-                         else nn.Identity())
+        self.shortcut = nn.Conv2d(c_in, c_out, 1, stride=stride) if stride != 1 or c_in != c_out else nn.Identity()
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.dropout(self.conv1(self.act(self.norm1(x))))
@@ -112,9 +124,17 @@ class WideResNet(nn.Module):
     global average pooling (8x8 on 32x32 inputs) and a linear head.
     """
 
-    def __init__(self, depth: int = 28, widen_factor: int = 10, num_classes: int = 10, *,
-                 in_channels: int = 3, norm: str | None = None, leak: float = 0.2,
-                 dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        depth: int = 28,
+        widen_factor: int = 10,
+        num_classes: int = 10,
+        *,
+        in_channels: int = 3,
+        norm: str | None = None,
+        leak: float = 0.2,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         if not isinstance(depth, int) or depth < 10 or (depth - 4) % 6:
             raise ValueError(f"WideResNet depth must be 6n + 4 with n >= 1 (10, 16, 22, 28, ...), got {depth!r}")

@@ -9,14 +9,16 @@ computed from the numbers (what JEM gained, what it cost), a table of the runs s
 readable metric names and a one-line meaning each, and the figures, each with a caption that
 says what to look at, baseline and JEM next to each other.
 """
+
 from __future__ import annotations
 
 import base64
 import html
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = ["write_report", "flatten_metrics", "summary_sentences", "metric_label"]
 
@@ -46,72 +48,149 @@ METRICS: dict[str, tuple[str, str, bool | None]] = {
     "ece": ("Calibration error (ECE)", "gap between confidence and accuracy; 0 = calibrated", False),
     "ece_temp_scaled": ("ECE after temperature scaling", "the same, after fitting one temperature", False),
     "temperature": ("Fitted temperature", "1 = already calibrated; above 1 = over-confident", None),
-    "class_sample_accuracy": ("Class-sample accuracy", "share of class-conditional samples classified as "
-                              "the class they were drawn for", True),
+    "class_sample_accuracy": (
+        "Class-sample accuracy",
+        "share of class-conditional samples classified as the class they were drawn for",
+        True,
+    ),
     # Sample quality by an independent judge CNN (jem_plugin.sample_quality), references beside it.
-    "fd_buffer": ("Sample distance: replay buffer (FD)", "Fréchet distance of buffer samples to held-out images "
-                  "in the judge's features; lower = more like real images", False),
-    "fd_init": ("  reference: initial distribution (FD)", "the same for draws the chains started from, before "
-                "any learning: the buffer should fall well below it", None),
-    "fd_heldout_floor": ("  reference: held-out vs held-out (FD)", "two halves of real held-out images: the "
-                         "best reachable at this sample size", None),
-    "fd_n_samples": ("  images per distance", "every distance above compares this many images with as many "
-                     "held-out ones (FD depends on it)", None),
-    "judge_acc_samples": ("Judge accuracy on class samples", "share of class-conditional samples an independent "
-                          "CNN (not the JEM) puts in the class they were drawn for", True),
-    "judge_acc_init": ("  reference: judge on init draws", "the same for per-class draws of the initial "
-                       "distribution, no SGLD (chance for uniform noise, high for a per-class Gaussian)", None),
-    "judge_acc_heldout": ("  reference: judge on test images", "the judge's accuracy on real held-out images: "
-                          "the ceiling", None),
+    "fd_buffer": (
+        "Sample distance: replay buffer (FD)",
+        "Fréchet distance of buffer samples to held-out images in the judge's features; lower = more like real images",
+        False,
+    ),
+    "fd_init": (
+        "  reference: initial distribution (FD)",
+        "the same for draws the chains started from, before any learning: the buffer should fall well below it",
+        None,
+    ),
+    "fd_heldout_floor": (
+        "  reference: held-out vs held-out (FD)",
+        "two halves of real held-out images: the best reachable at this sample size",
+        None,
+    ),
+    "fd_n_samples": (
+        "  images per distance",
+        "every distance above compares this many images with as many held-out ones (FD depends on it)",
+        None,
+    ),
+    "judge_acc_samples": (
+        "Judge accuracy on class samples",
+        "share of class-conditional samples an independent CNN (not the JEM) puts in the class they were drawn for",
+        True,
+    ),
+    "judge_acc_init": (
+        "  reference: judge on init draws",
+        "the same for per-class draws of the initial "
+        "distribution, no SGLD (chance for uniform noise, high for a per-class Gaussian)",
+        None,
+    ),
+    "judge_acc_heldout": (
+        "  reference: judge on test images",
+        "the judge's accuracy on real held-out images: the ceiling",
+        None,
+    ),
     "epochs": ("Epochs trained", "full passes over the training set", None),
     "seconds_per_epoch": ("Seconds per epoch", "wall-clock time of one epoch", False),
-    "cpu_seconds_per_epoch": ("CPU seconds per epoch", "processor time of one epoch (fair on a busy machine)",
-                              False),
+    "cpu_seconds_per_epoch": ("CPU seconds per epoch", "processor time of one epoch (fair on a busy machine)", False),
     "train_seconds": ("Training time (s)", "wall-clock seconds spent training", False),
     "train_cpu_seconds": ("Training CPU time (s)", "processor seconds spent training", False),
     "wall_seconds": ("Wall time incl. saving (s)", "training plus writing checkpoints", False),
     "cost_vs_baseline": ("CPU cost vs baseline", "training CPU time divided by the baseline's", False),
-    "wall_cost_vs_baseline": ("Wall-time cost vs baseline", "training wall time divided by the baseline's",
-                              False),
+    "wall_cost_vs_baseline": ("Wall-time cost vs baseline", "training wall time divided by the baseline's", False),
 }
 #: How to read the sample-quality figures (report section title and summary).
-QUALITY_HOW_TO_READ = ("Read each figure against its reference: the buffer's distance should fall well below its "
-                       "initial distribution's, towards the held-out floor; judge accuracy on samples counts only "
-                       "above its init's (a per-class Gaussian init scores high without any learning).")
-SCORES = {"logpx": "log p(x)", "msp": "max softmax", "grad_norm": "gradient norm",
-          "grad_norm_projected": "gradient norm (projected)"}
-OOD_SETS = {"noise": "uniform noise", "patches": "photo patches", "blends": "blends of two digits",
-            "transposed": "transposed digits"}
-_SET_MEANING = {"noise": "random pixels: the easiest set", "patches": "crops of two photos, shrunk to the image size",
-                "blends": "the average of two digits of different classes: the hardest set",
-                "transposed": "digits mirrored about the diagonal: digit-like strokes, wrong shapes"}
-_SECTIONS = (("Classification", ("accuracy", "nll")),
-             ("Calibration", ("ece", "ece_temp_scaled", "temperature")),
-             ("Out-of-distribution detection: AUROC (0.5 = chance, 1 = every OOD input scores below every "
-              "test image)", ("auroc_",)),
-             ("Samples (the model's own view)", ("class_sample_accuracy",)),
-             (f"Sample quality, by an independent judge CNN. {QUALITY_HOW_TO_READ}",
-              ("fd_buffer", "fd_init", "fd_heldout_floor", "fd_n_samples", "judge_acc_samples", "judge_acc_init",
-               "judge_acc_heldout")),
-             ("Cost", ("epochs", "seconds_per_epoch", "cpu_seconds_per_epoch", "train_seconds",
-                       "train_cpu_seconds", "wall_seconds", "cost_vs_baseline", "wall_cost_vs_baseline")))
+QUALITY_HOW_TO_READ = (
+    "Read each figure against its reference: the buffer's distance should fall well below its "
+    "initial distribution's, towards the held-out floor; judge accuracy on samples counts only "
+    "above its init's (a per-class Gaussian init scores high without any learning)."
+)
+SCORES = {
+    "logpx": "log p(x)",
+    "msp": "max softmax",
+    "grad_norm": "gradient norm",
+    "grad_norm_projected": "gradient norm (projected)",
+}
+OOD_SETS = {
+    "noise": "uniform noise",
+    "patches": "photo patches",
+    "blends": "blends of two digits",
+    "transposed": "transposed digits",
+}
+_SET_MEANING = {
+    "noise": "random pixels: the easiest set",
+    "patches": "crops of two photos, shrunk to the image size",
+    "blends": "the average of two digits of different classes: the hardest set",
+    "transposed": "digits mirrored about the diagonal: digit-like strokes, wrong shapes",
+}
+_SECTIONS = (
+    ("Classification", ("accuracy", "nll")),
+    ("Calibration", ("ece", "ece_temp_scaled", "temperature")),
+    (
+        "Out-of-distribution detection: AUROC (0.5 = chance, 1 = every OOD input scores below every test image)",
+        ("auroc_",),
+    ),
+    ("Samples (the model's own view)", ("class_sample_accuracy",)),
+    (
+        f"Sample quality, by an independent judge CNN. {QUALITY_HOW_TO_READ}",
+        (
+            "fd_buffer",
+            "fd_init",
+            "fd_heldout_floor",
+            "fd_n_samples",
+            "judge_acc_samples",
+            "judge_acc_init",
+            "judge_acc_heldout",
+        ),
+    ),
+    (
+        "Cost",
+        (
+            "epochs",
+            "seconds_per_epoch",
+            "cpu_seconds_per_epoch",
+            "train_seconds",
+            "train_cpu_seconds",
+            "wall_seconds",
+            "cost_vs_baseline",
+            "wall_cost_vs_baseline",
+        ),
+    ),
+)
 
 # Figure captions: (file-stem pattern, caption). ``{run}`` is the run the figure belongs to.
 CAPTIONS: tuple[tuple[str, str], ...] = (
-    (r"samples_per_class", "Class-conditional samples, one row per class: each row should show its class. "
-                           "Rows of noise mean the generative side has not learned yet."),
-    (r"samples_buffer|^buffer", "Unconditional samples from the JEM replay buffer: they should look like the "
-                                "training images (blurry is fine); pure noise means too short a run."),
+    (
+        r"samples_per_class",
+        "Class-conditional samples, one row per class: each row should show its class. "
+        "Rows of noise mean the generative side has not learned yet.",
+    ),
+    (
+        r"samples_buffer|^buffer",
+        "Unconditional samples from the JEM replay buffer: they should look like the "
+        "training images (blurry is fine); pure noise means too short a run.",
+    ),
     (r"samples", "Samples drawn from the model with SGLD, labelled by class."),
-    (r"curves", "Training curves, all runs on shared axes: test accuracy should reach the same level for "
-                "each run; an energy gap that swings far from 0 signals unstable JEM training."),
-    (r"reliability_(?P<run>.+)", "{run}: reliability diagram. Bars on the diagonal = calibrated; below it = "
-                                 "over-confident, above it = under-confident."),
-    (r"hist_logpx_(?P<run>.+)", "{run}: log p(x) of test images vs each OOD set. Test images should sit to "
-                                "the right (higher), well apart from the OOD sets."),
+    (
+        r"curves",
+        "Training curves, all runs on shared axes: test accuracy should reach the same level for "
+        "each run; an energy gap that swings far from 0 signals unstable JEM training.",
+    ),
+    (
+        r"reliability_(?P<run>.+)",
+        "{run}: reliability diagram. Bars on the diagonal = calibrated; below it = "
+        "over-confident, above it = under-confident.",
+    ),
+    (
+        r"hist_logpx_(?P<run>.+)",
+        "{run}: log p(x) of test images vs each OOD set. Test images should sit to "
+        "the right (higher), well apart from the OOD sets.",
+    ),
     (r"hist_grad_norm_(?P<run>.+)", "{run}: gradient-norm score. Test images to the right, OOD sets apart."),
-    (r"roc_logpx_(?P<run>.+)", "{run}: ROC curves of log p(x). Curves hugging the top-left corner = OOD "
-                               "set told apart from test images."),
+    (
+        r"roc_logpx_(?P<run>.+)",
+        "{run}: ROC curves of log p(x). Curves hugging the top-left corner = OOD set told apart from test images.",
+    ),
 )
 
 
@@ -134,8 +213,11 @@ def metric_label(key: str) -> tuple[str, str, bool | None]:
     m = re.fullmatch(r"auroc_(.+)_([^_]+)", key)
     if m and m.group(1) in SCORES:
         score, ood_set = m.group(1), m.group(2)
-        return (f"{SCORES[score]} vs {OOD_SETS.get(ood_set, ood_set)}",
-                _SET_MEANING.get(ood_set, f"the OOD set {ood_set!r} against test images"), True)
+        return (
+            f"{SCORES[score]} vs {OOD_SETS.get(ood_set, ood_set)}",
+            _SET_MEANING.get(ood_set, f"the OOD set {ood_set!r} against test images"),
+            True,
+        )
     return key.replace("_", " "), "", None
 
 
@@ -177,14 +259,18 @@ def _table(runs: Mapping[str, Mapping[str, Any]]) -> str:
         best = None
         if hib is not None and len(present) > 1 and len(set(present)) > 1:
             best = max(present) if hib else min(present)
-        cells = "".join("<td></td>" if v is None else
-                        f"<td class=\"{'better' if v == best else ''}\">{_fmt(v)}</td>" for v in vals)
+        cells = "".join(
+            "<td></td>" if v is None else f'<td class="{"better" if v == best else ""}">{_fmt(v)}</td>' for v in vals
+        )
         sub = " sub" if name.startswith("  ") else ""  # a reference point, indented under its figure
-        rows.append(f"<tr><td class='name{sub}'>{html.escape(name.strip())}</td>{cells}"
-                    f"<td class='meaning'>{html.escape(meaning)}</td></tr>")
+        rows.append(
+            f"<tr><td class='name{sub}'>{html.escape(name.strip())}</td>{cells}"
+            f"<td class='meaning'>{html.escape(meaning)}</td></tr>"
+        )
     head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
-    return (f"<table><tr><th class='name'>metric</th>{head}<th class='name'>what it means</th></tr>"
-            f"{''.join(rows)}</table>")
+    return (
+        f"<table><tr><th class='name'>metric</th>{head}<th class='name'>what it means</th></tr>{''.join(rows)}</table>"
+    )
 
 
 def summary_sentences(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -197,44 +283,64 @@ def summary_sentences(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
     out = []
     if "accuracy" in b and "accuracy" in j:
         d = 100 * (j["accuracy"] - b["accuracy"])
-        verdict = ("within half a point" if abs(d) < 0.5 else f"{abs(d):.1f} points {'more' if d > 0 else 'less'}")
-        out.append(f"Accuracy: {name} classifies {100 * j['accuracy']:.1f}% of the test images correctly, the "
-                   f"baseline {100 * b['accuracy']:.1f}% ({verdict}).")
-    sets = [k[len("auroc_logpx_"):] for k in j if k.startswith("auroc_logpx_")]
+        verdict = "within half a point" if abs(d) < 0.5 else f"{abs(d):.1f} points {'more' if d > 0 else 'less'}"
+        out.append(
+            f"Accuracy: {name} classifies {100 * j['accuracy']:.1f}% of the test images correctly, the "
+            f"baseline {100 * b['accuracy']:.1f}% ({verdict})."
+        )
+    sets = [k[len("auroc_logpx_") :] for k in j if k.startswith("auroc_logpx_")]
     if sets and all(f"auroc_logpx_{s}" in b for s in sets):
         mj = sum(j[f"auroc_logpx_{s}"] for s in sets) / len(sets)
         mb = sum(b[f"auroc_logpx_{s}"] for s in sets) / len(sets)
         worst = min(sets, key=lambda s: j[f"auroc_logpx_{s}"])
-        out.append(f"Out-of-distribution detection with log p(x): mean AUROC {mj:.2f} for {name} vs {mb:.2f} for "
-                   f"the baseline over {len(sets)} OOD sets ({'gain' if mj > mb else 'no gain'}); hardest for "
-                   f"{name}: {OOD_SETS.get(worst, worst)} ({j[f'auroc_logpx_{worst}']:.2f}).")
+        out.append(
+            f"Out-of-distribution detection with log p(x): mean AUROC {mj:.2f} for {name} vs {mb:.2f} for "
+            f"the baseline over {len(sets)} OOD sets ({'gain' if mj > mb else 'no gain'}); hardest for "
+            f"{name}: {OOD_SETS.get(worst, worst)} ({j[f'auroc_logpx_{worst}']:.2f})."
+        )
     if "ece" in b and "ece" in j:
-        verdict = ("about the same" if abs(j["ece"] - b["ece"]) < 0.005 else
-                   "better" if j["ece"] < b["ece"] else "worse")
-        out.append(f"Calibration error (ECE): {j['ece']:.3f} for {name} vs {b['ece']:.3f} for the baseline "
-                   f"({verdict} before temperature scaling"
-                   + (f"; {j['ece_temp_scaled']:.3f} vs {b['ece_temp_scaled']:.3f} after it)."
-                      if "ece_temp_scaled" in j and "ece_temp_scaled" in b else ")."))
+        verdict = "about the same" if abs(j["ece"] - b["ece"]) < 0.005 else "better" if j["ece"] < b["ece"] else "worse"
+        out.append(
+            f"Calibration error (ECE): {j['ece']:.3f} for {name} vs {b['ece']:.3f} for the baseline "
+            f"({verdict} before temperature scaling"
+            + (
+                f"; {j['ece_temp_scaled']:.3f} vs {b['ece_temp_scaled']:.3f} after it)."
+                if "ece_temp_scaled" in j and "ece_temp_scaled" in b
+                else ")."
+            )
+        )
     if "class_sample_accuracy" in j:
-        out.append(f"Samples: {100 * j['class_sample_accuracy']:.0f}% of {name}'s class-conditional samples are "
-                   "classified as the class they were drawn for (the baseline cannot generate).")
+        out.append(
+            f"Samples: {100 * j['class_sample_accuracy']:.0f}% of {name}'s class-conditional samples are "
+            "classified as the class they were drawn for (the baseline cannot generate)."
+        )
     if "fd_buffer" in j and "fd_init" in j:
-        text = (f"Sample quality (an independent judge CNN): {name}'s replay buffer lies at Fréchet distance "
-                f"{_fmt(j['fd_buffer'])} from held-out images, its initial distribution at {_fmt(j['fd_init'])}"
-                + (f", real images at {_fmt(j['fd_heldout_floor'])}" if "fd_heldout_floor" in j else "")
-                + (f" ({int(j['fd_n_samples'])} images each)" if "fd_n_samples" in j else "") + ".")
+        text = (
+            f"Sample quality (an independent judge CNN): {name}'s replay buffer lies at Fréchet distance "
+            f"{_fmt(j['fd_buffer'])} from held-out images, its initial distribution at {_fmt(j['fd_init'])}"
+            + (f", real images at {_fmt(j['fd_heldout_floor'])}" if "fd_heldout_floor" in j else "")
+            + (f" ({int(j['fd_n_samples'])} images each)" if "fd_n_samples" in j else "")
+            + "."
+        )
         if "judge_acc_samples" in j:
-            refs = [f"{100 * j[k]:.0f}% of {what}" for k, what in (("judge_acc_init", "init draws"),
-                                                                  ("judge_acc_heldout", "test images")) if k in j]
-            text += (f" The judge puts {100 * j['judge_acc_samples']:.0f}% of the class-conditional samples in "
-                     f"their class" + (f" ({', '.join(refs)})" if refs else "") + ".")
+            refs = [
+                f"{100 * j[k]:.0f}% of {what}"
+                for k, what in (("judge_acc_init", "init draws"), ("judge_acc_heldout", "test images"))
+                if k in j
+            ]
+            text += (
+                f" The judge puts {100 * j['judge_acc_samples']:.0f}% of the class-conditional samples in "
+                f"their class" + (f" ({', '.join(refs)})" if refs else "") + "."
+            )
         out.append(text + " " + QUALITY_HOW_TO_READ)
     pj, pb = j.get("cpu_seconds_per_epoch"), b.get("cpu_seconds_per_epoch")
     if pj and pb and j.get("train_cpu_seconds") and b.get("train_cpu_seconds"):
         # per epoch: a run the budget cut short must not look cheaper than it is
-        out.append(f"Cost: an epoch of {name} took {pj / pb:.1f}x the baseline's CPU time ({_fmt(pj)} s vs "
-                   f"{_fmt(pb)} s); training in all: {_fmt(j['train_cpu_seconds'])} s vs "
-                   f"{_fmt(b['train_cpu_seconds'])} s.")
+        out.append(
+            f"Cost: an epoch of {name} took {pj / pb:.1f}x the baseline's CPU time ({_fmt(pj)} s vs "
+            f"{_fmt(pb)} s); training in all: {_fmt(j['train_cpu_seconds'])} s vs "
+            f"{_fmt(b['train_cpu_seconds'])} s."
+        )
     return out
 
 
@@ -246,7 +352,7 @@ def _caption(stem: str, runs: list[str]) -> tuple[str, str | None, str]:
             run = m.groupdict().get("run")
             if run is not None and run not in runs:
                 run = None
-            group = stem[:m.start("run") - 1] if run else stem
+            group = stem[: m.start("run") - 1] if run else stem
             return group, run, text.replace("{run}", run or stem)
     return stem, None, stem.replace("_", " ")
 
@@ -275,8 +381,10 @@ def _figures(out: Path, runs: list[str]) -> str:
             p, caption = members[k]
             data = base64.b64encode(p.read_bytes()).decode("ascii")
             label = html.escape(k if len(keys) > 1 and k else caption)
-            cells.append(f"<figure><img alt='{html.escape(caption)}' src='data:image/png;base64,{data}'>"
-                         f"<figcaption>{label}</figcaption></figure>")
+            cells.append(
+                f"<figure><img alt='{html.escape(caption)}' src='data:image/png;base64,{data}'>"
+                f"<figcaption>{label}</figcaption></figure>"
+            )
         if len(keys) == 1 and "curves" not in group:  # single figures two to a row
             singles.append(cells[0])
             if len(singles) == 2:
@@ -291,8 +399,9 @@ def _figures(out: Path, runs: list[str]) -> str:
     return "\n".join(parts)
 
 
-def write_report(out_dir: str | Path, result: Mapping[str, Any] | None = None,
-                 title: str = "jem-plugin report") -> Path:
+def write_report(
+    out_dir: str | Path, result: Mapping[str, Any] | None = None, title: str = "jem-plugin report"
+) -> Path:
     """Write ``out_dir/report.html`` and return its path.
 
     ``result`` defaults to ``out_dir/metrics.json``. A ``"warning"`` entry (a run cut short) is shown
@@ -304,8 +413,10 @@ def write_report(out_dir: str | Path, result: Mapping[str, Any] | None = None,
     if result is None:
         result = json.loads((out / "metrics.json").read_text())
     runs = result.get("runs", {})
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-             f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"
+    ]
     if result.get("warning"):
         parts.append(f"<p class='warning'>Warning: {html.escape(str(result['warning']))}.</p>")
     if result.get("description"):
@@ -313,24 +424,31 @@ def write_report(out_dir: str | Path, result: Mapping[str, Any] | None = None,
     summaries = {n: r.get("summary", r) for n, r in runs.items()}
     sentences = summary_sentences(runs)
     if sentences and result.get("warning"):
-        sentences.insert(0, "These runs were cut short (see the warning above): read the numbers as a check "
-                            "that the pipeline runs, not as what JEM does.")
+        sentences.insert(
+            0,
+            "These runs were cut short (see the warning above): read the numbers as a check "
+            "that the pipeline runs, not as what JEM does.",
+        )
     if sentences:
         items = "".join(f"<li>{html.escape(s)}</li>" for s in sentences)
         parts.append(f"<h2>Summary</h2><ul class='summary'>{items}</ul>")
     if runs:
-        parts.append("<h2>Results</h2><p class='note'>Best value per row in bold. OOD scores rank inputs by "
-                     "how in-distribution they look; the OOD sets are uniform noise, patches of photos, "
-                     "blends of two digits of different classes and transposed digits.</p>")
+        parts.append(
+            "<h2>Results</h2><p class='note'>Best value per row in bold. OOD scores rank inputs by "
+            "how in-distribution they look; the OOD sets are uniform noise, patches of photos, "
+            "blends of two digits of different classes and transposed digits.</p>"
+        )
         parts.append(_table(summaries))
     figures = _figures(out, list(runs))
     if figures:
         parts.append("<h2>Figures</h2>" + figures)
-    settings = {k: v for k, v in result.items()
-                if k not in ("runs", "description", "targets", "warning", "truncated")}
+    settings = {k: v for k, v in result.items() if k not in ("runs", "description", "targets", "warning", "truncated")}
     if settings:
-        parts.append("<h2>Settings</h2><details><summary>every setting of this run</summary><pre>"
-                     + html.escape(json.dumps(settings, indent=2, default=str)) + "</pre></details>")
+        parts.append(
+            "<h2>Settings</h2><details><summary>every setting of this run</summary><pre>"
+            + html.escape(json.dumps(settings, indent=2, default=str))
+            + "</pre></details>"
+        )
     parts.append("</body></html>")
     path = out / "report.html"
     path.write_text("\n".join(parts))

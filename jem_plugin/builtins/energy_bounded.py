@@ -32,21 +32,22 @@ to fix them yourself; :func:`calibrate_margins` is the rule as a function.
 ``batch.x_outlier`` / ``batch.extra["x_outlier"]`` supplied by the caller. Outliers from a
 loader, callable or ``"uniform"`` take one extra forward, in the model's current mode.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..errors import InvalidInputError
 from .._checks import free_energy, unpack_batch
+from ..errors import InvalidInputError
 from ..plugins import hookimpl
 
-__all__ = ["free_energy", "energy_bounded_loss", "calibrate_margins", "EnergyBoundedTerm",
-           "jem_register_loss_terms"]
+__all__ = ["free_energy", "energy_bounded_loss", "calibrate_margins", "EnergyBoundedTerm", "jem_register_loss_terms"]
 
 
 def energy_bounded_loss(energy_in: Tensor, energy_out: Tensor, m_in: float, m_out: float) -> Tensor:
@@ -58,8 +59,9 @@ def energy_bounded_loss(energy_in: Tensor, energy_out: Tensor, m_in: float, m_ou
     return F.relu(energy_in - m_in).pow(2).mean() + F.relu(m_out - energy_out).pow(2).mean()
 
 
-def calibrate_margins(energy_in: Tensor, energy_out: Tensor, q_in: float = 0.5, q_out: float = 0.5,
-                      min_gap: float = 1.0) -> tuple[float, float]:
+def calibrate_margins(
+    energy_in: Tensor, energy_out: Tensor, q_in: float = 0.5, q_out: float = 0.5, min_gap: float = 1.0
+) -> tuple[float, float]:
     """Margins from measured energies: ``(quantile(E_in, q_in), quantile(E_out, q_out))``.
 
     When the result has ``m_out - m_in < min_gap``, both move apart around their midpoint to
@@ -75,8 +77,10 @@ def calibrate_margins(energy_in: Tensor, energy_out: Tensor, q_in: float = 0.5, 
     if e_in.numel() == 0 or e_out.numel() == 0:
         raise InvalidInputError("calibrating the margins needs in-distribution and outlier energies")
     if not (torch.isfinite(e_in).all() and torch.isfinite(e_out).all()):
-        raise InvalidInputError("non-finite energies while calibrating the energy-bounded margins; "
-                                "check the model's logits, or pass m_in= and m_out= explicitly")
+        raise InvalidInputError(
+            "non-finite energies while calibrating the energy-bounded margins; "
+            "check the model's logits, or pass m_in= and m_out= explicitly"
+        )
     m_in, m_out = float(torch.quantile(e_in, q_in)), float(torch.quantile(e_out, q_out))
     if m_out - m_in < min_gap:
         mid = (m_in + m_out) / 2
@@ -104,22 +108,34 @@ class EnergyBoundedTerm:
     margins (and any partial calibration) so a resumed run keeps them.
     """
 
-    def __init__(self, m_in: float | None = None, m_out: float | None = None, weight: float = 0.1,
-                 outliers: Iterable | Callable[[Tensor], Tensor] | str | None = None, *,
-                 temperature: float = 1.0, q_in: float = 0.5, q_out: float = 0.5, min_gap: float = 1.0,
-                 calibration_size: int = 256, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        m_in: float | None = None,
+        m_out: float | None = None,
+        weight: float = 0.1,
+        outliers: Iterable | Callable[[Tensor], Tensor] | str | None = None,
+        *,
+        temperature: float = 1.0,
+        q_in: float = 0.5,
+        q_out: float = 0.5,
+        min_gap: float = 1.0,
+        calibration_size: int = 256,
+        generator: torch.Generator | None = None,
+    ) -> None:
         if (m_in is None) != (m_out is None):
             raise ValueError("give both m_in and m_out, or neither (then both are measured)")
         if m_in is not None and not m_in < m_out:
-            raise ValueError(f"m_in must be below m_out (in-distribution energies are lower), got "
-                             f"m_in={m_in}, m_out={m_out}")
+            raise ValueError(
+                f"m_in must be below m_out (in-distribution energies are lower), got m_in={m_in}, m_out={m_out}"
+            )
         if not (weight >= 0 and math.isfinite(weight)):
             raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
         if not (temperature > 0 and math.isfinite(temperature)):
             raise ValueError(f"temperature must be positive and finite, got {temperature!r}")
         if isinstance(outliers, str) and outliers not in ("uniform", "samples"):
-            raise ValueError(f"outliers must be 'uniform', 'samples', an iterable of batches, a callable "
-                             f"or None, got {outliers!r}")
+            raise ValueError(
+                f"outliers must be 'uniform', 'samples', an iterable of batches, a callable or None, got {outliers!r}"
+            )
         if isinstance(calibration_size, bool) or not isinstance(calibration_size, int) or calibration_size < 1:
             raise ValueError(f"calibration_size must be a positive int, got {calibration_size!r}")
         calibrate_margins(torch.zeros(1), torch.zeros(1), q_in, q_out, min_gap)  # validates the rule
@@ -143,8 +159,11 @@ class EnergyBoundedTerm:
         return self.m_in is not None and self.m_out is not None
 
     def __repr__(self) -> str:
-        margins = (f"m_in={self.m_in:.4g}, m_out={self.m_out:.4g}" if self.calibrated
-                   else f"margins measured (q_in={self.q_in}, q_out={self.q_out}, min_gap={self.min_gap})")
+        margins = (
+            f"m_in={self.m_in:.4g}, m_out={self.m_out:.4g}"
+            if self.calibrated
+            else f"margins measured (q_in={self.q_in}, q_out={self.q_out}, min_gap={self.min_gap})"
+        )
         src = self.outliers if isinstance(self.outliers, str) or self.outliers is None else type(self.outliers).__name__
         return f"EnergyBoundedTerm({margins}, weight={self.weight}, outliers={src!r}, T={self.temperature})"
 
@@ -166,8 +185,9 @@ class EnergyBoundedTerm:
         if src == "samples":
             logits = batch.logits_sample if batch.logits_sample is not None else batch.logits_cond
             if logits is None:
-                raise InvalidInputError("outliers='samples' needs SGLD samples in the batch; turn on the "
-                                        "p(x) or p(x|y) term of JEMLoss")
+                raise InvalidInputError(
+                    "outliers='samples' needs SGLD samples in the batch; turn on the p(x) or p(x|y) term of JEMLoss"
+                )
             return free_energy(logits, self.temperature)
         x = batch.x
         if src is None:
@@ -182,16 +202,16 @@ class EnergyBoundedTerm:
                     "them in batch.extra['x_outlier']"
                 )
         elif src == "uniform":
-            x_out = jm.domain.uniform(x.shape[0], x.shape[1:], generator=self.generator,
-                                      device=x.device, dtype=x.dtype)
+            x_out = jm.domain.uniform(x.shape[0], x.shape[1:], generator=self.generator, device=x.device, dtype=x.dtype)
         elif callable(src) and not hasattr(src, "__iter__"):
             x_out = src(x)
         else:
             x_out = self._next_from_iterable()
         if not isinstance(x_out, Tensor) or x_out.shape[1:] != x.shape[1:]:
             got = tuple(x_out.shape) if isinstance(x_out, Tensor) else type(x_out).__name__
-            raise InvalidInputError(f"outlier inputs must be a tensor [N, {', '.join(map(str, x.shape[1:]))}] "
-                                    f"like the data, got {got}")
+            raise InvalidInputError(
+                f"outlier inputs must be a tensor [N, {', '.join(map(str, x.shape[1:]))}] like the data, got {got}"
+            )
         return free_energy(jm(x_out.to(device=x.device, dtype=x.dtype)), self.temperature)
 
     # ------------------------------------------------------------------ the term
@@ -202,23 +222,30 @@ class EnergyBoundedTerm:
             self._calib_in.append(e_in.detach().float().cpu())
             self._calib_out.append(e_out.detach().float().cpu())
             if sum(t.numel() for t in self._calib_in) >= self.calibration_size:
-                self.m_in, self.m_out = calibrate_margins(torch.cat(self._calib_in), torch.cat(self._calib_out),
-                                                          self.q_in, self.q_out, self.min_gap)
+                self.m_in, self.m_out = calibrate_margins(
+                    torch.cat(self._calib_in), torch.cat(self._calib_out), self.q_in, self.q_out, self.min_gap
+                )
                 self._calib_in, self._calib_out = [], []
         metrics = {"e_in": e_in.detach().mean(), "e_out": e_out.detach().mean()}
         if not self.calibrated:
             return e_in.new_zeros(()), metrics
         loss = self.weight * energy_bounded_loss(e_in, e_out, self.m_in, self.m_out)
-        metrics.update(m_in=self.m_in, m_out=self.m_out,
-                       in_violations=(e_in.detach() > self.m_in).float().mean(),
-                       out_violations=(e_out.detach() < self.m_out).float().mean())
+        metrics.update(
+            m_in=self.m_in,
+            m_out=self.m_out,
+            in_violations=(e_in.detach() > self.m_in).float().mean(),
+            out_violations=(e_out.detach() < self.m_out).float().mean(),
+        )
         return loss, metrics
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {"m_in": self.m_in, "m_out": self.m_out,
-                "calib_in": torch.cat(self._calib_in) if self._calib_in else None,
-                "calib_out": torch.cat(self._calib_out) if self._calib_out else None}
+        return {
+            "m_in": self.m_in,
+            "m_out": self.m_out,
+            "calib_in": torch.cat(self._calib_in) if self._calib_in else None,
+            "calib_out": torch.cat(self._calib_out) if self._calib_out else None,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.m_in, self.m_out = state.get("m_in"), state.get("m_out")
@@ -228,5 +255,8 @@ class EnergyBoundedTerm:
 
 @hookimpl
 def jem_register_loss_terms(register: Callable[..., None]) -> None:
-    register("energy_bounded", EnergyBoundedTerm,
-             description="Liu et al. 2020 squared-hinge energy bounds (m_in, m_out measured from the model by default)")
+    register(
+        "energy_bounded",
+        EnergyBoundedTerm,
+        description="Liu et al. 2020 squared-hinge energy bounds (m_in, m_out measured from the model by default)",
+    )

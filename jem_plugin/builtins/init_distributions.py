@@ -21,15 +21,17 @@ A registered item is a factory ``factory(**kwargs)`` returning an object with
 ``state_dict()``/``load_state_dict()``. The built-ins are ``nn.Module`` s so their fitted
 parameters are buffers: they move with ``.to(device)`` and are saved with the replay buffer.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_labels, draw as _draw
+from .._checks import check_labels
+from .._checks import draw as _draw
 from .._colours import channel_axes
 from ..adapter import InputDomain
 from ..errors import InvalidInputError, InvalidLabelError, JEMError
@@ -41,8 +43,15 @@ __all__ = ["UniformInit", "GaussianInit", "NormalInit", "jem_register_init_distr
 class UniformInit(nn.Module):
     """Uniform over the input domain (per channel for normalised inputs)."""
 
-    def sample(self, n: int, shape: Sequence[int], domain: InputDomain,
-               generator: torch.Generator | None = None, device=None, y: Tensor | None = None) -> Tensor:
+    def sample(
+        self,
+        n: int,
+        shape: Sequence[int],
+        domain: InputDomain,
+        generator: torch.Generator | None = None,
+        device=None,
+        y: Tensor | None = None,
+    ) -> Tensor:
         return domain.uniform(n, shape, generator=generator, device=device)
 
     def extra_repr(self) -> str:
@@ -58,8 +67,15 @@ class NormalInit(nn.Module):
             raise ValueError(f"normal init needs std > 0, got {std}")
         self.mean, self.std = float(mean), float(std)
 
-    def sample(self, n: int, shape: Sequence[int], domain: InputDomain,
-               generator: torch.Generator | None = None, device=None, y: Tensor | None = None) -> Tensor:
+    def sample(
+        self,
+        n: int,
+        shape: Sequence[int],
+        domain: InputDomain,
+        generator: torch.Generator | None = None,
+        device=None,
+        y: Tensor | None = None,
+    ) -> Tensor:
         z = _draw(torch.randn, (n, *shape), generator, device)
         return domain.clamp(z.mul_(self.std).add_(self.mean))
 
@@ -111,8 +127,14 @@ class GaussianInit(nn.Module):
     scale: multiplies the standard deviation (``< 1`` draws closer to the class means).
     """
 
-    def __init__(self, covariance: str = "diagonal", jitter: float = 1e-4, scale: float = 1.0,
-                 rank: int = 32, residual: float = 1.0) -> None:
+    def __init__(
+        self,
+        covariance: str = "diagonal",
+        jitter: float = 1e-4,
+        scale: float = 1.0,
+        rank: int = 32,
+        residual: float = 1.0,
+    ) -> None:
         super().__init__()
         if covariance not in COVARIANCES:
             raise ValueError(f"covariance must be one of {', '.join(map(repr, COVARIANCES))}, got {covariance!r}")
@@ -124,10 +146,12 @@ class GaussianInit(nn.Module):
         self.rank, self.residual = int(rank), float(residual)
         # Fitted parameters are buffers so they travel with .to() and state_dict; empty until fit.
         self.register_buffer("mean", torch.empty(0))
-        self.register_buffer("std", torch.empty(0))          # [K, D] (diagonal); [K] (lowrank); [K, C, H, W] per frequency (stationary)
-        self.register_buffer("scale_tril", torch.empty(0))   # [K, D, D] (full)
-        self.register_buffer("factor", torch.empty(0))       # [K, D, rank] (lowrank): cov = F F^T + std^2 I
-        self.register_buffer("colour", torch.empty(0))       # [C, C] (stationary): the residuals' channel axes
+        self.register_buffer(
+            "std", torch.empty(0)
+        )  # [K, D] (diagonal); [K] (lowrank); [K, C, H, W] per frequency (stationary)
+        self.register_buffer("scale_tril", torch.empty(0))  # [K, D, D] (full)
+        self.register_buffer("factor", torch.empty(0))  # [K, D, rank] (lowrank): cov = F F^T + std^2 I
+        self.register_buffer("colour", torch.empty(0))  # [C, C] (stationary): the residuals' channel axes
 
     @property
     def fitted(self) -> bool:
@@ -138,8 +162,7 @@ class GaussianInit(nn.Module):
         return self.mean.shape[0] if self.fitted else 0
 
     @torch.no_grad()
-    def fit(self, x: Tensor, y: Tensor, num_classes: int | None = None, *,
-            pool_missing: bool = False) -> "GaussianInit":
+    def fit(self, x: Tensor, y: Tensor, num_classes: int | None = None, *, pool_missing: bool = False) -> GaussianInit:
         """Fit one Gaussian per class from data ``x`` ``[N, *shape]`` with labels ``y`` ``[N]``.
 
         ``pool_missing``: classes without examples get the Gaussian of all examples (what ``JEMLoss``
@@ -148,8 +171,9 @@ class GaussianInit(nn.Module):
         if not isinstance(x, Tensor) or not isinstance(y, Tensor):
             raise InvalidInputError("gaussian init: fit(x, y) needs tensors x [N, ...] and y [N]")
         flat = x.detach().reshape(x.shape[0], -1).to(torch.float64)  # float64: stable covariances
-        y = check_labels(y, x.shape[0], num_classes=num_classes, device=flat.device,
-                         what="gaussian init: fit(x, y) labels")
+        y = check_labels(
+            y, x.shape[0], num_classes=num_classes, device=flat.device, what="gaussian init: fit(x, y) labels"
+        )
         if y.numel() == 0 or int(y.min()) < 0:
             raise InvalidLabelError("gaussian init: fit(x, y) needs a non-empty y of class indices >= 0")
         k = int(num_classes) if num_classes is not None else int(y.max()) + 1
@@ -178,7 +202,8 @@ class GaussianInit(nn.Module):
         if self.covariance == "stationary" and x.dim() != 4:
             raise InvalidInputError(
                 f"gaussian init: covariance='stationary' needs images [N, C, H, W], got shape "
-                f"{tuple(x.shape)}; use covariance='diagonal' or 'lowrank' for other inputs")
+                f"{tuple(x.shape)}; use covariance='diagonal' or 'lowrank' for other inputs"
+            )
         if self.covariance == "full" and k * d * d * 4 > COVARIANCE_MAX_BYTES:
             raise InvalidInputError(
                 f"gaussian init: a full covariance for {k} classes of {d} values needs "
@@ -222,9 +247,12 @@ class GaussianInit(nn.Module):
             if fits:
                 raise InvalidInputError(
                     f"gaussian init: a rank-{rank} covariance for {k} classes of {d} values needs "
-                    f"{k * d * rank * 4 / 2**30:.1f} GiB; use rank <= {fits} or covariance='diagonal'")
-            raise InvalidInputError(f"gaussian init: even rank 1 for {k} classes of {d} values passes "
-                                    f"{COVARIANCE_MAX_BYTES / 2**30:.0f} GiB; use covariance='diagonal'")
+                    f"{k * d * rank * 4 / 2**30:.1f} GiB; use rank <= {fits} or covariance='diagonal'"
+                )
+            raise InvalidInputError(
+                f"gaussian init: even rank 1 for {k} classes of {d} values passes "
+                f"{COVARIANCE_MAX_BYTES / 2**30:.0f} GiB; use covariance='diagonal'"
+            )
         factor = torch.zeros(k, d, rank, dtype=torch.float64, device=centred.device)
         noise_var = torch.zeros(k, dtype=torch.float64, device=centred.device)
         for c in range(k):
@@ -253,8 +281,15 @@ class GaussianInit(nn.Module):
         return axes.float(), (spectrum / (h * w)).sqrt().float()
 
     @torch.no_grad()
-    def sample(self, n: int, shape: Sequence[int], domain: InputDomain,
-               generator: torch.Generator | None = None, device=None, y: Tensor | None = None) -> Tensor:
+    def sample(
+        self,
+        n: int,
+        shape: Sequence[int],
+        domain: InputDomain,
+        generator: torch.Generator | None = None,
+        device=None,
+        y: Tensor | None = None,
+    ) -> Tensor:
         if not self.fitted:
             raise JEMError(
                 "the 'gaussian' init distribution is fitted from data (JEM++): call "
@@ -269,7 +304,8 @@ class GaussianInit(nn.Module):
         if self.covariance == "stationary" and tuple(shape) != tuple(self.std.shape[1:]):
             raise InvalidInputError(
                 f"gaussian init (stationary) was fitted on images of shape {tuple(self.std.shape[1:])}, "
-                f"asked for samples of shape {tuple(shape)}; fit it on data of that shape")
+                f"asked for samples of shape {tuple(shape)}; fit it on data of that shape"
+            )
         device = self.mean.device if device is None else device
         if y is None:
             y = _draw(lambda s, **kw: torch.randint(0, self.num_classes, s, **kw), (n,), generator, device)

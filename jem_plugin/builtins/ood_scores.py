@@ -25,16 +25,16 @@ frozen, both restored after), take gradients with respect to the input only (no 
 ``.grad`` is touched) and work under ``torch.no_grad()`` and
 ``torch.inference_mode()`` (see :func:`jem_plugin.model.input_grad_enabled`).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from .._checks import free_energy
-from ..model import input_grad_enabled
-from ..model import sampling_mode
+from ..model import input_grad_enabled, sampling_mode
 from ..plugins import hookimpl
 
 __all__ = ["logpx", "msp", "max_logit", "grad_norm", "grad_norm_projected", "logpx_sgld", "msp_sgld"]
@@ -108,8 +108,9 @@ def _refine(jm, x: Tensor, steps: int, step_size: float, noise: float, **sgld_kw
         return SGLD(steps=steps, step_size=step_size, noise=noise, **sgld_kwargs).run(jm, x).detach()
 
 
-def logpx_sgld(jm, x: Tensor, steps: int = 5, step_size: float = 1.0, noise: float = 0.01,
-               temperature: float = 1.0, **sgld_kwargs) -> Tensor:
+def logpx_sgld(
+    jm, x: Tensor, steps: int = 5, step_size: float = 1.0, noise: float = 0.01, temperature: float = 1.0, **sgld_kwargs
+) -> Tensor:
     """``logpx`` of the input after ``steps`` SGLD steps started at it (JEM-style input refinement).
 
     Extra keyword arguments (``generator``, ...) go to :class:`jem_plugin.sampling.SGLD`.
@@ -119,8 +120,9 @@ def logpx_sgld(jm, x: Tensor, steps: int = 5, step_size: float = 1.0, noise: flo
         return logpx(jm, x_ref, temperature=temperature)
 
 
-def msp_sgld(jm, x: Tensor, steps: int = 5, step_size: float = 1.0, noise: float = 0.01,
-             temperature: float = 1.0, **sgld_kwargs) -> Tensor:
+def msp_sgld(
+    jm, x: Tensor, steps: int = 5, step_size: float = 1.0, noise: float = 0.01, temperature: float = 1.0, **sgld_kwargs
+) -> Tensor:
     """``msp`` of the input after ``steps`` SGLD steps started at it."""
     x_ref = _refine(jm, x, steps, step_size, noise, **sgld_kwargs)
     with torch.no_grad():
@@ -129,16 +131,32 @@ def msp_sgld(jm, x: Tensor, steps: int = 5, step_size: float = 1.0, noise: float
 
 @hookimpl
 def jem_register_ood_scores(register: Callable[..., None]) -> None:
-    register("logpx", logpx, needs_grad=False,
-             description="negative free energy T*logsumexp(f/T) = unnormalised log p(x) (temperature=)")
-    register("msp", msp, needs_grad=False,
-             description="maximum softmax probability of f/T (temperature=)")
+    register(
+        "logpx",
+        logpx,
+        needs_grad=False,
+        description="negative free energy T*logsumexp(f/T) = unnormalised log p(x) (temperature=)",
+    )
+    register("msp", msp, needs_grad=False, description="maximum softmax probability of f/T (temperature=)")
     register("max_logit", max_logit, needs_grad=False, description="largest logit")
-    register("grad_norm", grad_norm, needs_grad=True,
-             description="-||d log p(x)/dx||_2, JEM's approximate mass (project=)")
-    register("grad_norm_projected", grad_norm_projected, needs_grad=True,
-             description="grad_norm without components pointing out of the input domain")
-    register("logpx_sgld", logpx_sgld, needs_grad=True,
-             description="logpx after a few SGLD steps from the input (steps=, step_size=, noise=)")
-    register("msp_sgld", msp_sgld, needs_grad=True,
-             description="msp after a few SGLD steps from the input (steps=, step_size=, noise=)")
+    register(
+        "grad_norm", grad_norm, needs_grad=True, description="-||d log p(x)/dx||_2, JEM's approximate mass (project=)"
+    )
+    register(
+        "grad_norm_projected",
+        grad_norm_projected,
+        needs_grad=True,
+        description="grad_norm without components pointing out of the input domain",
+    )
+    register(
+        "logpx_sgld",
+        logpx_sgld,
+        needs_grad=True,
+        description="logpx after a few SGLD steps from the input (steps=, step_size=, noise=)",
+    )
+    register(
+        "msp_sgld",
+        msp_sgld,
+        needs_grad=True,
+        description="msp after a few SGLD steps from the input (steps=, step_size=, noise=)",
+    )

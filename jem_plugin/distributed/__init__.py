@@ -53,21 +53,67 @@ FSDP
   is one shard: save FSDP model/optimizer state with ``torch.distributed.checkpoint`` and use
   ``per_rank=`` here for the replay buffers.
 """
+
 from __future__ import annotations
 
-from ._checkpoint import (PER_RANK_FORMAT, DistributedCheckpointer, PerRankState,
-                          load_distributed_checkpoint, rank_path, save_distributed_checkpoint,
-                          select_rank_state, skip_batches)
-from ._ddp import (FSDP_NOTES, DistributedJEM, average_batchnorm_statistics, fully_shard_jem,
-                   ignore_replay_buffers, maybe_no_sync, params_in_sync, unwrap, wrap_ddp)
-from ._group import (DistInfo, barrier, cleanup, get_rank, get_world_size, init_distributed,
-                     is_main_process, rank_generator, rank_seed)
+from ._checkpoint import (
+    PER_RANK_FORMAT,
+    DistributedCheckpointer,
+    PerRankState,
+    load_distributed_checkpoint,
+    rank_path,
+    save_distributed_checkpoint,
+    select_rank_state,
+    skip_batches,
+)
+from ._ddp import (
+    FSDP_NOTES,
+    DistributedJEM,
+    average_batchnorm_statistics,
+    fully_shard_jem,
+    ignore_replay_buffers,
+    maybe_no_sync,
+    params_in_sync,
+    unwrap,
+    wrap_ddp,
+)
+from ._group import (
+    DistInfo,
+    barrier,
+    cleanup,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_main_process,
+    rank_generator,
+    rank_seed,
+)
 
 __all__ = [
-    "DistInfo", "init_distributed", "cleanup", "get_rank", "get_world_size", "is_main_process",
-    "barrier", "rank_seed", "rank_generator", "DistributedJEM", "wrap_ddp", "unwrap",
-    "ignore_replay_buffers", "average_batchnorm_statistics", "fully_shard_jem", "maybe_no_sync",
-    "params_in_sync", "PerRankState",
-    "save_distributed_checkpoint", "load_distributed_checkpoint", "rank_path",
-    "DistributedCheckpointer", "select_rank_state", "skip_batches", "FSDP_NOTES", "PER_RANK_FORMAT",
+    "DistInfo",
+    "init_distributed",
+    "cleanup",
+    "get_rank",
+    "get_world_size",
+    "is_main_process",
+    "barrier",
+    "rank_seed",
+    "rank_generator",
+    "DistributedJEM",
+    "wrap_ddp",
+    "unwrap",
+    "ignore_replay_buffers",
+    "average_batchnorm_statistics",
+    "fully_shard_jem",
+    "maybe_no_sync",
+    "params_in_sync",
+    "PerRankState",
+    "save_distributed_checkpoint",
+    "load_distributed_checkpoint",
+    "rank_path",
+    "DistributedCheckpointer",
+    "select_rank_state",
+    "skip_batches",
+    "FSDP_NOTES",
+    "PER_RANK_FORMAT",
 ]

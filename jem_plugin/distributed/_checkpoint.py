@@ -1,11 +1,13 @@
 """Checkpoints across ranks: shared state once, each rank's own state (replay buffer, RNGs) per rank."""
+
 from __future__ import annotations
 
 import os
 import re
 import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
@@ -45,7 +47,9 @@ class PerRankState:
 
     def __init__(self, obj: Any, dst: int = 0) -> None:
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-            raise TypeError(f"PerRankState needs an object with state_dict()/load_state_dict(), got {type(obj).__name__}")
+            raise TypeError(
+                f"PerRankState needs an object with state_dict()/load_state_dict(), got {type(obj).__name__}"
+            )
         self.obj = obj
         self.dst = dst
 
@@ -70,14 +74,16 @@ def select_rank_state(state: dict[str, Any], rank: int | None = None) -> Any:
     if not isinstance(state, dict) or state.get("format") != PER_RANK_FORMAT:
         raise CheckpointError(
             "expected a per-rank state written by jem_plugin.distributed.PerRankState; this one was "
-            "saved without it (load it with the object's own load_state_dict)")
+            "saved without it (load it with the object's own load_state_dict)"
+        )
     world, rank = get_world_size(), get_rank() if rank is None else rank
     states = state.get("states")
     if state.get("world_size") != world or not states or len(states) != world:
         raise CheckpointError(
             f"the checkpoint holds replay-buffer states for {state.get('world_size')} ranks, this run has "
             f"{world}: resume with the same number of processes (torchrun --nproc_per_node="
-            f"{state.get('world_size')}), or start the buffers afresh")
+            f"{state.get('world_size')}), or start the buffers afresh"
+        )
     return states[rank]
 
 
@@ -124,8 +130,9 @@ def _collective(fn, *args, **kwargs):
     return result
 
 
-def save_distributed_checkpoint(path: str | os.PathLike, *, per_rank: dict[str, Any] | None = None,
-                                rng: bool = True, **shared: Any) -> Path:
+def save_distributed_checkpoint(
+    path: str | os.PathLike, *, per_rank: dict[str, Any] | None = None, rng: bool = True, **shared: Any
+) -> Path:
     """Save a checkpoint from every rank: ``shared`` objects once (rank 0), ``per_rank`` ones per rank.
 
     Call it on every rank with the same arguments. ``shared`` holds what every rank agrees on
@@ -140,19 +147,25 @@ def save_distributed_checkpoint(path: str | os.PathLike, *, per_rank: dict[str, 
     for key in ("world_size", "rank"):
         if key in shared or key in (per_rank or {}):
             raise ValueError(f"{key!r} is reserved in distributed checkpoints")
-    _collective(save_checkpoint, rank_path(path, rank), rng=rng, rank=rank, world_size=world,
-                **(per_rank or {}))
+    _collective(save_checkpoint, rank_path(path, rank), rng=rng, rank=rank, world_size=world, **(per_rank or {}))
     if rank == 0:
-        _collective(save_checkpoint, path, rng=False, world_size=world,
-                    **{k: _shared_object(v) for k, v in shared.items()})
+        _collective(
+            save_checkpoint, path, rng=False, world_size=world, **{k: _shared_object(v) for k, v in shared.items()}
+        )
     else:
         _collective(lambda: None)
     return path
 
 
-def load_distributed_checkpoint(path: str | os.PathLike, *, per_rank: dict[str, Any] | None = None,
-                                rng: bool = True, map_location: Any = "cpu", strict: bool = True,
-                                **shared: Any) -> dict[str, Any]:
+def load_distributed_checkpoint(
+    path: str | os.PathLike,
+    *,
+    per_rank: dict[str, Any] | None = None,
+    rng: bool = True,
+    map_location: Any = "cpu",
+    strict: bool = True,
+    **shared: Any,
+) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_distributed_checkpoint` on every rank.
 
     Every rank reads the shared file into ``shared`` and its own rank file into ``per_rank`` (and
@@ -164,13 +177,19 @@ def load_distributed_checkpoint(path: str | os.PathLike, *, per_rank: dict[str, 
     rank, world = get_rank(), get_world_size()
 
     def _load() -> dict[str, Any]:
-        extra = load_checkpoint(path, rng=False, map_location=map_location, strict=strict,
-                                **{k: _shared_object(v) for k, v in shared.items()})
+        extra = load_checkpoint(
+            path,
+            rng=False,
+            map_location=map_location,
+            strict=strict,
+            **{k: _shared_object(v) for k, v in shared.items()},
+        )
         saved_world = extra.pop("world_size", None)
         if saved_world != world:
             err = CheckpointError(
                 f"checkpoint {str(path)!r} was written by {saved_world} processes, this run has {world}: "
-                f"each rank has its own replay buffer, so resume with torchrun --nproc_per_node={saved_world}")
+                f"each rank has its own replay buffer, so resume with torchrun --nproc_per_node={saved_world}"
+            )
             err.reason = _MISMATCH  # type: ignore[attr-defined]
             raise err
         rfile = rank_path(path, rank)
@@ -202,8 +221,7 @@ class DistributedCheckpointer(Checkpointer):
     The directory must be visible to every rank (a shared file system across nodes).
     """
 
-    def __init__(self, directory: str | os.PathLike, every: int = 1000, keep: int = 2,
-                 prefix: str = "ckpt") -> None:
+    def __init__(self, directory: str | os.PathLike, every: int = 1000, keep: int = 2, prefix: str = "ckpt") -> None:
         super().__init__(directory, every=every, keep=keep, prefix=prefix)
         self._rank_pattern = re.compile(rf"{re.escape(prefix)}-(\d+)\.rank\d+\.pt")
 
@@ -211,7 +229,7 @@ class DistributedCheckpointer(Checkpointer):
         """Save now on every rank (``step`` is stored too); rank 0 then prunes old checkpoints."""
         path = save_distributed_checkpoint(self.path_for(step), per_rank=per_rank, step=step, **objects)
         if get_rank() == 0:
-            keep = {s for s, _ in self.checkpoints()[-self.keep:]}
+            keep = {s for s, _ in self.checkpoints()[-self.keep :]}
             doomed = [p for s, p in self.checkpoints() if s not in keep]  # rank-0 file first: atomic drop
             for p in self.directory.iterdir():
                 m = self._rank_pattern.fullmatch(p.name)
@@ -248,8 +266,7 @@ class DistributedCheckpointer(Checkpointer):
             except CheckpointError as exc:
                 if getattr(exc, "reason", None) not in (_CORRUPT, _MISSING):
                     raise
-                warnings.warn(f"skipping unusable checkpoint of step {step}: {exc}", RuntimeWarning,
-                              stacklevel=2)
+                warnings.warn(f"skipping unusable checkpoint of step {step}: {exc}", RuntimeWarning, stacklevel=2)
         return {}
 
 

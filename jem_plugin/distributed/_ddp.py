@@ -1,4 +1,5 @@
 """DDP and FSDP2 around a JEM: the wrapper, its unwrap, replay buffers kept out of DDP's sync."""
+
 from __future__ import annotations
 
 import contextlib
@@ -193,9 +194,11 @@ def average_batchnorm_statistics(module: nn.Module) -> int:
     checkpoint rank 0 writes holds statistics of its shard alone. The mean of the ranks' variances
     is ``update_bn``'s own estimate over their batches (it averages per-batch variances too).
     """
-    layers = [m for m in unwrap(module).modules()
-              if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-              and m.running_mean is not None]
+    layers = [
+        m
+        for m in unwrap(module).modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats and m.running_mean is not None
+    ]
     if not _initialized() or dist.get_world_size() == 1:
         return len(layers)
     world = dist.get_world_size()

@@ -1,4 +1,5 @@
 """The process group: joining torchrun's, rank and world size, per-rank seeds."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,8 +42,9 @@ def _env_int(name: str, default: int) -> int:
         raise JEMError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def init_distributed(backend: str | None = None, device: str | torch.device | None = None,
-                     timeout_seconds: float | None = None) -> DistInfo:
+def init_distributed(
+    backend: str | None = None, device: str | torch.device | None = None, timeout_seconds: float | None = None
+) -> DistInfo:
     """Join the process group that ``torchrun`` describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
 
     Without those variables (a plain ``python train.py``) nothing is initialised and a

@@ -22,6 +22,7 @@ saves each process's RNG states itself.) Note that Accelerate reads registered o
 without a barrier; call ``accelerator.wait_for_everyone()`` before another rank may read the
 folder in the same run.
 """
+
 from __future__ import annotations
 
 from typing import Any

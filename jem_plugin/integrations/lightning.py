@@ -38,9 +38,11 @@ What the mixin takes care of:
 
 If you override ``on_save_checkpoint``/``on_load_checkpoint``/``setup``, call ``super()``.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,8 +51,8 @@ from torch import Tensor, nn
 from .._checks import free_energy, unpack_batch
 from ..distributed import PerRankState, get_world_size, ignore_replay_buffers, select_rank_state
 from ..losses import JEMLoss
-from .mixin import GenerativeLossMixin
 from ..model import JEM
+from .mixin import GenerativeLossMixin
 
 try:
     import lightning.pytorch as pl
@@ -60,7 +62,8 @@ except ImportError:  # pragma: no cover - the standalone package name
     except ImportError as exc:
         raise ImportError(
             "jem_plugin.integrations.lightning needs Lightning: pip install lightning "
-            f"(or the extra: pip install 'jem-plugin[lightning]') ({exc})") from exc
+            f"(or the extra: pip install 'jem-plugin[lightning]') ({exc})"
+        ) from exc
 
 __all__ = ["JEMLightningMixin", "JEMLightningModule", "PER_RANK_KEY"]
 
@@ -108,8 +111,15 @@ class JEMLightningMixin(GenerativeLossMixin):
 
         return ood.score(self.jem, x, method=method, progress=False, **kwargs)
 
-    def jem_sample(self, n: int | None = None, *, steps: int | None = None, y: Tensor | None = None,
-                   x_init: Tensor | None = None, use_buffer: bool = False) -> Tensor:
+    def jem_sample(
+        self,
+        n: int | None = None,
+        *,
+        steps: int | None = None,
+        y: Tensor | None = None,
+        x_init: Tensor | None = None,
+        use_buffer: bool = False,
+    ) -> Tensor:
         """SGLD samples; works inside ``validation_step`` (under ``inference_mode``).
 
         By default chains start from ``x_init`` or uniform noise with the training sampler's
@@ -121,13 +131,25 @@ class JEMLightningMixin(GenerativeLossMixin):
         base = self.jem_loss.sampler
         sampler = base
         if steps is not None and steps != base.steps:
-            sampler = SGLD(steps=steps, step_size=base.step_size, noise=base.noise, schedule=base.schedule,
-                           decay_power=base.decay_power, final_step_size=base.final_step_size,
-                           clamp=base.clamp, grad_clip=base.grad_clip, generator=base.generator)
+            sampler = SGLD(
+                steps=steps,
+                step_size=base.step_size,
+                noise=base.noise,
+                schedule=base.schedule,
+                decay_power=base.decay_power,
+                final_step_size=base.final_step_size,
+                clamp=base.clamp,
+                grad_clip=base.grad_clip,
+                generator=base.generator,
+            )
         buffer = self.jem_loss.buffer if use_buffer else None
         if use_buffer and buffer is None:
-            raise ValueError("use_buffer=True but the replay buffer does not exist yet (it is created on the first training batch)")
-        shape = None if x_init is not None or buffer is not None else getattr(self.jem_loss.buffer, "sample_shape", None)
+            raise ValueError(
+                "use_buffer=True but the replay buffer does not exist yet (it is created on the first training batch)"
+            )
+        shape = (
+            None if x_init is not None or buffer is not None else getattr(self.jem_loss.buffer, "sample_shape", None)
+        )
         return sampler.sample(self.jem, n, buffer=buffer, y=y, x_init=x_init, shape=shape)
 
 
@@ -147,15 +169,30 @@ class JEMLightningModule(JEMLightningMixin, pl.LightningModule):
         (``px_weight``, ``pxy_weight``, ``l2_weight``, ``data_noise``, ...).
     """
 
-    def __init__(self, model: nn.Module, *, lr: float = 1e-4, weight_decay: float = 0.0,
-                 warmup_iters: int = 0, val_scores: Sequence[str] = ("logpx", "grad_norm"),
-                 val_sgld_steps: int = 0, sampler: Any = None, buffer: nn.Module | None = None,
-                 wrap_options: dict | None = None, **loss_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        warmup_iters: int = 0,
+        val_scores: Sequence[str] = ("logpx", "grad_norm"),
+        val_sgld_steps: int = 0,
+        sampler: Any = None,
+        buffer: nn.Module | None = None,
+        wrap_options: dict | None = None,
+        **loss_kwargs: Any,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model", "sampler", "buffer"])
         self.model = model.model if isinstance(model, JEM) else model
-        self.configure_jem(model if isinstance(model, JEM) else "model", sampler=sampler, buffer=buffer,
-                           wrap_options=wrap_options, **loss_kwargs)
+        self.configure_jem(
+            model if isinstance(model, JEM) else "model",
+            sampler=sampler,
+            buffer=buffer,
+            wrap_options=wrap_options,
+            **loss_kwargs,
+        )
         self.lr = lr
         self.weight_decay = weight_decay
         self.warmup_iters = warmup_iters
@@ -168,22 +205,29 @@ class JEMLightningModule(JEMLightningMixin, pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = unpack_batch(batch, need_labels=True)
         out = self.generative_loss(x, y)
-        self.log_dict({f"train/{k}": v for k, v in out.metrics.items() if k != "loss"},
-                      prog_bar=False, batch_size=x.shape[0])
+        self.log_dict(
+            {f"train/{k}": v for k, v in out.metrics.items() if k != "loss"}, prog_bar=False, batch_size=x.shape[0]
+        )
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=x.shape[0])
         return out.loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = unpack_batch(batch, need_labels=True)
         logits = self.jem(x)
-        metrics = {"val/loss": F.cross_entropy(logits, y), "val/acc": (logits.argmax(1) == y).float().mean(),
-                   "val/logpx": -free_energy(logits).mean()}
+        metrics = {
+            "val/loss": F.cross_entropy(logits, y),
+            "val/acc": (logits.argmax(1) == y).float().mean(),
+            "val/logpx": -free_energy(logits).mean(),
+        }
         for name in self.val_scores:
             if name != "logpx":
                 metrics[f"val/{name}"] = self.jem_score(x, name).mean()
         if self.val_sgld_steps > 0:
-            xs = self.jem_sample(x.shape[0], steps=self.val_sgld_steps,
-                                 x_init=self.jem.domain.uniform(x.shape[0], x.shape[1:], device=x.device))
+            xs = self.jem_sample(
+                x.shape[0],
+                steps=self.val_sgld_steps,
+                x_init=self.jem.domain.uniform(x.shape[0], x.shape[1:], device=x.device),
+            )
             with torch.no_grad():
                 metrics["val/energy_sample"] = free_energy(self.jem(xs)).mean()
         self.log_dict(metrics, prog_bar=True, batch_size=x.shape[0], sync_dist=True)

@@ -3,6 +3,7 @@
 Mix it into any ``nn.Module`` (a ``LightningModule``, a Hugging Face ``Trainer`` model, a plain
 module) and call :meth:`~GenerativeLossMixin.generative_loss` in the training step.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,9 +33,15 @@ class GenerativeLossMixin:
     is already one, and registering it twice would duplicate its weights in the ``state_dict``.
     """
 
-    def configure_jem(self, classifier: nn.Module | str | JEM, sampler: Any = None,
-                      buffer: nn.Module | None = None, *, wrap_options: dict | None = None,
-                      **loss_kwargs: Any) -> JEMLoss:
+    def configure_jem(
+        self,
+        classifier: nn.Module | str | JEM,
+        sampler: Any = None,
+        buffer: nn.Module | None = None,
+        *,
+        wrap_options: dict | None = None,
+        **loss_kwargs: Any,
+    ) -> JEMLoss:
         """Set up JEM on ``classifier`` (a module, its JEM view, or an attribute name such as
         ``"net"`` or ``"backbone.model"``); ``loss_kwargs`` go to :class:`JEMLoss`."""
         if not isinstance(self, nn.Module):

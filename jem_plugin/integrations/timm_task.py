@@ -34,9 +34,11 @@ works unchanged:
   drift apart again through per-rank noise); use :mod:`jem_plugin.distributed`'s checkpoints for
   per-rank buffers.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -50,7 +52,8 @@ try:
 except ImportError as exc:  # pragma: no cover - timm is a dependency, but older versions lack tasks
     raise ImportError(
         "jem_plugin.integrations.timm_task needs timm's task API (timm.task."
-        f"TrainingTask, e.g. timm 1.0.31); upgrade with `pip install -U timm` ({exc})") from exc
+        f"TrainingTask, e.g. timm 1.0.31); upgrade with `pip install -U timm` ({exc})"
+    ) from exc
 
 __all__ = ["JEMTask"]
 
@@ -87,10 +90,20 @@ class JEMTask(TrainingTask):
     device, dtype, verbose: as for every timm task.
     """
 
-    def __init__(self, model: nn.Module, criterion: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
-                 loss_fn: Optional[JEMLoss] = None, *, sampler: Any = None, buffer: Optional[nn.Module] = None,
-                 wrap_options: Optional[dict] = None, device: Optional[torch.device] = None,
-                 dtype: Optional[torch.dtype] = None, verbose: bool = True, **loss_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        criterion: Callable[[Tensor, Tensor], Tensor] | None = None,
+        loss_fn: JEMLoss | None = None,
+        *,
+        sampler: Any = None,
+        buffer: nn.Module | None = None,
+        wrap_options: dict | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        verbose: bool = True,
+        **loss_kwargs: Any,
+    ) -> None:
         super().__init__(device=device, dtype=dtype, verbose=verbose)
         jm = model if isinstance(model, JEM) else wrap(model, **(wrap_options or {}))
         if loss_fn is None:
@@ -105,7 +118,8 @@ class JEMTask(TrainingTask):
             if criterion is not None and loss_fn.ce_weight != 0:
                 raise ValueError(
                     f"criterion replaces the cross-entropy, but loss_fn has ce_weight={loss_fn.ce_weight}; "
-                    "build it with JEMLoss(ce_weight=0, ...) or drop criterion")
+                    "build it with JEMLoss(ce_weight=0, ...) or drop criterion"
+                )
         if isinstance(criterion, nn.Module):
             criterion = criterion.to(device=self.device)
         self.criterion = criterion
@@ -118,13 +132,13 @@ class JEMTask(TrainingTask):
         """The bare JEM (under DDP too): score, sample or evaluate with it."""
         return as_jem(self.trainable_module, "JEMTask.jem")
 
-    def get_eval_model(self, module: Optional[nn.Module] = None, ema: bool = False) -> Optional[nn.Module]:
+    def get_eval_model(self, module: nn.Module | None = None, ema: bool = False) -> nn.Module | None:
         """The bare classifier (EMA copy when ``ema``): timm validates it and saves its weights."""
         resolved = super().get_eval_model(module=module, ema=ema)
         return None if resolved is None else _classifier(resolved)
 
     # ------------------------------------------------------------------ distributed
-    def prepare_distributed(self, device_ids: Optional[list] = None, **ddp_kwargs: Any) -> "JEMTask":
+    def prepare_distributed(self, device_ids: list | None = None, **ddp_kwargs: Any) -> JEMTask:
         """Wrap the JEM in DDP (:func:`jem_plugin.distributed.wrap_ddp`); sampling stays on the bare module."""
         from ..distributed import wrap_ddp
 
@@ -134,7 +148,7 @@ class JEMTask(TrainingTask):
         return self
 
     # ------------------------------------------------------------------ training
-    def forward(self, input: Tensor, target: Tensor) -> Dict[str, Tensor]:
+    def forward(self, input: Tensor, target: Tensor) -> dict[str, Tensor]:
         """One JEM step's loss: ``{'loss', 'output', <metrics as 0-d tensors>}``."""
         labels = target
         if target.is_floating_point():
@@ -142,13 +156,14 @@ class JEMTask(TrainingTask):
                 raise InvalidLabelError(
                     "JEMTask got soft (floating-point) targets, as mixup/cutmix produce; pass timm's "
                     "criterion (e.g. SoftTargetCrossEntropy()) to JEMTask(criterion=...), or disable "
-                    "mixup/cutmix (--mixup 0 --cutmix 0)")
+                    "mixup/cutmix (--mixup 0 --cutmix 0)"
+                )
             labels = target.argmax(dim=-1)
         out = self.jem_loss(self.trainable_module, input, labels)
         loss = out.loss
         if self.criterion is not None:
             loss = loss + self.criterion(out.logits, target)
-        result: Dict[str, Tensor] = {"loss": loss, "output": out.logits}
+        result: dict[str, Tensor] = {"loss": loss, "output": out.logits}
         names = [k for k in out.metrics if k != "loss"]
         if names:
             # One host-to-device copy for every metric (they are floats after JEMLoss's one transfer).
@@ -157,14 +172,15 @@ class JEMTask(TrainingTask):
         return result
 
     # ------------------------------------------------------------------ checkpoints
-    def get_task_state(self, module: Optional[nn.Module] = None, ema: bool = False) -> Dict[str, Any]:
+    def get_task_state(self, module: nn.Module | None = None, ema: bool = False) -> dict[str, Any]:
         """The replay buffer and sampler (``task_state`` in timm checkpoints); nothing for EMA."""
         if ema:
             return {}
         return {"jem_loss": self.jem_loss.state_dict()}
 
-    def load_task_state(self, state: Optional[Dict[str, Any]], strict: bool = True,
-                        module: Optional[nn.Module] = None, ema: bool = False) -> None:
+    def load_task_state(
+        self, state: dict[str, Any] | None, strict: bool = True, module: nn.Module | None = None, ema: bool = False
+    ) -> None:
         """Restore what :meth:`get_task_state` saved (timm calls this on resume); nothing for EMA."""
         if ema or not state:
             return
