@@ -93,6 +93,14 @@ class ReplayBuffer(nn.Module):
     receives the model's :class:`~jem_plugin.adapter.InputDomain`.
     """
 
+    # Registered buffers (nn.Module's __getattr__ would type them as Tensor | Module).
+    data: Tensor
+    labels: Tensor
+    initialized: Tensor
+    _colours: Tensor
+    _seg_size: Tensor
+    _seg_start: Tensor
+
     def __init__(
         self,
         capacity: int = 10000,
@@ -130,6 +138,7 @@ class ReplayBuffer(nn.Module):
         self.auto_fit_examples = auto_fit_examples
         self.reinit_freq = float(reinit_freq)
         self.num_classes = num_classes
+        self.init_kwargs = dict(init_kwargs or {})
         init_obj, self.init_name = _resolve_init(init, dict(init_kwargs or {}))
         self.init_dist = init_obj  # an nn.Module init registers as a submodule: its buffers are saved
 
@@ -376,13 +385,32 @@ class ReplayBuffer(nn.Module):
         return save_samples(self.samples(n), path, domain=domain or self._domain, nrow=nrow)
 
     # ------------------------------------------------------------------ state
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments that rebuild this buffer, ``device`` aside (where it lives is
+        not configuration): ``ReplayBuffer(**buffer.config())``. ``init`` is the init
+        distribution's name; rebuilding from it needs a registered name."""
+        return {
+            "capacity": self.capacity,
+            "sample_shape": tuple(self.sample_shape),
+            "reinit_freq": self.reinit_freq,
+            "init": self.init_name,
+            "init_kwargs": dict(self.init_kwargs),
+            "num_classes": self.num_classes,
+            "auto_fit_examples": self.auto_fit_examples,
+        }
+
     def get_extra_state(self) -> dict:
-        state: dict[str, Any] = {"init": self.init_name}
+        state: dict[str, Any] = {"init": self.init_name, "config": self.config()}
         if not isinstance(self.init_dist, nn.Module) and hasattr(self.init_dist, "state_dict"):
             state["init_state"] = self.init_dist.state_dict()
         return state
 
     def set_extra_state(self, state: dict) -> None:
+        # The settings that change no tensor's shape come back with the state; the structure
+        # (capacity, shape, classes, init) was checked against this buffer in _load_from_state_dict.
+        config = state.get("config", {})
+        self.reinit_freq = float(config.get("reinit_freq", self.reinit_freq))
+        self.auto_fit_examples = int(config.get("auto_fit_examples", self.auto_fit_examples))
         if "init_state" in state and hasattr(self.init_dist, "load_state_dict"):
             self.init_dist.load_state_dict(state["init_state"])
 
@@ -408,6 +436,12 @@ class ReplayBuffer(nn.Module):
             raise CheckpointError(
                 f"replay buffer checkpoint was saved with init distribution {extra['init']!r}, this buffer "
                 f"uses {self.init_name!r}; create it with init={extra['init']!r}"
+            )
+        saved_kwargs = extra.get("config", {}).get("init_kwargs") if isinstance(extra, dict) else None
+        if saved_kwargs is not None and saved_kwargs != self.init_kwargs:
+            raise CheckpointError(
+                f"replay buffer checkpoint was saved with init_kwargs={saved_kwargs!r}, this buffer uses "
+                f"init_kwargs={self.init_kwargs!r}; create it with init_kwargs={saved_kwargs!r}"
             )
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs

@@ -26,10 +26,11 @@ statistics; models without BatchNorm (or with frozen BatchNorm) are the usual JE
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -172,6 +173,9 @@ class JEMLoss(nn.Module):
     batch goes through the wrapper once.
     """
 
+    # A ReplayBuffer, or a user's module with the same methods (sample, update, fit_if_unfitted).
+    buffer: Any
+
     def __init__(
         self,
         sampler: Any = None,
@@ -217,9 +221,9 @@ class JEMLoss(nn.Module):
         self.class_conditional_px = bool(class_conditional_px)
         self.generator = generator
         self.validate = validate
-        self._buffer_config: dict[str, Any] | None = None  # set when we created the buffer
         self.terms = nn.ModuleDict()
         self._plain_terms: dict[str, Callable] = {}
+        self._term_kwargs: dict[str, dict[str, Any]] = {}  # what add_term built each term from
         for name, kwargs in (terms or {}).items():
             self.add_term(name, **(kwargs or {}))
 
@@ -241,6 +245,7 @@ class JEMLoss(nn.Module):
         """Add the loss term ``name`` from the ``jem_register_loss_terms`` hook; returns it."""
         factory = plugins.lookup(LOSS_TERMS_HOOK, name, "loss term")["item"]
         term = factory(**kwargs)
+        self._term_kwargs[name] = dict(kwargs)
         if isinstance(term, nn.Module):
             self.terms[name] = term  # its parameters/buffers are saved with the loss
         else:
@@ -290,18 +295,17 @@ class JEMLoss(nn.Module):
             core.settle(num_classes=k)
         return k
 
-    def _ensure_buffer(self, core: JEM, x: Tensor) -> nn.Module:
+    def _ensure_buffer(self, core: JEM, x: Tensor) -> Any:
         if self.buffer is not None:
             return self.buffer
         cond = self.pxy_weight > 0 or self.class_conditional_px
-        config = {
-            "capacity": DEFAULT_BUFFER_CAPACITY,
-            "sample_shape": tuple(int(s) for s in x.shape[1:]),
-            "reinit_freq": DEFAULT_REINIT_FREQ,
-            "num_classes": self._num_classes(core, x) if cond else None,
-        }
-        self.buffer = ReplayBuffer(**config, device=x.device)
-        self._buffer_config = config
+        self.buffer = ReplayBuffer(
+            DEFAULT_BUFFER_CAPACITY,
+            tuple(int(s) for s in x.shape[1:]),
+            DEFAULT_REINIT_FREQ,
+            num_classes=self._num_classes(core, x) if cond else None,
+            device=x.device,
+        )
         return self.buffer
 
     # ------------------------------------------------------------------ the loss
@@ -331,7 +335,7 @@ class JEMLoss(nn.Module):
     def _random_labels(self, n: int, k: int, device) -> Tensor:
         return draw(lambda size, **kw: torch.randint(0, k, size, **kw), (n,), self.generator, device)
 
-    def _sample(self, core: JEM, n: int, buffer: nn.Module, y: Tensor | None, evaluating: bool) -> Tensor:
+    def _sample(self, core: JEM, n: int, buffer: Any, y: Tensor | None, evaluating: bool) -> Tensor:
         if not evaluating:
             return self.sampler.sample(core, n, buffer=buffer, y=y)
         # Validation reads the buffer (starts drawn with the loss's generator) and never writes it.
@@ -406,9 +410,10 @@ class JEMLoss(nn.Module):
                 "inputs; JEMLoss needs [B, K] logits (see wrap(model, logits=...))"
             )
         if core.num_classes is None:
-            core.settle(num_classes=logits_all.shape[1])
+            num_classes = int(logits_all.shape[1])
+            core.settle(num_classes=num_classes)
             if self.validate:  # the label range could not be checked before the first forward
-                check_label_range(y, core.num_classes)
+                check_label_range(y, num_classes)
         chunks = list(torch.split(logits_all, sizes))
         logits_data = chunks.pop(0)
         energy_px = free_energy(chunks.pop(0)) if px_data is not None else None
@@ -432,6 +437,7 @@ class JEMLoss(nn.Module):
                 loss = loss + self.px_weight * px
             metrics["px"] = px
         if logits_cond is not None:
+            assert y_cond is not None  # drawn together with x_cond
             m = y_cond.shape[0]  # the chains were drawn for the first m labels (all by default)
             fp = logits_data[:m].gather(1, y_cond.unsqueeze(1)).mean()
             fq = logits_cond.gather(1, y_cond.unsqueeze(1)).mean()
@@ -475,50 +481,87 @@ class JEMLoss(nn.Module):
 
     # ------------------------------------------------------------------ state
     def get_extra_state(self) -> dict[str, Any]:
-        # A buffer the user passed is described too, so the state loads into a JEMLoss built
-        # without one (e.g. Lightning's load_from_checkpoint(ck, model=...)).
-        state: dict[str, Any] = {"buffer_config": self._buffer_config or _buffer_config(self.buffer)}
+        # Every constructor argument travels: the settings as values, the sampler and generator as
+        # their state, the buffer as the arguments that rebuild it (so the state loads into a
+        # JEMLoss built without one, e.g. Lightning's load_from_checkpoint(ck, model=...)), the
+        # terms as the arguments they were built from.
+        state: dict[str, Any] = {
+            "config": {name: getattr(self, name) for name in _SETTINGS},
+            "buffer_config": _buffer_config(self.buffer),
+            "term_kwargs": {name: kw for name, kw in self._term_kwargs.items() if _is_plain(kw)},
+        }
         if self.generator is not None:
             state["generator"] = self.generator.get_state()
             state["generator_device"] = str(self.generator.device)
-        if hasattr(self.sampler, "state_dict") and not isinstance(self.sampler, nn.Module):
+        if isinstance(self.sampler, _Stateful) and not isinstance(self.sampler, nn.Module):
             state["sampler"] = self.sampler.state_dict()  # a Module sampler is saved as a child
-        plain = {n: t.state_dict() for n, t in self._plain_terms.items() if hasattr(t, "state_dict")}
+        plain: dict[str, Any] = {}
+        for name, term in self._plain_terms.items():
+            if isinstance(term, _Stateful):
+                plain[name] = term.state_dict()
         if plain:
             state["terms"] = plain
         return state
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
-        # Runs before the children are loaded: a buffer this loss created lazily on the first
-        # batch is created again here (same config), so a fresh JEMLoss resumes from a checkpoint.
+        # Runs before the children are loaded: a buffer or term this loss lacks is created here
+        # from its arguments, so a fresh JEMLoss resumes from a checkpoint.
+        for name, value in state.get("config", {}).items():
+            if name in _SETTINGS:
+                setattr(self, name, value)
         config = state.get("buffer_config")
         if config is not None and self.buffer is None:
-            from .buffer import ReplayBuffer
-
             self.buffer = ReplayBuffer(**config)
-            self._buffer_config = dict(config)
+        for name, kwargs in state.get("term_kwargs", {}).items():
+            if name not in self._term_kwargs:
+                self.add_term(name, **kwargs)
         if state.get("generator") is not None:
             if self.generator is None:
                 self.generator = torch.Generator(device=state.get("generator_device", "cpu"))
             self.generator.set_state(state["generator"])
-        if "sampler" in state and hasattr(self.sampler, "load_state_dict"):
+        if "sampler" in state and isinstance(self.sampler, _Stateful):
             self.sampler.load_state_dict(state["sampler"])
         for name, term_state in state.get("terms", {}).items():
-            if name in self._plain_terms:
-                self._plain_terms[name].load_state_dict(term_state)
+            term = self._plain_terms.get(name)
+            if isinstance(term, _Stateful):
+                term.load_state_dict(term_state)
+
+
+@runtime_checkable
+class _Stateful(Protocol):
+    """A plain (non-Module) loss term that carries state of its own."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _is_plain(value: Any) -> bool:
+    """Data a ``weights_only`` checkpoint can hold: numbers, strings, None, and containers of them."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
 
 
 def _buffer_config(buffer: Any) -> dict[str, Any] | None:
-    """The constructor arguments that rebuild ``buffer`` (a ReplayBuffer with a named init)."""
+    """The constructor arguments that rebuild ``buffer`` (a ReplayBuffer with a registered init)."""
     if not isinstance(buffer, ReplayBuffer) or buffer.init_name not in plugins.collect(INIT_HOOK):
         return None
-    return {
-        "capacity": buffer.capacity,
-        "sample_shape": tuple(buffer.sample_shape),
-        "reinit_freq": buffer.reinit_freq,
-        "num_classes": buffer.num_classes,
-        "init": buffer.init_name,
-    }
+    return buffer.config()
+
+
+# The settings a checkpoint carries as values: every constructor argument but the collaborators
+# (sampler, buffer, generator and terms travel as their own state), read from the signature so that
+# a new argument cannot be left out.
+_SETTINGS: tuple[str, ...] = tuple(
+    name
+    for name in inspect.signature(JEMLoss.__init__).parameters
+    if name not in ("self", "sampler", "buffer", "generator", "terms")
+)
 
 
 def _to_floats(metrics: dict[str, Any]) -> dict[str, float]:

@@ -275,6 +275,11 @@ class SGLD:
         self, jm: JEM, x: Tensor, y: Tensor | None = ..., *, return_diagnostics: Literal[True]
     ) -> tuple[Tensor, SGLDDiagnostics]: ...
 
+    @overload
+    def run(
+        self, jm: JEM, x: Tensor, y: Tensor | None = ..., *, return_diagnostics: bool
+    ) -> Tensor | tuple[Tensor, SGLDDiagnostics]: ...
+
     def run(
         self, jm: JEM, x: Tensor, y: Tensor | None = None, *, return_diagnostics: bool = False
     ) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
@@ -471,6 +476,19 @@ class SGLD:
         return_diagnostics: Literal[True],
     ) -> tuple[Tensor, SGLDDiagnostics]: ...
 
+    @overload
+    def sample(
+        self,
+        jm: JEM,
+        n: int | None = ...,
+        *,
+        buffer: ReplayBuffer | None = ...,
+        y: Tensor | None = ...,
+        x_init: Tensor | None = ...,
+        shape: Sequence[int] | None = ...,
+        return_diagnostics: bool,
+    ) -> Tensor | tuple[Tensor, SGLDDiagnostics]: ...
+
     def sample(
         self,
         jm: JEM,
@@ -517,7 +535,7 @@ class SGLD:
             if device is not None and not same_device(x0.device, device):  # a buffer that is not an nn.Module
                 x0 = x0.to(device)
             out = self.run(jm, x0, y, return_diagnostics=return_diagnostics)
-            buffer.update(idx, out[0] if return_diagnostics else out)
+            buffer.update(idx, out[0] if isinstance(out, tuple) else out)
             return out
         shape = tuple(shape) if shape is not None else jm.domain.input_size
         if shape is None:
