@@ -12,19 +12,17 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from ._train_state import History, TrainState
 from .checkpoint import Checkpointer, get_rng_state, set_rng_state
 from .distributed import DistributedCheckpointer
 from .errors import DivergenceError
 from .stability import DIVERGENCE_REMEDIES
-
-if TYPE_CHECKING:
-    from .training import History, TrainState
 
 _log = logging.getLogger("jem_plugin.training")
 
@@ -136,9 +134,9 @@ def _mean_over_ranks(metrics: Mapping[str, float]) -> dict[str, float]:
 
 def _set_epoch(loader: Any, epoch: int) -> None:
     """``DistributedSampler.set_epoch``: a new shuffle each epoch, the same on every rank."""
-    sampler = getattr(loader, "sampler", None)
-    if callable(getattr(sampler, "set_epoch", None)):
-        sampler.set_epoch(epoch)
+    set_epoch = getattr(getattr(loader, "sampler", None), "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
 
 
 def _agree_on_divergence(device: torch.device, err: DivergenceError | None, iteration: int) -> DivergenceError | None:
@@ -189,7 +187,7 @@ class _Checkpoints:
             self.ckpt = Checkpointer(directory, every=1, keep=keep)
 
     def due(self, iteration: int) -> bool:
-        return self.ckpt is not None and bool(self.every) and iteration % self.every == 0
+        return self.ckpt is not None and self.every is not None and iteration % self.every == 0
 
     def save(self, state: TrainState, pos: _Position, batch_in_epoch: int, guard, start: float) -> None:
         if self.ckpt is None:
@@ -208,7 +206,7 @@ class _Checkpoints:
         )
         if self.multi:
             per_rank = {k: items.pop(k) for k in self.PER_RANK if k in items}
-            self.ckpt.save(state.iteration, per_rank=per_rank, **items)  # type: ignore[call-arg]
+            self.ckpt.save(state.iteration, per_rank=per_rank, **items)
         else:
             self.ckpt.save(state.iteration, **items)
 
@@ -219,7 +217,7 @@ class _Checkpoints:
         objs = dict(self.objects)
         if self.multi:
             per_rank = {k: objs.pop(k) for k in self.PER_RANK if k in objs}
-            extra = self.ckpt.resume(per_rank=per_rank, **objs)  # type: ignore[call-arg]
+            extra = self.ckpt.resume(per_rank=per_rank, **objs)
         else:
             extra = self.ckpt.resume(**objs)
         if not extra:

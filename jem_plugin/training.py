@@ -23,10 +23,8 @@ What it adds over a hand-written loop:
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._checks import model_device, unpack_batch, unwrap_parallel
+from ._train_state import History, TrainState
 from ._training_run import (
     _agree_on_divergence,
     _call_callbacks,
@@ -54,87 +53,6 @@ from .errors import DivergenceError
 from .stability import DivergenceGuard
 
 __all__ = ["fit", "evaluate_classifier", "History", "TrainState", "warmup_schedule"]
-
-
-# ---------------------------------------------------------------------------- history
-@dataclass
-class History:
-    """Per-epoch metrics of a :func:`fit` run (JSON serialisable with :meth:`to_dict`).
-
-    ``epochs`` holds one dict per finished epoch: ``epoch``, ``loss``, ``ce``, ``acc`` (train,
-    on the noisy batches JEM trains on), ``energy_data``/``energy_sample``/``energy_gap`` (JEM),
-    ``val_acc``/``val_nll`` (with ``val_data``), ``lr``, ``time`` (training wall seconds, without
-    evaluation), ``cpu_time`` (process CPU seconds: comparable across runs on a busy machine),
-    ``iterations``, and the throughput ``img_per_s``, ``ms_per_iter`` and ``remaining_s`` (the
-    projected time to the last epoch; per process under DDP, averaged over the ranks).
-    ``history["acc"]`` is the column of one metric. ``events`` records rollbacks and stops;
-    ``stopped`` is ``None`` for a complete run, else why it stopped early (``"max_seconds"``,
-    ``"callback"``).
-    """
-
-    epochs: list[dict[str, float]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    stopped: str | None = None
-    total_time: float = 0.0
-
-    def __getitem__(self, metric: str) -> list[float]:
-        return [rec[metric] for rec in self.epochs if metric in rec]
-
-    def __len__(self) -> int:
-        return len(self.epochs)
-
-    def __contains__(self, metric: str) -> bool:
-        return any(metric in rec for rec in self.epochs)
-
-    @property
-    def last(self) -> dict[str, float]:
-        """The last epoch's metrics (``{}`` before the first epoch)."""
-        return dict(self.epochs[-1]) if self.epochs else {}
-
-    def columns(self) -> dict[str, list[float]]:
-        """``{metric: [value per epoch]}`` (what :func:`~jem_plugin.viz.plot_training_curves` takes)."""
-        keys: list[str] = []
-        for rec in self.epochs:
-            keys += [k for k in rec if k not in keys]
-        return {k: self[k] for k in keys}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "epochs": [dict(r) for r in self.epochs],
-            "events": [dict(e) for e in self.events],
-            "stopped": self.stopped,
-            "total_time": self.total_time,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> History:
-        return cls(
-            epochs=[dict(r) for r in d.get("epochs", [])],
-            events=[dict(e) for e in d.get("events", [])],
-            stopped=d.get("stopped"),
-            total_time=float(d.get("total_time", 0.0)),
-        )
-
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2))
-        return path
-
-
-@dataclass
-class TrainState:
-    """What callbacks see. Set ``stop = True`` to end training after the current step/epoch."""
-
-    jm: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    loss_fn: nn.Module | None
-    history: History
-    epoch: int = 0  # epochs finished
-    iteration: int = 0  # optimizer steps taken
-    metrics: dict[str, float] = field(default_factory=dict)  # last step's metrics
-    stop: bool = False
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -169,7 +87,9 @@ def _iter_values(data: Any) -> Iterable[tuple[Tensor, Tensor]]:
             yield x[i : i + 512], y[i : i + 512]
     else:
         for batch in data:
-            yield unpack_batch(batch, need_labels=True)
+            x, y = unpack_batch(batch, need_labels=True)
+            assert y is not None  # need_labels=True refuses batches without labels
+            yield x, y
 
 
 @torch.no_grad()
@@ -179,12 +99,15 @@ def evaluate_classifier(
     """Accuracy and mean NLL of ``jm`` (any classifier returning logits) on ``(x_test, y_test)``
     tensors or on a loader of ``(x, y)`` batches. The model is evaluated in eval mode and its
     own mode restored."""
-    device = model_device(jm, "cpu")
+    device = model_device(jm) or torch.device("cpu")
     was_training = jm.training
     jm.eval()
     correct, nll, n = 0, 0.0, 0
     try:
+        batches: Iterable[tuple[Tensor, Tensor]]
         if y_test is not None:
+            if not isinstance(x_test, Tensor):
+                raise TypeError(f"x_test must be a tensor when y_test is given, got {type(x_test).__name__}")
             batches = (
                 (x_test[i : i + batch_size], y_test[i : i + batch_size]) for i in range(0, len(x_test), batch_size)
             )
@@ -254,7 +177,7 @@ def _make_guard(
         **dict(options or {}),
     )
     if saved is not None:
-        guard.load_state_dict(saved)
+        guard.load_state_dict(dict(saved))
     return guard
 
 
@@ -275,7 +198,11 @@ class _Step:
         grad_clip: float | None,
     ) -> None:
         self.jm, self.loss_fn, self.optimizer, self.scheduler = jm, loss_fn, optimizer, scheduler
-        self.device, self.dtype, self.channels_last = model_device(jm, "cpu"), _AMP[amp], channels_last
+        self.device, self.dtype, self.channels_last = (
+            (model_device(jm) or torch.device("cpu")),
+            _AMP[amp],
+            channels_last,
+        )
         self.grad_clip, self.multi, self.guard, self.batch_size = grad_clip, _multi_process(), None, 0
         self.scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
         if channels_last:
@@ -391,7 +318,7 @@ def fit(
     (:class:`TrainState`; ``state.stop = True`` stops). ``max_seconds``: stop cleanly (after a
     checkpoint) once this much time has passed. ``grad_clip``: clip the gradient norm.
     """
-    device, multi = model_device(jm, "cpu"), _multi_process()
+    device, multi = (model_device(jm) or torch.device("cpu")), _multi_process()
     _check_args(epochs, guard_policy, amp, device, multi)
     iters, callbacks, start = _iters_per_epoch(train_loader), list(callbacks or []), time.perf_counter()
     optimizer = optimizer if optimizer is not None else torch.optim.Adam(jm.parameters(), lr=lr)
