@@ -31,8 +31,9 @@ def _size(value) -> tuple[int, int] | None:
     if value is None:
         return None
     get = value.get if isinstance(value, dict) else (lambda k: getattr(value, k, None))  # dict or SizeDict
-    if get("height") and get("width"):
-        return (int(get("height")), int(get("width")))
+    height, width = get("height"), get("width")
+    if height and width:
+        return (int(height), int(width))
     edge = get("shortest_edge") or get("longest_edge")
     return (int(edge), int(edge)) if edge else None
 

@@ -10,7 +10,7 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor, nn
@@ -146,6 +146,26 @@ def _keys(key: str | Sequence[str]) -> tuple[str, ...]:
     return (key,) if isinstance(key, str) else tuple(key)
 
 
+@overload
+def unpack_batch(
+    batch: Any,
+    *,
+    input_key: str | Sequence[str] = ...,
+    label_key: str | Sequence[str] = ...,
+    need_labels: Literal[True],
+) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
+def unpack_batch(
+    batch: Any,
+    *,
+    input_key: str | Sequence[str] = ...,
+    label_key: str | Sequence[str] = ...,
+    need_labels: bool = ...,
+) -> tuple[Tensor, Tensor | None]: ...
+
+
 def unpack_batch(
     batch: Any,
     *,
@@ -186,8 +206,8 @@ def model_device(module: nn.Module, default: torch.device | str | None = None) -
     """The device of ``module``'s first parameter (or buffer); ``default`` for a stateless module."""
     for t in module.parameters():
         return t.device
-    for t in module.buffers():
-        return t.device
+    for b in module.buffers():
+        return b.device
     return torch.device(default) if default is not None else None
 
 
@@ -336,8 +356,8 @@ def warn_out_of_domain(x: Tensor, domain: Any, where: str, stacklevel: int = 2) 
         flat = (
             x.detach().transpose(0, 1).reshape(x.shape[1], -1) if domain.is_per_channel else x.detach().reshape(1, -1)
         )
-        lo_obs, hi_obs = flat.amin(1).float(), flat.amax(1).float()
-        lo_obs, hi_obs = lo_obs.cpu().tolist(), hi_obs.cpu().tolist()
+        lo_obs: list[float] = flat.amin(1).float().cpu().tolist()
+        hi_obs: list[float] = flat.amax(1).float().cpu().tolist()
     lows, highs = domain.low, domain.high
     if len(lows) == 1:
         lows, highs = lows * len(lo_obs), highs * len(hi_obs)

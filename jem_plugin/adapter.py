@@ -252,7 +252,7 @@ def with_channels(domain: InputDomain, channels: int | None) -> InputDomain:
     if size is not None and len(size) >= 2 and size[0] != channels:
         size = (channels, *size[1:])
     if domain.is_per_channel and len(domain.low) != channels:
-        if domain.mean is not None:
+        if domain.mean is not None and domain.std is not None:
             m, sd = sum(domain.mean) / len(domain.mean), sum(domain.std) / len(domain.std)
             return InputDomain.from_normalization((m,) * channels, (sd,) * channels, input_size=size)
         lo, hi = min(domain.low), max(domain.high)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any
+from typing import Any, Literal
 
 import pluggy
 
@@ -35,7 +35,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
 _pm: pluggy.PluginManager | None = None
 
 
-def _disabled_entry_points() -> set[str] | bool:
+def _disabled_entry_points() -> set[str] | Literal[True]:
     value = os.environ.get(DISABLE_ENV, "").strip()
     if not value or value.lower() in {"0", "false", "no"}:
         return set()

@@ -164,7 +164,7 @@ class Recipe:
             colours=self.sgld_colours,
         )
         cond = self.init != "uniform" or self.pxy_weight > 0 or self.class_conditional_px
-        init_kwargs = None
+        init_kwargs: dict[str, Any] | None = None
         if self.init == "gaussian":
             init_kwargs = {"covariance": self.init_covariance}
             if self.init_covariance == "lowrank":

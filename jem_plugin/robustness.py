@@ -347,11 +347,15 @@ def robust_accuracy(
         label += f"-{loss}"
 
     def bpda_grad(x_cur: Tensor, y_b: Tensor) -> Tensor:
+        assert isinstance(defense, SGLDDefense)  # checked above for the attacks that call bpda_grad
         return defense.bpda_grad(x_cur, y_b, eot_samples, loss)
 
-    plans = {"transfer": [None], "bpda": [bpda_grad], "worst": [None, bpda_grad]}[
-        attack if defense is not None else "transfer"
-    ]
+    plan_table: dict[str, list[Callable[[Tensor, Tensor], Tensor] | None]] = {
+        "transfer": [None],
+        "bpda": [bpda_grad],
+        "worst": [None, bpda_grad],
+    }
+    plans = plan_table[attack if defense is not None else "transfer"]
     accs = []
     batches = list(zip(x.split(batch_size), y.split(batch_size)))
     with (

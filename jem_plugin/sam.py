@@ -40,7 +40,9 @@ class _Replay:
     """Stands in for a sampler: records what the first pass drew, hands it back on the second."""
 
     def __init__(self, sampler: Any) -> None:
-        self.inner, self.recorded, self.replaying = sampler, [], False
+        self.inner = sampler
+        self.recorded: list[Tensor] = []
+        self.replaying = False
 
     def sample(self, jm: Any, n: Any = None, **kwargs: Any) -> Tensor:
         if not self.replaying:
@@ -99,21 +101,22 @@ class SAM:
     def param_groups(self) -> list[dict]:
         return self.base_optimizer.param_groups
 
-    def _params(self) -> list[Tensor]:
-        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+    def _params_with_grads(self) -> list[tuple[Tensor, Tensor]]:
+        """``(param, param.grad)`` for every parameter that has a gradient."""
+        return [(p, p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
 
     @torch.no_grad()
     def first_step(self, zero_grad: bool = True) -> None:
         """Move the weights to ``w + e(w)`` using the gradients now in ``.grad`` (the first pass's)."""
-        params = self._params()
+        params = self._params_with_grads()
         if not params:
             raise RuntimeError("SAM.first_step found no gradients: call loss.backward() first")
-        scaled = [(p.abs() * p.grad if self.adaptive else p.grad) for p in params]
+        scaled = [(p.abs() * grad if self.adaptive else grad) for p, grad in params]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(s) for s in scaled]))
         scale = self.rho / (norm + 1e-12)
         self._saved = {}
-        for p in params:
-            e = (p.square() if self.adaptive else torch.ones_like(p)) * p.grad * scale
+        for p, grad in params:
+            e = (p.square() if self.adaptive else torch.ones_like(p)) * grad * scale
             self._saved[p] = p.detach().clone()
             p.add_(e)
         if zero_grad:

@@ -74,7 +74,8 @@ def _copy_state(obj: Any, device: torch.device | None) -> Any:
         t = obj.detach()
         return t.to(device, copy=True) if device is not None else t.clone()
     if isinstance(obj, Mapping):
-        out = (
+        # Any: a dict subclass (a module state dict's OrderedDict) that may carry attributes
+        out: Any = (
             type(obj)((k, _copy_state(v, device)) for k, v in obj.items())
             if isinstance(obj, dict)
             else {k: _copy_state(v, device) for k, v in obj.items()}

@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 import matplotlib.ticker
@@ -25,6 +25,9 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from .adapter import InputDomain
+
+if TYPE_CHECKING:
+    from matplotlib.typing import RcKeyType
 
 __all__ = [
     "save_image_grid",
@@ -41,7 +44,7 @@ __all__ = [
 ]
 
 #: Readable defaults used by every figure here.
-STYLE = {
+STYLE: dict[RcKeyType, Any] = {
     "font.size": 11,
     "axes.titlesize": 12,
     "axes.labelsize": 11,
@@ -67,7 +70,7 @@ _CURVES = {
 }
 
 
-def _to_path(path: str | Path) -> Path:
+def _to_path(path: str | os.PathLike) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     return p
@@ -233,15 +236,15 @@ def plot_training_curves(
                         break
         fig.tight_layout()
         # Room above the panels for the title and the legend (inches -> figure fraction).
-        h = fig.get_figheight()
+        fig_h = fig.get_figheight()
         head = (0.3 if title else 0.0) + (0.3 if len(runs) > 1 else 0.0)
         if head:
             top = fig.subplotpars.top
-            fig.subplots_adjust(top=top - head / h)
-            y = 1.0 - 0.05 / h
+            fig.subplots_adjust(top=top - head / fig_h)
+            y = 1.0 - 0.05 / fig_h
             if title:
                 fig.suptitle(title, y=y, va="top")
-                y -= 0.3 / h
+                y -= 0.3 / fig_h
             if len(runs) > 1:
                 fig.legend(handles, labels, loc="upper center", ncol=len(runs), frameon=False, bbox_to_anchor=(0.5, y))
         fig.savefig(path, bbox_inches="tight")
@@ -282,7 +285,7 @@ def plot_density_2d(
     fine); ``samples``/``data`` are ``[N, 2]`` tensors. Panels whose input is ``None`` are skipped.
     """
     path = _to_path(path)
-    panels: list[tuple[str, object]] = []
+    panels: list[tuple[str, Callable[[Tensor], Tensor] | None]] = []
     if true is not None:
         panels.append(("true density", true))
     if learned is not None:
@@ -375,7 +378,7 @@ def plot_histograms(
     outs = _out_dict(scores_out)
     allv = np.concatenate([s_in, *outs.values()])
     lo, hi = float(allv.min()), float(allv.max())
-    edges = np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
+    edges: list[float] = np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1).tolist()
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.subplots()
     ax.hist(s_in, bins=edges, density=True, alpha=0.55, label=f"{label_in} (n={s_in.size})", color="C0")

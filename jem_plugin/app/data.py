@@ -16,6 +16,7 @@ import functools
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +25,11 @@ from torch.utils.data import Dataset, TensorDataset
 
 from ..adapter import InputDomain
 from ..errors import DatasetNotFoundError
+
+if TYPE_CHECKING:
+    from torchvision.datasets import CIFAR10, ImageFolder
+
+_DS = TypeVar("_DS", bound=Dataset)
 
 __all__ = [
     "DIGITS_DOMAIN",
@@ -75,7 +81,7 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     return x.copy(), y.copy()
 
 
-def _with_domain(ds: Dataset, domain: InputDomain, classes: Sequence[str] | None = None) -> Dataset:
+def _with_domain(ds: _DS, domain: InputDomain, classes: Sequence[str] | None = None) -> _DS:
     ds.domain = domain  # type: ignore[attr-defined]
     if classes is not None:
         ds.classes = list(classes)  # type: ignore[attr-defined]
@@ -111,7 +117,7 @@ def load_digits(
             raise ValueError(f"classes={list(classes)} selects no digits; labels are 0..9")
         x, y = x[keep], y[keep]
     ds = TensorDataset(torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y))
-    return _with_domain(ds, DIGITS_DOMAIN, DIGITS_CLASSES)  # type: ignore[return-value]
+    return _with_domain(ds, DIGITS_DOMAIN, DIGITS_CLASSES)
 
 
 def digits_tensors(split: str = "train", **kwargs) -> tuple[Tensor, Tensor]:
@@ -130,7 +136,7 @@ def uniform_noise(n: int, shape: Sequence[int] = (1, 8, 8), seed: int = 0) -> Te
     return torch.rand((n, *shape), generator=_gen(seed)) * 2.0 - 1.0
 
 
-_PHOTO_GRAY: np.ndarray | None = None
+_PHOTO_GRAY: list[np.ndarray] | None = None
 
 
 def _photos_gray() -> list[np.ndarray]:
@@ -317,7 +323,7 @@ def normalize_transform(
 
     if (mean is None) != (std is None):
         raise ValueError("pass both mean and std, or neither (for the paper's [-1, 1] scaling)")
-    if mean is None:
+    if mean is None or std is None:  # both None (checked above)
         mean, std = (0.5,) * channels, (0.5,) * channels
     steps = []
     size = None
@@ -336,7 +342,7 @@ def image_folder(
     image_size: int | Sequence[int] = 32,
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
-) -> Dataset:
+) -> ImageFolder:
     """A ``torchvision.datasets.ImageFolder`` (``path/<class>/<image>``) resized to
     ``image_size``, normalised by ``mean``/``std`` (default: ``[-1, 1]``); ``.domain`` is set."""
     from torchvision.datasets import ImageFolder
@@ -360,7 +366,7 @@ def image_folder(
 
 def cifar10(
     root: str | Path, train: bool = True, mean: Sequence[float] | None = None, std: Sequence[float] | None = None
-) -> Dataset:
+) -> CIFAR10:
     """CIFAR-10 from a LOCAL copy (never downloaded), in ``[-1, 1]`` by default; ``.domain`` set.
 
     ``root`` is the directory holding ``cifar-10-batches-py/`` (the extracted python version
@@ -409,7 +415,7 @@ def write_digits_folder(
         d.mkdir(parents=True, exist_ok=True)
         for i, j in enumerate(np.flatnonzero(y == c)[offset : offset + per_class]):
             pix = ((x[j, 0] + 1.0) * 127.5).astype(np.uint8)
-            Image.fromarray(pix).resize((size, size), Image.NEAREST).convert("RGB").save(d / f"{i:03d}.png")
+            Image.fromarray(pix).resize((size, size), Image.Resampling.NEAREST).convert("RGB").save(d / f"{i:03d}.png")
     return root
 
 
@@ -426,5 +432,7 @@ def write_photo_folder(root: str | Path, n: int = 20, size: int = 16, seed: int 
     for i in range(n):
         im = photos[rng.integers(len(photos))]
         r, c = rng.integers(0, im.shape[0] - 64), rng.integers(0, im.shape[1] - 64)
-        Image.fromarray(im[r : r + 64, c : c + 64]).resize((size, size), Image.BILINEAR).save(d / f"{i:03d}.png")
+        Image.fromarray(im[r : r + 64, c : c + 64]).resize((size, size), Image.Resampling.BILINEAR).save(
+            d / f"{i:03d}.png"
+        )
     return Path(root)

@@ -229,13 +229,16 @@ def _evaluate(
     return summary, detail
 
 
-def _sample_grids(jm, loss_fn, cfg: DigitsConfig, out: Path) -> dict[str, str]:
-    """Replay-buffer samples (unconditional) and class-conditional samples, one row per class; also
-    returns the model's own accuracy on the latter and the samples (``class_samples``: ``(x, y)``)."""
+def _sample_grids(
+    jm, loss_fn, cfg: DigitsConfig, out: Path
+) -> tuple[dict[str, str], float, tuple[torch.Tensor, torch.Tensor]]:
+    """Replay-buffer samples (unconditional) and class-conditional samples, one row per class:
+    ``(paths, accuracy, (x, y))``, the figures' paths, the model's own accuracy on the
+    class-conditional samples, and those samples."""
     from ..viz import save_image_grid  # lazy: matplotlib
 
     buffer = loss_fn.buffer
-    paths = {}
+    paths: dict[str, str] = {}
     g = torch.Generator(device=buffer.data.device).manual_seed(cfg.seed + 1)
     idx = torch.randperm(buffer.capacity, generator=g, device=buffer.data.device)[:64]
     x_buf = buffer.data[idx].cpu()
@@ -273,9 +276,8 @@ def _sample_grids(jm, loss_fn, cfg: DigitsConfig, out: Path) -> dict[str, str]:
     )
     with torch.no_grad():
         pred = jm(x_cls.to(buffer.data.device)).argmax(1).cpu()
-    paths["class_sample_accuracy"] = float((pred == y.cpu()).float().mean())
-    paths["class_samples"] = (x_cls, y.cpu())  # for the independent judge
-    return paths
+    accuracy = float((pred == y.cpu()).float().mean())
+    return paths, accuracy, (x_cls, y.cpu())  # the samples are for the independent judge
 
 
 def sample_quality_figures(
@@ -511,11 +513,11 @@ def run_digits(
     loss_fn = _jem_loss(cfg, x_train, y_train, device)
     jm, _ = train_and_eval(jem_label, loss_fn, cfg.epochs)
     runs[jem_label]["recipe"] = cfg.jem_name()
-    x_cond = y_cond = None
+    x_cond: torch.Tensor | None = None
+    y_cond: torch.Tensor | None = None
     if plots and bool(loss_fn.buffer.initialized):  # a run stopped before its first step has no chains
-        grids = _sample_grids(jm, loss_fn, cfg, out)
-        runs[jem_label]["summary"]["class_sample_accuracy"] = grids.pop("class_sample_accuracy")
-        x_cond, y_cond = grids.pop("class_samples")
+        _, class_sample_accuracy, (x_cond, y_cond) = _sample_grids(jm, loss_fn, cfg, out)
+        runs[jem_label]["summary"]["class_sample_accuracy"] = class_sample_accuracy
     if cfg.judge_epochs > 0 and bool(loss_fn.buffer.initialized):
         # An independent judge (issue 16): the JEM's own class-sample accuracy cannot tell digits from
         # noise it likes. The baseline has no buffer and draws no samples here: nothing to judge.

@@ -40,8 +40,8 @@ def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int 
     """
     kind, _, arg = spec.partition(":")
     if kind == "digits":
-        ds = D.load_digits("train" if train else "test", seed=seed)
-        return ds, ds.domain, 10, (1, 8, 8)
+        digits = D.load_digits("train" if train else "test", seed=seed)
+        return digits, D.DIGITS_DOMAIN, 10, (1, 8, 8)
     if kind == "toy2d":
         x, y = D.toy2d(arg or "8gaussians", n=4000 if train else 1000, seed=seed if train else seed + 1)
         ds = TensorDataset(x, y)
@@ -261,7 +261,7 @@ def held_out_data(spec: dict[str, Any], data: str | None, image_size: int | None
                     "trained, so its held-out split is lost; evaluate with --data folder:PATH"
                 )
             _, ds = split_held_out(full, kept["fraction"], kept.get("seed", 0))
-            ds.classes = full.classes  # type: ignore[attr-defined]
+            ds.classes = full.classes
             where = f"{source}, the {kept['fraction']:g} held out from training"
         else:
             ds, *_ = load_data(source, train=False, image_size=size, seed=seed)

@@ -9,6 +9,8 @@ ReLU zeroes them wherever a unit is off.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -16,7 +18,7 @@ __all__ = ["DigitsCNN", "ToyMLP", "WideResNet"]
 
 
 def _act(name: str) -> nn.Module:
-    acts = {
+    acts: dict[str, Callable[[], nn.Module]] = {
         "silu": nn.SiLU,
         "swish": nn.SiLU,
         "elu": nn.ELU,

@@ -366,7 +366,8 @@ def _figures(out: Path, runs: list[str]) -> str:
         group, run, caption = _caption(stem, runs)
         groups.setdefault(group, {})[run] = (p, caption)
         order[group] = next((i for i, (pat, _) in enumerate(CAPTIONS) if re.search(pat, stem)), len(CAPTIONS))
-    parts, singles = [], []
+    parts: list[str] = []
+    singles: list[str] = []
 
     def flush() -> None:
         if singles:

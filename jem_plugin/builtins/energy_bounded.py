@@ -36,8 +36,8 @@ loader, callable or ``"uniform"`` take one extra forward, in the model's current
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +124,7 @@ class EnergyBoundedTerm:
     ) -> None:
         if (m_in is None) != (m_out is None):
             raise ValueError("give both m_in and m_out, or neither (then both are measured)")
-        if m_in is not None and not m_in < m_out:
+        if m_in is not None and m_out is not None and not m_in < m_out:
             raise ValueError(
                 f"m_in must be below m_out (in-distribution energies are lower), got m_in={m_in}, m_out={m_out}"
             )
@@ -147,7 +147,7 @@ class EnergyBoundedTerm:
         self.q_in, self.q_out, self.min_gap = q_in, q_out, min_gap
         self.calibration_size = calibration_size
         self.generator = generator
-        self._iter = None
+        self._iter: Iterator[Any] | None = None
         self._calib_in: list[Tensor] = []
         self._calib_out: list[Tensor] = []
 
@@ -169,12 +169,14 @@ class EnergyBoundedTerm:
 
     # ------------------------------------------------------------------ outliers
     def _next_from_iterable(self) -> Tensor:
+        # _outlier_energy comes here only for outliers that are not None, a string or a plain callable
+        source = cast(Iterable, self.outliers)
         if self._iter is None:
-            self._iter = iter(self.outliers)
+            self._iter = iter(source)
         try:
             return unpack_batch(next(self._iter))[0]
         except StopIteration:
-            self._iter = iter(self.outliers)  # next epoch of the outlier loader
+            self._iter = iter(source)  # next epoch of the outlier loader
             try:
                 return unpack_batch(next(self._iter))[0]
             except StopIteration:
@@ -215,7 +217,7 @@ class EnergyBoundedTerm:
         return free_energy(jm(x_out.to(device=x.device, dtype=x.dtype)), self.temperature)
 
     # ------------------------------------------------------------------ the term
-    def __call__(self, jm, batch) -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(self, jm, batch) -> tuple[Tensor, dict[str, Tensor | float]]:
         e_in = free_energy(batch.logits_data, self.temperature)
         e_out = self._outlier_energy(jm, batch)
         if not self.calibrated:
@@ -226,15 +228,16 @@ class EnergyBoundedTerm:
                     torch.cat(self._calib_in), torch.cat(self._calib_out), self.q_in, self.q_out, self.min_gap
                 )
                 self._calib_in, self._calib_out = [], []
-        metrics = {"e_in": e_in.detach().mean(), "e_out": e_out.detach().mean()}
-        if not self.calibrated:
+        metrics: dict[str, Tensor | float] = {"e_in": e_in.detach().mean(), "e_out": e_out.detach().mean()}
+        m_in, m_out = self.m_in, self.m_out
+        if m_in is None or m_out is None:  # not calibrated yet
             return e_in.new_zeros(()), metrics
-        loss = self.weight * energy_bounded_loss(e_in, e_out, self.m_in, self.m_out)
+        loss = self.weight * energy_bounded_loss(e_in, e_out, m_in, m_out)
         metrics.update(
-            m_in=self.m_in,
-            m_out=self.m_out,
-            in_violations=(e_in.detach() > self.m_in).float().mean(),
-            out_violations=(e_out.detach() < self.m_out).float().mean(),
+            m_in=m_in,
+            m_out=m_out,
+            in_violations=(e_in.detach() > m_in).float().mean(),
+            out_violations=(e_out.detach() < m_out).float().mean(),
         )
         return loss, metrics
 

@@ -124,9 +124,7 @@ def _collective(fn, *args, **kwargs):
         raise error
     for r, report in enumerate(reports):
         if report is not None:
-            err = CheckpointError(f"rank {r} failed: {report[1]}")
-            err.reason = report[0]  # type: ignore[attr-defined]
-            raise err
+            raise CheckpointError(f"rank {r} failed: {report[1]}", reason=report[0])
     return result
 
 
@@ -186,17 +184,16 @@ def load_distributed_checkpoint(
         )
         saved_world = extra.pop("world_size", None)
         if saved_world != world:
-            err = CheckpointError(
+            raise CheckpointError(
                 f"checkpoint {str(path)!r} was written by {saved_world} processes, this run has {world}: "
-                f"each rank has its own replay buffer, so resume with torchrun --nproc_per_node={saved_world}"
+                f"each rank has its own replay buffer, so resume with torchrun --nproc_per_node={saved_world}",
+                reason=_MISMATCH,
             )
-            err.reason = _MISMATCH  # type: ignore[attr-defined]
-            raise err
         rfile = rank_path(path, rank)
         if not rfile.exists():
-            err = CheckpointError(f"checkpoint {str(path)!r} has no file for rank {rank} ({rfile.name})")
-            err.reason = _MISSING  # type: ignore[attr-defined]
-            raise err
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} has no file for rank {rank} ({rfile.name})", reason=_MISSING
+            )
         local = load_checkpoint(rfile, rng=rng, map_location=map_location, strict=strict, **(per_rank or {}))
         local.pop("rank", None)
         local.pop("world_size", None)

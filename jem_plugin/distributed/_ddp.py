@@ -151,9 +151,10 @@ def maybe_no_sync(module: nn.Module, sync: bool) -> contextlib.AbstractContextMa
 
     Works for any module: without a ``no_sync`` method (single process) it does nothing.
     """
-    if sync or not hasattr(module, "no_sync"):
+    no_sync = getattr(module, "no_sync", None)  # DDP's (and DistributedJEM's) method; absent on a plain module
+    if sync or no_sync is None:
         return contextlib.nullcontext()
-    return module.no_sync()
+    return no_sync()
 
 
 @torch.no_grad()
@@ -204,6 +205,7 @@ def average_batchnorm_statistics(module: nn.Module) -> int:
     world = dist.get_world_size()
     for m in layers:
         for t in (m.running_mean, m.running_var):
+            assert t is not None  # tracking layers hold both statistics (running_mean checked above)
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
             t.div_(world)
     return len(layers)

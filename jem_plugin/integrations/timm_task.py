@@ -123,7 +123,8 @@ class JEMTask(TrainingTask):
         if isinstance(criterion, nn.Module):
             criterion = criterion.to(device=self.device)
         self.criterion = criterion
-        self.trainable_module = jm.to(device=self.device)
+        # the JEM; a DistributedJEM (DDP) around it after prepare_distributed
+        self.trainable_module: nn.Module = jm.to(device=self.device)
         self.jem_loss = loss_fn.to(device=self.device)
 
     # ------------------------------------------------------------------ views
