@@ -1,4 +1,4 @@
-"""The ``jem`` command: demo, train, eval, ood, sample, plugins.
+"""The ``jem`` command: demo, train, eval, ood, sample, plugins, doctor.
 
 Every subcommand takes ``--device``, ``--seed``, ``--out`` and ``--config FILE`` (JSON or TOML
 whose keys are option names, e.g. ``{"epochs": 5, "sgld_steps": 10}``; flags on the command line
@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -29,7 +29,7 @@ from ..errors import JEMError
 from ..plugins import list_plugins
 from ..recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 from ..sampling import COLOURS, SGLD
-from . import CLIError
+from . import CLIError, doctor
 from .experiments import dataset_sample_quality, run_digits_demo
 from .model_files import (
     build_model,
@@ -81,7 +81,7 @@ def _check_config_types(config: dict[str, Any], actions: dict[str, argparse.Acti
     """A config value of the wrong type names the file and the key, not just argparse's complaint."""
     for key, value in config.items():
         a = actions[key]
-        want = bool if a.nargs == 0 else {_positive: int}.get(a.type, a.type) or str
+        want: Any = bool if a.nargs == 0 else (int if a.type is _positive else a.type) or str
         ok = (
             isinstance(value, bool)
             if want is bool
@@ -119,7 +119,7 @@ def _positive(text: str) -> int:
 class _Parser(argparse.ArgumentParser):
     """argparse, with its errors as the one-line ``jem: error: ...`` of every other user error."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise CLIError(f"{message} (see `{self.prog} --help`)")
 
 
@@ -129,7 +129,8 @@ def _device(name: str):
     except RuntimeError as exc:
         raise CLIError(f"unknown device {name!r} (use cpu, cuda, cuda:1, mps)") from exc
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError(f"--device {name} asked for CUDA but no GPU is available; use --device cpu")
+        build = "" if torch.version.cuda else f" (torch {torch.__version__} is a CPU-only build)"
+        raise CLIError(f"--device {name} asked for CUDA but no GPU is available{build}; use --device cpu")
     if dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         raise CLIError(f"--device {name}: this machine has no Apple-silicon GPU (MPS); use --device cpu")
     if dev.type not in ("cpu", "cuda", "mps"):
@@ -148,12 +149,20 @@ def _out_dir(path: str) -> Path:
     return out
 
 
-def _out_file(path: str) -> Path:
+def _out_file(path: str, flag: str = "--out") -> Path:
     out = Path(path)
     if out.is_dir():
-        raise CLIError(f"--out {path} is a directory; give a file name, e.g. {out / 'result.json'}")
+        raise CLIError(f"{flag} {path} is a directory; give a file name, e.g. {out / 'result.json'}")
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def _check_install() -> None:
+    """The cheap part of `jem doctor` (milliseconds): a torch/torchvision mismatch ends the command
+    before any training, not inside torchvision minutes later."""
+    problem = doctor.install_problem()
+    if problem:
+        raise CLIError(problem)
 
 
 # ----------------------------------------------------------------------------- commands
@@ -170,6 +179,7 @@ def cmd_plugins(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    _check_install()
     out = _out_dir(args.out or "jem-report")
     _device(args.device)
     overrides = SMOKE_DEMO if args.smoke else {}
@@ -183,7 +193,8 @@ def cmd_demo(args) -> int:
     )
     report = write_report(out, result, title="jem demo: a classifier and a JEM on the digits")
     runs = result.get("runs", {})
-    keys = [k for k in next(iter(runs.values()), {}).get("summary", {}) if k.startswith(("acc", "ece", "auroc_logpx"))]
+    first: dict[str, Any] = next(iter(runs.values()), {})
+    keys = [k for k in first.get("summary", {}) if k.startswith(("acc", "ece", "auroc_logpx"))]
     print(f"\n{'':<34}" + "".join(f"{n:>12}" for n in runs))
     for k in keys:
         vals = [runs[n]["summary"].get(k) for n in runs]
@@ -197,6 +208,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_train(args) -> int:
+    _check_install()
     try:
         return _train(args, jdist.init_distributed(device=_device(args.device)))
     finally:
@@ -252,7 +264,7 @@ def _train(args, info) -> int:
     g = torch.Generator().manual_seed(args.seed)
     if info.distributed:
         # Each rank its share of the data, reshuffled per epoch (fit calls set_epoch).
-        shard = DistributedSampler(
+        shard: DistributedSampler[Any] = DistributedSampler(
             ds, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=args.seed, drop_last=True
         )
         loader = DataLoader(ds, batch_size=args.batch_size, sampler=shard, drop_last=True, generator=g)
@@ -336,7 +348,7 @@ def _train(args, info) -> int:
         update_bn(loader, jm, device=dev)
         jdist.average_batchnorm_statistics(jm)  # each rank saw its own shard; rank 0 saves
         final_logits = _held_out_logits(jm, val_loader) if scored else None
-        acc_after = _accuracy(*final_logits) if scored else None
+        acc_after = _accuracy(*final_logits) if final_logits is not None else None
         record["bn_stats_from_data"] = {"val_acc_before": acc_before, "val_acc_after": acc_after}
         if info.is_main:
             print(
@@ -484,6 +496,18 @@ def cmd_sample(args) -> int:
         print(f"the model classifies {float((pred == y).float().mean()):.0%} of them as the class they were drawn for")
     print(f"samples: {out}")
     return 0
+
+
+def cmd_doctor(args) -> int:
+    dev = _device(args.device) if args.device else doctor.default_device()
+    if args.seconds < 0:
+        raise CLIError(f"--seconds {args.seconds:g} is negative; give the timing's length (0 leaves it out)")
+    json_path = _out_file(args.json, "--json") if args.json else None
+    report = doctor.run_doctor(dev, seconds=args.seconds, echo=lambda line: print(line, flush=True))
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2))
+        print(f"report: {json_path}")
+    return 0 if report["ok"] else 1
 
 
 def _emit(result: dict[str, Any], args) -> None:
@@ -696,6 +720,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help="list loaded plugins and the hooks they implement")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plugins, config=None)
+
+    p = sub.add_parser(
+        "doctor",
+        help="check this machine: versions, devices, a GPU self-test and timing",
+        description="Check this machine: torch/torchvision/timm/pluggy versions and whether torch and "
+        "torchvision match, the devices, and a self-test on --device (the CUDA-graph sampler, bf16 "
+        "autocast with channels_last, a device generator, one JEM iteration timed against its FLOP "
+        "floor). Exit status 1 when something failed.",
+    )
+    p.add_argument("--device", default=None, help="device to self-test (default: the GPU when there is one, else cpu)")
+    p.add_argument("--seconds", type=float, default=20.0, help="length of the timing (default 20; 0 leaves it out)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    p.set_defaults(func=cmd_doctor, config=None)
     return parser
 
 
@@ -705,14 +742,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if getattr(args, "config", None):
         # Config values become defaults; flags given on the command line still win.
         config = _load_config(args.config)
-        subparser = parser._subparsers._group_actions[0].choices[args.command]  # noqa: SLF001
-        known = {a.dest for a in subparser._actions}  # noqa: SLF001
+        # argparse keeps a parser's actions private: read them to know the command's options.
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        subparser = commands.choices[args.command]
+        known = {a.dest for a in subparser._actions}
         unknown = sorted(set(config) - known)
         if unknown:
             raise CLIError(
                 f"config file {args.config!r} has unknown options for `jem {args.command}`: {', '.join(unknown)}"
             )
-        _check_config_types(config, {a.dest: a for a in subparser._actions}, args.config)  # noqa: SLF001
+        _check_config_types(config, {a.dest: a for a in subparser._actions}, args.config)
         subparser.set_defaults(**config)
         args = parser.parse_args(argv)
     return args
