@@ -6,10 +6,11 @@ them than the device running them. Captured once and replayed, the whole step is
 
 What a graph bakes in, and how this module keeps it correct:
 
-- Tensor addresses. The chain, the labels and the step size are static tensors owned by the
-  graph: every run copies its start in and its result out. The model's parameters and buffers
-  are read where they live, so an optimizer updating them in place (every torch optimizer does)
-  is seen by the next run; if a parameter tensor is *replaced* (``model.half()``, a
+- Tensor addresses. The chain, the labels, the step size and the noise buffer are static tensors
+  owned by the graph (a graph holds addresses, not tensors: each is kept alive with it): every
+  run copies its start in and its result out. The model's parameters and buffers are read where
+  they live, so an optimizer updating them in place (every torch optimizer does) is seen by the
+  next run; if a parameter tensor is *replaced* (``model.half()``, a
   ``load_state_dict(assign=True)``), its address changes and the step is captured again.
 - Everything host-side. Graphs are kept per model and per (shape, memory layout, dtype,
   conditioning, autocast state, TF32 flags, noise, gradient clip, clamp bounds, generator);
@@ -102,6 +103,9 @@ class _Graph:
     a: Tensor  # step size, 0-d
     y: Tensor | None  # [B, 1] labels of class-conditional chains
     score: Tensor  # the last replay's log-density of each chain (before its update)
+    # The noise buffer each replay refills. A graph holds addresses, not tensors: every tensor it
+    # uses that was allocated before capture must be kept alive here, or its memory is reused.
+    noise: Tensor | None
     num_classes: int
     owners: tuple  # (generator, adapter), kept alive: their ids are in the key
     fingerprint: tuple
@@ -237,7 +241,7 @@ def _run(sampler: ChainSettings, jm: JEM, x: Tensor, y: Tensor | None) -> tuple[
         steps = tqdm(steps, desc="SGLD (CUDA graph)", leave=False)
     with torch.inference_mode(False), torch.no_grad(), _cuda.device(x.device):
         entry.x.detach().copy_(x)
-        if y is not None:
+        if y is not None and entry.y is not None:  # both or neither: the key holds the conditioning
             entry.y.copy_(y.view(-1, 1))
         last = None
         for t in steps:
@@ -259,10 +263,21 @@ def make_step(
     xd = xs.detach()
     dtype, gen, noise, clip = xs.dtype, sampler.generator, sampler.noise, sampler.grad_clip
     clamps = jm.domain.clamp_plan(xd) if sampler.clamp else ()
+    # Unknown number of classes: the labels are checked at the first forward, as the eager loop
+    # does, before a gather reads them (out of range on CUDA: a device-side assert, fatal to the
+    # process). The first call is an eager warm-up step, never the captured one.
+    check_k = ys is not None and jm.num_classes is None
 
     def step() -> tuple[Tensor, Tensor]:
+        nonlocal check_k
         out = read_logits(model(xs))
-        score = torch.logsumexp(out, 1) if ys is None else out.gather(1, ys)
+        if ys is None:
+            score = torch.logsumexp(out, 1)
+        else:
+            if check_k:
+                check_label_range(ys.view(-1), out.shape[1], what="y (one class per chain)")
+                check_k = False
+            score = out.gather(1, ys)
         (g,) = torch.autograd.grad(score, xs, torch.ones_like(score))
         if g.dtype != dtype:
             g = g.to(dtype)
@@ -337,6 +352,7 @@ def _capture(
         a=a,
         y=ys,
         score=score.reshape(-1),
+        noise=noise_buf,
         num_classes=int(out.shape[1]),
         owners=(gen, jm.adapter),
         fingerprint=fingerprint,
