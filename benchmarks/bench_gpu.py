@@ -68,41 +68,16 @@ def _wrn(depth: int = 28, width: int = 10) -> nn.Module:
 def iteration_flops(
     model_fn: Callable[[], nn.Module] = _wrn, batch: int = BATCH, chains: int = CHAINS, steps: int = STEPS, shape=SHAPE
 ) -> dict[str, float]:
-    """FLOPs of one JEM iteration, counted with ``torch.utils.flop_counter`` on the meta device.
+    """FLOPs of one JEM iteration, counted as ``jem doctor`` counts them
+    (:func:`jem_plugin.app.doctor.iteration_flops_parts`), in the units this benchmark reports."""
+    from jem_plugin.app.doctor import iteration_flops_parts
 
-    A chain step is a forward plus the input gradient (parameters frozen); the training step is
-    a forward and a full backward on the batch and the chains together.
-    """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    model = model_fn().to("meta")
-
-    def count(fn) -> int:
-        with FlopCounterMode(display=False) as fc:
-            fn()
-        return fc.get_total_flops()
-
-    forward_1 = count(lambda: model(torch.empty(1, *shape, device="meta")))
-
-    def chain_step():
-        for p in model.parameters():
-            p.requires_grad_(False)
-        x = torch.empty(chains, *shape, device="meta", requires_grad=True)
-        model(x).logsumexp(1).sum().backward()  # input gradient only (FlopCounterMode rejects autograd.grad)
-        for p in model.parameters():
-            p.requires_grad_(True)
-
-    def train_step():
-        model(torch.empty(batch + chains, *shape, device="meta")).logsumexp(1).sum().backward()
-
-    step = count(chain_step)
-    train = count(train_step)
-    total = steps * step + train
+    parts = iteration_flops_parts(model_fn, batch, chains, steps, tuple(shape))
     return {
-        "forward_gflop_per_image": forward_1 / 1e9,
-        "chain_step_tflop": step / 1e12,
-        "train_step_tflop": train / 1e12,
-        "iteration_tflop": total / 1e12,
+        "forward_gflop_per_image": parts["forward_per_image"] / 1e9,
+        "chain_step_tflop": parts["chain_step"] / 1e12,
+        "train_step_tflop": parts["train_step"] / 1e12,
+        "iteration_tflop": parts["iteration"] / 1e12,
     }
 
 

@@ -375,17 +375,18 @@ def check_generator(device: torch.device) -> Check:
     )
 
 
-def iteration_flops(model_fn: Callable[[], nn.Module], batch: int, chains: int, steps: int, shape=(3, 32, 32)) -> int:
-    """FLOPs of one JEM iteration, counted by ``torch.utils.flop_counter`` on the meta device.
-
-    A chain step is a forward and the input gradient (parameters frozen) of ``chains`` samples; the
-    training step a forward and a full backward of the batch and the chains together.
-    """
+def iteration_flops_parts(
+    model_fn: Callable[[], nn.Module], batch: int, chains: int, steps: int, shape: tuple[int, ...] = (3, 32, 32)
+) -> dict[str, int]:
+    """FLOPs of one JEM iteration and its parts, counted by ``torch.utils.flop_counter`` on the meta
+    device: ``forward_per_image``, ``chain_step`` (a forward of the chains plus their input
+    gradient, parameters frozen), ``train_step`` (forward and full backward of batch and chains
+    together) and ``iteration`` (``steps`` chain steps and one training step)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model = model_fn().to("meta")
 
-    def count(fn: Callable[[], None]) -> int:
+    def count(fn: Callable[[], Any]) -> int:
         with FlopCounterMode(display=False) as fc:
             fn()
         return int(fc.get_total_flops())
@@ -401,7 +402,20 @@ def iteration_flops(model_fn: Callable[[], nn.Module], batch: int, chains: int, 
     def train_step() -> None:
         model(torch.empty(batch + chains, *shape, device="meta")).logsumexp(1).sum().backward()
 
-    return steps * count(chain_step) + count(train_step)
+    step, train = count(chain_step), count(train_step)
+    return {
+        "forward_per_image": count(lambda: model(torch.empty(1, *shape, device="meta"))),
+        "chain_step": step,
+        "train_step": train,
+        "iteration": steps * step + train,
+    }
+
+
+def iteration_flops(
+    model_fn: Callable[[], nn.Module], batch: int, chains: int, steps: int, shape: tuple[int, ...] = (3, 32, 32)
+) -> int:
+    """FLOPs of one JEM iteration (see :func:`iteration_flops_parts`)."""
+    return iteration_flops_parts(model_fn, batch, chains, steps, shape)["iteration"]
 
 
 def matmul_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 1.0) -> float:
