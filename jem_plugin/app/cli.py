@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.optim.swa_utils import update_bn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .. import calibration, ood, training
@@ -29,7 +27,7 @@ from ..errors import JEMError
 from ..plugins import list_plugins
 from ..recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 from ..sampling import COLOURS, SGLD
-from . import CLIError, doctor
+from . import CLIError, doctor, post_training
 from .experiments import dataset_sample_quality, run_digits_demo
 from .model_files import (
     build_model,
@@ -340,22 +338,19 @@ def _train(args, info) -> int:
     record = history.to_dict()
     # The final model's held-out logits, once: rank 0 reports accuracy and calibration from them.
     scored = info.is_main and val_loader is not None
-    final_logits = None
-    if loss_fn is not None and recipe.bn_stats_from_data and any(isinstance(m, _BatchNorm) for m in jm.modules()):
+    decisions: list[post_training.Decision] = []
+    small = post_training.small_held_out_warning(len(val)) if scored and val is not None else None
+    if small:
+        print(f"jem train: warning: {small}")
+    if loss_fn is not None and recipe.bn_stats_from_data:
         # The joint pass mixed the samples into the running statistics that evaluation normalises
-        # data with (issue 16, e75). Before the samples and scores below, which use the result.
-        acc_before = _accuracy(*_held_out_logits(jm, val_loader)) if scored else None
-        update_bn(loader, jm, device=dev)
-        jdist.average_batchnorm_statistics(jm)  # each rank saw its own shard; rank 0 saves
-        final_logits = _held_out_logits(jm, val_loader) if scored else None
-        acc_after = _accuracy(*final_logits) if final_logits is not None else None
-        record["bn_stats_from_data"] = {"val_acc_before": acc_before, "val_acc_after": acc_after}
-        if info.is_main:
-            print(
-                "jem train: BatchNorm running statistics recomputed from the training data"
-                + (f": held-out accuracy {acc_before:.3f} -> {acc_after:.3f}" if acc_before is not None else "")
-                + " (--no-bn-stats-from-data keeps those of training)"
-            )
+        # data with. Recomputed before the samples and scores below, which use the result, and
+        # kept only if the held-out split shows they are not worse.
+        bn = post_training.recompute_batchnorm(
+            jm, loader, (lambda: _held_out_logits(jm, val_loader)) if scored else None, dev
+        )
+        if bn is not None:
+            decisions.append(bn)
     if loss_fn is not None and len(shape) == 3 and bool(loss_fn.buffer.initialized):  # each rank's own chains
         from ..viz import save_image_grid
 
@@ -393,19 +388,33 @@ def _train(args, info) -> int:
             )
         )
     if scored:
-        c = record["calibration"] = calibration.cross_fitted_report(*(final_logits or _held_out_logits(jm, val_loader)))
+        final_logits = _held_out_logits(jm, val_loader)
+        temperature, c = post_training.choose_temperature(*final_logits)
+        record["calibration"] = c
         print(
             f"held-out calibration ({int(c['n'])} images): ECE {c['ece_before']:.3f}, {c['ece_after']:.3f} "
             f"after a temperature of {c['temperature']:.2f} (each half of the held-out split scaled by one "
             "fitted on the other; fit yours with jem.calibration.TemperatureScaler)"
         )
+        decisions.append(temperature)
+        if temperature.kept:
+            spec["temperature"] = c["temperature"]  # calibrated probabilities: softmax(logits / T)
+        record["held_out"] = {"n": len(final_logits[1]), "accuracy": _accuracy(*final_logits)}
+    if info.is_main:
+        record["post_training"] = [d.as_dict() for d in decisions]
+        for d in decisions:
+            numbers = (
+                f", held-out {d.before:.3f} -> {d.after:.3f}" if d.before is not None and d.after is not None else ""
+            )
+            print(f"jem train: {d.title}{numbers}: {d.reason}")
     if info.is_main:
         save_model_checkpoint(out / "model.pt", jm, spec)
         (out / "history.json").write_text(json.dumps(record, indent=2))
-        last = [e for e in history.to_dict()["epochs"] if "val_acc" in e]
-        if last and record.get("bn_stats_from_data", {}).get("val_acc_after") is None:
-            print(f"held-out accuracy after epoch {last[-1]['epoch']}: {last[-1]['val_acc']:.3f}")
-        print(f"model: {out / 'model.pt'}")
+        metrics = {k: record[k] for k in ("held_out", "calibration", "post_training", "sample_quality") if k in record}
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        if "held_out" in record:
+            print(f"held-out accuracy of the saved model: {record['held_out']['accuracy']:.3f}")
+        print(f"model: {out / 'model.pt'}  (metrics.json and history.json beside it)")
     jdist.barrier()  # no rank exits (and tears down the group) before rank 0 has written
     return 0
 
