@@ -246,39 +246,337 @@ def evaluate(
     }
 
 
+# ---------------------------------------------------------------------- comparing scores
+__all__ += ["OODTable"]
+
+_METRICS = ("auroc", "aupr_in", "aupr_out", "fpr95")
+_LOWER_IS_BETTER = {"fpr95"}
+_STATUS_WORD = {"skipped": "skip", "failed": "FAIL", "non-finite": "NaN"}
+
+
+class OODTable(dict):
+    """The result of :func:`evaluate_all`: every score against every OOD set.
+
+    It *is* the mapping ``{score: {set: {"auroc", "aupr_in", "aupr_out", "fpr95"}}}`` that
+    :func:`evaluate_all` always returned (a ``dict``: indexing, iteration, ``json.dumps`` and
+    comparison with a plain dict work as before), holding the rows that were measured. On top:
+
+    - :meth:`rows`: one record per (score, set), *every* requested pair, with ``status``
+      (``"ok"``, ``"skipped"``, ``"failed"``, ``"non-finite"``), a one-line ``reason`` and the
+      scoring time per 1000 images; skipped and failed pairs are there, not in the mapping;
+    - :meth:`best`: the best score per set; :meth:`to_text` (also ``str(table)``): a printable
+      table marking it with ``*``; :meth:`to_csv`; :func:`jem_plugin.viz.plot_ood_table` draws it.
+    """
+
+    def __init__(
+        self,
+        records: Sequence[Mapping[str, Any]] = (),
+        methods: Sequence[str] = (),
+        sets: Sequence[str] = (),
+        timing: Mapping[str, Mapping[str, float]] | None = None,
+    ) -> None:
+        super().__init__()
+        self.records: list[dict[str, Any]] = [dict(r) for r in records]
+        self.methods: list[str] = list(methods) or list(dict.fromkeys(r["score"] for r in self.records))
+        self.sets: list[str] = list(sets) or list(dict.fromkeys(r["set"] for r in self.records))
+        #: ``{score: {"seconds_per_1000", "fit_seconds", "n_images"}}`` of the scores that ran.
+        self.timing: dict[str, dict[str, float]] = {k: dict(v) for k, v in (timing or {}).items()}
+        for r in self.records:
+            if r["status"] == "ok":
+                self.setdefault(r["score"], {})[r["set"]] = {m: r[m] for m in _METRICS}
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One record per (score, set), in table order: ``score``, ``set``, ``status``,
+        ``reason``, the four metrics (NaN unless ``status == "ok"``), ``seconds_per_1000``
+        (scoring time of that score per 1000 images, the in-distribution and every OOD set
+        together; fitting excluded), ``fit_seconds`` and ``best`` (best AUROC of its set)."""
+        best = {s: set(v) for s, v in self._best_sets("auroc").items()}
+        return [{**r, "best": r["score"] in best.get(r["set"], set())} for r in self.records]
+
+    def _best_sets(self, metric: str) -> dict[str, list[str]]:
+        if metric not in _METRICS:
+            raise ValueError(f"metric must be one of {', '.join(_METRICS)}, got {metric!r}")
+        sign = -1.0 if metric in _LOWER_IS_BETTER else 1.0
+        out: dict[str, list[str]] = {}
+        for name in self.sets:
+            values = {m: sign * v[name][metric] for m, v in self.items() if name in v}
+            if values:
+                top = max(values.values())
+                out[name] = [m for m, v in values.items() if v == top]
+        return out
+
+    def best(self, metric: str = "auroc") -> dict[str, str]:
+        """``{set: score}``: the best score on each OOD set by ``metric`` (highest AUROC / AUPR,
+        lowest FPR95; the first in table order on a tie). Sets no score measured are left out."""
+        return {name: tops[0] for name, tops in self._best_sets(metric).items()}
+
+    def mean(self, metric: str = "auroc") -> dict[str, float]:
+        """``{score: mean of metric over the OOD sets}`` for the scores measured on every set."""
+        return {
+            m: float(np.mean([v[s][metric] for s in self.sets]))
+            for m, v in self.items()
+            if all(s in v for s in self.sets)
+        }
+
+    def failures(self) -> dict[str, str]:
+        """``{score: "status: reason"}`` of every score with a pair not measured (skipped,
+        failed or non-finite); one line each, the first set's reason."""
+        out: dict[str, str] = {}
+        for r in self.records:
+            if r["status"] != "ok" and r["score"] not in out:
+                out[r["score"]] = f"{r['status']}: {r['reason']}"
+        return out
+
+    def to_csv(self, path: str | Any) -> str:
+        """Write :meth:`rows` as CSV (one line per score and set, every metric); returns the path."""
+        import csv
+        from pathlib import Path
+
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fields = ["score", "set", "status", *_METRICS, "seconds_per_1000", "fit_seconds", "best", "reason"]
+        with p.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+            w.writeheader()
+            for r in self.rows():
+                w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+        return str(p)
+
+    def to_text(self, metric: str = "auroc") -> str:
+        """A plain-text table: one line per score, ``metric`` per OOD set, its mean over the
+        sets and the scoring time per 1000 images; ``*`` marks the best score of each set,
+        unmeasured cells say why in one word (``skip``, ``FAIL``, ``NaN``) with the reasons below."""
+        best = self._best_sets(metric)
+        by_pair = {(r["score"], r["set"]): r for r in self.records}
+        means = self.mean(metric)
+        width = max([len("score"), *map(len, self.methods)])
+        cols = [max(7, len(s)) for s in self.sets]
+        header = (
+            f"{'score':<{width}}  "
+            + "  ".join(f"{s:>{c}}" for s, c in zip(self.sets, cols))
+            + f"  {'mean':>6}  {'s/1000':>7}"
+        )
+        lines = [header, "-" * len(header)]
+        for m in self.methods:
+            cells = []
+            for s, c in zip(self.sets, cols):
+                r = by_pair.get((m, s))
+                if r is None:
+                    cell = "-"
+                elif r["status"] == "ok":
+                    cell = f"{r[metric]:.3f}" + ("*" if m in best.get(s, ()) else " ")
+                else:
+                    cell = _STATUS_WORD.get(r["status"], r["status"]) + " "
+                cells.append(f"{cell:>{c}}")
+            t = self.timing.get(m, {}).get("seconds_per_1000")
+            mean = f"{means[m]:.3f}" if m in means else "-"
+            lines.append(f"{m:<{width}}  " + "  ".join(cells) + f"  {mean:>6}  {'-' if t is None else f'{t:.3g}':>7}")
+        direction = "lower is better" if metric in _LOWER_IS_BETTER else "in-distribution positive"
+        lines.append(f"{metric} ({direction}); * best per set; s/1000: scoring seconds per 1000 images")
+        lines += [f"  {m}: {why}" for m, why in self.failures().items()]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first[:200]}" if first else type(exc).__name__
+
+
+def _method_names(methods: str | Sequence[str]) -> list[str]:
+    """The requested score names, checked against the registry before anything is scored."""
+    from .errors import UnknownNameError
+
+    available = sorted(collect(_HOOK))
+    if isinstance(methods, str):
+        names = available if methods == "all" else [m.strip() for m in methods.split(",") if m.strip()]
+    else:
+        names = [str(m) for m in methods]
+    if not names:
+        raise ValueError("methods is empty: name at least one score, or 'all'")
+    unknown = [m for m in dict.fromkeys(names) if m not in available]
+    if unknown:
+        raise UnknownNameError(
+            f"unknown OOD score{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"available: {', '.join(available)} (or 'all')"
+        )
+    return list(dict.fromkeys(names))
+
+
+def _score_fitted(jm, det: Any, data: Any, needs_grad: bool, name: str, batch_size: int, progress, input_key) -> Tensor:
+    """:func:`score`'s loop for a fitted detector instance (``det.score(jm, x) -> [B]``)."""
+    batches, n_batches, was_tensor = _batches(data, batch_size, input_key)
+    if progress is None:
+        progress = not was_tensor and sys.stderr.isatty()
+    device, dtype = model_device(jm), jm.param_dtype()
+    results: list[Tensor] = []
+    with (
+        sampling_mode(jm),
+        tqdm(total=n_batches, desc=f"ood score {name}", unit="batch", disable=not progress, leave=False) as bar,
+    ):
+        for x in batches:
+            if device is not None and not same_device(x.device, device):
+                x = x.to(device, non_blocking=True)
+            x = check_input(x, dtype=dtype, domain=jm.domain)
+            if needs_grad:
+                s = det.score(jm, x)
+            else:
+                with torch.no_grad():
+                    s = det.score(jm, x)
+            if not isinstance(s, Tensor) or s.shape != (x.shape[0],):
+                raise InvalidScoresError(
+                    f"detector {name!r} returned "
+                    f"{tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__} for a batch of "
+                    f"{x.shape[0]} inputs; .score must return a [B] tensor"
+                )
+            results.append(s.detach().to("cpu", torch.float32))
+            bar.update(1)
+    if not results:
+        raise InvalidInputError("no inputs to score: the data is empty")
+    return torch.cat(results)
+
+
+def _non_finite(s_in: Tensor, s_out: Tensor) -> str | None:
+    bad_in, bad_out = int((~torch.isfinite(s_in)).sum()), int((~torch.isfinite(s_out)).sum())
+    if not bad_in and not bad_out:
+        return None
+    parts = [
+        f"{b} of {len(s)} {w} scores" for b, s, w in ((bad_in, s_in, "in-distribution"), (bad_out, s_out, "OOD")) if b
+    ]
+    return " and ".join(parts) + " are NaN/inf"
+
+
+def _run_method(
+    jm, m: str, entry: Mapping[str, Any], kw: dict, data_in, data_out, fit_data, batch_size, progress, input_key
+) -> tuple[dict[str, Tensor], float, float]:
+    """Scores of one method on the in-distribution data and every OOD set: ``(scores, fit
+    seconds, scoring seconds)``. A fit-able detector is built and fitted once, first, with the
+    model in :func:`~jem_plugin.model.sampling_mode` as for scoring."""
+    import time
+
+    needs_grad = bool(entry.get("needs_grad", False))
+    fit_s, det = 0.0, None
+    if entry.get("needs_fit", False):
+        t0 = time.perf_counter()
+        det = entry["item"](**kw)
+        with sampling_mode(jm):  # eval mode: BatchNorm statistics and Dropout as when scoring
+            det.fit(jm, fit_data, batch_size=batch_size, progress=progress)
+        fit_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    s: dict[str, Tensor] = {}
+    for name, data in [("in", data_in), *data_out.items()]:
+        if det is not None:
+            s[str(name)] = _score_fitted(jm, det, data, needs_grad, m, batch_size, progress, input_key)
+        else:
+            s[str(name)] = score(jm, data, m, batch_size=batch_size, progress=progress, input_key=input_key, **kw)
+    return s, fit_s, time.perf_counter() - t0
+
+
 def evaluate_all(
     jm,
     data_in: Any,
     data_out: Mapping[str, Any],
-    methods: Sequence[str] = ("logpx", "msp", "max_logit", "grad_norm"),
+    methods: str | Sequence[str] = "all",
     *,
+    fit_data: Any = None,
     method_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     positive: str = "in",
     batch_size: int = 256,
     progress: bool | None = None,
+    input_key: str | None = None,
     return_scores: bool = False,
 ):
-    """Every score in ``methods`` against every OOD set: ``{method: {set name: evaluate(...)}}``.
+    """Compare OOD scores: every score in ``methods`` against every OOD set, in one call.
 
-    ``data_in`` and each value of ``data_out`` are anything :func:`score` takes. The
-    in-distribution data is scored once per method. ``method_kwargs`` gives per-method
-    options, e.g. ``{"msp": {"temperature": 1000.0}}``. With ``return_scores=True`` the result
-    is ``(metrics, scores)`` with ``scores[method] = {"in": Tensor, name: Tensor, ...}``, ready
-    for :func:`jem_plugin.viz.plot_histograms` and :func:`jem_plugin.viz.plot_roc`.
+    Returns an :class:`OODTable`: the dict ``{method: {set name: evaluate(...)}}`` (as before)
+    with rows for every pair (metrics, status, reason, scoring time per 1000 images),
+    :meth:`~OODTable.best` per set, :meth:`~OODTable.to_csv`, and a printable table
+    (``print(table)``) marking the best score per set. Draw it with
+    :func:`jem_plugin.viz.plot_ood_table`.
+
+    - ``methods``: ``"all"`` (default: every registered score, :func:`available_scores`), a
+      list of names, or one name / comma-separated names. Unknown names raise
+      :class:`~jem_plugin.errors.UnknownNameError` (one line listing the available ones)
+      before anything is scored.
+    - ``fit_data``: in-distribution *training* data (a loader or tensor) for the scores that
+      need fitting (Mahalanobis, ViM, KNN, ...): each is fitted once, streaming over it, then
+      scores every set. Without it those scores are listed as ``skipped`` with the reason.
+    - A score that raises, or gives NaN/inf scores, is reported in its rows (``failed`` /
+      ``non-finite`` with a one-line reason) and the comparison goes on. Bad data
+      (:class:`~jem_plugin.errors.InvalidInputError`) still raises.
+    - ``data_in`` and each value of ``data_out`` are anything :func:`score` takes; the
+      in-distribution data is scored once per method. ``method_kwargs`` gives per-method
+      options, e.g. ``{"msp": {"temperature": 1000.0}}`` (a detector's go to its constructor).
+    - ``return_scores=True`` returns ``(table, scores)`` with ``scores[method] = {"in": Tensor,
+      name: Tensor, ...}``, ready for :func:`jem_plugin.viz.plot_histograms` / ``plot_roc``.
     """
+    from .errors import NotWrappedError
+
     if not isinstance(data_out, Mapping) or not data_out:
         raise InvalidInputError("data_out must be a non-empty dict {name: OOD data}")
+    names = _method_names(methods)
     method_kwargs = dict(method_kwargs or {})
-    unknown = sorted(set(method_kwargs) - set(methods))
+    unknown = sorted(set(method_kwargs) - set(names))
     if unknown:
         raise ValueError(f"method_kwargs names methods not in methods: {', '.join(unknown)}")
-    results: dict[str, dict[str, dict[str, float]]] = {}
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    jm = as_jem(jm, "ood.evaluate_all")
+    entries = collect(_HOOK)
+    sets = [str(k) for k in data_out]
+    if "in" in sets or len(set(sets)) != len(sets):
+        raise ValueError(f"OOD set names must be distinct and not 'in' (the in-distribution data), got {sets}")
+    # Every option is checked before the first score runs: a typo is an error, not a failed row.
+    for m in names:
+        if not entries[m].get("needs_fit", False):
+            _check_kwargs(m, entries[m]["item"], dict(method_kwargs.get(m, {})))
+
+    records: list[dict[str, Any]] = []
+    timing: dict[str, dict[str, float]] = {}
     scores: dict[str, dict[str, Tensor]] = {}
-    for method in methods:
-        kw = dict(method_kwargs.get(method, {}))
-        s = {"in": score(jm, data_in, method, batch_size=batch_size, progress=progress, **kw)}
-        for name, data in data_out.items():
-            s[str(name)] = score(jm, data, method, batch_size=batch_size, progress=progress, **kw)
-        scores[method] = s
-        results[method] = {name: evaluate(s["in"], v, positive=positive) for name, v in s.items() if name != "in"}
-    return (results, scores) if return_scores else results
+
+    def add(m: str, name: str, status: str, reason: str = "", metrics: Mapping[str, float] | None = None) -> None:
+        nan = float("nan")
+        t = timing.get(m, {})
+        records.append(
+            {
+                "score": m,
+                "set": name,
+                "status": status,
+                "reason": reason,
+                **{k: (metrics or {}).get(k, nan) for k in _METRICS},
+                "seconds_per_1000": t.get("seconds_per_1000", nan),
+                "fit_seconds": t.get("fit_seconds", nan),
+            }
+        )
+
+    for m in names:
+        entry, kw = entries[m], dict(method_kwargs.get(m, {}))
+        if entry.get("needs_fit", False) and fit_data is None:
+            for name in sets:
+                add(m, name, "skipped", "needs fit_data (in-distribution training data) to be fitted")
+            continue
+        try:
+            s, fit_s, elapsed = _run_method(
+                jm, m, entry, kw, data_in, data_out, fit_data, batch_size, progress, input_key
+            )
+        except (InvalidInputError, NotWrappedError):
+            raise
+        except Exception as exc:  # a broken detector is a row of the table, not the end of it
+            for name in sets:
+                add(m, name, "failed", _one_line(exc))
+            continue
+        n_images = sum(len(v) for v in s.values())
+        timing[m] = {"seconds_per_1000": 1000.0 * elapsed / n_images, "fit_seconds": fit_s, "n_images": n_images}
+        scores[m] = s
+        for name in sets:
+            bad = _non_finite(s["in"], s[name])
+            if bad:
+                add(m, name, "non-finite", bad)
+            else:
+                add(m, name, "ok", metrics=evaluate(s["in"], s[name], positive=positive))
+    table = OODTable(records, names, sets, timing)
+    return (table, scores) if return_scores else table

@@ -38,6 +38,7 @@ __all__ = [
     "density_grid",
     "plot_histograms",
     "plot_roc",
+    "plot_ood_table",
     "reliability_diagram",
     "plot_robust_accuracy",
     "STYLE",
@@ -423,6 +424,84 @@ def plot_roc(scores_in: Any, scores_out: Any, path: str, title: str | None = Non
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return path
+
+
+def _table_records(table: Any) -> list[dict[str, Any]]:
+    """Rows of an :class:`~jem_plugin.ood.OODTable`, or of a plain ``{score: {set: metrics}}``."""
+    if hasattr(table, "rows"):
+        return list(table.rows())
+    if isinstance(table, Mapping):
+        return [
+            {"score": str(m), "set": str(s), "status": "ok", **dict(v)}
+            for m, per_set in table.items()
+            for s, v in per_set.items()
+        ]
+    return [dict(r) for r in table]
+
+
+def plot_ood_table(table: Any, path: str, title: str | None = None, *, metric: str = "auroc") -> str:
+    """Save a heat map of ``metric`` (default AUROC) per score (rows) and OOD set (columns) as a PNG.
+
+    ``table`` is what :func:`jem_plugin.ood.evaluate_all` returns (or its rows, or a plain
+    ``{score: {set: metrics}}``). Each cell shows its value (red below chance, green towards
+    1); the best score of each set is outlined in black; pairs not measured are grey and say
+    why (``skip``: a detector without fit data, ``fail``: it raised, ``NaN``: non-finite
+    scores). Row labels carry the mean over the sets. Returns ``path``.
+    """
+    from matplotlib.patches import Rectangle
+
+    lower_better = metric == "fpr95"
+    records = _table_records(table)
+    if not records:
+        raise ValueError("the table is empty: nothing to draw")
+    scores = list(dict.fromkeys(r["score"] for r in records))
+    sets = list(dict.fromkeys(r["set"] for r in records))
+    values = np.full((len(scores), len(sets)), np.nan)
+    status: dict[tuple[int, int], str] = {}
+    for r in records:
+        i, j = scores.index(r["score"]), sets.index(r["set"])
+        if r.get("status", "ok") == "ok":
+            values[i, j] = float(r[metric])
+        else:
+            status[(i, j)] = {"skipped": "skip", "failed": "fail", "non-finite": "NaN"}.get(r["status"], r["status"])
+    cmap = matplotlib.colormaps["RdYlGn_r" if lower_better else "RdYlGn"].with_extremes(bad="#d9d9d9")
+    with matplotlib.rc_context({**STYLE, "axes.grid": False}):
+        fig = Figure(figsize=(1.6 + 0.95 * len(sets) + 1.6, 1.3 + 0.36 * len(scores)))
+        ax = fig.subplots()
+        im = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
+        for i in range(len(scores)):
+            for j in range(len(sets)):
+                v = values[i, j]
+                if np.isnan(v):
+                    ax.text(j, i, status.get((i, j), "-"), ha="center", va="center", fontsize=8, color="#555555")
+                    continue
+                red, green, blue, _ = cmap(float(v))
+                dark = 0.299 * red + 0.587 * green + 0.114 * blue < 0.5
+                ax.text(j, i, f"{v:.3f}", ha="center", va="center", fontsize=8, color="white" if dark else "black")
+        for j in range(len(sets)):
+            col = values[:, j]
+            if np.all(np.isnan(col)):
+                continue
+            top = np.nanmin(col) if lower_better else np.nanmax(col)
+            for k in np.flatnonzero(col == top).tolist():
+                ax.add_patch(Rectangle((j - 0.5, k - 0.5), 1, 1, fill=False, edgecolor="black", lw=2.2))
+        means = [np.mean(row) if not np.any(np.isnan(row)) else np.nan for row in values]
+        ax.set_yticks(range(len(scores)))
+        ax.set_yticklabels([f"{m}  ({mu:.3f})" if not np.isnan(mu) else m for m, mu in zip(scores, means)])
+        ax.set_xticks(range(len(sets)))
+        ax.set_xticklabels(sets, rotation=30, ha="right")
+        ax.tick_params(length=0)
+        label = {"auroc": "AUROC", "aupr_in": "AUPR-in", "aupr_out": "AUPR-out", "fpr95": "FPR at 95% TPR"}
+        fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label=label.get(metric, metric))
+        ax.set_title(
+            title
+            or f"OOD detection: {label.get(metric, metric)} per score and OOD set\n"
+            "(best per set outlined; row label: mean over the sets)",
+            fontsize=10,
+        )
+        fig.tight_layout()
+        fig.savefig(_to_path(path), dpi=120)
     return path
 
 

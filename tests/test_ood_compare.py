@@ -1,0 +1,176 @@
+"""evaluate_all as one call comparing every OOD score: the table, fit-able detectors, failures, the figure."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+from conftest import TinyCNN
+from torch.utils.data import DataLoader, TensorDataset
+
+import jem_plugin as jem
+from jem_plugin import ood
+from jem_plugin.errors import InvalidInputError, UnknownNameError
+
+CALLS: list[str] = []
+
+
+class CentreDistance:
+    """A fit-able test detector: minus the distance of the logits to their training mean."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale, self.centre = scale, None
+
+    def fit(self, jm, data, batch_size=256, progress=None):
+        loader = data.split(batch_size) if isinstance(data, torch.Tensor) else (b[0] for b in data)
+        with torch.no_grad():
+            total, n = 0.0, 0
+            for x in loader:  # streams: one batch at a time
+                z = jm.logits(x)
+                total, n = total + z.sum(0), n + len(z)
+        self.centre = total / n
+        return self
+
+    def score(self, jm, x):
+        CALLS.append("centre")
+        return -self.scale * (jm.logits(x) - self.centre).norm(dim=1)
+
+
+class Broken(CentreDistance):
+    def score(self, jm, x):
+        raise RuntimeError("detector exploded\nsecond line of the traceback text")
+
+
+def nan_score(jm, x):
+    s = jm.logits(x)[:, 0].clone()
+    s[0] = float("nan")
+    return s
+
+
+class TestPlugin:
+    @jem.hookimpl
+    def jem_register_ood_scores(self, register):
+        register("t_centre", CentreDistance, needs_grad=False, needs_fit=True, description="test: centre distance")
+        register("t_broken", Broken, needs_grad=False, needs_fit=True, description="test: raises")
+        register("t_nan", nan_score, needs_grad=False, description="test: one NaN per batch")
+
+
+@pytest.fixture
+def plugin():
+    jem.register(TestPlugin(), name="ood-compare-test")
+    CALLS.clear()
+    yield
+    jem.unregister(name="ood-compare-test")
+
+
+@pytest.fixture
+def jm():
+    torch.manual_seed(0)
+    m = TinyCNN()
+    with torch.no_grad():
+        m.head.weight.mul_(20.0)
+    return jem.wrap(m, data_range=(0.0, 1.0), input_size=(1, 8, 8))
+
+
+@pytest.fixture
+def data():
+    g = torch.Generator().manual_seed(1)
+    x_train = torch.rand(96, 1, 8, 8, generator=g) * 0.5
+    x_in = torch.rand(48, 1, 8, 8, generator=g) * 0.5
+    far = 0.5 + 0.5 * torch.rand(40, 1, 8, 8, generator=g)
+    mid = torch.rand(32, 1, 8, 8, generator=g)
+    return x_train, x_in, {"far": DataLoader(TensorDataset(far), batch_size=16), "mid": mid}
+
+
+def test_table_of_every_score_with_fit_data(plugin, jm, data, tmp_path):
+    x_train, x_in, outs = data
+    methods = ["logpx", "msp", "t_centre", "t_broken", "t_nan"]
+    table = ood.evaluate_all(
+        jm, x_in, outs, methods, fit_data=DataLoader(TensorDataset(x_train, x_train[:, 0, 0, 0]), batch_size=32)
+    )
+    # It is the old mapping for what was measured ...
+    assert isinstance(table, dict) and set(table) == {"logpx", "msp", "t_centre"}
+    assert table["logpx"]["far"] == ood.evaluate(ood.score(jm, x_in), ood.score(jm, outs["far"]))
+    jm.eval()  # evaluate_all fits and scores in eval mode
+    det = CentreDistance().fit(jm, x_train)
+    assert table["t_centre"]["mid"] == ood.evaluate(det.score(jm, x_in), det.score(jm, outs["mid"]))
+    assert json.loads(json.dumps(table)) == table
+    # ... and every requested pair is a row, failures with a one-line reason.
+    rows = table.rows()
+    assert len(rows) == len(methods) * 2 and {r["set"] for r in rows} == {"far", "mid"}
+    by = {(r["score"], r["set"]): r for r in rows}
+    assert by[("t_broken", "far")]["status"] == "failed"
+    assert by[("t_broken", "far")]["reason"] == "RuntimeError: detector exploded"
+    assert by[("t_nan", "mid")]["status"] == "non-finite" and "NaN/inf" in by[("t_nan", "mid")]["reason"]
+    assert all(r["status"] == "ok" and 0 <= r["auroc"] <= 1 for r in rows if r["score"] in table)
+    assert table.timing["t_centre"]["seconds_per_1000"] > 0 and table.timing["t_centre"]["fit_seconds"] > 0
+    assert table.timing["t_centre"]["n_images"] == 48 + 40 + 32
+    # best per set, marked in the text table and the CSV
+    best = table.best()
+    for s in ("far", "mid"):
+        assert table[best[s]][s]["auroc"] == max(table[m][s]["auroc"] for m in table)
+    assert table.best("fpr95")["far"] in table
+    text = str(table)
+    lines = {line.split()[0]: line for line in text.splitlines()[2:] if line.strip()}
+    assert "*" in lines[best["far"]] and "FAIL" in lines["t_broken"] and "NaN" in lines["t_nan"]
+    assert "t_broken: failed: RuntimeError: detector exploded" in text
+    path = table.to_csv(tmp_path / "t.csv")
+    read = list(csv.DictReader(open(path)))
+    assert len(read) == len(rows) and {r["status"] for r in read} == {"ok", "failed", "non-finite"}
+    assert [r["best"] for r in read if r["score"] == best["mid"] and r["set"] == "mid"] == ["True"]
+    assert set(table.mean()) == {"logpx", "msp", "t_centre"}
+
+
+def test_all_lists_fit_able_scores_as_skipped_without_fit_data(plugin, jm, data):
+    _, x_in, outs = data
+    table = ood.evaluate_all(jm, x_in, {"mid": outs["mid"]}, progress=False)  # default: "all"
+    names = {r["score"] for r in table.rows()}
+    assert names == set(ood.available_scores())
+    skipped = {r["score"] for r in table.rows() if r["status"] == "skipped"}
+    assert {"t_centre", "t_broken"} <= skipped and "logpx" not in skipped
+    assert table.failures()["t_centre"] == "skipped: needs fit_data (in-distribution training data) to be fitted"
+    assert "skip" in str(table) and not CALLS
+
+
+def test_unknown_names_fail_before_any_scoring(plugin, jm, data):
+    x_train, x_in, outs = data
+    with pytest.raises(UnknownNameError, match=r"unknown OOD scores 'nope', 'nada'; available: .*logpx.*t_centre"):
+        ood.evaluate_all(jm, x_in, outs, ["t_centre", "nope", "nada"], fit_data=x_train)
+    with pytest.raises(UnknownNameError, match="'zap'"):
+        ood.evaluate_all(jm, x_in, outs, "logpx,zap")
+    with pytest.raises(TypeError, match="temperature"):  # a bad option is an error too, not a failed row
+        ood.evaluate_all(
+            jm, x_in, outs, ["t_centre", "max_logit"], fit_data=x_train, method_kwargs={"max_logit": {"temperature": 2}}
+        )
+    assert not CALLS
+    with pytest.raises(ValueError, match="not 'in'"):
+        ood.evaluate_all(jm, x_in, {"in": x_in}, "logpx")
+    with pytest.raises(InvalidInputError, match="empty"):  # bad data is not a detector's failure
+        ood.evaluate_all(jm, [], outs, "logpx")
+
+
+def test_detector_options_and_return_scores(plugin, jm, data):
+    x_train, x_in, outs = data
+    table, scores = ood.evaluate_all(
+        jm, x_in, outs, "t_centre", fit_data=x_train, method_kwargs={"t_centre": {"scale": 2.0}}, return_scores=True
+    )
+    det = CentreDistance(scale=2.0).fit(jm.eval(), x_train)
+    torch.testing.assert_close(scores["t_centre"]["in"], det.score(jm, x_in))
+    assert set(scores["t_centre"]) == {"in", "far", "mid"} and list(table) == ["t_centre"]
+
+
+def test_heat_map_figure(plugin, jm, data, tmp_path):
+    from jem_plugin.viz import plot_ood_table
+
+    x_train, x_in, outs = data
+    table = ood.evaluate_all(
+        jm, x_in, outs, ["logpx", "msp", "max_logit", "t_centre", "t_broken", "t_nan"], fit_data=x_train
+    )
+    path = plot_ood_table(table, str(tmp_path / "heat.png"), title="test")
+    assert (tmp_path / "heat.png").stat().st_size > 2000 and path.endswith("heat.png")
+    plot_ood_table(dict(table), str(tmp_path / "plain.png"))  # a plain {score: {set: metrics}} too
+    plot_ood_table(table, str(tmp_path / "fpr.png"), metric="fpr95")
+    with pytest.raises(ValueError, match="empty"):
+        plot_ood_table({}, str(tmp_path / "none.png"))
