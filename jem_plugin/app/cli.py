@@ -28,7 +28,7 @@ from ..plugins import list_plugins
 from ..recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 from ..sampling import COLOURS, SGLD
 from . import CLIError, doctor, post_training
-from .experiments import dataset_sample_quality, run_digits_demo
+from .experiments import dataset_sample_quality, run_digits_demo, samples_against_data
 from .model_files import (
     build_model,
     check_classes,
@@ -38,9 +38,12 @@ from .model_files import (
     held_out_data,
     load_data,
     load_model_checkpoint,
+    load_run_sampler,
     model_spec,
     ood_sets,
+    sampler_file,
     save_model_checkpoint,
+    save_run_sampler,
     split_held_out,
     wrap_for_data,
 )
@@ -409,6 +412,8 @@ def _train(args, info) -> int:
             print(f"jem train: {d.title}{numbers}: {d.reason}")
     if info.is_main:
         save_model_checkpoint(out / "model.pt", jm, spec)
+        if loss_fn is not None and len(shape) == 3:
+            save_run_sampler(out / "model.pt", loss_fn)  # jem sample draws as the run drew
         (out / "history.json").write_text(json.dumps(record, indent=2))
         metrics = {k: record[k] for k in ("held_out", "calibration", "post_training", "sample_quality") if k in record}
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
@@ -475,7 +480,8 @@ def cmd_ood(args) -> int:
 def cmd_sample(args) -> int:
     from ..viz import save_image_grid  # lazy: matplotlib
 
-    jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
+    dev = _device(args.device)
+    jm, spec = load_model_checkpoint(args.checkpoint, dev)
     if len(spec["sample_shape"]) != 3:
         raise CLIError(f"jem sample draws images; this model's inputs have shape {tuple(spec['sample_shape'])}")
     out = (
@@ -484,27 +490,78 @@ def cmd_sample(args) -> int:
         else Path(args.checkpoint).with_name(Path(args.checkpoint).stem + "_samples.png")
     )
     g = torch.Generator().manual_seed(args.seed)
-    sampler = SGLD(steps=args.sgld_steps, step_size=args.step_size, noise=args.noise, generator=g)
     k, classes = spec["num_classes"], spec.get("classes") or [str(i) for i in range(spec["num_classes"])]
     per = max(1, args.n // k) if args.per_class else args.n
     y = torch.arange(k).repeat_interleave(per) if args.per_class else None
-    x0 = jm.domain.uniform(len(y) if y is not None else args.n, spec["sample_shape"], generator=g)
-    x = sampler.sample(jm, x_init=x0.to(model_device(jm)), y=None if y is None else y.to(x0.device)).cpu()
-    with torch.no_grad():
-        pred = jm(x.to(model_device(jm))).argmax(1).cpu()
+    n, shape, device = len(y) if y is not None else args.n, tuple(spec["sample_shape"]), model_device(jm)
+    run = load_run_sampler(args.checkpoint, device)
+    asked = {"steps": args.sgld_steps, "step_size": args.step_size, "noise": args.noise}
+    if run is None:
+        if args.from_buffer:
+            raise CLIError(f"--from-buffer needs {sampler_file(args.checkpoint)}, written by `jem train`")
+        print(
+            f"jem sample: no {sampler_file(args.checkpoint).name} beside the model (a baseline, or a model from an "
+            "older jem train): chains start from uniform noise with default settings"
+        )
+        settings: dict[str, Any] = {"steps": 100}
+        buffer = None
+    else:
+        settings, buffer = run
+    settings.update({key: v for key, v in asked.items() if v is not None})
+    sampler = SGLD(**settings, generator=g)
+    if buffer is not None and sampler.colours == "data":
+        sampler.use_colours_of(buffer)
+    yd = None if y is None else y.to(device)
+    if buffer is not None and args.from_buffer:
+        if y is not None and buffer.num_classes is None:
+            raise CLIError("this run's replay buffer is unconditional; drop --per-class to continue its chains")
+        x0, _ = buffer.sample(n, domain=jm.domain, y=yd, generator=g)  # the file keeps its chains
+        starts = "the run's replay buffer"
+    elif buffer is not None:
+        x0 = buffer.init_dist.sample(n, shape, jm.domain, g, device, y=yd)
+        starts = f"the run's init distribution ({buffer.init_name})"
+    else:
+        x0 = jm.domain.uniform(n, shape, generator=g)
+        starts = "uniform noise"
+    x = sampler.sample(jm, x_init=x0.to(device), y=yd).cpu()
     what = "class-conditional" if y is not None else "unconditional"
     save_image_grid(
         x,
         out,
         domain=jm.domain,
         nrow=per if y is not None else min(8, args.n),
-        title=f"{what} samples\n{args.sgld_steps} SGLD steps, {Path(args.checkpoint).name}",
+        title=f"{what} samples\n{sampler.steps} SGLD steps from {starts}, {Path(args.checkpoint).name}",
         row_labels=[f"class {c}" for c in classes] if y is not None else None,
     )
-    if y is not None:
-        print(f"the model classifies {float((pred == y).float().mean()):.0%} of them as the class they were drawn for")
-    print(f"samples: {out}")
+    print(f"samples: {out} ({sampler.steps} SGLD steps from {starts})")
+    if not args.no_check:
+        _print_sample_check(x, x0.cpu(), y, spec, args.seed)
     return 0
+
+
+def _print_sample_check(x: torch.Tensor, x0: torch.Tensor, y: torch.Tensor | None, spec, seed: int) -> None:
+    """The samples as an independent judge sees them, against where their chains started."""
+    size = int(spec["sample_shape"][-1])
+    train_ds, *_ = load_data(spec["data"], train=True, image_size=size, seed=seed)
+    kept = spec.get("held_out") or {}
+    if spec["data"].startswith("folder:") and kept.get("fraction"):
+        train_ds, _ = split_held_out(train_ds, kept["fraction"], kept.get("seed", 0))
+    heldout_ds, _ = held_out_data(spec, None, None, seed)
+    q = samples_against_data(x, x0, train_ds, heldout_ds, y=y, num_classes=spec["num_classes"], seed=seed)
+    if "skipped" in q:
+        print(f"check skipped: {q['skipped']}")
+        return
+    line = (
+        f"check (a judge trained on the training data, {q['judge_acc_heldout']:.2f} on held-out images): "
+        f"Fréchet distance to {q['n']} held-out images {q['fd_samples']:.3g} for the samples, "
+        f"{q['fd_starts']:.3g} for their starting points"
+    )
+    if y is not None:
+        line += (
+            f"; it puts {q['judge_acc_samples']:.0%} of the samples in the class they were drawn for "
+            f"({q['judge_acc_starts']:.0%} of the starting points)"
+        )
+    print(line + ". Lower distance than the starts: the chains moved towards the data.")
 
 
 def cmd_doctor(args) -> int:
@@ -721,9 +778,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="model.pt written by `jem train`")
     p.add_argument("--n", type=_positive, default=64)
     p.add_argument("--per-class", action="store_true", help="class-conditional: one row per class")
-    p.add_argument("--sgld-steps", type=_positive, default=100)
-    p.add_argument("--step-size", type=float, default=1.0)
-    p.add_argument("--noise", type=float, default=0.01)
+    p.add_argument(
+        "--sgld-steps", type=_positive, default=None, help="SGLD steps (default: the run's; 100 without its sampler.pt)"
+    )
+    p.add_argument("--step-size", type=float, default=None, help="SGLD step size (default: the run's)")
+    p.add_argument("--noise", type=float, default=None, help="SGLD noise (default: the run's)")
+    p.add_argument(
+        "--from-buffer",
+        action="store_true",
+        help="continue the run's replay-buffer chains (default: fresh chains from the run's init distribution)",
+    )
+    p.add_argument(
+        "--no-check", action="store_true", help="skip the check by an independent judge (trained in seconds)"
+    )
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("plugins", help="list loaded plugins and the hooks they implement")

@@ -381,6 +381,48 @@ def dataset_sample_quality(
     return sample_quality_figures(judge, buffer, xh, jm.domain, x_cond=x_cond, y_cond=y_cond, seed=seed)
 
 
+def samples_against_data(
+    samples: torch.Tensor,
+    starts: torch.Tensor,
+    train_ds,
+    heldout_ds,
+    *,
+    y: torch.Tensor | None = None,
+    num_classes: int,
+    seed: int = 0,
+    max_train: int = 5000,
+    max_heldout: int = 2000,
+) -> dict[str, Any]:
+    """How far chains moved towards the data, as a judge the model under test cannot fool sees it.
+
+    A small CNN (:func:`~jem_plugin.sample_quality.train_judge`) is trained on (at most
+    ``max_train`` of) ``train_ds``. Returns the Fréchet distance in its features from ``samples``
+    and from their ``starts`` to the same held-out images (``fd_samples``, ``fd_starts``; equal
+    sizes, so the two compare), the judge's accuracy on held-out images, and with labels ``y``
+    the share of samples and of starts it puts in their class. ``{"skipped": reason}`` when the
+    held-out split is too small.
+    """
+    if heldout_ds is None or len(heldout_ds) < 20:
+        return {"skipped": f"the check needs >= 20 held-out images, got {len(heldout_ds or ())}"}
+    g = torch.Generator().manual_seed(seed)
+    x, yt = next(iter(DataLoader(train_ds, batch_size=min(len(train_ds), max_train), shuffle=True, generator=g)))
+    xh, yh = next(iter(DataLoader(heldout_ds, batch_size=min(len(heldout_ds), max_heldout), shuffle=True, generator=g)))
+    judge = train_judge(
+        x, yt, x_test=xh, y_test=yh, epochs=max(2, min(15, 22500 // len(x))), num_classes=num_classes, seed=seed
+    )
+    n = min(len(samples), len(xh))
+    out: dict[str, Any] = {
+        "fd_samples": sample_quality(judge, samples[:n].cpu(), xh[:n])["fd"],
+        "fd_starts": sample_quality(judge, starts[:n].cpu(), xh[:n])["fd"],
+        "n": n,
+        "judge_acc_heldout": float(judge.test_accuracy or 0.0),
+    }
+    if y is not None:
+        out["judge_acc_samples"] = judge.accuracy(samples.cpu(), y.cpu())
+        out["judge_acc_starts"] = judge.accuracy(starts.cpu(), y.cpu())
+    return out
+
+
 def _jsonable(obj: Any) -> Any:
     if isinstance(obj, Mapping):
         return {str(k): _jsonable(v) for k, v in obj.items()}

@@ -31,12 +31,28 @@ from . import data as D
 BUILTIN_NETS = ("digits-cnn", "toy-mlp", "wrn28-10", "wrn-D-K")
 _WRN = re.compile(r"wrn-?(\d+)-(\d+)")  # wrn28-10, wrn-16-8: WideResNet(depth, widen_factor)
 CKPT_FORMAT = "jem-plugin/model/1"
+SAMPLER_FORMAT = "jem-plugin/sampler/1"
+# The run's sampler settings that `jem sample` reuses (what draws, not how it is recorded).
+_SAMPLER_SETTINGS = (
+    "steps",
+    "step_size",
+    "noise",
+    "schedule",
+    "decay_power",
+    "final_step_size",
+    "clamp",
+    "grad_clip",
+    "max_energy",
+    "batchnorm",
+    "colours",
+)
 
 
 def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int = 0):
     """``(dataset, domain, num_classes, sample_shape)`` for a ``--data`` spec.
 
-    Specs: ``digits``, ``toy2d`` (or ``toy2d:NAME``), ``folder:PATH``, ``cifar10:PATH``.
+    Specs: ``digits``, ``toy2d`` (or ``toy2d:NAME``), ``textures`` (or ``textures:N``, N generated
+    images per class, default 500; 100 per class for testing), ``folder:PATH``, ``cifar10:PATH``.
     """
     kind, _, arg = spec.partition(":")
     if kind == "digits":
@@ -53,12 +69,21 @@ def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int 
             raise CLIError("--data folder:PATH needs a path, e.g. folder:data/train")
         ds = D.image_folder(arg, image_size=image_size)
         return ds, ds.domain, len(ds.classes), (3, image_size, image_size)
+    if kind == "textures":  # generated colour shapes on textures (data.textures): train 0.., test 1000000..
+        try:
+            n = int(arg or 500) if train else 100
+        except ValueError:
+            raise CLIError(f"--data {spec!r}: use textures or textures:N (N images per class)") from None
+        x, y = D.textures(n, size=image_size, seed=seed, offset=0 if train else 1_000_000)
+        ds = TensorDataset(x * 2.0 - 1.0, y)  # [0, 1] -> the paper's [-1, 1], as a folder is read
+        ds.classes = [f"{k}_{c}" for k, c in enumerate(D.TEXTURE_CLASSES)]  # type: ignore[attr-defined]
+        return ds, D.signed_domain(3, (3, image_size, image_size)), 10, (3, image_size, image_size)
     if kind == "cifar10":
         if not arg:
             raise CLIError("--data cifar10:PATH needs the directory holding cifar-10-batches-py")
         ds = D.cifar10(arg, train=train)
         return ds, ds.domain, 10, (3, 32, 32)
-    raise CLIError(f"unknown --data {spec!r}; use digits, toy2d[:NAME], folder:PATH or cifar10:PATH")
+    raise CLIError(f"unknown --data {spec!r}; use digits, toy2d[:NAME], textures[:N], folder:PATH or cifar10:PATH")
 
 
 def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, Any] | None = None):
@@ -366,3 +391,43 @@ def ood_sets(items: Sequence[str] | None, spec: dict[str, Any], jm, x, y, seed: 
         sets[name] = torch.stack([ds[i][0] for i in range(len(ds))])
         check_inputs(jm, sets[name], spec, item)
     return sets
+
+
+def sampler_file(model_path: str | Path) -> Path:
+    """Where ``jem train`` puts the run's sampler beside ``model_path``: ``model.pt`` ->
+    ``sampler.pt``, ``model_JEM.pt`` -> ``sampler_JEM.pt``."""
+    path = Path(model_path)
+    stem = path.stem
+    return path.with_name(("sampler" + stem[len("model") :] if stem.startswith("model") else stem + "_sampler") + ".pt")
+
+
+def save_run_sampler(model_path: Path, loss_fn) -> Path:
+    """The run's SGLD settings and its replay buffer (chains, fitted init distribution, colour
+    axes) beside the model, so ``jem sample`` draws as the run drew."""
+    settings = {k: v for k, v in loss_fn.sampler.state_dict().items() if k in _SAMPLER_SETTINGS}
+    return save_checkpoint(
+        sampler_file(model_path),
+        rng=False,
+        kind=SAMPLER_FORMAT,
+        sgld=settings,
+        buffer_config=loss_fn.buffer.config(),
+        buffer=loss_fn.buffer,
+    )
+
+
+def load_run_sampler(model_path: str | Path, device=None):
+    """``(SGLD settings, ReplayBuffer)`` saved by :func:`save_run_sampler` beside ``model_path``,
+    or ``None`` when there is none (a model from before this file existed, or a baseline)."""
+    from ..buffer import ReplayBuffer  # lazy: only sampling needs it
+
+    path = sampler_file(model_path)
+    if not path.exists():
+        return None
+    stored = load_checkpoint(path, rng=False)
+    if stored.get("kind") != SAMPLER_FORMAT:
+        raise CLIError(f"{str(path)!r} is not a sampler file written by `jem train`")
+    buffer = ReplayBuffer(**stored["buffer_config"])
+    buffer.load_state_dict(stored["buffer"])  # a fitted init sizes its tensors on load
+    if device is not None:
+        buffer.to(device)
+    return dict(stored["sgld"]), buffer
