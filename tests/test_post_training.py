@@ -82,3 +82,15 @@ def test_a_small_held_out_split_is_named_in_one_line():
     line = post_training.small_held_out_warning(150)
     assert line is not None and "150 images" in line and "\n" not in line
     assert post_training.small_held_out_warning(post_training.SMALL_HELD_OUT) is None
+
+
+def test_the_demo_report_leads_no_sample_claim_with_the_model_own_accuracy(tmp_path):
+    """Colour noise the model likes scores 100% on its own samples; the report must not say so."""
+    from jem_plugin.app.report import write_report
+
+    summary = {"accuracy": 0.9, "fd_buffer": 50.0, "fd_init": 60.0}
+    jem_run = {"summary": summary, "model_accuracy_on_own_samples": 1.0}
+    result = {"runs": {"baseline": {"summary": {"accuracy": 0.9}}, "JEM": jem_run}}
+    html = write_report(tmp_path, result, title="t").read_text()
+    assert "class-conditional samples are classified" not in html and "own samples" not in html
+    assert "Fréchet distance" in html  # the independent judge's figures stay

@@ -559,7 +559,8 @@ def run_digits(
     y_cond: torch.Tensor | None = None
     if plots and bool(loss_fn.buffer.initialized):  # a run stopped before its first step has no chains
         _, class_sample_accuracy, (x_cond, y_cond) = _sample_grids(jm, loss_fn, cfg, out)
-        runs[jem_label]["summary"]["class_sample_accuracy"] = class_sample_accuracy
+        # metrics.json only, outside the report's summary: noise the model likes satisfies it.
+        runs[jem_label]["model_accuracy_on_own_samples"] = class_sample_accuracy
     if cfg.judge_epochs > 0 and bool(loss_fn.buffer.initialized):
         # An independent judge (issue 16): the JEM's own class-sample accuracy cannot tell digits from
         # noise it likes. The baseline has no buffer and draws no samples here: nothing to judge.

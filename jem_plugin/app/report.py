@@ -48,11 +48,6 @@ METRICS: dict[str, tuple[str, str, bool | None]] = {
     "ece": ("Calibration error (ECE)", "gap between confidence and accuracy; 0 = calibrated", False),
     "ece_temp_scaled": ("ECE after temperature scaling", "the same, after fitting one temperature", False),
     "temperature": ("Fitted temperature", "1 = already calibrated; above 1 = over-confident", None),
-    "class_sample_accuracy": (
-        "Class-sample accuracy",
-        "share of class-conditional samples classified as the class they were drawn for",
-        True,
-    ),
     # Sample quality by an independent judge CNN (jem_plugin.sample_quality), references beside it.
     "fd_buffer": (
         "Sample distance: replay buffer (FD)",
@@ -130,7 +125,6 @@ _SECTIONS = (
         "Out-of-distribution detection: AUROC (0.5 = chance, 1 = every OOD input scores below every test image)",
         ("auroc_",),
     ),
-    ("Samples (the model's own view)", ("class_sample_accuracy",)),
     (
         f"Sample quality, by an independent judge CNN. {QUALITY_HOW_TO_READ}",
         (
@@ -308,11 +302,6 @@ def summary_sentences(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
                 if "ece_temp_scaled" in j and "ece_temp_scaled" in b
                 else ")."
             )
-        )
-    if "class_sample_accuracy" in j:
-        out.append(
-            f"Samples: {100 * j['class_sample_accuracy']:.0f}% of {name}'s class-conditional samples are "
-            "classified as the class they were drawn for (the baseline cannot generate)."
         )
     if "fd_buffer" in j and "fd_init" in j:
         text = (
