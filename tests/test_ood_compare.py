@@ -174,3 +174,59 @@ def test_heat_map_figure(plugin, jm, data, tmp_path):
     plot_ood_table(table, str(tmp_path / "fpr.png"), metric="fpr95")
     with pytest.raises(ValueError, match="empty"):
         plot_ood_table({}, str(tmp_path / "none.png"))
+
+
+# ----------------------------------------------------------------------------- jem ood --scores all
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    """A digits-cnn trained by cross-entropy for a few hundred steps (seconds), saved as `jem train` does."""
+    from jem_plugin.app.data import DIGITS_DOMAIN, load_digits
+    from jem_plugin.app.model_files import model_spec, save_model_checkpoint, wrap_for_data
+    from jem_plugin.app.nets import DigitsCNN
+
+    torch.manual_seed(0)
+    x, y = load_digits("train", seed=0).tensors
+    net = DigitsCNN(width=8)
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+    for _ in range(3):
+        for xb, yb in zip(x.split(64), y.split(64)):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(xb), yb).backward()
+            opt.step()
+    spec = model_spec("digits-cnn", "digits", 10, (1, 8, 8), DIGITS_DOMAIN, model_options={"width": 8})
+    path = tmp_path_factory.mktemp("cli") / "model.pt"
+    save_model_checkpoint(path, wrap_for_data(net, spec), spec)
+    return path
+
+
+def test_jem_ood_scores_all_fits_on_the_training_data(plugin, model_file, tmp_path, capsys):
+    from jem_plugin.app.cli import main
+
+    out = tmp_path / "o" / "ood.json"
+    assert main(["ood", str(model_file), "--scores", "all", "--quiet", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result == json.loads(out.read_text())
+    sets = ("noise", "patches", "blends", "transposed")
+    assert set(result) == {f"{m}/{s}" for m in ood.available_scores() for s in sets}
+    assert 0 <= result["t_centre/noise"]["auroc"] <= 1 and result["t_centre/noise"]["seconds_per_1000"] > 0
+    assert result["t_broken/blends"] == {"status": "failed", "reason": "RuntimeError: detector exploded"}
+    assert "logpx" in captured.err and "*" in captured.err and "figure:" in captured.err
+    assert (out.parent / "ood.png").stat().st_size > 2000
+    rows = list(csv.DictReader(open(out.parent / "ood.csv")))
+    assert len(rows) == len(result) and sum(r["best"] == "True" for r in rows) >= len(sets)
+    # --fit-data overrides the training data; no --out: the files go next to the model
+    assert main(["ood", str(model_file), "--scores", "t_centre,logpx", "--fit-data", "digits", "--quiet"]) == 0
+    assert set(json.loads(capsys.readouterr().out)) == {f"{m}/{s}" for m in ("t_centre", "logpx") for s in sets}
+    assert (model_file.parent / "model_ood.csv").is_file() and (model_file.parent / "model_ood.png").is_file()
+
+
+def test_jem_ood_unknown_score_fails_before_loading_anything(plugin, tmp_path, capsys):
+    from jem_plugin.app.cli import main
+
+    assert main(["ood", str(tmp_path / "no_model.pt"), "--scores", "logpx,nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("jem: error: unknown OOD score 'nope'; available: ") and "t_centre" in err
+    assert main(["ood", str(tmp_path / "m.pt"), "--openood", str(tmp_path), "--ood", "noise"]) == 2
+    assert "drop --data and --ood" in capsys.readouterr().err
