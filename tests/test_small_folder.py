@@ -75,3 +75,38 @@ def test_the_samples_start_where_the_fitted_init_puts_them(trained_run):
     noise = jm.domain.uniform(200, tuple(spec["sample_shape"]), generator=g)
     # digits are mostly dark background: their Gaussian sits far below the middle of the range
     assert float(starts.mean()) < float(noise.mean()) - 0.3
+
+
+@pytest.mark.parametrize(
+    "per_class, classes, flags, message",
+    [
+        (5, [3], [], "a classifier needs at least two"),
+        (1, [0, 1], ["--val-fraction", "0"], "too few to fit the recipe's per-class Gaussian init"),
+    ],
+)
+def test_data_that_cannot_train_is_refused_before_training(tmp_path, capsys, per_class, classes, flags, message):
+    folder = write_digits_folder(tmp_path / "d", classes=classes, per_class=per_class, size=8)
+    out = tmp_path / "run"
+    args = ["train", "--data", f"folder:{folder}", "--model", "resnet10t", "--image-size", "16", "--epochs", "1"]
+    assert main([*args, "--batch-size", "1", "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (out / "model.pt").exists() and not (out / "checkpoints").exists()
+
+
+def test_few_iterations_per_epoch_are_named(tmp_path, capsys):
+    folder = write_digits_folder(tmp_path / "d", classes=[0, 1], per_class=20, size=8)
+    args = ["train", "--data", f"folder:{folder}", "--model", "resnet10t", "--image-size", "16", "--epochs", "1"]
+    assert main([*args, "--batch-size", "16", "--sgld-steps", "1", "--out", str(tmp_path / "run"), "--quiet"]) == 0
+    assert "give 2 iterations per epoch" in capsys.readouterr().out
+
+
+def test_a_class_the_held_out_split_emptied_is_named():
+    from torch.utils.data import TensorDataset
+
+    from jem_plugin.app import CLIError
+    from jem_plugin.app.model_files import check_training_split
+
+    ds = TensorDataset(torch.zeros(6, 1), torch.tensor([0, 0, 0, 2, 2, 2]))
+    with pytest.raises(CLIError, match="no training images left for class b after the held-out split"):
+        check_training_split(ds, 3, 2, data="folder:x", fits_init=False, classes=["a", "b", "c"])

@@ -34,6 +34,7 @@ from .model_files import (
     check_classes,
     check_inputs,
     check_resume,
+    check_training_split,
     drop_buffer_from_checkpoints,
     held_out_data,
     load_data,
@@ -278,6 +279,16 @@ def _train(args, info) -> int:
             f"--data {args.data} has {len(ds)} training images, fewer than --batch-size "
             f"{args.batch_size}; lower --batch-size"
         )
+    advice = check_training_split(
+        ds,
+        k,
+        args.batch_size,
+        data=args.data,
+        fits_init=not args.baseline and recipe.init != "uniform",
+        classes=data_classes,
+    )
+    if advice and info.is_main:
+        print(f"jem train: {advice}")
     loss_fn = None
     if not args.baseline:
         xs, ys = (

@@ -197,6 +197,39 @@ def split_held_out(ds, fraction: float, seed: int):
     return Subset(ds, sorted(tr)), Subset(ds, sorted(va))
 
 
+def check_training_split(
+    ds, num_classes: int, batch_size: int, *, data: str, fits_init: bool, classes: Sequence[str] | None = None
+) -> str | None:
+    """Refuse, before training, a training split that cannot make a classifier or fit the init
+    distribution, naming what to change; returns one line of advice for a very short epoch."""
+    if num_classes < 2:
+        raise CLIError(f"--data {data} has {num_classes} class: a classifier needs at least two (one folder per class)")
+    counts = [0] * num_classes
+    for label in dataset_labels(ds):
+        counts[label] += 1
+    names = list(classes or range(num_classes))
+    empty = [str(names[c]) for c, n in enumerate(counts) if n == 0]
+    if empty:
+        raise CLIError(
+            f"--data {data}: no training images left for class {', '.join(empty)} after the held-out split; "
+            "add images or lower --val-fraction"
+        )
+    if fits_init and min(counts) < 2:
+        few = [str(names[c]) for c, n in enumerate(counts) if n < 2]
+        raise CLIError(
+            f"--data {data}: class {', '.join(few)} has one training image, too few to fit the recipe's per-class "
+            "Gaussian init; add images, or use --recipe fast (uniform init)"
+        )
+    per_epoch = len(ds) // batch_size
+    if per_epoch < 10:
+        return (
+            f"{len(ds)} training images at --batch-size {batch_size} give {per_epoch} iterations per epoch "
+            f"({min(counts)}-{max(counts)} images per class); the learning-rate warm-up and the replay buffer "
+            "are sized for the run's iterations, so --epochs, not the epoch, sets how long the chains train"
+        )
+    return None
+
+
 def check_classes(model_classes: Sequence[str], data_classes: Sequence[str], where: str) -> None:
     """A data set labelled with other classes than the model's would shift every label: refuse it."""
     if list(model_classes) != list(data_classes):
