@@ -4,6 +4,8 @@ The output may be a ``[B, K]`` tensor, a dict with a ``"logits"`` key, an object
 ``.logits`` attribute, or anything else the user points at with ``wrap(model, logits=...)``.
 Inputs default to the paper's domain ``[-1, 1]``; override with ``data_range`` or ``mean``/``std``.
 The input shape, unless given as ``input_size=``, is fixed by the first batch the model sees.
+Penultimate features (:meth:`jem_plugin.JEM.features`) are the input of the model's last
+``nn.Linear``, caught by a forward hook; ``wrap(model, features="name")`` names another layer.
 """
 
 from __future__ import annotations
@@ -20,4 +22,5 @@ def jem_adapter(model, options):
         domain=domain_from_options(options, InputDomain()),
         num_classes=options.get("num_classes"),
         logits=options.get("logits"),
+        features=options.get("features"),
     )

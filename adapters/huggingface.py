@@ -7,12 +7,34 @@ Active for ``transformers`` models (and duck-typed stand-ins with a ``config.num
 (mean = std = 0.5, ViT's processors); ResNet and ConvNeXt processors use ImageNet statistics,
 so pass the processor (or ``mean``/``std``) for those. Channels and image size come from
 ``config.num_channels`` / ``config.image_size``.
+
+Penultimate features (:meth:`jem_plugin.JEM.features`) are the classifier's input: the pooled
+output (ResNet, ConvNeXt, Swin) or the normalised class token (ViT), caught by a forward hook on
+the last ``nn.Linear`` of ``model.classifier`` during the one forward.
 """
 
 from __future__ import annotations
 
-from jem_plugin.adapter import Adapter, InputDomain, built_by, domain_from_options, with_channels
+from typing import Any
+
+from torch import nn
+
+from jem_plugin._checks import unwrap_model
+from jem_plugin.adapter import Adapter, InputDomain, built_by, domain_from_options, last_linear, with_channels
 from jem_plugin.plugins import hookimpl
+
+
+class HuggingFaceAdapter(Adapter):
+    """:class:`Adapter` whose features are the input of the model's ``classifier`` head."""
+
+    def head(self, model: Any) -> nn.Module | None:
+        """The last ``nn.Linear`` of ``model.classifier`` (ResNet's is ``Flatten`` + ``Linear``)."""
+        if self.features_spec is None:
+            classifier = getattr(unwrap_model(model), "classifier", None)
+            found = last_linear(classifier)
+            if found is not None:
+                return found
+        return super().head(model)
 
 
 def is_hf_model(model) -> bool:
@@ -66,9 +88,10 @@ def jem_adapter(model, options):
         default = InputDomain.from_normalization(
             (0.5,) * channels, (0.5,) * channels, input_size=(channels, *size) if size else None
         )
-    return Adapter(
+    return HuggingFaceAdapter(
         "huggingface",
         domain=domain_from_options(options, with_channels(default, channels)),
         num_classes=options.get("num_classes", getattr(config, "num_labels", None)),
         logits=options.get("logits", "logits"),
+        features=options.get("features"),
     )

@@ -4,10 +4,20 @@ timm models expect normalised images, so the domain is ``[0, 1]`` pixels after t
 ``(x - mean) / std``: the space a standard timm data pipeline yields. The channel count is the
 first convolution's (``in_chans``); the image size is the patch embedding's when the model fixes
 one (ViTs built with ``img_size=32``), else the pretrained config's (CNNs take any size).
+
+Penultimate features (:meth:`jem_plugin.JEM.features`) are timm's own
+``forward_head(forward_features(x), pre_logits=True)``, and the logits that classifier
+(``get_classifier()``) applied to them: one forward, exactly ``model(x)`` for the models whose
+``forward`` is ``forward_head(forward_features(x))`` (all of timm's classifiers).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from torch import Tensor, nn
+
+from jem_plugin._checks import unwrap_model
 from jem_plugin.adapter import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -19,6 +29,34 @@ from jem_plugin.adapter import (
     with_channels,
 )
 from jem_plugin.plugins import hookimpl
+
+
+class TimmAdapter(Adapter):
+    """:class:`Adapter` reading features through timm's ``forward_features``/``forward_head``."""
+
+    def _parts(self, model: Any) -> tuple[Any, nn.Module] | None:
+        core = unwrap_model(model)
+        if self.features_spec is not None or not all(
+            callable(getattr(core, a, None)) for a in ("forward_features", "forward_head", "get_classifier")
+        ):
+            return None
+        classifier = core.get_classifier()
+        return (core, classifier) if isinstance(classifier, nn.Module) else None  # distilled heads: a tuple
+
+    def head(self, model: Any) -> nn.Module | None:
+        """timm's ``get_classifier()``; the generic answer for models without one."""
+        parts = self._parts(model)
+        return parts[1] if parts is not None else super().head(model)
+
+    def features(self, model: Any, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``forward_head(forward_features(x), pre_logits=True)`` and the classifier on it."""
+        parts = self._parts(model)
+        if parts is None:
+            return super().features(model, x)
+        core, classifier = parts
+        feats = core.forward_head(core.forward_features(x), pre_logits=True)
+        logits = classifier(feats)
+        return (feats.flatten(1) if feats.dim() != 2 else feats), self.logits(logits)
 
 
 def is_timm_model(model) -> bool:
@@ -45,9 +83,10 @@ def jem_adapter(model, options):
         cfg.get("mean", IMAGENET_MEAN), cfg.get("std", IMAGENET_STD), input_size=_input_size(model, cfg)
     )
     channels = getattr(model, "in_chans", None) or first_conv_channels(model)
-    return Adapter(
+    return TimmAdapter(
         "timm",
         domain=domain_from_options(options, with_channels(default, channels)),
         num_classes=options.get("num_classes", getattr(model, "num_classes", None)) or None,
         logits=options.get("logits"),
+        features=options.get("features"),
     )

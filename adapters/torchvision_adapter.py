@@ -5,6 +5,11 @@ pixels after ImageNet ``(x - mean) / std``, with the first convolution's channel
 1-channel model gets the channel-averaged ImageNet statistics). The class count is read off the
 last linear layer. Inception/GoogLeNet auxiliary outputs in training mode are handled (their
 ``.logits``).
+
+Penultimate features (:meth:`jem_plugin.JEM.features`) are the input of the last ``nn.Linear``
+(``fc`` of ResNets, the last layer of ``classifier`` of MobileNets/EfficientNets, ``heads.head``
+of ViTs), caught by a forward hook during the one forward. SqueezeNet's classifier is a
+convolution, so it has none unless ``wrap(model, features=...)`` says where.
 """
 
 from __future__ import annotations
@@ -46,4 +51,5 @@ def jem_adapter(model, options):
         domain=domain_from_options(options, with_channels(default, first_conv_channels(model))),
         num_classes=options.get("num_classes", _last_linear_out(model)),
         logits=options.get("logits"),
+        features=options.get("features"),
     )

@@ -5,6 +5,12 @@ where the logits are in its output, how many classes it has, and what inputs it 
 (:class:`InputDomain`: the value range of the tensors the user's data loader yields, and the
 normalisation those tensors carry). Samplers initialise and clamp chains in that domain, so
 SGLD works in the same space as the user's loader.
+
+An adapter also reads the model's penultimate features next to its logits, in one forward
+(:meth:`Adapter.features`), for the feature-space OOD detectors
+(:mod:`jem_plugin.builtins.posthoc`): by default the input of the model's last ``nn.Linear``,
+caught with a forward hook; the timm and Hugging Face adapters refine that, and a third-party
+adapter may override :meth:`Adapter.features` and :meth:`Adapter.head`.
 """
 
 from __future__ import annotations
@@ -14,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from ._checks import draw
-from .errors import InvalidInputError, NoLogitsError
+from ._checks import draw, unwrap_model
+from .errors import InvalidInputError, NoFeaturesError, NoLogitsError
 
 __all__ = ["InputDomain", "Adapter", "IMAGENET_MEAN", "IMAGENET_STD", "WRAP_OPTIONS"]
 
@@ -155,15 +161,25 @@ class Adapter:
     logits: where the logits are in the model's output: ``None`` (the output is the logits,
         or carries a ``.logits`` attribute / ``"logits"`` key), a key or attribute name, a
         tuple index, or a callable ``output -> Tensor``.
+    features: where the penultimate features are (``wrap(model, features=...)``): ``None``
+        (the adapter's default: the input of the model's last ``nn.Linear``), the dotted name
+        of the submodule whose input they are (``"head.fc"``) or that submodule itself, or a
+        callable ``(model, x) -> (features, output)`` doing the one forward itself.
     """
 
     def __init__(
-        self, name: str, domain: InputDomain | None = None, num_classes: int | None = None, logits: Any = None
+        self,
+        name: str,
+        domain: InputDomain | None = None,
+        num_classes: int | None = None,
+        logits: Any = None,
+        features: Any = None,
     ) -> None:
         self.name = name
         self.domain = domain or InputDomain()
         self.num_classes = num_classes
         self.logits_spec = logits
+        self.features_spec = features
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, num_classes={self.num_classes}, domain={self.domain})"
@@ -203,6 +219,109 @@ class Adapter:
             )
         return out
 
+    # ------------------------------------------------------------------ features
+    def head(self, model: Any) -> nn.Module | None:
+        """The layer that maps :meth:`features` to the logits (``logits == head(features)``), or
+        ``None`` when the adapter does not know one (``features=`` given as a callable).
+
+        Default: the submodule named by ``features=``, else the model's last ``nn.Linear`` (in
+        registration order, inside any ``torch.compile``/DDP/FSDP wrapper). Detectors that
+        reshape features and recompute logits (ReAct, ASH, SCALE, ViM) call it.
+        """
+        spec = self.features_spec
+        core = unwrap_model(model)
+        if isinstance(spec, nn.Module):
+            return spec
+        if isinstance(spec, str):
+            try:
+                return core.get_submodule(spec)
+            except AttributeError as exc:
+                raise NoFeaturesError(
+                    f"wrap(model, features={spec!r}) names no submodule of {type(core).__name__}: {exc}"
+                ) from exc
+        if spec is not None:
+            return None
+        return last_linear(core)
+
+    def features(self, model: Any, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(features [B, D], logits [B, K])`` of ``x`` in ONE forward of ``model``.
+
+        Default: a forward hook on :meth:`head` records its input (flattened to ``[B, D]``) while
+        ``model(x)`` runs (through the wrapper, so DDP and ``torch.compile`` see an ordinary call);
+        the logits are read from the output as :meth:`logits` does. The model's train/eval mode is
+        left as it is. Raises :class:`~jem_plugin.errors.NoFeaturesError` when no layer is found
+        or the hooked layer's output is not the logits' shape (it is then not the classifier).
+        """
+        spec = self.features_spec
+        if callable(spec) and not isinstance(spec, (str, nn.Module)):
+            feats, out = spec(model, x)
+            return _flat(feats), self.logits(out)
+        layer = self.head(model)
+        if layer is None:
+            raise NoFeaturesError(
+                f"{type(unwrap_model(model)).__name__} has no nn.Linear layer to read features from; tell "
+                "jem-plugin where they are: wrap(model, features='name.of.classifier') (its input is "
+                "taken) or wrap(model, features=lambda model, x: (features, model_output))"
+            )
+        return hooked_features(layer, model, x, self.logits)
+
+
+def _flat(feats: Any) -> Tensor:
+    if not isinstance(feats, Tensor) or feats.dim() < 1:
+        raise NoFeaturesError(f"features must be a [B, D] tensor, got {_describe(feats)}")
+    return feats.flatten(1) if feats.dim() != 2 else feats
+
+
+def last_linear(model: Any) -> nn.Module | None:
+    """The last ``nn.Linear`` of ``model`` in registration order (``None`` when it has none)."""
+    found = None
+    if isinstance(model, nn.Module):
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                found = m
+    return found
+
+
+def hookable_name(model: Any, layer: nn.Module) -> str:
+    """The dotted name of ``layer`` inside ``model`` (for messages), or its class name."""
+    core = unwrap_model(model)
+    if isinstance(core, nn.Module):
+        for name, m in core.named_modules():
+            if m is layer:
+                return name or type(layer).__name__
+    return type(layer).__name__
+
+
+def hooked_features(layer: nn.Module, model: Any, x: Tensor, read_logits: Any) -> tuple[Tensor, Tensor]:
+    """``(input of layer, logits)`` from one ``model(x)``: a forward hook on ``layer`` records
+    its last call's input and output; ``read_logits(output)`` extracts the logits."""
+    seen: list[tuple[Any, Any]] = []
+
+    def hook(_module: nn.Module, args: tuple, output: Any) -> None:
+        seen.append((args[0] if args else None, output))
+
+    handle = layer.register_forward_hook(hook)
+    try:
+        out = model(x)
+    finally:
+        handle.remove()
+    logits = read_logits(out)
+    if not seen or not isinstance(seen[-1][0], Tensor):
+        raise NoFeaturesError(
+            f"the layer {hookable_name(model, layer)!r} did not run (or got no tensor input) in the model's "
+            "forward, so its input cannot be the features; name the classifier layer with "
+            "wrap(model, features='name') or pass features=lambda model, x: (features, output)"
+        )
+    feats, head_out = seen[-1]
+    if head_out is not logits and (not isinstance(head_out, Tensor) or head_out.shape != logits.shape):
+        raise NoFeaturesError(
+            f"the layer whose input was taken as the features ({hookable_name(model, layer)!r}, the last "
+            f"nn.Linear) outputs {_describe(head_out)}, not the logits ({_describe(logits)}): it is not the "
+            "classifier. Name the classifier with wrap(model, features='name.of.classifier'), or pass "
+            "features=lambda model, x: (features, model_output)"
+        )
+    return _flat(feats), logits
+
 
 def _describe(obj: Any) -> str:
     if isinstance(obj, Tensor):
@@ -215,7 +334,7 @@ def _describe(obj: Any) -> str:
 
 
 #: Every option :func:`jem_plugin.wrap` passes to adapters; anything else is refused.
-WRAP_OPTIONS = ("logits", "data_range", "mean", "std", "input_size", "num_classes", "processor")
+WRAP_OPTIONS = ("logits", "data_range", "mean", "std", "input_size", "num_classes", "processor", "features")
 
 
 def check_wrap_options(options: dict) -> None:

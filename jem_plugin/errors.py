@@ -24,6 +24,9 @@ __all__ = [
     "CUDAGraphError",
     "NotWrappedError",
     "OutOfDomainWarning",
+    "NoFeaturesError",
+    "NotFittedError",
+    "UntrainedDensityWarning",
 ]
 
 
@@ -33,6 +36,16 @@ class JEMError(Exception):
 
 class NoLogitsError(JEMError, TypeError):
     """The wrapped model's output holds no usable ``[B, K]`` logits tensor."""
+
+
+class NoFeaturesError(JEMError, TypeError):
+    """The adapter cannot find the model's penultimate features (or the layer mapping them to the
+    logits); ``wrap(model, features=...)`` says where they are."""
+
+
+class NotFittedError(JEMError, ValueError):
+    """A post-hoc OOD detector that needs training data was used before ``fit``, or
+    :func:`jem_plugin.ood.score` was asked for one without ``fit_data=``."""
 
 
 class InvalidInputError(JEMError, ValueError):
@@ -125,4 +138,15 @@ class OutOfDomainWarning(UserWarning):
 
     Issued once per call site; silence it with
     ``warnings.filterwarnings("ignore", category=jem_plugin.OutOfDomainWarning)``.
+    """
+
+
+class UntrainedDensityWarning(UserWarning):
+    """A score that reads the model's ``log p(x)`` as a trained density (``grad_norm``,
+    ``grad_norm_projected``, ``logpx_sgld``, ``msp_sgld``) runs on a model whose ``log p(x)`` was
+    not trained as a JEM (``jm.trained_px`` is not ``True``).
+
+    Issued once per model. ``JEMLoss`` sets ``jm.trained_px = True`` when it trains a p(x) or
+    p(x|y) term; set it yourself for a model trained as a JEM elsewhere, or silence the warning
+    with ``warnings.filterwarnings("ignore", category=jem_plugin.errors.UntrainedDensityWarning)``.
     """

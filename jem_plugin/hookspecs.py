@@ -36,9 +36,18 @@ def jem_adapter(model: Any, options: dict) -> Any:
 
 @hookspec
 def jem_register_ood_scores(register: Callable[..., None]) -> None:
-    """Register OOD scores: ``register(name, fn, needs_grad=False, description="")``.
+    """Register OOD scores: ``register(name, item, needs_grad=False, needs_fit=False, description="")``.
 
-    ``fn(jm, x, **kwargs) -> Tensor[B]`` where higher means more in-distribution.
+    Higher means more in-distribution, always. With ``needs_fit=False`` (the default) ``item``
+    is a function ``fn(jm, x, **kwargs) -> Tensor[B]``. With ``needs_fit=True`` it is a detector
+    class fitted on in-distribution data: ``item(**kwargs)`` builds a detector with
+    ``.fit(jm, data, *, batch_size=256, progress=None) -> self`` (``data`` a DataLoader,
+    iterable of batches or tensor; stream over it) and ``.score(jm, x) -> Tensor[B]``;
+    :func:`jem_plugin.ood.score` fits it on ``fit_data=`` and :func:`jem_plugin.ood.detector`
+    builds one. ``needs_grad=True`` makes :func:`jem_plugin.ood.score` leave autograd on (the
+    score takes input gradients). Other keywords are kept as information
+    (:func:`jem_plugin.ood.score_info`); the built-ins mark the scores that read ``log p(x)``
+    as a trained density with ``assumes_jem=True``.
     """
 
 

@@ -445,6 +445,7 @@ class JEMLoss(nn.Module):
             loss = loss + self.pxy_weight * pxy
             metrics["pxy"] = pxy
 
+        core.trained_px = True if not evaluating and (self.px_weight > 0 or self.pxy_weight > 0) else core.trained_px
         batch = LossBatch(
             x=x,
             y=y,

@@ -16,7 +16,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from ._checks import check_input, check_labels, free_energy, unwrap_model
 from .adapter import Adapter, InputDomain, check_wrap_options
-from .errors import InferenceModeError, NoLogitsError, NonFiniteLogitsError, NotWrappedError
+from .errors import InferenceModeError, NoFeaturesError, NoLogitsError, NonFiniteLogitsError, NotWrappedError
 from .plugins import get_plugin_manager
 
 __all__ = ["JEM", "wrap", "as_jem", "input_grad_enabled", "sampling_mode", "frozen_bn_stats"]
@@ -41,6 +41,13 @@ class JEM(nn.Module):
     the usual ``model.`` prefix; :meth:`load_state_dict` also accepts the user's own
     checkpoints of the bare model.
     """
+
+    #: Whether the model's ``log p(x)`` was trained as a JEM: ``True`` once a ``JEMLoss`` with a
+    #: p(x) or p(x|y) term has run a training step on it; ``None`` (the class default) when
+    #: unknown. The scores that read ``log p(x)`` as a trained density (``grad_norm``,
+    #: ``logpx_sgld``, ...) warn once when it is not ``True``; set it for a model trained as a JEM
+    #: elsewhere. Not part of ``state_dict()``.
+    trained_px: bool | None = None
 
     def __init__(self, model: nn.Module, adapter: Adapter, check_finite: bool = True) -> None:
         super().__init__()
@@ -97,7 +104,37 @@ class JEM(nn.Module):
         model computed them in half precision (autocast), so energies and scores are fp32.
         """
         x = self._check_input(x)
-        out = self.forward(x)
+        return self._checked_logits(x, self.forward(x))
+
+    def features(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(features [B, D], logits [B, K])`` in one forward: the model's penultimate features
+        (the input of its classifier layer) next to its validated logits (as :meth:`logits`).
+
+        The adapter reads them (:meth:`jem_plugin.adapter.Adapter.features`: timm's
+        ``forward_head(pre_logits=True)``, the input of the last ``nn.Linear`` for torchvision
+        and user modules, the classifier's input for Hugging Face); ``wrap(model, features=...)``
+        points elsewhere. Like :meth:`forward`, the model runs in the mode it is in (train mode
+        gives the training-time features: dropout, batch statistics); both come back in fp32
+        when the model computed them in half precision.
+        """
+        x = self._check_input(x)
+        feats, out = self.adapter.features(self.model, x)
+        logits = self._checked_logits(x, out)
+        if feats.dim() != 2 or feats.shape[0] != x.shape[0]:
+            raise NoFeaturesError(
+                f"expected features of shape [B={x.shape[0]}, D], the adapter returned shape "
+                f"{tuple(feats.shape)}; point wrap(model, features=...) at the classifier layer"
+            )
+        if feats.dtype in (torch.float16, torch.bfloat16):
+            feats = feats.float()
+        return feats, logits
+
+    def head(self) -> nn.Module | None:
+        """The layer mapping :meth:`features` to the logits (``logits == head(features)``), or
+        ``None`` when the adapter knows none (features read by a user's callable)."""
+        return self.adapter.head(self.model)
+
+    def _checked_logits(self, x: Tensor, out: Tensor) -> Tensor:
         if out.dim() != 2 or out.shape[0] != x.shape[0]:
             raise NoLogitsError(
                 f"expected logits of shape [B={x.shape[0]}, K], the model returned shape "

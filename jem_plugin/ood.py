@@ -13,7 +13,16 @@ Convention, used by every score and metric here: **higher score = more in-distri
 Scores are looked up by name through the ``jem_register_ood_scores`` plugin hook, so a third
 party adds one with ``register(name, fn, needs_grad=..., description=...)`` in a
 ``@jem_plugin.hookimpl``; :func:`available_scores` lists what is loaded. The built-ins live in
-:mod:`jem_plugin.builtins.ood_scores`.
+:mod:`jem_plugin.builtins.ood_scores` (the energy scores) and :mod:`jem_plugin.builtins.posthoc`
+(the field's post-hoc detectors: ODIN, GEN, ASH, SCALE, and, fitted on in-distribution data,
+Mahalanobis, relative Mahalanobis, ViM, KNN, ReAct).
+
+Detectors that need training data are registered with ``needs_fit=True``; give the data with
+``fit_data=`` (it is streamed, never held in memory), or fit one yourself and pass it::
+
+    s = jem.ood.score(jm, test_loader, "mahalanobis", fit_data=train_loader)
+    det = jem.ood.detector("knn", k=50).fit(jm, train_loader)
+    s_in, s_out = jem.ood.score(jm, test_loader, det), jem.ood.score(jm, svhn_loader, det)
 
 Metrics (:func:`evaluate`) come from scikit-learn, the maintained reference, not hand-written
 curves; ``fpr95`` follows pytorch-ood's ``fpr_at_tpr`` exactly (first ROC point whose TPR is
@@ -33,11 +42,11 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ._checks import INPUT_KEYS, DomainCheck, check_input, model_device, same_device, unpack_batch
-from .errors import InvalidInputError, InvalidScoresError
+from .errors import InvalidInputError, InvalidScoresError, NotFittedError
 from .model import as_jem, sampling_mode
 from .plugins import collect, lookup
 
-__all__ = ["score", "available_scores", "evaluate", "evaluate_all"]
+__all__ = ["score", "available_scores", "score_info", "detector", "evaluate", "evaluate_all"]
 
 _HOOK = "jem_register_ood_scores"
 
@@ -46,6 +55,35 @@ def available_scores() -> dict[str, str]:
     """``{name: description}`` of every OOD score registered through the plugin hook, sorted."""
     entries = collect(_HOOK)
     return {name: entries[name].get("description", "") for name in sorted(entries)}
+
+
+def score_info(name: str) -> dict[str, Any]:
+    """What the registered score ``name`` needs: ``{"needs_grad", "needs_fit", "description",
+    "assumes_jem"}`` (``assumes_jem``: it reads ``log p(x)`` as a trained density and warns on a
+    model not trained as a JEM). Unknown names raise :class:`~jem_plugin.errors.UnknownNameError`."""
+    entry = lookup(_HOOK, name, "OOD score")
+    return {
+        "needs_grad": bool(entry.get("needs_grad", False)),
+        "needs_fit": bool(entry.get("needs_fit", False)),
+        "description": str(entry.get("description", "")),
+        "assumes_jem": bool(entry.get("assumes_jem", False)),
+    }
+
+
+def detector(name: str, **kwargs: Any) -> Any:
+    """A new, unfitted detector of the registered score ``name`` that needs fitting
+    (``needs_fit=True``: ``"mahalanobis"``, ``"relative_mahalanobis"``, ``"vim"``, ``"knn"``,
+    ``"react"``, ...), built with ``kwargs``. Fit it with ``.fit(jm, train_loader)``, then pass
+    it to :func:`score` as ``method`` or call ``.score(jm, x)`` on batches."""
+    entry = lookup(_HOOK, name, "OOD score")
+    if not entry.get("needs_fit", False):
+        raise ValueError(
+            f"OOD score {name!r} needs no fitting, so it has no detector object; call "
+            f"jem.ood.score(jm, data, {name!r}) directly"
+        )
+    cls = entry["item"]
+    _check_kwargs(name, cls, kwargs, skip=0)
+    return cls(**kwargs)
 
 
 def _batches(data: Any, batch_size: int, input_key: str | None = None) -> tuple[Iterable[Tensor], int | None, bool]:
@@ -68,7 +106,7 @@ def _batches(data: Any, batch_size: int, input_key: str | None = None) -> tuple[
     return (unpack_batch(item, input_key=keys)[0] for item in data), n, False
 
 
-def _check_kwargs(name: str, fn, kwargs: dict) -> None:
+def _check_kwargs(name: str, fn, kwargs: dict, skip: int = 2) -> None:
     if not kwargs:
         return
     try:
@@ -77,7 +115,7 @@ def _check_kwargs(name: str, fn, kwargs: dict) -> None:
         return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
-    accepted = [p for p in list(params)[2:]]
+    accepted = [p for p in list(params)[skip:]]
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
         raise TypeError(
@@ -89,8 +127,9 @@ def _check_kwargs(name: str, fn, kwargs: dict) -> None:
 def score(
     jm,
     data: Any,
-    method: str = "logpx",
+    method: Any = "logpx",
     *,
+    fit_data: Any = None,
     batch_size: int = 256,
     progress: bool | None = None,
     input_key: str | None = None,
@@ -107,12 +146,19 @@ def score(
         ``DataLoader`` yielding tensors, ``(x, y, ...)`` tuples or dicts with an ``"x"`` /
         ``"image"`` / ``"pixel_values"`` key. Batches are moved to the model's device.
     method: a registered score name, see :func:`available_scores` (``"logpx"``, ``"msp"``,
-        ``"max_logit"``, ``"grad_norm"``, ``"logpx_sgld"``, ...).
+        ``"max_logit"``, ``"grad_norm"``, ``"logpx_sgld"``, ``"odin"``, ``"mahalanobis"``, ...),
+        or a detector object (``.score(jm, x)``, e.g. a fitted :func:`detector`).
+    fit_data: in-distribution training data for a detector that needs fitting
+        (:func:`score_info` says which), streamed batch by batch like ``data`` (a tensor, an
+        ``(x, y)`` pair of tensors, a DataLoader; labelled for the Mahalanobis detectors). The
+        detector is fitted, then scores ``data``. Required for those (a detector object passed
+        as ``method`` is fitted on it when given); ignored by scores that need no fitting.
     progress: show a tqdm progress bar over batches. Default (``None``): never for a tensor;
         for an iterable only when stderr is a terminal.
     input_key: the key of the inputs in dict batches (default: the first of ``"x"``,
         ``"input"``, ``"inputs"``, ``"image"``, ``"images"``, ``"pixel_values"`` present).
-    **kwargs: options of the score, e.g. ``temperature=1000.0`` for ``"msp"``.
+    **kwargs: options of the score, e.g. ``temperature=1000.0`` for ``"msp"``; for a detector
+        that needs fitting, the options it is built with (``k=50`` for ``"knn"``).
 
     The model runs in :func:`jem_plugin.model.sampling_mode` (eval mode, frozen parameters;
     both restored afterwards). Scores that need no input gradient run
@@ -122,11 +168,40 @@ def score(
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    entry = lookup(_HOOK, method, "OOD score")
-    fn, needs_grad = entry["item"], bool(entry.get("needs_grad", False))
-    _check_kwargs(method, fn, kwargs)
+    det: Any = None
+    if isinstance(method, str):
+        entry = lookup(_HOOK, method, "OOD score")
+        if entry.get("needs_fit", False):
+            if fit_data is None:
+                raise NotFittedError(
+                    f"OOD score {method!r} is fitted on in-distribution training data: pass "
+                    f"fit_data=<train loader or tensor>, or a fitted jem.ood.detector({method!r}) as method"
+                )
+            det, kwargs = detector(method, **kwargs), {}
+        else:
+            fn, needs_grad = entry["item"], bool(entry.get("needs_grad", False))
+            _check_kwargs(method, fn, kwargs)
+    elif callable(getattr(method, "score", None)):
+        det = method
+        if kwargs:
+            raise TypeError(
+                f"options {', '.join(sorted(kwargs))} were given with a detector object; build the "
+                "detector with them instead (jem.ood.detector(name, **options))"
+            )
+    else:
+        raise TypeError(
+            f"method must be a registered score name or a detector with .score(jm, x), got {type(method).__name__}"
+        )
 
     jm = as_jem(jm, "ood.score")
+    if det is not None:
+        if fit_data is not None:
+            fit_options: dict[str, Any] = {"batch_size": batch_size, "progress": progress}
+            if input_key is not None:
+                fit_options["input_key"] = input_key
+            det.fit(jm, fit_data, **fit_options)
+        fn, needs_grad = (lambda jm, x: det.score(jm, x)), bool(getattr(det, "needs_grad", False))
+        method = getattr(det, "name", type(det).__name__)
     batches, n_batches, was_tensor = _batches(data, batch_size, input_key)
     if progress is None:
         progress = not was_tensor and sys.stderr.isatty()

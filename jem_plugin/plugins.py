@@ -29,6 +29,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "jem_adapters.huggingface",
     "jem_plugin.builtins.init_distributions",
     "jem_plugin.builtins.ood_scores",
+    "jem_plugin.builtins.posthoc",
     "jem_plugin.builtins.energy_bounded",
 )
 

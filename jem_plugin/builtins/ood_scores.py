@@ -20,6 +20,13 @@ logpx_sgld     ``logpx`` after a few SGLD steps started at the input          ye
 msp_sgld       ``msp`` after a few SGLD steps started at the input            yes
 =============  ===========================================================  ==========
 
+The last four assume a JEM-trained model: they read ``log p(x)`` as a trained density, which
+a classifier trained with cross-entropy alone does not have (on such models they can rank OOD
+inputs above in-distribution ones). Called on a model whose ``jm.trained_px`` is not ``True``
+they warn once per model (:class:`~jem_plugin.errors.UntrainedDensityWarning`) and name the
+scores that need no such training. ``JEMLoss`` sets the flag when it trains a p(x) or p(x|y)
+term; set ``jm.trained_px = True`` yourself for a model trained as a JEM elsewhere.
+
 Gradient scores run the model in :func:`jem_plugin.model.sampling_mode` (eval mode, parameters
 frozen, both restored after), take gradients with respect to the input only (no parameter
 ``.grad`` is touched) and work under ``torch.no_grad()`` and
@@ -28,14 +35,19 @@ frozen, both restored after), take gradients with respect to the input only (no 
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from .._checks import free_energy
+from .._checks import free_energy, unwrap_model
+from ..errors import UntrainedDensityWarning
 from ..model import input_grad_enabled, sampling_mode
-from ..plugins import hookimpl
+from ..plugins import collect, hookimpl
 
 __all__ = ["logpx", "msp", "max_logit", "grad_norm", "grad_norm_projected", "logpx_sgld", "msp_sgld"]
 
@@ -45,6 +57,44 @@ def _check_temperature(temperature: float) -> float:
     if not t > 0 or t != t or t == float("inf"):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     return t
+
+
+#: The scores that read ``log p(x)`` as a trained density (registered with ``assumes_jem=True``).
+ASSUMES_JEM = ("grad_norm", "grad_norm_projected", "logpx_sgld", "msp_sgld")
+
+
+def warn_if_untrained(jm: Any, name: str) -> None:
+    """Warn once per model that score ``name`` assumes a JEM-trained model, unless
+    ``jm.trained_px`` is ``True``. One attribute read when it is (or after the warning)."""
+    core = unwrap_model(jm)
+    if getattr(core, "trained_px", None) is True or getattr(core, "_untrained_px_warned", False):
+        return
+    try:
+        object.__setattr__(core, "_untrained_px_warned", True)
+    except (AttributeError, TypeError):  # a model that takes no attributes: warn every time
+        pass
+    entries = collect("jem_register_ood_scores")
+    others = sorted(n for n, e in entries.items() if not e.get("assumes_jem") and n not in ASSUMES_JEM)
+    warnings.warn(
+        f"the OOD score {name!r} assumes a JEM-trained model (as grad_norm, grad_norm_projected, "
+        "logpx_sgld and msp_sgld all do): it reads log p(x) = logsumexp f(x) as a trained density, and "
+        f"this model's log p(x) was not trained (jm.trained_px is {getattr(core, 'trained_px', None)!r}); on "
+        "a cross-entropy classifier these scores can rank OOD inputs above in-distribution ones. "
+        f"Scores that do not assume it: {', '.join(others)}. Train with jem.JEMLoss (px_weight > 0), "
+        "or set jm.trained_px = True if the model was trained as a JEM elsewhere.",
+        UntrainedDensityWarning,
+        stacklevel=_first_frame_outside_the_library(),
+    )
+
+
+def _first_frame_outside_the_library() -> int:
+    """The ``stacklevel`` that points a warning issued by our caller at the user's line: the
+    first frame whose file is not inside the ``jem_plugin`` package."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 # ---------------------------------------------------------------------- logit-only scores
@@ -83,7 +133,10 @@ def grad_norm(jm, x: Tensor, project: bool = False) -> Tensor:
     carry 60-90% of the squared norm of test digits, and for models trained with the paper's
     optimiser the plain score ranks noise as *more* in-distribution than digits (AUROC 0.06)
     while the projected one reaches 0.97. Inside the domain both are equal.
+
+    Assumes a JEM-trained model (warns once otherwise, see the module's notes).
     """
+    warn_if_untrained(jm, "grad_norm_projected" if project else "grad_norm")
     with sampling_mode(jm), input_grad_enabled(x) as xg:
         lp = -free_energy(jm.logits(xg))
         (g,) = torch.autograd.grad(lp.sum(), xg)
@@ -98,6 +151,7 @@ def grad_norm(jm, x: Tensor, project: bool = False) -> Tensor:
 
 def grad_norm_projected(jm, x: Tensor) -> Tensor:
     """:func:`grad_norm` with ``project=True``: the gradient restricted to the input domain."""
+    warn_if_untrained(jm, "grad_norm_projected")
     return grad_norm(jm, x, project=True)
 
 
@@ -114,7 +168,9 @@ def logpx_sgld(
     """``logpx`` of the input after ``steps`` SGLD steps started at it (JEM-style input refinement).
 
     Extra keyword arguments (``generator``, ...) go to :class:`jem_plugin.sampling.SGLD`.
+    Assumes a JEM-trained model (warns once otherwise).
     """
+    warn_if_untrained(jm, "logpx_sgld")
     x_ref = _refine(jm, x, steps, step_size, noise, **sgld_kwargs)
     with torch.no_grad():
         return logpx(jm, x_ref, temperature=temperature)
@@ -123,7 +179,8 @@ def logpx_sgld(
 def msp_sgld(
     jm, x: Tensor, steps: int = 5, step_size: float = 1.0, noise: float = 0.01, temperature: float = 1.0, **sgld_kwargs
 ) -> Tensor:
-    """``msp`` of the input after ``steps`` SGLD steps started at it."""
+    """``msp`` of the input after ``steps`` SGLD steps started at it (assumes a JEM-trained model)."""
+    warn_if_untrained(jm, "msp_sgld")
     x_ref = _refine(jm, x, steps, step_size, noise, **sgld_kwargs)
     with torch.no_grad():
         return msp(jm, x_ref, temperature=temperature)
@@ -140,23 +197,30 @@ def jem_register_ood_scores(register: Callable[..., None]) -> None:
     register("msp", msp, needs_grad=False, description="maximum softmax probability of f/T (temperature=)")
     register("max_logit", max_logit, needs_grad=False, description="largest logit")
     register(
-        "grad_norm", grad_norm, needs_grad=True, description="-||d log p(x)/dx||_2, JEM's approximate mass (project=)"
+        "grad_norm",
+        grad_norm,
+        needs_grad=True,
+        assumes_jem=True,
+        description="-||d log p(x)/dx||_2, JEM's approximate mass (project=)",
     )
     register(
         "grad_norm_projected",
         grad_norm_projected,
         needs_grad=True,
+        assumes_jem=True,
         description="grad_norm without components pointing out of the input domain",
     )
     register(
         "logpx_sgld",
         logpx_sgld,
         needs_grad=True,
+        assumes_jem=True,
         description="logpx after a few SGLD steps from the input (steps=, step_size=, noise=)",
     )
     register(
         "msp_sgld",
         msp_sgld,
         needs_grad=True,
+        assumes_jem=True,
         description="msp after a few SGLD steps from the input (steps=, step_size=, noise=)",
     )

@@ -1,0 +1,683 @@
+"""The field's post-hoc OOD detectors, registered through the ``jem_register_ood_scores`` hook.
+
+A built-in plugin like :mod:`jem_plugin.builtins.ood_scores`: :mod:`jem_plugin.plugins` registers
+it at start-up and :func:`jem_plugin.ood.score` finds these by name. Same convention as every
+score of the library: **higher = more in-distribution** (pytorch-ood's detectors return outlier
+scores, the negatives of ours up to the scale noted per detector).
+
+Logit and feature scores that need no training data are functions ``fn(jm, x, **options)``:
+
+=======  ===================================================================  ===========
+name     score                                                                input grad
+=======  ===================================================================  ===========
+odin     ``max softmax(f(x') / T)`` at ``x' = x - eps * sign(-d log S_y/dx)``  yes
+         (Liang et al. 2018; ``eps`` in [0, 1]-pixel units)
+gen      ``-sum_j p_j^g (1 - p_j)^g`` over the ``M`` largest probabilities    no
+         (generalized entropy, Liu et al. 2023; ``gamma = 0.1``,
+         ``M = min(K, 100)``)
+ash      energy of the head on ASH-S features: the top ``100 - p`` % of the    no
+         penultimate activations kept and scaled by ``exp(sum / kept sum)``
+         (Djurisic et al. 2023; ``percentile = 90``)
+scale    energy of the head on ``h * exp(sum h / top sum h)`` (SCALE, Xu et    no
+         al. 2024; ``percentile = 85``)
+=======  ===================================================================  ===========
+
+Feature detectors fitted on in-distribution training data are classes (registered with
+``needs_fit=True``): ``Detector(**options).fit(jm, data).score(jm, x)``. ``fit`` *streams* over
+``data`` (a DataLoader, any iterable of batches, a tensor, or an ``(x, y)`` pair of tensors): it
+keeps running sums, never the whole set, except KNN's bank of normalised features (``max_fit=``
+keeps a uniform subsample) and a bounded uniform subsample where a statistic needs the data
+itself (ReAct's percentile, ViM's alpha).
+
+====================  ==============================================================  ==========
+name                  score                                                           fit keeps
+====================  ==============================================================  ==========
+mahalanobis           ``-min_c (z - mu_c)^T S^+ (z - mu_c)``, class means and shared   ``D x D``
+                      covariance (Lee et al. 2018, no input preprocessing)
+relative_mahalanobis  mahalanobis minus the distance under one Gaussian of all data     ``D x D``
+                      (Ren et al. 2021)
+vim                   ``logsumexp f - alpha ||P_res (z - u)||`` (Wang et al. 2022)      ``D x D``
+knn                   ``-||z/|z| - n_k||``, distance to the k-th nearest normalised    ``N x D``
+                      training feature (Sun et al. 2022; ``k = 50``)
+react                 energy of the head on features clipped at the ``p``-th            a sample
+                      percentile of training activations (Sun et al. 2021; ``p = 90``)
+====================  ==============================================================  ==========
+
+Features are :meth:`jem_plugin.JEM.features` (penultimate, ``[B, D]``); the "head" is
+:meth:`jem_plugin.JEM.head`, the layer that maps them to the logits.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .._checks import INPUT_KEYS, DomainCheck, check_input, check_label_range, model_device, same_device, unpack_batch
+from ..errors import InvalidInputError, InvalidLabelError, NoFeaturesError, NotFittedError
+from ..model import as_jem, input_grad_enabled, sampling_mode
+from ..plugins import hookimpl
+
+__all__ = ["odin", "gen", "ash", "scale", "Mahalanobis", "RelativeMahalanobis", "ViM", "KNN", "ReAct"]
+
+
+# ---------------------------------------------------------------------- helpers
+def _check_percentile(p: float, name: str = "percentile") -> float:
+    value = float(p)
+    if not 0.0 <= value < 100.0:
+        raise ValueError(f"{name} must be in [0, 100) (a percentage, as in the papers: 90, not 0.9), got {p!r}")
+    return value
+
+
+def _head(jm: Any, what: str) -> nn.Module:
+    head = as_jem(jm, what).head()
+    if head is None:
+        raise NoFeaturesError(
+            f"{what} recomputes the logits from the features and needs the layer mapping them to the "
+            "logits; this model's adapter knows none (features read by a callable). Wrap the model "
+            "with wrap(model, features='name.of.classifier') instead"
+        )
+    return head
+
+
+def _energy(head: nn.Module, h: Tensor) -> Tensor:
+    """``logsumexp(head(h))`` in fp32, ``h`` cast to the head's dtype."""
+    w = next(head.parameters(), None)
+    logits = head(h if w is None or w.dtype == h.dtype else h.to(w.dtype))
+    return torch.logsumexp(logits.float(), dim=1)
+
+
+def _kept(d: int, percentile: float) -> int:
+    """How many of ``d`` activations the top ``100 - percentile`` % are (at least one), rounded
+    as the ASH and SCALE reference code rounds (``np.round``: half to even)."""
+    return max(1, d - int(np.round(d * percentile / 100.0)))
+
+
+def _ratio(s1: Tensor, s2: Tensor) -> Tensor:
+    """``s1 / s2``, and 0 where ``s2 == 0`` (a row of all-zero activations is left unscaled, not NaN)."""
+    return torch.where(s2 == 0, torch.zeros_like(s1), s1 / s2)
+
+
+class _Sample:
+    """A uniform sample without replacement of at most ``capacity`` rows of a stream (all rows
+    when ``capacity`` is None): each row gets a random key, the ``capacity`` smallest keys are
+    kept (bottom-k sampling). Compacted only when twice the capacity is held, so adding costs
+    O(1) amortised per row; seeded, so a fit repeats."""
+
+    def __init__(self, capacity: int | None, seed: int) -> None:
+        if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
+            raise ValueError(f"the sample size must be a positive integer or None, got {capacity!r}")
+        self.capacity, self.seed = capacity, seed
+        self.rows: list[Tensor] = []
+        self.keys: list[Tensor] = []
+        self.held = 0
+        self.gen: torch.Generator | None = None
+
+    def add(self, rows: Tensor) -> None:
+        self.rows.append(rows)
+        self.held += rows.shape[0]
+        if self.capacity is None:
+            return
+        if self.gen is None:
+            self.gen = torch.Generator(device=rows.device).manual_seed(self.seed)
+        self.keys.append(torch.rand(rows.shape[0], generator=self.gen, device=rows.device))
+        if self.held > 2 * self.capacity:
+            self._compact()
+
+    def _compact(self) -> None:
+        rows, keys = torch.cat(self.rows), torch.cat(self.keys)
+        if self.capacity is not None and rows.shape[0] > self.capacity:
+            idx = torch.topk(keys, self.capacity, largest=False, sorted=False).indices
+            rows, keys = rows[idx], keys[idx]
+        self.rows, self.keys, self.held = [rows], [keys], rows.shape[0]
+
+    def values(self) -> Tensor:
+        if self.capacity is not None and self.rows:
+            self._compact()
+        return torch.cat(self.rows) if self.rows else torch.empty(0)
+
+
+def _labelled_batches(data: Any, batch_size: int, input_key: str | None) -> tuple[Iterator, int | None, bool]:
+    """``(iterator of (x, y or None), number of batches or None, data was in memory)``."""
+    if isinstance(data, np.ndarray):
+        data = torch.from_numpy(data)
+    if (
+        isinstance(data, (tuple, list))
+        and len(data) == 2
+        and all(isinstance(t, Tensor) for t in data)
+        and data[1].dim() == 1
+        and data[0].dim() >= 2
+        and data[0].shape[0] == data[1].shape[0]
+    ):
+        x_all, y_all = data
+        return zip(x_all.split(batch_size), y_all.split(batch_size)), -(-x_all.shape[0] // batch_size), True
+    if isinstance(data, Tensor):
+        if data.dim() < 2:
+            raise InvalidInputError(f"expected a batch of inputs [N, ...], got a tensor of shape {tuple(data.shape)}")
+        return ((x, None) for x in data.split(batch_size)), -(-data.shape[0] // batch_size), True
+    if not hasattr(data, "__iter__"):
+        raise InvalidInputError(
+            "fit data must be a tensor, an (x, y) pair of tensors or an iterable of batches (e.g. a "
+            f"DataLoader), got {type(data).__name__}"
+        )
+    try:
+        n: int | None = len(data)
+    except TypeError:
+        n = None
+    keys = INPUT_KEYS if input_key is None else input_key
+    return (unpack_batch(item, input_key=keys) for item in data), n, False
+
+
+def _features_of(
+    jm: Any, data: Any, *, batch_size: int, progress: bool | None, input_key: str | None, desc: str
+) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:
+    """``(features fp32, logits fp32, labels or None)`` of every batch of ``data``: the model in
+    :func:`~jem_plugin.model.sampling_mode` (eval, frozen), no autograd graph, batches moved to
+    the model's device."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    batches, n, in_memory = _labelled_batches(data, batch_size, input_key)
+    if progress is None:
+        progress = not in_memory and sys.stderr.isatty()
+    device, dtype, domain_check = model_device(jm), jm.param_dtype(), DomainCheck(batches=1)
+    seen = 0
+    with (
+        sampling_mode(jm),
+        torch.no_grad(),
+        tqdm(total=n, desc=desc, unit="batch", disable=not progress, leave=False) as bar,
+    ):
+        for x, y in batches:
+            if device is not None and not same_device(x.device, device):
+                x = x.to(device, non_blocking=True)
+            x = check_input(x, dtype=dtype, domain=jm.domain)
+            domain_check(x, jm.domain, desc, stacklevel=4)
+            feats, logits = jm.features(x)
+            seen += x.shape[0]
+            yield feats.float(), logits.float(), None if y is None else y.to(feats.device)
+            bar.update(1)
+    if not seen:
+        raise InvalidInputError(f"{desc}: no inputs to fit on, the data is empty")
+
+
+def _whitener(cov: Tensor) -> Tensor:
+    """``W`` with ``W W^T = pinv(cov)`` (``[D, rank]``, from the eigendecomposition): squared
+    Mahalanobis distances are squared Euclidean distances after ``@ W``. Directions with variance
+    below ``D * eps * largest`` are dropped, as ``torch.linalg.pinv`` drops them (dead units)."""
+    evals, evecs = torch.linalg.eigh(cov)
+    tol = evals.max().clamp_min(0) * cov.shape[0] * torch.finfo(cov.dtype).eps
+    keep = evals > tol
+    return evecs[:, keep] / evals[keep].sqrt()
+
+
+def _sq_dists(a: Tensor, b: Tensor) -> Tensor:
+    """``[A, B]`` squared Euclidean distances, by the expansion (one matmul, no ``[A, B, D]``)."""
+    d = a.pow(2).sum(1, keepdim=True) - 2.0 * (a @ b.T) + b.pow(2).sum(1).unsqueeze(0)
+    return d.clamp_min_(0.0)
+
+
+# ---------------------------------------------------------------------- function scores
+def odin(jm: Any, x: Tensor, temperature: float = 1000.0, eps: float = 0.0014) -> Tensor:
+    """ODIN (Liang et al. 2018): the maximum softmax probability at temperature ``T`` of the input
+    moved by ``eps`` against the gradient sign of ``-log S_yhat(x; T)``.
+
+    ``eps`` is in units of the ``[0, 1]`` pixel range: the step in input space is
+    ``eps * (high - low)`` per channel of the model's domain, i.e. ``eps / std`` for normalised
+    images, as the ODIN code divides the gradient by the normalisation's std (pytorch-ood's
+    ``norm_std``). Defaults are OpenOOD's (``T = 1000``, ``eps = 0.0014``).
+    """
+    t = float(temperature)
+    if not t > 0 or not math.isfinite(t):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    core = as_jem(jm, "odin")
+    with sampling_mode(core), input_grad_enabled(x) as xg:
+        logits = core.logits(xg) / t
+        loss = F.cross_entropy(logits, logits.argmax(1), reduction="sum")
+        (g,) = torch.autograd.grad(loss, xg)
+    xd = x.detach()
+    lo, hi = core.domain.bounds(xd) if xd.dim() >= 2 else (0.0, 1.0)
+    x_hat = xd - float(eps) * g.sign().to(xd.dtype) * (hi - lo)
+    with torch.no_grad():
+        return torch.softmax(core.logits(x_hat) / t, dim=1).max(dim=1).values
+
+
+def gen(jm: Any, x: Tensor, gamma: float = 0.1, M: int | None = None) -> Tensor:
+    """GEN (Liu et al. 2023): ``-sum_{j <= M} p_j^gamma (1 - p_j)^gamma`` over the ``M`` largest
+    softmax probabilities (``M = min(K, 100)`` by default), as the authors' code computes it (a
+    sum, no clamping of ``p``)."""
+    if not float(gamma) > 0:
+        raise ValueError(f"gamma must be positive, got {gamma!r}")
+    p = torch.softmax(jm.logits(x).float(), dim=1)
+    m = min(p.shape[1], 100) if M is None else int(M)
+    if not 1 <= m <= p.shape[1]:
+        raise ValueError(f"M must be in [1, {p.shape[1]}] (the number of classes), got {M!r}")
+    top = p.topk(m, dim=1).values if m < p.shape[1] else p
+    return -(top.pow(gamma) * (1.0 - top).pow(gamma)).sum(dim=1)
+
+
+def ash(jm: Any, x: Tensor, percentile: float = 90.0) -> Tensor:
+    """ASH-S (Djurisic et al. 2023) on the penultimate features ``h``: the largest
+    ``100 - percentile`` % of each row kept, the rest zeroed, the kept ones scaled by
+    ``exp(sum h / sum kept)``; the score is the energy ``logsumexp`` of the head on them.
+    Designed for non-negative (post-ReLU) features."""
+    p = _check_percentile(percentile)
+    head = _head(jm, "ash")
+    h, _ = jm.features(x)
+    s1 = h.sum(dim=1)
+    v, i = torch.topk(h, _kept(h.shape[1], p), dim=1)
+    shaped = torch.zeros_like(h).scatter_(1, i, v * torch.exp(_ratio(s1, v.sum(dim=1))).unsqueeze(1))
+    return _energy(head, shaped)
+
+
+def scale(jm: Any, x: Tensor, percentile: float = 85.0) -> Tensor:
+    """SCALE (Xu et al. 2024): the penultimate features ``h`` scaled by ``exp(sum h / sum of the
+    top 100 - percentile %)``, nothing pruned; the score is the energy of the head on them."""
+    p = _check_percentile(percentile)
+    head = _head(jm, "scale")
+    h, _ = jm.features(x)
+    s2 = torch.topk(h, _kept(h.shape[1], p), dim=1).values.sum(dim=1)
+    return _energy(head, h * torch.exp(_ratio(h.sum(dim=1), s2)).unsqueeze(1))
+
+
+# ---------------------------------------------------------------------- fitted detectors
+class _FittedDetector:
+    """Base of the detectors fitted on in-distribution data: ``fit`` streams over the data
+    (features of each batch handed to :meth:`_add`), :meth:`_finish` turns the running sums
+    into the fitted state, ``score`` maps a batch to ``[B]`` scores, higher = in-distribution."""
+
+    name = "detector"
+    needs_grad = False
+
+    def __init__(self) -> None:
+        self.fitted = False
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in self._options().items())
+        return f"{type(self).__name__}({options}{', fitted' if self.fitted else ''})"
+
+    def _options(self) -> dict[str, Any]:
+        return {}
+
+    def fit(
+        self,
+        jm: Any,
+        data: Any,
+        *,
+        batch_size: int = 256,
+        progress: bool | None = None,
+        input_key: str | None = None,
+    ) -> _FittedDetector:
+        """Fit on in-distribution ``data`` (a DataLoader or iterable of batches, a tensor, or an
+        ``(x, y)`` pair of tensors), streaming batch by batch; returns ``self``.
+
+        The model runs in eval mode with frozen parameters (restored after), without autograd.
+        ``progress``: a tqdm bar over batches (default: only for an iterable on a terminal).
+        """
+        core = as_jem(jm, f"{self.name}.fit")
+        self._begin(core)
+        for feats, logits, y in _features_of(
+            core, data, batch_size=batch_size, progress=progress, input_key=input_key, desc=f"fit {self.name}"
+        ):
+            self._add(feats, logits, y)
+        self._finish(core)
+        self.fitted = True
+        return self
+
+    def score(self, jm: Any, x: Tensor) -> Tensor:
+        """``[B]`` scores of the batch ``x``, higher = more in-distribution (no autograd graph).
+        The model runs in the mode it is in; :func:`jem_plugin.ood.score` puts it in eval mode."""
+        if not self.fitted:
+            raise NotFittedError(
+                f"the {self.name} detector is not fitted: call .fit(jm, train_loader) first, or "
+                f"jem.ood.score(jm, data, {self.name!r}, fit_data=train_loader)"
+            )
+        core = as_jem(jm, f"{self.name}.score")
+        with torch.no_grad():
+            feats, logits = core.features(x)
+            return self._score(core, feats.float(), logits.float())
+
+    # subclasses
+    def _begin(self, jm: Any) -> None: ...
+
+    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+        raise NotImplementedError
+
+    def _finish(self, jm: Any) -> None: ...
+
+    def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+class Mahalanobis(_FittedDetector):
+    """Mahalanobis distance to the closest class mean under a shared covariance (Lee et al. 2018),
+    on the penultimate features, without input preprocessing or feature ensembles:
+    ``score(z) = -min_c (z - mu_c)^T Sigma^+ (z - mu_c)`` with ``Sigma`` the within-class
+    covariance (the sum of squared deviations from each class mean over ``N``, as scikit-learn's
+    ``EmpiricalCovariance`` of the centred features in the authors' code) and ``^+`` its
+    pseudo-inverse (directions of zero variance, such as dead ReLU units, are ignored).
+
+    ``fit`` keeps per-class sums and one ``D x D`` sum of outer products, accumulated in float64
+    around the first batch's mean, so the memory does not grow with the data. Labels come from the
+    data (``(x, y)`` batches); ``labels="predicted"`` uses the model's predictions instead, for
+    unlabelled data. Classes absent from the fit data are left out of the minimum.
+
+    pytorch-ood's ``Mahalanobis`` returns ``0.5 * min_c d_c`` computed with the *sum* of squared
+    deviations (not divided by ``N``) plus ``1e-6 I``: its outlier score is ``-score / (2 N)``.
+    """
+
+    name = "mahalanobis"
+
+    def __init__(self, labels: str = "true") -> None:
+        super().__init__()
+        if labels not in ("true", "predicted"):
+            raise ValueError(f"labels must be 'true' (from the data) or 'predicted', got {labels!r}")
+        self.labels = labels
+
+    def _options(self) -> dict[str, Any]:
+        return {"labels": self.labels}
+
+    def _begin(self, jm: Any) -> None:
+        self._shift: Tensor | None = None
+        self._sums: Tensor | None = None
+        self._counts: Tensor | None = None
+        self._outer: Tensor | None = None
+
+    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+        k = logits.shape[1]
+        if self.labels == "predicted":
+            y = logits.argmax(dim=1)
+        elif y is None:
+            raise InvalidLabelError(
+                f"{self.name} is class-conditional and the fit data holds no labels: yield (x, y) "
+                f"batches, or pass labels='predicted' to use the model's predictions"
+            )
+        y = y.to(device=feats.device, dtype=torch.long).reshape(-1)
+        check_label_range(y, k, what=f"{self.name} fit labels")
+        z = feats.double()
+        if self._shift is None:
+            self._shift = z.mean(dim=0)
+            self._sums = z.new_zeros(k, z.shape[1])
+            self._counts = z.new_zeros(k)
+            self._outer = z.new_zeros(z.shape[1], z.shape[1])
+        assert self._sums is not None and self._counts is not None and self._outer is not None
+        z = z - self._shift
+        self._sums.index_add_(0, y, z)
+        self._counts += torch.bincount(y, minlength=k).to(z.dtype)
+        self._outer.addmm_(z.T, z)
+
+    def _finish(self, jm: Any) -> None:
+        assert self._sums is not None and self._counts is not None and self._outer is not None
+        present = self._counts > 0
+        sums, counts = self._sums[present], self._counts[present]
+        n = counts.sum()
+        means = sums / counts.unsqueeze(1)  # around the shift
+        within = (self._outer - sums.T @ means) / n
+        w = _whitener(0.5 * (within + within.T))
+        self.classes = present.nonzero().squeeze(1)
+        self.n_fit = int(n.item())
+        self._w = w.float()
+        self._centre = self._shift.float()  # type: ignore[union-attr]  # set by the first batch
+        self._means_w = (means @ w).float()
+        self._total = (self._sums.sum(0), n)  # for the relative variant
+        self._sums = self._outer = None
+
+    def _class_dists(self, feats: Tensor) -> Tensor:
+        zw = (feats - self._centre.to(feats.device)) @ self._w.to(feats.device)
+        return _sq_dists(zw, self._means_w.to(feats.device))
+
+    def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
+        return -self._class_dists(feats).min(dim=1).values
+
+
+class RelativeMahalanobis(Mahalanobis):
+    """Relative Mahalanobis distance (Ren et al. 2021): the class-conditional distance minus the
+    distance under one Gaussian fitted to all the data (``mu_0``, ``Sigma_0``):
+    ``score(z) = -min_c [MD_c(z) - MD_0(z)]``. Same streaming fit as :class:`Mahalanobis` (the
+    background covariance comes from the same sums). pytorch-ood's ``RMD`` uses sums of squared
+    deviations, not covariances: its outlier score is ``-score / N``."""
+
+    name = "relative_mahalanobis"
+
+    def _finish(self, jm: Any) -> None:
+        outer = self._outer
+        super()._finish(jm)
+        assert outer is not None
+        total, n = self._total
+        mean0 = total / n
+        cov0 = outer / n - torch.outer(mean0, mean0)
+        w0 = _whitener(0.5 * (cov0 + cov0.T))
+        self._w0 = w0.float()
+        self._mean0_w = (mean0 @ w0).float()
+
+    def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
+        z0 = (feats - self._centre.to(feats.device)) @ self._w0.to(feats.device)
+        md0 = (z0 - self._mean0_w.to(feats.device)).pow(2).sum(dim=1)
+        return -(self._class_dists(feats).min(dim=1).values - md0)
+
+
+class ViM(_FittedDetector):
+    """Virtual-logit matching (Wang et al. 2022): ``score = logsumexp f(x) - alpha * ||(z - u) R||``
+    with ``u = -pinv(W) b`` the origin the head ``f = W z + b`` defines, ``R`` the eigenvectors of
+    ``(z - u)^T (z - u) / N`` outside the ``dim`` principal ones, and ``alpha`` the mean training
+    max-logit over the mean training residual norm.
+
+    ``fit`` streams the ``D x D`` moment (float64) and the max-logit sum; the residual norms need
+    ``R``, known only at the end, so they are measured on a uniform subsample of at most
+    ``max_alpha`` training features (all of them when there are fewer; ``None``: always all).
+    ``dim`` defaults to the paper's choices: 1000 for ``D >= 2048``, 512 for ``D >= 768``, else
+    ``D // 2``. The head must be linear (``weight``, optional ``bias``).
+    """
+
+    name = "vim"
+
+    def __init__(self, dim: int | None = None, max_alpha: int | None = 10_000, seed: int = 0) -> None:
+        super().__init__()
+        if dim is not None and (not isinstance(dim, int) or dim < 1):
+            raise ValueError(f"dim must be a positive integer or None, got {dim!r}")
+        self.dim, self.max_alpha, self.seed = dim, max_alpha, seed
+
+    def _options(self) -> dict[str, Any]:
+        return {"dim": self.dim, "max_alpha": self.max_alpha}
+
+    def _begin(self, jm: Any) -> None:
+        head = _head(jm, "vim")
+        weight = getattr(head, "weight", None)
+        if not isinstance(weight, Tensor) or weight.dim() != 2:
+            raise NoFeaturesError(f"vim needs a linear head (a weight matrix), got {type(head).__name__}")
+        bias = getattr(head, "bias", None)
+        w = weight.detach().double()
+        b = bias.detach().double() if isinstance(bias, Tensor) else w.new_zeros(w.shape[0])
+        self._u = -(torch.linalg.pinv(w) @ b)
+        self._moment = w.new_zeros(w.shape[1], w.shape[1])
+        self._n = 0
+        self._max_logit_sum = w.new_zeros(())
+        self._sample = _Sample(self.max_alpha, self.seed)
+
+    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+        x = feats.double() - self._u.to(feats.device)
+        self._moment = self._moment.to(feats.device).addmm_(x.T, x)
+        self._n += feats.shape[0]
+        self._max_logit_sum = self._max_logit_sum.to(feats.device) + logits.max(dim=1).values.double().sum()
+        self._sample.add(feats)
+
+    def _finish(self, jm: Any) -> None:
+        d_all = self._moment.shape[0]
+        dim = self.dim if self.dim is not None else (1000 if d_all >= 2048 else 512 if d_all >= 768 else d_all // 2)
+        if not 1 <= dim < d_all:
+            raise ValueError(f"vim's principal dimension must be in [1, {d_all}) for {d_all}-d features, got {dim}")
+        _, evecs = torch.linalg.eigh(self._moment / self._n)
+        residual = evecs[:, : d_all - dim]  # eigh sorts ascending: the smallest D - dim directions
+        sample = self._sample.values().double() - self._u.to(self._moment.device)
+        alpha = (self._max_logit_sum / self._n) / (sample @ residual).norm(dim=1).mean()
+        self.principal_dim = dim
+        self.alpha = float(alpha.item())
+        self._residual = residual.float()
+        self._origin = self._u.float().to(residual.device)
+        del self._moment, self._sample
+
+    def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
+        vlogit = ((feats - self._origin.to(feats.device)) @ self._residual.to(feats.device)).norm(dim=1)
+        return torch.logsumexp(logits, dim=1) - self.alpha * vlogit
+
+
+class KNN(_FittedDetector):
+    """Deep nearest neighbours (Sun et al. 2022): ``score(z) = -||z/|z| - n_k||``, minus the
+    Euclidean distance from the normalised features to their ``k``-th nearest normalised training
+    feature. ``fit`` keeps the normalised training features (``N x D`` floats), or a uniform
+    subsample of ``max_fit`` of them (the paper uses 1% of ImageNet). Neighbours are searched in
+    chunks of ``chunk`` training rows, so scoring memory stays ``B x chunk``; the distance of the
+    chosen neighbour is then computed directly (not from the dot product)."""
+
+    name = "knn"
+
+    def __init__(self, k: int = 50, max_fit: int | None = None, seed: int = 0, chunk: int = 65536) -> None:
+        super().__init__()
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive integer, got {k!r}")
+        self.k, self.max_fit, self.seed, self.chunk = k, max_fit, seed, int(chunk)
+
+    def _options(self) -> dict[str, Any]:
+        return {"k": self.k, "max_fit": self.max_fit}
+
+    def _begin(self, jm: Any) -> None:
+        self._sample = _Sample(self.max_fit, self.seed)
+
+    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+        self._sample.add(F.normalize(feats, dim=1))
+
+    def _finish(self, jm: Any) -> None:
+        bank = self._sample.values()
+        if bank.shape[0] < self.k:
+            raise ValueError(f"knn needs at least k={self.k} training inputs, the fit data has {bank.shape[0]}")
+        self.bank = bank
+        del self._sample
+
+    def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
+        z = F.normalize(feats, dim=1)
+        bank = self.bank.to(z.device)
+        best_sim: Tensor | None = None
+        best_idx: Tensor | None = None
+        for start in range(0, bank.shape[0], self.chunk):
+            sims = z @ bank[start : start + self.chunk].T
+            kk = min(self.k, sims.shape[1])
+            s, i = sims.topk(kk, dim=1)
+            i = i + start
+            if best_sim is not None and best_idx is not None:
+                s, j = torch.cat([best_sim, s], 1).topk(min(self.k, best_sim.shape[1] + kk), dim=1)
+                i = torch.cat([best_idx, i], 1).gather(1, j)
+            best_sim, best_idx = s, i
+        assert best_idx is not None
+        kth = bank[best_idx[:, self.k - 1]]
+        return -(z - kth).norm(dim=1)
+
+
+class ReAct(_FittedDetector):
+    """ReAct (Sun et al. 2021): the penultimate features clipped at ``c``, the ``percentile``-th
+    percentile of the training activations (every unit of every training input), then the
+    energy ``logsumexp`` of the head on them.
+
+    ``fit`` keeps a uniform sample of at most ``max_values`` activations (all when there are
+    fewer), so the percentile is exact for small sets and within a few 1e-4 quantiles otherwise.
+    The sample stays with the detector: set ``percentile`` after fitting and :attr:`threshold`
+    follows, no refit (pytorch-ood's ``ReAct`` percentile is ``percentile / 100``).
+    """
+
+    name = "react"
+
+    def __init__(self, percentile: float = 90.0, max_values: int | None = 1_000_000, seed: int = 0) -> None:
+        super().__init__()
+        self.percentile = _check_percentile(percentile)
+        self.max_values, self.seed = max_values, seed
+
+    def _options(self) -> dict[str, Any]:
+        return {"percentile": self.percentile, "max_values": self.max_values}
+
+    def _begin(self, jm: Any) -> None:
+        _head(jm, "react")
+        self._sample = _Sample(self.max_values, self.seed)
+
+    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+        self._sample.add(feats.reshape(-1))
+
+    def _finish(self, jm: Any) -> None:
+        self.activations = self._sample.values().sort().values
+        self._threshold: tuple[float, float] | None = None
+        del self._sample
+
+    @property
+    def threshold(self) -> float:
+        """The clipping value: the ``percentile``-th percentile of the fitted activations
+        (linear interpolation, as ``numpy.percentile``)."""
+        if not self.fitted:
+            raise NotFittedError("the react detector is not fitted: call .fit(jm, train_loader) first")
+        p = _check_percentile(self.percentile)
+        cached = self.__dict__.get("_threshold")
+        if cached is not None and cached[0] == p:
+            return cached[1]
+        a = self.activations
+        pos = p / 100.0 * (a.shape[0] - 1)
+        lo = int(math.floor(pos))
+        hi = min(lo + 1, a.shape[0] - 1)
+        v_lo, v_hi = float(a[lo]), float(a[hi])  # two host syncs, once per percentile
+        value = v_lo + (v_hi - v_lo) * (pos - lo)
+        self._threshold = (p, value)
+        return value
+
+    def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
+        return _energy(_head(jm, "react"), feats.clamp(max=self.threshold))
+
+
+@hookimpl
+def jem_register_ood_scores(register: Callable[..., None]) -> None:
+    register(
+        "odin",
+        odin,
+        needs_grad=True,
+        description="ODIN: max softmax at temperature T after an eps input step (temperature=1000, eps=0.0014)",
+    )
+    register(
+        "gen", gen, needs_grad=False, description="GEN generalized entropy of the top-M probabilities (gamma=, M=)"
+    )
+    register("ash", ash, needs_grad=False, description="ASH-S: energy of pruned, rescaled features (percentile=90)")
+    register("scale", scale, needs_grad=False, description="SCALE: energy of rescaled features (percentile=85)")
+    register(
+        "mahalanobis",
+        Mahalanobis,
+        needs_grad=False,
+        needs_fit=True,
+        description="class-conditional Mahalanobis distance, shared covariance (fit; labels=)",
+    )
+    register(
+        "relative_mahalanobis",
+        RelativeMahalanobis,
+        needs_grad=False,
+        needs_fit=True,
+        description="Mahalanobis minus the distance under one Gaussian of all data (fit; labels=)",
+    )
+    register(
+        "vim",
+        ViM,
+        needs_grad=False,
+        needs_fit=True,
+        description="ViM: energy minus the scaled residual norm (fit; dim=, max_alpha=)",
+    )
+    register(
+        "knn",
+        KNN,
+        needs_grad=False,
+        needs_fit=True,
+        description="minus the distance to the k-th nearest normalised training feature (fit; k=50, max_fit=)",
+    )
+    register(
+        "react",
+        ReAct,
+        needs_grad=False,
+        needs_fit=True,
+        description="ReAct: energy of features clipped at a training percentile (fit; percentile=90)",
+    )
