@@ -21,11 +21,14 @@ from .errors import (
     InvalidLabelError,
     InvalidScoresError,
     JEMError,
+    NoFeaturesError,
     NoLogitsError,
     NonFiniteLogitsError,
+    NotFittedError,
     NotWrappedError,
     OutOfDomainWarning,
     UnknownNameError,
+    UntrainedDensityWarning,
 )
 from .integrations.mixin import GenerativeLossMixin
 from .losses import JEMLoss, LossOutput
@@ -76,4 +79,7 @@ __all__ = [
     "CUDAGraphError",
     "NotWrappedError",
     "OutOfDomainWarning",
+    "NoFeaturesError",
+    "NotFittedError",
+    "UntrainedDensityWarning",
 ]

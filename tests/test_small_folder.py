@@ -110,3 +110,25 @@ def test_a_class_the_held_out_split_emptied_is_named():
     ds = TensorDataset(torch.zeros(6, 1), torch.tensor([0, 0, 0, 2, 2, 2]))
     with pytest.raises(CLIError, match="no training images left for class b after the held-out split"):
         check_training_split(ds, 3, 2, data="folder:x", fits_init=False, classes=["a", "b", "c"])
+
+
+def test_the_model_file_says_whether_log_px_was_trained(trained_run, tmp_path):
+    """The gradient and SGLD scores warn on a model whose log p(x) was not trained: a `jem train`
+    model file carries the answer, so a JEM-trained model loads without the warning."""
+    import warnings
+
+    from jem_plugin import ood
+    from jem_plugin.app.model_files import load_model_checkpoint
+
+    jm, spec = load_model_checkpoint(str(trained_run / "model.pt"))
+    assert jm.trained_px is True
+    x = torch.rand(2, *spec["sample_shape"]) * 2 - 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ood.score(jm, x, method="grad_norm")
+    base = tmp_path / "base"
+    folder = trained_run.parent / "digits"
+    args = ["train", "--data", f"folder:{folder}", "--model", "resnet10t", "--image-size", "16", "--epochs", "1"]
+    assert main([*args, "--baseline", "--batch-size", "32", "--out", str(base), "--quiet"]) == 0
+    jb, _ = load_model_checkpoint(str(base / "model.pt"))
+    assert jb.trained_px is False

@@ -332,7 +332,10 @@ def held_out_data(spec: dict[str, Any], data: str | None, image_size: int | None
 
 
 def save_model_checkpoint(path: Path, jm, spec: dict[str, Any]) -> None:
-    """The final model: its spec (to rebuild it) and weights, atomic and code-free."""
+    """The final model: its spec (to rebuild it) and weights, atomic and code-free. The spec also
+    records whether log p(x) was trained (``JEMLoss`` marks the model), which the gradient and
+    SGLD scores ask when the file is loaded."""
+    spec = {**spec, "trained_px": bool(jm.trained_px)}
     save_checkpoint(path, rng=False, kind=CKPT_FORMAT, spec=spec, model=jm.model)
 
 
@@ -348,6 +351,8 @@ def load_model_checkpoint(path: str, device=None):
     model = build_model(spec["model"], spec["num_classes"], spec["sample_shape"][0], spec.get("model_options"))
     jm = wrap_for_data(model, spec)
     load_checkpoint(path, rng=False, model=jm.model)  # checks keys and shapes first
+    if "trained_px" in spec:  # was log p(x) trained (jem train with the JEM loss)? The JEM-only scores ask
+        jm.trained_px = bool(spec["trained_px"])
     if device is not None:
         jm.to(device)
     return jm.eval(), spec
