@@ -575,13 +575,13 @@ def cmd_sample(args) -> int:
         if y is not None and buffer.num_classes is None:
             raise CLIError("this run's replay buffer is unconditional; drop --per-class to continue its chains")
         x0, _ = buffer.sample(n, domain=jm.domain, y=yd, generator=g)  # the file keeps its chains
-        starts = "the run's replay buffer"
+        starts = short = "the run's replay buffer"
     elif buffer is not None:
         x0 = buffer.init_dist.sample(n, shape, jm.domain, g, device, y=yd)
-        starts = f"the run's init distribution ({buffer.init_name})"
+        starts, short = f"the run's init distribution ({buffer.init_name})", f"{buffer.init_name} init"
     else:
         x0 = jm.domain.uniform(n, shape, generator=g)
-        starts = "uniform noise"
+        starts = short = "uniform noise"
     x = sampler.sample(jm, x_init=x0.to(device), y=yd).cpu()
     what = "class-conditional" if y is not None else "unconditional"
     save_image_grid(
@@ -589,7 +589,7 @@ def cmd_sample(args) -> int:
         out,
         domain=jm.domain,
         nrow=per if y is not None else min(8, args.n),
-        title=f"{what} samples\n{sampler.steps} SGLD steps from {starts}, {Path(args.checkpoint).name}",
+        title=f"{what}\n{sampler.steps} SGLD steps from\n{short}",  # short lines: a grid may be 4 images wide
         row_labels=[f"class {c}" for c in classes] if y is not None else None,
     )
     print(f"samples: {out} ({sampler.steps} SGLD steps from {starts})")
