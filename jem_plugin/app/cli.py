@@ -429,7 +429,7 @@ def _train(args, info) -> int:
         metrics = {k: record[k] for k in ("held_out", "calibration", "post_training", "sample_quality") if k in record}
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         if "held_out" in record:
-            print(f"held-out accuracy of the saved model: {record['held_out']['accuracy']:.3f}")
+            print(f"held-out accuracy {record['held_out']['accuracy']:.3f} (the saved model, after the steps above)")
         print(f"model: {out / 'model.pt'}  (metrics.json and history.json beside it)")
     jdist.barrier()  # no rank exits (and tears down the group) before rank 0 has written
     return 0
