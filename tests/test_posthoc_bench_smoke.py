@@ -1,0 +1,85 @@
+"""Smoke test of benchmarks/bench_posthoc.py at tiny sizes: it runs ours and pytorch-ood's detectors
+on the same model, writes its JSON, Markdown and heat maps, and judges the issue's targets right."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("pytorch_ood")
+pytest.importorskip("timm")
+
+from benchmarks import bench_posthoc as B  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_ood_sets_are_the_issues_six():
+    D = B.load_data(n_train=64, n_eval=20)
+    assert set(D["sets"]) | {"held_out"} == set(B.SETS)
+    assert all(v.shape == (20, 3, 32, 32) for v in D["sets"].values())
+    assert int(D["y07"].max()) == 7 and len(D["xt07"]) + len(D["xt89"]) == 20
+    lo = (0 - torch.tensor(B.IMAGENET_MEAN)) / torch.tensor(B.IMAGENET_STD)  # pixels clipped to [0, 1]
+    assert bool((D["sets"]["gaussian"].amin(dim=(0, 2, 3)) >= lo - 1e-6).all())
+
+
+def test_tiny_run_writes_results_and_judges_targets(tmp_path):
+    res = B.run(
+        networks=["lcnet_050"],
+        epochs=1,
+        n_train=96,
+        n_eval=24,
+        methods=["logpx", "msp", "grad_norm", "mahalanobis", "knn", "ash"],
+        theirs=["EnergyBased", "MaxSoftmax", "Mahalanobis", "KNN", "ASH", "Entropy"],
+        timing_n=32,
+        timing_repeats=1,
+        jem_recipes=["fast"],
+    )
+    net = res["networks"]["lcnet_050"]
+    assert {r["set"] for r in net["ours"]} == set(B.SETS) and {r["set"] for r in net["pytorch_ood"]} == set(B.SETS)
+    # the detectors both libraries have: identical where the method is the same computation
+    assert net["equality"]["logpx"]["max_abs_diff"] == 0.0 and net["equality"]["logpx"]["equal"]
+    assert net["equality"]["msp"]["equal"] and net["equality"]["ash"]["pytorch_ood"] == "ASH (matched settings)"
+    assert set(net["throughput"]) == {"logpx", "msp", "mahalanobis", "knn", "ash"}
+    assert all(v["ratio"] > 0 for v in net["throughput"].values())
+    tg = net["targets"]
+    assert set(tg["best_per_set"]) == set(B.SETS) and "jem_ok" in tg  # the run's only network has the JEM twin
+    assert set(tg["jem"]) == {"fast"} and res["jem_twins"]["fast"]["mean_auroc"].keys() >= {"logpx", "grad_norm"}
+    md = B.write(res, str(tmp_path))
+    assert "jem logpx" in md and "pytorch-ood EnergyBased" in md and "JEM-trained twin" in md and "**" in md
+    saved = json.loads((tmp_path / "posthoc.json").read_text())["posthoc"]
+    assert "_tables" not in saved["networks"]["lcnet_050"] and saved["settings"]["sets"] == list(B.SETS)
+    assert (tmp_path / "posthoc_lcnet_050.png").stat().st_size > 5000 and (tmp_path / "posthoc.md").is_file()
+
+
+def _net(ours, theirs, eq=True, ratio=1.2):
+    rows = lambda prefix, vals: [  # noqa: E731
+        {"score": prefix, "set": s, "status": "ok", "auroc": v} for s, v in zip(B.SETS, vals)
+    ]
+    return {
+        "ours": rows("logpx", ours),
+        "pytorch_ood": rows("EnergyBased", theirs),
+        "equality": {"logpx": {"equal": eq}},
+        "throughput": {"logpx": {"ratio": ratio}},
+    }
+
+
+def test_targets():
+    t = B.targets(_net([0.9] * 6, [0.904] * 6))
+    assert t["best_ok"] and t["equal_ok"] and t["throughput_ok"] and "jem_ok" not in t
+    t = B.targets(_net([0.9] * 6, [0.9] * 5 + [0.95], eq=False, ratio=0.5))
+    assert not t["best_ok"] and t["best_per_set"]["held_out"]["ok"] is False
+    assert t["equal_ok"] is False and t["throughput_ok"] is False
+    twins = {"fast": {"mean_auroc": {"logpx": 0.97}}, "generative": {"mean_auroc": {"logpx": 0.9}}}
+    t = B.targets(_net([0.9] * 6, [0.95] * 6), twins)
+    assert t["jem_ok"] is True and t["jem"]["generative"]["ok"] is False
+    assert t["best_posthoc_on_twin"] == ("pytorch-ood EnergyBased", pytest.approx(0.95))
+    assert B.targets(_net([0.99] * 6, [0.95] * 6), twins)["jem_ok"] is False
