@@ -130,6 +130,10 @@ def make_model(name: str) -> nn.Module:
         from jem_plugin.app.nets import DigitsCNN
 
         return DigitsCNN(num_classes=10)
+    if name.startswith("wrn"):  # "wrn10-1": the JEM paper's Wide-ResNet, no normalisation (as --model takes it)
+        from jem_plugin.app.model_files import build_model
+
+        return build_model(name, 10, 3)
     import timm
 
     name, _, extra = name.partition(":")  # "test_resnet:act_layer=silu": timm.create_model keywords
@@ -292,38 +296,75 @@ def init_draws(S: dict, r, loss_fn, jm, n: int, y=None, seed: int = 3) -> torch.
     return jm.domain.uniform(n, shape, generator=g)
 
 
-def evaluate_run(S: dict, res: dict, judge, quick: bool) -> dict[str, Any]:
+def evaluate_run(
+    S: dict,
+    res: dict,
+    judge,
+    quick: bool,
+    *,
+    ood_methods: Sequence[str] = OOD_METHODS,
+    trace_rounds: Sequence[int] | None = None,
+    cond_steps: int | None = None,
+    cond_per_class: int | None = None,
+    init_like_buffer: bool = False,
+) -> dict[str, Any]:
+    """Accuracy, ECE, OOD AUROCs, sample quality of one trained run (``train_run``'s result).
+
+    ``S["ood"]``: the OOD sets (any names). With a validation split ``S["xv"], S["yv"]`` the
+    temperature behind ``ece_ts`` is fitted on it (else each half of the test set is scaled by
+    one fitted on the other). ``trace_rounds``: rounds of :func:`chain_trace` (``()``: none;
+    default (0, 1) quick, else :data:`TRACE_ROUNDS`); ``cond_steps``/``cond_per_class``: the
+    class-conditional samples (default :data:`COND_STEPS` / :data:`COND_PER_CLASS`, 2 / 2 quick;
+    ``cond_per_class=0``: none, and no ``cond`` entry);
+    ``init_like_buffer``: the initial distribution's distance (``init_fd``) from as many draws as
+    the buffer sample has (the Fréchet distance grows at small sizes), else from as many as the
+    test set. ``cond["judge_acc_init"]``: the judge on the class draws the samples started from.
+    """
     jm, r, loss_fn = res["jm"], res["recipe"], res["loss_fn"]
     with torch.no_grad():
         logits = jm(S["xt"])
     out: dict[str, Any] = {
         "accuracy": float((logits.argmax(1) == S["yt"]).float().mean()),
         "ece": jem.calibration.ece(logits, S["yt"], from_logits=True),
-        "ece_ts": jem.calibration.cross_fitted_report(logits, S["yt"])["ece_after"],
     }
-    ood = jem.ood.evaluate_all(jm, S["xt"], S["ood"], methods=OOD_METHODS, progress=False)
-    out["auroc"] = {m: {s: round(ood[m][s]["auroc"], 4) for s in OOD_SETS} for m in OOD_METHODS}
+    if S.get("xv") is not None:  # the temperature fitted on the validation split, applied to the test split
+        with torch.no_grad():
+            val_logits = jm(S["xv"])
+        rep = jem.calibration.calibration_report(logits, S["yt"], fit_logits=val_logits, fit_labels=S["yv"])
+        out["ece_ts"], out["temperature"] = rep["ece_after"], rep["temperature"]
+        out["val_accuracy"] = float((val_logits.argmax(1) == S["yv"]).float().mean())
+    else:
+        out["ece_ts"] = jem.calibration.cross_fitted_report(logits, S["yt"])["ece_after"]
+    ood = jem.ood.evaluate_all(jm, S["xt"], S["ood"], methods=ood_methods, progress=False)
+    out["auroc"] = {m: {s: round(ood[m][s]["auroc"], 4) for s in S["ood"]} for m in ood_methods}
     n = len(S["xt"])
+    rounds = ((0, 1) if quick else TRACE_ROUNDS) if trace_rounds is None else tuple(trace_rounds)
+    n_init = n
     if loss_fn is not None and loss_fn.buffer is not None and loss_fn.buffer._is_init:
         buf = loss_fn.buffer.samples(min(n, loss_fn.buffer.capacity))
+        n_init = len(buf) if init_like_buffer else n
         out["buffer"] = sample_quality(judge, buf, S["xt"])
         out["buffer_samples"] = buf
-        # Does the learned energy lead towards the data, or to low energy that looks like nothing?
-        out["chains"] = chain_trace(
-            jm,
-            judge,
-            buf,
-            S["xt"],
-            sampler=loss_fn.sampler,
-            rounds=(0, 1) if quick else TRACE_ROUNDS,
-            batch_size=r.n_samples or 64,
-        )
-    per = 2 if quick else COND_PER_CLASS
+        if rounds:
+            # Does the learned energy lead towards the data, or to low energy that looks like nothing?
+            out["chains"] = chain_trace(
+                jm,
+                judge,
+                buf,
+                S["xt"],
+                sampler=loss_fn.sampler,
+                rounds=rounds,
+                batch_size=r.n_samples or 64,
+            )
+    out["init_fd"] = reference_points(judge, S["xt"], init=init_draws(S, r, loss_fn, jm, n_init), n=n_init)["init"]
+    if cond_per_class == 0:
+        return out
+    per = cond_per_class or (2 if quick else COND_PER_CLASS)
     yc = torch.arange(10).repeat_interleave(per)
     x0 = init_draws(S, r, loss_fn, jm, len(yc), y=yc)
     ref = r or get_recipe("fast")
     sampler = jem.SGLD(
-        steps=2 if quick else COND_STEPS,
+        steps=cond_steps or (2 if quick else COND_STEPS),
         step_size=ref.step_size,
         noise=ref.noise,
         grad_clip=ref.grad_clip,
@@ -336,8 +377,8 @@ def evaluate_run(S: dict, res: dict, judge, quick: bool) -> dict[str, Any]:
     xc = sampler.sample(jm, x_init=x0, y=yc)
     out["cond"] = sample_quality(judge, xc, S["xt"], y_samples=yc)
     out["cond"]["model_acc"] = float((jm(xc).argmax(1) == yc).float().mean())  # the model fools itself
+    out["cond"]["judge_acc_init"] = judge.accuracy(x0, yc)
     out["cond_samples"], out["cond_labels"] = xc, yc
-    out["init_fd"] = reference_points(judge, S["xt"], init=init_draws(S, r, loss_fn, jm, n), n=n)["init"]
     return out
 
 
