@@ -526,7 +526,6 @@ def score_network(
         "pytorch_ood_timing": theirs_table.timing,
         "equality": equality,
         "throughput": throughput,
-        "_tables": (ours, theirs_table),
     }
 
 
@@ -599,7 +598,6 @@ def score_jem_twin(
         "cost_0_7": cost8,
         "scores": table.rows(),
         "mean_auroc": table.mean(),
-        "_table": table,
     }
 
 
@@ -686,6 +684,7 @@ def run(
     D = load_data(n_train, n_eval, n_ood)
     t0, c0 = time.perf_counter(), time.process_time()
     res: dict[str, Any] = {
+        "_machine": common.machine_info(),  # at the start: the load average the run began with
         "settings": {
             "networks": networks,
             "epochs": {n: epochs or NETWORKS[n][3] for n in networks},
@@ -879,18 +878,25 @@ def to_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write(res: dict[str, Any], out_dir: str, readme: str | None = None) -> str:
+def write(res: dict[str, Any], out_dir: str, machine: dict[str, Any] | None = None) -> str:
+    """``posthoc.json`` (unless re-rendering a saved one: ``machine`` given), ``posthoc.md`` and one
+    heat map per network (ours, pytorch-ood's and the JEM twins' log p(x)); returns the Markdown."""
+    from jem_plugin.viz import plot_ood_table
+
     os.makedirs(out_dir, exist_ok=True)
-    common.write_json(os.path.join(out_dir, f"{NAME}.json"), {"machine": common.machine_info(), NAME: _strip(res)})
+    if machine is None:
+        machine = res.get("_machine") or common.machine_info()
+        common.write_json(os.path.join(out_dir, f"{NAME}.json"), {"machine": machine, NAME: _strip(res)})
     md = to_markdown(res)
     with open(os.path.join(out_dir, f"{NAME}.md"), "w") as f:
-        f.write(f"# {NAME}\n\n{common.machine_markdown(common.machine_info())}\n\n{md}\n")
-    for name, net in res["networks"].items():  # the heat maps: ours and pytorch-ood's tables together
-        from jem_plugin.viz import plot_ood_table
-
-        ours, theirs = net["_tables"]
-        rows = [{**r, "score": "jem " + r["score"]} for r in ours.rows()]
-        rows += [{**r, "score": "pytorch-ood " + r["score"]} for r in theirs.rows()]
+        f.write(f"# {NAME}\n\n{common.machine_markdown(machine)}\n\n{md}\n")
+    twin_net = res["settings"].get("jem_twin")
+    for name, net in res["networks"].items():
+        rows = [{**r, "score": "jem " + r["score"]} for r in net["ours"]]
+        rows += [{**r, "score": "pytorch-ood " + r["score"]} for r in net["pytorch_ood"]]
+        if name == twin_net:
+            for recipe, twin in (res.get("jem_twins") or {}).items():
+                rows += [{**r, "score": f"JEM twin ({recipe}) logpx"} for r in twin["scores"] if r["score"] == "logpx"]
         plot_ood_table(rows, os.path.join(out_dir, f"{NAME}_{name}.png"), title=f"{name}: AUROC per score and OOD set")
     return md
 
@@ -904,7 +910,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-jem", action="store_true", help="leave out the JEM-trained twin")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=OUT)
+    p.add_argument("--render", action="store_true", help="rewrite the Markdown and figures from --out's posthoc.json")
     args = p.parse_args(argv)
+    if args.render:
+        with open(os.path.join(args.out, f"{NAME}.json")) as f:
+            saved = json.load(f)
+        md = write(saved[NAME], args.out, machine=saved["machine"])
+        print(md)
+        return saved[NAME]
     common.set_threads(args.threads)
     res = run(
         quick=args.quick,

@@ -56,8 +56,12 @@ def test_tiny_run_writes_results_and_judges_targets(tmp_path):
     md = B.write(res, str(tmp_path))
     assert "jem logpx" in md and "pytorch-ood EnergyBased" in md and "JEM-trained twin" in md and "**" in md
     saved = json.loads((tmp_path / "posthoc.json").read_text())["posthoc"]
-    assert "_tables" not in saved["networks"]["lcnet_050"] and saved["settings"]["sets"] == list(B.SETS)
+    assert saved["networks"]["lcnet_050"]["ours"] == net["ours"] and saved["settings"]["sets"] == list(B.SETS)
     assert (tmp_path / "posthoc_lcnet_050.png").stat().st_size > 5000 and (tmp_path / "posthoc.md").is_file()
+    # the Markdown and figures are re-rendered from the JSON alone
+    (tmp_path / "posthoc.md").unlink()
+    assert B.main(["--render", "--out", str(tmp_path)])["settings"] == saved["settings"]
+    assert (tmp_path / "posthoc.md").read_text().count("*JEM-trained twin (`fast`): jem logpx*") == 1
 
 
 def _net(ours, theirs, eq=True, ratio=1.2):
