@@ -46,6 +46,7 @@ from .model_files import (
     save_model_checkpoint,
     save_run_sampler,
     split_held_out,
+    training_data,
     wrap_for_data,
 )
 from .report import QUALITY_HOW_TO_READ, metric_label, write_report
@@ -506,10 +507,10 @@ def cmd_ood(args) -> int:
     if fit_needed and fit_data is None:
         # The model's own training data (its spec names it; the held-out split left out), or --fit-data.
         source = args.fit_data or spec["data"]
-        ds, *_ = load_data(source, train=True, image_size=size, seed=args.seed)
-        kept = spec.get("held_out") or {}
-        if not args.fit_data and source.startswith("folder:") and kept.get("fraction"):
-            ds, _ = split_held_out(ds, kept["fraction"], kept.get("seed", 0))
+        if args.fit_data:
+            ds, *_ = load_data(source, train=True, image_size=size, seed=args.seed)
+        else:
+            ds = training_data(spec, args.seed)
         if len(ds):
             check_shape(spec, ds[0][0].shape, source)
         fit_data = DataLoader(ds, batch_size=args.batch_size)
@@ -600,11 +601,7 @@ def cmd_sample(args) -> int:
 
 def _print_sample_check(x: torch.Tensor, x0: torch.Tensor, y: torch.Tensor | None, spec, seed: int) -> None:
     """The samples as an independent judge sees them, against where their chains started."""
-    size = int(spec["sample_shape"][-1])
-    train_ds, *_ = load_data(spec["data"], train=True, image_size=size, seed=seed)
-    kept = spec.get("held_out") or {}
-    if spec["data"].startswith("folder:") and kept.get("fraction"):
-        train_ds, _ = split_held_out(train_ds, kept["fraction"], kept.get("seed", 0))
+    train_ds = training_data(spec, seed)
     heldout_ds, _ = held_out_data(spec, None, None, seed)
     q = samples_against_data(x, x0, train_ds, heldout_ds, y=y, num_classes=spec["num_classes"], seed=seed)
     if "skipped" in q:

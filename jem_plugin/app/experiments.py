@@ -327,6 +327,28 @@ def sample_quality_figures(
     return out
 
 
+def _judge_for(
+    train_ds,
+    heldout_ds,
+    num_classes: int | None,
+    g: torch.Generator,
+    seed: int,
+    max_train: int,
+    max_heldout: int,
+    device=None,
+):
+    """An independent judge trained on (at most ``max_train`` of) ``train_ds``, and (at most
+    ``max_heldout``) held-out images, both drawn with ``g``; returns ``(judge, held-out images,
+    number of classes)``."""
+    x, y = next(iter(DataLoader(train_ds, batch_size=min(len(train_ds), max_train), shuffle=True, generator=g)))
+    xh, yh = next(iter(DataLoader(heldout_ds, batch_size=min(len(heldout_ds), max_heldout), shuffle=True, generator=g)))
+    k = num_classes or int(y.max()) + 1
+    # ~350 optimiser steps whatever the data size: seconds on a CPU
+    epochs = max(2, min(15, 22500 // len(x)))
+    judge = train_judge(x, y, x_test=xh, y_test=yh, epochs=epochs, num_classes=k, seed=seed, device=device)
+    return judge, xh, k
+
+
 def dataset_sample_quality(
     jm,
     buffer,
@@ -355,14 +377,8 @@ def dataset_sample_quality(
             "give --val-data or a larger --val-fraction"
         }
     g = torch.Generator().manual_seed(seed)
-    x, y = next(iter(DataLoader(train_ds, batch_size=min(len(train_ds), max_train), shuffle=True, generator=g)))
-    xh, yh = next(iter(DataLoader(heldout_ds, batch_size=min(len(heldout_ds), max_heldout), shuffle=True, generator=g)))
     dev = model_device(jm)
-    # ~350 optimiser steps whatever the data size: seconds on a CPU
-    k = jm.num_classes or int(y.max()) + 1
-    judge = train_judge(
-        x, y, x_test=xh, y_test=yh, epochs=max(2, min(15, 22500 // len(x))), num_classes=k, seed=seed, device=dev
-    )
+    judge, xh, k = _judge_for(train_ds, heldout_ds, jm.num_classes, g, seed, max_train, max_heldout, dev)
     y_cond = torch.arange(k, device=buffer.device).repeat_interleave(max(1, 100 // k))
     x0 = buffer.init_dist.sample(len(y_cond), tuple(buffer.sample_shape), jm.domain, g, buffer.device, y=y_cond)
     sampler = SGLD(
@@ -405,11 +421,7 @@ def samples_against_data(
     if heldout_ds is None or len(heldout_ds) < 20:
         return {"skipped": f"the check needs >= 20 held-out images, got {len(heldout_ds or ())}"}
     g = torch.Generator().manual_seed(seed)
-    x, yt = next(iter(DataLoader(train_ds, batch_size=min(len(train_ds), max_train), shuffle=True, generator=g)))
-    xh, yh = next(iter(DataLoader(heldout_ds, batch_size=min(len(heldout_ds), max_heldout), shuffle=True, generator=g)))
-    judge = train_judge(
-        x, yt, x_test=xh, y_test=yh, epochs=max(2, min(15, 22500 // len(x))), num_classes=num_classes, seed=seed
-    )
+    judge, xh, _ = _judge_for(train_ds, heldout_ds, num_classes, g, seed, max_train, max_heldout)
     n = min(len(samples), len(xh))
     out: dict[str, Any] = {
         "fd_samples": sample_quality(judge, samples[:n].cpu(), xh[:n])["fd"],

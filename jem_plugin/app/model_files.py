@@ -32,19 +32,15 @@ BUILTIN_NETS = ("digits-cnn", "toy-mlp", "wrn28-10", "wrn-D-K")
 _WRN = re.compile(r"wrn-?(\d+)-(\d+)")  # wrn28-10, wrn-16-8: WideResNet(depth, widen_factor)
 CKPT_FORMAT = "jem-plugin/model/1"
 SAMPLER_FORMAT = "jem-plugin/sampler/1"
-# The run's sampler settings that `jem sample` reuses (what draws, not how it is recorded).
-_SAMPLER_SETTINGS = (
-    "steps",
-    "step_size",
-    "noise",
-    "schedule",
-    "decay_power",
-    "final_step_size",
-    "clamp",
-    "grad_clip",
-    "max_energy",
-    "batchnorm",
-    "colours",
+# What `jem sample` does not take from the run's sampler: how a chain is recorded or run, not
+# what it draws (every other SGLD setting travels, a new one included), and the generator.
+_SAMPLER_NOT_REUSED = (
+    "record_trajectory",
+    "record_energies",
+    "progress",
+    "cuda_graph",
+    "generator_state",
+    "generator_device",
 )
 
 
@@ -293,6 +289,16 @@ def check_inputs(jm, x, spec: dict[str, Any], data: str) -> None:
         )
 
 
+def training_data(spec: dict[str, Any], seed: int = 0):
+    """The data a model was trained on, from its spec: the training split of its ``--data``, with
+    the part a folder run held out left out (what ``jem train`` trained on)."""
+    ds, *_ = load_data(spec["data"], train=True, image_size=int(spec["sample_shape"][-1]), seed=seed)
+    kept = spec.get("held_out") or {}
+    if spec["data"].startswith("folder:") and kept.get("fraction"):
+        ds, _ = split_held_out(ds, kept["fraction"], kept.get("seed", 0))
+    return ds
+
+
 def held_out_data(spec: dict[str, Any], data: str | None, image_size: int | None, seed: int = 0):
     """``(dataset, description)`` to evaluate a model on: ``data`` when given, else what training
     held out (the split of its folder, its --val-data, or the data set's own test split)."""
@@ -442,7 +448,7 @@ def sampler_file(model_path: str | Path) -> Path:
 def save_run_sampler(model_path: Path, loss_fn) -> Path:
     """The run's SGLD settings and its replay buffer (chains, fitted init distribution, colour
     axes) beside the model, so ``jem sample`` draws as the run drew."""
-    settings = {k: v for k, v in loss_fn.sampler.state_dict().items() if k in _SAMPLER_SETTINGS}
+    settings = {k: v for k, v in loss_fn.sampler.state_dict().items() if k not in _SAMPLER_NOT_REUSED}
     return save_checkpoint(
         sampler_file(model_path),
         rng=False,
