@@ -95,3 +95,4 @@ class TrainState:
     iteration: int = 0  # optimizer steps taken
     metrics: dict[str, float] = field(default_factory=dict)  # last step's metrics
     stop: bool = False
+    val_data: Any = None  # the run's held-out data (what RecomputeBatchNorm decides on), or None

@@ -174,12 +174,20 @@ class _Checkpoints:
     PER_RANK = ("loss", "running", "epoch_rng", "loader_rng")
 
     def __init__(
-        self, directory: str | Path | None, *, every: int | None, keep: int, loader: Any, objects: Mapping[str, Any]
+        self,
+        directory: str | Path | None,
+        *,
+        every: int | None,
+        keep: int,
+        loader: Any,
+        objects: Mapping[str, Any],
+        config: Mapping[str, Any] | None = None,
     ) -> None:
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"checkpoint_every must be an int >= 1 (iterations) or None, got {every!r}")
         self.every, self.multi, self.loader = every, _multi_process(), loader
         self.objects = {k: v for k, v in objects.items() if v is not None}  # no loss_fn, no scaler
+        self.config = dict(config) if config is not None else None  # the recipe, as plain data
         self.ckpt: Checkpointer | None = None
         if directory and self.multi:
             self.ckpt = DistributedCheckpointer(directory, every=1, keep=keep)
@@ -203,6 +211,7 @@ class _Checkpoints:
             loader_rng=[g.get_state() for g in _loader_generators(self.loader)],
             history=hist,
             guard=guard.state_dict() if guard is not None else None,
+            config=self.config,
         )
         if self.multi:
             per_rank = {k: items.pop(k) for k in self.PER_RANK if k in items}
@@ -222,6 +231,7 @@ class _Checkpoints:
             extra = self.ckpt.resume(**objs)
         if not extra:
             return _Position()
+        _warn_if_config_changed(extra.get("config"), self.config)
         state.iteration, state.epoch = int(extra["step"]), int(extra["epoch"])
         restored = type(state.history).from_dict(extra["history"])
         h = state.history
@@ -241,6 +251,29 @@ class _Checkpoints:
             # Global RNG is at the checkpoint's moment now; remember it, and the loader's.
             pos.resume_rng = {"global": get_rng_state(), "loader": extra.get("loader_rng") or []}
         return pos
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, Mapping):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _warn_if_config_changed(saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None) -> None:
+    """A run resumed under a recipe other than the one that wrote its checkpoint: say which
+    settings differ (the tensor state is restored either way)."""
+    if saved is None or current is None:
+        return
+    a, b = _flatten(saved), _flatten(current)
+    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k not in ("summary",))
+    if changed:
+        _log.warning(
+            "resuming a run written with different recipe settings: %s",
+            ", ".join(f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in changed),
+        )
 
 
 # ---------------------------------------------------------------------------- the epoch's batches

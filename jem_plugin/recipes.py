@@ -1,189 +1,211 @@
-"""Named JEM training recipes: small, printable data a user can copy and change.
+"""Named JEM training recipes: one typed tree of small frozen settings that builds every piece.
 
-A :class:`Recipe` holds every setting that distinguishes the JEM family's published recipes
-(sampler, replay buffer, loss weights, optimiser, sharpness-aware minimisation, which data the
-``p(x)`` term sees). :meth:`Recipe.build_loss` turns one into a :class:`~jem_plugin.JEMLoss` for a
-wrapped model; ``jem train --recipe NAME`` uses the same objects.
+A :class:`Recipe` is the whole configuration of a JEM run, said once: the sampler
+(:class:`SamplerConfig`), the replay buffer and its init distribution (:class:`BufferConfig`), the
+loss weights (:class:`LossConfig`), the optimiser and its warm-up (:class:`OptimConfig`),
+sharpness-aware minimisation (:class:`SAMConfig`) and the BatchNorm statistics recomputed from the
+data. It prints, round-trips through plain data (:meth:`Recipe.to_dict`, :meth:`Recipe.from_dict`,
+``spec.json``), and :meth:`Recipe.build` turns it into explicit objects (:class:`JEMSetup`): the
+sampler, buffer, loss, optimiser and extensions. :func:`jem_plugin.training.fit` runs any recipe in
+full; ``jem train``'s flags and ``--config`` keys are this tree's flat names (:func:`flat_names`).
 
->>> import dataclasses, jem_plugin.recipes as R
+>>> import jem_plugin.recipes as R
 >>> print(R.get_recipe("fast"))
->>> mine = dataclasses.replace(R.get_recipe("fast"), sgld_steps=10)
+>>> mine = R.get_recipe("fast").replace(sgld_steps=10, lr=1e-4)     # flat names, as jem train's flags
+>>> setup = mine.build(jm, train_set, total_iters=epochs * len(loader))
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
+import typing
 import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
 
 from .buffer import ReplayBuffer
+from .covariance import COVARIANCE_KINDS, Full, Stationary
 from .errors import InvalidInputError, UnknownNameError
+from .extensions import Extension, RecomputeBatchNorm, SharpnessAware
+from .inits import INIT_SPECS, Gaussian, InitSpec, Uniform
 from .losses import JEMLoss
-from .sam import SAM
 from .sampling import SGLD
+from .schedules import Poly
 
-__all__ = ["Recipe", "RECIPES", "DEFAULT_RECIPE", "get_recipe"]
+__all__ = [
+    "SamplerConfig",
+    "BufferConfig",
+    "LossConfig",
+    "OptimConfig",
+    "SAMConfig",
+    "Recipe",
+    "JEMSetup",
+    "RECIPES",
+    "DEFAULT_RECIPE",
+    "get_recipe",
+    "list_recipes",
+    "flat_names",
+]
+
+
+def _meta(help: str, flag: str | None = None) -> dict[str, Any]:
+    """Field metadata: the help text of its flag, and the flat name when it is not ``prefix_field``."""
+    return {"help": help, **({"flag": flag} if flag else {})}
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidInputError(message)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# ---------------------------------------------------------------------------- the pieces
+@dataclass(frozen=True)
+class SamplerConfig:
+    """SGLD: steps, step size (a number or a :class:`~jem_plugin.schedules.Poly` schedule), noise,
+    the elementwise gradient clamp, how samples pass BatchNorm, which colour axes steps move."""
+
+    steps: int = field(default=20, metadata=_meta("SGLD steps per chain"))
+    step_size: float | Poly = field(default=1.0, metadata=_meta("SGLD step size"))
+    noise: float = field(default=0.01, metadata=_meta("standard deviation of the SGLD noise"))
+    grad_clamp: float | None = field(
+        default=None, metadata=_meta("clamp each SGLD gradient elementwise to [-c, c] (JEM++'s proximal SGLD)")
+    )
+    batchnorm: Literal["joint", "separate"] = field(
+        default="joint",
+        metadata=_meta(
+            "samples pass BatchNorm with the data and chains see running statistics (joint), or samples "
+            "and chains are normalised by their own batch statistics (separate; fast's)"
+        ),
+    )
+    colours: Literal["all", "data"] = field(
+        default="all",
+        metadata=_meta(
+            "SGLD steps move every channel (all) or only the colour axes the data vary along (data: grey "
+            "images stay grey in an RGB model)"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        _check(_count(self.steps) and self.steps >= 0, f"sampler steps must be an int >= 0, got {self.steps!r}")
+        _check(
+            isinstance(self.step_size, Poly) or (_number(self.step_size) and self.step_size > 0),
+            f"sampler step_size must be a number > 0 or a Poly schedule, got {self.step_size!r}",
+        )
+        _check(_number(self.noise) and self.noise >= 0, f"sampler noise must be a number >= 0, got {self.noise!r}")
+        _check(
+            self.grad_clamp is None or (_number(self.grad_clamp) and self.grad_clamp > 0),
+            f"sampler grad_clamp must be a number > 0 or None, got {self.grad_clamp!r}",
+        )
+
+    def build(self, generator: torch.Generator | None = None) -> SGLD:
+        """The :class:`~jem_plugin.SGLD` these settings describe."""
+        return SGLD(
+            steps=self.steps,
+            step_size=self.step_size,
+            noise=self.noise,
+            grad_clamp=self.grad_clamp,
+            batchnorm=self.batchnorm,
+            colours=self.colours,
+            generator=generator,
+        )
 
 
 @dataclass(frozen=True)
-class Recipe:
-    """The settings of one JEM recipe. Print it to see them; ``dataclasses.replace`` to change one."""
+class BufferConfig:
+    """The replay buffer: its size (at most ``capacity`` slots; with ``visits``, few enough that
+    each is drawn about that often in the run), how often a drawn slot restarts from the init,
+    and the init distribution chains start from."""
 
-    name: str
-    summary: str
-    # SGLD
-    sgld_steps: int = 20
-    step_size: float = 1.0
-    noise: float = 0.01
-    grad_clip: float | None = None  # proximal SGLD (JEM++): clamp each step's gradient
-    sgld_batchnorm: str = "eval"  # chains see BatchNorm with "eval" (running) or "batch" statistics
-    sgld_colours: str = "all"  # steps move every channel ("all") or the data's colour axes only ("data")
-    # replay buffer
-    buffer_size: int = 10000
-    buffer_visits: float | None = None  # size the buffer for the run: at most buffer_size slots, few enough that
-    # each is drawn about this often (build_loss(total_iters=)); None: buffer_size
-    reinit_freq: float = 0.05  # a drawn slot restarts from the init with this probability: its chains are
-    # then at most about 1 / reinit_freq draws old on average, whatever the run
-    init: str = "uniform"  # a registered init distribution: "uniform", "gaussian", ...
-    init_covariance: str = (
-        "diagonal"  # "gaussian" init: "diagonal", "full" (JEM++, D x D), "lowrank" or "stationary" (any size)
+    capacity: int = field(default=10000, metadata=_meta("replay-buffer slots (at most, with --buffer-visits)"))
+    visits: float | None = field(
+        default=None,
+        metadata=_meta(
+            "size the buffer so each slot is drawn about this many times in the run, at most --buffer-capacity: "
+            "a chain drawn only a few times stays near its init"
+        ),
     )
-    init_rank: int = 32  # "lowrank" covariance: principal directions kept per class
-    init_residual: float = 1.0  # "lowrank": share of the variance outside them drawn as isotropic noise
-    n_samples: int | None = None  # chains per iteration (None: the batch size)
-    class_conditional_px: bool = False  # p(x) chains drawn from p(y) p(x|y): one class per chain and buffer slot
-    # loss
-    px_weight: float = 1.0
-    pxy_weight: float = 0.0
-    l2_weight: float = 0.0  # energy L2 on data and sample energies
-    data_noise: float = 0.03
-    px_clean_data: bool = False  # the p(x) term sees the un-augmented batch (SADA-JEM): a loop that
-    # augments passes it as px_data=; jem train does not augment, so there it is moot
-    batchnorm: str = "joint"  # samples pass BatchNorm with the data ("joint") or on their own ("separate")
-    bn_stats_from_data: bool = False  # after training, BatchNorm running statistics recomputed from the training
-    # data (torch.optim.swa_utils.update_bn): "joint" mixes the samples into them
-    # optimiser
-    optimizer: str = "adam"  # "adam" or "sgd"
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    warmup_iters: int = 1000
-    warmup_max_fraction: float = 0.1  # the warm-up never exceeds this fraction of the run
-    sam_rho: float | None = None  # sharpness-aware minimisation radius (SADA-JEM: 2.0, adaptive)
-    sam_adaptive: bool = True  # ASAM's scale-invariant neighbourhood (jem_plugin.sam.SAM)
+    reinit_freq: float = field(
+        default=0.05,
+        metadata=_meta(
+            "a drawn slot restarts from the init with this probability (its chains are then about "
+            "1 / reinit_freq draws old, however long the run)"
+        ),
+    )
+    init: InitSpec = field(
+        default_factory=Uniform,
+        metadata=_meta("the init distribution chains start from (gaussian: per class, fitted from the data)", "init"),
+    )
 
-    def __str__(self) -> str:
-        rows = [f"recipe {self.name!r}: {self.summary}"]
-        rows += [
-            f"  {f.name:<20} {getattr(self, f.name)!r}"
-            for f in dataclasses.fields(self)
-            if f.name not in ("name", "summary")
-        ]
-        return "\n".join(rows)
-
-    def for_inputs(self, sample_shape: Sequence[int]) -> tuple[Recipe, list[str]]:
-        """This recipe for inputs of ``sample_shape``, and what had to change (one line each).
-
-        The image-only pieces (the stationary init, steps in the data's colours) need
-        ``[C, H, W]`` inputs; for others they fall back to a diagonal covariance and free steps.
-        """
-        if len(tuple(sample_shape)) == 3:
-            return self, []
-        changes: dict[str, Any] = {}
-        if self.init == "gaussian" and self.init_covariance == "stationary":
-            changes["init_covariance"] = "diagonal"
-        if self.sgld_colours != "all":
-            changes["sgld_colours"] = "all"
-        notes = [
-            f"recipe {self.name!r}: inputs of shape {tuple(sample_shape)} are not images [C, H, W]: "
-            f"{k} {getattr(self, k)!r} -> {v!r}"
-            for k, v in changes.items()
-        ]
-        return dataclasses.replace(self, **changes), notes
-
-    def warmup_for(self, total_iters: int) -> int:
-        """Warm-up iterations for a run of ``total_iters``: the recipe's, capped to a fraction of the run."""
-        return max(0, min(self.warmup_iters, int(self.warmup_max_fraction * total_iters)))
-
-    def buffer_size_for(self, total_iters: int | None, batch_size: int | None = None) -> int:
-        """Replay-buffer slots for a run of ``total_iters`` iterations.
-
-        With ``buffer_visits`` set, a short run gets fewer slots than ``buffer_size``, so that each
-        slot is still drawn about ``buffer_visits`` times. A chain drawn a few times stays near its
-        initial distribution (issue 16, e79). ``batch_size``: the chains per iteration when
-        ``n_samples`` is None. Never fewer slots than chains per iteration, never more than
-        ``buffer_size``.
-        """
-        chains = self.n_samples or batch_size
-        if self.buffer_visits is None or not total_iters or not chains:
-            return self.buffer_size
-        if not self.buffer_visits > 0:
-            raise InvalidInputError(f"recipe {self.name!r}: buffer_visits must be positive, got {self.buffer_visits!r}")
-        return min(self.buffer_size, max(chains, int(total_iters * chains / self.buffer_visits)))
-
-    def build_loss(
-        self,
-        *,
-        sample_shape: Sequence[int],
-        num_classes: int | None = None,
-        x_fit: torch.Tensor | None = None,
-        y_fit: torch.Tensor | None = None,
-        device: torch.device | str | None = None,
-        generator: torch.Generator | None = None,
-        total_iters: int | None = None,
-        batch_size: int | None = None,
-        **overrides: Any,
-    ):
-        """A :class:`~jem_plugin.JEMLoss` with this recipe's sampler and buffer.
-
-        ``x_fit``/``y_fit``: data to fit an informative initial distribution (``init="gaussian"``)
-        from. ``total_iters`` (and ``batch_size`` when ``n_samples`` is None): the run's length,
-        which sizes the buffer of a recipe with ``buffer_visits`` (:meth:`buffer_size_for`;
-        without it such a recipe warns and keeps ``buffer_size``). ``overrides`` replace
-        ``JEMLoss`` keywords.
-        """
-        if self.buffer_visits is not None and not total_iters:
-            warnings.warn(
-                f"recipe {self.name!r} sizes its replay buffer for the run: pass build_loss("
-                f"total_iters=...); using buffer_size {self.buffer_size} (in a short run, chains "
-                "drawn only a few times stay near their init)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        buffer_size = self.buffer_size_for(total_iters, batch_size)
-        sampler = SGLD(
-            steps=self.sgld_steps,
-            step_size=self.step_size,
-            noise=self.noise,
-            grad_clip=self.grad_clip,
-            generator=generator,
-            batchnorm=self.sgld_batchnorm,
-            colours=self.sgld_colours,
+    def __post_init__(self) -> None:
+        _check(_count(self.capacity) and self.capacity >= 1, f"buffer capacity must be an int >= 1, got {self.capacity!r}")
+        _check(
+            self.visits is None or (_number(self.visits) and self.visits > 0),
+            f"buffer visits must be a number > 0 or None, got {self.visits!r}",
         )
-        cond = self.init != "uniform" or self.pxy_weight > 0 or self.class_conditional_px
-        init_kwargs: dict[str, Any] | None = None
-        if self.init == "gaussian":
-            init_kwargs = {"covariance": self.init_covariance}
-            if self.init_covariance == "lowrank":
-                init_kwargs.update(rank=self.init_rank, residual=self.init_residual)
-        buffer = ReplayBuffer(
-            buffer_size,
-            tuple(sample_shape),
-            reinit_freq=self.reinit_freq,
-            init=self.init,
-            init_kwargs=init_kwargs,
-            num_classes=num_classes if cond else None,
-            device=device,
+        _check(
+            _number(self.reinit_freq) and 0 <= self.reinit_freq <= 1,
+            f"buffer reinit_freq must be in [0, 1], got {self.reinit_freq!r}",
         )
-        if x_fit is not None and hasattr(buffer.init_dist, "fit"):
-            buffer.fit(
-                x_fit.to(device) if device else x_fit,
-                None if y_fit is None else (y_fit.to(device) if device else y_fit),
-            )
-        kwargs: dict[str, Any] = dict(
+
+    def capacity_for(self, total_iters: int | None, chains: int | None) -> int:
+        """Slots for a run of ``total_iters`` iterations of ``chains`` chains each: ``capacity``, or
+        with ``visits`` set, few enough that each slot is drawn about ``visits`` times (never fewer
+        than the chains of one iteration)."""
+        if self.visits is None or not total_iters or not chains:
+            return self.capacity
+        return min(self.capacity, max(chains, int(total_iters * chains / self.visits)))
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The weights of JEM's terms, the data noise, and which chains the p(x) term draws."""
+
+    ce_weight: float = field(default=1.0, metadata=_meta("weight of the cross-entropy (p(y|x)) term"))
+    px_weight: float = field(default=1.0, metadata=_meta("weight of the p(x) term"))
+    pxy_weight: float = field(default=0.0, metadata=_meta("weight of the p(x|y) term"))
+    l2_weight: float = field(default=0.0, metadata=_meta("weight of the energy L2 on data and sample energies"))
+    data_noise: float = field(default=0.03, metadata=_meta("std of the Gaussian noise on the data batch"))
+    n_samples: int | None = field(default=None, metadata=_meta("SGLD chains per iteration (default: the batch size)"))
+    class_conditional_px: bool = field(
+        default=False, metadata=_meta("p(x) chains drawn from p(y) p(x|y): one class per chain and buffer slot")
+    )
+    px_clean_data: bool = field(
+        default=False,
+        metadata=_meta(
+            "the p(x) term sees the un-augmented batch (SADA-JEM): a loop that augments passes it as px_data="
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("ce_weight", "px_weight", "pxy_weight", "l2_weight", "data_noise"):
+            value = getattr(self, name)
+            _check(_number(value) and value >= 0, f"loss {name} must be a finite number >= 0, got {value!r}")
+        _check(
+            self.n_samples is None or (_count(self.n_samples) and self.n_samples >= 1),
+            f"loss n_samples must be an int >= 1 or None, got {self.n_samples!r}",
+        )
+
+    def build(self, sampler: SGLD, buffer: ReplayBuffer, generator: torch.Generator | None = None) -> JEMLoss:
+        """The :class:`~jem_plugin.JEMLoss` over ``sampler`` and ``buffer`` with these weights."""
+        return JEMLoss(
+            sampler,
+            buffer,
+            ce_weight=self.ce_weight,
             px_weight=self.px_weight,
             pxy_weight=self.pxy_weight,
             l2_weight=self.l2_weight,
@@ -191,29 +213,586 @@ class Recipe:
             n_samples=self.n_samples,
             class_conditional_px=self.class_conditional_px,
             generator=generator,
-            batchnorm=self.batchnorm,
         )
-        kwargs.update(overrides)
-        loss = JEMLoss(sampler, buffer, **kwargs)
-        return loss.to(device) if device is not None else loss
 
-    def build_sam(self, optimizer: torch.optim.Optimizer):
-        """:class:`~jem_plugin.sam.SAM` around ``optimizer`` when the recipe sets ``sam_rho``, else ``None``.
 
-        Step it with ``sam.step(closure, model=model, loss_fn=loss_fn)`` (one sampling per
-        iteration, BatchNorm statistics frozen on the second pass)."""
-        if self.sam_rho is None:
-            return None
-        return SAM(optimizer, rho=self.sam_rho, adaptive=self.sam_adaptive)
+@dataclass(frozen=True)
+class OptimConfig:
+    """The optimiser, its linear warm-up (capped to a share of the run) and the gradient-norm clip."""
 
-    def build_optimizer(self, params) -> torch.optim.Optimizer:
-        """The recipe's optimiser over ``params`` (SAM, when ``sam_rho`` is set, wraps it in the training loop)."""
+    optimizer: Literal["adam", "sgd"] = field(default="adam", metadata=_meta("adam, or sgd with momentum 0.9"))
+    lr: float = field(default=1e-4, metadata=_meta("learning rate"))
+    weight_decay: float = field(default=0.0, metadata=_meta("weight decay"))
+    warmup_iters: int = field(default=1000, metadata=_meta("linear warm-up iterations (capped, below)"))
+    warmup_max_fraction: float = field(
+        default=0.1, metadata=_meta("the warm-up never exceeds this share of the run's iterations")
+    )
+    max_grad_norm: float | None = field(
+        default=None, metadata=_meta("clip the gradient norm of each optimiser step (None: no clip)")
+    )
+
+    def __post_init__(self) -> None:
+        _check(_number(self.lr) and self.lr > 0, f"optim lr must be a number > 0, got {self.lr!r}")
+        _check(
+            _number(self.weight_decay) and self.weight_decay >= 0,
+            f"optim weight_decay must be >= 0, got {self.weight_decay!r}",
+        )
+        _check(
+            _count(self.warmup_iters) and self.warmup_iters >= 0,
+            f"optim warmup_iters must be an int >= 0, got {self.warmup_iters!r}",
+        )
+        _check(
+            _number(self.warmup_max_fraction) and 0 <= self.warmup_max_fraction <= 1,
+            f"optim warmup_max_fraction must be in [0, 1], got {self.warmup_max_fraction!r}",
+        )
+        _check(
+            self.max_grad_norm is None or (_number(self.max_grad_norm) and self.max_grad_norm > 0),
+            f"optim max_grad_norm must be a number > 0 or None, got {self.max_grad_norm!r}",
+        )
+
+    def warmup_for(self, total_iters: int | None) -> int:
+        """Warm-up iterations for a run of ``total_iters``: ``warmup_iters``, capped to
+        ``warmup_max_fraction`` of the run (uncapped when the length is unknown)."""
+        if not total_iters:
+            return self.warmup_iters
+        return max(0, min(self.warmup_iters, int(self.warmup_max_fraction * total_iters)))
+
+    def build(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimiser over ``params``."""
         if self.optimizer == "adam":
             return torch.optim.Adam(params, lr=self.lr, weight_decay=self.weight_decay)
         if self.optimizer == "sgd":
             return torch.optim.SGD(params, lr=self.lr, momentum=0.9, weight_decay=self.weight_decay)
-        raise UnknownNameError(f"recipe {self.name!r}: unknown optimizer {self.optimizer!r}; use 'adam' or 'sgd'")
+        raise UnknownNameError(f"unknown optimizer {self.optimizer!r}; use 'adam' or 'sgd'")
 
+
+@dataclass(frozen=True)
+class SAMConfig:
+    """Sharpness-aware minimisation (SADA-JEM: rho 2, adaptive); ``rho=None`` leaves it out."""
+
+    rho: float | None = field(default=None, metadata=_meta("sharpness-aware minimisation radius (None: no SAM)"))
+    adaptive: bool = field(default=True, metadata=_meta("ASAM's scale-invariant neighbourhood"))
+
+    def __post_init__(self) -> None:
+        _check(
+            self.rho is None or (_number(self.rho) and self.rho > 0),
+            f"sam rho must be a number > 0 or None, got {self.rho!r}",
+        )
+
+
+# ---------------------------------------------------------------------------- what build returns
+@dataclass
+class JEMSetup:
+    """The explicit objects a :class:`Recipe` builds for one model and run (:meth:`Recipe.build`).
+
+    Use them in your own loop (``out = setup.loss(jm, x, y)``; ``out.loss.backward()``;
+    ``setup.optimizer.step()``; call each extension's hooks where its docstring says), or pass the
+    whole setup to :func:`jem_plugin.training.fit`, which runs the extensions and the warm-up.
+    """
+
+    recipe: Recipe
+    sampler: SGLD
+    buffer: ReplayBuffer
+    loss: JEMLoss
+    optimizer: torch.optim.Optimizer
+    extensions: list[Extension]
+    warmup_iters: int
+    notes: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------- the recipe
+@dataclass(frozen=True)
+class Recipe:
+    """The settings of one JEM recipe, as a tree. Print it to see them; :meth:`replace` changes them
+    by their flat names (those of ``jem train``'s flags), ``dataclasses.replace`` by section."""
+
+    name: str
+    summary: str
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sam: SAMConfig = field(default_factory=SAMConfig)
+    bn_stats_from_data: bool = field(
+        default=False,
+        metadata=_meta(
+            "after training, recompute BatchNorm running statistics from the training data, kept only if held-out "
+            "accuracy is not lower (the joint pass mixes the samples into them)"
+        ),
+    )
+
+    # ------------------------------------------------------------------ reading and changing
+    def __str__(self) -> str:
+        rows = [f"recipe {self.name!r}: {self.summary}"]
+        rows += [f"  {name:<22} {value!r}" for name, value in self.flat().items()]
+        return "\n".join(rows)
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by its flat name (``sgld_steps``, ``init_covariance``, ``lr``, ...): what
+        ``jem train``'s flags and ``--config`` keys set. Union choices read as their kind."""
+        out: dict[str, Any] = {}
+        for name, (path, _) in _flat_table().items():
+            value = _get_path(self, path)
+            if value is _MISSING:
+                continue
+            out[name] = value.kind if _is_spec(value) else value
+        return out
+
+    def replace(self, **changes: Any) -> Recipe:
+        """A copy with settings changed by flat name, e.g. ``replace(sgld_steps=10, init="gaussian",
+        init_covariance="lowrank", init_rank=8)``. A kind (``init``, ``init_covariance``) is set
+        before the settings inside it; a setting the current kind lacks is refused."""
+        changes = _translate_old_names(changes, stacklevel=3)
+        table = _flat_table()
+        unknown = sorted(set(changes) - set(table))
+        if unknown:
+            raise InvalidInputError(
+                f"recipe {self.name!r}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(table)}"
+            )
+        recipe = self
+        # kinds first (outer before inner), then plain values
+        order = sorted(changes, key=lambda n: (0 if table[n][1] is not None else 1, len(table[n][0])))
+        for name in order:
+            path, kinds = table[name]
+            value = changes[name]
+            if kinds is not None:
+                if value not in kinds:
+                    raise InvalidInputError(f"{name} must be one of {', '.join(kinds)}, got {value!r}")
+                current = _get_path(recipe, path)
+                if _is_spec(current) and current.kind == value:
+                    continue  # keep its settings
+                value = kinds[value]()
+            elif _get_path(recipe, path) is _MISSING:
+                owner = _get_path(recipe, path[:-1])
+                raise InvalidInputError(
+                    f"recipe {self.name!r}: {name} does not apply to {_describe(owner)}; set the kind first "
+                    f"({_kind_flag_for(name)})"
+                )
+            recipe = _set_path(recipe, path, value)
+        return recipe
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe as plain data (JSON, ``weights_only`` checkpoints); :meth:`from_dict` reads it back."""
+        return _to_plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Recipe:
+        """The recipe :meth:`to_dict` wrote."""
+        try:
+            return _from_plain(cls, data)
+        except (TypeError, KeyError) as exc:
+            raise InvalidInputError(f"not a recipe written by Recipe.to_dict: {exc}") from None
+
+    def for_inputs(self, sample_shape: Sequence[int]) -> tuple[Recipe, list[str]]:
+        """This recipe for inputs of ``sample_shape``, and what had to change (one line each).
+
+        The image-only pieces (the stationary covariance, steps in the data's colours) need
+        ``[C, H, W]`` inputs; for others they fall back to a diagonal covariance and free steps.
+        """
+        if len(tuple(sample_shape)) == 3:
+            return self, []
+        changes: dict[str, Any] = {}
+        init = self.buffer.init
+        if isinstance(init, Gaussian) and isinstance(init.covariance, Stationary):
+            changes["init_covariance"] = "diagonal"
+        if self.sampler.colours != "all":
+            changes["sgld_colours"] = "all"
+        flat = self.flat()
+        notes = [
+            f"recipe {self.name!r}: inputs of shape {tuple(sample_shape)} are not images [C, H, W]: "
+            f"{k} {flat[k]!r} -> {v!r}"
+            for k, v in changes.items()
+        ]
+        return self.replace(**changes), notes
+
+    # ------------------------------------------------------------------ building
+    def build(
+        self,
+        jm: nn.Module,
+        data: Tensor | tuple[Tensor, Tensor] | Dataset | DataLoader,
+        *,
+        total_iters: int | None = None,
+        batch_size: int | None = None,
+        generator: torch.Generator | None = None,
+        fit_examples: int = 5000,
+    ) -> JEMSetup:
+        """The sampler, buffer, loss, optimiser and extensions of this recipe for ``jm``.
+
+        ``data``: training examples ``x`` (``[N, ...]``), ``(x, y)``, a dataset or a loader of
+        ``(x, y)``. The input shape is read from it, and an informative init distribution
+        (``gaussian``) is fitted on its first ``fit_examples`` examples, here, once. ``total_iters``
+        (and ``batch_size`` when ``n_samples`` is unset): the run's length, which sizes a buffer
+        with ``visits`` and caps the warm-up; without it such a buffer keeps ``capacity`` (with a
+        warning). ``generator`` seeds the chains and the data noise. Nothing is built later behind
+        the loss's back: the objects returned are all there is.
+        """
+        from .model import as_jem
+
+        core = as_jem(jm, "Recipe.build")
+        x, y = _examples(data, fit_examples)
+        sample_shape = tuple(int(s) for s in x.shape[1:])
+        recipe, notes = self.for_inputs(sample_shape)
+        device = next((p.device for p in core.parameters()), torch.device("cpu"))
+        num_classes = core.num_classes
+        if recipe._conditional() and num_classes is None:
+            if y is None:
+                raise InvalidInputError(
+                    f"recipe {self.name!r} draws chains per class: give build() labelled data (x, y) "
+                    "or wrap the model with num_classes="
+                )
+            num_classes = int(y.max()) + 1
+        if not isinstance(recipe.buffer.init, Uniform) and y is None:
+            raise InvalidInputError(f"recipe {self.name!r} fits a per-class init: give build() labelled data (x, y)")
+        loss = recipe._loss_for(sample_shape, num_classes, x, y, device, generator, total_iters, batch_size, 3)
+        optimizer = recipe.optim.build(core.parameters())
+        extensions: list[Extension] = []
+        if recipe.sam.rho is not None:
+            extensions.append(SharpnessAware(rho=recipe.sam.rho, adaptive=recipe.sam.adaptive))
+        if recipe.bn_stats_from_data:
+            extensions.append(RecomputeBatchNorm())
+        return JEMSetup(
+            recipe,
+            loss.sampler,
+            loss.buffer,
+            loss,
+            optimizer,
+            extensions,
+            recipe.optim.warmup_for(total_iters),
+            notes,
+        )
+
+    def _conditional(self) -> bool:
+        """Whether the buffer keeps one class per slot (a per-class init, p(x|y), class-conditional p(x))."""
+        return (
+            not isinstance(self.buffer.init, Uniform) or self.loss.pxy_weight > 0 or self.loss.class_conditional_px
+        )
+
+    def _loss_for(
+        self,
+        sample_shape: tuple[int, ...],
+        num_classes: int | None,
+        x: Tensor | None,
+        y: Tensor | None,
+        device: Any,
+        generator: torch.Generator | None,
+        total_iters: int | None,
+        batch_size: int | None,
+        stacklevel: int,
+    ) -> JEMLoss:
+        """The sampler, buffer (sized for the run, its init fitted on ``x``/``y``) and loss."""
+        if self.buffer.visits is not None and not total_iters:
+            warnings.warn(
+                f"recipe {self.name!r} sizes its replay buffer for the run: pass total_iters=...; using "
+                f"capacity {self.buffer.capacity} (in a short run, chains drawn only a few times stay near "
+                "their init)",
+                RuntimeWarning,
+                stacklevel=stacklevel,
+            )
+        buffer = ReplayBuffer(
+            self.buffer.capacity_for(total_iters, self.loss.n_samples or batch_size),
+            sample_shape,
+            reinit_freq=self.buffer.reinit_freq,
+            init=self.buffer.init,
+            num_classes=num_classes if self._conditional() else None,
+            device=device,
+        )
+        if x is not None and not isinstance(self.buffer.init, Uniform):
+            buffer.fit(x.to(device) if device else x, None if y is None else (y.to(device) if device else y))
+        sampler = self.sampler.build(generator)  # steps in the data's colours read them from the buffer
+        loss = self.loss.build(sampler, buffer, generator)
+        return loss.to(device) if device is not None else loss
+
+    # ------------------------------------------------------------------ the old flat spelling
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the tree lacks: the flat fields of the recipe before the tree.
+        table = _flat_table()
+        new = _OLD_NAMES.get(name, name)
+        if name.startswith("_") or new not in table:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        path = ".".join(table[new][0])
+        warnings.warn(
+            f"recipe.{name} is deprecated; read recipe.{path} (or recipe.flat()[{new!r}])",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.flat().get(new)
+
+    def build_loss(
+        self,
+        *,
+        sample_shape: Sequence[int],
+        num_classes: int | None = None,
+        x_fit: Tensor | None = None,
+        y_fit: Tensor | None = None,
+        device: torch.device | str | None = None,
+        generator: torch.Generator | None = None,
+        total_iters: int | None = None,
+        batch_size: int | None = None,
+        **overrides: Any,
+    ) -> JEMLoss:
+        """Deprecated: :meth:`build` returns the loss with the sampler, buffer, optimiser and extensions."""
+        warnings.warn(
+            "Recipe.build_loss(...) is deprecated; use recipe.build(jm, data, total_iters=...).loss",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        loss = self._loss_for(
+            tuple(sample_shape), num_classes, x_fit, y_fit, device, generator, total_iters, batch_size, 3
+        )
+        for key, value in overrides.items():
+            setattr(loss, key, value)
+        return loss
+
+    def build_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        """Deprecated: ``recipe.optim.build(params)``."""
+        warnings.warn(
+            "Recipe.build_optimizer(...) is deprecated; use recipe.optim.build(params)", DeprecationWarning, stacklevel=2
+        )
+        return self.optim.build(params)
+
+    def build_sam(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Deprecated: the :class:`~jem_plugin.extensions.SharpnessAware` extension of :meth:`build`."""
+        warnings.warn(
+            "Recipe.build_sam(...) is deprecated; recipe.build(...) lists SharpnessAware among its extensions",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from .sam import SAM
+
+        return None if self.sam.rho is None else SAM(optimizer, rho=self.sam.rho, adaptive=self.sam.adaptive)
+
+    def warmup_for(self, total_iters: int) -> int:
+        """Deprecated: ``recipe.optim.warmup_for(total_iters)``."""
+        warnings.warn(
+            "Recipe.warmup_for(...) is deprecated; use recipe.optim.warmup_for(...)", DeprecationWarning, stacklevel=2
+        )
+        return self.optim.warmup_for(total_iters)
+
+    def buffer_size_for(self, total_iters: int | None, batch_size: int | None = None) -> int:
+        """Deprecated: ``recipe.buffer.capacity_for(total_iters, chains)``."""
+        warnings.warn(
+            "Recipe.buffer_size_for(...) is deprecated; use recipe.buffer.capacity_for(total_iters, chains)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.buffer.capacity_for(total_iters, self.loss.n_samples or batch_size)
+
+
+def _examples(data: Any, limit: int) -> tuple[Tensor, Tensor | None]:
+    """Up to ``limit`` examples ``(x, y)`` from a tensor, a pair, a dataset or a loader."""
+    if isinstance(data, Tensor):
+        return data[:limit], None
+    if isinstance(data, (tuple, list)) and len(data) == 2 and isinstance(data[0], Tensor):
+        return data[0][:limit], torch.as_tensor(data[1])[:limit]
+    if isinstance(data, DataLoader):
+        data = data.dataset
+    if isinstance(data, Dataset):
+        n = min(len(data), limit)  # type: ignore[arg-type]  # map-style datasets have a length
+        batch = next(iter(DataLoader(data, batch_size=n, shuffle=False)))
+        if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+            return batch[0], torch.as_tensor(batch[1])
+        return batch, None
+    raise InvalidInputError(
+        f"Recipe.build needs training examples: a tensor x, a pair (x, y), a dataset or a loader; got {type(data).__name__}"
+    )
+
+
+# ---------------------------------------------------------------------------- the tree, walked
+# Flat names: a section's settings are prefixed with its section's name (sampler -> sgld), except the
+# loss's and the optimiser's, which are read bare (lr, px_weight); a field's "flag" metadata names it
+# outright; the settings inside a union choice (init, init_covariance) take the choice's prefix.
+_PREFIX = {"sampler": "sgld", "buffer": "buffer", "sam": "sam", "loss": "", "optim": ""}
+_UNIONS: dict[tuple[type, str], dict[str, type]] = {
+    (BufferConfig, "init"): INIT_SPECS,
+    (Gaussian, "covariance"): COVARIANCE_KINDS,
+}
+# Old flat names: still accepted for one release, with a DeprecationWarning naming the new one.
+_OLD_NAMES = {
+    "step_size": "sgld_step_size",
+    "noise": "sgld_noise",
+    "grad_clip": "sgld_grad_clamp",
+    "buffer_size": "buffer_capacity",
+    "reinit_freq": "buffer_reinit_freq",
+    "batchnorm": "sgld_batchnorm",
+    "optimizer_name": "optimizer",
+}
+_OLD_BATCHNORM = {"eval": "joint", "batch": "separate"}
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING: Any = _Missing()
+
+
+def _is_spec(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(type(value), "kind")
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__.lower()} {value.kind!r}" if _is_spec(value) else type(value).__name__
+
+
+def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+
+
+def _walk(cls: type, path: tuple[str, ...], prefix: str, table: dict[str, tuple[tuple[str, ...], dict | None]]) -> None:
+    for f, hint in _fields(cls):
+        sub = path + (f.name,)
+        if (cls, f.name) in _UNIONS:
+            kinds = _UNIONS[(cls, f.name)]
+            name = f.metadata.get("flag") or (f"{prefix}_{f.name}" if prefix else f.name)
+            table[name] = (sub, kinds)
+            inner = name if f.metadata.get("flag") else prefix
+            for member in kinds.values():
+                _walk(member, sub, inner, table)
+            continue
+        if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+            _walk(hint, sub, _PREFIX.get(f.name, f.name), table)
+            continue
+        name = f.metadata.get("flag") or (f"{prefix}_{f.name}" if prefix else f.name)
+        table.setdefault(name, (sub, None))
+
+
+_TABLE: dict[str, tuple[tuple[str, ...], dict | None]] = {}
+
+
+def _flat_table() -> dict[str, tuple[tuple[str, ...], dict | None]]:
+    """``{flat name: (path in the tree, kinds for a union choice or None)}``, walked once."""
+    if not _TABLE:
+        table: dict[str, tuple[tuple[str, ...], dict | None]] = {}
+        for f, hint in _fields(Recipe):
+            if f.name in ("name", "summary"):
+                continue
+            if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+                _walk(hint, (f.name,), _PREFIX[f.name], table)
+            else:
+                table[f.name] = ((f.name,), None)
+        _TABLE.update(table)
+    return _TABLE
+
+
+def flat_names() -> dict[str, dict[str, Any]]:
+    """Every recipe setting by flat name: ``{name: {"help", "type", "choices", "optional"}}``, read
+    from the tree's fields (``jem train`` derives its flags from this)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, (path, kinds) in _flat_table().items():
+        owner_cls, f, hint = _field_at(path)
+        info: dict[str, Any] = {"help": f.metadata.get("help", ""), "path": ".".join(path)}
+        if kinds is not None:
+            info.update(type=str, choices=list(kinds), optional=False)
+        else:
+            info.update(_scalar_type(hint))
+        out[name] = info
+    return out
+
+
+def _field_at(path: tuple[str, ...]) -> tuple[type, dataclasses.Field, Any]:
+    cls: type = Recipe
+    for i, part in enumerate(path):
+        fields = {f.name: (f, h) for f, h in _fields(cls)}
+        if part not in fields:  # inside a union: find the member that has it
+            raise KeyError(part)
+        f, hint = fields[part]
+        if i == len(path) - 1:
+            return cls, f, hint
+        if (cls, part) in _UNIONS:
+            rest = path[i + 1]
+            cls = next(m for m in _UNIONS[(cls, part)].values() if rest in {g.name for g in dataclasses.fields(m)})
+        else:
+            cls = hint
+    raise KeyError(path)
+
+
+def _scalar_type(hint: Any) -> dict[str, Any]:
+    args = typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    optional = type(None) in args
+    if origin is Literal:
+        return {"type": str, "choices": list(args), "optional": False}
+    if origin in (typing.Union, types.UnionType):
+        plain = [a for a in args if a is not type(None) and not dataclasses.is_dataclass(a)]
+        return {"type": plain[0] if plain else str, "choices": None, "optional": optional}
+    return {"type": hint, "choices": None, "optional": False}
+
+
+def _get_path(obj: Any, path: tuple[str, ...]) -> Any:
+    for part in path:
+        if not (dataclasses.is_dataclass(obj) and part in {f.name for f in dataclasses.fields(obj)}):
+            return _MISSING
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set_path(obj: Any, path: tuple[str, ...], value: Any) -> Any:
+    if len(path) == 1:
+        return dataclasses.replace(obj, **{path[0]: value})
+    return dataclasses.replace(obj, **{path[0]: _set_path(getattr(obj, path[0]), path[1:], value)})
+
+
+def _kind_flag_for(name: str) -> str:
+    path = _flat_table()[name][0]
+    for other, (p, kinds) in _flat_table().items():
+        if kinds is not None and path[: len(p)] == p:
+            candidate = other
+    return candidate
+
+
+def _translate_old_names(changes: Mapping[str, Any], stacklevel: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in changes.items():
+        new = _OLD_NAMES.get(name, name)
+        if new != name:
+            warnings.warn(
+                f"recipe setting {name!r} is deprecated; use {new!r}", DeprecationWarning, stacklevel=stacklevel
+            )
+        if new == "sgld_batchnorm" and value in _OLD_BATCHNORM:
+            warnings.warn(
+                f"sgld_batchnorm={value!r} is deprecated; use {_OLD_BATCHNORM[value]!r}",
+                DeprecationWarning,
+                stacklevel=stacklevel,
+            )
+            value = _OLD_BATCHNORM[value]
+        out[new] = value
+    return out
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        body = {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {"kind": value.kind, **body} if _is_spec(value) else body
+    if isinstance(value, tuple):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _from_plain(cls: type, data: Mapping[str, Any]) -> Any:
+    kwargs: dict[str, Any] = {}
+    for f, hint in _fields(cls):
+        if f.name not in data:
+            continue
+        value = data[f.name]
+        if (cls, f.name) in _UNIONS and isinstance(value, Mapping):
+            body = dict(value)
+            member = _UNIONS[(cls, f.name)][body.pop("kind")]
+            value = _from_plain(member, body)
+        elif isinstance(value, Mapping) and "kind" in value and value["kind"] == Poly.kind:
+            body = dict(value)
+            body.pop("kind")
+            value = Poly(**body)
+        elif dataclasses.is_dataclass(hint) and isinstance(hint, type):
+            value = _from_plain(hint, value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------- the presets
+_FAST_OPTIM = OptimConfig(lr=3e-4, warmup_iters=200)
+_CLAMPED = dict(noise=0.0, grad_clamp=0.03)
 
 RECIPES: dict[str, Recipe] = {
     "paper": Recipe(
@@ -225,82 +804,52 @@ RECIPES: dict[str, Recipe] = {
         "5 SGLD steps on 32 chains from a per-class Gaussian fitted from the data, energy L2 0.1, "
         "Adam 3e-4; samples pass BatchNorm on their own (batch statistics, running ones from data only). "
         "About 3-4x the cross-entropy cost, within a point of its accuracy",
-        sgld_steps=5,
-        n_samples=32,
-        l2_weight=0.1,
-        lr=3e-4,
-        warmup_iters=200,
-        init="gaussian",
-        batchnorm="separate",
-        sgld_batchnorm="batch",
+        sampler=SamplerConfig(steps=5, batchnorm="separate"),
+        buffer=BufferConfig(init=Gaussian()),
+        loss=LossConfig(n_samples=32, l2_weight=0.1),
+        optim=_FAST_OPTIM,
     ),
     "jempp": Recipe(
         "jempp",
         "JEM++ (Yang & Ji 2021) sampling: 10 noise-free gradient-clamped steps from a per-class "
         "Gaussian (full covariance) fitted from the data, BatchNorm kept; the fast preset's optimiser "
-        "(the paper's SGD 0.1 is for WRN-28-10 on CIFAR). No inner steps through the first layer: on a linear "
-        "stem they move along the outer gradient, a larger step (benchmarks/check_inner_steps.py)",
-        sgld_steps=10,
-        noise=0.0,
-        grad_clip=0.03,
-        init="gaussian",
-        init_covariance="full",
-        n_samples=32,
-        l2_weight=0.1,
-        lr=3e-4,
-        warmup_iters=200,
+        "(the paper's SGD 0.1 is for WRN-28-10 on CIFAR)",
+        sampler=SamplerConfig(steps=10, **_CLAMPED),
+        buffer=BufferConfig(init=Gaussian(covariance=Full())),
+        loss=LossConfig(n_samples=32, l2_weight=0.1),
+        optim=_FAST_OPTIM,
     ),
     "sadajem": Recipe(
         "sadajem",
         "SADA-JEM (2023): 5 noise-free gradient-clamped steps from a per-class Gaussian, "
         "adaptive SAM (rho 2) with BatchNorm statistics frozen on the second pass and one sampling per "
         "iteration, the p(x) term on the un-augmented batch; the fast preset's optimiser",
-        sgld_steps=5,
-        noise=0.0,
-        grad_clip=0.03,
-        init="gaussian",
-        n_samples=32,
-        l2_weight=0.1,
-        lr=3e-4,
-        warmup_iters=200,
-        px_clean_data=True,
-        sam_rho=2.0,
-        sam_adaptive=True,
+        sampler=SamplerConfig(steps=5, **_CLAMPED),
+        buffer=BufferConfig(init=Gaussian()),
+        loss=LossConfig(n_samples=32, l2_weight=0.1, px_clean_data=True),
+        optim=_FAST_OPTIM,
+        sam=SAMConfig(rho=2.0, adaptive=True),
     ),
     "generative": Recipe(
         "generative",
         "For samples on BatchNorm networks: JEM++'s 10 noise-free gradient-clamped steps from a "
         "per-class Gaussian with a stationary covariance (each class's power spectrum; images of any size), "
-        "steps confined to the data's colour axes, the p(x) term at weight 0.75 on the un-augmented batch "
-        "(pass px_data= in your loop), samples in the data's BatchNorm pass, whose running statistics are "
-        "recomputed from the training data after training (torch.optim.swa_utils.update_bn in your loop), "
-        "a replay buffer of at most 10000 slots, each drawn about 40 times in the run (build_loss(total_iters=)) "
-        "and never restarted from the init (reinit_freq 0: every chain in it began with the run); "
-        "the fast preset's optimiser. Its buffer moves towards the data where fast's stays put, at a cost "
-        "in calibration",
-        sgld_steps=10,
-        noise=0.0,
-        grad_clip=0.03,
-        init="gaussian",
-        init_covariance="stationary",
-        sgld_colours="data",
-        n_samples=32,
-        px_weight=0.75,
-        l2_weight=0.1,
-        lr=3e-4,
-        warmup_iters=200,
-        px_clean_data=True,
+        "steps confined to the data's colour axes, the p(x) term at weight 0.75 on the un-augmented batch, "
+        "samples in the data's BatchNorm pass, whose running statistics are recomputed from the training "
+        "data after training, a replay buffer of at most 10000 slots, each drawn about 40 times in the run "
+        "and never restarted from the init; the fast preset's optimiser. Its buffer moves towards the data "
+        "where fast's stays put, at a cost in calibration",
+        sampler=SamplerConfig(steps=10, colours="data", **_CLAMPED),
+        buffer=BufferConfig(visits=40, reinit_freq=0.0, init=Gaussian(covariance=Stationary())),
+        loss=LossConfig(n_samples=32, px_weight=0.75, l2_weight=0.1, px_clean_data=True),
+        optim=_FAST_OPTIM,
         bn_stats_from_data=True,
-        buffer_visits=40,
-        reinit_freq=0.0,
     ),
 }
 
-
-# jem train's default. `generative` moves its buffer towards the data on BatchNorm networks at
-# 32x32 (test_resnet and resnet18), where `fast`'s stays where it started; it costs half a point
-# of accuracy on average, a temperature of calibration and 1.5x fast's time (issue 16, e59-e89;
-# README "Recipes").
+# jem train's default: on BatchNorm networks at 32x32 `generative` moves its buffer towards the data
+# where `fast`'s stays where it started, at half a point of accuracy and a temperature of calibration
+# (benchmarks/README.md, "Recipes").
 DEFAULT_RECIPE = "generative"
 
 
@@ -310,3 +859,9 @@ def get_recipe(name: str) -> Recipe:
         return RECIPES[name]
     except KeyError:
         raise UnknownNameError(f"unknown recipe {name!r}; available: {', '.join(RECIPES)}") from None
+
+
+def list_recipes() -> list[str]:
+    """The names of the registered recipes."""
+    return list(RECIPES)
+

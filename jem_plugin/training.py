@@ -23,8 +23,11 @@ What it adds over a hand-written loop:
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +52,12 @@ from ._training_run import (
     _stop_reason,
     _tick,
 )
-from .errors import DivergenceError
+from .errors import DivergenceError, InvalidInputError
+from .extensions import Extension
+from .recipes import JEMSetup, OptimConfig, Recipe
 from .stability import DivergenceGuard
 
-__all__ = ["fit", "evaluate_classifier", "History", "TrainState", "warmup_schedule"]
+__all__ = ["fit", "FitOptions", "evaluate_classifier", "History", "TrainState", "warmup_schedule"]
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -182,30 +187,32 @@ def _make_guard(
 
 
 class _Step:
-    """One optimisation step on a batch: to the device (channels_last for images), the loss under
-    autocast, the divergence guard (agreed over the ranks), backward (scaled for fp16), gradient
-    clipping, optimizer and scheduler. Returns the step's metrics, ``None`` after a rollback."""
+    """One optimisation step on a batch: to the device (channels_last for images), the extensions'
+    ``on_batch``, the loss under autocast, the divergence guard (agreed over the ranks), backward
+    (scaled for fp16), gradient-norm clipping, the optimiser (or the extension that takes the step,
+    e.g. SAM) and the scheduler. Returns the step's metrics, ``None`` after a rollback."""
 
     def __init__(
-        self,
-        jm: nn.Module,
-        loss_fn: nn.Module | None,
-        optimizer,
-        scheduler,
-        *,
-        amp: str,
-        channels_last: bool,
-        grad_clip: float | None,
+        self, state: TrainState, options: FitOptions, extensions: Sequence[Extension], max_grad_norm: float | None
     ) -> None:
-        self.jm, self.loss_fn, self.optimizer, self.scheduler = jm, loss_fn, optimizer, scheduler
+        jm = state.jm
+        self.state, self.jm, self.loss_fn = state, jm, state.loss_fn
+        self.optimizer, self.scheduler = state.optimizer, state.scheduler
         self.device, self.dtype, self.channels_last = (
             (model_device(jm) or torch.device("cpu")),
-            _AMP[amp],
-            channels_last,
+            _AMP[options.amp],
+            options.channels_last,
         )
-        self.grad_clip, self.multi, self.guard, self.batch_size = grad_clip, _multi_process(), None, 0
-        self.scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
-        if channels_last:
+        self.extensions = list(extensions)
+        takers = [e for e in self.extensions if e.takes_step]
+        if len(takers) > 1:
+            raise InvalidInputError(f"at most one extension may take the optimiser step, got {takers}")
+        self.taker = takers[0] if takers else None
+        if self.taker is not None and options.amp == "fp16":
+            raise InvalidInputError(f"{self.taker!r} takes two passes per step, which fp16 gradient scaling does not support: use amp='bf16'")
+        self.grad_clip, self.multi, self.guard, self.batch_size = max_grad_norm, _multi_process(), None, 0
+        self.scaler = torch.amp.GradScaler("cuda") if options.amp == "fp16" else None
+        if self.channels_last:
             jm.to(memory_format=torch.channels_last)  # 4-D weights only; the rest is unchanged
         jm.train()
 
@@ -214,6 +221,8 @@ class _Step:
         if self.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         self.batch_size = int(x.shape[0])
+        for ext in self.extensions:
+            ext.on_batch(self.state, x, y)
         if self.guard is None:
             return self._run(x, y)
         self.guard.before_step(iteration)
@@ -232,7 +241,8 @@ class _Step:
         ce, acc = torch.stack([loss.detach().float(), (logits.argmax(1) == y).float().mean()]).tolist()
         return loss, {"loss": ce, "ce": ce, "acc": acc}
 
-    def _run(self, x: Tensor, y: Tensor) -> dict[str, float]:
+    def _checked_loss(self, x: Tensor, y: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """The loss, checked by the guard; a divergence on any rank stops every rank here."""
         err, guard = None, self.guard
         iteration = guard.iteration if guard is not None else 0  # before check() counts this step
         try:
@@ -245,12 +255,31 @@ class _Step:
             err = _agree_on_divergence(x.device, err, iteration)
         if err is not None:
             raise err
-        self.optimizer.zero_grad(set_to_none=True)
+        return loss, metrics
+
+    def _backward(self, loss: Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         if self.grad_clip is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.jm.parameters(), self.grad_clip)
+
+    def _run(self, x: Tensor, y: Tensor) -> dict[str, float]:
+        if self.taker is not None:
+            passes: list[dict[str, float]] = []
+
+            def closure() -> dict[str, float]:
+                loss, metrics = (self._loss if passes else self._checked_loss)(x, y)
+                self._backward(loss)
+                passes.append(metrics)
+                return metrics
+
+            metrics = self.taker.run_step(self.state, closure)
+            self.scheduler.step()
+            return metrics
+        loss, metrics = self._checked_loss(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._backward(loss)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -271,80 +300,161 @@ def _validate(jm: nn.Module, val_data: Any, multi: bool) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------- fit
+@dataclass(frozen=True)
+class FitOptions:
+    """How :func:`fit` runs, as opposed to what it trains (the recipe): validation, checkpoints,
+    the divergence guard, precision, progress and time.
+
+    ``eval_every``: validate every this many epochs (and after the last). Checkpoints go to
+    ``checkpoint_dir`` at every epoch end and every ``checkpoint_every`` iterations
+    (``keep_checkpoints`` kept); with ``resume`` a run continues exactly where the newest one
+    stopped, and says so. ``guard_policy``: ``"raise"`` (a :class:`~jem_plugin.errors.DivergenceError`
+    naming the remedies), ``"rollback"`` (restore and continue with a safer setting;
+    ``guard_options`` go to :class:`~jem_plugin.stability.DivergenceGuard`) or ``None``. ``amp``:
+    ``"off"``, ``"bf16"`` (autocast; CPU too) or ``"fp16"`` (CUDA, with a ``GradScaler``);
+    ``channels_last`` puts the model and 4-D inputs in that memory format. ``progress``: a tqdm bar
+    with metrics, images/s, ms/iteration and the time left; ``desc`` its label. ``max_seconds``:
+    stop cleanly (after a checkpoint) once this much time has passed. ``decay_epochs`` /
+    ``decay_rate``: the learning rate times ``decay_rate`` at each of these epochs.
+    """
+
+    eval_every: int = 1
+    checkpoint_dir: str | Path | None = None
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 2
+    resume: bool = True
+    guard_policy: str | None = "raise"
+    guard_options: Mapping[str, Any] | None = None
+    amp: str = "off"
+    channels_last: bool = False
+    progress: bool = True
+    max_seconds: float | None = None
+    desc: str | None = None
+    decay_epochs: tuple[int, ...] = ()
+    decay_rate: float = 0.3
+
+
+# fit's keywords before FitOptions and OptimConfig: still accepted for one release, with a warning.
+_OLD_OPTIONS = {f.name for f in dataclasses.fields(FitOptions)}
+_OLD_OPTIM = {"lr": "lr", "warmup_iters": "warmup_iters", "grad_clip": "max_grad_norm"}
+
+
+def _translate(deprecated: Mapping[str, Any], options: FitOptions | None, optimizer: Any) -> tuple[FitOptions, Any]:
+    unknown = sorted(set(deprecated) - _OLD_OPTIONS - set(_OLD_OPTIM))
+    if unknown:
+        raise TypeError(f"fit() got unexpected keyword argument(s): {', '.join(unknown)}")
+    moved = {k: v for k, v in deprecated.items() if k in _OLD_OPTIONS}
+    if moved:
+        if options is not None:
+            raise InvalidInputError(f"fit(): give {', '.join(moved)} inside options=FitOptions(...), not beside it")
+        if "decay_epochs" in moved:
+            moved["decay_epochs"] = tuple(int(e) for e in moved["decay_epochs"])
+        warnings.warn(
+            f"fit({', '.join(f'{k}=...' for k in moved)}) is deprecated; pass options=FitOptions("
+            f"{', '.join(f'{k}=...' for k in moved)})",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        options = FitOptions(**moved)
+    optim = {_OLD_OPTIM[k]: v for k, v in deprecated.items() if k in _OLD_OPTIM}
+    cfg = OptimConfig()
+    if optim:
+        if isinstance(optimizer, OptimConfig):
+            raise InvalidInputError(f"fit(): give {', '.join(optim)} inside optimizer=OptimConfig(...), not beside it")
+        warnings.warn(
+            f"fit({', '.join(f'{k}=...' for k in deprecated if k in _OLD_OPTIM)}) is deprecated; pass "
+            f"optimizer=OptimConfig({', '.join(f'{k}=...' for k in optim)}) (lr, warm-up, gradient-norm clip)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        # as before: the warm-up was not capped to a share of the run
+        cfg = dataclasses.replace(OptimConfig(warmup_max_fraction=1.0), **optim)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = (optimizer, cfg)  # its learning rate is its own; the warm-up and clip are cfg's
+    elif optimizer is None and optim:
+        optimizer = cfg
+    return options or FitOptions(), optimizer
+
+
 def fit(
     jm: nn.Module,
     train_loader: Iterable,
+    recipe: Recipe | JEMSetup | None = None,
     *,
     epochs: int,
-    optimizer: torch.optim.Optimizer | None = None,
-    lr: float = 1e-4,
-    warmup_iters: int = 1000,
-    decay_epochs: Sequence[int] = (),
-    decay_rate: float = 0.3,
+    optimizer: torch.optim.Optimizer | OptimConfig | None = None,
     loss_fn: nn.Module | None = None,
     val_data: Any = None,
-    eval_every: int = 1,
-    checkpoint_dir: str | Path | None = None,
-    checkpoint_every: int | None = None,
-    keep_checkpoints: int = 2,
-    resume: bool = True,
-    guard_policy: str | None = "raise",
-    guard_options: Mapping[str, Any] | None = None,
-    amp: str = "off",
-    channels_last: bool = False,
-    progress: bool = True,
     callbacks: Sequence[Any] | None = None,
-    max_seconds: float | None = None,
-    grad_clip: float | None = None,
-    desc: str | None = None,
+    options: FitOptions | None = None,
+    **deprecated: Any,
 ) -> History:
     """Train ``jm`` (``jem_plugin.wrap(model)``, or any classifier for the cross-entropy baseline)
     on ``train_loader`` (``(x, y)`` batches; its length is the epoch) up to ``epochs`` epochs.
 
-    ``optimizer`` defaults to ``Adam(lr=lr)`` (paper: 1e-4), with linear warmup over
-    ``warmup_iters`` (paper: 1000; 0 disables) and the LR times ``decay_rate`` at each of
-    ``decay_epochs``. ``loss_fn``: a :class:`~jem_plugin.losses.JEMLoss`; ``None`` trains the
-    baseline. ``val_data`` (``(x, y)`` tensors or a loader) gives ``val_acc``/``val_nll`` every
-    ``eval_every`` epochs. Checkpoints go to ``checkpoint_dir`` at every epoch end and every
-    ``checkpoint_every`` iterations (``keep_checkpoints`` kept); with ``resume`` a run continues
-    exactly where the newest one stopped, and says so. ``guard_policy``: ``"raise"`` (a
-    :class:`~jem_plugin.errors.DivergenceError` naming the remedies), ``"rollback"`` (restore and
-    continue with a safer setting; ``guard_options`` go to
-    :class:`~jem_plugin.stability.DivergenceGuard`) or ``None``. ``amp``: ``"off"``, ``"bf16"``
-    (autocast; CPU too) or ``"fp16"`` (CUDA, with a ``GradScaler``); ``channels_last`` puts the
-    model and 4-D inputs in that memory format. ``progress``: a tqdm bar with metrics, images/s,
-    ms/iteration and the time left (also in each epoch's record). ``callbacks``: objects with
-    ``on_step_end(state)``/``on_epoch_end(state)``, or callables run at epoch ends
-    (:class:`TrainState`; ``state.stop = True`` stops). ``max_seconds``: stop cleanly (after a
-    checkpoint) once this much time has passed. ``grad_clip``: clip the gradient norm.
+    ``recipe``: a :class:`~jem_plugin.recipes.Recipe` (built here on ``train_loader``'s data for a
+    run of this length: sampler, buffer, loss, optimiser, warm-up, extensions such as SAM and the
+    BatchNorm statistics recomputed from the data), a :class:`~jem_plugin.recipes.JEMSetup` you
+    built, or ``None`` with your own ``loss_fn`` (a :class:`~jem_plugin.JEMLoss`; ``None`` trains the
+    cross-entropy baseline). ``optimizer``: without a recipe, a ``torch.optim`` optimiser or an
+    :class:`~jem_plugin.recipes.OptimConfig` (default: Adam 1e-4, a warm-up of 1000 iterations
+    capped to a tenth of the run). ``val_data`` (``(x, y)`` tensors or a loader) gives
+    ``val_acc``/``val_nll``. ``callbacks``: objects with ``on_step_end(state)``/``on_epoch_end(state)``,
+    or callables run at epoch ends (:class:`TrainState`; ``state.stop = True`` stops).
+    ``options``: :class:`FitOptions` (checkpoints and exact resume, the divergence guard, precision,
+    progress, a time limit).
     """
+    setup, extensions = None, []
+    if isinstance(recipe, (Recipe, JEMSetup)) and (loss_fn is not None or optimizer is not None):
+        raise InvalidInputError("fit(): a recipe brings its own loss and optimiser; give either recipe= or loss_fn=/optimizer=")
+    if recipe is not None and not isinstance(recipe, (Recipe, JEMSetup)):
+        raise InvalidInputError(f"fit(): recipe must be a Recipe or a JEMSetup, got {type(recipe).__name__}")
+    options, optimizer = _translate(deprecated, options, optimizer)
     device, multi = (model_device(jm) or torch.device("cpu")), _multi_process()
-    _check_args(epochs, guard_policy, amp, device, multi)
+    _check_args(epochs, options.guard_policy, options.amp, device, multi)
     iters, callbacks, start = _iters_per_epoch(train_loader), list(callbacks or []), time.perf_counter()
-    optimizer = optimizer if optimizer is not None else torch.optim.Adam(jm.parameters(), lr=lr)
+    if isinstance(recipe, Recipe):
+        recipe = recipe.build(
+            jm, train_loader, total_iters=epochs * iters, batch_size=getattr(train_loader, "batch_size", None)
+        )
+    if isinstance(recipe, JEMSetup):
+        setup = recipe
+        loss_fn, extensions, warmup = setup.loss, list(setup.extensions), setup.warmup_iters
+        optimizer, max_grad_norm = setup.optimizer, setup.recipe.optim.max_grad_norm
+    else:
+        optim_cfg = OptimConfig()
+        if isinstance(optimizer, tuple):  # a torch optimiser, and the warm-up it gets
+            optimizer, optim_cfg = optimizer
+        elif isinstance(optimizer, OptimConfig) or optimizer is None:
+            optim_cfg = optimizer or optim_cfg
+            optimizer = optim_cfg.build(jm.parameters())
+        warmup, max_grad_norm = optim_cfg.warmup_for(epochs * iters), optim_cfg.max_grad_norm
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_schedule(warmup_iters, iters, decay_epochs, decay_rate)
+        optimizer, warmup_schedule(warmup, iters, options.decay_epochs, options.decay_rate)
     )
-    state = TrainState(jm, optimizer, scheduler, loss_fn, History())
-    step = _Step(jm, loss_fn, optimizer, scheduler, amp=amp, channels_last=channels_last, grad_clip=grad_clip)
+    state = TrainState(jm, optimizer, scheduler, loss_fn, History(), val_data=val_data)
+    step = _Step(state, options, extensions, max_grad_norm)
     ckpts = _Checkpoints(
-        checkpoint_dir,
-        every=checkpoint_every,
-        keep=keep_checkpoints,
+        options.checkpoint_dir,
+        every=options.checkpoint_every,
+        keep=options.keep_checkpoints,
         loader=train_loader,
         objects=dict(model=jm, optimizer=optimizer, scheduler=scheduler, loss=loss_fn, scaler=step.scaler),
+        config=setup.recipe.to_dict() if setup is not None else None,
     )
-    pos = ckpts.resume(state) if resume else _Position()
-    step.guard = guard = _make_guard(guard_policy, state, guard_options, pos.guard)
+    pos = ckpts.resume(state) if options.resume else _Position()
+    step.guard = guard = _make_guard(options.guard_policy, state, options.guard_options, pos.guard)
     log = _Progress(
-        progress,
+        options.progress,
         epochs=epochs,
         iters_per_epoch=iters,
         iteration=state.iteration,
-        desc=desc or ("JEM" if loss_fn is not None else "baseline"),
+        desc=options.desc or ("JEM" if loss_fn is not None else "baseline"),
     )
     if pos.resumed:
         log.announce(f"resuming at epoch {state.epoch + 1}, iteration {state.iteration} of {epochs * iters}")
+    for ext in extensions:
+        ext.on_fit_start(state, train_loader)
     reason: str | None = None
     try:
         while state.epoch < epochs and reason is None:
@@ -358,7 +468,7 @@ def fit(
                 _call_callbacks(callbacks, "on_step_end", state)
                 pos.running.tock(tick)
                 log.step(state, pos.running, last_in_epoch=b == iters - 1)
-                reason = _stop_reason(state, start, max_seconds, device) if b + 1 < iters else None
+                reason = _stop_reason(state, start, options.max_seconds, device) if b + 1 < iters else None
                 if reason is not None or ckpts.due(state.iteration) and b + 1 < iters:
                     ckpts.save(state, pos, b + 1, guard, start)
                 if reason is not None:
@@ -366,15 +476,19 @@ def fit(
             if reason is not None:
                 break
             record = _epoch_record(state, pos.running, epochs * iters - state.iteration)
-            if val_data is not None and ((state.epoch + 1) % eval_every == 0 or state.epoch + 1 == epochs):
+            last = state.epoch + 1 == epochs
+            if val_data is not None and ((state.epoch + 1) % options.eval_every == 0 or last):
                 record.update(_validate(jm, val_data, multi))
             state.history.epochs.append(record)
             state.epoch, pos.skip, pos.running = state.epoch + 1, 0, _Running()
             log.epoch_end(record, state.epoch)
             _call_callbacks(callbacks, "on_epoch_end", state)
-            reason = _stop_reason(state, start, max_seconds, device)
+            reason = _stop_reason(state, start, options.max_seconds, device)
             ckpts.save(state, pos, 0, guard, start)  # every epoch end (a no-op without checkpoint_dir)
             reason = reason if state.epoch < epochs else None
     finally:
         log.close()
+    if reason is None:
+        for ext in extensions:
+            ext.on_fit_end(state, train_loader)
     return _finish(state, reason, start)
