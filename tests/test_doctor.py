@@ -13,8 +13,10 @@ import time
 import pytest
 import torch
 
-from jem_plugin.app import cli, doctor
+from jem_plugin.app import doctor
 from jem_plugin.app.cli import main
+from jem_plugin.app.commands import demo as demo_command
+from jem_plugin.app.commands import train as train_command
 from jem_plugin.app.nets import WideResNet
 
 NMS = "operator torchvision::nms does not exist"
@@ -94,9 +96,9 @@ def test_mismatch_stops_demo_and_train_before_any_training(command, monkeypatch,
     def trained(*args, **kwargs):
         raise AssertionError("training started")
 
-    monkeypatch.setattr(cli, "run_digits_demo", trained)
-    monkeypatch.setattr(cli.training, "fit", trained)
-    monkeypatch.setattr(cli.jdist, "init_distributed", trained)
+    monkeypatch.setattr(demo_command, "run_digits_demo", trained)
+    monkeypatch.setattr(train_command.training, "fit", trained)
+    monkeypatch.setattr(train_command.jdist, "init_distributed", trained)
     out = tmp_path / "run"
     t0 = time.perf_counter()
     rc = main([command, "--out", str(out), "--quiet"] + (["--smoke"] if command == "demo" else ["--epochs", "1"]))

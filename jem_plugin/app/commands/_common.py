@@ -1,0 +1,90 @@
+"""What several ``jem`` commands share: the device, output paths, a positive count, the install check,
+the JSON result, and a trained model's evaluation images."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import CLIError, doctor
+from ..model_files import held_out_data
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _device(name: str):
+    try:
+        dev = torch.device(name)
+    except RuntimeError as exc:
+        raise CLIError(f"unknown device {name!r} (use cpu, cuda, cuda:1, mps)") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        build = "" if torch.version.cuda else f" (torch {torch.__version__} is a CPU-only build)"
+        raise CLIError(f"--device {name} asked for CUDA but no GPU is available{build}; use --device cpu")
+    if dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise CLIError(f"--device {name}: this machine has no Apple-silicon GPU (MPS); use --device cpu")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        try:
+            torch.empty(1, device=dev)
+        except (RuntimeError, AssertionError) as exc:
+            raise CLIError(f"--device {name} is not available on this machine; use --device cpu") from exc
+    return dev
+
+
+def _out_dir(path: str) -> Path:
+    """A run directory for --out: never an existing file."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"--out {path} is an existing file; give a directory (it is created if missing)")
+    return out
+
+
+def _out_file(path: str, flag: str = "--out") -> Path:
+    out = Path(path)
+    if out.is_dir():
+        raise CLIError(f"{flag} {path} is a directory; give a file name, e.g. {out / 'result.json'}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _check_install() -> None:
+    """The cheap part of `jem doctor` (milliseconds): a torch/torchvision mismatch ends the command
+    before any training, not inside torchvision minutes later."""
+    problem = doctor.install_problem()
+    if problem:
+        raise CLIError(problem)
+
+
+def _emit(result: dict[str, Any], args) -> None:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        _out_file(args.out).write_text(text)
+
+
+def _eval_tensors(args, spec):
+    ds, where = held_out_data(spec, args.data, args.image_size, args.seed)
+    if hasattr(ds, "tensors"):
+        x, y = ds.tensors
+    else:
+        xs, ys = zip(*[ds[i] for i in range(len(ds))])
+        x, y = torch.stack(list(xs)), torch.as_tensor(ys)
+    return x, y, where
+
+
+def _checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """The arguments of the commands that score a trained model (eval, ood)."""
+    p.add_argument("checkpoint", help="model.pt written by `jem train`")
+    p.add_argument("--data", default=None, help="evaluation data (default: what training held out)")
+    p.add_argument("--image-size", type=int, default=None, help="default: the model's")

@@ -1,0 +1,34 @@
+"""``jem eval``: accuracy and calibration of a trained model on held-out data."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ... import calibration
+from ..._checks import model_device
+from ..model_files import check_inputs, load_model_checkpoint
+from ._common import _checkpoint_args, _device, _emit, _eval_tensors
+
+
+def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("eval", parents=[common], help="accuracy and calibration of a trained model")
+    _checkpoint_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
+    x, y, where = _eval_tensors(args, spec)
+    check_inputs(jm, x, spec, args.data or spec["data"])
+    with torch.no_grad():
+        logits = torch.cat([jm.logits(xb.to(model_device(jm))).cpu() for xb in x.split(512)])
+    result = {
+        "data": where,
+        "accuracy": float((logits.argmax(1) == y).float().mean()),
+        **calibration.calibration_report(logits, y),
+        "n": len(y),
+    }
+    _emit(result, args)
+    return 0
