@@ -173,4 +173,3 @@ def recompute_batchnorm(jm: nn.Module, loader: Iterable, held_out: Any) -> Decis
 
 def _accuracy_nll(logits: Tensor, labels: Tensor) -> tuple[float, float]:
     return float((logits.argmax(1) == labels).float().mean()), float(F.cross_entropy(logits, labels))
-

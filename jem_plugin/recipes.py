@@ -152,7 +152,9 @@ class BufferConfig:
     )
 
     def __post_init__(self) -> None:
-        _check(_count(self.capacity) and self.capacity >= 1, f"buffer capacity must be an int >= 1, got {self.capacity!r}")
+        _check(
+            _count(self.capacity) and self.capacity >= 1, f"buffer capacity must be an int >= 1, got {self.capacity!r}"
+        )
         _check(
             self.visits is None or (_number(self.visits) and self.visits > 0),
             f"buffer visits must be a number > 0 or None, got {self.visits!r}",
@@ -463,9 +465,7 @@ class Recipe:
 
     def _conditional(self) -> bool:
         """Whether the buffer keeps one class per slot (a per-class init, p(x|y), class-conditional p(x))."""
-        return (
-            not isinstance(self.buffer.init, Uniform) or self.loss.pxy_weight > 0 or self.loss.class_conditional_px
-        )
+        return not isinstance(self.buffer.init, Uniform) or self.loss.pxy_weight > 0 or self.loss.class_conditional_px
 
     def _loss_for(
         self,
@@ -546,7 +546,9 @@ class Recipe:
     def build_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         """Deprecated: ``recipe.optim.build(params)``."""
         warnings.warn(
-            "Recipe.build_optimizer(...) is deprecated; use recipe.optim.build(params)", DeprecationWarning, stacklevel=2
+            "Recipe.build_optimizer(...) is deprecated; use recipe.optim.build(params)",
+            DeprecationWarning,
+            stacklevel=2,
         )
         return self.optim.build(params)
 
@@ -864,4 +866,3 @@ def get_recipe(name: str) -> Recipe:
 def list_recipes() -> list[str]:
     """The names of the registered recipes."""
     return list(RECIPES)
-

@@ -209,7 +209,9 @@ class _Step:
             raise InvalidInputError(f"at most one extension may take the optimiser step, got {takers}")
         self.taker = takers[0] if takers else None
         if self.taker is not None and options.amp == "fp16":
-            raise InvalidInputError(f"{self.taker!r} takes two passes per step, which fp16 gradient scaling does not support: use amp='bf16'")
+            raise InvalidInputError(
+                f"{self.taker!r} takes two passes per step, which fp16 gradient scaling does not support: use amp='bf16'"
+            )
         self.grad_clip, self.multi, self.guard, self.batch_size = max_grad_norm, _multi_process(), None, 0
         self.scaler = torch.amp.GradScaler("cuda") if options.amp == "fp16" else None
         if self.channels_last:
@@ -406,7 +408,9 @@ def fit(
     """
     setup, extensions = None, []
     if isinstance(recipe, (Recipe, JEMSetup)) and (loss_fn is not None or optimizer is not None):
-        raise InvalidInputError("fit(): a recipe brings its own loss and optimiser; give either recipe= or loss_fn=/optimizer=")
+        raise InvalidInputError(
+            "fit(): a recipe brings its own loss and optimiser; give either recipe= or loss_fn=/optimizer="
+        )
     if recipe is not None and not isinstance(recipe, (Recipe, JEMSetup)):
         raise InvalidInputError(f"fit(): recipe must be a Recipe or a JEMSetup, got {type(recipe).__name__}")
     options, optimizer = _translate(deprecated, options, optimizer)

@@ -3,14 +3,13 @@ Gaussian init, and the jempp/sadajem presets."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from torch import nn
 
 import jem_plugin as jem
 from jem_plugin.builtins.init_distributions import GaussianInit
+from jem_plugin.covariance import Stationary
 from jem_plugin.recipes import RECIPES, get_recipe
 
 
@@ -178,28 +177,29 @@ def test_family_presets_build_a_working_loss(name):
     assert name in RECIPES and r.name == name and name in str(r)
     model = _net(3, in_ch=3)
     jm = jem.wrap(model, data_range=(-1, 1), input_size=(3, 4, 4), num_classes=3)
-    small = dataclasses.replace(r, buffer_size=30)
-    loss_fn = small.build_loss(sample_shape=(3, 4, 4), num_classes=3, total_iters=100, batch_size=6)
     x, y = torch.rand(6, 3, 4, 4) * 2 - 1, torch.tensor([0, 1, 2, 0, 1, 2])
-    out = loss_fn(jm, x, y, px_data=x if r.px_clean_data else None)
+    setup = r.replace(buffer_capacity=30).build(jm, (x, y), total_iters=100, batch_size=6)
+    loss_fn = setup.loss
+    assert loss_fn.buffer.init_dist.fitted, "build() fits the Gaussian init on the data it is given"
+    out = loss_fn(jm, x, y, px_data=x if r.loss.px_clean_data else None)
     out.loss.backward()
-    assert loss_fn.buffer.init_dist.fitted, "the Gaussian init is fitted from the first batch"
-    assert loss_fn.sampler.noise == 0.0 and loss_fn.sampler.grad_clip is not None
+    assert loss_fn.sampler.noise == 0.0 and loss_fn.sampler.grad_clamp is not None
 
 
-def test_generative_preset_fits_a_stationary_init_on_the_clean_batch():
-    """generative (issue 16, e59-e62): the per-class stationary Gaussian, fitted from px_data (the
-    un-augmented batch) when the user did not fit it, and samples in the data's BatchNorm pass."""
-    r = dataclasses.replace(get_recipe("generative"), buffer_size=30, buffer_visits=None)
-    assert (r.init_covariance, r.px_clean_data, r.batchnorm) == ("stationary", True, "joint")
+def test_generative_preset_fits_a_stationary_init_on_the_data_it_is_built_on():
+    """generative: the per-class stationary Gaussian, fitted on the (clean) training data by build(),
+    and samples in the data's BatchNorm pass."""
+    r = get_recipe("generative").replace(buffer_capacity=30, buffer_visits=None)
+    assert isinstance(r.buffer.init.covariance, Stationary) and r.loss.px_clean_data and r.sampler.batchnorm == "joint"
     jm = jem.wrap(_net(3, in_ch=3), data_range=(-1, 1), input_size=(3, 4, 4), num_classes=3)
-    loss_fn = r.build_loss(sample_shape=(3, 4, 4), num_classes=3)
     clean, y = torch.rand(6, 3, 4, 4) * 0.5, torch.tensor([0, 1, 2, 0, 1, 2])
-    augmented = clean.roll(1, dims=-1) - 0.5
-    loss_fn(jm, augmented, y, px_data=clean).loss.backward()
-    init = loss_fn.buffer.init_dist
-    assert init.covariance == "stationary" and init.std.shape == (3, 3, 4, 4)
+    setup = r.build(jm, (clean, y))
+    init = setup.buffer.init_dist
+    assert init.std.shape == (3, 3, 4, 4)
     torch.testing.assert_close(init.mean[0], (clean[0] + clean[3]).flatten() / 2)
+    augmented = clean.roll(1, dims=-1) - 0.5
+    setup.loss(jm, augmented, y, px_data=clean).loss.backward()
+    torch.testing.assert_close(init.mean[0], (clean[0] + clean[3]).flatten() / 2)  # the loss fits nothing
 
 
 # ---------------------------------------------------------------- how samples meet BatchNorm
@@ -256,23 +256,23 @@ def test_batchnorm_options_reject_unknown_modes():
 
 
 def test_recipe_batchnorm_and_conditional_fields_reach_the_loss_and_sampler():
-    r = dataclasses.replace(
-        get_recipe("fast"), batchnorm="separate", sgld_batchnorm="batch", class_conditional_px=True, buffer_size=30
-    )
-    loss_fn = r.build_loss(sample_shape=(1, 4, 4), num_classes=3)
-    assert loss_fn.batchnorm == "separate" and loss_fn.sampler.batchnorm == "batch"
-    assert loss_fn.class_conditional_px and loss_fn.buffer.num_classes == 3  # one class per slot
+    r = get_recipe("fast").replace(class_conditional_px=True, buffer_capacity=30)
     jm = jem.wrap(_bn_net(), data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
-    out = loss_fn(jm, torch.rand(6, 1, 4, 4) * 2 - 1, torch.tensor([0, 1, 2, 0, 1, 2]))
+    x, y = torch.rand(6, 1, 4, 4) * 2 - 1, torch.tensor([0, 1, 2, 0, 1, 2])
+    setup = r.build(jm, (x, y))
+    assert setup.sampler.batchnorm == "separate"  # one knob: the loss reads its sampler's
+    assert setup.loss.class_conditional_px and setup.buffer.num_classes == 3  # one class per slot
+    out = setup.loss(jm, x, y)
     out.loss.backward()
-    assert "batchnorm" in str(r) and "class_conditional_px" in str(r)
+    assert "sgld_batchnorm" in str(r) and "class_conditional_px" in str(r)
 
 
 def test_recipe_init_covariance_and_rank_reach_the_fitted_init():
-    r = dataclasses.replace(get_recipe("jempp"), init_covariance="lowrank", init_rank=3, buffer_size=30)
+    r = get_recipe("jempp").replace(init_covariance="lowrank", init_rank=3, buffer_capacity=30)
     x, y = torch.rand(30, 1, 4, 4) * 2 - 1, torch.arange(30) % 3
-    init = r.build_loss(sample_shape=(1, 4, 4), num_classes=3, x_fit=x, y_fit=y).buffer.init_dist
-    assert init.covariance == "lowrank" and init.factor.shape == (3, 16, 3)
+    jm = jem.wrap(_net(), data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
+    init = r.build(jm, (x, y)).buffer.init_dist
+    assert init.factor.shape == (3, 16, 3)
     assert "init_rank" in str(r)
 
 
@@ -369,26 +369,6 @@ def test_colour_steps_errors_and_checkpoint():
     assert torch.equal(older.colour_projection, torch.eye(3)), "fitted before colour axes: no projection"
 
 
-def test_generative_sizes_its_replay_buffer_for_the_run():
-    """At the issue's 10000 slots a 60-epoch run draws each chain about four times and the buffer
-    stays near its init (e79: FD 143 and 133 against 170); `generative` keeps about 40 draws per
-    slot (the 1000-slot benchmark, e76), up to buffer_size for long runs."""
-    r = get_recipe("generative")
-    assert r.buffer_visits == 40 and r.n_samples == 32
-    assert r.buffer_size_for(1380) == 1104  # 60 epochs of the 32x32 digits
-    assert r.buffer_size_for(150 * 782) == r.buffer_size  # CIFAR-10's 150 epochs: the paper's 10000
-    assert r.buffer_size_for(3) == 32  # never fewer slots than chains per iteration
-    assert get_recipe("paper").buffer_size_for(1380) == 10000  # the other presets keep their size
-    loss_fn = r.build_loss(sample_shape=(3, 4, 4), num_classes=3, total_iters=1380)
-    assert loss_fn.buffer.capacity == 1104
-    with pytest.warns(RuntimeWarning, match="total_iters"):
-        assert r.build_loss(sample_shape=(3, 4, 4), num_classes=3).buffer.capacity == 10000
-    per_batch = dataclasses.replace(r, n_samples=None)  # chains = the batch
-    assert per_batch.buffer_size_for(1000, batch_size=64) == 1600
-    with pytest.raises(jem.InvalidInputError, match="buffer_visits"):
-        dataclasses.replace(r, buffer_visits=0).buffer_size_for(1000)
-
-
 def test_generative_keeps_every_chain_it_has_started():
     """A buffer that restarts 5% of its draws holds chains about 20 draws old on average however long
     the run: on resnet18 that kept it at 0.81 of its init's distance (e81, FD 137), and never
@@ -396,9 +376,11 @@ def test_generative_keeps_every_chain_it_has_started():
     r = get_recipe("generative")
     g = torch.Generator().manual_seed(0)
     x, y = torch.rand(60, 3, 8, 8, generator=g), torch.arange(60) % 3
-    loss_fn = r.build_loss(sample_shape=(3, 8, 8), num_classes=3, x_fit=x, y_fit=y, total_iters=10)
-    buf = loss_fn.buffer
-    domain = jem.wrap(nn.Conv2d(3, 3, 1), input_size=(3, 8, 8), num_classes=3).domain
+    jm = jem.wrap(
+        nn.Sequential(nn.Conv2d(3, 3, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten()), input_size=(3, 8, 8), num_classes=3
+    )
+    buf = r.build(jm, (x, y), total_iters=10).buffer
+    domain = jm.domain
     start, _ = buf.sample(buf.capacity, domain=domain, generator=g)
     buf.update(torch.arange(buf.capacity), torch.full_like(start, 0.25))  # every chain "advanced"
     for _ in range(20):
