@@ -60,7 +60,7 @@ def run(
         jm = _load(run_dir, tag)
         g = torch.Generator().manual_seed(seed)
         results[f"{tag}"] = robustness.robust_accuracy(
-            jm, x, y, eps, "linf", steps=steps, generator=g, progress=progress
+            jm, x, y, eps, robustness.PGD(norm="linf", steps=steps), generator=g, progress=progress
         )
         for step_size in defense_step_sizes if defense else ():
             d = robustness.SGLDDefense(
@@ -71,11 +71,9 @@ def run(
                 x,
                 y,
                 eps,
-                "linf",
+                robustness.PGD(norm="linf", steps=steps, loss="margin"),
                 defense=d,
                 attack="worst",
-                loss="margin",
-                steps=steps,
                 generator=torch.Generator().manual_seed(seed),
                 progress=progress,
             )

@@ -14,7 +14,7 @@ L2, written here rather than taken from a library, because
 By default ``eps`` is measured in **unit space**: each channel's domain ``[low, high]`` mapped to
 ``[0, 1]``, i.e. ``x = low + (high - low) * u``. For inputs in ``[0, 1]`` that is the input
 itself; for ImageNet-normalised inputs it is the un-normalised pixel; for JEM's ``[-1, 1]`` it
-is ``(x + 1) / 2``. So ``eps=8/255`` means the same everywhere. Pass ``eps_space="input"`` to
+is ``(x + 1) / 2``. So ``eps=8/255`` means the same everywhere. Pass ``PGD(eps_space="input")`` to
 measure ``eps`` in the raw units of the loader's tensors instead.
 
 **Defence** (Grathwohl et al. 2019, Sec. 5.3): before classifying, refine the input with a few
@@ -27,17 +27,26 @@ only an *upper bound* on robust accuracy, because the attacker ignores the defen
 ``attack="bpda"`` attacks through the defence with BPDA + EOT (Athalye et al. 2018): each PGD
 step refines the current point with the defence's own chains, takes the gradient of the loss of
 the chain-averaged logits at the refined points, and uses it as the gradient at the input (the
-refinement's Jacobian approximated by the identity), averaged over ``eot_samples`` independent
-refinements. It is the adaptive evaluation, but a refinement that makes the model very
-confident can saturate the cross-entropy gradient (gradient masking); ``loss="margin"`` (the
+refinement's Jacobian approximated by the identity), averaged over ``PGD(eot_samples=...)``
+independent refinements. It is the adaptive evaluation, but a refinement that makes the model
+very confident can saturate the cross-entropy gradient (gradient masking); ``PGD(loss="margin")`` (the
 Carlini-Wagner margin) avoids that, and ``attack="worst"`` counts an input as robust only if it
 survives both attacks. Report ``"worst"`` when claiming robustness.
+
+**Settings.** How PGD runs (norm, steps, step size, random start, objective, the space ``eps`` is
+measured in, EOT samples) is one frozen :class:`PGD` value, shared by :func:`pgd_attack` and
+:func:`robust_accuracy`:
+
+>>> x_adv = pgd_attack(jm, x, y, 8 / 255, PGD(norm="linf", steps=20))
+>>> r = robust_accuracy(jm, x, y, [0, 8 / 255], PGD(loss="margin", eot_samples=4), defense=d, attack="worst")
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,12 +55,83 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ._checks import check_input, check_labels, draw
+from ._deprecation import old_spellings
 from .model import as_jem, input_grad_enabled, sampling_mode
 from .sampling import SGLD
 
-__all__ = ["pgd_attack", "SGLDDefense", "robust_accuracy"]
+__all__ = ["PGD", "pgd_attack", "SGLDDefense", "robust_accuracy"]
 
 NORMS = ("linf", "l2")
+LOSSES = ("ce", "margin")
+EPS_SPACES = ("unit", "input")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PGD:
+    """How projected gradient descent attacks: everything but the budget ``eps``.
+
+    norm: ``"linf"`` or ``"l2"`` (L2 over all input dims of each example).
+    steps: PGD iterations.
+    step_size: per-step size in the same units as ``eps``; ``None`` (default): ``2.5 * eps /
+        steps`` (Madry et al.).
+    random_start: start uniformly in the L-inf ball, or at a random direction and radius in the
+        L2 ball.
+    loss: ``"ce"`` (cross-entropy, Madry et al.) or ``"margin"`` (Carlini-Wagner
+        ``max_{j != y} f_j - f_y``, which keeps a useful gradient where cross-entropy saturates).
+    eps_space: ``"unit"`` (default: each channel's domain mapped to ``[0, 1]``, so ``8/255`` means
+        the same for every normalisation) or ``"input"`` (the raw units of the loader's tensors).
+    eot_samples: refinements averaged per gradient when attacking an :class:`SGLDDefense`
+        through BPDA + EOT (:func:`robust_accuracy` with ``attack="bpda"``/``"worst"``).
+    """
+
+    norm: str = "linf"
+    steps: int = 10
+    step_size: float | None = None
+    random_start: bool = True
+    loss: str = "ce"
+    eps_space: str = "unit"
+    eot_samples: int = 1
+
+    def __post_init__(self) -> None:
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.eps_space not in EPS_SPACES:
+            raise ValueError(f"eps_space must be 'unit' or 'input', got {self.eps_space!r}")
+        _check_int("steps", self.steps, 0)
+        _check_int("eot_samples", self.eot_samples, 1)
+        if self.step_size is not None and not (
+            isinstance(self.step_size, (int, float)) and math.isfinite(self.step_size) and self.step_size > 0
+        ):
+            raise ValueError(f"step_size must be a finite number > 0 or None, got {self.step_size!r}")
+
+
+_PGD_FIELDS = tuple(f.name for f in dataclasses.fields(PGD))
+
+
+def _pgd_settings(where: str, pgd: Any, deprecated: Mapping[str, Any], old_names: Sequence[str]) -> PGD:
+    """The :class:`PGD` a call asked for: ``pgd``, or the old spellings (keywords named like PGD's
+    fields, the norm as a positional string), with a DeprecationWarning naming the new one."""
+    old = dict(deprecated)
+    if isinstance(pgd, str):  # the old positional ``norm``
+        if "norm" in old:
+            raise TypeError(f"{where}() got multiple values for argument 'norm'")
+        old, pgd = {"norm": pgd, **old}, None
+    spelled = f"{where}(..., PGD({', '.join(f'{k}=...' for k in old)}))"
+    old = old_spellings(where, old, dict.fromkeys(old_names, spelled), stacklevel=4)
+    if pgd is None:
+        return PGD(**old)
+    if not isinstance(pgd, PGD):
+        raise TypeError(f"{where}: pgd must be a jem_plugin.robustness.PGD, got {type(pgd).__name__}")
+    if old:
+        raise TypeError(f"{where}: give the settings in PGD(...) only, not also as {', '.join(old)}=")
+    return pgd
 
 
 # ---------------------------------------------------------------------- helpers
@@ -67,9 +147,7 @@ def _space(jm, x: Tensor, eps_space: str) -> tuple[Tensor, Tensor, Tensor, Tenso
     if eps_space == "unit":
         scale = hi - lo
         return lo, scale, torch.zeros_like(lo), torch.ones_like(hi)
-    if eps_space == "input":
-        return torch.zeros_like(lo), torch.ones_like(lo), lo, hi
-    raise ValueError(f"eps_space must be 'unit' or 'input', got {eps_space!r}")
+    return torch.zeros_like(lo), torch.ones_like(lo), lo, hi  # "input" (PGD checks the value)
 
 
 def _rand(shape, like: Tensor, generator: torch.Generator | None, normal: bool = False) -> Tensor:
@@ -88,9 +166,6 @@ def _project(z: Tensor, z0: Tensor, eps: float, norm: str, zlo: Tensor, zhi: Ten
         factor = (eps / _per_example_norm(delta)).clamp(max=1.0)
         delta = delta * factor
     return torch.max(torch.min(z0 + delta, zhi), zlo)
-
-
-LOSSES = ("ce", "margin")
 
 
 def _attack_loss(logits: Tensor, y: Tensor, loss: str) -> Tensor:
@@ -121,34 +196,24 @@ def _pgd(
     x: Tensor,
     y: Tensor,
     eps: float,
-    norm: str,
-    steps: int,
-    step_size: float | None,
-    random_start: bool,
+    pgd: PGD,
     generator: torch.Generator | None,
-    eps_space: str,
-    loss: str = "ce",
     grad_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
 ) -> Tensor:
-    if norm not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-    if loss not in LOSSES:
-        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
     if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"steps must be an int >= 0, got {steps!r}")
     if eps == 0:
         return x.detach().clone()
-    alpha = 2.5 * eps / max(steps, 1) if step_size is None else float(step_size)
-    offset, scale, zlo, zhi = _space(jm, x, eps_space)
+    norm, steps = pgd.norm, pgd.steps
+    alpha = 2.5 * eps / max(steps, 1) if pgd.step_size is None else float(pgd.step_size)
+    offset, scale, zlo, zhi = _space(jm, x, pgd.eps_space)
     z0 = (x.detach() - offset) / scale
     # Inputs already outside the domain (e.g. Gaussian noise through a normalised model) keep
     # their coordinates: the box is widened to contain x, so eps is always respected and no
     # coordinate moves further out than it already was.
     zlo, zhi = torch.min(zlo, z0), torch.max(zhi, z0)
     z = z0.clone()
-    if random_start:
+    if pgd.random_start:
         if norm == "linf":
             z = z + (2 * _rand(z.shape, z, generator) - 1) * eps
         else:
@@ -158,7 +223,7 @@ def _pgd(
         z = _project(z, z0, eps, norm, zlo, zhi)
     for _ in range(steps):
         x_cur = offset + scale * z
-        g = grad_fn(x_cur, y) if grad_fn is not None else _loss_grad(jm, x_cur, y, loss)
+        g = grad_fn(x_cur, y) if grad_fn is not None else _loss_grad(jm, x_cur, y, pgd.loss)
         g = g * scale  # chain rule: x = offset + scale * z
         if norm == "linf":
             z = z + alpha * g.sign()
@@ -173,14 +238,10 @@ def pgd_attack(
     x: Tensor,
     y: Tensor,
     eps: float,
-    norm: str = "linf",
-    steps: int = 10,
-    step_size: float | None = None,
-    random_start: bool = True,
-    generator: torch.Generator | None = None,
+    pgd: PGD | None = None,
     *,
-    eps_space: str = "unit",
-    loss: str = "ce",
+    generator: torch.Generator | None = None,
+    **deprecated: Any,
 ) -> Tensor:
     """Untargeted PGD on ``jm``'s logits; returns ``x_adv`` (detached).
 
@@ -188,24 +249,22 @@ def pgd_attack(
     ----------
     eps: perturbation budget, in unit space by default (see the module docstring; ``8/255`` is
         the usual L-inf budget for images). ``eps=0`` returns a copy of ``x``.
-    norm: ``"linf"`` or ``"l2"`` (L2 over all input dims of each example).
-    steps: PGD iterations.
-    step_size: per-step size in the same units as ``eps``; default ``2.5 * eps / steps``
-        (Madry et al.).
-    random_start: start uniformly in the L-inf ball, or at a random direction and radius in
-        the L2 ball.
+    pgd: the attack's settings, :class:`PGD` (default ``PGD()``: L-inf, 10 steps, cross-entropy,
+        random start, ``eps`` in unit space).
     generator: ``torch.Generator`` for the random start (reproducible attacks).
-    loss: ``"ce"`` (cross-entropy, Madry et al.) or ``"margin"`` (Carlini-Wagner
-        ``max_{j != y} f_j - f_y``, which keeps a useful gradient where cross-entropy saturates).
+    **deprecated: the old spellings ``norm=``, ``steps=``, ``step_size=``, ``random_start=``,
+        ``eps_space=``, ``loss=`` (and the norm as the fifth positional argument) still work for
+        one release, with a ``DeprecationWarning``: write ``PGD(norm=..., steps=...)``.
 
     ``x_adv`` stays within ``eps`` of ``x`` and inside the adapter's (per-channel) domain (a
     coordinate of ``x`` that is already outside it never moves further out). The
     model runs in eval mode with frozen parameters (restored after); no parameter ``.grad``
     is touched; works under ``torch.no_grad()`` and ``torch.inference_mode()``.
     """
+    settings = _pgd_settings("pgd_attack", pgd, deprecated, _PGD_FIELDS[:-1])  # eot_samples: defences only
     x, y = _check_xy(jm, x, y)
     with sampling_mode(jm):
-        return _pgd(jm, x, y, eps, norm, steps, step_size, random_start, generator, eps_space, loss)
+        return _pgd(jm, x, y, eps, settings, generator)
 
 
 # ---------------------------------------------------------------------- defence
@@ -294,19 +353,14 @@ def robust_accuracy(
     x: Tensor,
     y: Tensor,
     eps_list: Sequence[float],
-    norm: str = "linf",
+    pgd: PGD | None = None,
     defense: SGLDDefense | Callable[[Tensor], Tensor] | None = None,
     *,
     attack: str = "transfer",
-    loss: str = "ce",
-    steps: int = 10,
-    step_size: float | None = None,
-    eot_samples: int = 1,
-    random_start: bool = True,
     generator: torch.Generator | None = None,
-    eps_space: str = "unit",
     batch_size: int = 256,
     progress: bool = True,
+    **deprecated: Any,
 ) -> dict[str, Any]:
     """Accuracy under PGD for every ``eps`` in ``eps_list``.
 
@@ -319,11 +373,16 @@ def robust_accuracy(
     - ``"worst"``: an input counts as robust only if it survives both (per-example worst case,
       the honest number: a refinement can saturate the BPDA gradient, and then transfer wins).
 
-    ``loss`` is the PGD objective (``"ce"`` or ``"margin"``, see :func:`pgd_attack`).
-    ``eps = 0`` is not attacked, so its entry is clean accuracy.
+    ``pgd`` is how PGD runs (:class:`PGD`: norm, steps, objective ``"ce"`` or ``"margin"``, EOT
+    samples for BPDA, ...). ``eps = 0`` is not attacked, so its entry is clean accuracy. The old
+    keywords ``norm=``, ``loss=``, ``steps=``, ``step_size=``, ``eot_samples=``,
+    ``random_start=``, ``eps_space=`` (and the norm as the fifth positional argument) still work
+    for one release, with a ``DeprecationWarning``: write ``PGD(...)``.
 
     Returns ``{"eps": [...], "accuracy": [...], "norm", "attack", "steps", "n"}``.
     """
+    settings = _pgd_settings("robust_accuracy", pgd, deprecated, _PGD_FIELDS)
+    norm, loss, eot_samples = settings.norm, settings.loss, settings.eot_samples
     x, y = _check_xy(jm, x, y)
     eps_values = [float(e) for e in eps_list]
     if not eps_values:
@@ -332,8 +391,6 @@ def robust_accuracy(
         raise ValueError(f"attack must be 'transfer', 'bpda' or 'worst', got {attack!r}")
     if attack in ("bpda", "worst") and not isinstance(defense, SGLDDefense):
         raise ValueError(f"attack={attack!r} needs defense=SGLDDefense(...) (BPDA uses the defence's chains)")
-    if loss not in LOSSES:
-        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
     predict = defense if defense is not None else jm
     bpda_label = f"bpda-eot{eot_samples}"
     label = (
@@ -369,27 +426,11 @@ def robust_accuracy(
             for xb, yb in batches:
                 ok = torch.ones_like(yb, dtype=torch.bool)
                 for grad_fn in plans if eps > 0 else [None]:
-                    xa = (
-                        xb
-                        if eps == 0
-                        else _pgd(
-                            jm,
-                            xb,
-                            yb,
-                            eps,
-                            norm,
-                            steps,
-                            step_size,
-                            random_start,
-                            generator,
-                            eps_space,
-                            loss,
-                            grad_fn=grad_fn,
-                        )
-                    )
+                    xa = xb if eps == 0 else _pgd(jm, xb, yb, eps, settings, generator, grad_fn=grad_fn)
                     with torch.no_grad():
                         ok &= predict(xa).argmax(1) == yb
                 correct += int(ok.sum())
                 bar.update(1)
             accs.append(correct / x.shape[0])
-    return {"eps": eps_values, "accuracy": accs, "norm": norm, "attack": label, "steps": steps, "n": int(x.shape[0])}
+    n = int(x.shape[0])
+    return {"eps": eps_values, "accuracy": accs, "norm": norm, "attack": label, "steps": settings.steps, "n": n}

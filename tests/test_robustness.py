@@ -9,6 +9,7 @@ from torch import nn
 import jem_plugin as jem
 from jem_plugin import robustness as rob
 from jem_plugin.errors import InvalidInputError, InvalidLabelError
+from jem_plugin.robustness import PGD
 
 
 def _separable(n: int, seed: int):
@@ -50,7 +51,7 @@ def test_eps_zero_is_clean_accuracy(trained, test_data):
     clean = _acc(jm, x, y)
     assert clean > 0.95
     for norm in ("linf", "l2"):
-        r = rob.robust_accuracy(jm, x, y, [0.0, 0.05], norm=norm, progress=False)
+        r = rob.robust_accuracy(jm, x, y, [0.0, 0.05], PGD(norm=norm), progress=False)
         assert r["accuracy"][0] == clean
         assert r["eps"] == [0.0, 0.05] and r["norm"] == norm and r["n"] == 200
     torch.testing.assert_close(rob.pgd_attack(jm, x, y, 0.0), x)
@@ -60,10 +61,10 @@ def test_eps_zero_is_clean_accuracy(trained, test_data):
 def test_pgd_breaks_the_classifier(trained, test_data, norm, eps):
     model, jm = trained
     x, y = test_data
-    x_adv = rob.pgd_attack(jm, x, y, eps, norm=norm, steps=20, generator=torch.Generator().manual_seed(0))
+    x_adv = rob.pgd_attack(jm, x, y, eps, PGD(norm=norm, steps=20), generator=torch.Generator().manual_seed(0))
     assert _acc(jm, x_adv, y) < 0.1 < 0.95 < _acc(jm, x, y)
     # a smaller budget hurts less: accuracy decreases with eps
-    r = rob.robust_accuracy(jm, x, y, [0.0, eps / 4, eps / 2, eps], norm=norm, steps=20, progress=False)
+    r = rob.robust_accuracy(jm, x, y, [0.0, eps / 4, eps / 2, eps], PGD(norm=norm, steps=20), progress=False)
     assert r["accuracy"] == sorted(r["accuracy"], reverse=True)
     assert all(p.grad is None for p in model.parameters())
     assert all(p.requires_grad for p in model.parameters()) and model.training
@@ -90,7 +91,9 @@ def test_perturbation_respects_eps_and_per_channel_domain(norm):
     x = (pixels - m) / s
     y = torch.randint(0, 3, (16,))
     eps = 8 / 255 if norm == "linf" else 0.5
-    x_adv = rob.pgd_attack(jm, x, y, eps, norm=norm, steps=5, step_size=eps, generator=torch.Generator().manual_seed(1))
+    x_adv = rob.pgd_attack(
+        jm, x, y, eps, PGD(norm=norm, steps=5, step_size=eps), generator=torch.Generator().manual_seed(1)
+    )
     lo, hi = jm.domain.bounds(x)
     assert (x_adv >= lo - 1e-6).all() and (x_adv <= hi + 1e-6).all()
     delta_pixels = (x_adv - x) * s  # unit space = un-normalised pixels here
@@ -104,26 +107,26 @@ def test_perturbation_respects_eps_and_per_channel_domain(norm):
     # inputs outside the domain (Gaussian noise in normalised space): eps still holds, and no
     # coordinate moves further out of the domain than it was
     x_out = 3 * torch.randn(16, 3, 6, 6)
-    x_adv = rob.pgd_attack(jm, x_out, y, eps, norm=norm, steps=5, step_size=eps)
+    x_adv = rob.pgd_attack(jm, x_out, y, eps, PGD(norm=norm, steps=5, step_size=eps))
     delta_pixels = (x_adv - x_out) * s
     bound = delta_pixels.abs().max() if norm == "linf" else delta_pixels.flatten(1).norm(dim=1).max()
     assert float(bound) <= eps + 1e-5
     assert ((x_adv >= torch.minimum(lo, x_out) - 1e-6) & (x_adv <= torch.maximum(hi, x_out) + 1e-6)).all()
     # eps in raw input units instead
-    x_raw = rob.pgd_attack(jm, x, y, 0.1, norm="linf", steps=3, eps_space="input")
+    x_raw = rob.pgd_attack(jm, x, y, 0.1, PGD(norm="linf", steps=3, eps_space="input"))
     assert float((x_raw - x).abs().max()) <= 0.1 + 1e-6
 
 
 def test_pgd_random_start_is_reproducible_and_works_in_inference_mode(trained, test_data):
     _, jm = trained
     x, y = test_data
-    a = rob.pgd_attack(jm, x, y, 0.1, steps=3, generator=torch.Generator().manual_seed(3))
-    b = rob.pgd_attack(jm, x, y, 0.1, steps=3, generator=torch.Generator().manual_seed(3))
-    c = rob.pgd_attack(jm, x, y, 0.1, steps=3, generator=torch.Generator().manual_seed(4))
+    a = rob.pgd_attack(jm, x, y, 0.1, PGD(steps=3), generator=torch.Generator().manual_seed(3))
+    b = rob.pgd_attack(jm, x, y, 0.1, PGD(steps=3), generator=torch.Generator().manual_seed(3))
+    c = rob.pgd_attack(jm, x, y, 0.1, PGD(steps=3), generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert not torch.equal(a, c)
     with torch.inference_mode():
-        d = rob.pgd_attack(jm, x.clone(), y.clone(), 0.1, steps=3, generator=torch.Generator().manual_seed(3))
+        d = rob.pgd_attack(jm, x.clone(), y.clone(), 0.1, PGD(steps=3), generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(d, a)
 
 
@@ -131,7 +134,12 @@ def test_bad_attack_arguments(trained, test_data):
     _, jm = trained
     x, y = test_data
     with pytest.raises(ValueError, match="norm"):
-        rob.pgd_attack(jm, x, y, 0.1, norm="l1")
+        PGD(norm="l1")
+    for bad in (dict(steps=-1), dict(steps=2.5), dict(eot_samples=0), dict(step_size=0.0), dict(eps_space="pixels")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            PGD(**bad)
+    with pytest.raises(TypeError, match="PGD"):
+        rob.pgd_attack(jm, x, y, 0.1, {"norm": "l2"})
     with pytest.raises(ValueError, match="eps"):
         rob.pgd_attack(jm, x, y, -0.1)
     with pytest.raises(InvalidLabelError, match="labels"):
@@ -183,9 +191,9 @@ def test_robust_accuracy_with_defense_transfer_and_bpda(trained, test_data):
         jm, steps=2, step_size=0.001, noise=0.01, n_chains=2, generator=torch.Generator().manual_seed(0)
     )
     eps = [0.0, 0.3]
-    base = rob.robust_accuracy(jm, x, y, eps, steps=10, progress=False)
-    transfer = rob.robust_accuracy(jm, x, y, eps, defense=d, steps=10, progress=False)
-    bpda = rob.robust_accuracy(jm, x, y, eps, defense=d, attack="bpda", steps=10, progress=False)
+    base = rob.robust_accuracy(jm, x, y, eps, PGD(steps=10), progress=False)
+    transfer = rob.robust_accuracy(jm, x, y, eps, PGD(steps=10), defense=d, progress=False)
+    bpda = rob.robust_accuracy(jm, x, y, eps, PGD(steps=10), defense=d, attack="bpda", progress=False)
     assert base["attack"] == "pgd" and transfer["attack"] == "pgd-transfer"
     assert bpda["attack"] == "pgd-bpda-eot1"
     # the tiny, gentle refinement cannot undo a large attack: both evaluations see it break
@@ -200,7 +208,7 @@ def test_worst_case_over_attacks_and_margin_loss(trained, test_data):
     # deterministic defence and attacks, so the three evaluations see the same examples
     d = rob.SGLDDefense(jm, steps=2, step_size=0.001, noise=0.0, n_chains=2)
     eps = [0.0, 0.2, 0.25]
-    kw = dict(defense=d, steps=10, random_start=False, progress=False)
+    kw = dict(pgd=PGD(steps=10, random_start=False), defense=d, progress=False)
     transfer = rob.robust_accuracy(jm, x, y, eps, attack="transfer", **kw)["accuracy"]
     bpda = rob.robust_accuracy(jm, x, y, eps, attack="bpda", **kw)["accuracy"]
     worst = rob.robust_accuracy(jm, x, y, eps, attack="worst", **kw)
@@ -209,7 +217,57 @@ def test_worst_case_over_attacks_and_margin_loss(trained, test_data):
         assert w <= min(t, b)
     assert worst["accuracy"][0] == transfer[0] == bpda[0]
     # the Carlini-Wagner margin objective breaks the plain classifier as well as cross-entropy
-    margin = rob.robust_accuracy(jm, x, y, [0.3], loss="margin", steps=20, progress=False)
+    margin = rob.robust_accuracy(jm, x, y, [0.3], PGD(loss="margin", steps=20), progress=False)
     assert margin["accuracy"][0] < 0.1 and margin["attack"] == "pgd-margin"
     with pytest.raises(ValueError, match="loss"):
-        rob.pgd_attack(jm, x, y, 0.1, loss="hinge")
+        PGD(loss="hinge")
+
+
+# ---------------------------------------------------------------- old spellings
+def test_old_pgd_keywords_warn_and_attack_the_same(trained, test_data):
+    _, jm = trained
+    x, y = test_data
+    x, y = x[:32], y[:32]
+    settings = PGD(norm="l2", steps=3, loss="margin")
+    new = rob.pgd_attack(jm, x, y, 0.1, settings, generator=torch.Generator().manual_seed(5))
+    message = (
+        r"pgd_attack\(norm=\.\.\., steps=\.\.\., loss=\.\.\.\) is deprecated.*PGD\(norm=\.\.\., steps=\.\.\., loss"
+    )
+    with pytest.warns(DeprecationWarning, match=message):
+        old = rob.pgd_attack(
+            jm, x, y, 0.1, norm="l2", steps=3, loss="margin", generator=torch.Generator().manual_seed(5)
+        )
+    torch.testing.assert_close(old, new, atol=0, rtol=0)
+    with pytest.warns(DeprecationWarning, match=message):  # the norm as the fifth positional argument, as before
+        positional = rob.pgd_attack(
+            jm, x, y, 0.1, "l2", steps=3, loss="margin", generator=torch.Generator().manual_seed(5)
+        )
+    torch.testing.assert_close(positional, new, atol=0, rtol=0)
+    with pytest.warns(DeprecationWarning, match="eps_space"):
+        raw = rob.pgd_attack(jm, x, y, 0.1, eps_space="input", random_start=False, step_size=0.05)
+    expected = rob.pgd_attack(jm, x, y, 0.1, PGD(eps_space="input", random_start=False, step_size=0.05))
+    torch.testing.assert_close(raw, expected, atol=0, rtol=0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'stepz'"):
+        rob.pgd_attack(jm, x, y, 0.1, stepz=3)
+    with pytest.raises(TypeError, match="eot_samples"):  # never a pgd_attack keyword
+        rob.pgd_attack(jm, x, y, 0.1, eot_samples=2)
+    with pytest.raises(TypeError, match="PGD"), pytest.warns(DeprecationWarning):
+        rob.pgd_attack(jm, x, y, 0.1, PGD(), steps=3)  # both spellings at once
+
+
+def test_old_robust_accuracy_keywords_warn_and_measure_the_same(trained, test_data):
+    _, jm = trained
+    x, y = test_data
+    x, y = x[:32], y[:32]
+    d = rob.SGLDDefense(jm, steps=1, step_size=0.001, noise=0.0, n_chains=2)
+    settings = PGD(norm="l2", steps=3, random_start=False, loss="margin", eot_samples=2)
+    new = rob.robust_accuracy(jm, x, y, [0.0, 0.5], settings, defense=d, attack="worst", progress=False)
+    message = r"robust_accuracy\(norm=\.\.\., steps=.*eot_samples=\.\.\.\) is deprecated.*write robust_accuracy\(\.\.\., PGD\(norm="
+    with pytest.warns(DeprecationWarning, match=message):
+        old = rob.robust_accuracy(
+            jm, x, y, [0.0, 0.5], "l2", d, attack="worst", steps=3, random_start=False, loss="margin",
+            eot_samples=2, progress=False,
+        )  # fmt: skip
+    assert old == new and new["attack"] == "pgd-worst(transfer,bpda-eot2)-margin"
+    with pytest.raises(TypeError, match="multiple values for argument 'norm'"):
+        rob.robust_accuracy(jm, x, y, [0.1], "l2", norm="linf", progress=False)
