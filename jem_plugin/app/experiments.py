@@ -20,6 +20,7 @@ From the command line: ``python -m jem_plugin.app.experiments OUT_DIR [--fast | 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -36,7 +37,7 @@ from .._checks import model_device
 from ..buffer import ReplayBuffer
 from ..losses import JEMLoss
 from ..model import JEM, wrap
-from ..recipes import get_recipe
+from ..recipes import SamplerConfig, get_recipe
 from ..sample_quality import sample_quality, train_judge
 from ..sampling import SGLD
 from ..training import History, fit
@@ -355,21 +356,16 @@ def dataset_sample_quality(
     train_ds,
     heldout_ds,
     *,
-    sgld_steps: int = 20,
-    step_size: float = 1.0,
-    noise: float = 0.01,
-    grad_clip: float | None = None,
+    sampler: SamplerConfig | None = None,
     seed: int = 0,
     max_train: int = 5000,
     max_heldout: int = 2000,
-    batchnorm: str = "eval",
-    colours: str = "all",
 ) -> dict[str, Any]:
     """:func:`sample_quality_figures` for ``jem train``'s end: a judge trained on (at most
     ``max_train`` of) ``train_ds``, the buffer against (at most ``max_heldout`` of) ``heldout_ds``,
-    and class-conditional samples (``sgld_steps`` of conditional SGLD from per-class init draws,
-    about 100 in all; ``batchnorm`` and ``colours`` as in :class:`~jem_plugin.SGLD`: the recipe's chains). Returns
-    ``{"skipped": reason}`` when the held-out split is too small."""
+    and class-conditional samples (at least 20 steps of the recipe's ``sampler``, conditional, from
+    per-class init draws, about 100 in all). Returns ``{"skipped": reason}`` when the held-out
+    split is too small."""
 
     if heldout_ds is None or len(heldout_ds) < 20:
         return {
@@ -381,19 +377,12 @@ def dataset_sample_quality(
     judge, xh, k = _judge_for(train_ds, heldout_ds, jm.num_classes, g, seed, max_train, max_heldout, dev)
     y_cond = torch.arange(k, device=buffer.device).repeat_interleave(max(1, 100 // k))
     x0 = buffer.init_dist.sample(len(y_cond), tuple(buffer.sample_shape), jm.domain, g, buffer.device, y=y_cond)
-    sampler = SGLD(
-        steps=sgld_steps,
-        step_size=step_size,
-        noise=noise,
-        grad_clip=grad_clip,
-        generator=g,
-        batchnorm=batchnorm,
-        colours=colours,
-    )
-    if colours == "data":
-        sampler.use_colours_of(buffer)
+    config = sampler or SamplerConfig()
+    chains = dataclasses.replace(config, steps=max(20, config.steps)).build(g)
+    if config.colours == "data":
+        chains.use_colours_of(buffer)
     jm.eval()
-    x_cond = sampler.sample(jm, x_init=x0, y=y_cond)
+    x_cond = chains.sample(jm, x_init=x0, y=y_cond)
     return sample_quality_figures(judge, buffer, xh, jm.domain, x_cond=x_cond, y_cond=y_cond, seed=seed)
 
 
