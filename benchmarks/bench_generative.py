@@ -367,7 +367,7 @@ def evaluate_run(
         steps=cond_steps or (2 if quick else COND_STEPS),
         step_size=ref.step_size,
         noise=ref.noise,
-        grad_clip=ref.grad_clip,
+        grad_clamp=ref.grad_clip,
         batchnorm=ref.sgld_batchnorm,
         colours=ref.sgld_colours,
         generator=torch.Generator().manual_seed(4),

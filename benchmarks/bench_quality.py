@@ -194,7 +194,7 @@ def _heldout_job(
     loss_fn = None
     kw = dict(kw or {})
     if name != "baseline":
-        sampler = SGLD(steps=kw["sgld_steps"], step_size=1.0, noise=0.01, grad_clip=kw.get("proximal"))
+        sampler = SGLD(steps=kw["sgld_steps"], step_size=1.0, noise=0.01, grad_clamp=kw.get("proximal"))
         init = kw.get("init", "uniform")
         buffer = ReplayBuffer(
             10000, (1, 8, 8), reinit_freq=0.05, init=init, num_classes=5 if init == "gaussian" else None

@@ -13,7 +13,8 @@ What a graph bakes in, and how this module keeps it correct:
   next run; if a parameter tensor is *replaced* (``model.half()``, a
   ``load_state_dict(assign=True)``), its address changes and the step is captured again.
 - Everything host-side. Graphs are kept per model and per (shape, memory layout, dtype,
-  conditioning, autocast state, TF32 flags, noise, gradient clip, clamp bounds, generator);
+  conditioning, autocast state, TF32 flags, noise, gradient clamp, BatchNorm mode, clamp bounds,
+  generator);
   the step size may change from step to step (a 0-d device tensor refilled between replays).
 - Random numbers. The user's CUDA generator is registered with the graph, so each replay draws
   the next Philox numbers of that generator exactly as the eager loop would: seeded runs
@@ -47,6 +48,7 @@ from tqdm.auto import tqdm
 from . import hookspecs, plugins
 from ._checks import autocast_cache_off, check_label_range, same_device
 from .errors import CUDAGraphError
+from .model import BATCHNORM_MODES as _MODEL_MODES
 from .model import JEM, _CallableModule, sampling_mode
 
 # Every CUDA call of this module goes through this name: the CPU tests replace it with a stand-in
@@ -54,7 +56,7 @@ from .model import JEM, _CallableModule, sampling_mode
 _cuda: Any = torch.cuda
 _DEVICE_TYPE = "cuda"  # the device type whose chains are captured (the CPU tests set "cpu")
 
-__all__ = ["MODES", "check_mode", "clear", "run"]
+__all__ = ["MODES", "check_mode", "clear", "model_batchnorm", "run"]
 
 MODES = ("auto", "off", "require")
 MAX_GRAPHS = 4  # per model; the least recently used graph is dropped
@@ -71,16 +73,25 @@ class ChainSettings(Protocol):
     cuda_graph: str
     steps: int
     noise: float
-    grad_clip: float | None
+    grad_clamp: float | None
     clamp: bool
-    batchnorm: str
+    batchnorm: str  # "joint" or "separate"
     generator: torch.Generator | None
-    record_trajectory: bool
-    record_energies: bool
-    progress: bool
     colour_projection: Tensor | None
 
-    def step_sizes(self) -> list[float]: ...
+    def step_sizes(self) -> list[float]:
+        """The step size of every step (the sampler's schedule, evaluated for its steps)."""
+        ...
+
+
+# SGLD(batchnorm=...) -> the mode of model.sampling_mode that runs its chains: "joint" samples meet
+# BatchNorm's running statistics, "separate" samples the statistics of their own batch.
+_SAMPLING_MODE = {"joint": "eval", "separate": "batch"}
+
+
+def model_batchnorm(batchnorm: str) -> str:
+    """The :func:`~jem_plugin.model.sampling_mode` BatchNorm mode for ``SGLD(batchnorm=...)``."""
+    return batchnorm if batchnorm in _MODEL_MODES else _SAMPLING_MODE[batchnorm]
 
 
 def check_mode(mode: Any) -> str:
@@ -130,11 +141,11 @@ def _layout(x: Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def _blocker(sampler: ChainSettings, jm: JEM, x: Tensor) -> str | None:
+def _blocker(sampler: ChainSettings, jm: JEM, x: Tensor, record: bool) -> str | None:
     """Why the chain cannot run as a graph, or ``None``."""
     if x.device.type != _DEVICE_TYPE or not _cuda.is_available():
         return f"the chain is on {x.device}, not on a CUDA device"
-    if sampler.record_trajectory or sampler.record_energies:
+    if record:
         return "trajectory/energy recording reads the chain after every step"
     if plugins.has_implementations(hookspecs.STEP_HOOK):
         return f"a {hookspecs.STEP_HOOK} plugin hook runs Python after every step"
@@ -147,10 +158,19 @@ def _blocker(sampler: ChainSettings, jm: JEM, x: Tensor) -> str | None:
     return None
 
 
-def run(sampler: ChainSettings, jm: JEM, x: Tensor, y: Tensor | None) -> tuple[Tensor, Tensor] | None:
+def run(
+    sampler: ChainSettings,
+    jm: JEM,
+    x: Tensor,
+    y: Tensor | None,
+    *,
+    record: bool = False,
+    progress: bool = False,
+) -> tuple[Tensor, Tensor] | None:
     """The chain run as a CUDA graph, ``(chain, log-density of each chain at its last step)``, or
     ``None`` when the eager loop must run it. ``y``, when given, is already checked (``[B]`` long
-    labels on the chain's device).
+    labels on the chain's device). ``record``: the call records the trajectory or the energies
+    (the eager loop must run it); ``progress``: a progress bar over the replays.
 
     ``"require"`` raises :class:`CUDAGraphError` instead of returning ``None``; ``"auto"`` warns
     once per reason, and only for chains on a CUDA device (on the CPU eager is the only path).
@@ -158,13 +178,13 @@ def run(sampler: ChainSettings, jm: JEM, x: Tensor, y: Tensor | None) -> tuple[T
     mode = sampler.cuda_graph
     if mode == "off" or not sampler.steps:
         return None
-    reason = _blocker(sampler, jm, x)
+    reason = _blocker(sampler, jm, x, record)
     gen = sampler.generator
     if reason is None and gen is not None and not same_device(gen.device, x.device):
         return None  # the eager loop raises its clear device-mismatch error
     if reason is None:
         try:
-            return _run(sampler, jm, x, y)
+            return _run(sampler, jm, x, y, progress)
         except _CaptureFailed as exc:
             reason = str(exc)
         except _Eager:
@@ -195,7 +215,7 @@ def _key(sampler: ChainSettings, jm: JEM, x: Tensor, dtype: torch.dtype, cond: b
         torch.backends.cudnn.allow_tf32,
         torch.backends.cudnn.deterministic,
         sampler.noise,
-        sampler.grad_clip,
+        sampler.grad_clamp,
         # batch or running BatchNorm statistics
         sampler.batchnorm,
         (tuple(domain.low), tuple(domain.high)) if sampler.clamp else None,
@@ -204,7 +224,7 @@ def _key(sampler: ChainSettings, jm: JEM, x: Tensor, dtype: torch.dtype, cond: b
     )
 
 
-def _run(sampler: ChainSettings, jm: JEM, x: Tensor, y: Tensor | None) -> tuple[Tensor, Tensor]:
+def _run(sampler: ChainSettings, jm: JEM, x: Tensor, y: Tensor | None, progress: bool) -> tuple[Tensor, Tensor]:
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     sizes = sampler.step_sizes()
     model = jm.model
@@ -237,7 +257,7 @@ def _run(sampler: ChainSettings, jm: JEM, x: Tensor, y: Tensor | None) -> tuple[
         check_label_range(y, entry.num_classes, what="y (one class per chain)")
 
     steps = range(len(sizes))
-    if sampler.progress:
+    if progress:
         steps = tqdm(steps, desc="SGLD (CUDA graph)", leave=False)
     with torch.inference_mode(False), torch.no_grad(), _cuda.device(x.device):
         entry.x.detach().copy_(x)
@@ -261,7 +281,7 @@ def make_step(
     makes it but with the step size read from the 0-d tensor ``a``; returns ``(logits, score)``."""
     model, read_logits = jm.model, jm.adapter.logits
     xd = xs.detach()
-    dtype, gen, noise, clip = xs.dtype, sampler.generator, sampler.noise, sampler.grad_clip
+    dtype, gen, noise, clip = xs.dtype, sampler.generator, sampler.noise, sampler.grad_clamp
     clamps = jm.domain.clamp_plan(xd) if sampler.clamp else ()
     # Unknown number of classes: the labels are checked at the first forward, as the eager loop
     # does, before a gather reads them (out of range on CUDA: a device-side assert, fatal to the
@@ -318,7 +338,11 @@ def _capture(
         step = make_step(jm, xs, a, ys, noise_buf, sampler)
         try:
             # Autocast's cast cache off: it would hand later steps (and the capture) stale casts.
-            with sampling_mode(model, sampler.batchnorm), torch.enable_grad(), autocast_cache_off(dev.type):
+            with (
+                sampling_mode(model, model_batchnorm(sampler.batchnorm)),
+                torch.enable_grad(),
+                autocast_cache_off(dev.type),
+            ):
                 if dev not in _pools:
                     _pools[dev] = (_cuda.graph_pool_handle(), _cuda.Stream(dev))
                 pool, side = _pools[dev]

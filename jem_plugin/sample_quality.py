@@ -286,7 +286,7 @@ def chain_trace(
     (measured in issue 16 on a ResNet at 32x32, where 100 more steps took the buffer's energy below
     the data's and its distance from 2073 to 2114).
 
-    ``batch_size``: chains per batch, as in training (it matters for ``batchnorm="batch"``);
+    ``batch_size``: chains per batch, as in training (it matters for ``batchnorm="separate"``);
     ``None`` runs all at once. The chains are unconditional: ``E(x) = -logsumexp(logits)``.
 
     Returns ``{"heldout_energy": mean E of heldout, "trace": [{"rounds", "steps", "energy", "fd"}, ...]}``
@@ -300,7 +300,6 @@ def chain_trace(
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
     tracer = copy.copy(sampler)  # the caller's sampler keeps its settings
-    tracer.record_energies, tracer.record_trajectory, tracer.progress = True, False, False
     tracer.cuda_graph = "off"  # recording energies runs eagerly anyway; say nothing about it
 
     def advance(x: Tensor, steps: int) -> tuple[Tensor, Tensor]:
@@ -308,7 +307,14 @@ def chain_trace(
         size = batch_size or x.shape[0]
         outs, energies = [], []
         for i in range(0, x.shape[0], size):
-            xc, diag = tracer.sample(jm, x_init=x[i : i + size], return_diagnostics=True)
+            xc, diag = tracer.sample(
+                jm,
+                x_init=x[i : i + size],
+                return_diagnostics=True,
+                record_energies=True,
+                record_trajectory=False,
+                progress=False,
+            )
             outs.append(xc.detach())
             energies.append(diag.energies[-1].detach().float())
         return torch.cat(outs), torch.cat(energies)

@@ -5,9 +5,10 @@ One step ascends the unnormalised log density and adds Gaussian noise::
     x <- x + a_t * d/dx logsumexp_y f(x)[y] + s * N(0, I)      # p(x)
     x <- x + a_t * d/dx f(x)[y]             + s * N(0, I)      # p(x|y), class-conditional
 
-with the step size ``a_t`` and the noise ``s`` decoupled, as in JEM. Options: decaying step size,
-proximal (gradient-clipped) updates from JEM++, clamping to the model's input domain, a plugin hook
-after each step, trajectories and energies for inspection.
+with the step size ``a_t`` and the noise ``s`` decoupled, as in JEM. Options: a decaying step size
+(:mod:`jem_plugin.schedules`), proximal (gradient-clamped) updates from JEM++, clamping to the
+model's input domain, a plugin hook after each step, and per call, trajectories and energies for
+inspection.
 
 The hot loop is written to cost no more than a hand-written loop (one forward, one input-gradient
 backward, one in-place update per step): parameters are frozen for the chain (no parameter graph),
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -40,24 +42,31 @@ from ._checks import (
 )
 from ._colours import project_colours
 from .errors import DivergenceError, InvalidInputError, JEMError
-from .model import BATCHNORM_MODES, as_jem, input_grad_enabled, sampling_mode
+from .model import as_jem, input_grad_enabled, sampling_mode
+from .schedules import Constant, Poly, Schedule, as_schedule, schedule_from_dict, schedule_to_dict
 
 if TYPE_CHECKING:  # pragma: no cover
     from .buffer import ReplayBuffer
     from .model import JEM
 
-__all__ = ["SGLD", "SGLDStepState", "SGLDDiagnostics"]
+__all__ = ["SGLD", "SGLDStepState", "SGLDDiagnostics", "Constant", "Poly"]
 
 COLOURS = ("all", "data")  # SGLD(colours=...): steps move every channel, or the data's colour axes only
+# SGLD(batchnorm=...): "joint": the samples share BatchNorm with the data in the loss (the chains
+# normalised with the running statistics); "separate": the samples normalised by their own batch
+# statistics, in the chains and in the loss's second pass.
+BATCHNORM_MODES = ("joint", "separate")
+_OLD_BATCHNORM = {"eval": "joint", "batch": "separate"}  # the spellings before BATCHNORM_MODES
+RECORDING = ("record_trajectory", "record_energies", "progress")  # per-call choices of run/sample
 
 STEP_HOOK = hookspecs.STEP_HOOK
 SGLD_REMEDIES: tuple[str, ...] = (
     "a smaller step size or fewer steps, SGLD(step_size=..., steps=...)",
-    "proximal SGLD, SGLD(grad_clip=...)",
+    "proximal SGLD, SGLD(grad_clamp=...)",
     "the energy L2 regulariser, JEMLoss(l2_weight=...)",
     "restart training from the last good checkpoint",
 )
-SCHEDULES = ("constant", "poly")
+SCHEDULES = ("constant", "poly")  # the deprecated SGLD(schedule=...) values
 
 
 @dataclass
@@ -86,9 +95,9 @@ class SGLDDiagnostics:
 
     steps: Langevin steps run. final_step_size: the step size of the last step (``None`` for
     0 steps). trajectory: the chain before the first and after every step (``steps + 1``
-    tensors) when the sampler was built with ``record_trajectory=True``, else ``None``.
+    tensors) when the call asked for ``record_trajectory=True``, else ``None``.
     energies: ``E(x)`` (``E(x, y)`` for class-conditional chains) along the chain,
-    ``[steps + 1, B]``, when built with ``record_energies=True``, else ``None``.
+    ``[steps + 1, B]``, when the call asked for ``record_energies=True``, else ``None``.
     """
 
     steps: int
@@ -111,53 +120,138 @@ def _positive_float(name: str, v: Any, allow_zero: bool = False) -> float:
     return f
 
 
+def _step_size(step_size: Any) -> Any:
+    """``step_size`` checked: a number becomes a float; a schedule or callable is kept; plain data
+    as :meth:`SGLD.state_dict` stores a schedule becomes that schedule."""
+    if isinstance(step_size, Mapping):
+        return schedule_from_dict(step_size)
+    if callable(step_size):
+        return step_size
+    return _positive_float("step_size", step_size)
+
+
+def _spelled(step_size: Any) -> str:
+    if callable(step_size) and not isinstance(step_size, (Constant, Poly)):
+        return getattr(step_size, "__qualname__", "<callable>")
+    return repr(step_size)
+
+
+def _translate(
+    old: dict[str, Any], step_size: Any, grad_clamp: Any, batchnorm: Any
+) -> tuple[Any, Any, Any, dict[str, bool], list[str]]:
+    """What the deprecated spellings in ``old`` (and an old ``batchnorm`` value) stand for:
+    ``(step_size, grad_clamp, batchnorm, recording defaults, one message per old spelling)``."""
+    unknown = sorted(set(old) - {"grad_clip", "schedule", "decay_power", "final_step_size", *RECORDING})
+    if unknown:
+        raise TypeError(f"SGLD() got an unexpected keyword argument {unknown[0]!r}")
+    step_size = _step_size(step_size)
+    messages: list[str] = []
+    schedule_words = {k: old[k] for k in old if k in ("schedule", "decay_power", "final_step_size")}
+    if schedule_words:
+        schedule = schedule_words.get("schedule", "constant")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES} (or pass a callable step_size), got {schedule!r}")
+        power = _positive_float("decay_power", schedule_words.get("decay_power", 0.55))
+        end = schedule_words.get("final_step_size")
+        if end is not None and (schedule != "poly" or callable(step_size)):
+            raise ValueError("final_step_size only applies to schedule='poly' with a numeric step_size")
+        if schedule == "poly" and not callable(step_size):
+            step_size = Poly(step_size, power=power, end=end)
+        words = ", ".join(f"{k}={v!r}" for k, v in schedule_words.items())
+        messages.append(f"SGLD({words}) is deprecated; write SGLD(step_size={_spelled(step_size)})")
+    if "grad_clip" in old:
+        if grad_clamp is not None:
+            raise TypeError("pass grad_clamp only: grad_clip is its deprecated name")
+        grad_clamp = old["grad_clip"]
+        messages.append(f"SGLD(grad_clip={grad_clamp!r}) is deprecated; write SGLD(grad_clamp={grad_clamp!r})")
+    if batchnorm in _OLD_BATCHNORM:
+        new = _OLD_BATCHNORM[batchnorm]
+        messages.append(f"SGLD(batchnorm={batchnorm!r}) is deprecated; write SGLD(batchnorm={new!r})")
+        batchnorm = new
+    recording = {k: bool(old[k]) for k in RECORDING if k in old}
+    for k, v in recording.items():
+        also = ", return_diagnostics=True" if k != "progress" else ""
+        messages.append(
+            f"SGLD({k}={v!r}) is deprecated: it is chosen per call; write sampler.sample(..., {k}={v!r}{also}) "
+            f"or sampler.run(..., {k}={v!r}{also})"
+        )
+    return step_size, grad_clamp, batchnorm, recording, messages
+
+
+class _CallDefault:
+    """A deprecated SGLD attribute for what each ``run``/``sample`` call now chooses: it reads and
+    writes the sampler's default for its calls."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def _warn(self) -> None:
+        warnings.warn(
+            f"SGLD.{self.name} is deprecated: it is chosen per call; write sampler.sample(..., {self.name}=...)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        self._warn()
+        return obj._recording.get(self.name, False)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        self._warn()
+        obj._recording = {**obj._recording, self.name: bool(value)}  # a copy's defaults stay its own
+
+
 class SGLD:
     """SGLD sampler for a :class:`~jem_plugin.model.JEM` (paper defaults: 20 steps, step 1, noise 0.01).
 
     Parameters
     ----------
     steps: Langevin steps per chain (``0`` returns the start unchanged).
-    step_size: ``a`` in the update; or a callable ``t -> a_t`` for ``t = 0 .. steps-1`` (overrides
-        ``schedule``).
+    step_size: ``a`` in the update, constant; or a schedule: :class:`~jem_plugin.schedules.Poly`
+        (the polynomial decay of Welling & Teh, 2011, e.g. ``Poly(1.0, power=0.55, end=0.01)``),
+        :class:`~jem_plugin.schedules.Constant`, or any callable ``(t, steps) -> a_t`` or
+        ``t -> a_t`` for ``t = 0 .. steps-1``.
     noise: standard deviation ``s`` of the Gaussian noise added each step.
-    schedule: ``"constant"`` (``a_t = a``), or ``"poly"``: the polynomial decay of Welling & Teh
-        (2011), ``a_t = a * (1 + t / b) ** -decay_power``. ``b = 1`` unless ``final_step_size``
-        is given, in which case ``b`` is chosen so the last step uses exactly ``final_step_size``
-        (``a_0 = a`` always).
-    decay_power: ``gamma`` of the poly schedule (Welling & Teh recommend ``(0.5, 1]``).
-    final_step_size: last step size of the poly schedule (``0 < final_step_size <= step_size``).
     clamp: clamp the chain to the model's input domain (per channel for normalised inputs) after
         every step.
-    grad_clip: proximal SGLD (JEM++): clamp the gradient elementwise to ``[-grad_clip, grad_clip]``
-        before the step, ``x <- x + a_t * clamp(grad, -c, c) + noise``, as JEM++'s code does
+    grad_clamp: proximal SGLD (JEM++): clamp the gradient elementwise to ``[-c, c]`` before the
+        step, ``x <- x + a_t * clamp(grad, -c, c) + noise``, as JEM++'s code does
         (``t.clamp(eta, -eps, eps) * sgld_lr``; with its default ``sgld_lr = 1`` this is also a
-        bound on the update).
-    record_trajectory: record the chain after every step (``steps + 1`` tensors), returned in the
-        :class:`SGLDDiagnostics` of ``run``/``sample(..., return_diagnostics=True)``.
-    record_energies: record ``E(x)`` (or ``E(x, y)``) along the chain, ``[steps + 1, B]``, in the
-        same diagnostics (costs one extra forward for the final state).
-    progress: show a tqdm progress bar over the steps.
-    generator: ``torch.Generator`` for the noise, the start and the buffer draws: the same seed
-        gives bitwise identical samples.
-    max_energy: also raise :class:`DivergenceError` when ``|E|`` of the final chain exceeds this
-        (exploding but still finite energies); ``None`` checks finiteness only.
-    cuda_graph: ``"off"`` (default) always runs eagerly. ``"auto"`` runs chains on a CUDA device
-        as one captured CUDA graph per step, replayed ``steps`` times (eager where capture is
-        impossible, with a one-time warning saying why); ``"require"`` raises
-        :class:`~jem_plugin.errors.CUDAGraphError` with the reason instead of falling back. Opt-in
-        until the CUDA tests and the GPU benchmark have passed on a real GPU (``jem doctor
-        --device cuda`` checks it on yours).
-    batchnorm: how BatchNorm layers in train mode normalise the chains. ``"eval"``: with their
-        running statistics (each chain independent of the others). ``"batch"``: with the
-        statistics of the batch of chains itself, running statistics untouched; this is how
-        JEM++ samples, and the energy that ``JEMLoss(batchnorm="separate")`` trains on samples.
+        bound on the update). Not the gradient-norm clip of the optimiser (``fit(grad_clip=...)``).
+    batchnorm: how the samples meet BatchNorm layers that are in train mode (one of
+        :data:`BATCHNORM_MODES`). ``"joint"``: the samples share BatchNorm with the data in the
+        loss's pass, and the chains normalise with the running statistics (each chain independent
+        of the others). ``"separate"``: the samples are normalised by their own batch statistics,
+        in the chains (running statistics untouched) and in the loss's second pass; this is how
+        JEM++ samples.
     colours: ``"all"``: steps move every channel freely. ``"data"``: each step (gradient and
         noise) is projected, pixel by pixel, onto the colour axes the data vary along, read from
         the buffer at each ``sample(..., buffer=)`` (:attr:`ReplayBuffer.colour_projection
         <jem_plugin.buffer.ReplayBuffer.colour_projection>`, set when its init is fitted) and kept
         in :attr:`colour_projection` for chains run without one. Grey data in an RGB model then
         give grey chains: per-channel steps add colour speckle the energy learns to spot, and the
-        chains can stall on it (issue 16, e68). Colour data use all axes: no change.
+        chains can stall on it. Colour data use all axes: no change.
+    max_energy: also raise :class:`DivergenceError` when ``|E|`` of the final chain exceeds this
+        (exploding but still finite energies); ``None`` checks finiteness only.
+    generator: ``torch.Generator`` for the noise, the start and the buffer draws: the same seed
+        gives bitwise identical samples.
+    cuda_graph: ``"off"`` (default) always runs eagerly. ``"auto"`` runs chains on a CUDA device
+        as one captured CUDA graph per step, replayed ``steps`` times (eager where capture is
+        impossible, with a one-time warning saying why); ``"require"`` raises
+        :class:`~jem_plugin.errors.CUDAGraphError` with the reason instead of falling back. Opt-in
+        until the CUDA tests and the GPU benchmark have passed on a real GPU (``jem doctor
+        --device cuda`` checks it on yours).
+
+    Recording the trajectory or the energies and a progress bar are chosen per call:
+    ``run``/``sample(..., record_trajectory=, record_energies=, progress=)``.
+
+    Deprecated spellings, accepted for one release with a :class:`DeprecationWarning` that names
+    the new one: ``schedule=``, ``decay_power=``, ``final_step_size=`` (write
+    ``step_size=Poly(...)``), ``grad_clip=`` (``grad_clamp=``), ``batchnorm="eval"``/``"batch"``
+    (``"joint"``/``"separate"``), and ``record_trajectory=``, ``record_energies=``, ``progress=``
+    (per call; given here they become this sampler's default for its calls).
 
     Attributes
     ----------
@@ -170,27 +264,25 @@ class SGLD:
     def __init__(
         self,
         steps: int = 20,
-        step_size: float | Callable[[int], float] = 1.0,
+        step_size: float | Schedule | Callable[[int], float] = 1.0,
         noise: float = 0.01,
         *,
-        schedule: str = "constant",
-        decay_power: float = 0.55,
-        final_step_size: float | None = None,
         clamp: bool = True,
-        grad_clip: float | None = None,
-        record_trajectory: bool = False,
-        record_energies: bool = False,
-        progress: bool = False,
-        generator: torch.Generator | None = None,
+        grad_clamp: float | None = None,
+        batchnorm: Literal["joint", "separate"] = "joint",
+        colours: Literal["all", "data"] = "all",
         max_energy: float | None = None,
+        generator: torch.Generator | None = None,
         cuda_graph: str = "off",
-        batchnorm: str = "eval",
-        colours: str = "all",
+        **deprecated: Any,
     ) -> None:
+        step_size, grad_clamp, bn, recording, messages = _translate(deprecated, step_size, grad_clamp, batchnorm)
+        for message in messages:
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
         self.cuda_graph = _cuda_graph.check_mode(cuda_graph)
-        if batchnorm not in BATCHNORM_MODES:
-            raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
-        self.batchnorm = batchnorm
+        if bn not in BATCHNORM_MODES:
+            raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {bn!r}")
+        self.batchnorm: str = bn
         if colours not in COLOURS:
             raise ValueError(f"colours must be one of {COLOURS}, got {colours!r}")
         self.colours = colours
@@ -198,63 +290,57 @@ class SGLD:
         self._colours_of: Tensor | None = None  # the buffer projection colour_projection was read from
         if not _is_int(steps) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
-        if not callable(step_size):
-            step_size = _positive_float("step_size", step_size)
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES} (or pass a callable step_size), got {schedule!r}")
-        decay_power = _positive_float("decay_power", decay_power)
-        if final_step_size is not None:
-            if schedule != "poly" or callable(step_size):
-                raise ValueError("final_step_size only applies to schedule='poly' with a numeric step_size")
-            final_step_size = _positive_float("final_step_size", final_step_size)
-            if final_step_size > step_size:
-                raise ValueError(
-                    f"final_step_size ({final_step_size}) must not exceed step_size ({step_size}): the poly "
-                    "schedule decays"
-                )
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         self.steps = steps
-        self.step_size = step_size
+        self.step_size: float | Schedule | Callable[[int], float] = step_size
         self.noise = _positive_float("noise", noise, allow_zero=True)
-        self.schedule = schedule
-        self.decay_power = decay_power
-        self.final_step_size = final_step_size
         self.clamp = bool(clamp)
-        self.grad_clip = None if grad_clip is None else _positive_float("grad_clip", grad_clip)
+        self.grad_clamp = None if grad_clamp is None else _positive_float("grad_clamp", grad_clamp)
         self.max_energy = None if max_energy is None else _positive_float("max_energy", max_energy)
-        self.record_trajectory = bool(record_trajectory)
-        self.record_energies = bool(record_energies)
-        self.progress = bool(progress)
         self.generator = generator
+        # Defaults of run/sample's record_trajectory, record_energies, progress: set only by the
+        # deprecated constructor keywords and attributes.
+        self._recording: dict[str, bool] = recording
+
+    # Deprecated attributes: the old names, for one release.
+    record_trajectory = _CallDefault()
+    record_energies = _CallDefault()
+    progress = _CallDefault()
+
+    @property
+    def grad_clip(self) -> float | None:
+        """Deprecated name of :attr:`grad_clamp`."""
+        warnings.warn("SGLD.grad_clip is deprecated; write SGLD.grad_clamp", DeprecationWarning, stacklevel=2)
+        return self.grad_clamp
+
+    @grad_clip.setter
+    def grad_clip(self, value: float | None) -> None:
+        warnings.warn("SGLD.grad_clip is deprecated; write SGLD.grad_clamp", DeprecationWarning, stacklevel=2)
+        self.grad_clamp = value
 
     def __repr__(self) -> str:
-        a = getattr(self.step_size, "__qualname__", "callable") if callable(self.step_size) else self.step_size
-        extra = f", schedule={self.schedule!r}" if self.schedule != "constant" else ""
-        if self.grad_clip is not None:
-            extra += f", grad_clip={self.grad_clip}"
+        extra = f", grad_clamp={self.grad_clamp}" if self.grad_clamp is not None else ""
+        if self.batchnorm != "joint":
+            extra += f", batchnorm={self.batchnorm!r}"
         if self.colours != "all":
             extra += f", colours={self.colours!r}"
-        return f"SGLD(steps={self.steps}, step_size={a}, noise={self.noise}{extra}, clamp={self.clamp})"
+        return (
+            f"SGLD(steps={self.steps}, step_size={_spelled(self.step_size)}, noise={self.noise}{extra}, "
+            f"clamp={self.clamp})"
+        )
 
     # ------------------------------------------------------------------ schedule
     def step_sizes(self) -> list[float]:
         """The step size of every step, ``a_0 .. a_{steps-1}``."""
-        t_max = self.steps
-        if callable(self.step_size):
-            sizes = [float(self.step_size(t)) for t in range(t_max)]
+        step_size, t_max = self.step_size, self.steps
+        schedule = as_schedule(step_size)
+        sizes = [float(schedule(t, t_max)) for t in range(t_max)]
+        if not isinstance(schedule, (Constant, Poly)):  # those are checked when made
             bad = [(t, a) for t, a in enumerate(sizes) if not (math.isfinite(a) and a > 0)]
             if bad:
                 raise ValueError(f"the step_size callable must return finite values > 0; got {bad[:3]}")
-            return sizes
-        a = float(self.step_size)
-        if self.schedule == "constant":
-            return [a] * t_max
-        b = 1.0
-        if self.final_step_size is not None and t_max > 1:
-            ratio = (a / self.final_step_size) ** (1.0 / self.decay_power) - 1.0
-            b = (t_max - 1) / ratio if ratio > 0 else math.inf
-        return [a * (1.0 + t / b) ** -self.decay_power for t in range(t_max)]
+        return sizes
 
     # ------------------------------------------------------------------ chains
     @staticmethod
@@ -265,38 +351,94 @@ class SGLD:
                 y = y.clone()
         return y
 
+    def _per_call(
+        self,
+        return_diagnostics: bool,
+        record_trajectory: bool | None,
+        record_energies: bool | None,
+        progress: bool | None,
+    ) -> tuple[bool, bool, bool]:
+        """``(record_trajectory, record_energies, progress)`` of one call: what it asks, else the
+        sampler's default (``False`` unless set through the deprecated constructor keywords)."""
+        asked = {"record_trajectory": record_trajectory, "record_energies": record_energies, "progress": progress}
+        for name in ("record_trajectory", "record_energies"):
+            if asked[name] and not return_diagnostics:
+                raise ValueError(f"{name}=True records into the diagnostics: pass return_diagnostics=True too")
+        x, e, p = (self._recording.get(k, False) if v is None else bool(v) for k, v in asked.items())
+        return x, e, p
+
     @overload
     def run(
-        self, jm: JEM, x: Tensor, y: Tensor | None = ..., *, return_diagnostics: Literal[False] = ...
+        self,
+        jm: JEM,
+        x: Tensor,
+        y: Tensor | None = ...,
+        *,
+        return_diagnostics: Literal[False] = ...,
+        record_trajectory: bool | None = ...,
+        record_energies: bool | None = ...,
+        progress: bool | None = ...,
     ) -> Tensor: ...
 
     @overload
     def run(
-        self, jm: JEM, x: Tensor, y: Tensor | None = ..., *, return_diagnostics: Literal[True]
+        self,
+        jm: JEM,
+        x: Tensor,
+        y: Tensor | None = ...,
+        *,
+        return_diagnostics: Literal[True],
+        record_trajectory: bool | None = ...,
+        record_energies: bool | None = ...,
+        progress: bool | None = ...,
     ) -> tuple[Tensor, SGLDDiagnostics]: ...
 
     @overload
     def run(
-        self, jm: JEM, x: Tensor, y: Tensor | None = ..., *, return_diagnostics: bool
+        self,
+        jm: JEM,
+        x: Tensor,
+        y: Tensor | None = ...,
+        *,
+        return_diagnostics: bool,
+        record_trajectory: bool | None = ...,
+        record_energies: bool | None = ...,
+        progress: bool | None = ...,
     ) -> Tensor | tuple[Tensor, SGLDDiagnostics]: ...
 
     def run(
-        self, jm: JEM, x: Tensor, y: Tensor | None = None, *, return_diagnostics: bool = False
+        self,
+        jm: JEM,
+        x: Tensor,
+        y: Tensor | None = None,
+        *,
+        return_diagnostics: bool = False,
+        record_trajectory: bool | None = None,
+        record_energies: bool | None = None,
+        progress: bool | None = None,
     ) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
         """Run ``steps`` Langevin updates from ``x``; returns a new detached fp32 tensor, or
         ``(x, SGLDDiagnostics)`` with ``return_diagnostics=True``.
+
+        ``record_trajectory=True``: the chain after every step (``steps + 1`` tensors) in the
+        diagnostics; ``record_energies=True``: ``E(x)`` (or ``E(x, y)``) along the chain,
+        ``[steps + 1, B]`` (one extra forward for the final state); both need
+        ``return_diagnostics=True`` and run the chain eagerly. ``progress=True``: a tqdm progress
+        bar over the steps.
 
         ``x`` itself is not modified. Works inside ``torch.no_grad()``, ``torch.inference_mode()``
         and ``torch.autocast`` (the forward runs in the caller's autocast; the chain stays fp32).
         Raises :class:`~jem_plugin.errors.DivergenceError` if the chain's energies are not finite.
         """
+        record_x, record_e, show = self._per_call(return_diagnostics, record_trajectory, record_energies, progress)
         jm = as_jem(jm, "SGLD.run")
         x = check_input(x, domain=jm.domain, what="chain start")
         if y is not None:
             y = self._check_y(jm, y, x.shape[0], x.device)
         sizes = self.step_sizes()
         if self.cuda_graph != "off" and self.steps:
-            graphed = _cuda_graph.run(self, jm, x, y)  # None: this chain runs eagerly
+            # None: this chain runs eagerly
+            graphed = _cuda_graph.run(self, jm, x, y, record=record_x or record_e, progress=show)
             if graphed is not None:
                 out, last = graphed
                 self._check_divergence(out, last)
@@ -307,12 +449,11 @@ class SGLD:
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         if y is not None:
             y_index = y.view(-1, 1)
-        noise, clip, gen = self.noise, self.grad_clip, self.generator
+        noise, clip, gen = self.noise, self.grad_clamp, self.generator
         colour = self._colour_matrix(x, dtype)
         domain = jm.domain
         use_hook = bool(sizes) and plugins.has_implementations(STEP_HOOK)  # checked once per run
         hook = plugins.get_plugin_manager().hook.jem_sgld_step if use_hook else None
-        record_x, record_e = self.record_trajectory, self.record_energies
         trajectory: list[Tensor] = []
         energies: list[Tensor] = []
         grad = torch.autograd.grad
@@ -322,7 +463,7 @@ class SGLD:
         model, read_logits = jm.model, jm.adapter.logits
 
         with (
-            sampling_mode(model, self.batchnorm),
+            sampling_mode(model, _cuda_graph.model_batchnorm(self.batchnorm)),
             autocast_cache_off(x.device.type),
             input_grad_enabled(x.detach().to(dtype)) as xg,
         ):
@@ -337,7 +478,7 @@ class SGLD:
             if record_x:
                 trajectory.append(xd.clone())
             steps_iter = range(len(sizes))
-            if self.progress:
+            if show:
                 steps_iter = tqdm(steps_iter, desc="SGLD", leave=False)
             check_k = y is not None and jm.num_classes is None  # labels checked at the first forward
             score = ones = None
@@ -461,6 +602,9 @@ class SGLD:
         x_init: Tensor | None = ...,
         shape: Sequence[int] | None = ...,
         return_diagnostics: Literal[False] = ...,
+        record_trajectory: bool | None = ...,
+        record_energies: bool | None = ...,
+        progress: bool | None = ...,
     ) -> Tensor: ...
 
     @overload
@@ -474,6 +618,9 @@ class SGLD:
         x_init: Tensor | None = ...,
         shape: Sequence[int] | None = ...,
         return_diagnostics: Literal[True],
+        record_trajectory: bool | None = ...,
+        record_energies: bool | None = ...,
+        progress: bool | None = ...,
     ) -> tuple[Tensor, SGLDDiagnostics]: ...
 
     @overload
@@ -487,6 +634,9 @@ class SGLD:
         x_init: Tensor | None = ...,
         shape: Sequence[int] | None = ...,
         return_diagnostics: bool,
+        record_trajectory: bool | None = ...,
+        record_energies: bool | None = ...,
+        progress: bool | None = ...,
     ) -> Tensor | tuple[Tensor, SGLDDiagnostics]: ...
 
     def sample(
@@ -499,14 +649,32 @@ class SGLD:
         x_init: Tensor | None = None,
         shape: Sequence[int] | None = None,
         return_diagnostics: bool = False,
+        record_trajectory: bool | None = None,
+        record_energies: bool | None = None,
+        progress: bool | None = None,
     ) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
         """Draw ``n`` samples (class-conditional when ``y`` is given); with
-        ``return_diagnostics=True``, ``(samples, SGLDDiagnostics)``.
+        ``return_diagnostics=True``, ``(samples, SGLDDiagnostics)``; ``record_trajectory``,
+        ``record_energies`` and ``progress`` as in :meth:`run`.
 
         Chains start from ``buffer`` (and the finished chains are written back), or from
         ``x_init``, or else uniformly over ``jm.domain`` (``shape`` defaults to the domain's
         ``input_size``).
         """
+        # A contradiction fails before the buffer is drawn from.
+        self._per_call(return_diagnostics, record_trajectory, record_energies, progress)
+
+        def chain(x0: Tensor, y: Tensor | None) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
+            return self.run(
+                jm,
+                x0,
+                y,
+                return_diagnostics=return_diagnostics,
+                record_trajectory=record_trajectory,
+                record_energies=record_energies,
+                progress=progress,
+            )
+
         jm = as_jem(jm, "SGLD.sample")
         if buffer is not None and x_init is not None:
             raise ValueError("pass either buffer= (persistent chains) or x_init= (chain starts), not both")
@@ -523,7 +691,7 @@ class SGLD:
             self.__dict__.setdefault("_x_init_check", DomainCheck())(x_init, jm.domain, "SGLD.sample(x_init=...)")
             if n is not None and n != x_init.shape[0]:
                 raise ValueError(f"n={n} conflicts with x_init of batch size {x_init.shape[0]}")
-            return self.run(jm, x_init, y, return_diagnostics=return_diagnostics)
+            return chain(x_init, y)
         if n is None:
             raise ValueError("say how many samples: sample(jm, n=64, ...) (or pass y= or x_init=)")
         device = model_device(jm)
@@ -534,21 +702,26 @@ class SGLD:
             x0, idx = buffer.sample(n, domain=jm.domain, y=y, generator=self.generator)
             if device is not None and not same_device(x0.device, device):  # a buffer that is not an nn.Module
                 x0 = x0.to(device)
-            out = self.run(jm, x0, y, return_diagnostics=return_diagnostics)
+            out = chain(x0, y)
             buffer.update(idx, out[0] if isinstance(out, tuple) else out)
             return out
         shape = tuple(shape) if shape is not None else jm.domain.input_size
         if shape is None:
             raise ValueError("the input shape is unknown: pass shape=(C, H, W), x_init=..., or a ReplayBuffer")
         x0 = jm.domain.uniform(n, shape, generator=self.generator, device=device or torch.device("cpu"))
-        return self.run(jm, x0, y, return_diagnostics=return_diagnostics)
+        return chain(x0, y)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """Every constructor setting and the generator's state (plain tensors and Python values:
-        ``weights_only``-loadable). A callable step size is saved as ``None``: it is not data."""
+        ``weights_only``-loadable). A :class:`~jem_plugin.schedules.Poly` or ``Constant`` step
+        size is saved as plain data (``{"kind": "poly", "start": ..., ...}``); any other callable
+        step size as ``None``: it is not data."""
         state: dict[str, Any] = {name: getattr(self, name) for name in _SETTINGS}
-        if callable(self.step_size):
+        step_size = self.step_size
+        if isinstance(step_size, (Constant, Poly)):
+            state["step_size"] = schedule_to_dict(step_size)
+        elif callable(step_size):
             state["step_size"] = None
         gen = self.generator
         state["generator_state"] = gen.get_state() if gen is not None else None
@@ -558,11 +731,23 @@ class SGLD:
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` saved; settings it lacks (older checkpoints) keep their
         current values, and a callable step size is kept. The settings are validated together,
-        as the constructor does."""
+        as the constructor does.
+
+        A state written before the current names (``grad_clip``, ``schedule``, ``decay_power``,
+        ``final_step_size``, ``batchnorm="eval"``/``"batch"``) is translated without a warning: a
+        checkpoint is not the user's spelling. Its ``record_*`` and ``progress`` are not
+        restored: they are chosen per call now."""
         settings = {name: getattr(self, name) for name in _SETTINGS}
         settings.update((k, state[k]) for k in _SETTINGS if k in state and k != "step_size")
         if state.get("step_size") is not None:
-            settings["step_size"] = float(state["step_size"])
+            stored = state["step_size"]
+            settings["step_size"] = schedule_from_dict(stored) if isinstance(stored, Mapping) else float(stored)
+        if "grad_clip" in state and "grad_clamp" not in state:
+            settings["grad_clamp"] = state["grad_clip"]
+        old = {k: state[k] for k in ("schedule", "decay_power", "final_step_size") if k in state}
+        settings["step_size"], _, settings["batchnorm"], _, _ = _translate(
+            old, settings["step_size"], None, settings["batchnorm"]
+        )
         checked = SGLD(**settings)
         for name in _SETTINGS:
             setattr(self, name, getattr(checked, name))
@@ -573,7 +758,10 @@ class SGLD:
 
 
 # The settings a checkpoint carries: every constructor argument but the generator (whose state is
-# saved instead), read from the signature so that a new argument cannot be left out.
+# saved instead) and the deprecated spellings, read from the signature so that a new argument
+# cannot be left out.
 _SETTINGS: tuple[str, ...] = tuple(
-    name for name in inspect.signature(SGLD.__init__).parameters if name not in ("self", "generator")
+    name
+    for name, p in inspect.signature(SGLD.__init__).parameters.items()
+    if name not in ("self", "generator") and p.kind is not inspect.Parameter.VAR_KEYWORD
 )

@@ -7,13 +7,14 @@ any callable of that form works (a plain ``t -> a_t`` function too, see :func:`a
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-__all__ = ["Schedule", "Constant", "Poly", "as_schedule"]
+__all__ = ["Schedule", "Constant", "Poly", "as_schedule", "schedule_to_dict", "schedule_from_dict"]
 
 
 @runtime_checkable
@@ -46,6 +47,13 @@ class Constant:
     def __call__(self, t: int, steps: int) -> float:
         return self.value
 
+    def __repr__(self) -> str:
+        return f"Constant({self.value!r})"
+
+    def scaled(self, factor: float) -> Constant:
+        """This schedule with every step size multiplied by ``factor``."""
+        return Constant(self.value * factor)
+
 
 @dataclass(frozen=True)
 class Poly:
@@ -75,6 +83,32 @@ class Poly:
             ratio = (self.start / self.end) ** (1.0 / self.power) - 1.0
             b = (steps - 1) / ratio if ratio > 0 else math.inf
         return self.start * (1.0 + t / b) ** -self.power
+
+    def __repr__(self) -> str:
+        end = "" if self.end is None else f", end={self.end!r}"
+        return f"Poly({self.start!r}, power={self.power!r}{end})"
+
+    def scaled(self, factor: float) -> Poly:
+        """This schedule with every step size multiplied by ``factor`` (the same decay)."""
+        return Poly(self.start * factor, self.power, None if self.end is None else self.end * factor)
+
+
+SCHEDULE_KINDS: dict[str, type[Constant] | type[Poly]] = {c.kind: c for c in (Constant, Poly)}
+
+
+def schedule_to_dict(schedule: Constant | Poly) -> dict[str, Any]:
+    """``schedule`` as plain data (``{"kind": "poly", "start": 1.0, "power": 0.55, "end": 0.01}``),
+    loadable from a ``weights_only`` checkpoint."""
+    return {"kind": schedule.kind, **{f.name: getattr(schedule, f.name) for f in dataclasses.fields(schedule)}}
+
+
+def schedule_from_dict(data: Mapping[str, Any]) -> Constant | Poly:
+    """The schedule :func:`schedule_to_dict` wrote."""
+    data = dict(data)
+    kind = data.pop("kind", None)
+    if kind not in SCHEDULE_KINDS:
+        raise ValueError(f"unknown step-size schedule kind {kind!r}; known: {tuple(SCHEDULE_KINDS)}")
+    return SCHEDULE_KINDS[kind](**data)
 
 
 class _PerStep:

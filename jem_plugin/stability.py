@@ -30,7 +30,7 @@ settings, warn, and go on; after ``max_rollbacks`` rollbacks raise. The safer se
 
 * ``"l2"``: ``loss_fn.l2_weight`` becomes 0.1 if it was 0 (the strength the first author
   suggests), else doubles;
-* ``"sgld_step"``: the sampler's step size (and ``final_step_size``) is halved;
+* ``"sgld_step"``: the sampler's step size (every step of its schedule) is halved;
 * ``"lr"``: every optimizer param group's ``lr`` is halved, and the scheduler's ``base_lrs`` if
   a ``scheduler`` is given (schedulers that set the LR each step would undo it otherwise).
 
@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import DivergenceError
+from .schedules import as_schedule
 
 __all__ = ["DivergenceGuard", "POLICIES", "REMEDIES", "DIVERGENCE_REMEDIES"]
 
@@ -61,7 +62,7 @@ ENERGY_KEYS = ("energy_data", "energy_sample")
 # What helps against a diverged training run: DivergenceError.remedies of the guard's errors.
 DIVERGENCE_REMEDIES: tuple[str, ...] = (
     "add the energy L2 regulariser, JEMLoss(l2_weight=0.1) up to 1.0 (the authors' fix)",
-    "use fewer or smaller SGLD steps, SGLD(step_size=..., steps=...), or proximal SGLD, SGLD(grad_clip=...)",
+    "use fewer or smaller SGLD steps, SGLD(step_size=..., steps=...), or proximal SGLD, SGLD(grad_clamp=...)",
     "lower the learning rate",
     "restart from the last good checkpoint (jem_plugin.checkpoint.Checkpointer(...).resume(...))",
     "let DivergenceGuard(..., policy='rollback') do (1)-(4) automatically",
@@ -383,14 +384,15 @@ class DivergenceGuard:
             changes.append(f"l2_weight {_fmt(old)} -> {_fmt(loss_fn.l2_weight)}")
         if "sgld_step" in self.remedies and sampler is not None and hasattr(sampler, "step_size"):
             old_step = sampler.step_size
-            if callable(old_step):
+            if hasattr(old_step, "scaled"):  # a schedule of jem_plugin.schedules: it stays one (and data)
+                sampler.step_size = old_step.scaled(0.5)
+                changes.append(f"SGLD step_size {old_step!r} -> {sampler.step_size!r}")
+            elif callable(old_step):
                 sampler.step_size = _Halved(old_step)
                 changes.append("SGLD step size schedule x0.5")
             else:
                 sampler.step_size = 0.5 * float(old_step)
                 changes.append(f"SGLD step_size {_fmt(float(old_step))} -> {_fmt(sampler.step_size)}")
-            if getattr(sampler, "final_step_size", None) is not None:
-                sampler.final_step_size = 0.5 * float(sampler.final_step_size)
         if "lr" in self.remedies and self.optimizer is not None:
             olds = [g["lr"] for g in self.optimizer.param_groups]
             for g in self.optimizer.param_groups:
@@ -440,7 +442,7 @@ class _Halved:
     """A step-size schedule scaled by 0.5 (picklable, unlike a lambda)."""
 
     def __init__(self, fn) -> None:
-        self.fn = fn
+        self.fn = as_schedule(fn)  # a t -> a_t function or a (t, steps) -> a_t schedule
 
-    def __call__(self, t: int) -> float:
-        return 0.5 * float(self.fn(t))
+    def __call__(self, t: int, steps: int) -> float:
+        return 0.5 * float(self.fn(t, steps))

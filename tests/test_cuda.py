@@ -15,6 +15,7 @@ import jem_plugin as jem
 from jem_plugin import _cuda_graph
 from jem_plugin._checks import follow, same_device
 from jem_plugin.errors import CUDAGraphError
+from jem_plugin.schedules import Poly
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -313,14 +314,14 @@ def test_graph_matches_eager_and_repeats_bitwise(conditional):
 
 @cuda
 def test_graph_with_batch_statistics_matches_eager_and_leaves_running_statistics():
-    """SGLD(batchnorm="batch") captured as a graph: the chains normalise with their own batch
+    """SGLD(batchnorm="separate") captured as a graph: the chains normalise with their own batch
     statistics as eagerly, and the running statistics stay as they were."""
     model, jm = _cuda_jm(SmallConvNet(bn=True))
     model.train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = _x(device="cuda")
-    eager = jem.SGLD(steps=10, generator=_gen(7), cuda_graph="off", batchnorm="batch").run(jm, x)
-    graph = jem.SGLD(steps=10, generator=_gen(7), cuda_graph="require", batchnorm="batch").run(jm, x)
+    eager = jem.SGLD(steps=10, generator=_gen(7), cuda_graph="off", batchnorm="separate").run(jm, x)
+    graph = jem.SGLD(steps=10, generator=_gen(7), cuda_graph="require", batchnorm="separate").run(jm, x)
     running = jem.SGLD(steps=10, generator=_gen(7), cuda_graph="require").run(jm, x)
     torch.testing.assert_close(graph, eager, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(graph, running)  # a separate capture, not the running-statistics graph
@@ -488,14 +489,14 @@ def test_wrn_spec_with_an_impossible_depth_is_a_cli_error():
 @pytest.mark.parametrize("conditional", [False, True])
 def test_the_captured_step_is_the_eager_step(conditional):
     # The body the graph captures, run eagerly on the CPU: the same chain as the eager loop for
-    # the same generator (decaying step size, gradient clip, per-channel clamp, labels).
+    # the same generator (decaying step size, gradient clamp, per-channel clamp, labels).
     from jem_plugin.model import sampling_mode
 
     model = SmallConvNet(bn=False)
     jm = jem.wrap(model, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3), input_size=(3, 16, 16), num_classes=10)
     x = _x()
     y = torch.arange(8) % 10 if conditional else None
-    opts = {"steps": 6, "step_size": 2.0, "noise": 0.05, "schedule": "poly", "final_step_size": 0.5, "grad_clip": 0.3}
+    opts = {"steps": 6, "step_size": Poly(2.0, end=0.5), "noise": 0.05, "grad_clamp": 0.3}
     eager = jem.SGLD(**opts, generator=torch.Generator().manual_seed(3), cuda_graph="off").run(jm, x, y)
     sampler = jem.SGLD(**opts, generator=torch.Generator().manual_seed(3))
     xs = x.clone().requires_grad_(True)

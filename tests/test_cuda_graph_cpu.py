@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import jem_plugin as jem
 from jem_plugin import _cuda_graph
 from jem_plugin.errors import CUDAGraphError, DivergenceError, InvalidLabelError
+from jem_plugin.schedules import Poly
 
 SHAPE = (3, 8, 8)
 
@@ -132,7 +133,7 @@ def test_the_fake_graph_keeps_the_rules_of_a_cuda_graph():
 
 
 # --------------------------------------------------------------------------- graph == eager
-@pytest.mark.parametrize("batchnorm", ["eval", "batch"])
+@pytest.mark.parametrize("batchnorm", ["joint", "separate"])
 @pytest.mark.parametrize("noise", [0.0, 0.05])
 @pytest.mark.parametrize("conditional", [False, True])
 def test_graph_is_the_eager_chain(fake, conditional, noise, batchnorm):
@@ -144,10 +145,8 @@ def test_graph_is_the_eager_chain(fake, conditional, noise, batchnorm):
     y = torch.tensor([0, 3, 9, 1, 1, 5]) if conditional else None
     opts = {
         "steps": 6,
-        "step_size": 300.0,
-        "schedule": "poly",
-        "final_step_size": 50.0,
-        "grad_clip": 3e-4,
+        "step_size": Poly(300.0, end=50.0),
+        "grad_clamp": 3e-4,
         "noise": noise,
         "batchnorm": batchnorm,
     }
@@ -157,8 +156,8 @@ def test_graph_is_the_eager_chain(fake, conditional, noise, batchnorm):
     assert not torch.equal(graph, x)
     assert graph.dtype == torch.float32 and graph.shape == x.shape
     assert fake.captures == 1 and fake.graphs[-1].replays == 6
-    # the gradient clip bites (an unclipped chain goes elsewhere); the clamp holds the chain in the domain
-    unclipped = jem.SGLD(**{**opts, "grad_clip": None}, generator=gen.manual_seed(3), cuda_graph="require").run(
+    # the gradient clamp bites (an unclamped chain goes elsewhere); the clamp holds the chain in the domain
+    unclipped = jem.SGLD(**{**opts, "grad_clamp": None}, generator=gen.manual_seed(3), cuda_graph="require").run(
         jm, x, y
     )
     assert not torch.equal(unclipped, graph)
@@ -173,7 +172,7 @@ def test_batch_statistics_are_a_separate_graph(fake):
     jm = _jm(model)
     x = _x()
     running = jem.SGLD(steps=4, noise=0.0, cuda_graph="require").run(jm, x)
-    batch = jem.SGLD(steps=4, noise=0.0, cuda_graph="require", batchnorm="batch").run(jm, x)
+    batch = jem.SGLD(steps=4, noise=0.0, cuda_graph="require", batchnorm="separate").run(jm, x)
     assert fake.captures == 2 and not torch.allclose(running, batch)
 
 
@@ -214,7 +213,7 @@ def test_a_gradient_in_another_dtype_is_cast_to_the_chain(fake, monkeypatch):
     # autograd returns the input's dtype; the step's guard (as the eager loop's) casts any other back
     grad = torch.autograd.grad
     monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: tuple(g.bfloat16() for g in grad(*a, **k)))
-    graph, eager = _both(_jm(), _x(), noise=0.0, step_size=300.0, grad_clip=3e-4)  # a bf16 clamp would differ
+    graph, eager = _both(_jm(), _x(), noise=0.0, step_size=300.0, grad_clamp=3e-4)  # a bf16 clamp would differ
     assert torch.equal(graph, eager) and graph.dtype == torch.float32
 
 
@@ -339,9 +338,9 @@ def test_graph_is_reused_and_sees_in_place_updates(fake):
 _CHANGES = {
     "noise": lambda o, x, y: ({**o, "noise": 0.05}, x, y),
     "no noise": lambda o, x, y: ({**o, "noise": 0.0}, x, y),
-    "grad_clip": lambda o, x, y: ({**o, "grad_clip": 0.01}, x, y),
+    "grad_clamp": lambda o, x, y: ({**o, "grad_clamp": 0.01}, x, y),
     "clamp": lambda o, x, y: ({**o, "clamp": False}, x, y),
-    "batchnorm": lambda o, x, y: ({**o, "batchnorm": "batch"}, x, y),
+    "batchnorm": lambda o, x, y: ({**o, "batchnorm": "separate"}, x, y),
     "shape": lambda o, x, y: (o, x[:4], y),
     "dtype": lambda o, x, y: (o, x.double(), y),
     "labels": lambda o, x, y: (o, x, torch.arange(6)),
@@ -460,13 +459,11 @@ class _Hook:
 
 
 def _blocked(how, jm, fake):
-    """Sampler options, a JEM and an undo for each reason the chain cannot be a graph."""
+    """Options of the run call, a JEM and an undo for each reason the chain cannot be a graph."""
     undo = lambda: None
     opts: dict = {}
-    if how == "record_trajectory":
-        opts["record_trajectory"] = True
-    elif how == "record_energies":
-        opts["record_energies"] = True
+    if how in ("record_trajectory", "record_energies"):
+        opts = {how: True, "return_diagnostics": True}
     elif how == "hook":
         plugin = _Hook()
         jem.register(plugin)
@@ -500,9 +497,10 @@ def test_blockers_fall_back_with_one_warning_and_require_refuses(fake, how):
     try:
 
         def run(mode):
-            s = jem.SGLD(steps=3, noise=0.02, generator=_gen(2), cuda_graph=mode, **opts)
+            s = jem.SGLD(steps=3, noise=0.02, generator=_gen(2), cuda_graph=mode)
             s.colour_projection = colour
-            return s.run(jm, x)
+            out = s.run(jm, x, **opts)
+            return out[0] if isinstance(out, tuple) else out
 
         with pytest.raises(CUDAGraphError, match=_REASONS[how]) as info:
             run("require")
@@ -620,7 +618,7 @@ def test_progress_bar(fake, monkeypatch):
 
     monkeypatch.setattr(_cuda_graph, "tqdm", spy)
     jm = _jm()
-    with_bar = jem.SGLD(steps=3, generator=_gen(), progress=True, cuda_graph="require").run(jm, _x())
+    with_bar = jem.SGLD(steps=3, generator=_gen(), cuda_graph="require").run(jm, _x(), progress=True)
     without = jem.SGLD(steps=3, generator=_gen(), cuda_graph="require").run(jm, _x())
     assert bars == ["SGLD (CUDA graph)"] and torch.equal(with_bar, without)
 

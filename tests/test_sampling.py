@@ -19,6 +19,7 @@ from jem_plugin.buffer import ReplayBuffer
 from jem_plugin.errors import DivergenceError, InvalidLabelError
 from jem_plugin.model import sampling_mode
 from jem_plugin.sampling import SGLD, SGLDStepState
+from jem_plugin.schedules import Poly
 
 SHAPE = (1, 8, 8)
 
@@ -59,7 +60,7 @@ def test_proximal_sgld_clips_gradient_like_jempp(jm):
     x0 = torch.rand(8, *SHAPE) * 2 - 1
     g = logsumexp_grad(jm, x0)
     c = float(g.abs().median())  # half the entries saturate
-    out = SGLD(steps=1, step_size=0.5, noise=0.0, clamp=False, grad_clip=c).run(jm, x0)
+    out = SGLD(steps=1, step_size=0.5, noise=0.0, clamp=False, grad_clamp=c).run(jm, x0)
     torch.testing.assert_close(out, x0 + 0.5 * g.clamp(-c, c))  # JEM++: x + clamp(eta, -eps, eps) * lr
     assert (out - x0).abs().max() <= 0.5 * c + 1e-7
 
@@ -92,7 +93,7 @@ def test_existing_parameter_grads_are_untouched(jm):
     for p in jm.parameters():
         p.grad = torch.randn_like(p)
     grads = [p.grad.clone() for p in jm.parameters()]
-    SGLD(steps=3, progress=True).sample(jm.train(), 8, shape=SHAPE)
+    SGLD(steps=3).sample(jm.train(), 8, shape=SHAPE, progress=True)
     assert all(torch.equal(p.grad, g) for p, g in zip(jm.parameters(), grads))
 
 
@@ -211,9 +212,11 @@ def test_works_under_no_grad_and_inference_mode(jm, context):
 def test_bf16_autocast_keeps_chain_fp32(jm):
     dtypes = []
     jm.model.head.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
-    sampler = SGLD(steps=3, record_trajectory=True, record_energies=True)
+    sampler = SGLD(steps=3)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, diag = sampler.sample(jm, 8, buffer=ReplayBuffer(32, SHAPE), return_diagnostics=True)
+        out, diag = sampler.sample(
+            jm, 8, buffer=ReplayBuffer(32, SHAPE), return_diagnostics=True, record_trajectory=True, record_energies=True
+        )
     assert torch.bfloat16 in dtypes  # the forward did run in autocast
     assert out.dtype == torch.float32
     assert all(x.dtype == torch.float32 for x in diag.trajectory)
@@ -234,24 +237,22 @@ def test_same_generator_seed_gives_bitwise_identical_samples(jm):
 
 
 def test_state_dict_round_trip_resumes_the_generator(jm):
-    sampler = SGLD(
-        steps=3, step_size=0.5, noise=0.02, schedule="poly", final_step_size=0.1, grad_clip=0.05, generator=gen(5)
-    )
+    sampler = SGLD(steps=3, step_size=Poly(0.5, end=0.1), noise=0.02, grad_clamp=0.05, generator=gen(5))
     sampler.sample(jm, 4, shape=SHAPE)  # advance the generator
     blob = io.BytesIO()
     torch.save(sampler.state_dict(), blob)
     blob.seek(0)
     restored = SGLD()
     restored.load_state_dict(torch.load(blob, weights_only=True))
-    assert restored.step_sizes() == sampler.step_sizes() and restored.grad_clip == 0.05
+    assert restored.step_sizes() == sampler.step_sizes() and restored.grad_clamp == 0.05
     assert torch.equal(restored.sample(jm, 4, shape=SHAPE), sampler.sample(jm, 4, shape=SHAPE))
 
 
 # ---------------------------------------------------------------- what the chain does
 def test_no_noise_sgld_increases_log_px_monotonically(jm):
     jm.eval()
-    sampler = SGLD(steps=15, step_size=0.2, noise=0.0, record_energies=True)
-    _, diag = sampler.run(jm, torch.rand(32, *SHAPE) * 2 - 1, return_diagnostics=True)
+    sampler = SGLD(steps=15, step_size=0.2, noise=0.0)
+    _, diag = sampler.run(jm, torch.rand(32, *SHAPE) * 2 - 1, return_diagnostics=True, record_energies=True)
     log_px = -diag.energies.mean(1)  # [steps + 1]
     assert log_px.shape == (16,)
     assert (log_px.diff() >= -1e-6).all() and log_px[-1] > log_px[0]
@@ -269,17 +270,16 @@ def test_class_conditional_sampling_increases_target_logit(jm):
 
 
 def test_trajectory_and_energies_are_returned_not_kept_on_the_sampler(jm):
-    sampler = SGLD(
-        steps=4, step_size=0.5, schedule="poly", final_step_size=0.1, record_trajectory=True, record_energies=True
-    )
-    out, diag = sampler.sample(jm, 6, shape=SHAPE, return_diagnostics=True)
+    sampler = SGLD(steps=4, step_size=Poly(0.5, end=0.1))
+    record = dict(return_diagnostics=True, record_trajectory=True, record_energies=True)
+    out, diag = sampler.sample(jm, 6, shape=SHAPE, **record)
     assert isinstance(diag, jem.SGLDDiagnostics) and diag.steps == 4
     assert diag.final_step_size == pytest.approx(0.1)
     assert len(diag.trajectory) == 5 and torch.equal(diag.trajectory[-1], out)
     with torch.no_grad():  # the chain's energies are those of the model in eval mode
         torch.testing.assert_close(diag.energies[-1], jm.eval().energy(out))
     # a second call through the same (shared) sampler does not touch the first call's diagnostics
-    out2, diag2 = sampler.sample(jm, 3, shape=SHAPE, return_diagnostics=True)
+    out2, diag2 = sampler.sample(jm, 3, shape=SHAPE, **record)
     assert len(diag.trajectory) == 5 and diag.trajectory[-1].shape[0] == 6 and diag2.energies.shape == (5, 3)
     assert not hasattr(sampler, "last_trajectory") and not hasattr(sampler, "last_energies")
     # the default call returns the samples alone; unrecorded diagnostics are None
@@ -293,11 +293,12 @@ def test_trajectory_and_energies_are_returned_not_kept_on_the_sampler(jm):
 
 
 def test_schedules():
-    poly = SGLD(steps=10, step_size=1.0, schedule="poly", decay_power=0.55, final_step_size=0.1)
+    poly = SGLD(steps=10, step_size=Poly(1.0, power=0.55, end=0.1))
     sizes = poly.step_sizes()
     assert sizes[0] == 1.0 and abs(sizes[-1] - 0.1) < 1e-9 and all(a > b for a, b in zip(sizes, sizes[1:]))
-    assert SGLD(steps=3, step_size=2.0, schedule="poly").step_sizes() == [2.0 * (1 + t) ** -0.55 for t in range(3)]
+    assert SGLD(steps=3, step_size=Poly(2.0)).step_sizes() == [2.0 * (1 + t) ** -0.55 for t in range(3)]
     assert SGLD(steps=3, step_size=lambda t: 0.1 * (t + 1)).step_sizes() == [0.1, 0.2, 0.1 * 3]
+    assert SGLD(steps=3, step_size=lambda t, steps: 0.1 * (steps - t)).step_sizes() == [0.1 * 3, 0.2, 0.1]
     with pytest.raises(ValueError, match="step_size callable"):
         SGLD(steps=2, step_size=lambda t: -1.0).step_sizes()
 
@@ -348,7 +349,7 @@ def test_divergence_raises_with_remedies():
     # the error carries its parts as fields: nothing to parse out of the message
     e = err.value
     assert e.reason.startswith("SGLD diverged") and "Known remedies" not in e.reason
-    assert any("grad_clip" in r for r in e.remedies) and e.iteration is None
+    assert any("grad_clamp" in r for r in e.remedies) and e.iteration is None
     assert e.energy is not None and not math.isfinite(e.energy)
     jm_ok = jem.wrap(TinyCNN())
     with pytest.raises(DivergenceError, match="max_energy"):
@@ -363,12 +364,12 @@ def test_argument_validation(jm):
         SGLD(step_size=0)
     with pytest.raises(ValueError, match="noise"):
         SGLD(noise=-0.1)
-    with pytest.raises(ValueError, match="schedule"):
-        SGLD(schedule="cosine")
-    with pytest.raises(ValueError, match="final_step_size"):
-        SGLD(final_step_size=0.1)  # constant schedule
     with pytest.raises(ValueError, match="exceed"):
-        SGLD(schedule="poly", step_size=0.1, final_step_size=1.0)
+        SGLD(step_size=Poly(0.1, end=1.0))
+    with pytest.raises(ValueError, match="batchnorm"):
+        SGLD(batchnorm="running")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'stpes'"):
+        SGLD(stpes=3)
     sampler = SGLD(steps=1)
     buf = ReplayBuffer(20, SHAPE, num_classes=10)
     with pytest.raises(ValueError, match="not both"):

@@ -135,11 +135,8 @@ class JEMLightningMixin(GenerativeLossMixin):
                 steps=steps,
                 step_size=base.step_size,
                 noise=base.noise,
-                schedule=base.schedule,
-                decay_power=base.decay_power,
-                final_step_size=base.final_step_size,
                 clamp=base.clamp,
-                grad_clip=base.grad_clip,
+                grad_clamp=base.grad_clamp,
                 generator=base.generator,
             )
         buffer = self.jem_loss.buffer if use_buffer else None
