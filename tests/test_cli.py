@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from jem_plugin.app.cli import main
+from jem_plugin.covariance import Diagonal
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def trained_run(tmp_path_factory):
             "1",
             "--sgld-steps",
             "2",
-            "--buffer-size",
+            "--buffer-capacity",
             "500",
             "--warmup-iters",
             "10",
@@ -68,7 +69,7 @@ def test_train_resumes_from_its_checkpoints(trained_run, capsys):
             "2",
             "--sgld-steps",
             "2",
-            "--buffer-size",
+            "--buffer-capacity",
             "500",
             "--warmup-iters",
             "10",
@@ -253,19 +254,32 @@ def captured_fit(monkeypatch):
 
     calls = []
 
-    def fake_fit(jm, train_loader, *, epochs, amp="off", channels_last=False, checkpoint_every=None, **kw):
+    def fake_fit(jm, train_loader, recipe=None, *, epochs, optimizer=None, loss_fn=None, options=None, **kw):
+        setup, options = recipe, options or training.FitOptions()
+        history = training.History()
         calls.append(
             dict(
                 jm=jm,
                 loader=train_loader,
                 epochs=epochs,
-                amp=amp,
-                channels_last=channels_last,
-                checkpoint_every=checkpoint_every,
+                setup=setup,
+                loss_fn=setup.loss if setup is not None else loss_fn,
+                optimizer=setup.optimizer if setup is not None else optimizer,
+                warmup_iters=(
+                    setup.warmup_iters if setup is not None else optimizer.warmup_for(epochs * len(train_loader))
+                ),
+                amp=options.amp,
+                channels_last=options.channels_last,
+                checkpoint_every=options.checkpoint_every,
+                options=options,
                 **kw,
             )
         )
-        return training.History()
+        # As fit does after the last step: the recipe's extensions (the BatchNorm recompute) run.
+        state = training.TrainState(jm, None, None, None, history, val_data=kw.get("val_data"))
+        for ext in setup.extensions if setup is not None else ():
+            ext.on_fit_end(state, train_loader)
+        return history
 
     monkeypatch.setattr(training, "fit", fake_fit)
     return calls
@@ -278,24 +292,26 @@ def test_train_defaults_to_the_generative_recipe_with_warmup_capped(captured_fit
     call = captured_fit[0]
     default = get_recipe("generative")
     iters = len(call["loader"])
-    assert call["epochs"] == 150 and call["warmup_iters"] == default.warmup_for(150 * iters) == default.warmup_iters
+    assert call["epochs"] == 150
+    assert call["warmup_iters"] == default.optim.warmup_for(150 * iters) == default.optim.warmup_iters
     sampler = call["loss_fn"].sampler
-    assert (sampler.steps, sampler.noise, sampler.grad_clip, sampler.colours) == (10, 0.0, 0.03, "data")
+    assert (sampler.steps, sampler.noise, sampler.grad_clamp, sampler.colours) == (10, 0.0, 0.03, "data")
     assert call["loss_fn"].px_weight == 0.75 and default.bn_stats_from_data
-    assert call["loss_fn"].n_samples == default.n_samples and call["loss_fn"].batchnorm == "joint"
-    assert call["loss_fn"].buffer.init_dist.covariance == "stationary" and call["loss_fn"].buffer.init_dist.fitted
-    assert call["optimizer"].param_groups[0]["lr"] == default.lr
+    assert call["loss_fn"].n_samples == default.loss.n_samples and sampler.batchnorm == "joint"
+    assert call["loss_fn"].buffer.init_spec == default.buffer.init and call["loss_fn"].buffer.init_dist.fitted
+    assert call["optimizer"].param_groups[0]["lr"] == default.optim.lr
+    assert call["setup"].recipe == default.replace(buffer_capacity=10000)  # the one recipe, as built
     assert "recipe generative" in capsys.readouterr().out
 
 
 def test_train_sizes_the_replay_buffer_for_the_run_unless_told(captured_fit, tmp_path, capsys):
     """generative draws each buffer slot about 40 times (issue 16, e79): 60 digits epochs of 22
-    iterations get 1056 slots, said in one line; --buffer-size is taken as given."""
+    iterations get 1056 slots, said in one line; --buffer-capacity is taken as given."""
     assert main(["train", "--epochs", "60", "--out", str(tmp_path / "a"), "--quiet"]) == 0
     iters = len(captured_fit[0]["loader"])
     assert captured_fit[0]["loss_fn"].buffer.capacity == 60 * iters * 32 // 40
     assert f"replay buffer of {60 * iters * 32 // 40} slots, not 10000" in capsys.readouterr().out
-    assert main(["train", "--epochs", "60", "--buffer-size", "5000", "--out", str(tmp_path / "b"), "--quiet"]) == 0
+    assert main(["train", "--epochs", "60", "--buffer-capacity", "5000", "--out", str(tmp_path / "b"), "--quiet"]) == 0
     assert captured_fit[1]["loss_fn"].buffer.capacity == 5000 and "slots, not" not in capsys.readouterr().out
     assert main(["train", "--epochs", "60", "--buffer-visits", "80", "--out", str(tmp_path / "c"), "--quiet"]) == 0
     assert captured_fit[2]["loss_fn"].buffer.capacity == 60 * iters * 32 // 80
@@ -337,7 +353,7 @@ def test_recipe_choices_come_from_the_registry(monkeypatch, captured_fit, tmp_pa
     from jem_plugin import recipes
 
     monkeypatch.setitem(
-        recipes.RECIPES, "mine", dataclasses.replace(recipes.get_recipe("fast"), name="mine", sgld_steps=3)
+        recipes.RECIPES, "mine", dataclasses.replace(recipes.get_recipe("fast").replace(sgld_steps=3), name="mine")
     )
     assert main(["train", "--recipe", "mine", "--epochs", "1", "--out", str(tmp_path), "--quiet"]) == 0
     assert captured_fit[0]["loss_fn"].sampler.steps == 3
@@ -380,7 +396,7 @@ def folder_run(tmp_path_factory):
                 "8",
                 "--sgld-steps",
                 "1",
-                "--buffer-size",
+                "--buffer-capacity",
                 "64",
                 "--checkpoint-buffer",
                 "none",
@@ -452,7 +468,7 @@ def test_checkpoint_without_buffer_is_smaller_and_resumes(folder_run, capsys):
                 "8",
                 "--sgld-steps",
                 "1",
-                "--buffer-size",
+                "--buffer-capacity",
                 "64",
                 "--checkpoint-buffer",
                 "none",
@@ -572,7 +588,7 @@ def test_checkpoint_every_n_iterations(tmp_path):
 def test_train_batchnorm_flags_reach_the_loss_and_fast_keeps_the_samples_apart(captured_fit, tmp_path):
     assert main(["train", "--epochs", "1", "--recipe", "fast", "--out", str(tmp_path / "a"), "--quiet"]) == 0
     loss_fn = captured_fit[0]["loss_fn"]
-    assert (loss_fn.batchnorm, loss_fn.sampler.batchnorm) == ("separate", "batch")
+    assert loss_fn.sampler.batchnorm == "separate"  # one knob: the loss reads its sampler's
     assert loss_fn.buffer.init_dist.fitted  # fast fits its per-class Gaussian on the training data
     assert (
         main(
@@ -582,10 +598,8 @@ def test_train_batchnorm_flags_reach_the_loss_and_fast_keeps_the_samples_apart(c
                 "1",
                 "--recipe",
                 "fast",
-                "--batchnorm",
-                "joint",
                 "--sgld-batchnorm",
-                "eval",
+                "joint",
                 "--out",
                 str(tmp_path / "b"),
                 "--quiet",
@@ -593,8 +607,39 @@ def test_train_batchnorm_flags_reach_the_loss_and_fast_keeps_the_samples_apart(c
         )
         == 0
     )
-    loss_fn = captured_fit[1]["loss_fn"]
-    assert (loss_fn.batchnorm, loss_fn.sampler.batchnorm) == ("joint", "eval")
+    assert captured_fit[1]["loss_fn"].sampler.batchnorm == "joint"
+
+
+def test_train_old_recipe_flags_still_work_and_say_their_new_names(captured_fit, tmp_path, capsys):
+    flags = ["--recipe", "fast", "--batchnorm", "joint", "--grad-clip", "0.05", "--buffer-size", "300"]
+    assert main(["train", "--epochs", "1", *flags, "--out", str(tmp_path), "--quiet"]) == 0
+    loss_fn = captured_fit[0]["loss_fn"]
+    assert (loss_fn.sampler.batchnorm, loss_fn.sampler.grad_clamp, loss_fn.buffer.capacity) == ("joint", 0.05, 300)
+    out = capsys.readouterr().out
+    for old, new in (
+        ("batchnorm", "sgld-batchnorm"),
+        ("grad-clip", "sgld-grad-clamp"),
+        ("buffer-size", "buffer-capacity"),
+    ):
+        assert f"--{old} is deprecated; use --{new}" in out
+    assert main(["train", "--epochs", "1", "--sgld-batchnorm", "batch", "--out", str(tmp_path / "b"), "--quiet"]) == 0
+    assert captured_fit[1]["loss_fn"].sampler.batchnorm == "separate"
+    assert "--sgld-batchnorm batch is deprecated; use --sgld-batchnorm separate" in capsys.readouterr().out
+
+
+def test_train_flags_are_the_recipe_trees_flat_names(capsys):
+    from jem_plugin.app.cli import build_parser
+    from jem_plugin.recipes import flat_names
+
+    train = next(a for a in build_parser()._actions if a.dest == "command").choices["train"]
+    options = {o for a in train._actions for o in a.option_strings}
+    for name in flat_names():
+        assert "--" + name.replace("_", "-") in options, name
+    assert (
+        main(["train", "--recipe", "jempp", "--sgld-steps", "3", "--init-covariance", "lowrank", "--show-recipe"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "recipe 'jempp'" in out and "sgld_steps             3" in out and "init_covariance        'lowrank'" in out
 
 
 def test_train_init_covariance_flag_reaches_the_fitted_init(captured_fit, tmp_path):
@@ -619,7 +664,7 @@ def test_train_init_covariance_flag_reaches_the_fitted_init(captured_fit, tmp_pa
         == 0
     )
     init = captured_fit[0]["loss_fn"].buffer.init_dist
-    assert init.covariance == "lowrank" and init.fitted and init.factor.shape == (10, 64, 4)
+    assert init.fitted and init.factor.shape == (10, 64, 4)
     assert (
         main(
             [
@@ -638,7 +683,7 @@ def test_train_init_covariance_flag_reaches_the_fitted_init(captured_fit, tmp_pa
         == 0
     )
     init = captured_fit[1]["loss_fn"].buffer.init_dist
-    assert init.covariance == "stationary" and init.fitted and init.std.shape == (10, 1, 8, 8)
+    assert init.fitted and init.std.shape == (10, 1, 8, 8)
 
 
 def test_train_sgld_colours_flag_reaches_the_sampler(captured_fit, tmp_path):
@@ -671,7 +716,7 @@ def test_train_generative_on_points_falls_back_from_its_image_pieces_and_says_so
         == 0
     )
     loss_fn = captured_fit[0]["loss_fn"]
-    assert loss_fn.buffer.init_dist.covariance == "diagonal" and loss_fn.sampler.colours == "all"
+    assert loss_fn.buffer.init_spec.covariance == Diagonal() and loss_fn.sampler.colours == "all"
     out = capsys.readouterr().out
     assert "init_covariance 'stationary' -> 'diagonal'" in out and "sgld_colours 'data' -> 'all'" in out
 

@@ -15,7 +15,7 @@ import torch
 from jem_plugin.app.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ["--sgld-steps", "2", "--buffer-size", "200", "--warmup-iters", "5", "--quiet"]
+TRAIN = ["--sgld-steps", "2", "--buffer-capacity", "200", "--warmup-iters", "5", "--quiet"]
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),

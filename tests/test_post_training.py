@@ -7,6 +7,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from jem_plugin.app import post_training
+from jem_plugin.extensions import recompute_batchnorm
 
 
 def _net() -> nn.Sequential:
@@ -23,15 +24,6 @@ def _held_out(n: int = 400) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x[:, 0] < 0).long()  # class 0 where the first feature is positive
 
 
-def _logits_of(net: nn.Module, x: torch.Tensor, y: torch.Tensor):
-    def held_out_logits():
-        net.eval()
-        with torch.no_grad():
-            return net(x), y
-
-    return held_out_logits
-
-
 def test_statistics_that_lower_held_out_accuracy_are_discarded_and_the_model_restored():
     """The reported bug: recomputed statistics took held-out accuracy from 0.963 to 0.812 and the
     worse model was saved. Here the training data are shifted against the held-out data, so their
@@ -39,7 +31,7 @@ def test_statistics_that_lower_held_out_accuracy_are_discarded_and_the_model_res
     net, (x, y) = _net(), _held_out()
     before = {k: v.clone() for k, v in net[0].state_dict().items()}
     shifted = TensorDataset(torch.randn(256, 2) + torch.tensor([3.0, 0.0]), torch.zeros(256, dtype=torch.long))
-    d = post_training.recompute_batchnorm(net, DataLoader(shifted, batch_size=64), _logits_of(net, x, y), "cpu")
+    d = recompute_batchnorm(net, DataLoader(shifted, batch_size=64), (x, y))
     assert d is not None and not d.kept and d.after < d.before and d.n_heldout == 400
     for k, v in net[0].state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -50,7 +42,7 @@ def test_statistics_that_help_held_out_accuracy_are_kept():
     net, (x, y) = _net(), _held_out()
     net[0].running_mean.fill_(3.0)  # statistics from samples far from the data
     same = TensorDataset(torch.randn(512, 2), torch.zeros(512, dtype=torch.long))
-    d = post_training.recompute_batchnorm(net, DataLoader(same, batch_size=64), _logits_of(net, x, y), "cpu")
+    d = recompute_batchnorm(net, DataLoader(same, batch_size=64), (x, y))
     assert d is not None and d.kept and d.after > d.before
     assert net[0].running_mean.abs().max() < 0.3
 
@@ -59,10 +51,10 @@ def test_without_a_held_out_split_nothing_is_changed():
     net = _net()
     net[0].running_mean.fill_(3.0)
     loader = DataLoader(TensorDataset(torch.randn(64, 2), torch.zeros(64, dtype=torch.long)), batch_size=32)
-    d = post_training.recompute_batchnorm(net, loader, None, "cpu")
+    d = recompute_batchnorm(net, loader, None)
     assert d is not None and not d.kept and "held-out" in d.reason
     assert float(net[0].running_mean[0]) == 3.0
-    assert post_training.recompute_batchnorm(nn.Linear(2, 2), loader, None, "cpu") is None  # no BatchNorm
+    assert recompute_batchnorm(nn.Linear(2, 2), loader, None) is None  # no BatchNorm
 
 
 def test_a_temperature_is_kept_only_when_it_lowers_the_held_out_ece():
