@@ -54,8 +54,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "jem_10": {**PAPER, "sgld_steps": 10},
     "jem_5": {**PAPER, "sgld_steps": 5},
     "jem_5_gaussian": {**PAPER, "sgld_steps": 5, "init": "gaussian"},
-    "jem_5_proximal": {**PAPER, "sgld_steps": 5, "proximal": 0.03},
-    "jem_5_proximal_l2": {**PAPER, "sgld_steps": 5, "proximal": 0.03, "l2_weight": 0.1},
+    "jem_5_proximal": {**PAPER, "sgld_steps": 5, "sgld_grad_clamp": 0.03},
+    "jem_5_proximal_l2": {**PAPER, "sgld_steps": 5, "sgld_grad_clamp": 0.03, "l2_weight": 0.1},
     "jem_5_fast": {**FAST, "baseline": "baseline_fast", "plots": True},
     "jem_5_fast_gaussian": {**FAST, "init": "gaussian"},
     "jem_5_fast_64": {**FAST, "n_samples": 64},
@@ -194,7 +194,7 @@ def _heldout_job(
     loss_fn = None
     kw = dict(kw or {})
     if name != "baseline":
-        sampler = SGLD(steps=kw["sgld_steps"], step_size=1.0, noise=0.01, grad_clamp=kw.get("proximal"))
+        sampler = SGLD(steps=kw["sgld_steps"], step_size=1.0, noise=0.01, grad_clamp=kw.get("sgld_grad_clamp"))
         init = kw.get("init", "uniform")
         buffer = ReplayBuffer(
             10000, (1, 8, 8), reinit_freq=0.05, init=init, num_classes=5 if init == "gaussian" else None

@@ -77,7 +77,8 @@ def _count(v: Any) -> bool:
 @dataclass(frozen=True)
 class SamplerConfig:
     """SGLD: steps, step size (a number or a :class:`~jem_plugin.schedules.Poly` schedule), noise,
-    the elementwise gradient clamp, how samples pass BatchNorm, which colour axes steps move."""
+    the elementwise gradient clamp, whether chains stay in the input domain, how samples pass
+    BatchNorm, which colour axes steps move."""
 
     steps: int = field(default=20, metadata=_meta("SGLD steps per chain"))
     step_size: float | Poly = field(default=1.0, metadata=_meta("SGLD step size"))
@@ -85,6 +86,7 @@ class SamplerConfig:
     grad_clamp: float | None = field(
         default=None, metadata=_meta("clamp each SGLD gradient elementwise to [-c, c] (JEM++'s proximal SGLD)")
     )
+    clamp: bool = field(default=True, metadata=_meta("keep the chains inside the model's input domain"))
     batchnorm: Literal["joint", "separate"] = field(
         default="joint",
         metadata=_meta(
@@ -119,6 +121,7 @@ class SamplerConfig:
             step_size=self.step_size,
             noise=self.noise,
             grad_clamp=self.grad_clamp,
+            clamp=self.clamp,
             batchnorm=self.batchnorm,
             colours=self.colours,
             generator=generator,

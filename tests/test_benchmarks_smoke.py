@@ -179,7 +179,7 @@ def test_robustness_table_from_a_digits_run(tmp_path):
     from benchmarks import bench_robustness
     from jem_plugin.app.experiments import run_digits
 
-    run_digits(tmp_path, epochs=1, sgld_steps=2, buffer_size=200, class_sample_steps=2, progress=False, plots=False)
+    run_digits(tmp_path, epochs=1, sgld_steps=2, buffer_capacity=200, class_sample_steps=2, progress=False, plots=False)
     res = bench_robustness.run(tmp_path, n=16, steps=2, defense_step_sizes=(1.0, 0.1))
     assert set(res["results"]) == {"baseline", "JEM"} | {
         f"{m} + SGLD defence (step {s}, worst case)" for m in ("baseline", "JEM") for s in ("1", "0.1")

@@ -520,7 +520,7 @@ def test_a_run_cut_short_says_so_in_the_result_and_the_report(tmp_path, monkeypa
     monkeypatch.setattr(
         experiments,
         "DEMO_RECIPE",
-        {**experiments.DEMO_RECIPE, "epochs": 4, "buffer_size": 200, "class_sample_steps": 1},
+        {**experiments.DEMO_RECIPE, "epochs": 4, "buffer_capacity": 200, "class_sample_steps": 1},
     )
     real_run = experiments.run_digits
     monkeypatch.setattr(

@@ -60,6 +60,7 @@ _CHANGED = {
         step_size=Poly(0.5, power=0.6, end=0.1),
         noise=0.002,
         grad_clamp=0.07,
+        clamp=False,
         batchnorm="separate",
         colours="data",
     ),

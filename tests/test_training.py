@@ -277,7 +277,7 @@ def test_run_digits_smoke_writes_metrics_and_figures(tmp_path):
         tmp_path,
         epochs=1,
         sgld_steps=1,
-        buffer_size=200,
+        buffer_capacity=200,
         class_sample_steps=1,
         warmup_iters=10,
         progress=False,

@@ -25,7 +25,7 @@ import json
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +34,11 @@ from torch.utils.data import DataLoader
 
 from .. import calibration, ood
 from .._checks import model_device
-from ..buffer import ReplayBuffer
-from ..losses import JEMLoss
 from ..model import JEM, wrap
-from ..recipes import SamplerConfig, get_recipe
+from ..recipes import Recipe, SamplerConfig, get_recipe
 from ..sample_quality import sample_quality, train_judge
 from ..sampling import SGLD
-from ..training import History, fit
+from ..training import FitOptions, History, fit
 from . import data as D
 from .model_files import model_spec, save_model_checkpoint
 from .nets import DigitsCNN
@@ -61,33 +59,22 @@ __all__ = [
 OOD_SCORES = ("logpx", "msp", "grad_norm", "grad_norm_projected")
 
 
+# The digits reference: the paper's recipe, its 1000 warm-up iterations not capped to the run.
+DIGITS_RECIPE = get_recipe("paper").replace(warmup_max_fraction=1.0)
+
+
 @dataclass
 class DigitsConfig:
-    """Settings of one digits experiment (defaults: the paper's recipe on a small CNN)."""
+    """The digits experiment's own settings (network, run length, evaluation); the JEM's are a
+    :class:`~jem_plugin.recipes.Recipe` (default: the paper's)."""
 
+    recipe: Recipe = DIGITS_RECIPE
     epochs: int = 150
     batch_size: int = 64
-    lr: float = 1e-4
-    warmup_iters: int = 1000
     decay_epochs: tuple[int, ...] = ()  # multiply the LR by 0.3 at these epochs (paper: none here)
     width: int = 32
     act: str = "leaky_relu"
     pool: str = "max"
-    # JEM
-    sgld_steps: int = 20
-    step_size: float = 1.0
-    noise: float = 0.01
-    data_noise: float = 0.03
-    buffer_size: int = 10000
-    reinit_freq: float = 0.05
-    init: str = "uniform"  # "uniform" (JEM) or "gaussian" (per-class, JEM++)
-    proximal: float | None = None  # SGLD grad_clip (JEM++'s proximal SGLD)
-    clamp: bool = True  # clamp chains to [-1, 1] (the reference code does not)
-    l2_weight: float = 0.0  # energy L2 regulariser (data and sample energies)
-    px_weight: float = 1.0
-    n_samples: int | None = None  # SGLD chains per step (default: the batch size)
-    pxy_weight: float = 0.0
-    # bookkeeping
     seed: int = 0
     test_fraction: float = 0.2
     class_sample_steps: int = 60  # conditional SGLD steps for the per-class grid
@@ -95,28 +82,30 @@ class DigitsConfig:
     baseline_epochs: int | None = None  # default: same as epochs
 
     def jem_name(self) -> str:
-        parts = [f"{self.sgld_steps} steps", f"{self.init} init"]
-        if self.proximal:
-            parts.append(f"proximal {self.proximal:g}")
-        if self.l2_weight:
-            parts.append(f"L2 {self.l2_weight:g}")
+        r = self.recipe
+        parts = [f"{r.sampler.steps} steps", f"{r.buffer.init.kind} init"]
+        if r.sampler.grad_clamp:
+            parts.append(f"proximal {r.sampler.grad_clamp:g}")
+        if r.loss.l2_weight:
+            parts.append(f"L2 {r.loss.l2_weight:g}")
         return "JEM (" + ", ".join(parts) + ")"
 
+    def as_dict(self) -> dict[str, Any]:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "recipe"}
+        return {**fields, "recipe": self.recipe.to_dict()}
 
-#: The reference measurement's setup (issue 3).
+
+#: The reference measurement's setup: :data:`DIGITS_RECIPE` as it is.
 PAPER_RECIPE: dict[str, Any] = {}
-#: Fewer SGLD steps at equal quality, chosen by measurement (digits, one core):
-#: 5 steps instead of 20 on 32 chains per batch instead of 64, the energy L2 regulariser (0.1),
-#: and a learning rate/warmup suited to a 22-iteration epoch (the paper's 1000 warmup iterations
-#: are 45 of the 150 epochs here, and at 1e-4 JEM learns classes more slowly than the baseline
-#: and ends 1-2 points short). Measured (``python -m jem_plugin.app.experiments OUT --fast --seed S``),
-#: seed 0: accuracy 0.981 (baseline 0.978), log p(x) AUROC 1.00/1.00/0.82/1.00, gradient-norm
-#: AUROC 1.00/0.997 (noise, patches), 3.6x the baseline's CPU time; seeds 1-3: accuracy -1.7,
-#: +0.8, +0.3 points vs their baselines, the OOD targets met on all. Uniform init and plain SGLD
+#: Fewer SGLD steps at equal quality, chosen by measurement (digits, one core): settings by their
+#: recipe names over :data:`DIGITS_RECIPE`. 5 steps instead of 20 on 32 chains per batch instead of
+#: 64, the energy L2 regulariser (0.1), and a learning rate/warmup suited to a 22-iteration epoch
+#: (the paper's 1000 warmup iterations are 45 of the 150 epochs here, and at 1e-4 JEM learns
+#: classes more slowly than the baseline and ends 1-2 points short). Uniform init and plain SGLD
 #: measured better than per-class Gaussian init and proximal SGLD here; unclamped chains drift to
 #: +-4 and lose the model after ~90 epochs.
 FAST_RECIPE: dict[str, Any] = {
-    name: getattr(get_recipe("fast"), name)  # one copy: jem_plugin.recipes
+    name: get_recipe("fast").flat()[name]  # one copy: jem_plugin.recipes
     for name in ("sgld_steps", "n_samples", "l2_weight", "lr", "warmup_iters")
 }
 #: Seconds kept aside from the demo's budget for evaluation and figures.
@@ -150,33 +139,6 @@ def _save_model(path: Path, jm: JEM, cfg: DigitsConfig) -> None:
 def _loader(train, cfg: DigitsConfig) -> DataLoader:
     g = torch.Generator().manual_seed(cfg.seed)
     return DataLoader(train, batch_size=cfg.batch_size, shuffle=True, drop_last=True, generator=g)
-
-
-def _jem_loss(cfg: DigitsConfig, x_train, y_train, device):
-
-    sampler = SGLD(
-        steps=cfg.sgld_steps, step_size=cfg.step_size, noise=cfg.noise, grad_clip=cfg.proximal, clamp=cfg.clamp
-    )
-    cond = cfg.init == "gaussian" or cfg.pxy_weight > 0
-    buffer = ReplayBuffer(
-        cfg.buffer_size,
-        (1, 8, 8),
-        reinit_freq=cfg.reinit_freq,
-        init=cfg.init,
-        num_classes=10 if cond else None,
-        device=device,
-    )
-    if cfg.init == "gaussian":
-        buffer.fit(x_train.to(device), y_train.to(device))
-    return JEMLoss(
-        sampler,
-        buffer,
-        px_weight=cfg.px_weight,
-        pxy_weight=cfg.pxy_weight,
-        l2_weight=cfg.l2_weight,
-        data_noise=cfg.data_noise,
-        n_samples=cfg.n_samples,
-    ).to(device)
 
 
 @torch.no_grad()
@@ -258,10 +220,10 @@ def _sample_grids(
     start = buffer.data[torch.randperm(buffer.capacity, generator=g, device=buffer.data.device)[: 10 * per]]
     sampler = SGLD(
         steps=cfg.class_sample_steps,
-        step_size=cfg.step_size,
-        noise=cfg.noise,
-        grad_clip=cfg.proximal,
-        clamp=cfg.clamp,
+        step_size=cfg.recipe.sampler.step_size,
+        noise=cfg.recipe.sampler.noise,
+        grad_clamp=cfg.recipe.sampler.grad_clamp,
+        clamp=cfg.recipe.sampler.clamp,
         generator=g,
     )
     x_cls = sampler.sample(jm, x_init=start, y=y).cpu()
@@ -450,13 +412,8 @@ def truncation_note(truncated: Mapping[str, tuple[int, int]], suggest_seconds: f
 # ---------------------------------------------------------------------------- the experiment
 def run_digits(
     out_dir: str | Path,
+    recipe: Recipe | None = None,
     *,
-    epochs: int = 150,
-    sgld_steps: int = 20,
-    init: str = "uniform",
-    proximal: float | None = None,
-    l2_weight: float = 0.0,
-    seed: int = 0,
     baseline: bool = True,
     progress: bool = True,
     device: str | torch.device = "cpu",
@@ -464,15 +421,16 @@ def run_digits(
     budget_seconds: float | None = None,
     guard_policy: str | None = "raise",
     plots: bool = True,
-    **overrides: Any,
+    **settings: Any,
 ) -> dict[str, Any]:
     """Train a baseline and a JEM :class:`~jem_plugin.app.nets.DigitsCNN` on the digits, evaluate both,
     write ``metrics.json`` and figures to ``out_dir``; returns the result dict.
 
-    Defaults are the paper's recipe (Adam 1e-4, warmup 1000, 20 SGLD steps of size 1 and noise
-    0.01, data noise 0.03, buffer 10000, reinit 0.05, batch 64). ``init="gaussian"``,
-    ``proximal=<grad clip>`` and ``l2_weight`` give JEM++-style fast variants; any other
-    :class:`DigitsConfig` field can be overridden by keyword. ``max_seconds`` caps each run's
+    ``recipe``: the JEM's (default :data:`DIGITS_RECIPE`, the paper's: Adam 1e-4, warmup 1000,
+    20 SGLD steps of size 1 and noise 0.01, data noise 0.03, buffer 10000, reinit 0.05).
+    ``settings``: :class:`DigitsConfig` fields (``epochs``, ``seed``, ``width``, ...) and recipe
+    settings by their flat names (``sgld_steps``, ``init``, ``sgld_grad_clamp``, ``l2_weight``:
+    JEM++-style fast variants). ``max_seconds`` caps each run's
     training time; ``budget_seconds`` caps both together (the baseline gets at most a quarter,
     JEM the rest; the demo's budget); a run cut short reports fewer ``epochs``. ``guard_policy``
     (``"raise"``, the default, or ``"rollback"``; ``None`` turns it off) watches the JEM run
@@ -483,15 +441,12 @@ def run_digits(
     epochs, seconds_per_epoch, train_seconds) and ``planned_epochs``; a run stopped early by the
     time budget adds ``"truncated": {run: (done, planned)}`` and a ``"warning"`` sentence.
     """
+    experiment = {f.name for f in dataclasses.fields(DigitsConfig)}
+    recipe_settings = {k: v for k, v in settings.items() if k not in experiment}
     cfg = replace(
         DigitsConfig(),
-        epochs=epochs,
-        sgld_steps=sgld_steps,
-        init=init,
-        proximal=proximal,
-        l2_weight=l2_weight,
-        seed=seed,
-        **overrides,
+        recipe=(recipe or DIGITS_RECIPE).replace(**recipe_settings),
+        **{k: v for k, v in settings.items() if k in experiment},
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -507,8 +462,14 @@ def run_digits(
 
     t_start = time.perf_counter()
 
-    def train_and_eval(tag: str, loss_fn, n_epochs: int) -> tuple[Any, dict]:
+    def train_and_eval(tag: str, jem_recipe: Recipe | None, n_epochs: int) -> tuple[Any, Any, dict]:
         jm = _build(cfg, device)
+        loader = _loader(train, cfg)
+        setup = (
+            jem_recipe.build(jm, (x_train, y_train), total_iters=n_epochs * len(loader), batch_size=cfg.batch_size)
+            if jem_recipe is not None
+            else None
+        )
         torch.manual_seed(cfg.seed + 1)
         limit = max_seconds
         if budget_seconds is not None:
@@ -518,18 +479,19 @@ def run_digits(
         t0 = time.perf_counter()
         hist = fit(
             jm,
-            _loader(train, cfg),
+            loader,
+            setup,
             epochs=n_epochs,
-            lr=cfg.lr,
-            warmup_iters=cfg.warmup_iters,
-            decay_epochs=cfg.decay_epochs,
-            loss_fn=loss_fn,
+            optimizer=None if setup is not None else cfg.recipe.optim,  # the baseline: the same optimiser
             val_data=(x_test, y_test),
-            eval_every=max(1, n_epochs // 30),
-            progress=progress,
-            max_seconds=limit,
-            desc=tag,
-            guard_policy=guard_policy if loss_fn is not None else None,
+            options=FitOptions(
+                eval_every=max(1, n_epochs // 30),
+                progress=progress,
+                max_seconds=limit,
+                desc=tag,
+                guard_policy=guard_policy if setup is not None else None,
+                decay_epochs=tuple(cfg.decay_epochs),
+            ),
         )
         wall = time.perf_counter() - t0
         histories[tag] = hist
@@ -549,12 +511,12 @@ def run_digits(
             }
         )
         runs[tag] = {"summary": summary, "detail": detail, "stopped": hist.stopped, "planned_epochs": n_epochs}
-        return jm, runs[tag]
+        return jm, setup, runs[tag]
 
     if baseline:
         train_and_eval("baseline", None, cfg.baseline_epochs or cfg.epochs)
-    loss_fn = _jem_loss(cfg, x_train, y_train, device)
-    jm, _ = train_and_eval(jem_label, loss_fn, cfg.epochs)
+    jm, setup, _ = train_and_eval(jem_label, cfg.recipe, cfg.epochs)
+    loss_fn = setup.loss
     runs[jem_label]["recipe"] = cfg.jem_name()
     x_cond: torch.Tensor | None = None
     y_cond: torch.Tensor | None = None
@@ -608,7 +570,7 @@ def run_digits(
             f"Digits (sklearn 8x8, {len(x_train)} train / {len(x_test)} test), DigitsCNN width "
             f"{cfg.width}; baseline vs {cfg.jem_name()}, {epochs_text}."
         ),
-        "config": asdict(cfg),
+        "config": cfg.as_dict(),
         "runs": runs,
         "ood_sets": {k: int(v.shape[0]) for k, v in ood_sets.items()},
         "device": str(device),
@@ -694,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     kw: dict[str, Any] = dict(FAST_RECIPE if args.fast else DEMO_RECIPE if args.demo else PAPER_RECIPE)
+    names = {"proximal": "sgld_grad_clamp", "clamp": "sgld_clamp"}  # this script's flags -> recipe names
     for name in (
         "epochs",
         "sgld_steps",
@@ -709,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         v = getattr(args, name)
         if v is not None:
-            kw[name] = tuple(v) if isinstance(v, list) else v
+            kw[names.get(name, name)] = tuple(v) if isinstance(v, list) else v
     result = run_digits(
         args.out,
         seed=args.seed,

@@ -10,7 +10,7 @@ from ..report import metric_label, write_report
 from ._common import _check_install, _device, _out_dir
 
 # `jem demo --smoke`: the whole pipeline in seconds (tests, a first look); not a meaningful result.
-SMOKE_DEMO = {"epochs": 1, "sgld_steps": 2, "buffer_size": 500, "class_sample_steps": 2, "judge_epochs": 5}
+SMOKE_DEMO = {"epochs": 1, "sgld_steps": 2, "buffer_capacity": 500, "class_sample_steps": 2, "judge_epochs": 5}
 
 
 def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
