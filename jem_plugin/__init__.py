@@ -34,8 +34,10 @@ from .integrations.mixin import GenerativeLossMixin
 from .losses import JEMLoss, LossOutput
 from .model import JEM, as_jem, input_grad_enabled, wrap
 from .plugins import get_plugin_manager, hookimpl, list_plugins, register, unregister
+from .recipes import Recipe, get_recipe, list_recipes
 from .sampling import SGLD, SGLDDiagnostics, SGLDStepState
 from .stability import DivergenceGuard
+from .training import FitOptions, fit
 
 __version__ = "0.1.0"
 
@@ -52,6 +54,11 @@ __all__ = [
     "ReplayBuffer",
     "JEMLoss",
     "LossOutput",
+    "Recipe",
+    "get_recipe",
+    "list_recipes",
+    "fit",
+    "FitOptions",
     "GenerativeLossMixin",
     "DivergenceGuard",
     "Checkpointer",
