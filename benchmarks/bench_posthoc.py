@@ -434,18 +434,16 @@ def score_network(
     # ---- ours: one call per model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the JEM scores' warning on a cross-entropy model: expected here
-        t_main, s_main = ood.evaluate_all(
-            jm, D["xt"], main_sets, methods, fit_data=_loader(D["x"], D["y"]), progress=False, return_scores=True
-        )
-        t_ho, s_ho = ood.evaluate_all(
+        t_main = ood.evaluate_all(jm, D["xt"], main_sets, methods, fit_data=_loader(D["x"], D["y"]), progress=False)
+        t_ho = ood.evaluate_all(
             jm8,
             D["xt07"],
             {"held_out": D["xt89"]},
             methods,
             fit_data=_loader(D["x07"], D["y07"]),
             progress=False,
-            return_scores=True,
         )
+        s_main = t_main.scores
     ours = ood.OODTable(t_main.records + t_ho.records, t_main.methods, SETS, t_main.timing)
 
     # ---- pytorch-ood: every detector, same models, same images

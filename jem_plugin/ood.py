@@ -42,6 +42,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ._checks import INPUT_KEYS, DomainCheck, check_input, model_device, same_device, unpack_batch
+from ._deprecation import old_spellings
 from .errors import InvalidInputError, InvalidScoresError, NotFittedError
 from .model import as_jem, sampling_mode
 from .plugins import collect, lookup
@@ -340,7 +341,9 @@ class OODTable(dict):
       (``"ok"``, ``"skipped"``, ``"failed"``, ``"non-finite"``), a one-line ``reason`` and the
       scoring time per 1000 images; skipped and failed pairs are there, not in the mapping;
     - :meth:`best`: the best score per set; :meth:`to_text` (also ``str(table)``): a printable
-      table marking it with ``*``; :meth:`to_csv`; :func:`jem_plugin.viz.plot_ood_table` draws it.
+      table marking it with ``*``; :meth:`to_csv`; :func:`jem_plugin.viz.plot_ood_table` draws it;
+    - ``scores``: the raw scores, ``{score: {"in": Tensor, set: Tensor, ...}}`` for every score
+      that ran, ready for :func:`jem_plugin.viz.plot_histograms` / ``plot_roc``.
     """
 
     def __init__(
@@ -349,6 +352,7 @@ class OODTable(dict):
         methods: Sequence[str] = (),
         sets: Sequence[str] = (),
         timing: Mapping[str, Mapping[str, float]] | None = None,
+        scores: Mapping[str, Mapping[str, Tensor]] | None = None,
     ) -> None:
         super().__init__()
         self.records: list[dict[str, Any]] = [dict(r) for r in records]
@@ -356,6 +360,8 @@ class OODTable(dict):
         self.sets: list[str] = list(sets) or list(dict.fromkeys(r["set"] for r in self.records))
         #: ``{score: {"seconds_per_1000", "fit_seconds", "n_images"}}`` of the scores that ran.
         self.timing: dict[str, dict[str, float]] = {k: dict(v) for k, v in (timing or {}).items()}
+        #: ``{score: {"in": Tensor, set name: Tensor, ...}}``: the scores behind the table.
+        self.scores: dict[str, dict[str, Tensor]] = {k: dict(v) for k, v in (scores or {}).items()}
         for r in self.records:
             if r["status"] == "ok":
                 self.setdefault(r["score"], {})[r["set"]] = {m: r[m] for m in _METRICS}
@@ -531,8 +537,8 @@ def evaluate_all(
     batch_size: int = 256,
     progress: bool | None = None,
     input_key: str | None = None,
-    return_scores: bool = False,
-):
+    **deprecated: Any,
+) -> OODTable:
     """Compare OOD scores: every score in ``methods`` against every OOD set, in one call.
 
     Returns an :class:`OODTable`: the dict ``{method: {set name: evaluate(...)}}`` (as before)
@@ -554,10 +560,15 @@ def evaluate_all(
     - ``data_in`` and each value of ``data_out`` are anything :func:`score` takes; the
       in-distribution data is scored once per method. ``method_kwargs`` gives per-method
       options, e.g. ``{"msp": {"temperature": 1000.0}}`` (a detector's go to its constructor).
-    - ``return_scores=True`` returns ``(table, scores)`` with ``scores[method] = {"in": Tensor,
-      name: Tensor, ...}``, ready for :func:`jem_plugin.viz.plot_histograms` / ``plot_roc``.
+    - ``table.scores[method] = {"in": Tensor, name: Tensor, ...}``: the scores themselves, ready
+      for :func:`jem_plugin.viz.plot_histograms` / ``plot_roc``. The old ``return_scores=True``
+      (returning ``(table, scores)``) still works for one release, with a ``DeprecationWarning``.
     """
     from .errors import NotWrappedError
+
+    return_scores = old_spellings(
+        "evaluate_all", deprecated, {"return_scores": "table = evaluate_all(...) and read table.scores"}
+    ).get("return_scores", False)
 
     if not isinstance(data_out, Mapping) or not data_out:
         raise InvalidInputError("data_out must be a non-empty dict {name: OOD data}")
@@ -628,5 +639,5 @@ def evaluate_all(
                 add(m, name, "non-finite", bad)
             else:
                 add(m, name, "ok", metrics=evaluate(s["in"], s[name], positive=positive))
-    table = OODTable(records, names, sets, timing)
-    return (table, scores) if return_scores else table
+    table = OODTable(records, names, sets, timing, scores)
+    return (table, table.scores) if return_scores else table  # type: ignore[return-value]  # the old spelling

@@ -322,15 +322,15 @@ def test_bad_data_is_rejected(jm, x):
 def test_evaluate_all_every_method_against_every_set(jm, x):
     far = 5.0 * torch.rand_like(x) + 1.0
     noise = torch.rand(40, 1, 8, 8)
-    res, scores = ood.evaluate_all(
+    res = ood.evaluate_all(
         jm,
         x,
         {"far": far, "noise": DataLoader(TensorDataset(noise), batch_size=16)},
         methods=("logpx", "msp"),
         method_kwargs={"msp": {"temperature": 2.0}},
         progress=False,
-        return_scores=True,
     )
+    scores = res.scores
     assert set(res) == {"logpx", "msp"} and set(res["logpx"]) == {"far", "noise"}
     assert res["logpx"]["far"] == ood.evaluate(ood.score(jm, x, progress=False), ood.score(jm, far, progress=False))
     torch.testing.assert_close(scores["msp"]["noise"], ood.score(jm, noise, "msp", temperature=2.0, progress=False))
