@@ -32,12 +32,9 @@ BUILTIN_NETS = ("digits-cnn", "toy-mlp", "wrn28-10", "wrn-D-K")
 _WRN = re.compile(r"wrn-?(\d+)-(\d+)")  # wrn28-10, wrn-16-8: WideResNet(depth, widen_factor)
 CKPT_FORMAT = "jem-plugin/model/1"
 SAMPLER_FORMAT = "jem-plugin/sampler/1"
-# What `jem sample` does not take from the run's sampler: how a chain is recorded or run, not
+# What `jem sample` does not take from the run's sampler: how a chain is run (CUDA graph), not
 # what it draws (every other SGLD setting travels, a new one included), and the generator.
 _SAMPLER_NOT_REUSED = (
-    "record_trajectory",
-    "record_energies",
-    "progress",
     "cuda_graph",
     "generator_state",
     "generator_device",
@@ -474,4 +471,9 @@ def load_run_sampler(model_path: str | Path, device=None):
     buffer.load_state_dict(stored["buffer"])  # a fitted init sizes its tensors on load
     if device is not None:
         buffer.to(device)
-    return dict(stored["sgld"]), buffer
+    from ..sampling import SGLD  # lazy, as above
+
+    sampler = SGLD()
+    sampler.load_state_dict(dict(stored["sgld"]))  # a file from an older jem train: its spellings translated
+    settings = {k: v for k, v in sampler.state_dict().items() if k not in _SAMPLER_NOT_REUSED}
+    return settings, buffer
