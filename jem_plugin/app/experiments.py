@@ -254,7 +254,7 @@ def sample_quality_figures(
     seed: int = 0,
 ) -> dict[str, float]:
     """The replay buffer's samples against held-out images as an independent ``judge`` sees them
-    (:mod:`jem_plugin.sample_quality`), with the reference points beside them (issue 16).
+    (:mod:`jem_plugin.sample_quality`), with the reference points beside them.
 
     Every Fréchet distance compares ``n`` images with the same ``n`` held-out images (one half of
     ``x_heldout``; FD depends on ``n``): ``fd_buffer`` (``n`` buffer samples), ``fd_init`` (``n``
@@ -525,7 +525,7 @@ def run_digits(
         # metrics.json only, outside the report's summary: noise the model likes satisfies it.
         runs[jem_label]["model_accuracy_on_own_samples"] = class_sample_accuracy
     if cfg.judge_epochs > 0 and bool(loss_fn.buffer.initialized):
-        # An independent judge (issue 16): the JEM's own class-sample accuracy cannot tell digits from
+        # An independent judge: the JEM's own class-sample accuracy cannot tell digits from
         # noise it likes. The baseline has no buffer and draws no samples here: nothing to judge.
 
         judge = train_judge(
