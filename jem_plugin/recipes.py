@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+from ._checks import unpack_batch
 from .buffer import ReplayBuffer
 from .covariance import COVARIANCE_KINDS, Full, Stationary
 from .errors import InvalidInputError, UnknownNameError
@@ -340,7 +341,7 @@ class Recipe:
             value = _get_path(self, path)
             if value is _MISSING:
                 continue
-            out[name] = value.kind if _is_spec(value) else value
+            out[name] = _kind_of(value) if _is_spec(value) else value
         return out
 
     def replace(self, **changes: Any) -> Recipe:
@@ -364,7 +365,7 @@ class Recipe:
                 if value not in kinds:
                     raise InvalidInputError(f"{name} must be one of {', '.join(kinds)}, got {value!r}")
                 current = _get_path(recipe, path)
-                if _is_spec(current) and current.kind == value:
+                if _is_spec(current) and _kind_of(current) == value:
                     continue  # keep its settings
                 value = kinds[value]()
             elif _get_path(recipe, path) is _MISSING:
@@ -414,7 +415,7 @@ class Recipe:
     def build(
         self,
         jm: nn.Module,
-        data: Tensor | tuple[Tensor, Tensor] | Dataset | DataLoader,
+        data: Tensor | tuple[Tensor, Tensor] | Dataset | Iterable,
         *,
         total_iters: int | None = None,
         batch_size: int | None = None,
@@ -423,8 +424,8 @@ class Recipe:
     ) -> JEMSetup:
         """The sampler, buffer, loss, optimiser and extensions of this recipe for ``jm``.
 
-        ``data``: training examples ``x`` (``[N, ...]``), ``(x, y)``, a dataset or a loader of
-        ``(x, y)``. The input shape is read from it, and an informative init distribution
+        ``data``: training examples ``x`` (``[N, ...]``), ``(x, y)``, a dataset, or a loader (any
+        iterable) of ``(x, y)`` batches. The input shape is read from it, and an informative init distribution
         (``gaussian``) is fitted on its first ``fit_examples`` examples, here, once. ``total_iters``
         (and ``batch_size`` when ``n_samples`` is unset): the run's length, which sizes a buffer
         with ``visits`` and caps the warm-up; without it such a buffer keeps ``capacity`` (with a
@@ -597,6 +598,18 @@ def _examples(data: Any, limit: int) -> tuple[Tensor, Tensor | None]:
         if isinstance(batch, (tuple, list)) and len(batch) >= 2:
             return batch[0], torch.as_tensor(batch[1])
         return batch, None
+    if isinstance(data, Iterable):  # batches of (x, y): the first ones, up to the limit
+        xs, ys, n = [], [], 0
+        for batch in data:
+            x, y = unpack_batch(batch, need_labels=False)
+            xs.append(x)
+            ys.append(None if y is None else torch.as_tensor(y))
+            n += len(x)
+            if n >= limit:
+                break
+        if xs:
+            labels = None if any(y is None for y in ys) else torch.cat([y for y in ys if y is not None])[:limit]
+            return torch.cat(xs)[:limit], labels
     raise InvalidInputError(
         f"Recipe.build needs training examples: a tensor x, a pair (x, y), a dataset or a loader; got {type(data).__name__}"
     )
@@ -636,8 +649,13 @@ def _is_spec(value: Any) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(type(value), "kind")
 
 
+def _kind_of(value: Any) -> str:
+    """The kind of a union choice (``"gaussian"``, ``"lowrank"``, ...)."""
+    return str(value.kind)
+
+
 def _describe(value: Any) -> str:
-    return f"{type(value).__name__.lower()} {value.kind!r}" if _is_spec(value) else type(value).__name__
+    return f"{type(value).__name__.lower()} {_kind_of(value)!r}" if _is_spec(value) else type(value).__name__
 
 
 def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
@@ -769,7 +787,7 @@ def _translate_old_names(changes: Mapping[str, Any], stacklevel: int) -> dict[st
 def _to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         body = {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        return {"kind": value.kind, **body} if _is_spec(value) else body
+        return {"kind": _kind_of(value), **body} if _is_spec(value) else body
     if isinstance(value, tuple):
         return [_to_plain(v) for v in value]
     return value
@@ -797,7 +815,7 @@ def _from_plain(cls: type, data: Mapping[str, Any]) -> Any:
 
 # ---------------------------------------------------------------------------- the presets
 _FAST_OPTIM = OptimConfig(lr=3e-4, warmup_iters=200)
-_CLAMPED = dict(noise=0.0, grad_clamp=0.03)
+_CLAMPED: dict[str, Any] = dict(noise=0.0, grad_clamp=0.03)  # JEM++'s noise-free clamped steps
 
 RECIPES: dict[str, Recipe] = {
     "paper": Recipe(

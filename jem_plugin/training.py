@@ -421,29 +421,30 @@ def fit(
         recipe = recipe.build(
             jm, train_loader, total_iters=epochs * iters, batch_size=getattr(train_loader, "batch_size", None)
         )
+    opt: torch.optim.Optimizer
     if isinstance(recipe, JEMSetup):
         setup = recipe
         loss_fn, extensions, warmup = setup.loss, list(setup.extensions), setup.warmup_iters
-        optimizer, max_grad_norm = setup.optimizer, setup.recipe.optim.max_grad_norm
+        opt, max_grad_norm = setup.optimizer, setup.recipe.optim.max_grad_norm
     else:
         optim_cfg = OptimConfig()
         if isinstance(optimizer, tuple):  # a torch optimiser, and the warm-up it gets
-            optimizer, optim_cfg = optimizer
-        elif isinstance(optimizer, OptimConfig) or optimizer is None:
-            optim_cfg = optimizer or optim_cfg
-            optimizer = optim_cfg.build(jm.parameters())
+            opt, optim_cfg = optimizer
+        else:
+            optim_cfg = optimizer if isinstance(optimizer, OptimConfig) else optim_cfg
+            opt = optim_cfg.build(jm.parameters())
         warmup, max_grad_norm = optim_cfg.warmup_for(epochs * iters), optim_cfg.max_grad_norm
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_schedule(warmup, iters, options.decay_epochs, options.decay_rate)
+        opt, warmup_schedule(warmup, iters, options.decay_epochs, options.decay_rate)
     )
-    state = TrainState(jm, optimizer, scheduler, loss_fn, History(), val_data=val_data)
+    state = TrainState(jm, opt, scheduler, loss_fn, History(), val_data=val_data)
     step = _Step(state, options, extensions, max_grad_norm)
     ckpts = _Checkpoints(
         options.checkpoint_dir,
         every=options.checkpoint_every,
         keep=options.keep_checkpoints,
         loader=train_loader,
-        objects=dict(model=jm, optimizer=optimizer, scheduler=scheduler, loss=loss_fn, scaler=step.scaler),
+        objects=dict(model=jm, optimizer=opt, scheduler=scheduler, loss=loss_fn, scaler=step.scaler),
         config=setup.recipe.to_dict() if setup is not None else None,
     )
     pos = ckpts.resume(state) if options.resume else _Position()

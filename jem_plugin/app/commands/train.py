@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ... import distributed as jdist
 from ... import training
 from ..._checks import model_device
-from ...extensions import RecomputeBatchNorm
+from ...extensions import Decision, RecomputeBatchNorm
 from ...inits import Uniform
 from ...recipes import DEFAULT_RECIPE, RECIPES, Recipe, flat_names, get_recipe
 from .. import CLIError, post_training
@@ -58,7 +58,9 @@ def _optional(kind: type):
 
 def add_recipe_flags(p: argparse.ArgumentParser) -> None:
     """One flag per recipe setting, read from the recipe tree's fields (:func:`~jem_plugin.recipes.flat_names`)."""
-    group = p.add_argument_group("recipe settings (default: the --recipe's; `jem train --recipe NAME --show-recipe` prints them)")
+    group = p.add_argument_group(
+        "recipe settings (default: the --recipe's; `jem train --recipe NAME --show-recipe` prints them)"
+    )
     for name, info in flat_names().items():
         flag = "--" + name.replace("_", "-")
         if info["type"] is bool:
@@ -68,10 +70,19 @@ def add_recipe_flags(p: argparse.ArgumentParser) -> None:
         if name == "sgld_batchnorm":
             choices = [*choices, *_OLD_BATCHNORM]  # the old vocabulary, translated with a note
         kind = _optional(info["type"]) if info["optional"] else info["type"]
-        group.add_argument(flag, type=kind, choices=choices, default=None, help=info["help"], metavar=None if choices else name.split("_")[-1].upper())
+        group.add_argument(
+            flag,
+            type=kind,
+            choices=choices,
+            default=None,
+            help=info["help"],
+            metavar=None if choices else name.split("_")[-1].upper(),
+        )
     for old in OLD_FLAGS:
         kind = str if old == "batchnorm" else float
-        group.add_argument("--" + old.replace("_", "-"), dest="old_" + old, type=kind, default=None, help=argparse.SUPPRESS)
+        group.add_argument(
+            "--" + old.replace("_", "-"), dest="old_" + old, type=kind, default=None, help=argparse.SUPPRESS
+        )
 
 
 def recipe_from_args(args: argparse.Namespace, quiet: bool = False) -> Recipe:
@@ -133,9 +144,7 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     )
     p.add_argument("--batch-size", type=_positive, default=64)
     p.add_argument("--baseline", action="store_true", help="plain cross-entropy, no generative loss")
-    p.add_argument(
-        "--show-recipe", action="store_true", help="print the recipe with the settings given here, and stop"
-    )
+    p.add_argument("--show-recipe", action="store_true", help="print the recipe with the settings given here, and stop")
     p.add_argument("--on-divergence", choices=["raise", "rollback"], default="raise")
     p.add_argument("--no-resume", action="store_true", help="start over even if --out holds checkpoints")
     p.add_argument(
@@ -300,15 +309,18 @@ def _announce(args, recipe, setup, epochs: int, iters: int, out) -> None:
             f"{epochs * iters} iterations (--buffer-capacity sets it)"
         )
     if not args.no_resume and list((out / "checkpoints").glob("*.pt")):
-        print(f"jem train: {out}/checkpoints holds an earlier run of this model: continuing it (--no-resume starts over)")
+        print(
+            f"jem train: {out}/checkpoints holds an earlier run of this model: continuing it (--no-resume starts over)"
+        )
 
 
 def _report(args, info, jm, setup, history, ds, val, val_loader, spec, out, domain, images: bool) -> None:
     """After training: the buffer's picture, the sample check, held-out calibration, the files."""
     record = history.to_dict()
     scored = info.is_main and val_loader is not None
-    decisions = [e.decision for e in (setup.extensions if setup else []) if isinstance(e, RecomputeBatchNorm)]
-    decisions = [d for d in decisions if d is not None]
+    decisions: list[Decision] = [
+        e.decision for e in (setup.extensions if setup else []) if isinstance(e, RecomputeBatchNorm) and e.decision
+    ]
     small = post_training.small_held_out_warning(len(val)) if scored and val is not None else None
     if small:
         print(f"jem train: warning: {small}")
