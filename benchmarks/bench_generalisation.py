@@ -318,7 +318,7 @@ def judge_for(name: str, tiny: bool = False, cache_dir: str | None = None):
         return Judge(net, (3, 32, 32), test_accuracy=stored["test_accuracy"])
     ds = dataset(name, tiny)
     x, y = ds["pool"]
-    judge = train_judge(x, y, epochs=1 if tiny else 15, x_test=ds["test"][0], y_test=ds["test"][1], seed=0)
+    judge = train_judge(x, y, epochs=1 if tiny else 15, test=(ds["test"][0], ds["test"][1]), seed=0)
     if path:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.save({"state": judge.net.state_dict(), "test_accuracy": judge.test_accuracy}, path)

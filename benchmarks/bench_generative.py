@@ -525,7 +525,7 @@ def _evaluated_row(S, res, judge, quick, setting, key, epochs, out_dir) -> dict[
 
 
 def _judge(S: dict, quick: bool):
-    return train_judge(S["x"], S["y"], epochs=2 if quick else 15, x_test=S["xt"], y_test=S["yt"], seed=0)
+    return train_judge(S["x"], S["y"], epochs=2 if quick else 15, test=(S["xt"], S["yt"]), seed=0)
 
 
 def references(setting: str, quick: bool, n_train: int | None) -> dict[str, Any]:

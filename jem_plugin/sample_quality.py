@@ -1,7 +1,7 @@
 """Sample quality the model under test cannot fool: an independent judge's features and accuracy.
 
 A JEM's own accuracy on its class-conditional samples, and ``log p(x)`` against uniform noise,
-can look perfect while the samples are noise (issue 16: at 32x32 RGB the model classified 100% of
+can look perfect while the samples are noise (at 32x32 RGB a model can classify every one of its
 noise-like samples "correctly"). This module measures samples with a *judge*: a small classifier
 of another architecture, trained separately on the same data in seconds, never on samples.
 
@@ -18,7 +18,7 @@ of another architecture, trained separately on the same data in seconds, never o
 The Fréchet distance is biased upwards at small sample sizes: compare numbers computed at the
 same sizes (``reference_points`` splits the held-out set the same way ``sample_quality`` uses it).
 
->>> judge = train_judge(x_train, y_train)                       # seconds on a CPU
+>>> judge = train_judge(x_train, y_train, test=(x_test, y_test))  # seconds on a CPU
 >>> q = sample_quality(judge, buffer.samples(500), x_test)        # {"fd": ..., "n_samples": 500}
 >>> q = sample_quality(judge, x_cond, x_test, y_samples=y_cond)   # adds "judge_acc"
 >>> t = chain_trace(jm, judge, buffer.samples(352), x_test, sampler=loss_fn.sampler, batch_size=32)
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,12 +37,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._checks import model_device
+from ._deprecation import old_spellings
 from .errors import InvalidInputError, InvalidLabelError
 
 __all__ = [
     "frechet_distance",
     "frechet_from_moments",
     "JudgeNet",
+    "JudgeArch",
     "Judge",
     "train_judge",
     "sample_quality",
@@ -121,6 +124,21 @@ class JudgeNet(nn.Module):
         return self.head(self.body(x))
 
 
+@dataclass(frozen=True)
+class JudgeArch:
+    """The size of a :class:`JudgeNet`: conv ``width`` (channels of the first block) and
+    ``feature_dim`` (the feature layer that Fréchet distances are measured in)."""
+
+    width: int = 16
+    feature_dim: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("width", "feature_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"JudgeArch {name} must be a positive int, got {value!r}")
+
+
 class Judge:
     """A trained judge: :meth:`features` for Fréchet distances, :meth:`predict` for accuracy.
 
@@ -176,19 +194,43 @@ def train_judge(
     epochs: int = 15,
     batch_size: int = 64,
     lr: float = 2e-3,
-    width: int = 16,
-    feature_dim: int = 64,
+    arch: JudgeArch = JudgeArch(),
     num_classes: int | None = None,
-    x_test: Tensor | None = None,
-    y_test: Tensor | None = None,
+    test: tuple[Tensor, Tensor] | None = None,
     seed: int = 0,
     device: torch.device | str | None = None,
+    **deprecated: Any,
 ) -> Judge:
-    """Train a :class:`JudgeNet` on ``(x, y)`` with plain cross-entropy (Adam, no augmentation).
+    """Train a :class:`JudgeNet` of size ``arch`` on ``(x, y)`` with plain cross-entropy (Adam, no
+    augmentation).
 
-    Seconds on a CPU for the digits (8x8 or 32x32 RGB). ``x_test``/``y_test`` set
-    ``judge.test_accuracy``. Never train it on samples of the model under test.
+    Seconds on a CPU for the digits (8x8 or 32x32 RGB). ``test=(x_test, y_test)``, held-out data,
+    sets ``judge.test_accuracy``. Never train it on samples of the model under test. The old
+    keywords ``x_test=``/``y_test=`` (write ``test=(x_test, y_test)``) and ``width=``/
+    ``feature_dim=`` (write ``arch=JudgeArch(...)``) still work for one release, with a
+    ``DeprecationWarning``.
     """
+    old = old_spellings(
+        "train_judge",
+        deprecated,
+        {
+            "x_test": "test=(x_test, y_test)",
+            "y_test": "test=(x_test, y_test)",
+            "width": "arch=JudgeArch(width=..., feature_dim=...)",
+            "feature_dim": "arch=JudgeArch(width=..., feature_dim=...)",
+        },
+    )
+    if {"width", "feature_dim"} & set(old):
+        arch = JudgeArch(old.get("width", arch.width), old.get("feature_dim", arch.feature_dim))
+    if {"x_test", "y_test"} & set(old):
+        if test is not None:
+            raise TypeError("train_judge: give the held-out data as test=(x_test, y_test) only")
+        if old.get("x_test") is not None and old.get("y_test") is not None:  # one without the other: ignored, as before
+            test = (old["x_test"], old["y_test"])
+    if not isinstance(arch, JudgeArch):
+        raise TypeError(f"train_judge: arch must be a JudgeArch, got {type(arch).__name__}")
+    if test is not None and not (isinstance(test, (tuple, list)) and len(test) == 2):
+        raise TypeError("train_judge: test must be the held-out pair (x_test, y_test)")
     if not isinstance(x, Tensor) or x.dim() != 4:
         raise InvalidInputError(f"train_judge needs images [N, C, H, W], got {getattr(x, 'shape', type(x).__name__)}")
     y = torch.as_tensor(y).long().reshape(-1)
@@ -198,7 +240,7 @@ def train_judge(
     g = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        net = JudgeNet(x.shape[1], k, width=width, feature_dim=feature_dim)
+        net = JudgeNet(x.shape[1], k, width=arch.width, feature_dim=arch.feature_dim)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     net.to(dev).train()
     opt = torch.optim.Adam(net.parameters(), lr=lr)
@@ -211,8 +253,8 @@ def train_judge(
             loss.backward()
             opt.step()
     judge = Judge(net, tuple(x.shape[1:]))
-    if x_test is not None and y_test is not None:
-        judge.test_accuracy = judge.accuracy(x_test, y_test)
+    if test is not None:
+        judge.test_accuracy = judge.accuracy(*test)
     return judge
 
 
@@ -283,8 +325,8 @@ def chain_trace(
     Where the energy landscape leads towards the data, the energy and the distance fall together.
     Chains whose energy falls to the held-out data's level or below while the distance stays or
     grows have found states that fool the model: low energy that looks nothing like the data
-    (measured in issue 16 on a ResNet at 32x32, where 100 more steps took the buffer's energy below
-    the data's and its distance from 2073 to 2114).
+    (on a ResNet at 32x32, 100 more steps can take the buffer's energy below the data's while its
+    distance grows).
 
     ``batch_size``: chains per batch, as in training (it matters for ``batchnorm="separate"``);
     ``None`` runs all at once. The chains are unconditional: ``E(x) = -logsumexp(logits)``.

@@ -61,7 +61,7 @@ def test_neither_colour_alone_nor_a_small_cnn_solves_it_trivially():
 
     colour_acc = LogisticRegression(max_iter=2000).fit(hist(x), y.numpy()).score(hist(xt), yt.numpy())
     assert colour_acc < 0.5
-    judge = train_judge(x * 2 - 1, y, epochs=8, x_test=xt * 2 - 1, y_test=yt, seed=0)
+    judge = train_judge(x * 2 - 1, y, epochs=8, test=(xt * 2 - 1, yt), seed=0)
     assert 0.25 < judge.test_accuracy < 0.95
 
 
