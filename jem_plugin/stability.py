@@ -36,6 +36,10 @@ settings, warn, and go on; after ``max_rollbacks`` rollbacks raise. The safer se
 
 The global RNG is deliberately *not* rolled back, so the retried iterations see new noise (the
 authors restarted "with a different random seed").
+
+What counts as a divergence is one frozen :class:`GuardLimits` value:
+
+>>> guard = DivergenceGuard(jm, opt, loss_fn=loss_fn, limits=GuardLimits(max_abs_energy=1e3, explode_factor=10))
 """
 
 from __future__ import annotations
@@ -45,15 +49,20 @@ import statistics
 import warnings
 from collections import deque
 from collections.abc import Iterable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
+from ._deprecation import old_spellings
 from .errors import DivergenceError
-from .schedules import as_schedule
+from .integrations.mixin import GenerativeLossMixin
+from .losses import LossOutput
+from .sampling import SGLD
+from .schedules import Constant, Poly, as_schedule
 
-__all__ = ["DivergenceGuard", "POLICIES", "REMEDIES", "DIVERGENCE_REMEDIES"]
+__all__ = ["DivergenceGuard", "GuardLimits", "POLICIES", "REMEDIES", "DIVERGENCE_REMEDIES"]
 
 POLICIES = ("raise", "rollback")
 REMEDIES = ("l2", "sgld_step", "lr")
@@ -81,7 +90,7 @@ def _copy_state(obj: Any, device: torch.device | None) -> Any:
             if isinstance(obj, dict)
             else {k: _copy_state(v, device) for k, v in obj.items()}
         )
-        if hasattr(obj, "_metadata"):  # module state dicts carry per-module versions
+        if hasattr(obj, "_metadata"):  # torch's module state dicts carry per-module versions
             out._metadata = obj._metadata
         return out
     if isinstance(obj, list):
@@ -95,6 +104,45 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}"
 
 
+@dataclass(frozen=True)
+class GuardLimits:
+    """What :class:`DivergenceGuard` calls a divergence (besides any non-finite value).
+
+    max_abs_energy: ``|mean energy|`` of data or samples above this is a divergence (the reference
+        script gave up at ``|loss| > 1e8``; healthy JEM energies are in the tens to hundreds).
+    explode_factor: also a divergence when the ``|energy|`` exceeds ``explode_factor`` times the
+        running median of the last ``window`` healthy iterations (and at least ``explode_factor``),
+        once ``min_history`` iterations are recorded. ``None`` (default) turns it off.
+    window, min_history: the running median's length, and the iterations it needs first.
+    """
+
+    max_abs_energy: float = 1e4
+    explode_factor: float | None = None
+    window: int = 200
+    min_history: int = 20
+
+    def __post_init__(self) -> None:
+        if not (self.max_abs_energy > 0):
+            raise ValueError(f"max_abs_energy must be > 0, got {self.max_abs_energy}")
+        if self.explode_factor is not None and not self.explode_factor > 1:
+            raise ValueError(f"explode_factor must be > 1 (or None), got {self.explode_factor}")
+        if self.window < 1 or self.min_history < 0:
+            raise ValueError(f"window must be >= 1 and min_history >= 0, got {self.window} and {self.min_history}")
+        object.__setattr__(self, "max_abs_energy", float(self.max_abs_energy))
+
+
+_LIMIT_FIELDS = ("max_abs_energy", "explode_factor", "window", "min_history")
+
+
+@runtime_checkable
+class _Tunable(Protocol):
+    """The knobs the ``"l2"`` and ``"sgld_step"`` remedies turn: :class:`~jem_plugin.losses.JEMLoss`'s,
+    or those of a loss of the user's own that has the same two."""
+
+    l2_weight: float
+    sampler: Any
+
+
 class DivergenceGuard:
     """Watch a JEM training run for divergence; raise with the remedies or roll back.
 
@@ -106,11 +154,9 @@ class DivergenceGuard:
         its ``l2_weight`` and sampler step size are the ``"l2"``/``"sgld_step"`` remedies). Not
         needed separately when it is a submodule of ``model`` (``GenerativeLossMixin``).
     policy: ``"raise"`` or ``"rollback"`` (see the module docs).
-    max_abs_energy: ``|mean energy|`` of data or samples above this is a divergence (the reference
-        script gave up at ``|loss| > 1e8``; healthy JEM energies are in the tens to hundreds).
-    explode_factor: also a divergence when the ``|energy|`` exceeds ``explode_factor`` times the
-        running median of the last ``window`` healthy iterations (and at least ``explode_factor``),
-        once ``min_history`` iterations are recorded. ``None`` (default) turns it off.
+    limits: what counts as a divergence, :class:`GuardLimits` (default: ``|energy| > 1e4``).
+        The old keywords ``max_abs_energy=``, ``explode_factor=``, ``window=``, ``min_history=``
+        still work for one release, with a ``DeprecationWarning``.
     snapshot_every: healthy iterations between snapshots (policy ``"rollback"``).
     max_rollbacks: rollbacks allowed before raising.
     remedies: which safer settings a rollback applies (subset of ``("l2", "sgld_step", "lr")``).
@@ -126,26 +172,31 @@ class DivergenceGuard:
         *,
         loss_fn: nn.Module | None = None,
         policy: str = "raise",
-        max_abs_energy: float = 1e4,
-        explode_factor: float | None = None,
-        window: int = 200,
-        min_history: int = 20,
+        limits: GuardLimits = GuardLimits(),
         snapshot_every: int = 50,
         max_rollbacks: int = 3,
         remedies: Iterable[str] = REMEDIES,
         scheduler: Any = None,
         snapshot_device: str | torch.device | None = None,
+        **deprecated: Any,
     ) -> None:
+        old = old_spellings(
+            "DivergenceGuard",
+            deprecated,
+            dict.fromkeys(_LIMIT_FIELDS, f"limits=GuardLimits({', '.join(f'{k}=...' for k in deprecated)})"),
+        )
+        if old:
+            if limits != GuardLimits():
+                raise TypeError("DivergenceGuard: give the limits in GuardLimits(...) only, not also as keywords")
+            limits = GuardLimits(**old)
+        if not isinstance(limits, GuardLimits):
+            raise TypeError(f"DivergenceGuard: limits must be a GuardLimits, got {type(limits).__name__}")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         remedies = tuple(remedies)
         unknown = [r for r in remedies if r not in REMEDIES]
         if unknown:
             raise ValueError(f"unknown remedies {unknown}; choose from {REMEDIES}")
-        if not (max_abs_energy > 0):
-            raise ValueError(f"max_abs_energy must be > 0, got {max_abs_energy}")
-        if explode_factor is not None and not explode_factor > 1:
-            raise ValueError(f"explode_factor must be > 1 (or None), got {explode_factor}")
         if snapshot_every < 1 or max_rollbacks < 0:
             raise ValueError("snapshot_every must be >= 1 and max_rollbacks >= 0")
         if policy == "rollback" and optimizer is None:
@@ -155,9 +206,7 @@ class DivergenceGuard:
         self.loss_fn = loss_fn
         self.scheduler = scheduler
         self.policy = policy
-        self.max_abs_energy = float(max_abs_energy)
-        self.explode_factor = explode_factor
-        self.min_history = min_history
+        self.limits = limits
         self.snapshot_every = snapshot_every
         self.max_rollbacks = max_rollbacks
         self.remedies = remedies
@@ -166,7 +215,7 @@ class DivergenceGuard:
         self.rollbacks = 0
         self.snapshot_iteration: int | None = None  # iteration of the snapshot we would restore
         self.applied: list[str] = []  # human-readable log of the remedies applied
-        self._history: deque[float] = deque(maxlen=window)
+        self._history: deque[float] = deque(maxlen=limits.window)
         self._depth = 0  # nesting of `with guard:` blocks
         self.last_event: dict[str, Any] = {}  # what the last rollback did (for logs)
         self._snapshot: dict[str, Any] | None = None
@@ -177,9 +226,8 @@ class DivergenceGuard:
     # ------------------------------------------------------------------ detection
     @staticmethod
     def _metrics(out: Any) -> dict[str, float]:
-        metrics = getattr(out, "metrics", None)
-        if metrics is not None:
-            return dict(metrics)
+        if isinstance(out, LossOutput):
+            return dict(out.metrics)
         if isinstance(out, Mapping):
             return {k: float(v) for k, v in out.items()}
         if isinstance(out, Tensor):
@@ -194,14 +242,15 @@ class DivergenceGuard:
         if not energies:
             return None
         name, worst = max(energies.items(), key=lambda kv: kv[1])
-        if worst > self.max_abs_energy:
-            return f"|{name}| = {_fmt(worst)} exceeds max_abs_energy={_fmt(self.max_abs_energy)}"
-        if self.explode_factor is not None and len(self._history) >= self.min_history:
+        limits = self.limits
+        if worst > limits.max_abs_energy:
+            return f"|{name}| = {_fmt(worst)} exceeds max_abs_energy={_fmt(limits.max_abs_energy)}"
+        if limits.explode_factor is not None and len(self._history) >= limits.min_history:
             median = statistics.median(self._history)
-            limit = self.explode_factor * max(median, 1.0)
+            limit = limits.explode_factor * max(median, 1.0)
             if worst > limit:
                 return (
-                    f"|{name}| = {_fmt(worst)} jumped above {self.explode_factor}x the running "
+                    f"|{name}| = {_fmt(worst)} jumped above {limits.explode_factor}x the running "
                     f"median {_fmt(median)} of the last {len(self._history)} iterations"
                 )
         return None
@@ -369,22 +418,25 @@ class DivergenceGuard:
             obj.load_state_dict(_copy_state(self._snapshot[name], None))
 
     # ------------------------------------------------------------------ remedies
-    def _sampler(self) -> Any:
+    def _loss(self) -> _Tunable | None:
+        """The JEM loss whose settings the remedies change: ``loss_fn``, or the one a
+        :class:`~jem_plugin.integrations.mixin.GenerativeLossMixin` model carries."""
         loss_fn = self.loss_fn
-        if loss_fn is None:  # a GenerativeLossMixin model carries its loss as jem_loss
-            loss_fn = getattr(self.model, "jem_loss", None)
-        return getattr(loss_fn, "sampler", None), loss_fn
+        if loss_fn is None and isinstance(self.model, GenerativeLossMixin) and "jem_loss" in self.model._modules:
+            loss_fn = self.model.jem_loss
+        return loss_fn if isinstance(loss_fn, _Tunable) else None
 
     def _apply_remedies(self) -> list[str]:
         changes: list[str] = []
-        sampler, loss_fn = self._sampler()
-        if "l2" in self.remedies and loss_fn is not None and hasattr(loss_fn, "l2_weight"):
+        loss_fn = self._loss()
+        if "l2" in self.remedies and loss_fn is not None:
             old = float(loss_fn.l2_weight)
             loss_fn.l2_weight = 0.1 if old == 0 else 2 * old
             changes.append(f"l2_weight {_fmt(old)} -> {_fmt(loss_fn.l2_weight)}")
-        if "sgld_step" in self.remedies and sampler is not None and hasattr(sampler, "step_size"):
+        sampler = loss_fn.sampler if loss_fn is not None else None
+        if "sgld_step" in self.remedies and isinstance(sampler, SGLD):
             old_step = sampler.step_size
-            if hasattr(old_step, "scaled"):  # a schedule of jem_plugin.schedules: it stays one (and data)
+            if isinstance(old_step, (Constant, Poly)):  # a schedule of jem_plugin.schedules: it stays one (and data)
                 sampler.step_size = old_step.scaled(0.5)
                 changes.append(f"SGLD step_size {old_step!r} -> {sampler.step_size!r}")
             elif callable(old_step):
@@ -399,6 +451,7 @@ class DivergenceGuard:
                 g["lr"] = 0.5 * g["lr"]
                 if "initial_lr" in g:
                     g["initial_lr"] = 0.5 * g["initial_lr"]
+            # a user's scheduler: torch's LRScheduler has base_lrs, other schedulers may not
             if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
                 self.scheduler.base_lrs = [0.5 * b for b in self.scheduler.base_lrs]
             changes.append(
@@ -414,15 +467,13 @@ class DivergenceGuard:
         The sampler's step size and the learning rate are already in the sampler's and the
         optimizer's own state; ``l2_weight`` is not in ``JEMLoss.state_dict()``, so it is kept here.
         """
-        _, loss_fn = self._sampler()
+        loss_fn = self._loss()
         return {
             "iteration": self.iteration,
             "rollbacks": self.rollbacks,
             "applied": list(self.applied),
             "history": list(self._history),
-            "l2_weight": float(loss_fn.l2_weight)
-            if self.rollbacks and loss_fn is not None and hasattr(loss_fn, "l2_weight")
-            else None,
+            "l2_weight": float(loss_fn.l2_weight) if self.rollbacks and loss_fn is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -433,7 +484,7 @@ class DivergenceGuard:
         self._history.clear()
         self._history.extend(state.get("history", []))
         self._snapshot, self.snapshot_iteration = None, None
-        _, loss_fn = self._sampler()
+        loss_fn = self._loss()
         if state.get("l2_weight") is not None and loss_fn is not None:
             loss_fn.l2_weight = float(state["l2_weight"])
 

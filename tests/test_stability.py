@@ -14,7 +14,7 @@ from jem_plugin.buffer import ReplayBuffer
 from jem_plugin.errors import DivergenceError
 from jem_plugin.losses import JEMLoss, LossOutput
 from jem_plugin.sampling import SGLD
-from jem_plugin.stability import DivergenceGuard
+from jem_plugin.stability import DivergenceGuard, GuardLimits
 
 
 def setup(lr=1e-3, **guard_kwargs):
@@ -173,14 +173,51 @@ def test_check_outside_a_with_block_returns_false_after_rollback():
     assert all(torch.equal(v, before[k]) for k, v in jm.state_dict().items())
 
 
+def _fake(e):
+    return LossOutput(torch.tensor(0.0), {"loss": 1.0, "energy_data": e, "energy_sample": e + 1})
+
+
+def _explodes_at(guard):
+    """The first energy of a rising series the guard calls a divergence."""
+    for e in (-5.0, -6.0, -5.5, -7.0, -6.5, -6.0, -40.0, -200.0, -2e4):
+        try:
+            guard.check(_fake(e))
+        except DivergenceError as exc:
+            return e, exc.reason
+    return None
+
+
 def test_relative_explosion_detection():
-    net, jm, opt, loss_fn, guard, _ = setup(policy="raise", explode_factor=10.0, min_history=5)
-    fake = lambda e: LossOutput(torch.tensor(0.0), {"loss": 1.0, "energy_data": e, "energy_sample": e + 1})
+    net, jm, opt, loss_fn, guard, _ = setup(policy="raise", limits=GuardLimits(explode_factor=10.0, min_history=5))
     for e in (-5.0, -6.0, -5.5, -7.0, -6.5, -6.0):
-        guard.check(fake(e))
-    guard.check(fake(-40.0))  # below 10x the median
+        guard.check(_fake(e))
+    guard.check(_fake(-40.0))  # below 10x the median
     with pytest.raises(DivergenceError, match="running median"):
-        guard.check(fake(-200.0))
+        guard.check(_fake(-200.0))
+
+
+def test_old_limit_keywords_warn_and_guard_the_same():
+    new = setup(policy="raise", limits=GuardLimits(max_abs_energy=1e3, explode_factor=10.0, window=4, min_history=5))[4]
+    message = (
+        r"DivergenceGuard\(explode_factor=\.\.\., min_history=\.\.\., window=\.\.\., max_abs_energy=\.\.\.\) is "
+        r"deprecated.*write limits=GuardLimits\(explode_factor=\.\.\., min_history"
+    )
+    with pytest.warns(DeprecationWarning, match=message):
+        old = setup(policy="raise", explode_factor=10.0, min_history=5, window=4, max_abs_energy=1e3)[4]
+    assert old.limits == new.limits and old._history.maxlen == 4
+    seen = _explodes_at(new)
+    assert seen is not None and _explodes_at(old) == seen
+    with pytest.warns(DeprecationWarning, match="max_abs_energy"):
+        small = setup(policy="raise", max_abs_energy=100.0)[4]
+    assert small.limits == GuardLimits(max_abs_energy=100.0) and "exceeds max_abs_energy=100" in _explodes_at(small)[1]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_energy'"):
+        setup(max_energy=1.0)
+    with pytest.raises(TypeError, match="GuardLimits"), pytest.warns(DeprecationWarning):
+        setup(limits=GuardLimits(window=3), min_history=2)
+    with pytest.raises(TypeError, match="GuardLimits"):
+        setup(limits={"max_abs_energy": 1.0})
+    with pytest.raises(ValueError, match="explode_factor"), pytest.warns(DeprecationWarning):
+        setup(explode_factor=0.5)  # the old spelling is checked as before
 
 
 def test_rollback_without_snapshot_and_bad_arguments():
@@ -192,6 +229,11 @@ def test_rollback_without_snapshot_and_bad_arguments():
         DivergenceGuard(jm, opt, policy="ignore")
     with pytest.raises(ValueError, match="optimizer"):
         DivergenceGuard(jm, policy="rollback")
+    for bad, match in ((dict(max_abs_energy=0.0), "max_abs_energy"), (dict(explode_factor=1.0), "explode_factor")):
+        with pytest.raises(ValueError, match=match):
+            GuardLimits(**bad)
+    with pytest.raises(ValueError, match="window"):
+        GuardLimits(window=0)
 
 
 class Classifier(GenerativeLossMixin, nn.Module):
