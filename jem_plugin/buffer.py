@@ -11,21 +11,39 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from . import plugins
-from ._checks import check_labels, draw
+from ._checks import check_labels, draw, model_device
 from ._colours import colour_projection
 from .adapter import InputDomain
 from .errors import CheckpointError, InvalidInputError, InvalidLabelError, JEMError
+from .inits import (
+    INIT_SPECS,
+    FittedFromData,
+    Gaussian,
+    InitDistribution,
+    InitSpec,
+    Normal,
+    PoolsMissingClasses,
+    Uniform,
+    init_options,
+    init_spec_from_dict,
+    init_spec_from_name,
+    init_spec_to_dict,
+)
+from .model import as_jem
 
-__all__ = ["ReplayBuffer"]
+__all__ = ["ReplayBuffer", "ReadOnlyBuffer"]
 
 INIT_HOOK = "jem_register_init_distributions"
+DEFAULT_AUTO_FIT_EXAMPLES = 1024  # the deprecated ReplayBuffer(auto_fit_examples=) default
+_UNIFORM = Uniform()
 
 
 class _CallableInit:
@@ -41,22 +59,126 @@ class _CallableInit:
         return f"callable {getattr(self.fn, '__qualname__', repr(self.fn))}"
 
 
-def _resolve_init(init: str | Callable | Any, kwargs: dict) -> tuple[Any, str]:
+@runtime_checkable
+class _Fittable(Protocol):
+    """An init distribution with a ``fit(x, y, ...)``."""
+
+    def fit(self, x: Tensor, y: Tensor, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def _takes(fn: Callable, name: str) -> bool:
+    # Init distributions are plugins' objects (the core never imports the built-ins): a third
+    # party's fit(x, y) may not take num_classes, so its signature says whether to pass it.
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _legacy_plain(name: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Plain data for the old spelling ``init=name, init_kwargs=kwargs`` (what checkpoints held
+    before init specs): a spec's dict for the built-in names, ``{"kind": name, **kwargs}`` else."""
+    if name in INIT_SPECS:
+        return init_spec_to_dict(init_spec_from_name(name, kwargs))
+    return {"kind": name, **kwargs}
+
+
+def _spelled(plain: Mapping[str, Any]) -> str:
+    """How to write the init that ``plain`` describes, for an error message."""
+    if plain.get("kind") in INIT_SPECS:
+        try:
+            return repr(init_spec_from_dict(dict(plain)))
+        except (TypeError, ValueError, KeyError):
+            pass
+    return repr(plain["kind"]) if len(plain) == 1 else repr(dict(plain))
+
+
+def _resolve_init(init: Any, kwargs: dict[str, Any]) -> tuple[Any, str, InitSpec | None, dict[str, Any] | None]:
+    """``(distribution object, name, spec or None, plain data that rebuilds it or None)``."""
+    if isinstance(init, Mapping):  # plain data, as config() writes it
+        if kwargs:
+            raise TypeError("init_kwargs only apply when init is a registered name or a class")
+        data = dict(init)
+        if not isinstance(data.get("kind"), str):
+            raise TypeError(f"init as plain data needs the registered name under 'kind', got {data!r}")
+        if data["kind"] not in INIT_SPECS:
+            name = data.pop("kind")
+            factory = plugins.lookup(INIT_HOOK, name, "init distribution")["item"]
+            return factory(**data), name, None, {"kind": name, **data}
+        init = init_spec_from_dict(data)
     if isinstance(init, str):
-        factory = plugins.lookup(INIT_HOOK, init, "init distribution")["item"]
-        return factory(**kwargs), init
+        if init not in INIT_SPECS:  # a plugin's distribution, by its registered name
+            factory = plugins.lookup(INIT_HOOK, init, "init distribution")["item"]
+            return factory(**kwargs), init, None, {"kind": init, **kwargs}
+        init, kwargs = init_spec_from_name(init, kwargs), {}
+    if isinstance(init, (Uniform, Gaussian, Normal)):
+        if kwargs:
+            raise TypeError(f"init_kwargs only apply when init is a registered name or a class, not {init!r}")
+        name, options = init_options(init)
+        factory = plugins.lookup(INIT_HOOK, name, "init distribution")["item"]
+        return factory(**options), name, init, init_spec_to_dict(init)
     if isinstance(init, type):  # a class implementing the protocol: instantiate it
-        return init(**kwargs), init.__name__
+        return init(**kwargs), init.__name__, None, None
     if kwargs:
         raise TypeError("init_kwargs only apply when init is a registered name or a class")
-    if hasattr(init, "sample"):
-        return init, type(init).__name__
+    if isinstance(init, InitDistribution):
+        return init, type(init).__name__, None, None
     if callable(init):
-        return _CallableInit(init), getattr(init, "__name__", "callable")
+        return _CallableInit(init), getattr(init, "__name__", "callable"), None, None
     raise TypeError(
-        f"init must be the name of a registered init distribution, an object with .sample(...), or a "
-        f"callable (n, shape, domain, generator, device, y=None) -> Tensor; got {type(init).__name__}"
+        "init must be an init spec (jem_plugin.inits.Uniform(), Gaussian(...), Normal(...)), the name of "
+        "a registered init distribution, an object with .sample(...), or a callable "
+        f"(n, shape, domain, generator, device, y=None) -> Tensor; got {type(init).__name__}"
     )
+
+
+def _deprecated_buffer_options(options: dict[str, Any]) -> tuple[dict[str, Any] | None, int]:
+    """``(init_kwargs, auto_fit_examples)`` from the deprecated keywords, checked."""
+    init_kwargs = options.pop("init_kwargs", None)
+    auto_fit = options.pop("auto_fit_examples", None)
+    if options:
+        raise TypeError(f"ReplayBuffer() got an unexpected keyword argument {next(iter(options))!r}")
+    if auto_fit is None:
+        return init_kwargs, DEFAULT_AUTO_FIT_EXAMPLES
+    if isinstance(auto_fit, bool) or not isinstance(auto_fit, int) or auto_fit < 0:
+        raise ValueError(f"auto_fit_examples must be an int >= 0, got {auto_fit!r}")
+    warnings.warn(
+        f"ReplayBuffer(auto_fit_examples={auto_fit}) is deprecated: fit the init yourself, "
+        f"buffer.fit(x, y), or from the first batches with "
+        f"jem_plugin.extensions.FitInitFromBatches(buffer, examples={auto_fit})",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return init_kwargs, auto_fit
+
+
+class ReadOnlyBuffer:
+    """A replay buffer's chains to start from, left unchanged (what validation samples from):
+    :meth:`sample` draws from the buffer with this view's generator, whatever generator the
+    sampler passes, and :meth:`update` drops the finished chains. Made by
+    :meth:`ReplayBuffer.read_only`; pass it as ``sampler.sample(jm, n, buffer=view)``."""
+
+    def __init__(self, buffer: ReplayBuffer, generator: torch.Generator | None = None) -> None:
+        self.buffer, self.generator = buffer, generator
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return self.buffer.sample_shape
+
+    @property
+    def colour_projection(self) -> Tensor | None:
+        return self.buffer.colour_projection
+
+    def sample(
+        self, n: int | None = None, *, domain: InputDomain, y: Tensor | None = None, generator: Any = None
+    ) -> tuple[Tensor, Tensor]:
+        return self.buffer.sample(n, domain=domain, y=y, generator=self.generator)
+
+    def update(self, idx: Tensor, x: Tensor) -> None:
+        """Nothing: the buffer stays as it was."""
+
+    def __repr__(self) -> str:
+        return f"ReadOnlyBuffer({self.buffer!r})"
 
 
 class ReplayBuffer(nn.Module):
@@ -69,28 +191,28 @@ class ReplayBuffer(nn.Module):
     reinit_freq: probability that a drawn slot restarts from the init distribution (JEM: 0.05).
         It bounds the chains' age, not the buffer's: they are about ``1 / reinit_freq`` draws old
         on average however long the run, and young chains hold the buffer near its init on
-        networks whose chains move slowly (resnet18 at 32x32, issue 16 e87; the ``generative``
-        recipe uses 0).
-    init: name of a registered init distribution (``"uniform"``, ``"gaussian"``, ``"normal"``, or a
-        plugin's), an object with ``sample(n, shape, domain, generator, device, y=None)``, or such a
-        callable.
-    init_kwargs: keyword arguments for a named init distribution, e.g. ``{"covariance": "full"}``.
+        networks whose chains move slowly (such as resnet18 at 32x32; the ``generative`` recipe
+        uses 0).
+    init: where chains start. An init spec from :mod:`jem_plugin.inits`: ``Uniform()`` (default,
+        JEM), ``Gaussian(covariance=...)`` (a per-class Gaussian fitted from data, JEM++; see
+        :mod:`jem_plugin.covariance`), ``Normal(mean, std)``; or the name of a registered init
+        distribution (a plugin's, or ``"uniform"``/``"gaussian"``/``"normal"`` with their
+        defaults), or plain data ``{"kind": name, **options}`` as :meth:`config` writes it; or an
+        object with ``sample(n, shape, domain, generator, device, y=None)``, or such a callable.
+        (``init_kwargs=`` still works, with a ``DeprecationWarning`` naming the spec to write.)
     num_classes: enables class-conditional sampling: the buffer is split into ``num_classes``
         contiguous segments (slot ``i`` belongs to class ``labels[i]``) and ``sample(..., y=...)``
         draws each chain from its class's segment.
     device: where to create the samples. :meth:`SGLD.sample <jem_plugin.sampling.SGLD.sample>` and
         :class:`~jem_plugin.losses.JEMLoss` move the buffer to the model's device on first use
         (also after a checkpoint restored it on the CPU), so the chains never cross the bus.
-    auto_fit_examples: when nobody fitted a fittable init (``"gaussian"``), ``JEMLoss`` fits it
-        from the first batches (:meth:`fit_if_unfitted`): it keeps their examples, refits each time
-        their count doubles and redraws the chains, until it holds this many. One batch of 64
-        gives about six examples per class, too few for the ``generative`` preset's chains to move
-        (issue 16, e63). ``0``: fit once, from the first batch. The examples stay on their device
-        until then (1024 images of 3x224x224: 0.6 GB). Fitting on the training set with :meth:`fit`
-        is still better; a checkpoint taken while it collects resumes with the fit so far.
 
-    The samples are drawn lazily from the init distribution on the first :meth:`sample`, which
-    receives the model's :class:`~jem_plugin.adapter.InputDomain`.
+    An informative init (``Gaussian``) is fitted from data with :meth:`fit` before the first
+    draw, or from the first training batches with
+    :class:`~jem_plugin.extensions.FitInitFromBatches` (``ReplayBuffer(auto_fit_examples=)`` is
+    deprecated: that extension's ``examples``). The samples are drawn lazily from the init
+    distribution on the first :meth:`sample`, which receives the model's
+    :class:`~jem_plugin.adapter.InputDomain`. :meth:`for_model` builds one for a wrapped model.
     """
 
     # Registered buffers (nn.Module's __getattr__ would type them as Tensor | Module).
@@ -107,11 +229,10 @@ class ReplayBuffer(nn.Module):
         sample_shape: Sequence[int] = (3, 32, 32),
         reinit_freq: float = 0.05,
         *,
-        init: str | Callable | Any = "uniform",
-        init_kwargs: dict | None = None,
+        init: InitSpec | str | Mapping[str, Any] | Callable | Any = _UNIFORM,
         num_classes: int | None = None,
         device=None,
-        auto_fit_examples: int = 1024,
+        **deprecated: Any,
     ) -> None:
         super().__init__()
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
@@ -131,15 +252,26 @@ class ReplayBuffer(nn.Module):
                     f"capacity {capacity} is smaller than num_classes {num_classes}: every class needs "
                     "at least one slot; use a capacity of at least num_classes (JEM uses 10000)"
                 )
-        if isinstance(auto_fit_examples, bool) or not isinstance(auto_fit_examples, int) or auto_fit_examples < 0:
-            raise ValueError(f"auto_fit_examples must be an int >= 0, got {auto_fit_examples!r}")
+        init_kwargs, self.auto_fit_examples = _deprecated_buffer_options(dict(deprecated))
         self.capacity = capacity
         self.sample_shape = sample_shape
-        self.auto_fit_examples = auto_fit_examples
         self.reinit_freq = float(reinit_freq)
         self.num_classes = num_classes
-        self.init_kwargs = dict(init_kwargs or {})
-        init_obj, self.init_name = _resolve_init(init, dict(init_kwargs or {}))
+        init_obj, self.init_name, self.init_spec, self._init_plain = _resolve_init(init, dict(init_kwargs or {}))
+        if init_kwargs is not None:
+            instead = (
+                repr(self.init_spec)
+                if self.init_spec is not None
+                else repr(self._init_plain)
+                if self._init_plain is not None
+                else f"{self.init_name}(**init_kwargs)"
+            )
+            warnings.warn(
+                f"ReplayBuffer(init={init!r}, init_kwargs={init_kwargs!r}) is deprecated; write "
+                f"ReplayBuffer(init={instead})" + (" (from jem_plugin.inits)" if self.init_spec is not None else ""),
+                DeprecationWarning,
+                stacklevel=2,
+            )
         self.init_dist = init_obj  # an nn.Module init registers as a submodule: its buffers are saved
 
         self.register_buffer("data", torch.zeros(capacity, *sample_shape, device=device))
@@ -150,9 +282,10 @@ class ReplayBuffer(nn.Module):
             labels = torch.arange(capacity, device=device) * num_classes // capacity
         self.register_buffer("labels", labels)
         self.register_buffer("initialized", torch.tensor(False, device=device))
-        if len(sample_shape) >= 2:  # images [C, ...]: the colour axes of the fitted data (identity until a fit)
+        self._has_colours = len(sample_shape) >= 2
+        self._colours_fitted = False
+        if self._has_colours:  # images [C, ...]: the colour axes of the fitted data (identity until a fit)
             self.register_buffer("_colours", torch.eye(sample_shape[0], device=device))
-            self._colours_fitted = False
         if num_classes is not None:
             size = torch.bincount(labels, minlength=num_classes)
             self.register_buffer("_seg_size", size, persistent=False)
@@ -161,9 +294,56 @@ class ReplayBuffer(nn.Module):
             init_obj.to(self.data.device)
         self._is_init = False  # host mirror of `initialized`: no device sync per sample()
         self._domain: InputDomain | None = None  # last domain seen, for save_grid
-        # The first batches' examples while fit_if_unfitted is still fitting the init from them.
-        self._auto_fit: list[tuple[Tensor, Tensor]] | None = None
-        self._auto_fit_next = 0  # refit when this many examples are held
+        #: How many times the init was fitted (:meth:`fit`) or restored from a checkpoint: a
+        #: :class:`~jem_plugin.extensions.FitInitFromBatches` collecting batches stops when someone
+        #: else fits it.
+        self.fit_count = 0
+        self._fitter: Any = None  # what the deprecated fit_if_unfitted collects with
+
+    @classmethod
+    def for_model(
+        cls,
+        jm: Any,
+        sample_shape: Sequence[int] | None = None,
+        *,
+        capacity: int = 10000,
+        reinit_freq: float = 0.05,
+        init: InitSpec | str | Mapping[str, Any] | Callable | Any = _UNIFORM,
+        class_conditional: bool = False,
+    ) -> ReplayBuffer:
+        """A buffer for ``jm`` (``jem_plugin.wrap(model)``), on its device: ``sample_shape``
+        defaults to the domain's ``input_size``; ``class_conditional=True`` (what ``JEMLoss``
+        needs with ``pxy_weight > 0`` or ``class_conditional_px=True``) gives it one segment per
+        class of the model. The other arguments are the constructor's (paper defaults).
+
+        ``JEMLoss(sampler, ReplayBuffer.for_model(jm, (3, 32, 32)))`` is what ``JEMLoss`` used to
+        build on its first batch."""
+        core = as_jem(jm, "ReplayBuffer.for_model")
+        shape = tuple(sample_shape) if sample_shape is not None else core.domain.input_size
+        if shape is None:
+            raise InvalidInputError(
+                "ReplayBuffer.for_model: the model's input shape is unknown; pass sample_shape=(C, H, W)"
+            )
+        num_classes = None
+        if class_conditional:
+            num_classes = core.num_classes
+            if num_classes is None:
+                raise InvalidInputError(
+                    "ReplayBuffer.for_model(class_conditional=True): the model's class count is unknown; "
+                    "wrap it with jem_plugin.wrap(model, num_classes=K) or build ReplayBuffer(..., num_classes=K)"
+                )
+        return cls(capacity, shape, reinit_freq, init=init, num_classes=num_classes, device=model_device(core))
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ReplayBuffer:
+        """The buffer :meth:`config` describes. Also reads, without a warning, a config written
+        before init specs (``init`` a name with ``init_kwargs``, and ``auto_fit_examples``)."""
+        config = dict(config)
+        init_kwargs = config.pop("init_kwargs", None)
+        config.pop("auto_fit_examples", None)  # moved to FitInitFromBatches; a restored init counts as fitted
+        if isinstance(config.get("init"), str) and init_kwargs is not None:
+            config["init"] = _legacy_plain(config["init"], init_kwargs)
+        return cls(**config)
 
     # ------------------------------------------------------------------ drawing
     @property
@@ -270,83 +450,90 @@ class ReplayBuffer(nn.Module):
             self.data.index_copy_(0, idx.to(self.data.device), x.detach().to(self.data.device, self.data.dtype))
 
     # ------------------------------------------------------------------ init distribution
-    def fit(self, x: Tensor, y: Tensor | None = None) -> ReplayBuffer:
-        """Fit the init distribution from data (the per-class ``"gaussian"`` init needs this).
+    @property
+    def has_samples(self) -> bool:
+        """Whether the chains were drawn (by the first :meth:`sample` or :meth:`initialize`)."""
+        return self._is_init
 
-        Already stored chains are kept; call :meth:`reset` to redraw them from the fitted distribution.
-        This fit replaces the one ``JEMLoss`` makes from the first batches, which then stops.
+    @property
+    def needs_fit(self) -> bool:
+        """Whether the init distribution is fitted from data and has not been yet (an unfitted
+        ``Gaussian`` init): the first draw would fail until :meth:`fit`."""
+        return isinstance(self.init_dist, FittedFromData) and not self.init_dist.fitted
+
+    def fit(
+        self, x: Tensor, y: Tensor | None = None, *, missing_classes: Literal["error", "pool"] = "error"
+    ) -> ReplayBuffer:
+        """Fit the init distribution from data (the per-class ``Gaussian`` init needs this).
+
+        ``missing_classes``: what classes without examples in ``y`` get; ``"error"`` (the
+        init's own rule: the Gaussian refuses them) or ``"pool"``: the distribution of all the
+        examples (what :class:`~jem_plugin.extensions.FitInitFromBatches` asks for: a few
+        batches need not hold every class). Already stored chains are kept; call :meth:`reset`
+        to redraw them from the fitted distribution.
         """
-        self._auto_fit = None
-        return self._fit(x, y)
-
-    def _fit(self, x: Tensor, y: Tensor | None, **options: Any) -> ReplayBuffer:
-        fit = getattr(self.init_dist, "fit", None)
-        if fit is None:
+        if missing_classes not in ("error", "pool"):
+            raise ValueError(f"missing_classes must be 'error' or 'pool', got {missing_classes!r}")
+        init = self.init_dist
+        if not isinstance(init, _Fittable):
             raise JEMError(f"the init distribution {self.init_name!r} has nothing to fit (it has no fit())")
         if tuple(x.shape[1:]) != self.sample_shape:
             raise InvalidInputError(
                 f"fit(x, y) needs x of shape [N, {', '.join(map(str, self.sample_shape))}] (this "
                 f"buffer's sample_shape), got {tuple(x.shape)}"
             )
-        kwargs = {}
-        if self.num_classes is not None and "num_classes" in inspect.signature(fit).parameters:
-            kwargs["num_classes"] = self.num_classes
-        fit(x, y, **kwargs, **options)
-        if isinstance(self.init_dist, nn.Module):
-            self.init_dist.to(self.data.device)
-        if hasattr(self, "_colours"):
+        options: dict[str, Any] = {}
+        if self.num_classes is not None and _takes(init.fit, "num_classes"):
+            options["num_classes"] = self.num_classes
+        if missing_classes == "pool" and y is not None:
+            if isinstance(init, PoolsMissingClasses) and init.pools_missing_classes:
+                options["pool_missing"] = True
+            else:  # one copy of the examples per missing class, labelled with it
+                k = self.num_classes if self.num_classes is not None else int(y.max()) + 1
+                missing = [c for c in range(k) if not bool((y == c).any())]
+                x = torch.cat([x] + [x] * len(missing))
+                y = torch.cat([y] + [torch.full_like(y, c) for c in missing])
+        init.fit(x, y, **options)
+        self.fit_count += 1
+        if isinstance(init, nn.Module):
+            init.to(self.data.device)
+        if self._has_colours:
             self._colours = colour_projection(x).to(self.data.device)
             self._colours_fitted = True
         return self
 
     @property
     def colour_projection(self) -> Tensor | None:
-        """``[C, C]`` projection onto the colour axes the data fitted by :meth:`fit` (or by
-        ``JEMLoss`` from the first batches) vary along: one axis for grey images in an RGB model,
-        the identity for colour images; ``None`` before a fit or for samples that are not
-        ``[C, ...]``. ``SGLD(colours="data")`` confines its steps to it."""
-        if not hasattr(self, "_colours"):
+        """``[C, C]`` projection onto the colour axes the data fitted by :meth:`fit` vary along:
+        one axis for grey images in an RGB model, the identity for colour images; ``None`` before
+        a fit or for samples that are not ``[C, ...]``. ``SGLD(colours="data")`` confines its
+        steps to it."""
+        if not self._has_colours:
             return None
-        fitted = self._colours_fitted or bool(getattr(self.init_dist, "fitted", False))
+        fitted = self._colours_fitted or (isinstance(self.init_dist, FittedFromData) and self.init_dist.fitted)
         return self._colours if fitted else None
 
     def fit_if_unfitted(self, x: Tensor, y: Tensor | None) -> bool:
-        """Fit a fittable init distribution that nobody fitted, from the first batches.
+        """Deprecated: :class:`~jem_plugin.extensions.FitInitFromBatches` does this, outside the
+        loss (``FitInitFromBatches(buffer, examples=...).on_batch(None, x, y)`` before each step).
+        Returns whether it fitted."""
+        warnings.warn(
+            "ReplayBuffer.fit_if_unfitted is deprecated: fit the init yourself, buffer.fit(x, y), or from "
+            "the first batches with jem_plugin.extensions.FitInitFromBatches(buffer).on_batch(None, x, y)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from .extensions import FitInitFromBatches  # deferred: extensions imports this module
 
-        ``JEMLoss`` calls this on every training batch. The first call on an unfitted init (before
-        any chain was drawn) fits it from that batch; later calls add their batch to the examples
-        kept and refit, redrawing the chains, each time the count doubles, until
-        ``auto_fit_examples`` are held. Classes missing from the examples get their pooled Gaussian.
-        Returns whether it fitted.
-        """
-        if y is None:
-            return False
-        if self._auto_fit is None:
-            if self._is_init or getattr(self.init_dist, "fitted", True):
-                return False
-            self._auto_fit, self._auto_fit_next = [], 0
-        self._auto_fit.append(
-            (x.detach().clone(), y.detach().reshape(-1).long().clone())
-        )  # a loop may reuse its batch tensor
-        held = sum(int(b.shape[0]) for b, _ in self._auto_fit)
-        if held < self._auto_fit_next:
-            return False
-        x = torch.cat([b for b, _ in self._auto_fit])
-        y = torch.cat([c for _, c in self._auto_fit])
-        if "pool_missing" in inspect.signature(self.init_dist.fit).parameters:
-            self._fit(x, y, pool_missing=True)
-        else:  # a plugin's init: one copy of the examples per missing class, labelled with it
-            k = self.num_classes if self.num_classes is not None else int(y.max()) + 1
-            missing = [c for c in range(k) if not bool((y == c).any())]
-            x = torch.cat([x] + [x] * len(missing))
-            y = torch.cat([y] + [torch.full_like(y, c) for c in missing])
-            self._fit(x, y)
-        self.reset()  # the chains have barely moved yet: restart them from the better fit
-        if held >= self.auto_fit_examples:
-            self._auto_fit = None  # done: the init now counts as fitted
-        else:
-            self._auto_fit_next = 2 * held
-        return True
+        if self._fitter is None:
+            self._fitter = FitInitFromBatches(examples=self.auto_fit_examples)
+        return self._fitter.observe(self, x, y)
+
+    def read_only(self, generator: torch.Generator | None = None) -> ReadOnlyBuffer:
+        """This buffer's chains to start from without changing it: a :class:`ReadOnlyBuffer` that
+        draws with ``generator`` and drops writes (validation:
+        ``sampler.sample(jm, n, buffer=buffer.read_only(g))``)."""
+        return ReadOnlyBuffer(self, generator)
 
     # ------------------------------------------------------------------ looking at it
     def _require_init(self) -> None:
@@ -386,32 +573,35 @@ class ReplayBuffer(nn.Module):
 
     # ------------------------------------------------------------------ state
     def config(self) -> dict[str, Any]:
-        """The constructor arguments that rebuild this buffer, ``device`` aside (where it lives is
-        not configuration): ``ReplayBuffer(**buffer.config())``. ``init`` is the init
-        distribution's name; rebuilding from it needs a registered name."""
+        """The constructor arguments that rebuild this buffer, as plain data, ``device`` aside
+        (where it lives is not configuration): ``ReplayBuffer(**buffer.config())``. ``init`` is
+        the spec as :func:`~jem_plugin.inits.init_spec_to_dict` writes it (``{"kind": name,
+        **options}`` for a plugin's registered distribution); an init given as an object or a
+        callable is only named, and rebuilding from that name needs it registered."""
         return {
             "capacity": self.capacity,
             "sample_shape": tuple(self.sample_shape),
             "reinit_freq": self.reinit_freq,
-            "init": self.init_name,
-            "init_kwargs": dict(self.init_kwargs),
+            "init": dict(self._init_plain) if self._init_plain is not None else self.init_name,
             "num_classes": self.num_classes,
-            "auto_fit_examples": self.auto_fit_examples,
         }
+
+    def _plain_init(self) -> dict[str, Any]:
+        return dict(self._init_plain) if self._init_plain is not None else {"kind": self.init_name}
 
     def get_extra_state(self) -> dict:
         state: dict[str, Any] = {"init": self.init_name, "config": self.config()}
-        if not isinstance(self.init_dist, nn.Module) and hasattr(self.init_dist, "state_dict"):
+        if not isinstance(self.init_dist, nn.Module) and isinstance(self.init_dist, _Stateful):
             state["init_state"] = self.init_dist.state_dict()
         return state
 
     def set_extra_state(self, state: dict) -> None:
         # The settings that change no tensor's shape come back with the state; the structure
         # (capacity, shape, classes, init) was checked against this buffer in _load_from_state_dict.
+        # (An old state's auto_fit_examples is left out: a restored init counts as fitted.)
         config = state.get("config", {})
         self.reinit_freq = float(config.get("reinit_freq", self.reinit_freq))
-        self.auto_fit_examples = int(config.get("auto_fit_examples", self.auto_fit_examples))
-        if "init_state" in state and hasattr(self.init_dist, "load_state_dict"):
+        if "init_state" in state and isinstance(self.init_dist, _Stateful):
             self.init_dist.load_state_dict(state["init_state"])
 
     def _load_from_state_dict(
@@ -432,16 +622,11 @@ class ReplayBuffer(nn.Module):
                 f"(num_classes={self.num_classes}); create it with the num_classes it was saved with"
             )
         extra = state_dict.get(prefix + "_extra_state")
-        if isinstance(extra, dict) and extra.get("init") not in (None, self.init_name):
+        saved = _saved_init(extra) if isinstance(extra, dict) else None
+        if saved is not None and saved != self._plain_init():
             raise CheckpointError(
-                f"replay buffer checkpoint was saved with init distribution {extra['init']!r}, this buffer "
-                f"uses {self.init_name!r}; create it with init={extra['init']!r}"
-            )
-        saved_kwargs = extra.get("config", {}).get("init_kwargs") if isinstance(extra, dict) else None
-        if saved_kwargs is not None and saved_kwargs != self.init_kwargs:
-            raise CheckpointError(
-                f"replay buffer checkpoint was saved with init_kwargs={saved_kwargs!r}, this buffer uses "
-                f"init_kwargs={self.init_kwargs!r}; create it with init_kwargs={saved_kwargs!r}"
+                f"replay buffer checkpoint was saved with init={_spelled(saved)}, this buffer uses "
+                f"init={_spelled(self._plain_init())}; create it with init={_spelled(saved)}"
             )
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -449,8 +634,8 @@ class ReplayBuffer(nn.Module):
         if prefix + "_colours" in missing_keys:  # saved before buffers kept their colour axes
             missing_keys.remove(prefix + "_colours")
         self._is_init = bool(self.initialized)
-        self._auto_fit = None  # a restored init counts as fitted
-        if hasattr(self, "_colours"):  # (an init with a `fitted` flag says it itself, once loaded)
+        self.fit_count += 1  # a restored init counts as fitted
+        if self._has_colours:  # (an init with a `fitted` flag says it itself, once loaded)
             self._colours_fitted = not torch.equal(
                 self._colours, torch.eye(self._colours.shape[0], device=self._colours.device)
             )
@@ -464,8 +649,35 @@ class ReplayBuffer(nn.Module):
             raise CheckpointError(f"could not load the replay buffer checkpoint: {exc}") from exc
 
     def extra_repr(self) -> str:
+        init = repr(self.init_spec) if self.init_spec is not None else repr(self.init_name)
         return (
             f"capacity={self.capacity}, sample_shape={self.sample_shape}, reinit_freq={self.reinit_freq}, "
-            f"init={self.init_name!r}, num_classes={self.num_classes}, "
+            f"init={init}, num_classes={self.num_classes}, "
             f"initialized={self._is_init}, device={self.data.device}"
         )
+
+
+@runtime_checkable
+class _Stateful(Protocol):
+    """A plain (non-Module) init distribution that carries state of its own."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _saved_init(extra: dict[str, Any]) -> dict[str, Any] | None:
+    """The init a buffer's saved state was built with, as plain data (``None``: not recorded).
+    States written before init specs hold a name and ``init_kwargs``: read silently."""
+    config = extra.get("config")
+    if not isinstance(config, dict):
+        config = {}
+    init = config.get("init", extra.get("init"))
+    if init is None:
+        return None
+    if isinstance(init, Mapping):
+        return dict(init)
+    kwargs = config.get("init_kwargs") or {}
+    if init in INIT_SPECS or kwargs:
+        return _legacy_plain(init, kwargs)
+    return {"kind": init}

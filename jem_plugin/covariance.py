@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
-__all__ = ["Covariance", "Diagonal", "Full", "LowRank", "Stationary", "COVARIANCE_KINDS"]
+__all__ = ["Covariance", "Diagonal", "Full", "LowRank", "Stationary", "COVARIANCE_KINDS", "covariance_from_name"]
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,8 @@ class LowRank:
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"LowRank rank must be a positive int, got {self.rank!r}")
-        if not (isinstance(self.residual, (int, float)) and 0 <= self.residual):
-            raise ValueError(f"LowRank residual must be a number >= 0, got {self.residual!r}")
+        if not (isinstance(self.residual, (int, float)) and 0 <= self.residual <= 1):
+            raise ValueError(f"LowRank residual must be a number in [0, 1], got {self.residual!r}")
 
 
 @dataclass(frozen=True)
@@ -53,3 +53,18 @@ class Stationary:
 Covariance = Diagonal | Full | LowRank | Stationary
 
 COVARIANCE_KINDS: dict[str, type] = {c.kind: c for c in (Diagonal, Full, LowRank, Stationary)}
+
+
+def covariance_from_name(name: str, rank: Any = None, residual: Any = None) -> Covariance:
+    """The typed covariance an old string spelling stands for: ``"lowrank"`` with ``rank`` and
+    ``residual`` (unset: :class:`LowRank`'s defaults); the other kinds ignore them, as before."""
+    if name not in COVARIANCE_KINDS:
+        raise ValueError(f"covariance must be one of {', '.join(map(repr, COVARIANCE_KINDS))}, got {name!r}")
+    if name != LowRank.kind:
+        return COVARIANCE_KINDS[name]()
+    options = {k: v for k, v in (("rank", rank), ("residual", residual)) if v is not None}
+    if "rank" in options and not isinstance(options["rank"], bool):
+        options["rank"] = int(options["rank"])
+    if "residual" in options:
+        options["residual"] = float(options["residual"])
+    return LowRank(**options)

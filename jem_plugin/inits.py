@@ -11,12 +11,32 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-from .covariance import COVARIANCE_KINDS, Covariance, Diagonal
+from .covariance import COVARIANCE_KINDS, Covariance, Diagonal, covariance_from_name
 
-__all__ = ["Uniform", "Gaussian", "Normal", "InitSpec", "INIT_SPECS", "init_options", "init_spec_to_dict", "init_spec_from_dict"]
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch import Tensor
+
+    from .adapter import InputDomain
+
+__all__ = [
+    "Uniform",
+    "Gaussian",
+    "Normal",
+    "InitSpec",
+    "INIT_SPECS",
+    "InitDistribution",
+    "FittedFromData",
+    "PoolsMissingClasses",
+    "init_options",
+    "init_spec_to_dict",
+    "init_spec_from_dict",
+    "init_spec_from_name",
+]
 
 
 @dataclass(frozen=True)
@@ -62,6 +82,45 @@ InitSpec = Uniform | Gaussian | Normal
 INIT_SPECS: dict[str, type] = {c.kind: c for c in (Uniform, Gaussian, Normal)}
 
 
+# ---------------------------------------------------------------- what a distribution object offers
+@runtime_checkable
+class InitDistribution(Protocol):
+    """What a replay buffer draws chain starts from (the object a registered factory returns)."""
+
+    def sample(
+        self,
+        n: int,
+        shape: Sequence[int],
+        domain: InputDomain,
+        generator: torch.Generator | None = None,
+        device: Any = None,
+        y: Tensor | None = None,
+    ) -> Tensor: ...
+
+
+@runtime_checkable
+class FittedFromData(Protocol):
+    """An init distribution fitted from data (``fit(x, y)``) that says whether it has been
+    (``fitted``): a buffer whose init says ``False`` cannot draw yet (the per-class Gaussian)."""
+
+    @property
+    def fitted(self) -> bool: ...
+
+    def fit(self, x: Tensor, y: Tensor, *args: Any, **kwargs: Any) -> Any: ...
+
+
+@runtime_checkable
+class PoolsMissingClasses(Protocol):
+    """An init whose ``fit(..., pool_missing=True)`` gives the classes without examples the
+    distribution of all examples, declared by ``pools_missing_classes = True`` (the per-class
+    Gaussian does; for others, :meth:`ReplayBuffer.fit(missing_classes="pool")
+    <jem_plugin.buffer.ReplayBuffer.fit>` fits one copy of the examples per missing class)."""
+
+    pools_missing_classes: bool
+
+    def fit(self, x: Tensor, y: Tensor, num_classes: int | None = None, *, pool_missing: bool = False) -> Any: ...
+
+
 def init_options(spec: InitSpec) -> tuple[str, dict[str, Any]]:
     """The registered name of ``spec``'s distribution and the keyword arguments of its factory."""
     return spec.kind, {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
@@ -69,7 +128,8 @@ def init_options(spec: InitSpec) -> tuple[str, dict[str, Any]]:
 
 def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {"kind": value.kind, **{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+        kind = type(value).kind  # type: ignore[attr-defined]  # every spec and covariance class has one
+        return {"kind": kind, **{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}}
     return value
 
 
@@ -86,3 +146,24 @@ def init_spec_from_dict(data: dict[str, Any]) -> InitSpec:
         cov = dict(data["covariance"])
         data["covariance"] = COVARIANCE_KINDS[cov.pop("kind")](**cov)
     return cls(**data)
+
+
+def init_spec_from_name(name: str, options: Mapping[str, Any] | None = None) -> InitSpec:
+    """The spec the old spelling ``init=name, init_kwargs=options`` stands for (``name`` one of
+    :data:`INIT_SPECS`; ``covariance`` may be a string, with ``rank`` and ``residual`` for ``"lowrank"``)."""
+    options = dict(options or {})
+    cls = INIT_SPECS[name]
+    if cls is Gaussian:
+        covariance = options.pop("covariance", None)
+        rank, residual = options.pop("rank", None), options.pop("residual", None)
+        if rank is not None and (isinstance(rank, bool) or not int(rank) >= 1):
+            raise ValueError(f"gaussian init needs rank >= 1, got {rank}")
+        if residual is not None and not 0.0 <= float(residual) <= 1.0:
+            raise ValueError(f"gaussian init needs 0 <= residual <= 1, got {residual}")
+        if covariance is None or isinstance(covariance, str):
+            options["covariance"] = covariance_from_name(covariance or "diagonal", rank, residual)
+        elif rank is not None or residual is not None:
+            raise TypeError("rank and residual belong in the covariance: LowRank(rank=..., residual=...)")
+        else:
+            options["covariance"] = covariance
+    return cls(**options)

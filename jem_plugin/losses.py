@@ -21,14 +21,22 @@ Speed: the data batch and every sample are pushed through the model in ONE forwa
 concatenated batch (one DDP forward/backward), then split, and every metric is fetched from the
 device in one transfer at the end. A step therefore costs sampling plus one forward/backward.
 Note that a model with BatchNorm in train mode normalises that concatenated batch with shared
-statistics; models without BatchNorm (or with frozen BatchNorm) are the usual JEM choice.
+statistics, unless the sampler says the samples pass it on their own (``SGLD(batchnorm="separate")``).
+
+The loss only computes: it is given its sampler and replay buffer, and a call neither builds,
+fits nor configures them. What a training loop does around it is explicit:
+:meth:`ReplayBuffer.fit <jem_plugin.buffer.ReplayBuffer.fit>` (or
+:class:`~jem_plugin.extensions.FitInitFromBatches`) fits an informative init, and
+:meth:`JEMLoss.reusing_samples` lets SAM's second pass reuse the first pass's samples.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -41,14 +49,15 @@ from . import plugins
 from ._checks import DomainCheck, check_input, check_label_range, check_labels, draw, follow, free_energy, model_device
 from .buffer import INIT_HOOK, ReplayBuffer
 from .errors import InvalidInputError
+from .extensions import FitInitFromBatches
 from .model import JEM, as_jem, frozen_bn_stats, sampling_mode
 from .sampling import SGLD
 
-__all__ = ["LossOutput", "LossBatch", "JEMLoss", "LOSS_TERMS_HOOK"]
+__all__ = ["LossOutput", "LossBatch", "JEMLoss", "SampleReplay", "LOSS_TERMS_HOOK"]
 
 LOSS_TERMS_HOOK = "jem_register_loss_terms"
 
-# Defaults of a buffer created on the first batch (the paper's values).
+# Defaults of the buffer a JEMLoss without one still builds on its first batch (deprecated).
 DEFAULT_BUFFER_CAPACITY = 10000
 DEFAULT_REINIT_FREQ = 0.05
 
@@ -111,6 +120,9 @@ class LossBatch:
 
 
 LOSS_BATCHNORM_MODES = ("joint", "separate")
+# The sampler's batchnorm read as the loss's: SGLD's spellings before "joint"/"separate" included.
+_SAMPLES_BATCHNORM = {"joint": "joint", "separate": "separate", "eval": "joint", "batch": "separate"}
+_DEPRECATED = ("batchnorm", "clamp_data")  # JEMLoss keywords that moved to the sampler
 
 
 def _batch_statistics_in_use(model: nn.Module) -> bool:
@@ -128,30 +140,78 @@ def _default_sampler():
     return SGLD()
 
 
+def _sampler_batchnorm(sampler: Any) -> str | None:
+    """How the samples pass BatchNorm, as the sampler says (``None``: it does not say)."""
+    mode: Any
+    if isinstance(sampler, SGLD):
+        mode = sampler.batchnorm
+    else:  # a user's sampler may say how its chains meet BatchNorm, or not
+        mode = getattr(sampler, "batchnorm", None)
+        if mode is None:
+            return None
+    if mode not in _SAMPLES_BATCHNORM:
+        raise InvalidInputError(f"the sampler's batchnorm must be one of {LOSS_BATCHNORM_MODES}, got {mode!r}")
+    return _SAMPLES_BATCHNORM[mode]
+
+
+def _sampler_clamps(sampler: Any) -> bool:
+    if isinstance(sampler, SGLD):
+        return sampler.clamp
+    return bool(getattr(sampler, "clamp", False))  # a user's sampler: clamped chains only if it says so
+
+
+class SampleReplay:
+    """What :meth:`JEMLoss.reusing_samples` yields: the samples the first forward in the block
+    drew (with their labels), which every later forward in the block reuses in order.
+
+    ``replaying`` turns ``True`` after the first forward (set it yourself to replay earlier, as
+    loops written for :func:`jem_plugin.sam.reuse_samples` do between SAM's two passes)."""
+
+    def __init__(self) -> None:
+        self.draws: list[tuple[Tensor, Tensor | None]] = []
+        self.replaying = False
+        self._next = 0
+
+    def _take(self) -> tuple[Tensor, Tensor | None]:
+        if self._next >= len(self.draws):
+            raise RuntimeError(
+                "a forward that reuses samples asked for more samples than the first forward drew; "
+                "the closure must compute the same loss both times"
+            )
+        self._next += 1
+        return self.draws[self._next - 1]
+
+    def __repr__(self) -> str:
+        return f"SampleReplay(draws={len(self.draws)}, replaying={self.replaying})"
+
+
 class JEMLoss(nn.Module):
     """JEM's objective: cross-entropy plus the energy contrast of data against SGLD samples.
 
     Parameters
     ----------
     sampler: an :class:`~jem_plugin.sampling.SGLD`; default ``SGLD()`` with the paper's settings
-        (20 steps, step size 1, noise 0.01).
-    buffer: a :class:`~jem_plugin.buffer.ReplayBuffer`. When ``None`` and a sampling term is on,
-        one is created on the first batch: capacity 10000, reinit frequency 0.05, uniform init over
-        the model's input domain, sample shape ``x.shape[1:]``, on ``x``'s device, class-conditional
-        (``num_classes`` segments) when ``pxy_weight > 0`` or ``class_conditional_px``.
-        Either way the buffer is a submodule: it is saved in ``JEMLoss.state_dict()``, and it moves
-        to the model's device on first use (a buffer given, or restored from a checkpoint, on the
-        CPU joins the chains on the GPU: no host-device copy per iteration).
+        (20 steps, step size 1, noise 0.01). Its ``batchnorm`` also says how the samples pass the
+        model's BatchNorm layers in train mode in the loss's forward (:attr:`batchnorm`), and its
+        ``clamp`` whether the data noise stays inside the input domain (:meth:`clamps_data`).
+    buffer: the :class:`~jem_plugin.buffer.ReplayBuffer` the chains start from and are written
+        back to, e.g. ``ReplayBuffer(10000, sample_shape=(3, 32, 32))`` (class-conditional,
+        ``num_classes=K``, when ``pxy_weight > 0`` or ``class_conditional_px``), or
+        ``ReplayBuffer.for_model(jm)``, or a recipe's ``build``. Its init is fitted by you
+        (``buffer.fit(x, y)``) or by :class:`~jem_plugin.extensions.FitInitFromBatches`. The buffer
+        is a submodule: it is saved in ``JEMLoss.state_dict()``, and it moves to the model's device
+        on first use (a buffer given, or restored from a checkpoint, on the CPU joins the chains on
+        the GPU: no host-device copy per iteration). Without one, a loss whose terms draw samples
+        still builds one on its first batch, with a ``DeprecationWarning`` (for one release).
     ce_weight, px_weight, pxy_weight, l2_weight: weights of the p(y|x), p(x), p(x|y) and
         energy-L2 terms (paper: 1, 1, 0, 0; try ``l2_weight=0.1`` .. ``1`` if training diverges).
-    data_noise: std of the Gaussian noise added to the data batch (paper: 0.03).
-    clamp_data: keep the data noise inside the model's input domain (a value already outside it
-        keeps its clean value as the bound). Default (``None``): do so exactly when the sampler
-        clamps its chains. Why: with clamped chains and unclamped data
-        noise, the positive phase has mass just outside the domain (saturated pixels + noise)
-        that the negative phase can never reach, so training keeps raising the density *outside*
-        the domain; the input gradient of real data then points out of it at every saturated
-        pixel and swamps the gradient-norm OOD score.
+    data_noise: std of the Gaussian noise added to the data batch (paper: 0.03). It is kept inside
+        the model's input domain exactly when the sampler clamps its chains (a value already
+        outside it keeps its clean value as the bound). Why: with clamped chains and unclamped
+        data noise, the positive phase has mass just outside the domain (saturated pixels +
+        noise) that the negative phase can never reach, so training keeps raising the density
+        *outside* the domain; the input gradient of real data then points out of it at every
+        saturated pixel and swamps the gradient-norm OOD score.
     n_samples: number of chains per sampled term and step (default: the batch size); the p(x|y)
         chains are drawn for the first ``n_samples`` labels of the batch.
     class_conditional_px: draw the p(x) chains from p(y)p(x|y) with uniformly random ``y`` (the
@@ -161,19 +221,17 @@ class JEMLoss(nn.Module):
         L2 regulariser is ``l2_weight``, not a term).
     generator: a ``torch.Generator`` for the data noise and random labels (default: global RNG).
     validate: check shapes, dtypes and label range (one small device sync for labels on a GPU).
-    batchnorm: how the samples pass a model's BatchNorm layers in train mode. ``"joint"``: one
-        forward over data and samples, normalised with shared batch statistics that also enter
-        the running statistics. ``"separate"``: the samples in a second forward with their own
-        batch statistics, leaving the running statistics to the data (JEM++'s passes); pair it
-        with ``SGLD(batchnorm="batch")`` so the chains climb the energy this trains. No effect on
-        models without BatchNorm.
+
+    Deprecated keywords (for one release, with a ``DeprecationWarning``): ``batchnorm=`` (set it
+    on the sampler, ``SGLD(batchnorm="separate")``; a value that disagrees with the sampler's is an
+    error) and ``clamp_data=`` (the data noise follows ``sampler.clamp``).
 
     ``loss_fn(jm, x, y)`` returns a :class:`LossOutput`. ``jm`` is ``jem_plugin.wrap(model)``, or a
     ``DistributedDataParallel`` around it: samples are drawn on the bare module, the concatenated
     batch goes through the wrapper once.
     """
 
-    # A ReplayBuffer, or a user's module with the same methods (sample, update, fit_if_unfitted).
+    # A ReplayBuffer, or a user's module with its sample(n, domain=, y=, generator=) and update(idx, x).
     buffer: Any
 
     def __init__(
@@ -191,13 +249,9 @@ class JEMLoss(nn.Module):
         terms: dict[str, dict] | None = None,
         generator: torch.Generator | None = None,
         validate: bool = True,
-        clamp_data: bool | None = None,
-        batchnorm: str = "joint",
+        **deprecated: Any,
     ) -> None:
         super().__init__()
-        if batchnorm not in LOSS_BATCHNORM_MODES:
-            raise ValueError(f"batchnorm must be one of {LOSS_BATCHNORM_MODES}, got {batchnorm!r}")
-        self.batchnorm = batchnorm
         for name, value in (
             ("ce_weight", ce_weight),
             ("px_weight", px_weight),
@@ -216,16 +270,53 @@ class JEMLoss(nn.Module):
         self.pxy_weight = float(pxy_weight)
         self.l2_weight = float(l2_weight)
         self.data_noise = float(data_noise)
-        self.clamp_data = clamp_data
         self.n_samples = n_samples
         self.class_conditional_px = bool(class_conditional_px)
         self.generator = generator
         self.validate = validate
+        self._clamp_data: bool | None = None  # the deprecated clamp_data=: None follows the sampler
+        self._batchnorm: str | None = None  # the deprecated batchnorm=, for a sampler that does not say
+        self._take_deprecated(deprecated)
         self.terms = nn.ModuleDict()
         self._plain_terms: dict[str, Callable] = {}
         self._term_kwargs: dict[str, dict[str, Any]] = {}  # what add_term built each term from
         for name, kwargs in (terms or {}).items():
             self.add_term(name, **(kwargs or {}))
+        self._domain_check = DomainCheck()  # warns once when the data leave the model's domain
+        self._replay: SampleReplay | None = None  # set inside reusing_samples()
+        self._legacy_fit: FitInitFromBatches | None = None  # the deprecated fit from the first batches
+        self._warned: set[str] = set()
+
+    def _take_deprecated(self, options: dict[str, Any]) -> None:
+        """The old keywords: ``batchnorm`` (checked against the sampler's) and ``clamp_data``."""
+        unknown = sorted(set(options) - set(_DEPRECATED))
+        if unknown:
+            raise TypeError(f"JEMLoss() got an unexpected keyword argument {unknown[0]!r}")
+        if "batchnorm" in options:
+            mode = options["batchnorm"]
+            if mode not in LOSS_BATCHNORM_MODES:
+                raise ValueError(f"batchnorm must be one of {LOSS_BATCHNORM_MODES}, got {mode!r}")
+            warnings.warn(
+                f"JEMLoss(batchnorm={mode!r}) is deprecated: set it on the sampler: SGLD(batchnorm={mode!r})",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            said = _sampler_batchnorm(self.sampler)
+            if said is not None and mode != said:
+                raise InvalidInputError(
+                    f"JEMLoss(batchnorm={mode!r}) disagrees with its sampler's batchnorm {said!r}: "
+                    f"set it on the sampler only, SGLD(batchnorm={mode!r})"
+                )
+            self._batchnorm = mode
+        if "clamp_data" in options:
+            clamp = options["clamp_data"]
+            warnings.warn(
+                f"JEMLoss(clamp_data={clamp!r}) is deprecated: the data noise stays in the domain exactly when "
+                "the sampler clamps its chains, SGLD(clamp=...)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            self._clamp_data = None if clamp is None else bool(clamp)
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -240,6 +331,21 @@ class JEMLoss(nn.Module):
     def sampler(self, value: Any) -> None:  # reached for non-Module values only (nn.Module.__setattr__)
         self._modules.pop("sampler", None)
         self.__dict__["_sampler"] = value
+
+    @property
+    def batchnorm(self) -> str:
+        """How the samples pass the model's BatchNorm layers in train mode, read from the sampler's
+        ``batchnorm``. ``"joint"``: one forward over data and samples, normalised with shared batch
+        statistics that also enter the running statistics. ``"separate"``: the samples in a second
+        forward with their own batch statistics, leaving the running statistics to the data
+        (JEM++'s passes; the chains then climb the energy this trains). No effect on models
+        without BatchNorm. A sampler that does not say is ``"joint"``."""
+        return _sampler_batchnorm(self.sampler) or self._batchnorm or "joint"
+
+    def clamps_data(self) -> bool:
+        """Whether the data noise is kept inside the model's input domain: when the sampler
+        clamps its chains (``SGLD(clamp=True)``, the default)."""
+        return self._clamp_data if self._clamp_data is not None else _sampler_clamps(self.sampler)
 
     def add_term(self, name: str, **kwargs: Any) -> Callable:
         """Add the loss term ``name`` from the ``jem_register_loss_terms`` hook; returns it."""
@@ -261,15 +367,40 @@ class JEMLoss(nn.Module):
         return (
             self.px_weight > 0
             or self.pxy_weight > 0
+            # Terms come from plugins: a term that draws nothing need not say so.
             or any(getattr(t, "needs_samples", False) for _, t in self._all_terms())
         )
+
+    @property
+    def class_conditional(self) -> bool:
+        """Whether the chains are drawn per class (the buffer then needs ``num_classes``)."""
+        return self.pxy_weight > 0 or self.class_conditional_px
+
+    @contextlib.contextmanager
+    def reusing_samples(self) -> Iterator[SampleReplay]:
+        """Draw once for several forwards: in the block, the first forward records its samples and
+        every later one reuses them, in order, without drawing or writing the buffer (SAM's second
+        pass, at the perturbed weights, on the same batch; :class:`~jem_plugin.sam.SAM` ``.step``
+        uses this when given ``loss_fn=``). Yields the :class:`SampleReplay`.
+
+        >>> with loss_fn.reusing_samples():
+        ...     first = loss_fn(jm, x, y)     # draws and records
+        ...     second = loss_fn(jm, x, y)    # the same samples
+        """
+        if self._replay is not None:
+            raise RuntimeError("JEMLoss.reusing_samples() blocks do not nest")
+        self._replay = replay = SampleReplay()
+        try:
+            yield replay
+        finally:
+            self._replay = None
 
     def extra_repr(self) -> str:
         return (
             f"ce_weight={self.ce_weight}, px_weight={self.px_weight}, pxy_weight={self.pxy_weight}, "
             f"l2_weight={self.l2_weight}, data_noise={self.data_noise}, n_samples={self.n_samples}, "
-            f"clamp_data={self._clamps_data()}, class_conditional_px={self.class_conditional_px}, "
-            f"sampler={self.sampler!r}"
+            f"class_conditional_px={self.class_conditional_px}, batchnorm={self.batchnorm!r} (the sampler's), "
+            f"clamp_data={self.clamps_data()}, sampler={self.sampler!r}"
         )
 
     # ------------------------------------------------------------------ checks
@@ -295,25 +426,47 @@ class JEMLoss(nn.Module):
             core.settle(num_classes=k)
         return k
 
-    def _ensure_buffer(self, core: JEM, x: Tensor) -> Any:
-        if self.buffer is not None:
-            return self.buffer
-        cond = self.pxy_weight > 0 or self.class_conditional_px
-        self.buffer = ReplayBuffer(
-            DEFAULT_BUFFER_CAPACITY,
-            tuple(int(s) for s in x.shape[1:]),
-            DEFAULT_REINIT_FREQ,
-            num_classes=self._num_classes(core, x) if cond else None,
-            device=x.device,
-        )
-        return self.buffer
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, DeprecationWarning, stacklevel=7)  # the line calling loss_fn(jm, x, y)
+
+    def _legacy_setup(self, core: JEM, x: Tensor, y: Tensor, px_data: Tensor | None, training: bool) -> Any:
+        """``self.buffer``, after what the loss still does behind the caller's back, deprecated for
+        one release: build a missing buffer, and (``training``) fit an unfitted informative init
+        from the first batches. Nothing of this runs for a loss given a buffer whose init is fitted."""
+        if self.buffer is None:
+            shape = tuple(int(s) for s in x.shape[1:])
+            cond = f", num_classes={core.num_classes or 'K'}" if self.class_conditional else ""
+            self._warn_once(
+                "buffer",
+                "JEMLoss without a buffer builds one on its first batch; this is deprecated: build it "
+                f"yourself, JEMLoss(buffer=ReplayBuffer({DEFAULT_BUFFER_CAPACITY}, sample_shape={shape}{cond})) "
+                "or ReplayBuffer.for_model(jm), or use a recipe's build",
+            )
+            self.buffer = ReplayBuffer(
+                DEFAULT_BUFFER_CAPACITY,
+                shape,
+                DEFAULT_REINIT_FREQ,
+                num_classes=self._num_classes(core, x) if self.class_conditional else None,
+                device=x.device,
+            )
+        buffer = self.buffer
+        if training and isinstance(buffer, ReplayBuffer):
+            if self._legacy_fit is None and buffer.needs_fit and not buffer.has_samples:
+                self._warn_once(
+                    "fit",
+                    f"JEMLoss fits the buffer's unfitted {buffer.init_name!r} init from the first batches; this "
+                    "is deprecated: fit it yourself, buffer.fit(x, y), or pass "
+                    "jem_plugin.extensions.FitInitFromBatches() to fit (or call its on_batch in your loop)",
+                )
+                self._legacy_fit = FitInitFromBatches(examples=buffer.auto_fit_examples)
+            if self._legacy_fit is not None:
+                same = px_data is None or px_data.shape[0] == y.shape[0]
+                self._legacy_fit.observe(buffer, x if px_data is None else px_data, y if same else None)
+        return buffer
 
     # ------------------------------------------------------------------ the loss
-    def _clamps_data(self) -> bool:
-        if self.clamp_data is not None:
-            return bool(self.clamp_data)
-        return bool(getattr(self.sampler, "clamp", False))
-
     @staticmethod
     def _clamp_noisy(core: JEM, x: Tensor, x_noisy: Tensor) -> Tensor:
         """Keep the noise from pushing values out of the domain. Values the data itself has
@@ -327,7 +480,7 @@ class JEMLoss(nn.Module):
         if self.data_noise <= 0:
             return x
         noisy = x + self.data_noise * self._noise_like(x)
-        return self._clamp_noisy(core, x, noisy) if self._clamps_data() else noisy
+        return self._clamp_noisy(core, x, noisy) if self.clamps_data() else noisy
 
     def _noise_like(self, x: Tensor) -> Tensor:
         return draw(torch.randn, x.shape, self.generator, x.device, dtype=x.dtype)
@@ -339,12 +492,41 @@ class JEMLoss(nn.Module):
         if not evaluating:
             return self.sampler.sample(core, n, buffer=buffer, y=y)
         # Validation reads the buffer (starts drawn with the loss's generator) and never writes it.
-        device = model_device(core)
-        follow(buffer, device)
+        if isinstance(buffer, ReplayBuffer):
+            return self.sampler.sample(core, n, buffer=buffer.read_only(self.generator), y=y)
+        device = model_device(core)  # a user's buffer: its starts, chains run from them
         x0, _ = buffer.sample(n, domain=core.domain, y=y, generator=self.generator)
-        if getattr(self.sampler, "colours", "all") == "data":  # as sample(buffer=) would
-            self.sampler.use_colours_of(buffer)
         return self.sampler.sample(core, x_init=x0.to(device or x0.device), y=y)
+
+    def _draw(
+        self, core: JEM, x: Tensor, y: Tensor, px_data: Tensor | None, evaluating: bool
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+        """``(x_sample, y_sample, x_cond, y_cond)``: the p(x) and p(x|y) chains and their labels
+        (``None`` where a term is off), drawn, or reused inside :meth:`reusing_samples`."""
+        replay = self._replay
+        replaying = replay is not None and replay.replaying
+        buffer = self._legacy_setup(core, x, y, px_data, training=not evaluating and not replaying)
+        follow(buffer, model_device(core, x.device))  # a buffer given or restored on the CPU
+        x_sample = y_sample = x_cond = y_cond = None
+        n = self.n_samples or x.shape[0]
+        if self.px_weight > 0 or not self.pxy_weight > 0:
+            if replay is not None and replaying:
+                x_sample, y_sample = replay._take()
+            else:
+                if self.class_conditional_px:
+                    y_sample = self._random_labels(n, self._num_classes(core, x), x.device)
+                x_sample = self._sample(core, n, buffer, y_sample, evaluating)
+                if replay is not None:
+                    replay.draws.append((x_sample, y_sample))
+        if self.pxy_weight > 0:
+            y_cond = y if n >= x.shape[0] else y[:n]
+            if replay is not None and replaying:
+                x_cond, _ = replay._take()
+            else:
+                x_cond = self._sample(core, y_cond.shape[0], buffer, y_cond, evaluating)
+                if replay is not None:
+                    replay.draws.append((x_cond, y_cond))
+        return x_sample, y_sample, x_cond, y_cond
 
     def forward(self, jm: Any, x: Tensor, y: Tensor, px_data: Tensor | None = None) -> LossOutput:
         """One JEM loss evaluation: samples, one forward on the concatenated batch, the terms.
@@ -358,39 +540,23 @@ class JEMLoss(nn.Module):
         batch and the generators (the loss's ``generator`` and the sampler's).
         """
         core = as_jem(jm, "JEMLoss")  # the JEM inside compile/DDP/DataParallel/FSDP wrappers
-        x = check_input(
-            x, dtype=core.param_dtype(), domain=core.domain
-        )  # the shared input check; floats cast to the parameters' dtype
-        self.__dict__.setdefault("_domain_check", DomainCheck())(x, core.domain, "JEMLoss", stacklevel=4)
-        # Validation (loss module in eval mode, or no grad): no buffer write, no data noise.
-        evaluating = not self.training or not torch.is_grad_enabled()
-        if self.validate:
-            y = self._check_batch(core, x, y)
-        else:
-            y = y.to(device=x.device, dtype=torch.long)
-        b = x.shape[0]
+        # 1. The batch: the shared input check (floats cast to the parameters' dtype), the labels.
+        x = check_input(x, dtype=core.param_dtype(), domain=core.domain)
+        self._domain_check(x, core.domain, "JEMLoss", stacklevel=4)
+        evaluating = not self.training or not torch.is_grad_enabled()  # no buffer write, no data noise
+        y = self._check_batch(core, x, y) if self.validate else y.to(device=x.device, dtype=torch.long)
+        replay = self._replay
+        if replay is not None:
+            replay._next = 0
 
-        # 1. Samples (detached fp32; the sampler handles eval mode and parameter grads).
+        # 2. Samples (detached fp32; the sampler handles eval mode and parameter grads).
         x_sample = y_sample = x_cond = y_cond = None
         if self.samples_needed:
-            buffer = self._ensure_buffer(core, x)
-            follow(buffer, model_device(core, x.device))  # a buffer given or restored on the CPU
-            # An informative init nobody fitted: fit it from the first batches (once per iteration:
-            # SAM's second pass, whose sampler replays the first pass's samples, adds nothing).
-            if not evaluating and hasattr(buffer, "fit_if_unfitted") and not getattr(self.sampler, "replaying", False):
-                buffer.fit_if_unfitted(
-                    x if px_data is None else px_data, y if px_data is None or px_data.shape[0] == y.shape[0] else None
-                )
-            n = self.n_samples or b
-            if self.px_weight > 0 or not self.pxy_weight > 0:
-                if self.class_conditional_px:
-                    y_sample = self._random_labels(n, self._num_classes(core, x), x.device)
-                x_sample = self._sample(core, n, buffer, y_sample, evaluating)
-            if self.pxy_weight > 0:
-                y_cond = y if n >= b else y[:n]
-                x_cond = self._sample(core, y_cond.shape[0], buffer, y_cond, evaluating)
+            x_sample, y_sample, x_cond, y_cond = self._draw(core, x, y, px_data, evaluating)
+        if replay is not None:
+            replay.replaying = True
 
-        # 2. One forward on [x_data; x_sample; x_cond], then split.
+        # 3. Data noise, then one forward on [x_data; px_data; x_sample; x_cond], then split.
         x_data = x if evaluating else self._with_data_noise(core, x)
         if px_data is not None:
             px_data = check_input(px_data, dtype=core.param_dtype(), domain=core.domain, what="px_data")
@@ -420,7 +586,7 @@ class JEMLoss(nn.Module):
         logits_sample = chunks.pop(0) if x_sample is not None else None
         logits_cond = chunks.pop(0) if x_cond is not None else None
 
-        # 3. Terms. Metrics stay tensors until the single transfer at the end.
+        # 4. Terms. Metrics stay tensors until the single transfer at the end.
         energy_data = free_energy(logits_data)
         metrics: dict[str, Tensor] = {}
         ce = F.cross_entropy(logits_data, y)
@@ -486,8 +652,13 @@ class JEMLoss(nn.Module):
         # their state, the buffer as the arguments that rebuild it (so the state loads into a
         # JEMLoss built without one, e.g. Lightning's load_from_checkpoint(ck, model=...)), the
         # terms as the arguments they were built from.
+        config = {name: getattr(self, name) for name in _SETTINGS}
+        if self._clamp_data is not None:  # the deprecated keywords travel while they work
+            config["clamp_data"] = self._clamp_data
+        if self._batchnorm is not None:
+            config["batchnorm"] = self._batchnorm
         state: dict[str, Any] = {
-            "config": {name: getattr(self, name) for name in _SETTINGS},
+            "config": config,
             "buffer_config": _buffer_config(self.buffer),
             "term_kwargs": {name: kw for name, kw in self._term_kwargs.items() if _is_plain(kw)},
         }
@@ -507,12 +678,18 @@ class JEMLoss(nn.Module):
     def set_extra_state(self, state: dict[str, Any]) -> None:
         # Runs before the children are loaded: a buffer or term this loss lacks is created here
         # from its arguments, so a fresh JEMLoss resumes from a checkpoint.
+        # Old states also hold batchnorm (the sampler's now, restored with it below; kept for a
+        # sampler that does not say) and clamp_data (None follows the sampler): both load silently.
         for name, value in state.get("config", {}).items():
             if name in _SETTINGS:
                 setattr(self, name, value)
+            elif name == "clamp_data":
+                self._clamp_data = None if value is None else bool(value)
+            elif name == "batchnorm" and value in LOSS_BATCHNORM_MODES:
+                self._batchnorm = value
         config = state.get("buffer_config")
         if config is not None and self.buffer is None:
-            self.buffer = ReplayBuffer(**config)
+            self.buffer = ReplayBuffer.from_config(config)  # also a config written before init specs
         for name, kwargs in state.get("term_kwargs", {}).items():
             if name not in self._term_kwargs:
                 self.add_term(name, **kwargs)
@@ -555,13 +732,13 @@ def _buffer_config(buffer: Any) -> dict[str, Any] | None:
     return buffer.config()
 
 
-# The settings a checkpoint carries as values: every constructor argument but the collaborators
-# (sampler, buffer, generator and terms travel as their own state), read from the signature so that
-# a new argument cannot be left out.
+# The settings a checkpoint carries as values: every named constructor argument but the
+# collaborators (sampler, buffer, generator and terms travel as their own state), read from the
+# signature so that a new argument cannot be left out (the **deprecated catch-all is not one).
 _SETTINGS: tuple[str, ...] = tuple(
     name
-    for name in inspect.signature(JEMLoss.__init__).parameters
-    if name not in ("self", "sampler", "buffer", "generator", "terms")
+    for name, p in inspect.signature(JEMLoss.__init__).parameters.items()
+    if name not in ("self", "sampler", "buffer", "generator", "terms") and p.kind is not p.VAR_KEYWORD
 )
 
 

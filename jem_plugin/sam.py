@@ -8,8 +8,9 @@ takes the gradient there, and the base optimiser steps from the *restored* ``w``
 Two JEM-specific rules (SADA-JEM):
 
 - **sample once per iteration**: the second pass reuses the first pass's SGLD samples (no second
-  chain, no second replay-buffer write); :meth:`SAM.step` does this when given ``loss_fn=``, or use
-  :func:`reuse_samples` yourself;
+  chain, no second replay-buffer write); :meth:`SAM.step` does this when given ``loss_fn=``
+  (through :meth:`JEMLoss.reusing_samples <jem_plugin.losses.JEMLoss.reusing_samples>`), or use
+  that context manager yourself;
 - **BatchNorm statistics frozen on the second pass**: the perturbed weights' batch must not move
   the running statistics (:func:`frozen_bn_stats`).
 
@@ -25,51 +26,40 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from .model import frozen_bn_stats
 
-__all__ = ["SAM", "frozen_bn_stats", "reuse_samples"]
+__all__ = ["SAM", "ReusesSamples", "frozen_bn_stats", "reuse_samples"]
 
 
-class _Replay:
-    """Stands in for a sampler: records what the first pass drew, hands it back on the second."""
+@runtime_checkable
+class ReusesSamples(Protocol):
+    """A loss that can draw once for several passes: in a ``reusing_samples()`` block, the first
+    forward records its samples and later ones reuse them (:class:`~jem_plugin.losses.JEMLoss`)."""
 
-    def __init__(self, sampler: Any) -> None:
-        self.inner = sampler
-        self.recorded: list[Tensor] = []
-        self.replaying = False
-
-    def sample(self, jm: Any, n: Any = None, **kwargs: Any) -> Tensor:
-        if not self.replaying:
-            x = self.inner.sample(jm, n, **kwargs)
-            self.recorded.append(x)
-            return x
-        if not self.recorded:
-            raise RuntimeError(
-                "the second SAM pass asked for more samples than the first drew; the "
-                "closure must compute the same loss both times"
-            )
-        return self.recorded.pop(0)
-
-    def __getattr__(self, name: str) -> Any:  # clamp, steps, ...: the real sampler's
-        return getattr(self.inner, name)
+    def reusing_samples(self) -> AbstractContextManager[Any]: ...
 
 
-@contextlib.contextmanager
-def reuse_samples(loss_fn: Any) -> Iterator[_Replay]:
-    """Swap ``loss_fn.sampler`` for a recorder for the block: call ``replay.replaying = True``
-    between the passes and the second pass gets the first pass's samples, in order."""
-    replay = _Replay(loss_fn.sampler)
-    loss_fn.sampler = replay
-    try:
-        yield replay
-    finally:
-        loss_fn.sampler = replay.inner
+def _reusing(loss_fn: Any) -> AbstractContextManager[Any]:
+    if not isinstance(loss_fn, ReusesSamples):
+        raise TypeError(
+            f"reusing the first pass's samples needs a loss with reusing_samples() (a JEMLoss); got "
+            f"{type(loss_fn).__name__}: leave loss_fn out, and the second pass draws its own"
+        )
+    return loss_fn.reusing_samples()
+
+
+def reuse_samples(loss_fn: Any) -> AbstractContextManager[Any]:
+    """``loss_fn.reusing_samples()``: in the block the first forward records its samples and the
+    later ones reuse them (the handle's ``replaying`` also switches by hand between the passes).
+    Kept for loops written against it; new code calls the loss's method."""
+    return _reusing(loss_fn)
 
 
 class SAM:
@@ -138,19 +128,18 @@ class SAM:
         """One SAM iteration: ``closure()`` (forward + backward) twice around the perturbation.
 
         ``model``: its BatchNorm running statistics are frozen on the second pass. ``loss_fn``: a
-        :class:`~jem_plugin.JEMLoss` (anything with a ``sampler``) whose second pass reuses the
-        first pass's samples. Returns the first pass's closure result.
+        :class:`~jem_plugin.JEMLoss` (any :class:`ReusesSamples` loss) whose second pass reuses the
+        first pass's samples (:meth:`~jem_plugin.losses.JEMLoss.reusing_samples`). Returns the
+        first pass's closure result.
         """
         if closure is None:
             raise TypeError("SAM.step needs a closure that computes the loss and calls backward()")
-        ctx = reuse_samples(loss_fn) if loss_fn is not None else contextlib.nullcontext()
-        with ctx as replay:
+        ctx = _reusing(loss_fn) if loss_fn is not None else contextlib.nullcontext()
+        with ctx:
             self.zero_grad()
             with torch.enable_grad():
                 first = closure()
             self.first_step(zero_grad=True)
-            if replay is not None:
-                replay.replaying = True
             with torch.enable_grad(), frozen_bn_stats(model):
                 closure()
             self.second_step(zero_grad=True)

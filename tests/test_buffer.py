@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import math
+import re
+import warnings
 
 import numpy as np
 import pytest
@@ -13,7 +15,9 @@ import jem_plugin as jem
 from jem_plugin.adapter import IMAGENET_MEAN, IMAGENET_STD, InputDomain
 from jem_plugin.buffer import ReplayBuffer
 from jem_plugin.builtins.init_distributions import GaussianInit
+from jem_plugin.covariance import Diagonal, Full, LowRank, Stationary
 from jem_plugin.errors import CheckpointError, InvalidInputError, InvalidLabelError, JEMError, UnknownNameError
+from jem_plugin.inits import Gaussian, Normal, Uniform
 
 SHAPE = (1, 8, 8)
 DOMAIN = InputDomain()  # [-1, 1]
@@ -113,7 +117,7 @@ def class_data(n_per=200, k=3, seed=0):
 
 def test_gaussian_init_fit_reproduces_class_means():
     x, y, means = class_data()
-    buf = ReplayBuffer(300, SHAPE, num_classes=3, init="gaussian").fit(x, y)
+    buf = ReplayBuffer(300, SHAPE, num_classes=3, init=Gaussian()).fit(x, y)
     fitted = buf.init_dist.mean.view(3, -1).mean(1)
     torch.testing.assert_close(fitted, means, atol=0.01, rtol=0)
     draws = buf.init_dist.sample(3000, SHAPE, DOMAIN, gen(2), "cpu", y=torch.arange(3).repeat(1000))
@@ -135,7 +139,7 @@ def test_gaussian_full_covariance_keeps_pixel_correlations():
     base = 0.3 * torch.randn(400, 1, generator=g)
     x = (base + 0.01 * torch.randn(400, 64, generator=g)).view(400, *SHAPE)  # all pixels move together
     y = torch.zeros(400, dtype=torch.long)
-    full = GaussianInit(covariance="full").fit(x, y)
+    full = GaussianInit(covariance=Full()).fit(x, y)
     diag = GaussianInit().fit(x, y)
     corr = lambda s: torch.corrcoef(s.flatten(1)[:, :2].T)[0, 1]
     assert corr(full.sample(2000, SHAPE, DOMAIN, gen(1), "cpu")) > 0.95
@@ -147,8 +151,8 @@ def test_lowrank_covariance_equals_full_when_fitted_on_few_examples():
     Gaussian is the full one: the same covariance, hence the same distribution."""
     g = gen(0)
     x, y = torch.randn(14, *SHAPE, generator=g), torch.tensor([0] * 6 + [1] * 8)
-    full = GaussianInit(covariance="full").fit(x, y)
-    low = GaussianInit(covariance="lowrank", rank=16).fit(x, y)
+    full = GaussianInit(covariance=Full()).fit(x, y)
+    low = GaussianInit(covariance=LowRank(rank=16)).fit(x, y)
     eye = torch.eye(64)
     for c in range(2):
         implied = low.factor[c] @ low.factor[c].T + low.std[c] ** 2 * eye
@@ -165,16 +169,16 @@ def test_lowrank_covariance_keeps_leading_directions_and_total_variance():
     x = (x + 0.05 * torch.randn(3000, 64, generator=g)).view(3000, *SHAPE)
     y = torch.zeros(3000, dtype=torch.long)
     outside = lambda s: s - s.mean(0) - (s - s.mean(0)) @ dirs @ dirs.T  # off the two directions
-    low = GaussianInit(covariance="lowrank", rank=2).fit(x, y)
+    low = GaussianInit(covariance=LowRank(rank=2)).fit(x, y)
     draws = low.sample(20000, SHAPE, DOMAIN, gen(1), "cpu").flatten(1)
     torch.testing.assert_close(
         ((draws - low.mean[0]) @ dirs).std(0), ((x.flatten(1) - low.mean[0]) @ dirs).std(0), atol=0.01, rtol=0
     )
     torch.testing.assert_close(draws.var(0).sum(), x.flatten(1).var(0).sum(), atol=0.01, rtol=0.02)
     assert abs(outside(draws).std() - 0.05) < 0.005
-    span = GaussianInit(covariance="lowrank", rank=2, residual=0.0).fit(x, y)
+    span = GaussianInit(covariance=LowRank(rank=2, residual=0.0)).fit(x, y)
     assert outside(span.sample(2000, SHAPE, DOMAIN, gen(1), "cpu").flatten(1)).std() < 0.011
-    quarter = GaussianInit(covariance="lowrank", rank=2, residual=0.25).fit(x, y)
+    quarter = GaussianInit(covariance=LowRank(rank=2, residual=0.25)).fit(x, y)
     assert abs(outside(quarter.sample(2000, SHAPE, DOMAIN, gen(1), "cpu").flatten(1)).std() - 0.027) < 0.003
     diag = GaussianInit().fit(x, y).sample(20000, SHAPE, DOMAIN, gen(1), "cpu").flatten(1)
     along = lambda s: ((s - s.mean(0)) @ dirs[:, 0]).std()
@@ -184,26 +188,22 @@ def test_lowrank_covariance_keeps_leading_directions_and_total_variance():
 def test_lowrank_covariance_fits_where_full_is_refused_and_round_trips():
     """At 3x224x224 the full covariance is refused; the low-rank one fits, draws and saves."""
     x, y = torch.rand(6, 3, 224, 224, generator=gen(0)) * 2 - 1, torch.tensor([0, 1, 2, 0, 1, 2])
-    buf = ReplayBuffer(
-        6, (3, 224, 224), init="gaussian", num_classes=3, init_kwargs={"covariance": "lowrank", "rank": 8}
-    ).fit(x, y)
+    buf = ReplayBuffer(6, (3, 224, 224), init=Gaussian(covariance=LowRank(rank=8)), num_classes=3).fit(x, y)
     # two examples per class give two directions: the factor stores two columns, not eight
     assert buf.init_dist.factor.shape == (3, 3 * 224 * 224, 2) and "rank=8" in repr(buf.init_dist)
-    new = ReplayBuffer(
-        6, (3, 224, 224), init="gaussian", num_classes=3, init_kwargs={"covariance": "lowrank", "rank": 8}
-    )
+    new = ReplayBuffer(6, (3, 224, 224), init=Gaussian(covariance=LowRank(rank=8)), num_classes=3)
     new.load_state_dict(roundtrip(buf.state_dict()))
     a = buf.init_dist.sample(4, (3, 224, 224), DOMAIN, gen(5), "cpu", y=torch.tensor([2, 0, 1, 2]))
     b = new.init_dist.sample(4, (3, 224, 224), DOMAIN, gen(5), "cpu", y=torch.tensor([2, 0, 1, 2]))
     assert torch.equal(a, b) and a.min() >= -1 and a.max() <= 1
     with pytest.raises(ValueError, match="rank"):
-        GaussianInit(covariance="lowrank", rank=0)
+        LowRank(rank=0)
     with pytest.raises(ValueError, match="residual"):
-        GaussianInit(covariance="lowrank", residual=2.0)
+        LowRank(residual=2.0)
 
 
 def test_stationary_covariance_keeps_each_class_mean_and_the_data_power_spectrum():
-    """covariance='stationary' (issue 16, e55): draws have the class's mean and its power spectrum
+    """covariance=Stationary(): draws have the class's mean and its power spectrum
     (smooth data give smooth draws, unlike the diagonal init's white noise), and grey data give
     grey draws (one colour rotation for all classes)."""
     g = gen(0)
@@ -213,8 +213,8 @@ def test_stationary_covariance_keeps_each_class_mean_and_the_data_power_spectrum
     wide = InputDomain((-9.0,), (9.0,))
     yy = torch.ones(2000, dtype=torch.long)
     draws = {
-        cov: GaussianInit(covariance=cov).fit(x, y).sample(2000, (3, 16, 16), wide, g, "cpu", y=yy)
-        for cov in ("stationary", "diagonal")
+        name: GaussianInit(covariance=cov).fit(x, y).sample(2000, (3, 16, 16), wide, g, "cpu", y=yy)
+        for name, cov in (("stationary", Stationary()), ("diagonal", Diagonal()))
     }
     d, data = draws["stationary"], x[y == 1]
     assert torch.allclose(d.mean(0), data.mean(0), atol=0.05)  # the class mean
@@ -232,19 +232,19 @@ def test_stationary_covariance_round_trips_at_any_size_and_refuses_non_images():
     """D numbers per class at 3x224x224 (where full is refused); saved and loaded with the buffer;
     one-line errors for inputs that are not images and for samples of another image shape."""
     x, y = torch.rand(6, 3, 224, 224, generator=gen(0)) * 2 - 1, torch.tensor([0, 1, 2, 0, 1, 2])
-    kw = {"covariance": "stationary"}
-    buf = ReplayBuffer(6, (3, 224, 224), init="gaussian", num_classes=3, init_kwargs=kw).fit(x, y)
+    init = Gaussian(covariance=Stationary())
+    buf = ReplayBuffer(6, (3, 224, 224), init=init, num_classes=3).fit(x, y)
     assert buf.init_dist.std.shape == (3, 3, 224, 224) and buf.init_dist.colour.shape == (3, 3)
-    new = ReplayBuffer(6, (3, 224, 224), init="gaussian", num_classes=3, init_kwargs=kw)
+    new = ReplayBuffer(6, (3, 224, 224), init=init, num_classes=3)
     new.load_state_dict(roundtrip(buf.state_dict()))
     a = buf.init_dist.sample(4, (3, 224, 224), DOMAIN, gen(5), "cpu", y=torch.tensor([2, 0, 1, 2]))
     b = new.init_dist.sample(4, (3, 224, 224), DOMAIN, gen(5), "cpu", y=torch.tensor([2, 0, 1, 2]))
     assert torch.equal(a, b) and a.min() >= -1 and a.max() <= 1
     with pytest.raises(InvalidInputError, match=r"needs images \[N, C, H, W\]"):
-        GaussianInit(covariance="stationary").fit(torch.randn(10, 5), torch.arange(10) % 2)
+        GaussianInit(covariance=Stationary()).fit(torch.randn(10, 5), torch.arange(10) % 2)
     with pytest.raises(InvalidInputError, match=r"fitted on images of shape \(3, 224, 224\)"):
         buf.init_dist.sample(2, (3, 112, 448), DOMAIN)
-    with pytest.raises(ValueError, match="'stationary'"):
+    with pytest.raises(ValueError, match=r"Stationary\(\)"):
         GaussianInit(covariance="circulant")
 
 
@@ -256,16 +256,16 @@ def test_lowrank_covariance_too_large_for_memory_is_refused_with_the_rank_that_f
     monkeypatch.setattr(init_module, "COVARIANCE_MAX_BYTES", 3 * 64 * 4 * 3)
     x, y, _ = class_data()
     with pytest.raises(InvalidInputError, match=r"rank-8 covariance for 3 classes of 64 values.*use rank <= 3"):
-        GaussianInit(covariance="lowrank", rank=8).fit(x, y)
-    assert GaussianInit(covariance="lowrank", rank=3).fit(x, y).factor.shape == (3, 64, 3)
+        GaussianInit(covariance=LowRank(rank=8)).fit(x, y)
+    assert GaussianInit(covariance=LowRank(rank=3)).fit(x, y).factor.shape == (3, 64, 3)
 
 
 def test_full_covariance_too_large_for_memory_is_refused_in_one_line():
     """jempp's full covariance at 224x224 would ask for 844 GiB: a clear error, not an OOM kill."""
     x = torch.zeros(4, 3, 224, 224)
-    with pytest.raises(InvalidInputError, match=r"needs \d+\.\d GiB.*covariance='lowrank' or 'diagonal'"):
-        GaussianInit(covariance="full").fit(x, torch.tensor([0, 1, 0, 1]))
-    buf = ReplayBuffer(4, (3, 224, 224), init="gaussian", num_classes=2).fit(x, torch.tensor([0, 1, 0, 1]))
+    with pytest.raises(InvalidInputError, match=r"needs \d+\.\d GiB.*covariance=LowRank\(\) or Diagonal\(\)"):
+        GaussianInit(covariance=Full()).fit(x, torch.tensor([0, 1, 0, 1]))
+    buf = ReplayBuffer(4, (3, 224, 224), init=Gaussian(), num_classes=2).fit(x, torch.tensor([0, 1, 0, 1]))
     assert buf.init_dist.fitted, "the diagonal covariance fits at that size"
 
 
@@ -275,11 +275,11 @@ def test_gaussian_samples_are_clamped_and_errors_are_clear():
     s = wide.sample(100, SHAPE, DOMAIN, gen(), "cpu")
     assert s.min() >= -1 and s.max() <= 1 and (s.abs() == 1).any()
     with pytest.raises(JEMError, match="fit"):
-        ReplayBuffer(10, SHAPE, init="gaussian").sample(2, domain=DOMAIN)
+        ReplayBuffer(10, SHAPE, init=Gaussian()).sample(2, domain=DOMAIN)
     with pytest.raises(InvalidLabelError, match="classes"):
         GaussianInit().fit(x, y, num_classes=5)  # classes 3 and 4 have no examples
     with pytest.raises(InvalidInputError, match="sample_shape"):
-        ReplayBuffer(10, SHAPE, init="gaussian").fit(x.view(-1, 64), y)
+        ReplayBuffer(10, SHAPE, init=Gaussian()).fit(x.view(-1, 64), y)
     with pytest.raises(JEMError, match="nothing to fit"):
         ReplayBuffer(10, SHAPE).fit(x, y)
 
@@ -291,7 +291,7 @@ def test_unknown_init_lists_available_ones():
 
 
 def test_normal_init_and_user_callable():
-    buf = ReplayBuffer(400, SHAPE, init="normal", init_kwargs={"std": 0.2})
+    buf = ReplayBuffer(400, SHAPE, init=Normal(std=0.2))
     buf.initialize(DOMAIN, gen())
     assert abs(buf.data.std() - 0.2) < 0.01
     calls = []
@@ -333,10 +333,10 @@ def test_init_distribution_from_a_plugin():
 # ---------------------------------------------------------------- state
 def test_state_dict_round_trip_is_bitwise():
     x, y, _ = class_data()
-    buf = ReplayBuffer(60, SHAPE, num_classes=3, init="gaussian", reinit_freq=0.3).fit(x, y)
+    buf = ReplayBuffer(60, SHAPE, num_classes=3, init=Gaussian(), reinit_freq=0.3).fit(x, y)
     buf.sample(domain=DOMAIN, y=torch.tensor([0, 1, 2]), generator=gen())
     buf.update(torch.tensor([0, 1]), torch.full((2, *SHAPE), 0.123))
-    new = ReplayBuffer(60, SHAPE, num_classes=3, init="gaussian", reinit_freq=0.3)
+    new = ReplayBuffer(60, SHAPE, num_classes=3, init=Gaussian(), reinit_freq=0.3)
     new.load_state_dict(roundtrip(buf.state_dict()))
     for key, value in buf.state_dict().items():
         if isinstance(value, torch.Tensor):
@@ -356,7 +356,7 @@ def test_mismatched_checkpoints_raise_checkpoint_error():
     with pytest.raises(CheckpointError, match="num_classes"):
         ReplayBuffer(20, SHAPE, num_classes=2).load_state_dict(state)
     with pytest.raises(CheckpointError, match="init"):
-        ReplayBuffer(20, SHAPE, init="normal").load_state_dict(state)
+        ReplayBuffer(20, SHAPE, init=Normal()).load_state_dict(state)
     # also when the buffer is nested inside another module's checkpoint
     outer = torch.nn.Module()
     outer.buffer = ReplayBuffer(20, (3, 8, 8))
@@ -384,5 +384,135 @@ def test_save_grid_writes_a_nontrivial_png(tmp_path):
 
 def test_repr_names_the_configuration():
     r = repr(ReplayBuffer(64, SHAPE, reinit_freq=0.1, num_classes=4))
-    for part in ("capacity=64", "sample_shape=(1, 8, 8)", "reinit_freq=0.1", "init='uniform'", "num_classes=4"):
+    for part in ("capacity=64", "sample_shape=(1, 8, 8)", "reinit_freq=0.1", "init=Uniform()", "num_classes=4"):
         assert part in r
+
+
+# ---------------------------------------------------------------- typed covariance and init specs
+@pytest.mark.parametrize(
+    "old, typed",
+    [
+        ({"covariance": "full"}, Full()),
+        ({"covariance": "lowrank", "rank": 8, "residual": 0.5}, LowRank(rank=8, residual=0.5)),
+        ({"covariance": "lowrank"}, LowRank()),
+        ({"covariance": "stationary"}, Stationary()),
+        ({"covariance": "diagonal", "rank": 4}, Diagonal()),  # rank only ever applied to lowrank
+    ],
+)
+def test_old_covariance_spellings_warn_naming_the_typed_value_and_fit_the_same(old, typed):
+    with pytest.warns(DeprecationWarning, match=re.escape(f"write GaussianInit(covariance={typed!r})")):
+        init = GaussianInit(**old)
+    assert init.covariance == typed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the typed spelling is silent
+        new = GaussianInit(covariance=typed)
+    x = torch.rand(12, 2, 4, 4, generator=gen(0))
+    y = torch.arange(12) % 2
+    a, b = init.fit(x, y), new.fit(x, y)
+    for name in ("mean", "std", "scale_tril", "factor", "colour"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    with pytest.raises(TypeError, match="LowRank"):  # typed, and the old keywords beside it
+        GaussianInit(covariance=LowRank(), rank=3)
+
+
+@pytest.mark.parametrize(
+    "init, init_kwargs, spec",
+    [
+        ("gaussian", {"covariance": "lowrank", "rank": 8}, Gaussian(covariance=LowRank(rank=8))),
+        ("gaussian", {"covariance": "full", "jitter": 1e-3}, Gaussian(covariance=Full(), jitter=1e-3)),
+        ("normal", {"std": 0.2}, Normal(std=0.2)),
+        ("uniform", {}, Uniform()),
+    ],
+)
+def test_init_kwargs_warn_naming_the_spec_and_build_the_same_buffer(init, init_kwargs, spec):
+    with pytest.warns(DeprecationWarning, match=re.escape(f"write ReplayBuffer(init={spec!r})")):
+        old = ReplayBuffer(12, SHAPE, init=init, init_kwargs=init_kwargs, num_classes=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = ReplayBuffer(12, SHAPE, init=spec, num_classes=3)
+    assert old.init_spec == new.init_spec == spec and old.config() == new.config()
+    assert repr(old.init_dist) == repr(new.init_dist)
+
+
+def test_a_registered_name_alone_is_silent_and_means_the_default_spec():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        buf = ReplayBuffer(12, SHAPE, init="gaussian", num_classes=3)
+    assert buf.init_spec == Gaussian() and buf.init_dist.covariance == Diagonal()
+
+
+def _is_plain(value) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    return isinstance(value, dict) and all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+
+
+@pytest.mark.parametrize("covariance", [Diagonal(), Full(), LowRank(rank=3, residual=0.5), Stationary()])
+def test_typed_covariance_round_trips_through_config_and_a_weights_only_checkpoint(covariance):
+    x, y, _ = class_data(n_per=20)
+    spec = Gaussian(covariance=covariance, jitter=1e-3)
+    buf = ReplayBuffer(12, SHAPE, init=spec, num_classes=3).fit(x, y)
+    config = buf.config()
+    assert _is_plain(config) and config["init"]["covariance"]["kind"] == covariance.kind
+    assert buf.init_spec == spec
+    saved = roundtrip({"config": config, "buffer": buf.state_dict()})  # weights_only=True
+    rebuilt = ReplayBuffer(**saved["config"])
+    rebuilt.load_state_dict(saved["buffer"])
+    assert rebuilt.init_spec == spec and rebuilt.init_dist.covariance == covariance
+    assert rebuilt.config() == config
+    ys = torch.tensor([2, 0, 1])
+    a = buf.init_dist.sample(3, SHAPE, DOMAIN, gen(5), "cpu", y=ys)
+    assert torch.equal(a, rebuilt.init_dist.sample(3, SHAPE, DOMAIN, gen(5), "cpu", y=ys))
+    other = Gaussian(covariance=LowRank(rank=2) if covariance != LowRank(rank=2) else Full())
+    with pytest.raises(CheckpointError, match=re.escape(f"create it with init={spec!r}")) as err:
+        ReplayBuffer(12, SHAPE, init=other, num_classes=3).load_state_dict(saved["buffer"])
+    assert "\n" not in str(err.value)
+
+
+def test_a_buffer_config_and_state_written_before_init_specs_load_silently():
+    old_config = {
+        "capacity": 12,
+        "sample_shape": SHAPE,
+        "reinit_freq": 0.2,
+        "init": "gaussian",
+        "init_kwargs": {"covariance": "lowrank", "rank": 4},
+        "num_classes": 3,
+        "auto_fit_examples": 1024,
+    }
+    x, y, _ = class_data(n_per=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        buf = ReplayBuffer.from_config(old_config)
+        assert buf.init_spec == Gaussian(covariance=LowRank(rank=4))
+        buf.fit(x, y)
+        state = buf.state_dict()
+        state["_extra_state"] = {"init": "gaussian", "config": old_config}  # as the old code saved it
+        fresh = ReplayBuffer(12, SHAPE, init=Gaussian(covariance=LowRank(rank=4)), num_classes=3, reinit_freq=0.5)
+        fresh.load_state_dict(roundtrip(state))
+    assert fresh.reinit_freq == 0.2 and torch.equal(fresh.init_dist.factor, buf.init_dist.factor)
+    old_full = dict(old_config, init_kwargs={"covariance": "full"})
+    state["_extra_state"] = {"init": "gaussian", "config": old_full}
+    with pytest.raises(CheckpointError, match=re.escape("saved with init=Gaussian(covariance=Full()")):
+        fresh.load_state_dict(state)
+
+
+def test_fit_pools_missing_classes_by_copies_for_an_init_that_does_not_pool_itself():
+    seen = {}
+
+    class Means:  # a third party's init: fits per-class means, knows nothing of pooling
+        def fit(self, x, y):
+            seen["y"] = y.clone()
+            self.means = torch.stack([x[y == c].mean(0) for c in range(int(y.max()) + 1)])
+
+        def sample(self, n, shape, domain, generator=None, device=None, y=None):
+            return self.means[y]
+
+    buf = ReplayBuffer(12, SHAPE, init=Means(), num_classes=3)
+    x = torch.stack([torch.full(SHAPE, 0.1), torch.full(SHAPE, 0.3)])
+    with pytest.raises(IndexError):  # class 2 has no examples: the init's own rule
+        buf.fit(x, torch.tensor([0, 1])).init_dist.sample(1, SHAPE, DOMAIN, y=torch.tensor([2]))
+    buf.fit(x, torch.tensor([0, 1]), missing_classes="pool")
+    assert torch.equal(seen["y"], torch.tensor([0, 1, 2, 2]))  # one copy of every example, labelled 2
+    assert float(buf.init_dist.means[2].mean()) == pytest.approx(0.2)

@@ -7,12 +7,13 @@ Registered through the ``jem_register_init_distributions`` hook:
     Uniform over the model's input domain (the JEM paper's choice).
 ``gaussian``
     Per-class Gaussian fitted from data (JEM++, Yang & Ji 2021): per-class mean and covariance,
-    diagonal by default, full covariance with ``covariance="full"`` (as JEM++'s reference code
-    does, with ``1e-4 I`` jitter), or low rank with ``covariance="lowrank"`` (the ``rank`` leading
-    principal directions plus isotropic noise: the pixel correlations of a full one at any image
-    size), or stationary with ``covariance="stationary"`` (images: the class's power spectrum,
-    noise as smooth as the data and none of its shapes), clamped to the domain. Class-conditional draws use the given
-    class; unconditional draws pick a class uniformly at random. Call ``buffer.fit(x, y)`` first.
+    ``covariance=`` one of :mod:`jem_plugin.covariance`'s ``Diagonal()`` (the default), ``Full()``
+    (as JEM++'s reference code does, with ``1e-4 I`` jitter), ``LowRank(rank, residual)`` (the
+    ``rank`` leading principal directions plus isotropic noise: the pixel correlations of a full
+    one at any image size) or ``Stationary()`` (images: the class's power spectrum, noise as
+    smooth as the data and none of its shapes), clamped to the domain. Class-conditional draws
+    use the given class; unconditional draws pick a class uniformly at random. Call
+    ``buffer.fit(x, y)`` first.
 ``normal``
     ``N(mean, std^2)`` per pixel, clamped to the domain.
 
@@ -25,7 +26,9 @@ parameters are buffers: they move with ``.to(device)`` and are saved with the re
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +37,7 @@ from .._checks import check_labels
 from .._checks import draw as _draw
 from .._colours import channel_axes
 from ..adapter import InputDomain
+from ..covariance import COVARIANCE_KINDS, Covariance, Diagonal, Full, LowRank, Stationary, covariance_from_name
 from ..errors import InvalidInputError, InvalidLabelError, JEMError
 from ..plugins import hookimpl
 
@@ -88,7 +92,41 @@ class NormalInit(nn.Module):
 # 0.35 GiB at 3x32x32, 5.6 GiB at 3x64x64, 844 GiB at 3x224x224; lowrank, rank 8 at 3x224x224:
 # 0.04 GiB for 10 classes, 4.5 GiB for 1000.
 COVARIANCE_MAX_BYTES = 4 * 2**30
-COVARIANCES = ("diagonal", "full", "lowrank", "stationary")
+COVARIANCES = tuple(COVARIANCE_KINDS)  # the deprecated string spellings: "diagonal", "full", "lowrank", "stationary"
+_DIAGONAL = Diagonal()
+
+
+def _typed_covariance(covariance: Any, deprecated: dict[str, Any]) -> Covariance:
+    """``covariance`` as a :mod:`jem_plugin.covariance` value; the old string spellings and the
+    ``rank``/``residual`` keywords still work, with a ``DeprecationWarning`` naming the typed form."""
+    unknown = sorted(set(deprecated) - {"rank", "residual"})
+    if unknown:
+        raise TypeError(f"GaussianInit() got an unexpected keyword argument {unknown[0]!r}")
+    if isinstance(covariance, (Diagonal, Full, LowRank, Stationary)) and not deprecated:
+        return covariance
+    rank, residual = deprecated.get("rank"), deprecated.get("residual")
+    if rank is not None and (isinstance(rank, bool) or not int(rank) >= 1):
+        raise ValueError(f"gaussian init needs rank >= 1, got {rank}")
+    if residual is not None and not 0.0 <= float(residual) <= 1.0:
+        raise ValueError(f"gaussian init needs 0 <= residual <= 1, got {residual}")
+    if isinstance(covariance, str) and covariance in COVARIANCE_KINDS:
+        typed = covariance_from_name(covariance, rank, residual)
+        old = ", ".join([f"covariance={covariance!r}"] + [f"{k}={v!r}" for k, v in deprecated.items()])
+    elif isinstance(covariance, (Diagonal, Full, LowRank, Stationary)):
+        raise TypeError(
+            f"rank and residual belong in the covariance: covariance=LowRank(rank=..., residual=...), got {covariance!r}"
+        )
+    else:
+        raise ValueError(
+            f"covariance must be Diagonal(), Full(), LowRank(rank, residual) or Stationary() from "
+            f"jem_plugin.covariance (or one of {', '.join(map(repr, COVARIANCES))}), got {covariance!r}"
+        )
+    warnings.warn(
+        f"GaussianInit({old}) is deprecated; write GaussianInit(covariance={typed!r}) (from jem_plugin.covariance)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return typed
 
 
 def _per_class_matmul(v: Tensor, mats: Tensor, y: Tensor) -> Tensor:
@@ -106,44 +144,41 @@ class GaussianInit(nn.Module):
 
     Parameters
     ----------
-    covariance: ``"diagonal"`` (default: ``D`` numbers per class, cheap at any image size),
-        ``"full"`` (``D x D`` per class, JEM++'s choice; stored as a Cholesky factor; refused past
-        4 GiB, about 3x58x58 inputs with 10 classes) or ``"lowrank"`` (probabilistic PCA: the
-        ``rank`` leading principal directions of each class plus isotropic noise carrying the
-        rest of its variance; ``D x rank`` per class). Fitted on fewer than ``rank`` examples of
-        a class, ``"lowrank"`` draws from the same distribution as ``"full"``. ``"stationary"``
-        (images ``[N, C, H, W]`` only): a translation-invariant covariance, diagonal in the Fourier
-        basis, i.e. the class's mean power spectrum per colour axis (the principal axes of the
-        residuals' channels, shared by the classes); ``D`` numbers per class like ``"diagonal"``,
-        but the draws keep the data's correlation between near and distant pixels, so they carry
-        no per-pixel noise for the energy to tell them by (issue 16, e55-e58).
-    rank: principal directions kept per class by ``"lowrank"``.
-    residual: the share of the variance outside the kept directions that ``"lowrank"`` draws as
-        isotropic noise: ``1.0`` (probabilistic PCA), ``0.0`` (draws lie in the span of the kept
-        directions, up to ``jitter``) or in between.
+    covariance: a :mod:`jem_plugin.covariance` value. ``Diagonal()`` (default: ``D`` numbers per
+        class, cheap at any image size); ``Full()`` (``D x D`` per class, JEM++'s choice; stored as
+        a Cholesky factor; refused past 4 GiB, about 3x58x58 inputs with 10 classes);
+        ``LowRank(rank, residual)`` (probabilistic PCA: the ``rank`` leading principal directions
+        of each class plus isotropic noise carrying ``residual`` times the rest of its variance,
+        ``D x rank`` per class; fitted on fewer than ``rank`` examples of a class it draws from the
+        same distribution as ``Full()``); ``Stationary()`` (images ``[N, C, H, W]`` only): a
+        translation-invariant covariance, diagonal in the Fourier basis, i.e. the class's mean
+        power spectrum per colour axis (the principal axes of the residuals' channels, shared by
+        the classes); ``D`` numbers per class like ``Diagonal()``, but the draws keep the data's
+        correlation between near and distant pixels, so they carry no per-pixel noise for the
+        energy to tell them by. The old strings (``"full"``, ...) and the ``rank=``/``residual=``
+        keywords still work, with a ``DeprecationWarning`` naming the typed form.
     jitter: added to the variances (diagonal) or the covariance diagonal (full, low rank) so a
         constant pixel or a class with one example still gives a valid distribution (stationary:
         not used, its spectrum is valid as it is).
     scale: multiplies the standard deviation (``< 1`` draws closer to the class means).
     """
 
+    #: ``fit(..., pool_missing=True)`` gives classes without examples the Gaussian of all examples.
+    pools_missing_classes: ClassVar[bool] = True
+
     def __init__(
         self,
-        covariance: str = "diagonal",
+        covariance: Covariance | str = _DIAGONAL,
         jitter: float = 1e-4,
         scale: float = 1.0,
-        rank: int = 32,
-        residual: float = 1.0,
+        **deprecated: Any,
     ) -> None:
         super().__init__()
-        if covariance not in COVARIANCES:
-            raise ValueError(f"covariance must be one of {', '.join(map(repr, COVARIANCES))}, got {covariance!r}")
-        if int(rank) < 1:
-            raise ValueError(f"gaussian init needs rank >= 1, got {rank}")
-        if not 0.0 <= float(residual) <= 1.0:
-            raise ValueError(f"gaussian init needs 0 <= residual <= 1, got {residual}")
-        self.covariance, self.jitter, self.scale = covariance, float(jitter), float(scale)
-        self.rank, self.residual = int(rank), float(residual)
+        self.covariance: Covariance = _typed_covariance(covariance, deprecated)
+        self._kind = self.covariance.kind  # the branch fit and sample take
+        self.jitter, self.scale = float(jitter), float(scale)
+        low = self.covariance if isinstance(self.covariance, LowRank) else LowRank()
+        self.rank, self.residual = low.rank, low.residual
         # Fitted parameters are buffers so they travel with .to() and state_dict; empty until fit.
         self.register_buffer("mean", torch.empty(0))
         self.register_buffer(
@@ -199,28 +234,28 @@ class GaussianInit(nn.Module):
                 f"have none (labels must lie in [0, {k})). Fit on data covering all classes."
             )
         d = flat.shape[1]
-        if self.covariance == "stationary" and x.dim() != 4:
+        if self._kind == Stationary.kind and x.dim() != 4:
             raise InvalidInputError(
-                f"gaussian init: covariance='stationary' needs images [N, C, H, W], got shape "
-                f"{tuple(x.shape)}; use covariance='diagonal' or 'lowrank' for other inputs"
+                f"gaussian init: covariance=Stationary() needs images [N, C, H, W], got shape "
+                f"{tuple(x.shape)}; use covariance=Diagonal() or LowRank() for other inputs"
             )
-        if self.covariance == "full" and k * d * d * 4 > COVARIANCE_MAX_BYTES:
+        if self._kind == Full.kind and k * d * d * 4 > COVARIANCE_MAX_BYTES:
             raise InvalidInputError(
                 f"gaussian init: a full covariance for {k} classes of {d} values needs "
-                f"{k * d * d * 4 / 2**30:.1f} GiB (D x D per class); use covariance='lowrank' or 'diagonal' at this input size"
+                f"{k * d * d * 4 / 2**30:.1f} GiB (D x D per class); use covariance=LowRank() or Diagonal() at this input size"
             )
         means = torch.zeros(k, d, dtype=torch.float64, device=flat.device)
         means.index_add_(0, y, flat)
         means /= counts.unsqueeze(1)
         centred = flat - means[y]
-        if self.covariance == "diagonal":
+        if self._kind == Diagonal.kind:
             var = torch.zeros_like(means).index_add_(0, y, centred.square()) / counts.unsqueeze(1)
             self.std = (var + self.jitter).sqrt().float()
             self.scale_tril = self.factor = torch.empty(0, device=flat.device)
-        elif self.covariance == "lowrank":
+        elif self._kind == LowRank.kind:
             self.factor, self.std = self._fit_lowrank(centred, y, k, counts)
             self.scale_tril = torch.empty(0, device=flat.device)
-        elif self.covariance == "stationary":
+        elif self._kind == Stationary.kind:
             self.colour, self.std = self._fit_stationary(centred.reshape(x.shape), y, k, counts)
             self.scale_tril = self.factor = torch.empty(0, device=flat.device)
         else:
@@ -232,7 +267,7 @@ class GaussianInit(nn.Module):
                 trils.append(torch.linalg.cholesky(cov))
             self.scale_tril = torch.stack(trils).float()
             self.std = self.factor = torch.empty(0, device=flat.device)
-        if self.covariance != "stationary":
+        if self._kind != Stationary.kind:
             self.colour = torch.empty(0, device=flat.device)
         self.mean = means.float()
         return self
@@ -247,11 +282,11 @@ class GaussianInit(nn.Module):
             if fits:
                 raise InvalidInputError(
                     f"gaussian init: a rank-{rank} covariance for {k} classes of {d} values needs "
-                    f"{k * d * rank * 4 / 2**30:.1f} GiB; use rank <= {fits} or covariance='diagonal'"
+                    f"{k * d * rank * 4 / 2**30:.1f} GiB; use rank <= {fits} or covariance=Diagonal()"
                 )
             raise InvalidInputError(
                 f"gaussian init: even rank 1 for {k} classes of {d} values passes "
-                f"{COVARIANCE_MAX_BYTES / 2**30:.0f} GiB; use covariance='diagonal'"
+                f"{COVARIANCE_MAX_BYTES / 2**30:.0f} GiB; use covariance=Diagonal()"
             )
         factor = torch.zeros(k, d, rank, dtype=torch.float64, device=centred.device)
         noise_var = torch.zeros(k, dtype=torch.float64, device=centred.device)
@@ -301,7 +336,7 @@ class GaussianInit(nn.Module):
                 f"gaussian init was fitted on inputs of {d} values, asked for samples of shape "
                 f"{tuple(shape)} ({math.prod(shape)} values); fit it on data of that shape"
             )
-        if self.covariance == "stationary" and tuple(shape) != tuple(self.std.shape[1:]):
+        if self._kind == Stationary.kind and tuple(shape) != tuple(self.std.shape[1:]):
             raise InvalidInputError(
                 f"gaussian init (stationary) was fitted on images of shape {tuple(self.std.shape[1:])}, "
                 f"asked for samples of shape {tuple(shape)}; fit it on data of that shape"
@@ -313,15 +348,15 @@ class GaussianInit(nn.Module):
             y = y.to(device=device, dtype=torch.long)
         z = _draw(torch.randn, (n, d), generator, device)
         mean = self.mean.to(device)
-        if self.covariance == "diagonal":
+        if self._kind == Diagonal.kind:
             x = z.mul_(self.std.to(device)[y])
-        elif self.covariance == "lowrank":
+        elif self._kind == LowRank.kind:
             # The draw of torch.distributions.LowRankMultivariateNormal, written out so it takes
             # our generator: isotropic noise plus the class's factor times a latent draw.
             factor = self.factor.to(device)
             latent = _draw(torch.randn, (n, factor.shape[2]), generator, device)
             x = z.mul_(self.std.to(device)[y].unsqueeze(1)).add_(_per_class_matmul(latent, factor, y))
-        elif self.covariance == "stationary":
+        elif self._kind == Stationary.kind:
             # White noise filtered to the class's spectrum, then turned back to the data's channels.
             spectral = torch.fft.fft2(z.view(n, *shape)).mul_(self.std.to(device)[y])
             x = torch.einsum("cd,ndhw->nchw", self.colour.to(device), torch.fft.ifft2(spectral).real).reshape(n, d)
@@ -340,8 +375,7 @@ class GaussianInit(nn.Module):
 
     def extra_repr(self) -> str:
         fitted = f"fitted on {self.num_classes} classes of {self.mean.shape[1]} values" if self.fitted else "not fitted"
-        rank = f", rank={self.rank}, residual={self.residual}" if self.covariance == "lowrank" else ""
-        return f"covariance={self.covariance!r}{rank}, jitter={self.jitter}, scale={self.scale}, {fitted}"
+        return f"covariance={self.covariance!r}, jitter={self.jitter}, scale={self.scale}, {fitted}"
 
 
 @hookimpl

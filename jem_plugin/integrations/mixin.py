@@ -23,7 +23,7 @@ class GenerativeLossMixin:
     ...     def __init__(self):
     ...         super().__init__()
     ...         self.backbone = torchvision.models.resnet18(num_classes=10)
-    ...         self.configure_jem("backbone", l2_weight=0.1)
+    ...         self.configure_jem("backbone", buffer=ReplayBuffer(10000, (3, 32, 32)), l2_weight=0.1)
     >>> model = Classifier()
     >>> out = model.generative_loss(x, y)      # out.loss to backpropagate, out.metrics to log
 
@@ -43,7 +43,9 @@ class GenerativeLossMixin:
         **loss_kwargs: Any,
     ) -> JEMLoss:
         """Set up JEM on ``classifier`` (a module, its JEM view, or an attribute name such as
-        ``"net"`` or ``"backbone.model"``); ``loss_kwargs`` go to :class:`JEMLoss`."""
+        ``"net"`` or ``"backbone.model"``); ``sampler``, ``buffer`` (a
+        :class:`~jem_plugin.buffer.ReplayBuffer`: give it, a loss without one builds it on its
+        first batch only for one more release) and ``loss_kwargs`` go to :class:`JEMLoss`."""
         if not isinstance(self, nn.Module):
             raise TypeError("GenerativeLossMixin must be mixed into an nn.Module subclass")
         if "_modules" not in self.__dict__:
