@@ -11,7 +11,12 @@ from torch.utils.data import DataLoader, TensorDataset
 import jem_plugin as jem
 from jem_plugin.app import data as D
 from jem_plugin.app.nets import DigitsCNN
-from jem_plugin.training import History, evaluate_classifier, fit, warmup_schedule
+from jem_plugin.recipes import OptimConfig
+from jem_plugin.training import FitOptions, History, evaluate_classifier, fit, warmup_schedule
+
+# fit's defaults before the warm-up was capped to a tenth of the run: Adam 1e-4, 1000 iterations uncapped.
+UNCAPPED = OptimConfig(warmup_max_fraction=1.0)
+QUIET = FitOptions(progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +41,14 @@ def _params(jm):
 def test_baseline_learns_digits_in_a_tiny_budget(digits):
     train, (xt, yt) = digits
     jm = _model(width=16)
-    hist = fit(jm, _loader(train), epochs=4, lr=3e-3, warmup_iters=10, val_data=(xt, yt), progress=False)
+    hist = fit(
+        jm,
+        _loader(train),
+        epochs=4,
+        optimizer=OptimConfig(lr=3e-3, warmup_iters=10, warmup_max_fraction=1.0),
+        val_data=(xt, yt),
+        options=QUIET,
+    )
     ev = evaluate_classifier(jm, xt, yt)
     assert ev["accuracy"] > 0.8, ev
     assert hist["val_acc"][-1] == pytest.approx(ev["accuracy"])
@@ -94,12 +106,9 @@ def test_resume_is_exact(digits, tmp_path, global_shuffle, every_iters, resumed_
             jm,
             dl,
             epochs=3,
-            lr=1e-3,
-            warmup_iters=4,
-            checkpoint_dir=ckpt_dir,
-            checkpoint_every=every_iters,
+            optimizer=OptimConfig(lr=1e-3, warmup_iters=4, warmup_max_fraction=1.0),
             callbacks=callbacks,
-            progress=False,
+            options=FitOptions(checkpoint_dir=ckpt_dir, checkpoint_every=every_iters, progress=False),
         )
         return jm, h
 
@@ -128,13 +137,10 @@ def test_resume_with_jem_loss_restores_buffer_and_sampler(digits, tmp_path):
             jm,
             _loader(sub, seed=1),
             epochs=2,
-            lr=1e-3,
-            warmup_iters=2,
+            optimizer=OptimConfig(lr=1e-3, warmup_iters=2, warmup_max_fraction=1.0),
             loss_fn=loss_fn,
-            checkpoint_dir=ckpt_dir,
-            checkpoint_every=2,
             callbacks=callbacks,
-            progress=False,
+            options=FitOptions(checkpoint_dir=ckpt_dir, checkpoint_every=2, progress=False),
         )
         return jm, loss_fn, h
 
@@ -161,7 +167,8 @@ def test_max_seconds_stops_cleanly_and_resume_finishes_the_run(digits, tmp_path)
 
     torch.manual_seed(0)
     ref = _model(width=4)
-    fit(ref, _loader(sub), epochs=3, lr=1e-3, warmup_iters=4, progress=False)
+    optim = OptimConfig(lr=1e-3, warmup_iters=4, warmup_max_fraction=1.0)
+    fit(ref, _loader(sub), epochs=3, optimizer=optim, options=QUIET)
 
     torch.manual_seed(0)
     jm = _model(width=4)
@@ -172,12 +179,9 @@ def test_max_seconds_stops_cleanly_and_resume_finishes_the_run(digits, tmp_path)
         jm,
         _loader(sub),
         epochs=3,
-        lr=1e-3,
-        warmup_iters=4,
-        checkpoint_dir=tmp_path,
-        max_seconds=0.3,
+        optimizer=optim,
         callbacks=[Slow()],
-        progress=False,
+        options=FitOptions(checkpoint_dir=tmp_path, max_seconds=0.3, progress=False),
     )
     elapsed = time.perf_counter() - t0
     assert h.stopped == "max_seconds" and len(h) < 3
@@ -186,7 +190,7 @@ def test_max_seconds_stops_cleanly_and_resume_finishes_the_run(digits, tmp_path)
 
     torch.manual_seed(0)
     jm2 = _model(width=4)
-    h2 = fit(jm2, _loader(sub), epochs=3, lr=1e-3, warmup_iters=4, checkpoint_dir=tmp_path, progress=False)
+    h2 = fit(jm2, _loader(sub), epochs=3, optimizer=optim, options=FitOptions(checkpoint_dir=tmp_path, progress=False))
     assert h2.stopped is None and len(h2) == 3
     assert torch.equal(_params(ref), _params(jm2))
 
@@ -195,9 +199,9 @@ def test_bad_arguments_are_clear(digits):
     train, _ = digits
     jm = _model()
     with pytest.raises(ValueError, match="guard_policy"):
-        fit(jm, _loader(train), epochs=1, guard_policy="ignore", progress=False)
+        fit(jm, _loader(train), epochs=1, options=FitOptions(guard_policy="ignore", progress=False))
     with pytest.raises(ValueError, match="empty"):
-        fit(jm, [], epochs=1, progress=False)
+        fit(jm, [], epochs=1, options=QUIET)
 
 
 class _Poisoned(torch.nn.Module):
@@ -222,7 +226,7 @@ def test_guard_raise_names_the_remedies(digits, policy):
     torch.manual_seed(0)
     jm = jem.wrap(_Poisoned(DigitsCNN(width=4), at=3))
     with pytest.raises(jem.DivergenceError, match="l2_weight") as exc:
-        fit(jm, _loader(train), epochs=1, progress=False, **policy)
+        fit(jm, _loader(train), epochs=1, optimizer=UNCAPPED, options=FitOptions(progress=False, **policy))
     assert "iteration 2" in str(exc.value)
 
 
@@ -230,7 +234,7 @@ def test_guard_off_lets_a_non_finite_loss_through(digits):
     train, _ = digits
     torch.manual_seed(0)
     jm = jem.wrap(_Poisoned(DigitsCNN(width=4), at=3))
-    hist = fit(jm, _loader(train), epochs=1, progress=False, guard_policy=None)
+    hist = fit(jm, _loader(train), epochs=1, optimizer=UNCAPPED, options=FitOptions(progress=False, guard_policy=None))
     assert len(hist) == 1
 
 
@@ -249,13 +253,11 @@ def test_guard_rollback_continues_with_safer_settings(digits, tmp_path):
             jm,
             _loader(sub),
             epochs=2,
-            lr=1e-3,
-            warmup_iters=0,
+            optimizer=OptimConfig(lr=1e-3, warmup_iters=0),
             loss_fn=loss_fn,
-            guard_policy="rollback",
-            guard_options={"snapshot_every": 2},
-            checkpoint_dir=tmp_path,
-            progress=False,
+            options=FitOptions(
+                guard_policy="rollback", guard_options={"snapshot_every": 2}, checkpoint_dir=tmp_path, progress=False
+            ),
         )
     events = [e for e in hist.events if e["event"] == "rollback"]
     assert len(events) == 1 and events[0]["iteration"] == 5
@@ -265,7 +267,14 @@ def test_guard_rollback_continues_with_safer_settings(digits, tmp_path):
     # the remedy survives a resume: the guard's state is in the checkpoint
     loss2 = JEMLoss(SGLD(steps=1), ReplayBuffer(100, (1, 8, 8)))
     jm2 = jem.wrap(_Poisoned(DigitsCNN(width=4), at=-1))
-    fit(jm2, _loader(sub), epochs=2, loss_fn=loss2, guard_policy="rollback", checkpoint_dir=tmp_path, progress=False)
+    fit(
+        jm2,
+        _loader(sub),
+        epochs=2,
+        optimizer=UNCAPPED,
+        loss_fn=loss2,
+        options=FitOptions(guard_policy="rollback", checkpoint_dir=tmp_path, progress=False),
+    )
     assert loss2.l2_weight == pytest.approx(0.1)
 
 
@@ -332,11 +341,8 @@ def test_amp_and_channels_last_reach_the_model(digits, amp, channels_last):
         jem.wrap(net),
         _loader(sub),
         epochs=1,
-        lr=1e-3,
-        warmup_iters=0,
-        amp=amp,
-        channels_last=channels_last,
-        progress=False,
+        optimizer=OptimConfig(lr=1e-3, warmup_iters=0),
+        options=FitOptions(amp=amp, channels_last=channels_last, progress=False),
     )
     assert len(hist) == 1 and torch.isfinite(torch.tensor(hist["loss"])).all()
     dtypes, layouts = zip(*net.seen)
@@ -359,11 +365,9 @@ def test_bf16_jem_training_with_a_replay_buffer(digits):
         jem.wrap(_Probe()),
         _loader(sub),
         epochs=1,
-        warmup_iters=0,
+        optimizer=OptimConfig(warmup_iters=0),
         loss_fn=loss_fn,
-        amp="bf16",
-        channels_last=True,
-        progress=False,
+        options=FitOptions(amp="bf16", channels_last=True, progress=False),
     )
     assert "energy_gap" in hist.last and loss_fn.buffer.data.dtype == torch.float32
 
@@ -371,11 +375,11 @@ def test_bf16_jem_training_with_a_replay_buffer(digits):
 def test_amp_arguments_are_checked(digits):
     train, _ = digits
     with pytest.raises(ValueError, match="amp must be"):
-        fit(_model(), _loader(train), epochs=1, amp="fp8", progress=False)
+        fit(_model(), _loader(train), epochs=1, options=FitOptions(amp="fp8", progress=False))
     with pytest.raises(ValueError, match="amp='bf16'"):  # fp16 needs a GradScaler: CUDA only
-        fit(_model(), _loader(train), epochs=1, amp="fp16", progress=False)
+        fit(_model(), _loader(train), epochs=1, options=FitOptions(amp="fp16", progress=False))
     with pytest.raises(ValueError, match="checkpoint_every"):
-        fit(_model(), _loader(train), epochs=1, checkpoint_every=0, progress=False)
+        fit(_model(), _loader(train), epochs=1, options=FitOptions(checkpoint_every=0, progress=False))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 with a GradScaler needs a CUDA GPU")
@@ -384,7 +388,13 @@ def test_fp16_on_cuda_uses_a_grad_scaler_and_resumes_it(digits, tmp_path):
     sub = TensorDataset(*[t[:128] for t in train.tensors])
     torch.manual_seed(0)
     net = _Probe().cuda()
-    fit(jem.wrap(net), _loader(sub), epochs=1, amp="fp16", checkpoint_dir=tmp_path, progress=False)
+    fit(
+        jem.wrap(net),
+        _loader(sub),
+        epochs=1,
+        optimizer=UNCAPPED,
+        options=FitOptions(amp="fp16", checkpoint_dir=tmp_path, progress=False),
+    )
     assert set(d for d, _ in net.seen) == {torch.float16}
     saved = torch.load(sorted(tmp_path.glob("*.pt"))[-1], weights_only=False)
     assert "scaler" in saved["objects"]  # the loss scale is part of an exact resume
@@ -393,7 +403,7 @@ def test_fp16_on_cuda_uses_a_grad_scaler_and_resumes_it(digits, tmp_path):
 def test_throughput_and_time_left_are_logged(digits, capsys):
     train, _ = digits
     sub = TensorDataset(*[t[:192] for t in train.tensors])  # 3 batches of 64 per epoch
-    hist = fit(_model(width=4), _loader(sub), epochs=3, lr=1e-3, warmup_iters=0)
+    hist = fit(_model(width=4), _loader(sub), epochs=3, optimizer=OptimConfig(lr=1e-3, warmup_iters=0))
     for i, rec in enumerate(hist.epochs):
         assert rec["img_per_s"] == pytest.approx(3 * 64 / rec["time"])
         assert rec["ms_per_iter"] == pytest.approx(1000 * rec["time"] / 3)
@@ -410,12 +420,61 @@ def test_resume_is_announced(digits, tmp_path, caplog):
             _model(width=4),
             _loader(sub),
             epochs=3,
-            warmup_iters=0,
-            checkpoint_dir=tmp_path,
-            checkpoint_every=3,
+            optimizer=OptimConfig(warmup_iters=0),
             callbacks=[_Crash(at=8)],
-            progress=False,
+            options=FitOptions(checkpoint_dir=tmp_path, checkpoint_every=3, progress=False),
         )
     with caplog.at_level("INFO", logger="jem_plugin.training"):
-        fit(_model(width=4), _loader(sub), epochs=3, warmup_iters=0, checkpoint_dir=tmp_path, progress=False)
+        fit(
+            _model(width=4),
+            _loader(sub),
+            epochs=3,
+            optimizer=OptimConfig(warmup_iters=0),
+            options=FitOptions(checkpoint_dir=tmp_path, progress=False),
+        )
     assert "resuming at epoch 2, iteration 6 of 15" in caplog.text
+
+
+# ---------------------------------------------------------------- fit's old keywords
+_TIMING = ("time", "cpu_time", "img_per_s", "ms_per_iter", "remaining_s")
+
+
+def _metrics(hist):
+    return [{k: v for k, v in r.items() if k not in _TIMING} for r in hist.epochs]
+
+
+def test_old_keywords_warn_and_train_as_the_new_spelling(digits):
+    """lr/warmup_iters and FitOptions' fields given to fit directly: a DeprecationWarning naming
+    where each went, and the very same run (the old warm-up was not capped to a share of the run)."""
+    train, (xt, yt) = digits
+    sub = TensorDataset(*[t[:192] for t in train.tensors])  # 3 batches: 6 iterations, warm-up 5 uncapped
+
+    torch.manual_seed(5)
+    old_jm = _model(width=4)
+    with pytest.warns(DeprecationWarning) as record:
+        old = fit(old_jm, _loader(sub), epochs=2, lr=1e-3, warmup_iters=5, val_data=(xt, yt), progress=False)
+    messages = [str(w.message) for w in record if issubclass(w.category, DeprecationWarning)]
+    assert any("FitOptions(progress=...)" in m for m in messages), messages
+    assert any("OptimConfig(lr=..., warmup_iters=...)" in m for m in messages), messages
+
+    torch.manual_seed(5)
+    new_jm = _model(width=4)
+    new = fit(
+        new_jm,
+        _loader(sub),
+        epochs=2,
+        optimizer=OptimConfig(lr=1e-3, warmup_iters=5, warmup_max_fraction=1.0),
+        val_data=(xt, yt),
+        options=QUIET,
+    )
+    assert _metrics(old) == _metrics(new) and len(new) == 2
+    assert [r["lr"] for r in new.epochs] == pytest.approx([1e-3 * 4 / 5, 1e-3])  # warming up after epoch 1
+    assert torch.equal(_params(old_jm), _params(new_jm))
+
+
+def test_options_and_their_old_keywords_together_are_refused(digits, tmp_path):
+    train, _ = digits
+    with pytest.raises(jem.InvalidInputError, match="checkpoint_dir"):
+        fit(_model(), _loader(train), epochs=1, options=FitOptions(progress=False), checkpoint_dir=tmp_path)
+    with pytest.raises(TypeError, match="learning_rate"):
+        fit(_model(), _loader(train), epochs=1, options=QUIET, learning_rate=1e-3)
