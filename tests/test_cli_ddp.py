@@ -117,7 +117,8 @@ def _fit_run(out: str, stop_rank1_at: int | None) -> dict:  # pragma: no cover -
     from jem_plugin import distributed as jdist
     from jem_plugin.app.data import load_digits
     from jem_plugin.app.nets import DigitsCNN
-    from jem_plugin.training import fit
+    from jem_plugin.recipes import OptimConfig
+    from jem_plugin.training import FitOptions, fit
 
     rank = jdist.get_rank()
     torch.manual_seed(0)
@@ -136,19 +137,12 @@ def _fit_run(out: str, stop_rank1_at: int | None) -> dict:  # pragma: no cover -
                 state.stop = True
 
     res: dict = {}
+    optim = OptimConfig(warmup_iters=5, warmup_max_fraction=1.0)
+    options = FitOptions(checkpoint_dir=out, progress=False)
     if stop_rank1_at is not None:
-        h = fit(
-            ddp,
-            loader,
-            epochs=1,
-            loss_fn=loss_fn,
-            warmup_iters=5,
-            checkpoint_dir=out,
-            callbacks=[StopOnRank1()],
-            progress=False,
-        )
+        h = fit(ddp, loader, epochs=1, optimizer=optim, loss_fn=loss_fn, callbacks=[StopOnRank1()], options=options)
         res["stopped"] = [h.stopped, h.events[-1]["iteration"]]
-    h = fit(ddp, loader, epochs=1, loss_fn=loss_fn, warmup_iters=5, checkpoint_dir=out, progress=False)
+    h = fit(ddp, loader, epochs=1, optimizer=optim, loss_fn=loss_fn, options=options)
     res.update(
         history=h.epochs,
         in_sync=jdist.params_in_sync(ddp),
@@ -163,7 +157,8 @@ def _diverge_on_rank1() -> str:  # pragma: no cover - torchrun children
     import jem_plugin as jem
     from jem_plugin import distributed as jdist
     from jem_plugin.app.nets import DigitsCNN
-    from jem_plugin.training import fit
+    from jem_plugin.recipes import OptimConfig
+    from jem_plugin.training import FitOptions, fit
 
     rank = jdist.get_rank()
 
@@ -186,7 +181,14 @@ def _diverge_on_rank1() -> str:  # pragma: no cover - torchrun children
     g = torch.Generator().manual_seed(rank)
     batches = [(torch.rand(8, 1, 8, 8, generator=g) * 2 - 1, torch.randint(0, 10, (8,), generator=g)) for _ in range(6)]
     try:
-        fit(ddp, batches, epochs=1, loss_fn=jem.JEMLoss(jem.SGLD(steps=1)), warmup_iters=1, progress=False)
+        fit(
+            ddp,
+            batches,
+            epochs=1,
+            optimizer=OptimConfig(warmup_iters=1, warmup_max_fraction=1.0),
+            loss_fn=jem.JEMLoss(jem.SGLD(steps=1)),
+            options=FitOptions(progress=False),
+        )
     except jem.DivergenceError as e:
         return str(e)
     return "no error"
@@ -202,14 +204,13 @@ def _fit_worker(out: str) -> None:  # pragma: no cover - runs in the torchrun ch
     straight = _fit_run(str(Path(out) / "straight"), None)
     resumed = _fit_run(str(Path(out) / "resumed"), 3)
     with pytest.raises(ValueError, match="not supported with multiple processes"):
-        from jem_plugin.training import fit
+        from jem_plugin.training import FitOptions, fit
 
         fit(
             torch.nn.Linear(2, 2),
             [(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))],
             epochs=1,
-            guard_policy="rollback",
-            progress=False,
+            options=FitOptions(guard_policy="rollback", progress=False),
         )
     diverged = _diverge_on_rank1()
     report = {
