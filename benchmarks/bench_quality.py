@@ -181,8 +181,9 @@ def _heldout_job(
     from jem_plugin.app.nets import DigitsCNN
     from jem_plugin.buffer import ReplayBuffer
     from jem_plugin.losses import JEMLoss
+    from jem_plugin.recipes import OptimConfig
     from jem_plugin.sampling import SGLD
-    from jem_plugin.training import fit
+    from jem_plugin.training import FitOptions, fit
 
     train = D.load_digits("train", seed=seed, classes=range(5))
     x_train, y_train = train.tensors
@@ -208,17 +209,15 @@ def _heldout_job(
         train, batch_size=64, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(seed)
     )
     torch.manual_seed(seed + 1)
-    # The training set is half the size: half the iterations per epoch, so half the warmup epochs' worth.
+    # The training set is half the size: half the iterations per epoch, so half the warmup epochs' worth
+    # (not capped to a share of the run).
     hist = fit(
         jm,
         loader,
         epochs=epochs,
-        lr=kw.get("lr", 1e-4),
-        warmup_iters=_warmup(epochs, kw) // 2,
+        optimizer=OptimConfig(lr=kw.get("lr", 1e-4), warmup_iters=_warmup(epochs, kw) // 2, warmup_max_fraction=1.0),
         loss_fn=loss_fn,
-        progress=False,
-        desc=f"heldout {name}",
-        guard_policy="raise" if loss_fn else None,
+        options=FitOptions(progress=False, desc=f"heldout {name}", guard_policy="raise" if loss_fn else None),
     )
     jm.eval()
     with torch.no_grad():
