@@ -307,7 +307,7 @@ class JEMLoss(nn.Module):
                     f"JEMLoss(batchnorm={mode!r}) disagrees with its sampler's batchnorm {said!r}: "
                     f"set it on the sampler only, SGLD(batchnorm={mode!r})"
                 )
-            self._batchnorm = mode
+            self._batchnorm = mode if said is None else None
         if "clamp_data" in options:
             clamp = options["clamp_data"]
             warnings.warn(
@@ -655,7 +655,7 @@ class JEMLoss(nn.Module):
         config = {name: getattr(self, name) for name in _SETTINGS}
         if self._clamp_data is not None:  # the deprecated keywords travel while they work
             config["clamp_data"] = self._clamp_data
-        if self._batchnorm is not None:
+        if self._batchnorm is not None and _sampler_batchnorm(self.sampler) is None:
             config["batchnorm"] = self._batchnorm
         state: dict[str, Any] = {
             "config": config,
@@ -685,8 +685,6 @@ class JEMLoss(nn.Module):
                 setattr(self, name, value)
             elif name == "clamp_data":
                 self._clamp_data = None if value is None else bool(value)
-            elif name == "batchnorm" and value in LOSS_BATCHNORM_MODES:
-                self._batchnorm = value
         config = state.get("buffer_config")
         if config is not None and self.buffer is None:
             self.buffer = ReplayBuffer.from_config(config)  # also a config written before init specs
@@ -699,6 +697,9 @@ class JEMLoss(nn.Module):
             self.generator.set_state(state["generator"])
         if "sampler" in state and isinstance(self.sampler, _Stateful):
             self.sampler.load_state_dict(state["sampler"])
+        saved_bn = state.get("config", {}).get("batchnorm")
+        if saved_bn in LOSS_BATCHNORM_MODES and _sampler_batchnorm(self.sampler) is None:
+            self._batchnorm = saved_bn  # for a sampler that does not say
         for name, term_state in state.get("terms", {}).items():
             term = self._plain_terms.get(name)
             if isinstance(term, _Stateful):

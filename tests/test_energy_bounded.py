@@ -135,6 +135,7 @@ def test_outliers_from_sgld_samples():
 
     loss_fn = JEMLoss(
         sampler=SGLD(steps=2, step_size=0.1, noise=0.01),
+        buffer=jem.ReplayBuffer(256, (2,)),
         px_weight=1.0,
         data_noise=0.0,
         terms={"energy_bounded": {"outliers": "samples", "calibration_size": 1}},

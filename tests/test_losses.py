@@ -22,6 +22,11 @@ def small_net(k: int = K) -> nn.Module:
     return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.SiLU(), nn.Flatten(), nn.Linear(4 * 64, k))
 
 
+def buf(num_classes: int | None = None, shape=(1, 8, 8)) -> ReplayBuffer:
+    """A small replay buffer for the batches below (class-conditional with ``num_classes``)."""
+    return ReplayBuffer(64, shape, num_classes=num_classes)
+
+
 def batch(n: int = 8, k: int = K):
     g = torch.Generator().manual_seed(1)
     return torch.rand(n, 1, 8, 8, generator=g) * 2 - 1, torch.randint(0, k, (n,), generator=g)
@@ -56,7 +61,7 @@ def test_loss_equals_reference_objective_and_gradients():
     x, y = batch()
     x_q, x_qy = torch.rand(8, 1, 8, 8) * 2 - 1, torch.rand(8, 1, 8, 8) * 2 - 1
     sampler = FixedSampler(x_q, x_qy)
-    loss_fn = JEMLoss(sampler, ce_weight=0.7, px_weight=1.3, pxy_weight=0.5, l2_weight=0.2, data_noise=0.0)
+    loss_fn = JEMLoss(sampler, buf(K), ce_weight=0.7, px_weight=1.3, pxy_weight=0.5, l2_weight=0.2, data_noise=0.0)
     out = loss_fn(jm, x, y)
     assert isinstance(out, LossOutput)
     out.loss.backward()
@@ -95,7 +100,7 @@ def test_loss_equals_reference_objective_and_gradients():
 def test_data_noise_is_gaussian_with_given_std_and_generator():
     jm = jem.wrap(small_net())
     x, y = batch()
-    loss_fn = JEMLoss(FixedSampler(x), data_noise=0.03, generator=torch.Generator().manual_seed(5))
+    loss_fn = JEMLoss(FixedSampler(x), buf(), data_noise=0.03, generator=torch.Generator().manual_seed(5))
     seen = []
     jm.model.register_forward_pre_hook(lambda m, inp: seen.append(inp[0].detach().clone()))
     loss_fn(jm, x, y)
@@ -103,28 +108,23 @@ def test_data_noise_is_gaussian_with_given_std_and_generator():
     torch.testing.assert_close(seen[-1][:8], expected)
 
 
-@pytest.mark.parametrize(
-    "sampler_clamp, clamp_data, inside",
-    [(True, None, True), (False, None, False), (True, False, False), (False, True, True)],
-)
-def test_noisy_data_stays_in_the_domain_the_chains_are_clamped_to(sampler_clamp, clamp_data, inside):
+@pytest.mark.parametrize("sampler_clamp", [True, False])
+def test_noisy_data_stays_in_the_domain_the_chains_are_clamped_to(sampler_clamp):
     """Clamped chains + unclamped data noise put positive-phase mass where no sample can go
-    (saturated pixels + noise); by default the noisy batch is clamped exactly when the chains are."""
+    (saturated pixels + noise); the noisy batch is clamped exactly when the chains are."""
     jm = jem.wrap(small_net(), data_range=(-1.0, 1.0))
     x, y = batch()
     x[:, :, :4] = -1.0  # saturated background, like the digits
     x[:, :, 4:] = 1.0
     loss_fn = JEMLoss(
-        SGLD(steps=1, clamp=sampler_clamp),
-        data_noise=0.3,
-        clamp_data=clamp_data,
-        generator=torch.Generator().manual_seed(0),
+        SGLD(steps=1, clamp=sampler_clamp), buf(), data_noise=0.3, generator=torch.Generator().manual_seed(0)
     )
+    assert loss_fn.clamps_data() is sampler_clamp
     seen = []
     jm.model.register_forward_pre_hook(lambda m, inp: seen.append(inp[0].detach().clone()))
     loss_fn(jm, x, y)
     noisy = seen[-1][:8]
-    assert bool(((noisy >= -1) & (noisy <= 1)).all()) is inside
+    assert bool(((noisy >= -1) & (noisy <= 1)).all()) is sampler_clamp
     assert not torch.equal(noisy, x)  # the noise itself is still there
 
 
@@ -134,7 +134,7 @@ def test_noise_clamp_never_clips_the_data_itself():
     jm = jem.wrap(small_net(), data_range=(-1.0, 1.0))
     x, y = batch()
     x[:4] = 3.0  # outside [-1, 1]
-    loss_fn = JEMLoss(SGLD(steps=1), data_noise=0.3, generator=torch.Generator().manual_seed(0))
+    loss_fn = JEMLoss(SGLD(steps=1), buf(), data_noise=0.3, generator=torch.Generator().manual_seed(0))
     seen = []
     jm.model.register_forward_pre_hook(lambda m, inp: seen.append(inp[0].detach().clone()))
     loss_fn(jm, x, y)
@@ -148,7 +148,7 @@ def test_one_forward_on_concatenated_batch_with_real_sampler():
     jm = jem.wrap(net, num_classes=K)
     calls = []
     net.register_forward_hook(lambda m, inp, out: calls.append((inp[0].shape[0], torch.is_grad_enabled())))
-    loss_fn = JEMLoss(SGLD(steps=3), pxy_weight=1.0, n_samples=6)
+    loss_fn = JEMLoss(SGLD(steps=3), buf(K), pxy_weight=1.0, n_samples=6)
     x, y = batch(8)
     loss_fn(jm, x, y).loss.backward()
     # 3 SGLD steps for p(x), 3 for p(x|y), then exactly one forward of 8 + 6 + 6 inputs.
@@ -162,11 +162,13 @@ def test_wrapped_module_forward_goes_through_wrapper_sampling_does_not():
     n_calls = []
     wrapper.register_forward_hook(lambda m, i, o: n_calls.append(i[0].shape[0]))
     x, y = batch(8)
-    JEMLoss(SGLD(steps=2))(wrapper, x, y)
+    JEMLoss(SGLD(steps=2), buf())(wrapper, x, y)
     assert n_calls == [16]
 
 
-def test_lazy_buffer_defaults_and_exact_state_roundtrip():
+def test_a_loss_without_a_buffer_still_builds_the_papers_one_and_resumes_it_exactly():
+    """Deprecated for one release: the buffer JEMLoss builds on the first batch (a warning names
+    the explicit call); its state resumes into a loss built without one."""
     torch.manual_seed(0)
     jm = jem.wrap(small_net(), num_classes=K)
     x, y = batch(8)
@@ -177,7 +179,10 @@ def test_lazy_buffer_defaults_and_exact_state_roundtrip():
     )
     loss_fn = make()
     assert loss_fn.buffer is None
-    loss_fn(jm, x, y)
+    with pytest.warns(
+        DeprecationWarning, match=r"JEMLoss\(buffer=ReplayBuffer\(10000, sample_shape=\(1, 8, 8\), num_classes=10\)\)"
+    ):
+        loss_fn(jm, x, y)
     buf = loss_fn.buffer
     assert isinstance(buf, ReplayBuffer)
     assert (buf.capacity, buf.sample_shape, buf.reinit_freq, buf.num_classes) == (10000, (1, 8, 8), 0.05, K)
@@ -206,7 +211,7 @@ def test_ce_only_needs_no_samples():
     jm = jem.wrap(net)
     calls = []
     net.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
-    loss_fn = JEMLoss(SGLD(steps=5), px_weight=0.0, data_noise=0.0)
+    loss_fn = JEMLoss(SGLD(steps=5), px_weight=0.0, data_noise=0.0)  # no buffer: none needed
     x, y = batch(8)
     out = loss_fn(jm, x, y)
     assert calls == [8] and loss_fn.buffer is None
@@ -218,7 +223,7 @@ def test_energy_l2_has_one_knob_l2_weight():
     jm = jem.wrap(small_net())
     x, y = batch()
     x_q = torch.rand(8, 1, 8, 8)
-    a = JEMLoss(FixedSampler(x_q), l2_weight=0.3, data_noise=0.0)(jm, x, y)
+    a = JEMLoss(FixedSampler(x_q), buf(), l2_weight=0.3, data_noise=0.0)(jm, x, y)
     with torch.no_grad():
         e_data, e_q = -torch.logsumexp(jm(x), 1), -torch.logsumexp(jm(x_q), 1)
     expected = e_data.pow(2).mean() + e_q.pow(2).mean()
@@ -274,7 +279,7 @@ def test_third_party_term_through_the_hook():
         jm = jem.wrap(small_net())
         x, y = batch()
         loss_fn = JEMLoss(
-            FixedSampler(torch.rand(8, 1, 8, 8)), px_weight=0.0, data_noise=0.0, terms={"const": {"value": 2.5}}
+            FixedSampler(torch.rand(8, 1, 8, 8)), buf(), px_weight=0.0, data_noise=0.0, terms={"const": {"value": 2.5}}
         )
         out = loss_fn(jm, x, y)
         assert out.metrics["const"] == 2.5 and out.metrics["const/seen"] == 8.0
@@ -296,7 +301,7 @@ def test_bad_labels_are_clear_errors(bad_y, match):
     jm = jem.wrap(small_net(), num_classes=K)
     x, _ = batch(8)
     with pytest.raises(InvalidLabelError, match=match):
-        JEMLoss(SGLD(steps=1))(jm, x, bad_y)
+        JEMLoss(SGLD(steps=1), buf())(jm, x, bad_y)
 
 
 def test_label_range_checked_even_when_num_classes_unknown_before_first_forward():
@@ -320,7 +325,7 @@ def test_loss_never_mutates_the_adapter_and_learns_num_classes_once_on_the_jem()
     assert jm.num_classes == 6
     for kwargs in ({"pxy_weight": 1.0}, {"class_conditional_px": True}):
         fresh = jem.JEM(nn.Sequential(nn.Flatten(), nn.Linear(64, 6)), jem.Adapter("plain"))
-        out = JEMLoss(SGLD(steps=1), **kwargs)(fresh, x, y)  # class-conditional sampling needs K
+        out = JEMLoss(SGLD(steps=1), buf(6), **kwargs)(fresh, x, y)  # class-conditional sampling needs K
         assert torch.isfinite(out.loss) and fresh.num_classes == 6
         assert fresh.adapter.num_classes is None
     assert jm.adapter.num_classes is None
@@ -343,7 +348,7 @@ def test_bad_inputs_are_clear_errors():
 def test_class_conditional_px_draws_random_labels():
     jm = jem.wrap(small_net(), num_classes=K)
     sampler = FixedSampler(None, torch.rand(8, 1, 8, 8))
-    JEMLoss(sampler, class_conditional_px=True, generator=torch.Generator().manual_seed(0))(jm, *batch(8))
+    JEMLoss(sampler, buf(K), class_conditional_px=True, generator=torch.Generator().manual_seed(0))(jm, *batch(8))
     y = sampler.calls[0]["y"]
     assert y is not None and y.shape == (8,) and 0 <= int(y.min()) and int(y.max()) < K
 
@@ -352,7 +357,7 @@ class Classifier(GenerativeLossMixin, nn.Module):
     def __init__(self):
         super().__init__()
         self.net = small_net()
-        self.configure_jem("net", sampler=SGLD(steps=2), pxy_weight=0.0, l2_weight=0.1)
+        self.configure_jem("net", sampler=SGLD(steps=2), buffer=buf(), pxy_weight=0.0, l2_weight=0.1)
 
     def forward(self, x):
         return self.net(x)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import jem_plugin as jem
-from jem_plugin.sam import SAM, frozen_bn_stats
+from jem_plugin.sam import SAM, frozen_bn_stats, reuse_samples
 
 
 class BNNet(nn.Module):  # hand-written: conv + BatchNorm + linear head
@@ -149,3 +149,109 @@ def test_frozen_pass_does_not_break_a_graph_built_before_it():
     after = _bn_state(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert model.bn.track_running_stats
+
+
+class OldReplay:
+    """What ``sam.reuse_samples`` swapped in for the sampler before JEMLoss.reusing_samples: it
+    records the first pass's draws and hands them back, in order, once ``replaying`` is set."""
+
+    def __init__(self, inner):
+        self.inner, self.recorded, self.replaying = inner, [], False
+
+    def sample(self, jm, n=None, **kwargs):
+        if not self.replaying:
+            x = self.inner.sample(jm, n, **kwargs)
+            self.recorded.append(x)
+            return x
+        return self.recorded.pop(0)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _sam_run(new_api: bool, iterations: int = 3):
+    """``iterations`` SAM steps of a JEMLoss with p(x), p(x|y) and data noise on a BatchNorm net:
+    the final weights, buffer, losses and the sampler's call count."""
+    torch.manual_seed(0)
+    model = BNNet().train()
+    jm = jem.wrap(model, data_range=(-1, 1), input_size=(3, 8, 8), num_classes=5)
+    sampler = CountingSampler(jem.SGLD(steps=2, generator=torch.Generator().manual_seed(1)))
+    buffer = jem.ReplayBuffer(50, (3, 8, 8), num_classes=5)
+    loss_fn = jem.JEMLoss(sampler, buffer, pxy_weight=0.5, l2_weight=0.1, generator=torch.Generator().manual_seed(2))
+    sam = SAM(torch.optim.SGD(model.parameters(), lr=0.05), rho=0.5, adaptive=True)
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(iterations):
+        x, y = torch.rand(6, 3, 8, 8, generator=g) * 2 - 1, torch.randint(0, 5, (6,), generator=g)
+
+        def closure(x=x, y=y):
+            out = loss_fn(jm, x, y)
+            out.loss.backward()
+            losses.append(out.loss.detach())
+            return out
+
+        if new_api:
+            sam.step(closure, model=model, loss_fn=loss_fn)
+        else:  # the loop SAM.step ran before, with the old sampler proxy
+            replay = OldReplay(loss_fn.sampler)
+            loss_fn.sampler = replay
+            sam.zero_grad()
+            closure()
+            sam.first_step(zero_grad=True)
+            replay.replaying = True
+            with frozen_bn_stats(model):
+                closure()
+            sam.second_step(zero_grad=True)
+            loss_fn.sampler = replay.inner
+    return [p.detach().clone() for p in model.state_dict().values()], buffer.data.clone(), losses, sampler.calls
+
+
+def test_sam_with_reusing_samples_draws_once_per_iteration_and_matches_the_old_replay_bit_for_bit():
+    weights, data, losses, calls = _sam_run(new_api=True)
+    assert calls == 3 * 2, "one p(x) and one p(x|y) draw per iteration, none on the second pass"
+    old_weights, old_data, old_losses, old_calls = _sam_run(new_api=False)
+    assert old_calls == calls
+    assert len(losses) == len(old_losses) == 6
+    assert all(torch.equal(a, b) for a, b in zip(losses, old_losses))
+    assert all(torch.equal(a, b) for a, b in zip(weights, old_weights))
+    assert torch.equal(data, old_data)
+    assert not torch.equal(losses[0], losses[1]), "the second pass is at the perturbed weights"
+
+
+def test_reusing_samples_records_the_first_forward_and_replays_it_to_every_later_one():
+    model, jm, sampler, buffer, loss_fn, x, y = _setup()
+    with loss_fn.reusing_samples() as replay:
+        first = loss_fn(jm, x, y)
+        after_first = buffer.data.clone()
+        assert replay.replaying and len(replay.draws) == 1
+        second, third = loss_fn(jm, x, y), loss_fn(jm, x, y)
+    assert sampler.calls == 1 and torch.equal(buffer.data, after_first)
+    assert second.metrics["energy_sample"] == third.metrics["energy_sample"]
+    assert first.metrics["energy_sample"] == second.metrics["energy_sample"]  # same weights, same samples
+    loss_fn(jm, x, y)  # outside the block: draws again
+    assert sampler.calls == 2
+    with pytest.raises(RuntimeError, match="nest"):
+        with loss_fn.reusing_samples(), loss_fn.reusing_samples():
+            pass
+
+
+def test_reuse_samples_keeps_the_loops_written_for_it_working():
+    model, jm, sampler, buffer, loss_fn, x, y = _setup()
+    with reuse_samples(loss_fn) as replay:  # the old public spelling, flipped by hand
+        loss_fn(jm, x, y)
+        replay.replaying = True
+        loss_fn(jm, x, y)
+    assert sampler.calls == 1 and loss_fn.sampler is sampler
+
+
+def test_sam_step_refuses_a_loss_that_cannot_reuse_samples():
+    model, jm, sampler, buffer, loss_fn, x, y = _setup()
+    sam = SAM(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    class PlainLoss:  # what SAM.step(loss_fn=) took before: anything with a sampler
+        def __init__(self, sampler):
+            self.sampler = sampler
+
+    with pytest.raises(TypeError, match="reusing_samples"):
+        sam.step(lambda: None, model=model, loss_fn=PlainLoss(sampler))
+    assert sampler.calls == 0
