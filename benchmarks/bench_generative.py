@@ -16,8 +16,8 @@ BatchNorm pass), ``jempp``, ``sadajem`` (SAM, p(x) on the un-augmented batch), `
 setting, ``--bn-runs`` (default ``fast``) are repeated once per ``--bn-modes``: ``joint`` (one
 forward over data and samples), ``separate`` (the samples' own train-mode pass, chains on running
 statistics), ``eval`` (the samples' part in eval mode) and ``batch`` (``separate`` with chains on
-their own batch statistics: the fast preset's own setting). ``--set FIELD=VALUE`` changes recipe
-fields in every JEM run, ``--seeds`` repeats runs, ``--only 32|8`` picks a setting.
+their own batch statistics: the fast preset's own setting). ``--set NAME=VALUE`` changes recipe
+settings (by their flat names, as ``jem train``'s flags) in every JEM run, ``--seeds`` repeats runs, ``--only 32|8`` picks a setting.
 
 Measured per run: test accuracy and ECE (and ECE after temperature scaling, each half of the
 test set scaled by a temperature fitted on the other: ``jem.calibration.cross_fitted_report``); OOD AUROC of ``logpx``, ``grad_norm`` and
@@ -29,8 +29,9 @@ accuracy on the latter; reference points (test halves, train, initial distributi
 chains continued for 4 and 20 more rounds of the recipe's sampler, with the model's energy and the
 judge's distance along them (:func:`~jem_plugin.sample_quality.chain_trace`); training CPU seconds
 against the baseline. Sample grids: ``<setting>_<run>.png``. ``--fit-init train`` fits informative
-inits on the clean training set (as ``jem train`` does) instead of leaving them to ``JEMLoss``,
-which fits them from the first batches of the loop (``--fit-init loop``, up to 1024 examples).
+inits on the clean training set (as ``jem train`` does) instead of fitting them from the first
+batches of the loop (``--fit-init loop``, up to 1024 examples:
+:class:`~jem_plugin.extensions.FitInitFromBatches`).
 A recipe with ``bn_stats_from_data`` (``generative``) is evaluated after its BatchNorm running
 statistics are recomputed from the training set, as ``jem train`` leaves it; ``--bn-from-data``
 reports every JEM run both ways.
@@ -63,7 +64,10 @@ if __package__ in (None, ""):
 
 import jem_plugin as jem  # noqa: E402
 from jem_plugin.app.data import digits_tensors, photo_patches, transposed, uniform_noise  # noqa: E402
-from jem_plugin.recipes import get_recipe  # noqa: E402
+from jem_plugin.extensions import FitInitFromBatches  # noqa: E402
+from jem_plugin.inits import Uniform  # noqa: E402
+from jem_plugin.recipes import Recipe, get_recipe  # noqa: E402
+from jem_plugin.sam import SAM  # noqa: E402
 from jem_plugin.sample_quality import chain_trace, reference_points, sample_quality, train_judge  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generative")
@@ -176,36 +180,89 @@ class SamplesInEvalMode(nn.Module):
         return torch.cat([data, rest])
 
 
-def with_bn_mode(r, mode: str):
+class ChainsOnRunningStatistics(jem.SGLD):
+    """The ``separate`` BatchNorm mode, which the library's one knob does not offer: the loss passes
+    the samples on their own (``SGLD(batchnorm="separate")``: their own train-mode forward, running
+    statistics from data only) while the chains normalise with the running statistics, as
+    ``"joint"``'s chains do."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "batchnorm": "separate"})
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        self.batchnorm = "joint"  # the chains: running statistics
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            self.batchnorm = "separate"  # what the loss reads
+
+
+def with_bn_mode(r: Recipe, mode: str) -> Recipe:
     """The recipe with samples passing BatchNorm as ``mode`` says: ``joint`` (JEMLoss's one
-    forward, shared statistics; chains in eval mode), ``separate`` (the samples in their own
-    train-mode forward, running statistics from data only; chains in eval mode), ``batch``
-    (``separate`` and chains normalised by their own batch statistics: JEM++'s passes)."""
-    if mode == "separate":
-        return dataclasses.replace(r, batchnorm="separate", sgld_batchnorm="eval")
-    if mode == "batch":
-        return dataclasses.replace(r, batchnorm="separate", sgld_batchnorm="batch")
+    forward, shared statistics; chains on the running statistics), ``separate`` (the samples in their
+    own train-mode forward, running statistics from data only; chains on the running statistics:
+    :func:`sampler_for` gives it :class:`ChainsOnRunningStatistics`), ``batch`` (``separate`` and
+    chains normalised by their own batch statistics: JEM++'s passes)."""
+    if mode in ("separate", "batch"):
+        return r.replace(sgld_batchnorm="separate")
     # "joint", and "eval" (whose split into data and samples SamplesInEvalMode does inside the joint forward)
-    return dataclasses.replace(r, batchnorm="joint", sgld_batchnorm="eval")
+    return r.replace(sgld_batchnorm="joint")
+
+
+def sampler_for(r: Recipe, bn_mode: str | None, generator: torch.Generator | None = None) -> jem.SGLD:
+    """The recipe's sampler; in the ``separate`` BatchNorm mode its chains on the running statistics."""
+    cfg = r.sampler
+    if bn_mode != "separate":
+        return cfg.build(generator)
+    return ChainsOnRunningStatistics(
+        steps=cfg.steps,
+        step_size=cfg.step_size,
+        noise=cfg.noise,
+        grad_clamp=cfg.grad_clamp,
+        clamp=cfg.clamp,
+        colours=cfg.colours,
+        generator=generator,
+    )
+
+
+def build_loss(
+    r: Recipe, S: dict, total: int, batch_size: int, g: torch.Generator, fit_init: str, bn_mode: str | None = None
+) -> jem.JEMLoss:
+    """The recipe's loss for a run of ``total`` iterations: its sampler (:func:`sampler_for`), its
+    buffer sized for the run, the init fitted on the clean training set (``fit_init="train"``, as
+    ``recipe.build`` and ``jem train`` do) or left for the loop to fit from its first batches
+    (``"loop"``: :class:`~jem_plugin.extensions.FitInitFromBatches`)."""
+    per_class = not isinstance(r.buffer.init, Uniform) or r.loss.pxy_weight > 0 or r.loss.class_conditional_px
+    buffer = jem.ReplayBuffer(
+        r.buffer.capacity_for(total, r.loss.n_samples or batch_size),
+        tuple(S["x"].shape[1:]),
+        reinit_freq=r.buffer.reinit_freq,
+        init=r.buffer.init,
+        num_classes=10 if per_class else None,
+    )
+    if fit_init == "train" and buffer.needs_fit:
+        buffer.fit(S["x"], S["y"])
+    return r.loss.build(sampler_for(r, bn_mode, g), buffer, g)
 
 
 # ---------------------------------------------------------------------------- one run
-def recipe_for(run: str, quick: bool, bn_mode: str | None = None, overrides: dict | None = None):
+def recipe_for(run: str, quick: bool, bn_mode: str | None = None, overrides: dict | None = None) -> Recipe | None:
+    """The run's recipe; ``overrides``: settings by flat name (``recipe.replace``)."""
     if run == "baseline":
         return None
     r = get_recipe("fast" if run == "fast_uniform" else run)
     if run == "fast_uniform":  # the fast preset before issue 16: uniform init, samples in the data's BatchNorm pass
-        r = dataclasses.replace(r, name="fast_uniform", init="uniform", batchnorm="joint", sgld_batchnorm="eval")
+        r = dataclasses.replace(r.replace(init="uniform", sgld_batchnorm="joint"), name="fast_uniform")
     if bn_mode is not None:
         r = with_bn_mode(r, bn_mode)
     overrides = dict(overrides or {})
     if quick:
-        r = dataclasses.replace(r, buffer_size=40, buffer_visits=None)
-    elif "buffer_size" in overrides:  # a size asked for is the size used
+        r = r.replace(buffer_capacity=40, buffer_visits=None)
+    elif "buffer_capacity" in overrides:  # a size asked for is the size used
         overrides.setdefault("buffer_visits", None)
-    elif r.buffer_visits is None:  # a recipe that sizes its buffer for the run keeps that
-        r = dataclasses.replace(r, buffer_size=BUFFER_SIZE)
-    return dataclasses.replace(r, **overrides)
+    elif r.buffer.visits is None:  # a recipe that sizes its buffer for the run keeps that
+        r = r.replace(buffer_capacity=BUFFER_SIZE)
+    return r.replace(**overrides)
 
 
 def train_run(
@@ -228,21 +285,15 @@ def train_run(
     base = r or get_recipe("fast")
     n_batches = math.ceil(len(S["x"]) / batch_size)
     total = epochs * n_batches
-    opt = base.build_optimizer(model.parameters())
-    warm = base.warmup_for(total)
+    opt = base.optim.build(model.parameters())
+    warm = base.optim.warmup_for(total)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warm) if warm else 1.0)
-    sam = r.build_sam(opt) if r is not None else None
+    sam = SAM(opt, rho=r.sam.rho, adaptive=r.sam.adaptive) if r is not None and r.sam.rho is not None else None
     # fit_init "train": the informative init fitted on the clean training set, as `jem train` does;
-    # "loop": fitted by JEMLoss from the first batches (the p(x) term's data, else the augmented
-    # batch), as in a user's own loop.
-    fit = dict(x_fit=S["x"], y_fit=S["y"]) if fit_init == "train" else {}
-    loss_fn = (
-        r.build_loss(
-            sample_shape=S["x"].shape[1:], num_classes=10, generator=g, total_iters=total, batch_size=batch_size, **fit
-        )
-        if r
-        else None
-    )
+    # "loop": fitted from the first batches (the p(x) term's data, else the augmented batch), as in
+    # a user's own loop.
+    loss_fn = build_loss(r, S, total, batch_size, g, fit_init, bn_mode) if r is not None else None
+    fit_from_batches = FitInitFromBatches(loss_fn.buffer) if loss_fn is not None and fit_init == "loop" else None
     model.train()
     t_cpu, t_wall = time.process_time(), time.perf_counter()
     history = []
@@ -258,7 +309,9 @@ def train_run(
                 opt.step()
                 metrics = {"loss": loss.item()}
             else:
-                px = x_clean if r.px_clean_data else None
+                px = x_clean if r.loss.px_clean_data else None
+                if fit_from_batches is not None:
+                    fit_from_batches.on_batch(None, x if px is None else px, y)
                 if isinstance(net, SamplesInEvalMode):
                     net.n_data = x.shape[0] * (2 if px is not None else 1)
 
@@ -354,7 +407,7 @@ def evaluate_run(
                 S["xt"],
                 sampler=loss_fn.sampler,
                 rounds=rounds,
-                batch_size=r.n_samples or 64,
+                batch_size=r.loss.n_samples or 64,
             )
     out["init_fd"] = reference_points(judge, S["xt"], init=init_draws(S, r, loss_fn, jm, n_init), n=n_init)["init"]
     if cond_per_class == 0:
@@ -363,16 +416,12 @@ def evaluate_run(
     yc = torch.arange(10).repeat_interleave(per)
     x0 = init_draws(S, r, loss_fn, jm, len(yc), y=yc)
     ref = r or get_recipe("fast")
-    sampler = jem.SGLD(
-        steps=cond_steps or (2 if quick else COND_STEPS),
-        step_size=ref.step_size,
-        noise=ref.noise,
-        grad_clamp=ref.grad_clip,
-        batchnorm=ref.sgld_batchnorm,
-        colours=ref.sgld_colours,
-        generator=torch.Generator().manual_seed(4),
-    )
-    if ref.sgld_colours == "data" and loss_fn is not None:  # the training chains' colour axes
+    # the training chains' settings, their BatchNorm mode included (ChainsOnRunningStatistics: "joint")
+    chains = "joint" if loss_fn is not None and isinstance(loss_fn.sampler, ChainsOnRunningStatistics) else None
+    sampler = dataclasses.replace(
+        ref.sampler, steps=cond_steps or (2 if quick else COND_STEPS), batchnorm=chains or ref.sampler.batchnorm
+    ).build(torch.Generator().manual_seed(4))
+    if ref.sampler.colours == "data" and loss_fn is not None:  # the training chains' colour axes
         sampler.use_colours_of(loss_fn.buffer)
     xc = sampler.sample(jm, x_init=x0, y=yc)
     out["cond"] = sample_quality(judge, xc, S["xt"], y_samples=yc)
@@ -580,8 +629,8 @@ def run(
     bn_from_data: bool = False,
 ) -> dict[str, Any]:
     """``runs`` with each recipe's own BatchNorm settings; then, on the 32x32 setting, each of
-    ``bn_runs`` once per BatchNorm mode in ``bn_modes``. ``overrides``: recipe fields changed in
-    every JEM run (their names get ``_<tag>``). ``bn_from_data``: each JEM run is evaluated
+    ``bn_runs`` once per BatchNorm mode in ``bn_modes``. ``overrides``: recipe settings (flat names)
+    changed in every JEM run (their names get ``_<tag>``). ``bn_from_data``: each JEM run is evaluated
     both with the BatchNorm running statistics of training and with those recomputed from the
     training set (a recipe with ``bn_stats_from_data`` is reported recomputed, as ``jem train``
     leaves it; the other half of the pair gets ``_bnfromdata`` / ``_bnastrained``)."""
@@ -743,8 +792,9 @@ def main(argv=None) -> None:
         "--set",
         nargs="*",
         default=[],
-        metavar="FIELD=VALUE",
-        help="recipe fields changed in every JEM run, e.g. step_size=2 (run names get --tag)",
+        metavar="NAME=VALUE",
+        help="recipe settings (flat names, as jem train's flags) changed in every JEM run, e.g. sgld_step_size=2 "
+        "(run names get --tag)",
     )
     p.add_argument("--tag", default="")
     p.add_argument("--seeds", nargs="*", type=int, default=[0], help="one run per seed (names get _seedN for N > 0)")

@@ -40,12 +40,34 @@ def test_grid_shows_the_buffer_spread_over_all_its_slots():
 
 
 def test_bn_modes_map_to_the_library_options():
+    """The loss's BatchNorm pass is the sampler's batchnorm; the chains' is the same except in the
+    bench's own ``separate`` mode (the samples' own pass, chains on the running statistics)."""
     r = B.recipe_for("jempp", quick=True, bn_mode="batch")
-    assert (r.batchnorm, r.sgld_batchnorm) == ("separate", "batch")
+    sampler = B.sampler_for(r, "batch")
+    assert r.sampler.batchnorm == "separate" and type(sampler) is jem.SGLD and sampler.batchnorm == "separate"
     r = B.recipe_for("fast", quick=True, bn_mode="eval")  # the wrapper needs the joint forward to split
-    assert (r.batchnorm, r.sgld_batchnorm) == ("joint", "eval")
-    r = B.recipe_for("fast_uniform", quick=True, bn_mode="separate", overrides={"step_size": 2.0})
-    assert (r.batchnorm, r.sgld_batchnorm, r.step_size, r.init) == ("separate", "eval", 2.0, "uniform")
+    assert r.sampler.batchnorm == "joint" and B.sampler_for(r, "eval").batchnorm == "joint"
+    r = B.recipe_for("fast_uniform", quick=True, bn_mode="separate", overrides={"sgld_step_size": 2.0})
+    assert (r.name, r.sampler.batchnorm, r.sampler.step_size, r.flat()["init"]) == (
+        "fast_uniform",
+        "separate",
+        2.0,
+        "uniform",
+    )
+    sampler = B.sampler_for(r, "separate")
+    assert isinstance(sampler, B.ChainsOnRunningStatistics) and sampler.step_size == 2.0
+    loss = jem.JEMLoss(sampler, jem.ReplayBuffer(8, (2,)))
+    assert loss.batchnorm == "separate"  # the loss's second pass: the samples on their own
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(2), torch.nn.Linear(2, 3))
+    model[0].running_mean.fill_(100.0)  # chains on the running statistics: far from a batch's own
+    jm = jem.wrap(model, data_range=(-1.0, 1.0), input_size=(2,), num_classes=3)
+    x0 = torch.rand(6, 2)
+    seen = []
+    model[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
+    sampler.sample(jm, x_init=x0)
+    running = (x0 - 100.0) / (1.0 + 1e-5) ** 0.5
+    torch.testing.assert_close(seen[0], running, atol=1e-4, rtol=0)
+    assert sampler.batchnorm == "separate" and model.training
 
 
 def test_bench_generative_quick_run(tmp_path):
@@ -70,7 +92,7 @@ def test_bench_generative_quick_run(tmp_path):
         assert os.path.exists(tmp_path / r["grid"])
     assert "buffer" in rows["sadajem"] and "buffer" not in rows["baseline"]
     trace = rows["sadajem"]["chains"]["trace"]
-    assert [t["steps"] for t in trace] == [0, get_recipe("sadajem").sgld_steps]
+    assert [t["steps"] for t in trace] == [0, get_recipe("sadajem").sampler.steps]
     assert trace[0]["fd"] == pytest.approx(rows["sadajem"]["buffer"]["fd"], rel=1e-6), "round 0 is the buffer itself"
     assert rows["baseline"]["cost_vs_baseline"] == pytest.approx(1.0)
     ref = res["references"]["digits8_cnn"]["fd"]

@@ -1,6 +1,6 @@
 """Experimental init distributions for ``bench_generative.py --plugin`` (issue 16, e48 and e50).
 
-Each is the rank-8 per-class Gaussian (``GaussianInit(covariance="lowrank", rank=8)``) with its
+Each is the rank-8 per-class Gaussian (``GaussianInit(covariance=LowRank(rank=8))``) with its
 isotropic noise (the variance outside the 8 directions) handled differently. Negatives with that
 noise keep log p(x)'s OOD scores and never move; negatives without it move and lose near-OOD
 (e35, e38). Registered through the same hook as the built-in inits:
@@ -26,6 +26,7 @@ from torch import Tensor, nn
 import jem_plugin as jem
 from jem_plugin._checks import draw
 from jem_plugin.builtins.init_distributions import GaussianInit
+from jem_plugin.covariance import LowRank
 
 
 class _NoiseVariant(nn.Module):
@@ -33,8 +34,8 @@ class _NoiseVariant(nn.Module):
 
     def __init__(self, rank: int = 8) -> None:
         super().__init__()
-        self.noisy = GaussianInit(covariance="lowrank", rank=rank)
-        self.clean = GaussianInit(covariance="lowrank", rank=rank, residual=0.0)
+        self.noisy = GaussianInit(covariance=LowRank(rank=rank))
+        self.clean = GaussianInit(covariance=LowRank(rank=rank, residual=0.0))
 
     @property
     def fitted(self) -> bool:
