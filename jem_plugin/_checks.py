@@ -10,7 +10,7 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Literal, overload
+from typing import Any, Literal, Protocol, overload, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -48,7 +48,7 @@ def _canonical(device: torch.device | str | None) -> torch.device | None:
         return None
     device = torch.device(device)
     if device.index is None and device.type != "cpu":
-        mod = getattr(torch, device.type, None)
+        mod = getattr(torch, device.type, None)  # torch's backend module (torch.cuda, torch.xpu, ...), if any
         if mod is not None and hasattr(mod, "current_device") and mod.is_available():
             return torch.device(device.type, mod.current_device())
     return device
@@ -122,9 +122,16 @@ def check_label_range(y: Tensor, num_classes: int, *, what: str = "labels") -> N
         )
 
 
+@runtime_checkable
+class _KnowsClasses(Protocol):
+    """A :class:`~jem_plugin.model.JEM` as far as the class count goes (``model`` imports this module)."""
+
+    num_classes: int | None
+
+
 def require_num_classes(jm: Any, why: str) -> int:
     """``jm.num_classes``, or an error asking for ``wrap(model, num_classes=K)`` when it is unknown."""
-    k = getattr(jm, "num_classes", None)
+    k = jm.num_classes if isinstance(jm, _KnowsClasses) else None
     if k is None:
         raise InvalidLabelError(
             f"{why} needs the number of classes, which is not known for this model; "

@@ -195,6 +195,7 @@ class Adapter:
             elif isinstance(spec, int):
                 out = output[spec]
             elif isinstance(spec, str):
+                # the user's model output: a dict, a Hugging Face ModelOutput, a namedtuple, ...
                 out = output[spec] if isinstance(output, dict) else getattr(output, spec)
             elif isinstance(output, dict) and "logits" in output:
                 out = output["logits"]

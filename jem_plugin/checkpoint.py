@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError
+from .model import JEM
 
 __all__ = ["save_checkpoint", "load_checkpoint", "Checkpointer", "get_rng_state", "set_rng_state"]
 
@@ -89,6 +90,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # --------------------------------------------------------------------------- save
 def _has_state(obj: Any) -> bool:
+    # Any object of the user's with state (an optimizer, a scheduler, a module, their own): duck-typed.
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
@@ -315,14 +317,8 @@ def load_checkpoint(
                 )
             if strict and isinstance(obj, nn.Module):
                 target = obj
-                inner = getattr(obj, "model", None)
-                if (
-                    isinstance(inner, nn.Module)
-                    and hasattr(obj, "adapter")
-                    and stored[name]
-                    and not any(k.startswith("model.") for k in stored[name])
-                ):
-                    target = inner  # a JEM given the bare model's state dict (JEM.load_state_dict allows it)
+                if isinstance(obj, JEM) and stored[name] and not any(k.startswith("model.") for k in stored[name]):
+                    target = obj.model  # a JEM given the bare model's state dict (JEM.load_state_dict allows it)
                 problems = _module_mismatches(target, stored[name])
                 if problems:
                     raise _error(
@@ -437,7 +433,7 @@ class Checkpointer:
             try:
                 return load_checkpoint(path, **objects)
             except CheckpointError as exc:
-                if getattr(exc, "reason", None) != CORRUPT:
+                if exc.reason != CORRUPT:
                     raise
                 warnings.warn(f"skipping unreadable checkpoint: {exc}", RuntimeWarning, stacklevel=2)
         return {}

@@ -34,7 +34,7 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ from .errors import InvalidInputError, InvalidScoresError, NotFittedError
 from .model import as_jem, sampling_mode
 from .plugins import collect, lookup
 
-__all__ = ["score", "available_scores", "score_info", "detector", "evaluate", "evaluate_all"]
+__all__ = ["score", "available_scores", "score_info", "detector", "Detector", "evaluate", "evaluate_all"]
 
 _HOOK = "jem_register_ood_scores"
 
@@ -69,6 +69,19 @@ def score_info(name: str) -> dict[str, Any]:
         "description": str(entry.get("description", "")),
         "assumes_jem": bool(entry.get("assumes_jem", False)),
     }
+
+
+@runtime_checkable
+class Detector(Protocol):
+    """A detector object, what :func:`score` takes as ``method`` besides a name: the fitted
+    detectors of :func:`detector` (Mahalanobis, ViM, KNN, ...) and a plugin's or user's own.
+
+    Optional class attributes: ``name`` (shown in progress bars and tables) and ``needs_grad``
+    (``True`` when ``score`` takes input gradients). Detectors that need fitting also have
+    ``fit(jm, data, *, batch_size, progress, input_key)``.
+    """
+
+    def score(self, jm: Any, x: Tensor) -> Tensor: ...
 
 
 def detector(name: str, **kwargs: Any) -> Any:
@@ -95,7 +108,7 @@ def _batches(data: Any, batch_size: int, input_key: str | None = None) -> tuple[
         if data.dim() < 2:
             raise InvalidInputError(f"expected a batch of inputs [N, ...], got a tensor of shape {tuple(data.shape)}")
         return data.split(batch_size), -(-data.shape[0] // batch_size), True
-    if not hasattr(data, "__iter__"):
+    if not hasattr(data, "__iter__"):  # the user's data
         raise InvalidInputError(
             f"data must be a tensor or an iterable of batches (e.g. a DataLoader), got {type(data).__name__}"
         )
@@ -182,7 +195,7 @@ def score(
         else:
             fn, needs_grad = entry["item"], bool(entry.get("needs_grad", False))
             _check_kwargs(method, fn, kwargs)
-    elif callable(getattr(method, "score", None)):
+    elif isinstance(method, Detector):
         det = method
         if kwargs:
             raise TypeError(
@@ -201,6 +214,7 @@ def score(
             if input_key is not None:
                 fit_options["input_key"] = input_key
             det.fit(jm, fit_data, **fit_options)
+        # name and needs_grad are optional on a detector of a plugin's or the user's own
         fn, needs_grad = (lambda jm, x: det.score(jm, x)), bool(getattr(det, "needs_grad", False))
         method = getattr(det, "name", type(det).__name__)
     batches, n_batches, was_tensor = _batches(data, batch_size, input_key)

@@ -133,8 +133,7 @@ class JudgeArch:
     feature_dim: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("width", "feature_dim"):
-            value = getattr(self, name)
+        for name, value in (("width", self.width), ("feature_dim", self.feature_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"JudgeArch {name} must be a positive int, got {value!r}")
 

@@ -24,7 +24,9 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
+from ._train_state import History
 from .adapter import InputDomain
+from .ood import OODTable
 
 if TYPE_CHECKING:
     from matplotlib.typing import RcKeyType
@@ -140,7 +142,7 @@ def save_image_grid(
 def _series(h) -> dict[str, tuple[list[float], list[float]]]:
     """One run as ``{metric: (epochs, values)}``. Records (``History``) keep each value's own
     epoch, so metrics logged every few epochs (validation) sit at the right x."""
-    if hasattr(h, "to_dict"):
+    if isinstance(h, History):
         h = h.to_dict()
     out: dict[str, tuple[list[float], list[float]]] = {}
     if isinstance(h, Mapping) and isinstance(h.get("epochs"), list):
@@ -165,7 +167,7 @@ def _as_runs(history) -> dict[str, dict[str, tuple[list[float], list[float]]]]:
     """Accept one history (``{metric: [values]}`` or a History), or ``{run: history}``."""
 
     def is_run(v) -> bool:
-        return hasattr(v, "to_dict") or (
+        return isinstance(v, History) or (
             isinstance(v, Mapping)
             and (isinstance(v.get("epochs"), list) or all(isinstance(a, (list, tuple)) for a in v.values()))
         )
@@ -429,7 +431,7 @@ def plot_roc(scores_in: Any, scores_out: Any, path: str, title: str | None = Non
 
 def _table_records(table: Any) -> list[dict[str, Any]]:
     """Rows of an :class:`~jem_plugin.ood.OODTable`, or of a plain ``{score: {set: metrics}}``."""
-    if hasattr(table, "rows"):
+    if isinstance(table, OODTable):
         return list(table.rows())
     if isinstance(table, Mapping):
         return [

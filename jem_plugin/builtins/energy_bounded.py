@@ -29,7 +29,7 @@ to fix them yourself; :func:`calibrate_margins` is the rule as a function.
 (cycled; tensors or ``(x, ...)`` tuples; Liu et al. use real outlier images); a callable
 ``x -> x_out``; ``"uniform"`` (noise uniform over the model's input domain); ``"samples"``
 (the loss's own SGLD samples, no extra forward); or ``None`` (default) to use
-``batch.x_outlier`` / ``batch.extra["x_outlier"]`` supplied by the caller. Outliers from a
+``batch.extra["x_outlier"]`` supplied by the caller. Outliers from a
 loader, callable or ``"uniform"`` take one extra forward, in the model's current mode.
 """
 
@@ -193,9 +193,7 @@ class EnergyBoundedTerm:
             return free_energy(logits, self.temperature)
         x = batch.x
         if src is None:
-            x_out = getattr(batch, "x_outlier", None)
-            if x_out is None:
-                x_out = (getattr(batch, "extra", None) or {}).get("x_outlier")
+            x_out = batch.extra.get("x_outlier")  # batch: the loss's LossBatch
             if x_out is None:
                 raise InvalidInputError(
                     "energy_bounded needs outlier inputs: pass outliers=<DataLoader of auxiliary "
@@ -205,7 +203,7 @@ class EnergyBoundedTerm:
                 )
         elif src == "uniform":
             x_out = jm.domain.uniform(x.shape[0], x.shape[1:], generator=self.generator, device=x.device, dtype=x.dtype)
-        elif callable(src) and not hasattr(src, "__iter__"):
+        elif callable(src) and not hasattr(src, "__iter__"):  # the user's function, not their iterable
             x_out = src(x)
         else:
             x_out = self._next_from_iterable()

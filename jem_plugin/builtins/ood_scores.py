@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +47,7 @@ from torch import Tensor
 
 from .._checks import free_energy, unwrap_model
 from ..errors import UntrainedDensityWarning
-from ..model import input_grad_enabled, sampling_mode
+from ..model import JEM, input_grad_enabled, sampling_mode
 from ..plugins import collect, hookimpl
 
 __all__ = ["logpx", "msp", "max_logit", "grad_norm", "grad_norm_projected", "logpx_sgld", "msp_sgld"]
@@ -63,22 +64,27 @@ def _check_temperature(temperature: float) -> float:
 ASSUMES_JEM = ("grad_norm", "grad_norm_projected", "logpx_sgld", "msp_sgld")
 
 
+# The models already warned about: weak references, so a model's lifetime is its own.
+_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
 def warn_if_untrained(jm: Any, name: str) -> None:
     """Warn once per model that score ``name`` assumes a JEM-trained model, unless
     ``jm.trained_px`` is ``True``. One attribute read when it is (or after the warning)."""
     core = unwrap_model(jm)
-    if getattr(core, "trained_px", None) is True or getattr(core, "_untrained_px_warned", False):
-        return
+    trained = core.trained_px if isinstance(core, JEM) else None
     try:
-        object.__setattr__(core, "_untrained_px_warned", True)
-    except (AttributeError, TypeError):  # a model that takes no attributes: warn every time
+        if trained is True or core in _WARNED:
+            return
+        _WARNED.add(core)
+    except TypeError:  # a model that cannot be weakly referenced: warn every time
         pass
     entries = collect("jem_register_ood_scores")
     others = sorted(n for n, e in entries.items() if not e.get("assumes_jem") and n not in ASSUMES_JEM)
     warnings.warn(
         f"the OOD score {name!r} assumes a JEM-trained model (as grad_norm, grad_norm_projected, "
         "logpx_sgld and msp_sgld all do): it reads log p(x) = logsumexp f(x) as a trained density, and "
-        f"this model's log p(x) was not trained (jm.trained_px is {getattr(core, 'trained_px', None)!r}); on "
+        f"this model's log p(x) was not trained (jm.trained_px is {trained!r}); on "
         "a cross-entropy classifier these scores can rank OOD inputs above in-distribution ones. "
         f"Scores that do not assume it: {', '.join(others)}. Train with jem.JEMLoss (px_weight > 0), "
         "or set jm.trained_px = True if the model was trained as a JEM elsewhere.",

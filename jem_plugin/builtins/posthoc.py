@@ -487,7 +487,7 @@ class ViM(_FittedDetector):
 
     def _begin(self, jm: Any) -> None:
         head = _head(jm, "vim")
-        weight = getattr(head, "weight", None)
+        weight = getattr(head, "weight", None)  # the user's classifier head: nn.Linear or anything alike
         if not isinstance(weight, Tensor) or weight.dim() != 2:
             raise NoFeaturesError(f"vim needs a linear head (a weight matrix), got {type(head).__name__}")
         bias = getattr(head, "bias", None)

@@ -46,6 +46,7 @@ class PerRankState:
     """
 
     def __init__(self, obj: Any, dst: int = 0) -> None:
+        # Any object with state (a replay buffer, a loss, the user's own): duck-typed.
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise TypeError(
                 f"PerRankState needs an object with state_dict()/load_state_dict(), got {type(obj).__name__}"
@@ -117,7 +118,8 @@ def _collective(fn, *args, **kwargs):
         if error is not None:
             raise error
         return result
-    mine = None if error is None else (getattr(error, "reason", None), f"{type(error).__name__}: {error}")
+    reason = error.reason if isinstance(error, CheckpointError) else None
+    mine = None if error is None else (reason, f"{type(error).__name__}: {error}")
     reports: list[Any] = [None] * world
     dist.all_gather_object(reports, mine)
     if error is not None:
@@ -261,7 +263,7 @@ class DistributedCheckpointer(Checkpointer):
             try:
                 return load_distributed_checkpoint(self.path_for(step), per_rank=per_rank, **objects)
             except CheckpointError as exc:
-                if getattr(exc, "reason", None) not in (_CORRUPT, _MISSING):
+                if exc.reason not in (_CORRUPT, _MISSING):
                     raise
                 warnings.warn(f"skipping unusable checkpoint of step {step}: {exc}", RuntimeWarning, stacklevel=2)
         return {}

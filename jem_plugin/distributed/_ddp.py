@@ -88,6 +88,7 @@ def ignore_replay_buffers(module: nn.Module) -> list[str]:
     """
     names = _replay_buffer_names(module)
     if names:
+        # torch's DDP sets this on the user's module when something asked it to ignore names
         existing = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []) or [])
         merged = existing + [n for n in names if n not in existing]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, merged)

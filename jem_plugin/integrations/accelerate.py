@@ -37,7 +37,7 @@ def register_jem_state(accelerator: Any, *objects: Any) -> list[PerRankState]:
     for ``accelerator.save_state``/``load_state``, one state per rank; returns the wrappers."""
     if not objects:
         raise ValueError("register_jem_state(accelerator, loss_fn, ...) needs at least one object")
-    if not callable(getattr(accelerator, "register_for_checkpointing", None)):
+    if not callable(getattr(accelerator, "register_for_checkpointing", None)):  # duck-typed: no accelerate import
         raise TypeError(f"expected an accelerate.Accelerator, got {type(accelerator).__name__}")
     wrapped = [PerRankState(obj) for obj in objects]
     accelerator.register_for_checkpointing(*wrapped)

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._checks import free_energy, unpack_batch
+from ..buffer import ReplayBuffer
 from ..distributed import PerRankState, get_world_size, ignore_replay_buffers, select_rank_state
 from ..losses import JEMLoss
 from ..model import JEM
@@ -82,12 +83,14 @@ class JEMLightningMixin(GenerativeLossMixin):
     def setup(self, stage: str) -> None:
         # Before the strategy wraps the module in DDP: buffers created since configure_jem too.
         ignore_replay_buffers(self)  # type: ignore[arg-type]
+        # The next class in the user's MRO may or may not define each hook: ask it, then chain.
         parent = getattr(super(), "setup", None)
         if parent is not None:
             parent(stage)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning calls this on every rank before rank 0 writes: a collective is safe here.
+        # configure_jem has run (nn.Module keeps submodules in _modules; a mixin cannot name it)
         if "jem_loss" in getattr(self, "_modules", {}) and get_world_size() > 1:
             checkpoint[PER_RANK_KEY] = PerRankState(self.jem_loss).state_dict()
         parent = getattr(super(), "on_save_checkpoint", None)
@@ -144,8 +147,11 @@ class JEMLightningMixin(GenerativeLossMixin):
             raise ValueError(
                 "use_buffer=True but the replay buffer does not exist yet (it is created on the first training batch)"
             )
+        known = self.jem_loss.buffer  # None until the first training batch creates it
         shape = (
-            None if x_init is not None or buffer is not None else getattr(self.jem_loss.buffer, "sample_shape", None)
+            None
+            if x_init is not None or buffer is not None or not isinstance(known, ReplayBuffer)
+            else known.sample_shape
         )
         return sampler.sample(self.jem, n, buffer=buffer, y=y, x_init=x_init, shape=shape)
 
