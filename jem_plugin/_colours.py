@@ -1,7 +1,7 @@
 """The colour axes of image data: which directions of the channel space the data vary along.
 
 Grey digits fed to an RGB model vary along one axis of three; steps or draws off that axis add
-colour the data never have, which an energy learns to spot (issue 16, e55 and e68). Shared by the
+colour the data never have, which an energy learns to spot as not-data. Shared by the
 stationary Gaussian init (its colour rotation), the replay buffer (the projection it keeps from
 its fit) and SGLD (which applies it to every step).
 """
