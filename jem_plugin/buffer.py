@@ -163,15 +163,18 @@ class ReadOnlyBuffer:
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
+        """The buffer's ``sample_shape``."""
         return self.buffer.sample_shape
 
     @property
     def colour_projection(self) -> Tensor | None:
+        """The buffer's :attr:`ReplayBuffer.colour_projection`."""
         return self.buffer.colour_projection
 
     def sample(
         self, n: int | None = None, *, domain: InputDomain, y: Tensor | None = None, generator: Any = None
     ) -> tuple[Tensor, Tensor]:
+        """:meth:`ReplayBuffer.sample` with this view's generator (``generator`` is ignored)."""
         return self.buffer.sample(n, domain=domain, y=y, generator=self.generator)
 
     def update(self, idx: Tensor, x: Tensor) -> None:
@@ -623,6 +626,8 @@ class ReplayBuffer(nn.Module):
             )
         extra = state_dict.get(prefix + "_extra_state")
         saved = _saved_init(extra) if isinstance(extra, dict) else None
+        if saved is None and isinstance(extra, dict) and isinstance(extra.get("init"), str):
+            saved = {"kind": extra["init"]} if extra["init"] != self.init_name else None
         if saved is not None and saved != self._plain_init():
             raise CheckpointError(
                 f"replay buffer checkpoint was saved with init={_spelled(saved)}, this buffer uses "
@@ -670,8 +675,8 @@ def _saved_init(extra: dict[str, Any]) -> dict[str, Any] | None:
     """The init a buffer's saved state was built with, as plain data (``None``: not recorded).
     States written before init specs hold a name and ``init_kwargs``: read silently."""
     config = extra.get("config")
-    if not isinstance(config, dict):
-        config = {}
+    if not isinstance(config, dict):  # states older than the config kept only the init's name
+        return None
     init = config.get("init", extra.get("init"))
     if init is None:
         return None
