@@ -226,19 +226,26 @@ def sampler_for(r: Recipe, bn_mode: str | None, generator: torch.Generator | Non
 
 
 def build_loss(
-    r: Recipe, S: dict, total: int, batch_size: int, g: torch.Generator, fit_init: str, bn_mode: str | None = None
+    r: Recipe,
+    S: dict,
+    total: int,
+    batch_size: int,
+    g: torch.Generator,
+    fit_init: str,
+    bn_mode: str | None = None,
+    num_classes: int = 10,
 ) -> jem.JEMLoss:
-    """The recipe's loss for a run of ``total`` iterations: its sampler (:func:`sampler_for`), its
-    buffer sized for the run, the init fitted on the clean training set (``fit_init="train"``, as
-    ``recipe.build`` and ``jem train`` do) or left for the loop to fit from its first batches
-    (``"loop"``: :class:`~jem_plugin.extensions.FitInitFromBatches`)."""
+    """The recipe's loss for a run of ``total`` iterations on ``S["x"], S["y"]``: its sampler
+    (:func:`sampler_for`), its buffer sized for the run, the init fitted on the clean training set
+    (``fit_init="train"``, as ``recipe.build`` and ``jem train`` do) or left for the loop to fit
+    from its first batches (``"loop"``: :class:`~jem_plugin.extensions.FitInitFromBatches`)."""
     per_class = not isinstance(r.buffer.init, Uniform) or r.loss.pxy_weight > 0 or r.loss.class_conditional_px
     buffer = jem.ReplayBuffer(
         r.buffer.capacity_for(total, r.loss.n_samples or batch_size),
         tuple(S["x"].shape[1:]),
         reinit_freq=r.buffer.reinit_freq,
         init=r.buffer.init,
-        num_classes=10 if per_class else None,
+        num_classes=num_classes if per_class else None,
     )
     if fit_init == "train" and buffer.needs_fit:
         buffer.fit(S["x"], S["y"])

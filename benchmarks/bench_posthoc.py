@@ -59,9 +59,10 @@ if __package__ in (None, ""):
 
 import jem_plugin as jem  # noqa: E402
 from benchmarks import common  # noqa: E402
-from benchmarks.bench_generative import IMAGENET_MEAN, IMAGENET_STD, shift_augment, to32  # noqa: E402
+from benchmarks.bench_generative import IMAGENET_MEAN, IMAGENET_STD, build_loss, shift_augment, to32  # noqa: E402
 from jem_plugin import ood  # noqa: E402
 from jem_plugin.app.data import digits_tensors, photo_patches, transposed  # noqa: E402
+from jem_plugin.extensions import FitInitFromBatches  # noqa: E402
 from jem_plugin.recipes import get_recipe  # noqa: E402
 
 NAME = "posthoc"
@@ -187,7 +188,7 @@ def train(
     base = r or get_recipe("generative")
     total = epochs * math.ceil(len(x) / bs)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    warm = base.warmup_for(total)
+    warm = base.optim.warmup_for(total)
 
     def factor(i: int) -> float:
         if i < warm:
@@ -196,13 +197,13 @@ def train(
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     curve = []
-    loss_fn = None
+    loss_fn = fit_init = None
     if r is not None:
-        if r.build_sam(opt) is not None:
+        if r.sam.rho is not None:
             raise ValueError(f"recipe {recipe!r} uses SAM, which this benchmark's loop does not run")
-        loss_fn = r.build_loss(
-            sample_shape=tuple(x.shape[1:]), num_classes=num_classes, generator=g, total_iters=total, batch_size=bs
-        )
+        # an informative init is fitted from the loop's first batches (the p(x) term's data)
+        loss_fn = build_loss(r, {"x": x, "y": y}, total, bs, g, "loop", num_classes=num_classes)
+        fit_init = FitInitFromBatches(loss_fn.buffer)
     model.train()
     t_cpu, t_wall = time.process_time(), time.perf_counter()
     for _ in range(epochs):
@@ -213,8 +214,10 @@ def train(
             if loss_fn is None:
                 F.cross_entropy(model(xb), yb).backward()
             else:
-                assert r is not None
-                loss_fn(jm, xb, yb, px_data=xb_clean if r.px_clean_data else None).loss.backward()
+                assert r is not None and fit_init is not None
+                px = xb_clean if r.loss.px_clean_data else None
+                fit_init.on_batch(None, xb if px is None else px, yb)
+                loss_fn(jm, xb, yb, px_data=px).loss.backward()
             opt.step()
             sched.step()
         if eval_every is not None:
