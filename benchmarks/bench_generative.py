@@ -699,7 +699,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"Epochs: 32x32 {st['epochs32']}, 8x8 {st['epochs8']}; batch 64; replay buffer {st['buffer_size']} "
         "(a row that gives its slots: the recipe sized it for the run or --set sized it); "
         f"class-conditional samples: {st['cond_steps']} steps from the run's initial distribution; "
-        f"informative inits fitted on {'the clean training set' if st.get('fit_init') == 'train' else 'the first batches of the loop (by JEMLoss)'}. "
+        f"informative inits fitted on {'the clean training set' if st.get('fit_init') == 'train' else 'the first batches of the loop (FitInitFromBatches)'}. "
         "FD = Fréchet distance to the 360 test images in the independent judge's features."
     )
     lines.append("")
@@ -809,8 +809,8 @@ def main(argv=None) -> None:
         "--fit-init",
         choices=("loop", "train"),
         default="loop",
-        help="where an informative init is fitted: by JEMLoss from the first batches (a user's "
-        "loop, up to the buffer's auto_fit_examples) or on the clean training set (what jem train does)",
+        help="where an informative init is fitted: from the first batches of the loop (a user's loop, "
+        "FitInitFromBatches: up to 1024 examples) or on the clean training set (what jem train does)",
     )
     p.add_argument(
         "--bn-from-data",
