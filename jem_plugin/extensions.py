@@ -198,7 +198,7 @@ class FitInitFromBatches(Extension):
     3x224x224: 0.6 GB). Fitting on the training set with ``buffer.fit(x, y)`` before training
     is still better.
 
-    ``fit(..., extensions=[FitInitFromBatches()])`` fits ``loss_fn.buffer``. In a loop of your
+    ``fit(..., callbacks=[FitInitFromBatches()])`` fits ``loss_fn.buffer``. In a loop of your
     own: ``fit_init = FitInitFromBatches(buffer)``, then ``fit_init.on_batch(None, x, y)`` before
     each step (or ``fit_init.observe(buffer, x, y)``).
     """

@@ -416,7 +416,11 @@ def fit(
     options, optimizer = _translate(deprecated, options, optimizer)
     device, multi = (model_device(jm) or torch.device("cpu")), _multi_process()
     _check_args(epochs, options.guard_policy, options.amp, device, multi)
-    iters, callbacks, start = _iters_per_epoch(train_loader), list(callbacks or []), time.perf_counter()
+    iters, start = _iters_per_epoch(train_loader), time.perf_counter()
+    # Extensions given as callbacks (FitInitFromBatches for your own loss) run at their named points.
+    given = list(callbacks or [])
+    callbacks = [c for c in given if not isinstance(c, Extension)]
+    extras = [c for c in given if isinstance(c, Extension)]
     if isinstance(recipe, Recipe):
         recipe = recipe.build(
             jm, train_loader, total_iters=epochs * iters, batch_size=getattr(train_loader, "batch_size", None)
@@ -424,9 +428,10 @@ def fit(
     opt: torch.optim.Optimizer
     if isinstance(recipe, JEMSetup):
         setup = recipe
-        loss_fn, extensions, warmup = setup.loss, list(setup.extensions), setup.warmup_iters
+        loss_fn, extensions, warmup = setup.loss, list(setup.extensions) + extras, setup.warmup_iters
         opt, max_grad_norm = setup.optimizer, setup.recipe.optim.max_grad_norm
     else:
+        extensions = extras
         optim_cfg = OptimConfig()
         if isinstance(optimizer, tuple):  # a torch optimiser, and the warm-up it gets
             opt, optim_cfg = optimizer

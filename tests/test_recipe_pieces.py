@@ -9,15 +9,19 @@ from torch import nn
 
 import jem_plugin as jem
 from jem_plugin.builtins.init_distributions import GaussianInit
-from jem_plugin.covariance import Stationary
+from jem_plugin.covariance import Diagonal, Full, LowRank, Stationary
+from jem_plugin.extensions import FitInitFromBatches
+from jem_plugin.inits import Gaussian
 from jem_plugin.recipes import RECIPES, get_recipe
 
 
 class FixedSampler:
+    """A user's sampler: hands back the same chains; says how its samples pass BatchNorm."""
+
     clamp = False
 
-    def __init__(self, x):
-        self.x = x
+    def __init__(self, x, batchnorm="joint"):
+        self.x, self.batchnorm = x, batchnorm
 
     def sample(self, jm, n=None, **kw):
         return self.x[:n]
@@ -46,12 +50,12 @@ def test_px_data_feeds_the_px_term_and_ce_keeps_the_augmented_batch():
 
 
 def test_noise_free_clamped_steps_are_deterministic_and_bounded():
-    # SGLD(noise=0, grad_clip=c) is JEM++/SADA-JEM's noise-free proximal step: each coordinate
+    # SGLD(noise=0, grad_clamp=c) is JEM++/SADA-JEM's noise-free proximal step: each coordinate
     # moves by at most step_size * c, and two runs from the same start agree exactly.
     model = _net(1)
     jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
     x0 = torch.zeros(5, 1, 4, 4)
-    s = jem.SGLD(steps=1, step_size=1.0, noise=0.0, grad_clip=0.01)
+    s = jem.SGLD(steps=1, step_size=1.0, noise=0.0, grad_clamp=0.01)
     a, b = s.sample(jm, x_init=x0), s.sample(jm, x_init=x0)
     assert torch.equal(a, b)
     assert (a - x0).abs().max() <= 0.01 + 1e-7
@@ -64,11 +68,13 @@ def test_unfitted_gaussian_init_is_fitted_from_the_first_batch():
     torch.manual_seed(0)
     model = _net(2)
     jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
-    buffer = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3)
+    buffer = jem.ReplayBuffer(30, (1, 4, 4), init=Gaussian(), num_classes=3)
+    fit_init = FitInitFromBatches(buffer)
     loss_fn = jem.JEMLoss(jem.SGLD(steps=0), buffer, data_noise=0.0)
     # classes 0 and 1 only, at distinct levels: class 2 falls back to the batch's Gaussian
     x = torch.cat([torch.full((4, 1, 4, 4), -0.5), torch.full((4, 1, 4, 4), 0.5)]) + 0.01 * torch.randn(8, 1, 4, 4)
     y = torch.tensor([0] * 4 + [1] * 4)
+    fit_init.on_batch(None, x, y)
     loss_fn(jm, x, y)
     init = buffer.init_dist
     assert init.fitted
@@ -79,22 +85,25 @@ def test_unfitted_gaussian_init_is_fitted_from_the_first_batch():
     assert seg0.mean() == pytest.approx(-0.5, abs=0.05), "the chains start from the fitted Gaussian"
 
 
-def _auto_fitting_loss(auto_fit_examples):
-    """A JEMLoss whose unfitted Gaussian init it fits itself; batches of 8 with labels ``y``."""
+def _auto_fitting_loss(examples):
+    """A JEMLoss over an unfitted Gaussian init, and the extension that fits it from the batches."""
     jm = jem.wrap(_net(2), data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
-    buffer = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3, auto_fit_examples=auto_fit_examples)
-    return jm, buffer, jem.JEMLoss(jem.SGLD(steps=0), buffer, data_noise=0.0), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    buffer = jem.ReplayBuffer(30, (1, 4, 4), init=Gaussian(), num_classes=3)
+    loss_fn = jem.JEMLoss(jem.SGLD(steps=0), buffer, data_noise=0.0)
+    return jm, buffer, loss_fn, FitInitFromBatches(buffer, examples=examples), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
 
 
 def test_auto_fit_pools_the_first_batches_refitting_at_doublings_then_stops():
-    # One batch of 64 gives about six examples per class: too few for the generative preset
-    # (issue 16, e63). The fit keeps the first batches and refits at 8, 16 and 32 examples.
-    jm, buffer, loss_fn, y = _auto_fitting_loss(auto_fit_examples=32)
+    # One batch of 64 gives about six examples per class: too few for a per-class Gaussian's
+    # chains to move. The fit keeps the first batches and refits at 8, 16 and 32 examples.
+    jm, buffer, loss_fn, fit_init, y = _auto_fitting_loss(examples=32)
     levels, refits = [], []
     for i in range(6):  # batch i sits at level i / 10: the fitted mean is the held batches' mean
         levels.append(i / 10)
         before = buffer.init_dist.mean.clone() if buffer.init_dist.fitted else None
-        loss_fn(jm, torch.full((8, 1, 4, 4), i / 10), y)
+        x = torch.full((8, 1, 4, 4), i / 10)
+        fit_init.on_batch(None, x, y)
+        loss_fn(jm, x, y)
         mean = buffer.init_dist.mean
         refits.append(before is None or not torch.equal(before, mean))
         if refits[-1]:
@@ -106,38 +115,40 @@ def test_auto_fit_pools_the_first_batches_refitting_at_doublings_then_stops():
 
 
 def test_auto_fit_counts_a_sam_iteration_once():
-    # SAM's second pass calls the loss again on the same batch: that batch must not be kept twice.
-    jm, buffer, loss_fn, y = _auto_fitting_loss(auto_fit_examples=16)
+    # SAM's second pass calls the loss again on the same batch; the extension sees the batch once.
+    jm, buffer, loss_fn, fit_init, y = _auto_fitting_loss(examples=16)
     for level in (0.0, 0.4):
         x = torch.full((8, 1, 4, 4), level)
-        with jem.sam.reuse_samples(loss_fn) as replay:
+        fit_init.on_batch(None, x, y)
+        with loss_fn.reusing_samples():
             loss_fn(jm, x, y)
-            replay.replaying = True
             loss_fn(jm, x, y)
     torch.testing.assert_close(buffer.init_dist.mean, torch.full_like(buffer.init_dist.mean, 0.2))
 
 
 def test_auto_fit_zero_fits_once_and_a_users_fit_stops_it():
     y = torch.tensor([0, 1, 2, 0, 1, 2])
-    once = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3, auto_fit_examples=0)
-    assert once.fit_if_unfitted(torch.zeros(6, 1, 4, 4), y)
-    assert not once.fit_if_unfitted(torch.ones(6, 1, 4, 4), y)
+    once = jem.ReplayBuffer(30, (1, 4, 4), init=Gaussian(), num_classes=3)
+    fit_once = FitInitFromBatches(once, examples=0)
+    assert fit_once.observe(once, torch.zeros(6, 1, 4, 4), y)
+    assert not fit_once.observe(once, torch.ones(6, 1, 4, 4), y)
     assert float(once.init_dist.mean.abs().max()) == 0.0
-    pooled = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3)
-    assert pooled.fit_if_unfitted(torch.zeros(6, 1, 4, 4), y)
+    pooled = jem.ReplayBuffer(30, (1, 4, 4), init=Gaussian(), num_classes=3)
+    fit_pooled = FitInitFromBatches(pooled)
+    assert fit_pooled.observe(pooled, torch.zeros(6, 1, 4, 4), y)
     pooled.fit(torch.full((6, 1, 4, 4), 0.5), y)  # the user fits: the first batches are dropped
     for _ in range(3):
-        assert not pooled.fit_if_unfitted(torch.ones(6, 1, 4, 4), y)
+        assert not fit_pooled.observe(pooled, torch.ones(6, 1, 4, 4), y)
     assert float(pooled.init_dist.mean.min()) == 0.5
     # A checkpoint taken while it collects resumes with the fit so far (the examples are not saved).
-    collecting = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3)
-    assert collecting.fit_if_unfitted(torch.zeros(6, 1, 4, 4), y)
-    resumed = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3)
+    collecting = jem.ReplayBuffer(30, (1, 4, 4), init=Gaussian(), num_classes=3)
+    assert FitInitFromBatches(collecting).observe(collecting, torch.zeros(6, 1, 4, 4), y)
+    resumed = jem.ReplayBuffer(30, (1, 4, 4), init=Gaussian(), num_classes=3)
     resumed.load_state_dict(collecting.state_dict())
-    assert not resumed.fit_if_unfitted(torch.ones(6, 1, 4, 4), y)
+    assert not FitInitFromBatches(resumed).observe(resumed, torch.ones(6, 1, 4, 4), y)
     torch.testing.assert_close(resumed.init_dist.mean, collecting.init_dist.mean)
-    with pytest.raises(ValueError, match="auto_fit_examples"):
-        jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", auto_fit_examples=-1)
+    with pytest.raises(ValueError, match="examples"):
+        FitInitFromBatches(collecting, examples=-1)
 
 
 @pytest.mark.parametrize("covariance", ["diagonal", "full", "lowrank", "stationary"])
@@ -145,13 +156,14 @@ def test_gaussian_fit_pools_missing_classes_only_when_asked(covariance):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(12, 2, 4, 4, generator=g)
     y = torch.tensor([0, 2] * 6)  # class 1 and 3 have no examples
-    init = GaussianInit(covariance=covariance, rank=3)
+    cov = {"diagonal": Diagonal(), "full": Full(), "lowrank": LowRank(rank=3), "stationary": Stationary()}[covariance]
+    init = GaussianInit(covariance=cov)
     with pytest.raises(jem.InvalidLabelError, match=r"classes \[1, 3\]"):
         init.fit(x, y, num_classes=4)
     init.fit(x, y, num_classes=4, pool_missing=True)
-    whole = GaussianInit(covariance=covariance, rank=3)
+    whole = GaussianInit(covariance=cov)
     whole.fit(x, torch.zeros_like(y), num_classes=1)
-    alone = GaussianInit(covariance=covariance, rank=3).fit(x, y // 2, num_classes=2)
+    alone = GaussianInit(covariance=cov).fit(x, y // 2, num_classes=2)
     assert init.num_classes == 4
     # The stationary init's colour axes are shared by the classes (and see the pooled copy): its
     # power summed over the axes does not depend on them.
@@ -165,9 +177,9 @@ def test_gaussian_fit_pools_missing_classes_only_when_asked(covariance):
 
 
 def test_user_fitted_init_is_left_alone():
-    buffer = jem.ReplayBuffer(30, (1, 4, 4), init="gaussian", num_classes=3)
+    buffer = jem.ReplayBuffer(30, (1, 4, 4), init=Gaussian(), num_classes=3)
     buffer.fit(torch.zeros(6, 1, 4, 4), torch.tensor([0, 1, 2, 0, 1, 2]))
-    assert not buffer.fit_if_unfitted(torch.ones(6, 1, 4, 4), torch.tensor([0, 1, 2, 0, 1, 2]))
+    assert not FitInitFromBatches(buffer).observe(buffer, torch.ones(6, 1, 4, 4), torch.tensor([0, 1, 2, 0, 1, 2]))
     assert float(buffer.init_dist.mean.abs().max()) == 0.0
 
 
@@ -218,7 +230,7 @@ def test_separate_batchnorm_keeps_samples_out_of_the_data_statistics():
     for mode in ("joint", "separate"):
         model = _bn_net()
         jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
-        loss_fn = jem.JEMLoss(FixedSampler(far), jem.ReplayBuffer(8, (1, 4, 4)), data_noise=0.0, batchnorm=mode)
+        loss_fn = jem.JEMLoss(FixedSampler(far, batchnorm=mode), jem.ReplayBuffer(8, (1, 4, 4)), data_noise=0.0)
         out = loss_fn(jm, x, y)
         out.loss.backward()
         runs[mode] = (out.logits.detach(), model[2].running_mean.clone(), model[2].num_batches_tracked.item())
@@ -238,21 +250,22 @@ def test_batch_statistics_chains_leave_running_statistics_and_modes_alone():
     jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x0 = torch.rand(6, 1, 4, 4) * 2 - 1
-    out = {m: jem.SGLD(steps=3, noise=0.0, batchnorm=m).sample(jm, x_init=x0) for m in ("eval", "batch")}
+    out = {m: jem.SGLD(steps=3, noise=0.0, batchnorm=m).sample(jm, x_init=x0) for m in ("joint", "separate")}
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, before[k])
     assert model.training and not model[2].training and model[2].track_running_stats
     # batch statistics make a chain depend on the others in its batch; running ones do not
-    alone = {m: jem.SGLD(steps=3, noise=0.0, batchnorm=m).sample(jm, x_init=x0[:3]) for m in ("eval", "batch")}
-    torch.testing.assert_close(alone["eval"], out["eval"][:3])
-    assert not torch.allclose(alone["batch"], out["batch"][:3])
+    alone = {m: jem.SGLD(steps=3, noise=0.0, batchnorm=m).sample(jm, x_init=x0[:3]) for m in ("joint", "separate")}
+    torch.testing.assert_close(alone["joint"], out["joint"][:3])
+    assert not torch.allclose(alone["separate"], out["separate"][:3])
 
 
-def test_batchnorm_options_reject_unknown_modes():
+def test_batchnorm_is_one_knob_on_the_sampler_and_rejects_unknown_modes():
     with pytest.raises(ValueError, match="batchnorm must be one of"):
-        jem.JEMLoss(batchnorm="eval")
-    with pytest.raises(ValueError, match="batchnorm must be one of"):
-        jem.SGLD(batchnorm="separate")
+        jem.SGLD(batchnorm="both")
+    assert jem.JEMLoss(jem.SGLD(batchnorm="separate"), jem.ReplayBuffer(8, (1, 4, 4))).batchnorm == "separate"
+    with pytest.raises(jem.InvalidInputError, match="disagrees"), pytest.warns(DeprecationWarning):
+        jem.JEMLoss(jem.SGLD(batchnorm="joint"), jem.ReplayBuffer(8, (1, 4, 4)), batchnorm="separate")
 
 
 def test_recipe_batchnorm_and_conditional_fields_reach_the_loss_and_sampler():
@@ -282,7 +295,7 @@ def test_separate_batchnorm_keeps_one_forward_without_batch_statistics():
     model.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
     jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 4, 4), num_classes=3)
     xs = torch.rand(4, 1, 4, 4) * 2 - 1
-    loss_fn = jem.JEMLoss(FixedSampler(xs), jem.ReplayBuffer(8, (1, 4, 4)), batchnorm="separate")
+    loss_fn = jem.JEMLoss(FixedSampler(xs, batchnorm="separate"), jem.ReplayBuffer(8, (1, 4, 4)))
     loss_fn(jm, torch.rand(4, 1, 4, 4) * 2 - 1, torch.tensor([0, 1, 2, 0]))
     assert calls == [8]  # data and samples in one forward: the result is the same, the cost lower
     bn = _bn_net()

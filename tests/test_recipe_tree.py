@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import jem_plugin as jem
 from jem_plugin.covariance import LowRank, Stationary
-from jem_plugin.extensions import RecomputeBatchNorm, SharpnessAware
+from jem_plugin.extensions import FitInitFromBatches, RecomputeBatchNorm, SharpnessAware
 from jem_plugin.inits import Gaussian, Uniform
 from jem_plugin.recipes import (
     RECIPES,
@@ -277,7 +278,9 @@ def test_a_checkpoint_holds_the_recipe_as_plain_data_beside_the_tensors(tmp_path
     fit(_jm(), loader, recipe, epochs=1, options=FitOptions(progress=False, checkpoint_dir=tmp_path))
     (path,) = sorted(tmp_path.glob("*.pt"))
     saved = torch.load(path, weights_only=True)
-    assert Recipe.from_dict(saved["config"]) == recipe
+    kinds, objects = saved["kinds"], saved["objects"]
+    assert kinds["config"] == "value" and Recipe.from_dict(objects["config"]) == recipe  # the configuration
+    assert kinds["loss"] == "state_dict" and "buffer.data" in objects["loss"]  # the tensors, apart
 
 
 def test_recompute_batchnorm_is_kept_only_with_held_out_evidence():
@@ -294,3 +297,15 @@ def test_recompute_batchnorm_is_kept_only_with_held_out_evidence():
     ext.on_fit_end(state, loader)
     assert ext.decision.kept and float(bn.running_mean.abs().max()) < 5.0
     assert state.history.events[-1]["step"] == "bn_stats_from_data"
+
+
+def test_an_extension_given_as_a_callback_runs_at_its_points_in_a_loop_with_your_own_loss():
+    x, y = _data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=8, drop_last=True)
+    jm = _jm()
+    buffer = jem.ReplayBuffer(40, (3, 6, 6), init=Gaussian(), num_classes=3)
+    loss_fn = jem.JEMLoss(jem.SGLD(steps=1), buffer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # no legacy auto-fit: the extension fits it
+        fit(jm, loader, loss_fn=loss_fn, epochs=1, callbacks=[FitInitFromBatches()], options=FitOptions(progress=False))
+    assert buffer.init_dist.fitted and buffer.fit_count >= 1
