@@ -81,7 +81,9 @@ class Detector(Protocol):
     ``fit(jm, data, *, batch_size, progress, input_key)``.
     """
 
-    def score(self, jm: Any, x: Tensor) -> Tensor: ...
+    def score(self, jm: Any, x: Tensor) -> Tensor:
+        """One score per input of the batch ``x``, ``[B]``: higher means more in-distribution."""
+        ...
 
 
 def detector(name: str, **kwargs: Any) -> Any:

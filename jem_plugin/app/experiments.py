@@ -308,7 +308,7 @@ def _judge_for(
     k = num_classes or int(y.max()) + 1
     # ~350 optimiser steps whatever the data size: seconds on a CPU
     epochs = max(2, min(15, 22500 // len(x)))
-    judge = train_judge(x, y, x_test=xh, y_test=yh, epochs=epochs, num_classes=k, seed=seed, device=device)
+    judge = train_judge(x, y, test=(xh, yh), epochs=epochs, num_classes=k, seed=seed, device=device)
     return judge, xh, k
 
 
@@ -474,7 +474,7 @@ def run_digits(
         limit = max_seconds
         if budget_seconds is not None:
             left = float(budget_seconds) - (time.perf_counter() - t_start)
-            share = 0.25 * float(budget_seconds) if loss_fn is None else left
+            share = 0.25 * float(budget_seconds) if setup is None else left
             limit = max(5.0, min(share, left)) if limit is None else min(limit, max(5.0, min(share, left)))
         t0 = time.perf_counter()
         hist = fit(
@@ -529,7 +529,7 @@ def run_digits(
         # noise it likes. The baseline has no buffer and draws no samples here: nothing to judge.
 
         judge = train_judge(
-            x_train, y_train, x_test=x_test, y_test=y_test, epochs=cfg.judge_epochs, seed=cfg.seed, device=device
+            x_train, y_train, test=(x_test, y_test), epochs=cfg.judge_epochs, seed=cfg.seed, device=device
         )
         runs[jem_label]["summary"].update(
             sample_quality_figures(

@@ -78,8 +78,9 @@ def add_recipe_flags(p: argparse.ArgumentParser) -> None:
             help=info["help"],
             metavar=None if choices else name.split("_")[-1].upper(),
         )
-    for old in OLD_FLAGS:
-        kind = str if old == "batchnorm" else float
+    names = flat_names()
+    for old, new in OLD_FLAGS.items():
+        kind = _optional(names[new]["type"]) if names[new]["optional"] else names[new]["type"]
         group.add_argument(
             "--" + old.replace("_", "-"), dest="old_" + old, type=kind, default=None, help=argparse.SUPPRESS
         )
