@@ -337,11 +337,11 @@ class Recipe:
         """Every setting by its flat name (``sgld_steps``, ``init_covariance``, ``lr``, ...): what
         ``jem train``'s flags and ``--config`` keys set. Union choices read as their kind."""
         out: dict[str, Any] = {}
-        for name, (path, _) in _flat_table().items():
+        for name, (path, kinds) in _flat_table().items():
             value = _get_path(self, path)
             if value is _MISSING:
                 continue
-            out[name] = _kind_of(value) if _is_spec(value) else value
+            out[name] = _kind_of(value) if kinds is not None else value  # a union choice reads as its kind
         return out
 
     def replace(self, **changes: Any) -> Recipe:
@@ -645,8 +645,12 @@ class _Missing:
 _MISSING: Any = _Missing()
 
 
+_KINDS: tuple[type, ...] = (*INIT_SPECS.values(), *COVARIANCE_KINDS.values(), Poly)
+
+
 def _is_spec(value: Any) -> bool:
-    return dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(type(value), "kind")
+    """Whether ``value`` is one choice of a union (an init spec, a covariance, a schedule)."""
+    return isinstance(value, _KINDS)
 
 
 def _kind_of(value: Any) -> str:
