@@ -100,15 +100,15 @@ def test_sigkill_mid_training_resumes_bitwise(tmp_path, capsys):
     assert torch.equal(resumed["rng"], reference["rng"])
 
 
-def test_loss_state_with_lazy_buffer_and_sampler_generator_round_trips(tmp_path):
+def test_loss_state_restores_its_buffer_into_a_loss_without_one_and_the_sampler_generator(tmp_path):
     torch.manual_seed(0)
     jm = jem.wrap(nn.Sequential(nn.Flatten(), nn.Linear(16, 3)), num_classes=3)
     x, y = torch.rand(6, 1, 4, 4) * 2 - 1, torch.randint(0, 3, (6,))
 
-    def make():
-        return JEMLoss(SGLD(steps=2, generator=torch.Generator().manual_seed(1)), pxy_weight=1.0)
+    def make(buffer=None):
+        return JEMLoss(SGLD(steps=2, generator=torch.Generator().manual_seed(1)), buffer, pxy_weight=1.0)
 
-    loss_fn = make()
+    loss_fn = make(jem.ReplayBuffer(100, (1, 4, 4), num_classes=3))
     loss_fn(jm, x, y)
     save_checkpoint(tmp_path / "c.pt", loss=loss_fn)
     expected = loss_fn(jm, x, y).loss.item()

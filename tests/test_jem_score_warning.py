@@ -72,7 +72,7 @@ def test_scores_that_do_not_assume_it_never_warn():
 
 def test_no_warning_after_a_jem_loss_training_step():
     jm = _jm()
-    loss_fn = jem.JEMLoss(jem.SGLD(steps=1), data_noise=0.0)
+    loss_fn = jem.JEMLoss(jem.SGLD(steps=1), jem.ReplayBuffer(100, (6,)), data_noise=0.0)
     with torch.no_grad():  # validation does not train p(x)
         loss_fn(jm, _x(), torch.randint(0, 3, (8,)))
     assert jm.trained_px is None
@@ -86,7 +86,8 @@ def test_no_warning_after_a_jem_loss_training_step():
 )
 def test_only_a_density_term_marks_the_model(weights, trained):
     jm = _jm()
-    jem.JEMLoss(jem.SGLD(steps=1), data_noise=0.0, **weights)(jm, _x(), torch.randint(0, 3, (8,)))
+    buffer = jem.ReplayBuffer(100, (6,), num_classes=3)
+    jem.JEMLoss(jem.SGLD(steps=1), buffer, data_noise=0.0, **weights)(jm, _x(), torch.randint(0, 3, (8,)))
     assert jm.trained_px is trained
 
 

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 import jem_plugin as jem
+from jem_plugin.covariance import Full
 from jem_plugin.errors import CheckpointError
+from jem_plugin.inits import Gaussian
 from jem_plugin.schedules import Poly
 
 # A value other than the default for every constructor argument.
@@ -36,16 +38,14 @@ BUFFER_VALUES: dict[str, Any] = {
     "capacity": 12,
     "sample_shape": (1, 4, 4),
     "reinit_freq": 0.2,
-    "init": "gaussian",
-    "init_kwargs": {"covariance": "full", "jitter": 1e-3},
+    "init": Gaussian(covariance=Full(), jitter=1e-3),
     "num_classes": 3,
     "device": torch.device("meta"),  # where it lives is not configuration: see BUFFER_NOT_SAVED
-    "auto_fit_examples": 5,
 }
 # Arguments that are not part of a buffer's state, and why.
 BUFFER_NOT_SAVED = {"device": "the buffer follows the model's device when it is used"}
 # Arguments that fix the buffer's tensors: a buffer built otherwise refuses the state in one line.
-BUFFER_STRUCTURE = {"capacity", "sample_shape", "init", "init_kwargs", "num_classes"}
+BUFFER_STRUCTURE = {"capacity", "sample_shape", "init", "num_classes"}
 LOSS_VALUES: dict[str, Any] = {
     "sampler": lambda: jem.SGLD(**_built(SGLD_VALUES)),
     "buffer": lambda: jem.ReplayBuffer(**_built({k: v for k, v in BUFFER_VALUES.items() if k != "device"})),
@@ -59,8 +59,6 @@ LOSS_VALUES: dict[str, Any] = {
     "terms": {"energy_bounded": {"m_in": -3.0, "m_out": -1.0, "weight": 0.2, "outliers": "uniform"}},
     "generator": lambda: torch.Generator().manual_seed(12),
     "validate": False,
-    "clamp_data": False,
-    "batchnorm": "separate",
 }
 
 
@@ -134,8 +132,6 @@ def test_replay_buffer_state_carries_every_argument():
     # Built with any one structural argument at its default: one clear line naming the fix.
     for name in sorted(BUFFER_STRUCTURE):
         other = {k: values[k] for k in BUFFER_STRUCTURE if k != name}
-        if name == "init":  # the default init takes no covariance
-            other.pop("init_kwargs")
         with pytest.raises(CheckpointError, match="create") as err:
             jem.ReplayBuffer(**other).load_state_dict(state)
         assert "\n" not in str(err.value)
@@ -166,7 +162,7 @@ def test_jem_loss_state_carries_every_argument():
 
 def test_a_restored_fast_loss_samples_as_the_saved_one():
     """The reported bug: a loss saved with SGLD(batchnorm="separate") came back sampling with "joint"."""
-    src = jem.JEMLoss(sampler=jem.SGLD(steps=2, batchnorm="separate"), batchnorm="separate")
+    src = jem.JEMLoss(sampler=jem.SGLD(steps=2, batchnorm="separate"))
     dst = jem.JEMLoss(sampler=jem.SGLD(steps=2))
     dst.load_state_dict(_through_checkpoint(src.state_dict()))
     assert dst.sampler.batchnorm == "separate" and dst.batchnorm == "separate"
