@@ -309,3 +309,26 @@ def test_an_extension_given_as_a_callback_runs_at_its_points_in_a_loop_with_your
         warnings.simplefilter("error", DeprecationWarning)  # no legacy auto-fit: the extension fits it
         fit(jm, loader, loss_fn=loss_fn, epochs=1, callbacks=[FitInitFromBatches()], options=FitOptions(progress=False))
     assert buffer.init_dist.fitted and buffer.fit_count >= 1
+
+
+def test_the_old_recipe_methods_warn_and_build_what_build_builds():
+    x, y = _data()
+    r = get_recipe("fast").replace(buffer_capacity=40)
+    new = r.build(_jm(), (x, y), total_iters=100, batch_size=8)
+    with pytest.warns(DeprecationWarning, match=r"recipe.build\(jm, data"):
+        old = r.build_loss(sample_shape=(3, 6, 6), num_classes=3, x_fit=x, y_fit=y, total_iters=100, batch_size=8)
+    assert old.buffer.config() == new.buffer.config() and old.sampler.state_dict() == new.sampler.state_dict()
+    torch.testing.assert_close(old.buffer.init_dist.mean, new.buffer.init_dist.mean)
+    assert (old.px_weight, old.l2_weight, old.n_samples) == (new.loss.px_weight, new.loss.l2_weight, 32)
+    with pytest.warns(DeprecationWarning, match="recipe.optim.build"):
+        opt = r.build_optimizer(_jm().parameters())
+    assert type(opt) is type(new.optimizer) and opt.param_groups[0]["lr"] == new.optimizer.param_groups[0]["lr"]
+    with pytest.warns(DeprecationWarning, match="SharpnessAware"):
+        assert r.build_sam(opt) is None
+    with pytest.warns(DeprecationWarning, match="SharpnessAware"):
+        sam = get_recipe("sadajem").build_sam(opt)
+    assert (sam.rho, sam.adaptive) == (2.0, True)
+    with pytest.warns(DeprecationWarning, match="capacity_for"):
+        assert get_recipe("generative").buffer_size_for(1380) == 1104
+    with pytest.raises(AttributeError):
+        r.no_such_setting  # noqa: B018  (an attribute the tree never had is not a deprecated name)
