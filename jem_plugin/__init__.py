@@ -31,6 +31,7 @@ from .errors import (
     UntrainedDensityWarning,
 )
 from .integrations.mixin import GenerativeLossMixin
+from .loading import load, load_sampler
 from .losses import JEMLoss, LossOutput
 from .model import JEM, as_jem, input_grad_enabled, wrap
 from .plugins import get_plugin_manager, hookimpl, list_plugins, register, unregister
@@ -44,6 +45,8 @@ __version__ = "0.1.0"
 __all__ = [
     "JEM",
     "wrap",
+    "load",
+    "load_sampler",
     "as_jem",
     "Adapter",
     "InputDomain",

@@ -2,7 +2,9 @@
 
 A model file is a code-free checkpoint (``weights_only``) holding the spec needed to rebuild the
 network (``--model``/``--data`` specs, classes, input shape and domain, a built-in net's options)
-and its weights. ``--data`` specs are read here too, since a spec names its data.
+and its weights. ``--data`` specs are read here too, since a spec names its data. Reading a model
+file back is the library's (:mod:`jem_plugin.loading`, ``jem.load``): one copy, which the commands
+use, and which builds the network with :func:`build_model` from here.
 """
 
 from __future__ import annotations
@@ -22,23 +24,16 @@ from torch.utils.data import Subset, TensorDataset
 
 from .._checks import model_device
 from ..adapter import InputDomain
-from ..checkpoint import load_checkpoint, save_checkpoint
-from ..model import wrap
+from ..checkpoint import save_checkpoint
+from ..loading import CKPT_FORMAT, SAMPLER_FORMAT, SAMPLER_NOT_REUSED, read_model_file, sampler_file
+from ..loading import load_run_sampler as load_run_sampler
+from ..loading import wrap_for_data as wrap_for_data
 from . import CLIError, nets
 from . import data as D
 
 # Model specs understood by --model: built-in nets, any timm name, or module:factory.
 BUILTIN_NETS = ("digits-cnn", "toy-mlp", "wrn28-10", "wrn-D-K")
 _WRN = re.compile(r"wrn-?(\d+)-(\d+)")  # wrn28-10, wrn-16-8: WideResNet(depth, widen_factor)
-CKPT_FORMAT = "jem-plugin/model/1"
-SAMPLER_FORMAT = "jem-plugin/sampler/1"
-# What `jem sample` does not take from the run's sampler: how a chain is run (CUDA graph), not
-# what it draws (every other SGLD setting travels, a new one included), and the generator.
-_SAMPLER_NOT_REUSED = (
-    "cuda_graph",
-    "generator_state",
-    "generator_device",
-)
 
 
 def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int = 0):
@@ -343,32 +338,9 @@ def save_model_checkpoint(path: Path, jm, spec: dict[str, Any]) -> None:
 
 
 def load_model_checkpoint(path: str, device=None):
-    """Rebuild the wrapped model saved by ``jem train`` or ``jem demo``; returns ``(jm, spec)``."""
-    stored = load_checkpoint(path, rng=False)  # CheckpointError: missing, corrupt, unsafe
-    if stored.get("kind") != CKPT_FORMAT:
-        raise CLIError(
-            f"{path!r} is not a model checkpoint written by `jem train` or `jem demo` "
-            "(use the model*.pt in the run directory)"
-        )
-    spec = stored["spec"]
-    model = build_model(spec["model"], spec["num_classes"], spec["sample_shape"][0], spec.get("model_options"))
-    jm = wrap_for_data(model, spec)
-    load_checkpoint(path, rng=False, model=jm.model)  # checks keys and shapes first
-    if "trained_px" in spec:  # was log p(x) trained (jem train with the JEM loss)? The JEM-only scores ask
-        jm.trained_px = bool(spec["trained_px"])
-    if device is not None:
-        jm.to(device)
-    return jm.eval(), spec
-
-
-def wrap_for_data(model, spec: dict[str, Any]):
-    """Wrap with the data's domain: the sampler must work in the space the loader yields."""
-    opts: dict[str, Any] = {"input_size": tuple(spec["sample_shape"])}
-    if spec.get("mean"):
-        opts.update(mean=spec["mean"], std=spec["std"])
-    else:
-        opts["data_range"] = (spec["low"], spec["high"])
-    return wrap(model, **opts)
+    """Rebuild the wrapped model saved by ``jem train`` or ``jem demo``; returns ``(jm, spec)``
+    (:func:`jem_plugin.loading.read_model_file`: a ``CheckpointError`` for a file that is not one)."""
+    return read_model_file(path, device)
 
 
 def resumed_spec(out: Path, no_resume: bool = False) -> dict[str, Any] | None:
@@ -434,18 +406,10 @@ def ood_sets(items: Sequence[str] | None, spec: dict[str, Any], jm, x, y, seed: 
     return sets
 
 
-def sampler_file(model_path: str | Path) -> Path:
-    """Where ``jem train`` puts the run's sampler beside ``model_path``: ``model.pt`` ->
-    ``sampler.pt``, ``model_JEM.pt`` -> ``sampler_JEM.pt``."""
-    path = Path(model_path)
-    stem = path.stem
-    return path.with_name(("sampler" + stem[len("model") :] if stem.startswith("model") else stem + "_sampler") + ".pt")
-
-
 def save_run_sampler(model_path: Path, loss_fn) -> Path:
     """The run's SGLD settings and its replay buffer (chains, fitted init distribution, colour
     axes) beside the model, so ``jem sample`` draws as the run drew."""
-    settings = {k: v for k, v in loss_fn.sampler.state_dict().items() if k not in _SAMPLER_NOT_REUSED}
+    settings = {k: v for k, v in loss_fn.sampler.state_dict().items() if k not in SAMPLER_NOT_REUSED}
     return save_checkpoint(
         sampler_file(model_path),
         rng=False,
@@ -454,26 +418,3 @@ def save_run_sampler(model_path: Path, loss_fn) -> Path:
         buffer_config=loss_fn.buffer.config(),
         buffer=loss_fn.buffer,
     )
-
-
-def load_run_sampler(model_path: str | Path, device=None):
-    """``(SGLD settings, ReplayBuffer)`` saved by :func:`save_run_sampler` beside ``model_path``,
-    or ``None`` when there is none (a model from before this file existed, or a baseline)."""
-    from ..buffer import ReplayBuffer  # lazy: only sampling needs it
-
-    path = sampler_file(model_path)
-    if not path.exists():
-        return None
-    stored = load_checkpoint(path, rng=False)
-    if stored.get("kind") != SAMPLER_FORMAT:
-        raise CLIError(f"{str(path)!r} is not a sampler file written by `jem train`")
-    buffer = ReplayBuffer(**stored["buffer_config"])
-    buffer.load_state_dict(stored["buffer"])  # a fitted init sizes its tensors on load
-    if device is not None:
-        buffer.to(device)
-    from ..sampling import SGLD  # lazy, as above
-
-    sampler = SGLD()
-    sampler.load_state_dict(dict(stored["sgld"]))  # a file from an older jem train: its spellings translated
-    settings = {k: v for k, v in sampler.state_dict().items() if k not in _SAMPLER_NOT_REUSED}
-    return settings, buffer

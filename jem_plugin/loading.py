@@ -1,0 +1,185 @@
+"""Model files written by ``jem train`` and ``jem demo``, read back in Python: :func:`load` and
+:func:`load_sampler`.
+
+A model file (``model.pt``; ``model_JEM.pt`` and ``model_baseline.pt`` from ``jem demo``) is a
+code-free checkpoint holding the spec that rebuilds the network (its ``--model``/``--data``
+specs, classes, input shape and domain, a built-in net's options) and the weights. ``jem train``
+writes the run's SGLD settings and replay buffer beside it (``sampler.pt``). The ``jem`` command
+reads both through this module, so Python and the command rebuild a model the same way.
+
+>>> jm = jem.load("runs/jem/model.pt")
+>>> jm.log_px(x)
+>>> sgld, buffer = jem.load_sampler("runs/jem/model.pt")
+>>> x0 = buffer.init_dist.sample(64, buffer.sample_shape, jm.domain)  # fresh chains, as `jem sample`
+>>> samples = sgld.sample(jm, x_init=x0)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .buffer import ReplayBuffer
+from .checkpoint import CORRUPT, MISMATCH, MISSING, load_checkpoint
+from .errors import CheckpointError, JEMError
+from .model import JEM, wrap
+from .sampling import SGLD
+
+__all__ = ["load", "load_sampler"]
+
+CKPT_FORMAT = "jem-plugin/model/1"
+SAMPLER_FORMAT = "jem-plugin/sampler/1"
+# What a loaded sampler does not take from the run's: how a chain is run (CUDA graph), not what it
+# draws (every other SGLD setting travels, a new one included), and the generator.
+SAMPLER_NOT_REUSED = ("cuda_graph", "generator_state", "generator_device")
+_WHICH = "pass the model.pt of a `jem train` run directory (model_JEM.pt or model_baseline.pt from `jem demo`)"
+
+
+def load(path: str | Path, device: Any = None) -> JEM:
+    """The model saved by ``jem train`` or ``jem demo`` at ``path``, as a :class:`JEM` in eval mode.
+
+    The network is rebuilt from the file's spec (a built-in net, a timm name, or the
+    ``module:factory`` it was trained with, which must be importable: run from the directory
+    holding the module, or put it on ``sys.path``) and given the run's weights; ``jm.domain`` is
+    the data's domain (normalisation), ``jm.num_classes`` its class count. Also set:
+    ``jm.classes``, the class names (``["0", "1", ...]`` when the data had none);
+    ``jm.temperature``, the temperature ``jem train`` kept for calibrated probabilities
+    (``softmax(jm(x) / jm.temperature)``), ``None`` when it kept none (the logits are the
+    network's own either way); ``jm.trained_px``, whether log p(x) was trained.
+    ``device``: where to put the model (default: CPU). To sample as ``jem sample`` does, see
+    :func:`load_sampler`.
+
+    Raises :class:`~jem_plugin.errors.CheckpointError` (one line, ``.reason`` as for
+    :func:`~jem_plugin.checkpoint.load_checkpoint`) for a missing file, a file that is not a model
+    file, weights that do not fit the rebuilt network, or a network that cannot be rebuilt (a
+    factory module that cannot be imported).
+    """
+    jm, spec = read_model_file(path, device)
+    # Plain attributes, not module state (torch types Module.__setattr__ for tensors and modules).
+    jm.classes = list(spec.get("classes") or [str(i) for i in range(spec["num_classes"])])  # type: ignore[assignment]
+    temperature = spec.get("temperature")
+    jm.temperature = float(temperature) if temperature is not None else None  # type: ignore[assignment]
+    return jm
+
+
+def load_sampler(path: str | Path, device: Any = None) -> tuple[SGLD, ReplayBuffer]:
+    """``(sgld, buffer)``: the SGLD sampler and replay buffer ``jem train`` saved beside the model
+    file ``path`` (``sampler.pt`` beside ``model.pt``), to draw as ``jem sample`` does.
+
+    ``sgld`` carries every setting of the run's sampler (steps, step size, noise, ...; not its
+    CUDA-graph choice or generator), ``buffer`` the run's chains, init distribution (fitted on
+    the training data) and colour axes. ``sgld.sample(jm, x_init=buffer.init_dist.sample(n,
+    buffer.sample_shape, jm.domain))`` starts fresh chains from the init distribution (``jem
+    sample``); ``sgld.sample(jm, n, buffer=buffer)`` continues the run's chains (``jem sample
+    --from-buffer``). ``device``: where to put the buffer (default: CPU; sampling moves it to the
+    model's device).
+
+    Raises :class:`~jem_plugin.errors.CheckpointError` when there is no sampler file (``jem demo``
+    and ``jem train --baseline`` write none) or it is not one.
+    """
+    found = load_run_sampler(path, device)
+    if found is None:
+        raise CheckpointError(
+            f"no sampler file {str(sampler_file(path))!r} beside {str(path)!r}: `jem train` writes one for a JEM "
+            "(not for --baseline or `jem demo`); without it sample from uniform noise with jem.SGLD().sample(jm, n)",
+            reason=MISSING,
+        )
+    settings, buffer = found
+    sgld = SGLD(**settings)
+    if sgld.colours == "data":
+        sgld.use_colours_of(buffer)
+    return sgld, buffer
+
+
+def read_model_file(path: str | Path, device: Any = None) -> tuple[JEM, dict[str, Any]]:
+    """``(jm, spec)``: the wrapped model in eval mode and the spec it was rebuilt from."""
+    spec = _read_spec(path)
+    jm = wrap_for_data(_build_network(spec, path), spec)
+    jm.settle(num_classes=spec["num_classes"])  # a factory's plain nn.Module: known before a forward
+    load_checkpoint(path, rng=False, model=jm.model)  # checks keys and shapes first
+    if "trained_px" in spec:  # was log p(x) trained (jem train with the JEM loss)? The JEM-only scores ask
+        jm.trained_px = bool(spec["trained_px"])
+    if device is not None:
+        jm.to(device)
+    return jm.eval(), spec
+
+
+def wrap_for_data(model, spec: dict[str, Any]) -> JEM:
+    """Wrap with the data's domain: the sampler must work in the space the loader yields."""
+    opts: dict[str, Any] = {"input_size": tuple(spec["sample_shape"])}
+    if spec.get("mean"):
+        opts.update(mean=spec["mean"], std=spec["std"])
+    else:
+        opts["data_range"] = (spec["low"], spec["high"])
+    return wrap(model, **opts)
+
+
+def sampler_file(model_path: str | Path) -> Path:
+    """Where ``jem train`` puts the run's sampler beside ``model_path``: ``model.pt`` ->
+    ``sampler.pt``, ``model_JEM.pt`` -> ``sampler_JEM.pt``."""
+    path = Path(model_path)
+    stem = path.stem
+    return path.with_name(("sampler" + stem[len("model") :] if stem.startswith("model") else stem + "_sampler") + ".pt")
+
+
+def load_run_sampler(model_path: str | Path, device: Any = None) -> tuple[dict[str, Any], ReplayBuffer] | None:
+    """``(SGLD settings, ReplayBuffer)`` saved by ``jem train`` beside ``model_path``, or ``None``
+    when there is none (a model from before this file existed, or a baseline)."""
+    path = sampler_file(model_path)
+    if not path.exists():
+        return None
+    stored = load_checkpoint(path, rng=False)
+    if stored.get("kind") != SAMPLER_FORMAT:
+        raise CheckpointError(f"{str(path)!r} is not a sampler file written by `jem train`", reason=MISMATCH)
+    buffer = ReplayBuffer(**stored["buffer_config"])
+    buffer.load_state_dict(stored["buffer"])  # a fitted init sizes its tensors on load
+    if device is not None:
+        buffer.to(device)
+    sampler = SGLD()
+    sampler.load_state_dict(dict(stored["sgld"]))  # a file from an older jem train: its spellings translated
+    settings = {k: v for k, v in sampler.state_dict().items() if k not in SAMPLER_NOT_REUSED}
+    return settings, buffer
+
+
+def _read_spec(path: str | Path) -> dict[str, Any]:
+    """The spec of a model file; one line for a missing file or one that is not a model file."""
+    try:
+        stored = load_checkpoint(path, rng=False)
+    except CheckpointError as exc:
+        if exc.reason == MISSING:
+            raise CheckpointError(f"no model file at {str(path)!r}: {_WHICH}", reason=MISSING) from exc
+        if exc.reason == CORRUPT:
+            raise CheckpointError(
+                f"{str(path)!r} is not a model file written by `jem train` or `jem demo` (not a jem-plugin "
+                f"checkpoint, or damaged); {_WHICH}",
+                reason=CORRUPT,
+            ) from exc
+        raise  # unsafe: its own message says why it was refused
+    if stored.get("kind") != CKPT_FORMAT:
+        what = "the run's sampler file" if stored.get("kind") == SAMPLER_FORMAT else "a jem-plugin checkpoint"
+        raise CheckpointError(
+            f"{str(path)!r} is {what}, not a model file written by `jem train` or `jem demo`; {_WHICH}",
+            reason=MISMATCH,
+        )
+    return stored["spec"]
+
+
+def _build_network(spec: dict[str, Any], path: str | Path):
+    # The networks `jem train --model` names (the built-ins of jem_plugin/app/nets.py, timm names,
+    # module:factory) are built by the app layer, which sits on the library. Imported here, when a
+    # file is loaded, so that no library module imports the app at module level.
+    from .app.model_files import build_model
+
+    model = spec["model"]
+    try:
+        return build_model(model, spec["num_classes"], spec["sample_shape"][0], spec.get("model_options"))
+    except JEMError as exc:
+        cause = exc.__cause__
+        if ":" in model and isinstance(cause, (ImportError, AttributeError)):
+            module = model.partition(":")[0]
+            raise CheckpointError(
+                f"{str(path)!r} was trained with the network factory {model}, which cannot be imported ({cause}): "
+                f"run from the directory holding {module.replace('.', '/')}.py, or put that directory on "
+                "sys.path (PYTHONPATH)"
+            ) from exc
+        raise CheckpointError(f"cannot rebuild the network of {str(path)!r} (--model {model}): {exc}") from exc
