@@ -77,7 +77,7 @@ class LossOutput:
     logits: Tensor | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class LossBatch:
     """Everything a plugin loss term sees; tensors are attached to the graph unless noted.
 
@@ -122,7 +122,9 @@ class LossBatch:
 LOSS_BATCHNORM_MODES = ("joint", "separate")
 # The sampler's batchnorm read as the loss's: SGLD's spellings before "joint"/"separate" included.
 _SAMPLES_BATCHNORM = {"joint": "joint", "separate": "separate", "eval": "joint", "batch": "separate"}
-_DEPRECATED = ("batchnorm", "clamp_data")  # JEMLoss keywords that moved to the sampler
+# JEMLoss keywords that moved: to the sampler (batchnorm, clamp_data), to add_term (terms), to an
+# attribute (validate).
+_DEPRECATED = ("batchnorm", "clamp_data", "terms", "validate")
 
 
 def _batch_statistics_in_use(model: nn.Module) -> bool:
@@ -216,15 +218,18 @@ class JEMLoss(nn.Module):
         chains are drawn for the first ``n_samples`` labels of the batch.
     class_conditional_px: draw the p(x) chains from p(y)p(x|y) with uniformly random ``y`` (the
         reference's ``--class_cond_p_x_sample``: better samples, slightly lower accuracy).
-    terms: extra loss terms registered through the ``jem_register_loss_terms`` hook, as
-        ``{name: {factory kwargs}}``, e.g. ``{"energy_bounded": {"outliers": "uniform"}}`` (the energy
-        L2 regulariser is ``l2_weight``, not a term).
     generator: a ``torch.Generator`` for the data noise and random labels (default: global RNG).
-    validate: check shapes, dtypes and label range (one small device sync for labels on a GPU).
+
+    Extra loss terms registered through the ``jem_register_loss_terms`` hook are added with
+    :meth:`add_term`, e.g. ``loss_fn.add_term("energy_bounded", outliers="uniform")`` (the energy L2
+    regulariser is ``l2_weight``, not a term). :attr:`validate` (default ``True``) checks shapes,
+    dtypes and the label range of every batch (one small device sync on a GPU); set it to
+    ``False`` in a loop whose data you trust.
 
     Deprecated keywords (for one release, with a ``DeprecationWarning``): ``batchnorm=`` (set it
     on the sampler, ``SGLD(batchnorm="separate")``; a value that disagrees with the sampler's is an
-    error) and ``clamp_data=`` (the data noise follows ``sampler.clamp``).
+    error), ``clamp_data=`` (the data noise follows ``sampler.clamp``), ``terms=`` (:meth:`add_term`)
+    and ``validate=`` (the attribute).
 
     ``loss_fn(jm, x, y)`` returns a :class:`LossOutput`. ``jm`` is ``jem_plugin.wrap(model)``, or a
     ``DistributedDataParallel`` around it: samples are drawn on the bare module, the concatenated
@@ -246,9 +251,7 @@ class JEMLoss(nn.Module):
         data_noise: float = 0.03,
         n_samples: int | None = None,
         class_conditional_px: bool = False,
-        terms: dict[str, dict] | None = None,
         generator: torch.Generator | None = None,
-        validate: bool = True,
         **deprecated: Any,
     ) -> None:
         super().__init__()
@@ -273,15 +276,13 @@ class JEMLoss(nn.Module):
         self.n_samples = n_samples
         self.class_conditional_px = bool(class_conditional_px)
         self.generator = generator
-        self.validate = validate
+        self.validate = True  # check shapes, dtypes and label range (one small device sync on a GPU)
         self._clamp_data: bool | None = None  # the deprecated clamp_data=: None follows the sampler
         self._batchnorm: str | None = None  # the deprecated batchnorm=, for a sampler that does not say
-        self._take_deprecated(deprecated)
         self.terms = nn.ModuleDict()
         self._plain_terms: dict[str, Callable] = {}
         self._term_kwargs: dict[str, dict[str, Any]] = {}  # what add_term built each term from
-        for name, kwargs in (terms or {}).items():
-            self.add_term(name, **(kwargs or {}))
+        self._take_deprecated(deprecated)
         self._domain_check = DomainCheck()  # warns once when the data leave the model's domain
         self._replay: SampleReplay | None = None  # set inside reusing_samples()
         self._legacy_fit: FitInitFromBatches | None = None  # the deprecated fit from the first batches
@@ -317,6 +318,22 @@ class JEMLoss(nn.Module):
                 stacklevel=3,
             )
             self._clamp_data = None if clamp is None else bool(clamp)
+        if "terms" in options:
+            terms = options["terms"] or {}
+            calls = "; ".join(f"loss_fn.add_term({name!r}, ...)" for name in terms) or "loss_fn.add_term(name, ...)"
+            warnings.warn(
+                f"JEMLoss(terms={{...}}) is deprecated; add each term: {calls}", DeprecationWarning, stacklevel=3
+            )
+            for name, kwargs in terms.items():
+                self.add_term(name, **(kwargs or {}))
+        if "validate" in options:
+            warnings.warn(
+                f"JEMLoss(validate={options['validate']!r}) is deprecated; set loss_fn.validate = "
+                f"{bool(options['validate'])} (the checks cost one small device sync per batch on a GPU)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            self.validate = bool(options["validate"])
 
     # ------------------------------------------------------------------ configuration
     @property

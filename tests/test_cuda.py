@@ -132,12 +132,15 @@ class _SpySampler:
 def test_loss_moves_given_or_restored_buffer_to_the_models_device(how):
     spy = _SpySampler()
     if how == "given":
-        loss = jem.JEMLoss(sampler=spy, buffer=jem.ReplayBuffer(capacity=16, sample_shape=(3, 16, 16)), validate=False)
-    else:  # a lazily created buffer restored from a checkpoint: rebuilt on the CPU
-        src = jem.JEMLoss(sampler=jem.SGLD(steps=1), validate=False)
+        loss = jem.JEMLoss(sampler=spy, buffer=jem.ReplayBuffer(capacity=16, sample_shape=(3, 16, 16)))
+        loss.validate = False
+    else:  # a buffer restored from a checkpoint: rebuilt on the CPU
+        src = jem.JEMLoss(sampler=jem.SGLD(steps=1), buffer=jem.ReplayBuffer(capacity=16, sample_shape=(3, 16, 16)))
+        src.validate = False
         model = SmallConvNet()
         src(_jm(model), _x(4), torch.arange(4))
-        loss = jem.JEMLoss(sampler=spy, validate=False)
+        loss = jem.JEMLoss(sampler=spy)
+        loss.validate = False
         loss.load_state_dict(src.state_dict())
         assert loss.buffer.data.device.type == "cpu"
     model = SmallConvNet().to("meta")

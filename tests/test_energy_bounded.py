@@ -73,10 +73,8 @@ def test_default_margins_come_from_the_models_own_energies():
     g = torch.Generator().manual_seed(0)
     x, y = _blobs(64, g)
     x_out = 3.0 * torch.randn(64, 2, generator=g)
-    loss_fn = JEMLoss(
-        px_weight=0.0, data_noise=0.0, terms={"energy_bounded": {"outliers": lambda x: x_out, "calibration_size": 128}}
-    )
-    term = loss_fn._all_terms()[0][1]
+    loss_fn = JEMLoss(px_weight=0.0, data_noise=0.0)
+    term = loss_fn.add_term("energy_bounded", outliers=lambda x: x_out, calibration_size=128)
     out1 = loss_fn(jm, x, y)  # 64 of 128 calibration energies: no loss yet
     assert not term.calibrated and out1.metrics["energy_bounded"] == 0.0
     out2 = loss_fn(jm, x, y)  # 128 collected: margins fixed, loss on
@@ -89,7 +87,8 @@ def test_default_margins_come_from_the_models_own_energies():
         0.1 * float(energy_bounded_loss(e_in, e_out, *expected)), rel=1e-4
     )
     # a resumed run keeps the measured margins
-    fresh = JEMLoss(px_weight=0.0, data_noise=0.0, terms={"energy_bounded": {"outliers": "uniform"}})
+    fresh = JEMLoss(px_weight=0.0, data_noise=0.0)
+    fresh.add_term("energy_bounded", outliers="uniform")
     fresh.load_state_dict(loss_fn.state_dict())
     assert (fresh._all_terms()[0][1].m_in, fresh._all_terms()[0][1].m_out) == (term.m_in, term.m_out)
 
@@ -138,8 +137,8 @@ def test_outliers_from_sgld_samples():
         buffer=jem.ReplayBuffer(256, (2,)),
         px_weight=1.0,
         data_noise=0.0,
-        terms={"energy_bounded": {"outliers": "samples", "calibration_size": 1}},
     )
+    loss_fn.add_term("energy_bounded", outliers="samples", calibration_size=1)
     x, y = _blobs(32, torch.Generator().manual_seed(2))
     out = loss_fn(jm, x, y)
     assert "energy_bounded/m_out" in out.metrics
@@ -171,11 +170,8 @@ def test_fine_tuning_separates_energies_and_keeps_accuracy():
 
     acc0, auroc0 = evaluate()
     assert acc0 > 0.97 and auroc0 < 0.6
-    eb = JEMLoss(
-        px_weight=0.0,
-        data_noise=0.0,
-        terms={"energy_bounded": {"outliers": "uniform", "generator": torch.Generator().manual_seed(1)}},
-    )
+    eb = JEMLoss(px_weight=0.0, data_noise=0.0)
+    eb.add_term("energy_bounded", outliers="uniform", generator=torch.Generator().manual_seed(1))
     for _ in range(200):
         x, y = _blobs(128, g)
         opt.zero_grad()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -230,7 +232,7 @@ def test_energy_l2_has_one_knob_l2_weight():
     assert a.metrics["l2"] == pytest.approx(expected.item(), rel=1e-5)
     assert a.loss.item() == pytest.approx(a.metrics["ce"] + a.metrics["px"] + 0.3 * expected.item(), rel=1e-5)
     with pytest.raises(UnknownNameError, match="energy_l2"):  # no second way to ask for it
-        JEMLoss(SGLD(), terms={"energy_l2": {"weight": 0.3}})
+        JEMLoss(SGLD()).add_term("energy_l2", weight=0.3)
 
 
 def test_sampler_is_a_plain_attribute_unless_it_is_a_module():
@@ -255,7 +257,7 @@ def test_sampler_is_a_plain_attribute_unless_it_is_a_module():
 
 def test_unknown_term_lists_choices():
     with pytest.raises(UnknownNameError, match="available: .*energy_bounded"):
-        JEMLoss(SGLD(), terms={"no_such_term": {}})
+        JEMLoss(SGLD()).add_term("no_such_term")
 
 
 class ConstTermPlugin:
@@ -278,9 +280,8 @@ def test_third_party_term_through_the_hook():
     try:
         jm = jem.wrap(small_net())
         x, y = batch()
-        loss_fn = JEMLoss(
-            FixedSampler(torch.rand(8, 1, 8, 8)), buf(), px_weight=0.0, data_noise=0.0, terms={"const": {"value": 2.5}}
-        )
+        loss_fn = JEMLoss(FixedSampler(torch.rand(8, 1, 8, 8)), buf(), px_weight=0.0, data_noise=0.0)
+        loss_fn.add_term("const", value=2.5)
         out = loss_fn(jm, x, y)
         assert out.metrics["const"] == 2.5 and out.metrics["const/seen"] == 8.0
         assert out.loss.item() == pytest.approx(out.metrics["ce"] + 2.5, rel=1e-6)
@@ -408,3 +409,16 @@ def test_mixin_misuse_is_explained():
 
     with pytest.raises(AttributeError, match="backbone"):
         Missing()
+
+
+def test_terms_and_validate_keywords_warn_and_still_work():
+    with pytest.warns(DeprecationWarning, match=r"loss_fn.add_term\('energy_bounded', ...\)"):
+        old = JEMLoss(SGLD(), terms={"energy_bounded": {"outliers": "uniform", "weight": 0.3}})
+    new = JEMLoss(SGLD())
+    new.add_term("energy_bounded", outliers="uniform", weight=0.3)
+    assert dict(old._all_terms())["energy_bounded"].weight == dict(new._all_terms())["energy_bounded"].weight
+    assert old.state_dict()["_extra_state"]["term_kwargs"] == new.state_dict()["_extra_state"]["term_kwargs"]
+    with pytest.warns(DeprecationWarning, match="loss_fn.validate = False"):
+        assert JEMLoss(SGLD(), validate=False).validate is False
+    assert JEMLoss(SGLD()).validate is True
+    assert len([n for n in inspect.signature(JEMLoss.__init__).parameters if n not in ("self", "deprecated")]) <= 10

@@ -56,10 +56,10 @@ LOSS_VALUES: dict[str, Any] = {
     "data_noise": 0.01,
     "n_samples": 6,
     "class_conditional_px": True,
-    "terms": {"energy_bounded": {"m_in": -3.0, "m_out": -1.0, "weight": 0.2, "outliers": "uniform"}},
     "generator": lambda: torch.Generator().manual_seed(12),
-    "validate": False,
 }
+# Loss terms are added with add_term; they travel as the arguments they were built from.
+LOSS_TERMS = {"energy_bounded": {"m_in": -3.0, "m_out": -1.0, "weight": 0.2, "outliers": "uniform"}}
 
 
 def _arguments(cls: type) -> dict[str, inspect.Parameter]:
@@ -139,6 +139,8 @@ def test_replay_buffer_state_carries_every_argument():
 
 def test_jem_loss_state_carries_every_argument():
     src = jem.JEMLoss(**_built(LOSS_VALUES))
+    for name, options in LOSS_TERMS.items():
+        src.add_term(name, **options)
     dst = jem.JEMLoss()  # no buffer, no terms, a default sampler: all come from the state
     dst.load_state_dict(_through_checkpoint(src.state_dict()))
     for name in _arguments(jem.JEMLoss):
@@ -152,12 +154,11 @@ def test_jem_loss_state_carries_every_argument():
                     assert getattr(dst.sampler, setting) == getattr(src.sampler, setting), setting
         elif name == "buffer":
             assert dst.buffer.config() == src.buffer.config()
-        elif name == "terms":
-            restored, saved = dict(dst._all_terms()), dict(src._all_terms())
-            assert set(restored) == set(saved) == {"energy_bounded"}
-            assert restored["energy_bounded"].weight == saved["energy_bounded"].weight == 0.2
         else:
             assert getattr(dst, name) == getattr(src, name), name
+    restored, saved = dict(dst._all_terms()), dict(src._all_terms())
+    assert set(restored) == set(saved) == {"energy_bounded"}
+    assert restored["energy_bounded"].weight == saved["energy_bounded"].weight == 0.2
 
 
 def test_a_restored_fast_loss_samples_as_the_saved_one():

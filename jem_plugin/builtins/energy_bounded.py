@@ -3,7 +3,8 @@
 A built-in loss-term plugin: registered as ``"energy_bounded"`` through the
 ``jem_register_loss_terms`` hook and used as
 
->>> loss_fn = jem.JEMLoss(px_weight=0.0, terms={"energy_bounded": {"outliers": outlier_loader}})
+>>> loss_fn = jem.JEMLoss(sampler, buffer, px_weight=0.0)
+>>> loss_fn.add_term("energy_bounded", outliers=outlier_loader)
 
 With the free energy ``E(x) = -T * logsumexp(f(x) / T)``, the term is the squared hinge
 
