@@ -141,6 +141,7 @@ def _hf_model():
     return StandIn().eval(), False
 
 
+@pytest.mark.slow
 def test_huggingface_image_classifier():
     model, real = _hf_model()
     jm = jem.wrap(model)

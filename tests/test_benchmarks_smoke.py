@@ -76,6 +76,7 @@ def test_floor_and_contenders_are_the_same_update():
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_quick_benchmarks_write_the_report(tmp_path):
     results = {"machine": common.machine_info()}
     results["sampler"] = bench_sampler.run(quick=True, repeats=1, memory=False)
@@ -109,6 +110,7 @@ def test_quick_benchmarks_write_the_report(tmp_path):
     assert (tmp_path / "results.md").read_text() == md
 
 
+@pytest.mark.slow
 def test_memory_probe_runs_in_a_fresh_process():
     r = common.probe_memory(
         {
@@ -174,6 +176,7 @@ def test_quality_comparisons_and_table():
     assert "1 of 3 seeds meet every target" in md and "missed: accuracy_within_1pt" in md
 
 
+@pytest.mark.slow
 def test_robustness_table_from_a_digits_run(tmp_path):
     """bench_robustness reads the models a digits run saved and tabulates robust accuracy."""
     from benchmarks import bench_robustness

@@ -55,6 +55,7 @@ def _sigkill(proc: subprocess.Popen) -> None:
         proc.stderr.close()
 
 
+@pytest.mark.slow
 def test_sigkill_mid_training_resumes_bitwise(tmp_path, capsys):
     """A run SIGKILLed mid-training and resumed ends bitwise where an uninterrupted run ends.
 
@@ -193,6 +194,7 @@ def _kill_writer_midway(path: Path) -> None:
         _sigkill(proc)
 
 
+@pytest.mark.slow
 def test_sigkill_during_writes_leaves_a_loadable_checkpoint(tmp_path):
     """Kill a process in the middle of writing a 16 MB checkpoint; the previous one stays whole."""
     path = tmp_path / "c.pt"

@@ -17,10 +17,13 @@ from jem_plugin.app.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["--sgld-steps", "2", "--buffer-capacity", "200", "--warmup-iters", "5", "--quiet"]
 
-pytestmark = pytest.mark.skipif(
-    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="torch.distributed with the gloo backend is not available in this build",
-)
+pytestmark = [
+    pytest.mark.slow,  # torchrun processes
+    pytest.mark.skipif(
+        not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+        reason="torch.distributed with the gloo backend is not available in this build",
+    ),
+]
 
 
 def _torchrun_train(out: Path, epochs: int) -> subprocess.CompletedProcess:

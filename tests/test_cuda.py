@@ -17,7 +17,10 @@ from jem_plugin._checks import follow, same_device
 from jem_plugin.errors import CUDAGraphError
 from jem_plugin.schedules import Poly
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+def cuda(test):
+    """A CUDA-only test: marked gpu (`-m "not gpu"` leaves it out), skipped where no GPU is."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")(test))
 
 
 class SmallConvNet(nn.Module):
@@ -515,6 +518,7 @@ def test_the_captured_step_is_the_eager_step(conditional):
 
 
 # --------------------------------------------------------------------------- benchmarks/bench_gpu.py
+@pytest.mark.slow
 def test_bench_gpu_prints_one_note_and_exits_0_without_a_gpu():
     import os
     import subprocess

@@ -432,6 +432,7 @@ def test_graph_cache_keeps_a_few_graphs_per_model(fake):
     assert [k[0][0] for k in _entries(jm)] == [5, 6, 3, 1]
 
 
+@pytest.mark.slow
 def test_graphs_do_not_keep_the_model_alive(fake):
     model = Net()
     jem.SGLD(steps=2, cuda_graph="require").run(_jm(model), _x())

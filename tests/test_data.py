@@ -111,7 +111,9 @@ def test_transposed_swaps_height_and_width(test_digits):
 
 
 # ---------------------------------------------------------------------------- toy 2D
-@pytest.mark.parametrize("name", D.TOY2D_NAMES)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "2spirals" else n for n in D.TOY2D_NAMES]
+)
 def test_toy2d_samples_and_true_density_integrates_to_one(name):
     x, y = D.toy2d(name, 2000, seed=0)
     assert x.shape == (2000, 2) and y.shape == (2000,) and y.dtype == torch.long

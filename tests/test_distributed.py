@@ -295,6 +295,7 @@ def worker_results(tmp_path_factory):
     return out, results
 
 
+@pytest.mark.slow
 def test_ranks_stay_in_sync_and_buffers_are_per_rank(worker_results):
     _, (r0, r1) = worker_results
     assert r0["world_size"] == r1["world_size"] == 2
@@ -306,6 +307,7 @@ def test_ranks_stay_in_sync_and_buffers_are_per_rank(worker_results):
     assert a != b, "both ranks hold the same replay buffer: seed the sampler per rank"
 
 
+@pytest.mark.slow
 def test_no_sync_accumulation_reduces_only_on_the_last_micro_batch(worker_results):
     _, (r0, _) = worker_results
     first, final = r0["nosync_grads_differ"], r0["sync_grads"]
@@ -313,6 +315,7 @@ def test_no_sync_accumulation_reduces_only_on_the_last_micro_batch(worker_result
     assert final[0] == final[1], "gradients were not all-reduced on the synced micro-batch"
 
 
+@pytest.mark.slow
 def test_replay_buffer_inside_ddp_module_is_not_broadcast(worker_results):
     _, (r0, r1) = worker_results
     assert r0["ignored_names"] == ["buffer.data", "buffer.labels", "buffer.initialized", "buffer._colours"]
@@ -320,12 +323,14 @@ def test_replay_buffer_inside_ddp_module_is_not_broadcast(worker_results):
     assert r1["inner_buffer_value"] == 2.0, "DDP replaced rank 1's replay buffer with rank 0's"
 
 
+@pytest.mark.slow
 def test_per_rank_state_gathers_and_restores_each_rank(worker_results):
     _, (r0, r1) = worker_results
     assert r0["per_rank_values"] == [10.0, 11.0]
     assert (r0["per_rank_restored"], r1["per_rank_restored"]) == (10.0, 11.0)
 
 
+@pytest.mark.slow
 def test_batchnorm_statistics_recomputed_per_shard_are_averaged_over_ranks(worker_results):
     _, (r0, r1) = worker_results
     assert r0["bn_layers_averaged"] == r1["bn_layers_averaged"] >= 1
@@ -335,6 +340,7 @@ def test_batchnorm_statistics_recomputed_per_shard_are_averaged_over_ranks(worke
     assert r1["bn_mean_own_and_averaged"][1] == pytest.approx(averaged, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_fsdp2_trains_a_jem_on_cpu(worker_results):
     _, (r0, r1) = worker_results
     if r0.get("fsdp") == "unavailable":
@@ -345,12 +351,14 @@ def test_fsdp2_trains_a_jem_on_cpu(worker_results):
     assert r0["fsdp_vs_ddp_maxdiff"] < 1e-5 and r1["fsdp_vs_ddp_maxdiff"] < 1e-5
 
 
+@pytest.mark.slow
 def test_timm_task_prepare_distributed_trains_in_sync(worker_results):
     _, (r0, r1) = worker_results
     assert r0["timm_task_ddp"] == "DistributedJEM"
     assert r0["timm_task_in_sync"] and r1["timm_task_in_sync"]
 
 
+@pytest.mark.slow
 def test_lightning_ddp_saves_and_restores_every_ranks_buffer(worker_results):
     _, (r0, r1) = worker_results
     if r0.get("lightning") == "unavailable":
@@ -362,6 +370,7 @@ def test_lightning_ddp_saves_and_restores_every_ranks_buffer(worker_results):
     assert math.isfinite(r0["lightning_val_grad_norm"])  # a gradient score, computed in validation
 
 
+@pytest.mark.slow
 def test_accelerate_saves_and_restores_every_ranks_buffer(worker_results):
     _, (r0, r1) = worker_results
     if r0.get("accelerate") == "unavailable":
@@ -383,6 +392,7 @@ def _flat(obj, prefix=""):
     return out
 
 
+@pytest.mark.slow
 def test_example_resumes_bit_for_bit_after_a_restart(worker_results):
     out, _ = worker_results
     for r in range(2):

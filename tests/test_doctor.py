@@ -138,6 +138,7 @@ def test_fix_names_the_matching_pair_and_the_index():
     )
 
 
+@pytest.mark.slow
 def test_precheck_is_cheap_and_leaves_torchvision_unimported():
     code = (
         "import sys, time; from jem_plugin.app import doctor; t = time.perf_counter(); "

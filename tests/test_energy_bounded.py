@@ -145,6 +145,7 @@ def test_outliers_from_sgld_samples():
     assert out.metrics["energy_bounded/e_out"] == pytest.approx(out.metrics["energy_sample"], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_fine_tuning_separates_energies_and_keeps_accuracy():
     """A classifier extrapolates with confident logits far from the data (AUROC < 0.5); fine-tuning
     with measured margins and uniform outliers fixes that without hurting accuracy."""

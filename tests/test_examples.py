@@ -17,6 +17,7 @@ def _env():
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SINGLE_PROCESS)
 def test_example_smoke(script, tmp_path):
     proc = subprocess.run(

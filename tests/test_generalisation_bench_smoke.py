@@ -21,6 +21,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_one_tiny_cell_runs_resumes_and_is_summarised(tmp_path, monkeypatch, one_thread):
     cells = [
         dict(dataset="textures", per_class=6, net="test_resnet", run=r, seed=0, epochs=1, tiny=True)
@@ -73,6 +74,7 @@ def test_splits_are_disjoint_and_the_test_split_is_scikit_learns():
     assert torch.equal(x_all[s["test"]], xt) and torch.equal(y_all[s["test"]], yt)
 
 
+@pytest.mark.slow
 def test_the_folder_is_the_digits_read_back_as_jem_train_reads_them():
     x, y = B._folder_digits()
     x8, y8 = D.digits_tensors("all")

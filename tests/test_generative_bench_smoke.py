@@ -70,6 +70,7 @@ def test_bn_modes_map_to_the_library_options():
     assert sampler.batchnorm == "separate" and model.training
 
 
+@pytest.mark.slow
 def test_bench_generative_quick_run(tmp_path):
     threads = torch.get_num_threads()  # the benchmark's jobs run on one thread each
     try:
@@ -103,6 +104,7 @@ def test_bench_generative_quick_run(tmp_path):
     assert "| digits8_cnn | sadajem |" in md and "chains continued" in md
 
 
+@pytest.mark.slow
 def test_a_recipe_is_reported_as_jem_train_leaves_it_with_batchnorm_statistics_from_data(monkeypatch):
     """A recipe that recomputes BatchNorm running statistics after training (as jem train does with
     it) is reported recomputed; --bn-from-data adds the model as trained, and for the others the

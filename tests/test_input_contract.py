@@ -46,7 +46,7 @@ def ood_warnings(fn):
 
 
 # ------------------------------------------------------------------ 1. wrappers
-@pytest.mark.parametrize("wrapper", ["compile", "dataparallel"])
+@pytest.mark.parametrize("wrapper", [pytest.param("compile", marks=pytest.mark.slow), "dataparallel"])
 def test_adapter_detection_sees_through_wrappers(wrapper):
     m = resnet18()
     wrapped = torch.compile(m, backend="eager") if wrapper == "compile" else nn.DataParallel(m)
@@ -69,6 +69,7 @@ def test_adapter_detection_sees_through_ddp(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_compiled_jem_is_accepted_everywhere_a_jem_is():
     jm = jem.wrap(timm.create_model("test_convnext", num_classes=3).eval())
     cj = torch.compile(jm, backend="eager")
@@ -83,6 +84,7 @@ def test_a_compiled_jem_is_accepted_everywhere_a_jem_is():
     assert jem.SGLD(steps=1).sample(cj, x_init=x).shape == x.shape
 
 
+@pytest.mark.slow
 def test_a_raw_model_is_refused_with_a_jem_error():
     m = resnet18()
     with pytest.raises(jem.JEMError, match="wrap"):
@@ -92,6 +94,7 @@ def test_a_raw_model_is_refused_with_a_jem_error():
 
 
 # ------------------------------------------------------------------ 2. channels
+@pytest.mark.slow
 def test_one_channel_torchvision_model_gets_a_one_channel_domain():
     jm = jem.wrap(resnet18(channels=1))
     assert jm.domain.channels == 1 and jm.domain.input_size[0] == 1

@@ -34,6 +34,7 @@ def _timm_task(num_classes=5, **kwargs):
     return timm_task.JEMTask(model, verbose=False, **kwargs)
 
 
+@pytest.mark.slow
 def test_timm_task_trains_test_resnet_and_round_trips_through_timm_checkpoints(tmp_path):
     import timm
     import timm.optim

@@ -210,6 +210,7 @@ def model_file(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_jem_ood_scores_all_fits_on_the_training_data(plugin, model_file, tmp_path, capsys):
     from jem_plugin.app.cli import main
 

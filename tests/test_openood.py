@@ -86,6 +86,7 @@ def test_list_lines_with_extras():
         assert read_image_list(p) == [("a/b.png", 3), ("c.png", 7), ("d.png", -1)]
 
 
+@pytest.mark.slow
 def test_jem_ood_on_an_openood_directory(mini, tmp_path, capsys):
     """Wiring only: an untrained model file of the right input size, every set of the benchmark."""
     import timm

@@ -31,6 +31,7 @@ def test_ood_sets_are_the_issues_six():
     assert bool((D["sets"]["gaussian"].amin(dim=(0, 2, 3)) >= lo - 1e-6).all())
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_results_and_judges_targets(tmp_path):
     res = B.run(
         networks=["lcnet_050"],

@@ -164,6 +164,7 @@ def test_clamp_keeps_samples_in_domain_and_can_be_disabled(jm):
 
 
 # ---------------------------------------------------------------- graph, grad modes, precision
+@pytest.mark.slow
 def test_no_graph_outlives_a_step(jm):
     """Every tensor autograd saves for backward is released within its own step."""
     packed = []

@@ -45,6 +45,7 @@ def test_classes_differ_in_colour_statistics():
         assert own > 2 * other, (k, own, other)
 
 
+@pytest.mark.slow
 def test_neither_colour_alone_nor_a_small_cnn_solves_it_trivially():
     """A colour histogram (4x4x4 RGB bins, logistic regression) stays far from perfect; a small
     CNN learns the classes well above chance from 40 images each, and not perfectly."""
@@ -72,6 +73,7 @@ def test_photo_crops_are_colour_images_in_the_unit_range():
     assert torch.equal(p, D.photo_crops(5, size=16, seed=3))
 
 
+@pytest.mark.slow
 def test_folder_round_trip_and_data_spec(tmp_path):
     root = D.write_textures_folder(tmp_path / "tex", per_class=2, size=32, seed=0)
     ds, domain, k, shape = load_data(f"folder:{root}", image_size=32)

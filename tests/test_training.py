@@ -38,6 +38,7 @@ def _params(jm):
     return torch.cat([p.detach().flatten() for p in jm.parameters()])
 
 
+@pytest.mark.slow
 def test_baseline_learns_digits_in_a_tiny_budget(digits):
     train, (xt, yt) = digits
     jm = _model(width=16)
@@ -278,6 +279,7 @@ def test_guard_rollback_continues_with_safer_settings(digits, tmp_path):
     assert loss2.l2_weight == pytest.approx(0.1)
 
 
+@pytest.mark.slow
 def test_run_digits_smoke_writes_metrics_and_figures(tmp_path):
     from jem_plugin.app.experiments import OOD_SCORES, run_digits_demo
 
@@ -382,6 +384,7 @@ def test_amp_arguments_are_checked(digits):
         fit(_model(), _loader(train), epochs=1, options=FitOptions(checkpoint_every=0, progress=False))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 with a GradScaler needs a CUDA GPU")
 def test_fp16_on_cuda_uses_a_grad_scaler_and_resumes_it(digits, tmp_path):
     train, _ = digits

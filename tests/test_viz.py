@@ -32,6 +32,7 @@ def _scores(n, shift, seed):
     return np.random.default_rng(seed).normal(shift, 1.0, n)
 
 
+@pytest.mark.slow
 def test_ood_plots_write_pngs(tmp_path):
     s_in, near, far = _scores(300, 1.0, 0), _scores(200, 0.0, 1), _scores(200, -3.0, 2)
     h = viz.plot_histograms(s_in, {"near": near, "far": far}, str(tmp_path / "h.png"), "test")
@@ -88,6 +89,7 @@ def _run(code: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_importing_the_library_imports_neither_matplotlib_nor_torchvision():
     res = _run("""
         import importlib, json, pkgutil, sys
@@ -102,6 +104,7 @@ def test_importing_the_library_imports_neither_matplotlib_nor_torchvision():
     assert res["loaded"] == []
 
 
+@pytest.mark.slow
 def test_viz_never_changes_the_backend_nor_uses_pyplot(tmp_path):
     res = _run(f"""
         import json, sys
