@@ -38,6 +38,7 @@ def trained_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_train_writes_model_checkpoints_history(trained_run):
     assert (trained_run / "model.pt").is_file()
     assert list((trained_run / "checkpoints").glob("*.pt"))
@@ -60,6 +61,7 @@ def test_train_writes_model_checkpoints_history(trained_run):
     assert 0.0 <= q["judge_acc_samples"] <= 1.0 and q["fd_buffer"] >= 0.0
 
 
+@pytest.mark.slow
 def test_train_resumes_from_its_checkpoints(trained_run, capsys):
     # Asking for 2 epochs in the same directory continues from epoch 1 instead of starting over.
     rc = main(
@@ -85,6 +87,7 @@ def test_train_resumes_from_its_checkpoints(trained_run, capsys):
     assert [e["epoch"] for e in history["epochs"]] == [1, 2]
 
 
+@pytest.mark.slow
 def test_eval(trained_run, capsys, tmp_path):
     out = tmp_path / "eval.json"
     assert main(["eval", str(trained_run / "model.pt"), "--out", str(out)]) == 0
@@ -92,6 +95,7 @@ def test_eval(trained_run, capsys, tmp_path):
     assert 0.0 <= result["accuracy"] <= 1.0 and "ece_before" in result and "ece_after" in result
 
 
+@pytest.mark.slow
 def test_ood(trained_run, tmp_path):
     out = tmp_path / "ood.json"
     assert main(["ood", str(trained_run / "model.pt"), "--scores", "logpx,msp", "--quiet", "--out", str(out)]) == 0
@@ -100,6 +104,7 @@ def test_ood(trained_run, tmp_path):
     assert all(0.0 <= r["auroc"] <= 1.0 for r in result.values())
 
 
+@pytest.mark.slow
 def test_sample(trained_run, tmp_path):
     out = tmp_path / "grid.png"
     assert (
@@ -124,6 +129,7 @@ def test_sample(trained_run, tmp_path):
     assert w >= 200 and h >= 300  # upscaled: 10 labelled rows of 8x8 digits, not an 84 px grid
 
 
+@pytest.mark.slow
 def test_sample_defaults_to_the_model_directory(trained_run, capsys):
     assert main(["sample", str(trained_run / "model.pt"), "--n", "4", "--sgld-steps", "2"]) == 0
     assert (trained_run / "model_samples.png").is_file()
@@ -139,6 +145,7 @@ def test_plugins_lists_builtins(capsys):
     assert any(r["name"] == "jem_plugin.builtins.ood_scores" for r in rows)
 
 
+@pytest.mark.slow
 def test_demo_smoke_writes_report(tmp_path, capsys):
     assert main(["demo", "--smoke", "--quiet", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -224,6 +231,7 @@ def test_config_with_unknown_option(tmp_path, capsys):
     assert "epochz" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_output_into_a_closed_pipe_is_not_a_traceback():
     """`jem plugins | head -0`: the reader is gone before jem writes (it is still importing torch)."""
     proc = subprocess.Popen(
@@ -237,6 +245,7 @@ def test_output_into_a_closed_pipe_is_not_a_traceback():
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
+@pytest.mark.slow
 def test_console_script_entry_point():
     proc = subprocess.run([sys.executable, "-m", "jem_plugin.app.cli", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "demo" in proc.stdout and "plugins" in proc.stdout
@@ -410,6 +419,7 @@ def folder_run(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_folder_run_holds_out_a_stratified_split_and_evaluates_on_it(folder_run, capsys):
     spec = json.loads((folder_run / "run" / "spec.json").read_text())
     assert spec["classes"] == ["0", "1", "2"] and spec["held_out"] == {"fraction": 0.2, "seed": 0, "n_total": 30}
@@ -424,6 +434,7 @@ def test_folder_run_holds_out_a_stratified_split_and_evaluates_on_it(folder_run,
     assert json.loads(capsys.readouterr().out)["n"] == 12
 
 
+@pytest.mark.slow
 def test_ood_against_named_folders_and_noise(folder_run, capsys):
     capsys.readouterr()
     assert (
@@ -445,6 +456,7 @@ def test_ood_against_named_folders_and_noise(folder_run, capsys):
     assert set(json.loads(capsys.readouterr().out)) == {"logpx/ood", "logpx/noise"}
 
 
+@pytest.mark.slow
 def test_checkpoint_without_buffer_is_smaller_and_resumes(folder_run, capsys):
     import torch
 
@@ -484,6 +496,7 @@ def test_checkpoint_without_buffer_is_smaller_and_resumes(folder_run, capsys):
     assert [e["epoch"] for e in history["epochs"]] == [1, 2]
 
 
+@pytest.mark.slow
 def test_refused_resume_changes_no_file(folder_run, capsys):
     run = folder_run / "run"
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
@@ -512,6 +525,7 @@ def test_refused_resume_changes_no_file(folder_run, capsys):
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.slow
 def test_a_run_cut_short_says_so_in_the_result_and_the_report(tmp_path, monkeypatch, capsys):
     from jem_plugin.app import experiments
 
@@ -545,6 +559,7 @@ def test_truncation_note_suggests_a_budget():
     assert note.startswith("JEM stopped after 14 of 150 epochs") and "--budget-seconds 210" in note
 
 
+@pytest.mark.slow
 def test_val_data_is_what_eval_uses_by_default(folder_run, captured_fit, tmp_path, capsys):
     out = tmp_path / "run"
     assert (
@@ -721,6 +736,7 @@ def test_train_generative_on_points_falls_back_from_its_image_pieces_and_says_so
     assert "init_covariance 'stationary' -> 'diagonal'" in out and "sgld_colours 'data' -> 'all'" in out
 
 
+@pytest.mark.slow
 def test_train_reports_held_out_calibration_before_and_after_a_temperature(tmp_path, capsys):
     """The generative default costs calibration that one temperature restores: jem train says both."""
     assert main(["train", "--baseline", "--epochs", "2", "--out", str(tmp_path), "--quiet"]) == 0
@@ -767,6 +783,7 @@ def test_generative_train_recomputes_batchnorm_statistics_from_the_training_data
     assert metrics["post_training"][0] == record and metrics["held_out"]["n"] == 360
 
 
+@pytest.mark.slow
 def test_train_continued_for_more_epochs_keeps_the_replay_buffer_it_began_with(tmp_path, capsys):
     """The buffer is sized for the run's length; a finished run continued with a larger --epochs
     resumes its chains in the slots it began with (a buffer sized anew failed to load)."""

@@ -29,6 +29,7 @@ def trained_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_train_saves_the_run_sampler_beside_the_model(trained_run):
     assert (trained_run / "model.pt").exists() and (trained_run / "sampler.pt").exists()
     settings, buffer = load_run_sampler(trained_run / "model.pt")
@@ -37,6 +38,7 @@ def test_train_saves_the_run_sampler_beside_the_model(trained_run):
     assert buffer.init_name == "gaussian" and bool(buffer.initialized)
 
 
+@pytest.mark.slow
 def test_sample_starts_from_the_run_init_and_reports_the_independent_check(trained_run, capsys):
     out_png = trained_run / "samples.png"
     assert main(["sample", str(trained_run / "model.pt"), "--per-class", "--n", "20", "--out", str(out_png)]) == 0
@@ -47,6 +49,7 @@ def test_sample_starts_from_the_run_init_and_reports_the_independent_check(train
     assert "the model classifies" not in text  # its accuracy on its own samples is no evidence
 
 
+@pytest.mark.slow
 def test_sample_continues_the_run_chains_and_leaves_the_file_alone(trained_run, capsys):
     before = (trained_run / "sampler.pt").read_bytes()
     args = ["sample", str(trained_run / "model.pt"), "--from-buffer", "--n", "8", "--no-check"]
@@ -55,6 +58,7 @@ def test_sample_continues_the_run_chains_and_leaves_the_file_alone(trained_run, 
     assert (trained_run / "sampler.pt").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_sample_without_the_run_sampler_says_so(trained_run, capsys, tmp_path):
     model = tmp_path / "model.pt"
     model.write_bytes((trained_run / "model.pt").read_bytes())
@@ -64,6 +68,7 @@ def test_sample_without_the_run_sampler_says_so(trained_run, capsys, tmp_path):
     assert "--from-buffer needs" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_samples_start_where_the_fitted_init_puts_them(trained_run):
     """The run's fitted Gaussian starts chains near the data; uniform noise does not."""
     _, buffer = load_run_sampler(trained_run / "model.pt")
@@ -112,6 +117,7 @@ def test_a_class_the_held_out_split_emptied_is_named():
         check_training_split(ds, 3, 2, data="folder:x", fits_init=False, classes=["a", "b", "c"])
 
 
+@pytest.mark.slow
 def test_the_model_file_says_whether_log_px_was_trained(trained_run, tmp_path):
     """The gradient and SGLD scores warn on a model whose log p(x) was not trained: a `jem train`
     model file carries the answer, so a JEM-trained model loads without the warning."""
