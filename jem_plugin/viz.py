@@ -508,14 +508,20 @@ def plot_ood_table(table: Any, path: str, title: str | None = None, *, metric: s
 
 
 # ---------------------------------------------------------------------- calibration
+#: Fill colours of the reliability diagram's gaps: over-confident (light red), under-confident (light orange).
+RELIABILITY_OVER, RELIABILITY_UNDER = "#f4b6b6", "#ffd59a"
+
+
 def reliability_diagram(
     probs: Any, labels: Any, path: str, n_bins: int = 15, title: str | None = None, *, from_logits: bool = False
 ) -> str:
     """Save a reliability diagram as a PNG (Guo et al. 2017, Fig. 1 style); returns ``path``.
 
-    Top: accuracy per confidence bin (bars), the gap to the bin's mean confidence (hatched), the
-    diagonal of perfect calibration, ECE and MCE in the legend. Bottom: share of predictions per
-    bin, with the mean confidence and the accuracy marked.
+    Top: accuracy per confidence bin (bars), the gap to the bin's mean confidence (hatched: red
+    above a bar where the bin is over-confident, orange inside it where it is under-confident;
+    each colour in the legend, drawn opaque so no blend of the two appears), the diagonal of
+    perfect calibration, ECE and MCE in the legend. Bottom: share of predictions per bin, with the
+    mean confidence and the accuracy marked.
     """
     from .calibration import accuracy, calibration_bins, ece, mce
 
@@ -531,37 +537,42 @@ def reliability_diagram(
     n = count.sum()
     mean_conf = float((count[nonempty] * conf[nonempty]).sum() / n)
 
-    fig = Figure(figsize=(5.0, 6.2))
+    fig = Figure(figsize=(5.0, 7.6))
     ax, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     ax.bar(centers[nonempty], acc[nonempty], width=width, color="C0", edgecolor="k", lw=0.6, label="accuracy per bin")
-    gap_lo = np.minimum(acc, conf)[nonempty]
-    ax.bar(
-        centers[nonempty],
-        np.abs(conf - acc)[nonempty],
-        bottom=gap_lo,
-        width=width,
-        color="C3",
-        alpha=0.35,
-        edgecolor="C3",
-        hatch="//",
-        lw=0.6,
-        label="gap to confidence",
-    )
+    for mask, colour, edge, hatch, label in (
+        (conf > acc, RELIABILITY_OVER, "C3", "//", "gap, over-confident (confidence > accuracy)"),
+        (conf < acc, RELIABILITY_UNDER, "C1", "\\\\", "gap, under-confident (accuracy > confidence)"),
+    ):
+        mask = mask & nonempty
+        if mask.any():  # opaque: over the bar's blue it would blend into a colour the legend lacks
+            ax.bar(
+                centers[mask],
+                np.abs(conf - acc)[mask],
+                bottom=np.minimum(acc, conf)[mask],
+                width=width,
+                color=colour,
+                edgecolor=edge,
+                hatch=hatch,
+                lw=0.6,
+                label=label,
+            )
     ax.plot([0, 1], [0, 1], ls="--", color="grey", lw=1, label="perfect calibration")
     ax.plot([], [], " ", label=f"ECE {e:.4f}   MCE {m:.4f}")
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     ax.set_ylabel("accuracy")
     ax.set_title(title or "Reliability diagram")
-    ax.legend(loc="upper left", fontsize=8)
 
     ax2.bar(centers, count / n, width=width, color="C0", edgecolor="k", lw=0.6)
     ax2.axvline(acc_all, color="C2", ls="-", lw=1.5, label=f"accuracy {acc_all:.3f}")
     ax2.axvline(mean_conf, color="C3", ls="--", lw=1.5, label=f"mean confidence {mean_conf:.3f}")
     ax2.set_xlabel(f"confidence ({n_bins} equal-width bins)")
     ax2.set_ylabel("share")
-    ax2.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
+    # One legend below both panels: inside either it would cover (and tint) bars.
+    (h1, l1), (h2, l2) = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
+    fig.legend(h1 + h2, l1 + l2, loc="lower center", fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.175, 1, 1))
     fig.savefig(path, dpi=120)
     return path
 

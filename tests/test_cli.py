@@ -201,7 +201,7 @@ def test_config_file_sets_defaults_and_flags_win(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["eval", "does/not/exist.pt"], "no checkpoint at"),
+        (["eval", "does/not/exist.pt"], "no model file at"),
         (["train", "--data", "cifar10:/nonexistent", "--epochs", "1"], "CIFAR-10 not found"),
         (["train", "--data", "mnist"], "unknown --data"),
         (["train", "--model", "not_a_model_anywhere"], "unknown --model"),

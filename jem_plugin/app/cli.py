@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .. import __version__
 from ..errors import JEMError
 from . import CLIError
 from .commands import demo, doctor, evaluate, ood, plugins, sample, train
@@ -78,23 +79,54 @@ def _check_config_types(config: dict[str, Any], actions: dict[str, argparse.Acti
             raise CLIError(f"config file {path!r}: {key} = {value!r}; choose one of {', '.join(map(str, a.choices))}")
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default (``(default: X)``) unless it states one itself;
+    options whose default is decided at run time (None) say so in their own words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or "default" in text
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+            or text == argparse.SUPPRESS
+        ):
+            return action.help
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors as the one-line ``jem: error: ...`` of every other user error."""
+    """argparse, with its errors as the one-line ``jem: error: ...`` of every other user error, and
+    every option's default in its help."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise CLIError(f"{message} (see `{self.prog} --help`)")
 
 
 # ----------------------------------------------------------------------------- parser
+OUT_HELP = (
+    "output path (default: train runs/jem, demo jem-report, eval stdout only, ood and sample next to the checkpoint)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
-    common.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    common.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    common.add_argument("--out", default=None, help="output path (directory or file, per command)")
-    common.add_argument("--config", default=None, help="JSON or TOML file of option defaults")
+    common.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps")
+    common.add_argument("--seed", type=int, default=0, help="random seed")
+    common.add_argument("--out", default=None, help=OUT_HELP)
+    common.add_argument(
+        "--config", default=None, help="JSON or TOML file of option defaults; flags given here win (default: none)"
+    )
     common.add_argument("--quiet", action="store_true", help="no progress bars")
 
     parser = _Parser(prog="jem", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s (jem-plugin) {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     for command in COMMANDS:
         command.add_parser(sub, common)
@@ -123,6 +155,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args: argparse.Namespace | None = None
     try:
         args = parse_args(argv)
         return args.func(args)
@@ -130,7 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"jem: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("jem: interrupted (checkpoints written so far are kept)", file=sys.stderr)
+        # A command that leaves something to continue from says how (jem train: its checkpoints).
+        hint = getattr(args, "interrupted", None)
+        print(f"jem: interrupted; {hint(args)}" if hint else "jem: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # `jem eval ... | head`: the reader left; stop quietly, and keep Python's exit-time flush of

@@ -36,11 +36,13 @@ BUILTIN_NETS = ("digits-cnn", "toy-mlp", "wrn28-10", "wrn-D-K")
 _WRN = re.compile(r"wrn-?(\d+)-(\d+)")  # wrn28-10, wrn-16-8: WideResNet(depth, widen_factor)
 
 
-def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int = 0):
+def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int = 0, skip_bad: bool = False):
     """``(dataset, domain, num_classes, sample_shape)`` for a ``--data`` spec.
 
     Specs: ``digits``, ``toy2d`` (or ``toy2d:NAME``), ``textures`` (or ``textures:N``, N generated
     images per class, default 500; 100 per class for testing), ``folder:PATH``, ``cifar10:PATH``.
+    A folder's unreadable images end the load in one line naming the first, or with ``skip_bad``
+    are left out, said in one line on stderr (``--skip-bad-images``).
     """
     kind, _, arg = spec.partition(":")
     if kind == "digits":
@@ -55,7 +57,8 @@ def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int 
     if kind == "folder":
         if not arg:
             raise CLIError("--data folder:PATH needs a path, e.g. folder:data/train")
-        ds = D.image_folder(arg, image_size=image_size)
+        ds = D.image_folder(arg, image_size=image_size, skip_bad=skip_bad)
+        _say_skipped(ds, spec)
         return ds, ds.domain, len(ds.classes), (3, image_size, image_size)
     if kind == "textures":  # generated colour shapes on textures (data.textures): train 0.., test 1000000..
         try:
@@ -72,6 +75,12 @@ def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int 
         ds = D.cifar10(arg, train=train)
         return ds, ds.domain, 10, (3, 32, 32)
     raise CLIError(f"unknown --data {spec!r}; use digits, toy2d[:NAME], textures[:N], folder:PATH or cifar10:PATH")
+
+
+def _say_skipped(ds, where: str) -> None:
+    note = D.skipped_note(ds, where)
+    if note:
+        print(f"jem: {note}", file=sys.stderr)  # stderr: eval and ood print their JSON on stdout
 
 
 def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, Any] | None = None):
@@ -281,28 +290,34 @@ def check_inputs(jm, x, spec: dict[str, Any], data: str) -> None:
         )
 
 
-def training_data(spec: dict[str, Any], seed: int = 0):
+def training_data(spec: dict[str, Any], seed: int = 0, skip_bad: bool = False):
     """The data a model was trained on, from its spec: the training split of its ``--data``, with
-    the part a folder run held out left out (what ``jem train`` trained on)."""
-    ds, *_ = load_data(spec["data"], train=True, image_size=int(spec["sample_shape"][-1]), seed=seed)
+    the part a folder run held out left out (what ``jem train`` trained on). Its unreadable images
+    are skipped when the run skipped them (``--skip-bad-images``) or ``skip_bad`` says so."""
+    skip = skip_bad or bool(spec.get("skip_bad_images"))
+    ds, *_ = load_data(spec["data"], train=True, image_size=int(spec["sample_shape"][-1]), seed=seed, skip_bad=skip)
     kept = spec.get("held_out") or {}
     if spec["data"].startswith("folder:") and kept.get("fraction"):
         ds, _ = split_held_out(ds, kept["fraction"], kept.get("seed", 0))
     return ds
 
 
-def held_out_data(spec: dict[str, Any], data: str | None, image_size: int | None, seed: int = 0):
+def held_out_data(
+    spec: dict[str, Any], data: str | None, image_size: int | None, seed: int = 0, skip_bad: bool = False
+):
     """``(dataset, description)`` to evaluate a model on: ``data`` when given, else what training
-    held out (the split of its folder, its --val-data, or the data set's own test split)."""
+    held out (the split of its folder, its --val-data, or the data set's own test split). Unreadable
+    images are skipped with ``skip_bad``, and in the run's own data when the run skipped them."""
     size = image_size or int(spec["sample_shape"][-1])
+    own = skip_bad or bool(spec.get("skip_bad_images"))
     if data:
-        ds, *_ = load_data(data, train=False, image_size=size, seed=seed)
+        ds, *_ = load_data(data, train=False, image_size=size, seed=seed, skip_bad=skip_bad)
         where = data
     else:
         kept = spec.get("held_out") or {}
         source = spec["data"]
         if kept.get("data"):
-            ds, *_ = load_data(kept["data"], train=False, image_size=size, seed=seed)
+            ds, *_ = load_data(kept["data"], train=False, image_size=size, seed=seed, skip_bad=own)
             where = f"{kept['data']} (the run's --val-data)"
         elif source.startswith("folder:"):
             if not kept.get("fraction"):
@@ -310,7 +325,7 @@ def held_out_data(spec: dict[str, Any], data: str | None, image_size: int | None
                     f"this model was trained on all of {source} (--val-fraction 0); "
                     "evaluate it on other images with --data folder:PATH"
                 )
-            full, *_ = load_data(source, train=False, image_size=size, seed=seed)
+            full, *_ = load_data(source, train=False, image_size=size, seed=seed, skip_bad=own)
             if len(full) != kept.get("n_total", len(full)):
                 raise CLIError(
                     f"{source} holds {len(full)} images, {kept['n_total']} when the model was "
@@ -320,7 +335,7 @@ def held_out_data(spec: dict[str, Any], data: str | None, image_size: int | None
             ds.classes = full.classes
             where = f"{source}, the {kept['fraction']:g} held out from training"
         else:
-            ds, *_ = load_data(source, train=False, image_size=size, seed=seed)
+            ds, *_ = load_data(source, train=False, image_size=size, seed=seed, skip_bad=own)
             where = f"{source} (test split)"
     if len(ds):
         check_shape(spec, ds[0][0].shape, data or spec["data"])
@@ -383,9 +398,12 @@ def drop_buffer_from_checkpoints(buffer) -> None:
     buffer.register_load_state_dict_pre_hook(keep_fresh)
 
 
-def ood_sets(items: Sequence[str] | None, spec: dict[str, Any], jm, x, y, seed: int = 0) -> dict[str, Any]:
-    """``jem ood``'s OOD sets: ``noise`` and ``folder:PATH`` items (named by the folder), or the
-    defaults (the digits' four sets, else uniform noise)."""
+def ood_sets(
+    items: Sequence[str] | None, spec: dict[str, Any], jm, x, y, seed: int = 0, skip_bad: bool = False
+) -> dict[str, Any]:
+    """``jem ood``'s OOD sets: ``noise`` and ``folder:PATH`` items (named by the folder; its images
+    directly in it or in sub-folders: an OOD set has no classes), or the defaults (the digits'
+    four sets, else uniform noise)."""
     if not items:
         if spec["data"].startswith("digits"):
             return D.digits_ood_sets(x, y, seed=seed)
@@ -397,7 +415,8 @@ def ood_sets(items: Sequence[str] | None, spec: dict[str, Any], jm, x, y, seed: 
             continue
         if not item.startswith("folder:") or not item[len("folder:") :]:
             raise CLIError(f"--ood {item!r}: use noise or folder:PATH (a folder of images, any sub-folders)")
-        ds, *_ = load_data(item, train=False, image_size=int(spec["sample_shape"][-1]), seed=seed)
+        ds = D.image_files(item[len("folder:") :], image_size=int(spec["sample_shape"][-1]), skip_bad=skip_bad)
+        _say_skipped(ds, item)
         name = Path(item[len("folder:") :]).name or item
         while name in sets:
             name += "'"

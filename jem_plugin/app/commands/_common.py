@@ -13,6 +13,10 @@ import torch
 from .. import CLIError, doctor
 from ..model_files import held_out_data
 
+SKIP_BAD_HELP = (
+    "leave out a folder's unreadable images (not images, truncated), saying how many, instead of stopping at the first"
+)
+
 
 def _positive(text: str) -> int:
     try:
@@ -74,7 +78,7 @@ def _emit(result: dict[str, Any], args) -> None:
 
 
 def _eval_tensors(args, spec):
-    ds, where = held_out_data(spec, args.data, args.image_size, args.seed)
+    ds, where = held_out_data(spec, args.data, args.image_size, args.seed, skip_bad=args.skip_bad_images)
     if hasattr(ds, "tensors"):
         x, y = ds.tensors
     else:
@@ -87,4 +91,5 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
     """The arguments of the commands that score a trained model (eval, ood)."""
     p.add_argument("checkpoint", help="model.pt written by `jem train`")
     p.add_argument("--data", default=None, help="evaluation data (default: what training held out)")
-    p.add_argument("--image-size", type=int, default=None, help="default: the model's")
+    p.add_argument("--image-size", type=int, default=None, help="folder data resized to this (default: the model's)")
+    p.add_argument("--skip-bad-images", action="store_true", help=SKIP_BAD_HELP)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .. import CLIError
 from ..experiments import run_digits_demo
 from ..report import metric_label, write_report
 from ._common import _check_install, _device, _out_dir
@@ -22,12 +23,17 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         help="time for both runs (default 240); a run it cuts short is reported as such",
     )
     p.add_argument("--smoke", action="store_true", help="run the pipeline in seconds (not a meaningful result)")
+    p.add_argument("--force", action="store_true", help="write over a report already in --out")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     _check_install()
     out = _out_dir(args.out or "jem-report")
+    if (out / "report.html").exists() and not args.force:
+        raise CLIError(
+            f"--out {out} already holds a report (report.html); use --out elsewhere, or --force to replace it"
+        )
     _device(args.device)
     overrides = SMOKE_DEMO if args.smoke else {}
     result = run_digits_demo(

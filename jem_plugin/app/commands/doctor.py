@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     )
     p.add_argument("--device", default=None, help="device to self-test (default: the GPU when there is one, else cpu)")
     p.add_argument("--seconds", type=float, default=20.0, help="length of the timing (default 20; 0 leaves it out)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON (default: none)")
     p.set_defaults(func=run, config=None)
 
 

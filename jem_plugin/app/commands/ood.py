@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         default=None,
         metavar="ROOT",
         help="an OpenOOD v1.5 data directory (benchmark_imglist/, images_classic/): its ID test "
-        "list, near- and far-OOD lists, and its training list for fitting",
+        "list, near- and far-OOD lists, and its training list for fitting (default: none; --data and --ood)",
     )
     p.add_argument(
         "--benchmark",
@@ -87,14 +87,14 @@ def run(args) -> int:
     else:
         x, y, _ = _eval_tensors(args, spec)
         check_inputs(jm, x, spec, args.data or spec["data"])
-        data_in, sets = x, ood_sets(args.ood, spec, jm, x, y, seed=args.seed)
+        data_in, sets = x, ood_sets(args.ood, spec, jm, x, y, seed=args.seed, skip_bad=args.skip_bad_images)
     if fit_needed and fit_data is None:
         # The model's own training data (its spec names it; the held-out split left out), or --fit-data.
         source = args.fit_data or spec["data"]
         if args.fit_data:
-            ds, *_ = load_data(source, train=True, image_size=size, seed=args.seed)
+            ds, *_ = load_data(source, train=True, image_size=size, seed=args.seed, skip_bad=args.skip_bad_images)
         else:
-            ds = training_data(spec, args.seed)
+            ds = training_data(spec, args.seed, skip_bad=args.skip_bad_images)
         if len(ds):
             check_shape(spec, ds[0][0].shape, source)
         fit_data = DataLoader(ds, batch_size=args.batch_size)

@@ -10,7 +10,7 @@ from ...plugins import list_plugins
 
 def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("plugins", help="list loaded plugins and the hooks they implement")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
     p.set_defaults(func=run, config=None)
 
 

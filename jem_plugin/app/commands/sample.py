@@ -13,13 +13,13 @@ from ...sampling import SGLD
 from .. import CLIError
 from ..experiments import samples_against_data
 from ..model_files import held_out_data, load_model_checkpoint, load_run_sampler, sampler_file, training_data
-from ._common import _device, _out_file, _positive
+from ._common import SKIP_BAD_HELP, _device, _out_file, _positive
 
 
 def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("sample", parents=[common], help="draw SGLD samples from a trained model")
     p.add_argument("checkpoint", help="model.pt written by `jem train`")
-    p.add_argument("--n", type=_positive, default=64)
+    p.add_argument("--n", type=_positive, default=64, help="how many samples (--per-class: split among the classes)")
     p.add_argument("--per-class", action="store_true", help="class-conditional: one row per class")
     p.add_argument(
         "--sgld-steps", type=_positive, default=None, help="SGLD steps (default: the run's; 100 without its sampler.pt)"
@@ -34,6 +34,7 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     p.add_argument(
         "--no-check", action="store_true", help="skip the check by an independent judge (trained in seconds)"
     )
+    p.add_argument("--skip-bad-images", action="store_true", help=SKIP_BAD_HELP + " (the check's data)")
     p.set_defaults(func=run)
 
 
@@ -95,14 +96,16 @@ def run(args) -> int:
     )
     print(f"samples: {out} ({sampler.steps} SGLD steps from {starts})")
     if not args.no_check:
-        _print_sample_check(x, x0.cpu(), y, spec, args.seed)
+        _print_sample_check(x, x0.cpu(), y, spec, args.seed, args.skip_bad_images)
     return 0
 
 
-def _print_sample_check(x: torch.Tensor, x0: torch.Tensor, y: torch.Tensor | None, spec, seed: int) -> None:
+def _print_sample_check(
+    x: torch.Tensor, x0: torch.Tensor, y: torch.Tensor | None, spec, seed: int, skip_bad: bool = False
+) -> None:
     """The samples as an independent judge sees them, against where their chains started."""
-    train_ds = training_data(spec, seed)
-    heldout_ds, _ = held_out_data(spec, None, None, seed)
+    train_ds = training_data(spec, seed, skip_bad=skip_bad)
+    heldout_ds, _ = held_out_data(spec, None, None, seed, skip_bad=skip_bad)
     q = samples_against_data(x, x0, train_ds, heldout_ds, y=y, num_classes=spec["num_classes"], seed=seed)
     if "skipped" in q:
         print(f"check skipped: {q['skipped']}")

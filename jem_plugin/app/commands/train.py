@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from ..model_files import (
     wrap_for_data,
 )
 from ..report import QUALITY_HOW_TO_READ
-from ._common import _check_install, _device, _out_dir, _positive
+from ._common import SKIP_BAD_HELP, _check_install, _device, _out_dir, _positive
 
 # Flags that named recipe settings before the recipe tree: accepted for one release, with a note.
 OLD_FLAGS = {
@@ -63,8 +64,9 @@ def add_recipe_flags(p: argparse.ArgumentParser) -> None:
     )
     for name, info in flat_names().items():
         flag = "--" + name.replace("_", "-")
+        text = f"{info['help']} (default: the recipe's)"
         if info["type"] is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=info["help"])
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
             continue
         choices = info["choices"]
         if name == "sgld_batchnorm":
@@ -75,7 +77,7 @@ def add_recipe_flags(p: argparse.ArgumentParser) -> None:
             type=kind,
             choices=choices,
             default=None,
-            help=info["help"],
+            help=text,
             metavar=None if choices else name.split("_")[-1].upper(),
         )
     names = flat_names()
@@ -122,15 +124,28 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         default="digits-cnn",
         help="digits-cnn, toy-mlp, a timm name, or module:factory (factory(num_classes=K) -> nn.Module)",
     )
-    p.add_argument("--data", default="digits", help="digits, toy2d[:NAME], folder:PATH, cifar10:PATH")
+    p.add_argument(
+        "--data",
+        default="digits",
+        help="digits, toy2d[:NAME], textures[:N], folder:PATH (one sub-folder per class), cifar10:PATH",
+    )
     p.add_argument(
         "--val-fraction",
         type=float,
         default=0.2,
-        help="folder data: share of each class held out for evaluation (default 0.2; 0 keeps none)",
+        help="folder data: share of each class held out for evaluation (0 keeps none)",
     )
-    p.add_argument("--val-data", default=None, help="held-out data instead of a split, e.g. folder:data/val")
-    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument(
+        "--val-data",
+        default=None,
+        help="held-out data instead of a split, e.g. folder:data/val (default: none; the split or the data's test set)",
+    )
+    p.add_argument("--image-size", type=int, default=32, help="folder and textures data: images resized to this")
+    p.add_argument(
+        "--skip-bad-images",
+        action="store_true",
+        help=SKIP_BAD_HELP,
+    )
     p.add_argument(
         "--recipe",
         choices=sorted(RECIPES),
@@ -143,10 +158,15 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         default=None,
         help="default: 150 for digits and toy2d (about 2.5 min on 2 cores), 30 otherwise",
     )
-    p.add_argument("--batch-size", type=_positive, default=64)
+    p.add_argument("--batch-size", type=_positive, default=64, help="images per training step")
     p.add_argument("--baseline", action="store_true", help="plain cross-entropy, no generative loss")
     p.add_argument("--show-recipe", action="store_true", help="print the recipe with the settings given here, and stop")
-    p.add_argument("--on-divergence", choices=["raise", "rollback"], default="raise")
+    p.add_argument(
+        "--on-divergence",
+        choices=["raise", "rollback"],
+        default="raise",
+        help="when training diverges: stop with the known remedies (raise), or roll back and go on",
+    )
     p.add_argument("--no-resume", action="store_true", help="start over even if --out holds checkpoints")
     p.add_argument(
         "--checkpoint-every",
@@ -162,9 +182,14 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     )
     p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off", help="mixed precision (fp16: CUDA)")
     p.add_argument("--channels-last", action="store_true", help="channels-last memory format (CNNs on GPU)")
-    p.add_argument("--max-seconds", type=float, default=None, help="stop (after checkpointing) after this long")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="stop (after checkpointing) after this long; the same command continues (default: no limit)",
+    )
     add_recipe_flags(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, interrupted=interrupted)
 
 
 def run(args) -> int:
@@ -183,18 +208,32 @@ def _train(args, info) -> int:
     recipe = recipe_from_args(args, quiet=not info.is_main or args.baseline)
     # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(args.seed)
-    ds, domain, k, shape = load_data(args.data, train=True, image_size=args.image_size, seed=args.seed)
+    ds, domain, k, shape = load_data(
+        args.data, train=True, image_size=args.image_size, seed=args.seed, skip_bad=args.skip_bad_images
+    )
     recipe, notes = recipe.for_inputs(shape)
     for note in notes if info.is_main and not args.baseline else ():
         print(f"jem train: {note}")
     ds, val, held_out, data_classes = _held_out_split(args, ds, k)
+    # Data that cannot train (one class, a class left without images) is refused before anything else.
+    informative = not isinstance(recipe.buffer.init, Uniform)
+    advice = check_training_split(
+        ds, k, args.batch_size, data=args.data, fits_init=not args.baseline and informative, classes=data_classes
+    )
     epochs = args.epochs or (150 if args.data.split(":")[0] in ("digits", "toy2d") else 30)
     options = {"width": 32, "act": "leaky_relu", "pool": "max"} if args.model == "digits-cnn" else None
     spec = model_spec(args.model, args.data, k, shape, domain, options, classes=data_classes, held_out=held_out)
+    if args.skip_bad_images:
+        spec["skip_bad_images"] = True  # eval, ood and sample read the run's folder as it was read here
     jm = wrap_for_data(build_model(args.model, k, shape[0], options), spec).to(dev)
     x0, y0 = next(iter(DataLoader(ds, batch_size=2)))[:2]
     check_inputs(jm, x0, spec, args.data)
     before = check_resume(out, spec, no_resume=args.no_resume)
+    done = _finished(out, epochs) if before is not None else None
+    if done:
+        if info.is_main:
+            print(f"jem train: {done}")
+        return 0
     if before is not None and args.buffer_capacity is None and args.old_buffer_size is None:
         # A continued run keeps its chains: the slots it began with, whatever --epochs says now.
         recipe = recipe.replace(
@@ -204,10 +243,6 @@ def _train(args, info) -> int:
         # From here on each rank draws its own data noise and chains.
         torch.manual_seed(jdist.rank_seed(args.seed))
     loader, model = _loader(args, ds, jm, info)
-    informative = not isinstance(recipe.buffer.init, Uniform)
-    advice = check_training_split(
-        ds, k, args.batch_size, data=args.data, fits_init=not args.baseline and informative, classes=data_classes
-    )
     if advice and info.is_main:
         print(f"jem train: {advice}")
     total = epochs * len(loader)
@@ -255,12 +290,41 @@ def _train(args, info) -> int:
     return 0
 
 
+def _finished(out, epochs: int) -> str | None:
+    """The line saying that the run in ``out`` is complete for ``epochs`` (its model.pt written after
+    its last epoch), or None: a run asked for more epochs, or cut short, continues."""
+    try:
+        history = json.loads((out / "history.json").read_text())
+    except (OSError, ValueError):
+        return None
+    done = len(history.get("epochs", []))
+    if not (out / "model.pt").is_file() or history.get("stopped") or done < epochs:
+        return None
+    return (
+        f"this run is complete ({out / 'model.pt'}, {done} epochs; metrics.json beside it); nothing to do. "
+        f"--no-resume starts over, a larger --epochs continues it"
+    )
+
+
+def interrupted(args) -> str:
+    """What Ctrl-C leaves and how to go on: the same command continues from --out/checkpoints."""
+    ckpts = Path(args.out or "runs/jem") / "checkpoints"
+    if ckpts.is_dir() and list(ckpts.glob("*.pt")):
+        return (
+            f"the checkpoints in {ckpts} are kept: run the same command again (same --out) to continue "
+            "from the newest, --no-resume to start over"
+        )
+    return "no checkpoint was written yet: run the same command again to start the run"
+
+
 def _held_out_split(args, ds, k):
     """``(training set, held-out set or None, how it was held out, class names)``."""
     data_classes = getattr(ds, "classes", None)
     held_out, val = None, None
     if args.val_data:
-        val, *_ = load_data(args.val_data, train=False, image_size=args.image_size, seed=args.seed)
+        val, *_ = load_data(
+            args.val_data, train=False, image_size=args.image_size, seed=args.seed, skip_bad=args.skip_bad_images
+        )
         check_classes(
             [str(c) for c in data_classes or range(k)],
             [str(c) for c in getattr(val, "classes", [])],
@@ -360,6 +424,7 @@ def _report(args, info, jm, setup, history, ds, val, val_loader, spec, out, doma
             f"held-out calibration ({int(c['n'])} images): ECE {c['ece_before']:.3f}, {c['ece_after']:.3f} "
             f"after a temperature of {c['temperature']:.2f} (each half of the held-out split scaled by one "
             "fitted on the other; fit yours with jem.calibration.TemperatureScaler)"
+            + ("; below 1: the model was under-confident, its logits are sharpened" if c["temperature"] < 1 else "")
         )
         decisions.append(temperature)
         if temperature.kept:
