@@ -115,7 +115,7 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         help="train a classifier with (or without) the JEM loss",
         description="Train a classifier with (or without) the JEM loss; resumes from --out/checkpoints. "
         "Recipe settings (--sgld-steps ... --warmup-iters) default to the --recipe's. "
-        "Multi-process (DDP, one replay buffer per rank; --batch-size and --buffer-size are "
+        "Multi-process (DDP, one replay buffer per rank; --batch-size and --buffer-capacity are "
         "per rank): torchrun --nproc_per_node=2 -m jem_plugin.app.cli train --out runs/jem-ddp ... "
         "(resume with the same --nproc_per_node).",
     )
