@@ -510,7 +510,7 @@ class Recipe:
     def __getattr__(self, name: str) -> Any:
         # Only reached for names the tree lacks: the flat fields of the recipe before the tree.
         table = _flat_table()
-        new = _OLD_NAMES.get(name, name)
+        new = DEPRECATED_NAMES.get(name, name)
         if name.startswith("_") or new not in table:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         path = ".".join(table[new][0])
@@ -625,16 +625,16 @@ _UNIONS: dict[tuple[type, str], dict[str, type]] = {
     (Gaussian, "covariance"): COVARIANCE_KINDS,
 }
 # Old flat names: still accepted for one release, with a DeprecationWarning naming the new one.
-_OLD_NAMES = {
+# jem train's flags of the same names are translated with this table too.
+DEPRECATED_NAMES = {
     "step_size": "sgld_step_size",
     "noise": "sgld_noise",
     "grad_clip": "sgld_grad_clamp",
     "buffer_size": "buffer_capacity",
     "reinit_freq": "buffer_reinit_freq",
     "batchnorm": "sgld_batchnorm",
-    "optimizer_name": "optimizer",
 }
-_OLD_BATCHNORM = {"eval": "joint", "batch": "separate"}
+DEPRECATED_BATCHNORM = {"eval": "joint", "batch": "separate"}
 
 
 class _Missing:
@@ -772,18 +772,18 @@ def _kind_flag_for(name: str) -> str:
 def _translate_old_names(changes: Mapping[str, Any], stacklevel: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in changes.items():
-        new = _OLD_NAMES.get(name, name)
+        new = DEPRECATED_NAMES.get(name, name)
         if new != name:
             warnings.warn(
                 f"recipe setting {name!r} is deprecated; use {new!r}", DeprecationWarning, stacklevel=stacklevel
             )
-        if new == "sgld_batchnorm" and value in _OLD_BATCHNORM:
+        if new == "sgld_batchnorm" and value in DEPRECATED_BATCHNORM:
             warnings.warn(
-                f"sgld_batchnorm={value!r} is deprecated; use {_OLD_BATCHNORM[value]!r}",
+                f"sgld_batchnorm={value!r} is deprecated; use {DEPRECATED_BATCHNORM[value]!r}",
                 DeprecationWarning,
                 stacklevel=stacklevel,
             )
-            value = _OLD_BATCHNORM[value]
+            value = DEPRECATED_BATCHNORM[value]
         out[new] = value
     return out
 

@@ -15,7 +15,7 @@ from ... import training
 from ..._checks import model_device
 from ...extensions import Decision, RecomputeBatchNorm
 from ...inits import Uniform
-from ...recipes import DEFAULT_RECIPE, RECIPES, Recipe, flat_names, get_recipe
+from ...recipes import DEFAULT_RECIPE, DEPRECATED_BATCHNORM, DEPRECATED_NAMES, RECIPES, Recipe, flat_names, get_recipe
 from .. import CLIError, post_training
 from ..experiments import dataset_sample_quality
 from ..model_files import (
@@ -35,16 +35,10 @@ from ..model_files import (
 from ..report import QUALITY_HOW_TO_READ
 from ._common import SKIP_BAD_HELP, _check_install, _device, _out_dir, _positive
 
-# Flags that named recipe settings before the recipe tree: accepted for one release, with a note.
-OLD_FLAGS = {
-    "step_size": "sgld_step_size",
-    "noise": "sgld_noise",
-    "grad_clip": "sgld_grad_clamp",
-    "buffer_size": "buffer_capacity",
-    "reinit_freq": "buffer_reinit_freq",
-    "batchnorm": "sgld_batchnorm",
-}
-_OLD_BATCHNORM = {"eval": "joint", "batch": "separate"}
+# Flags that named recipe settings before the recipe tree (the recipes' own table of old names):
+# accepted for one release, with a note.
+OLD_FLAGS = DEPRECATED_NAMES
+_OLD_BATCHNORM = DEPRECATED_BATCHNORM
 
 
 def _optional(kind: type):
