@@ -11,7 +11,9 @@ docstrings as Markdown (``docstring_style: null``) after this extension rewrites
   that object has no entry (optional references: they never fail a strict build);
 * a header underlined with ``---``/``===`` -> a bold line; the ``name: description`` entries of
   Parameters, Attributes, Fields, Returns and Raises -> a list;
-* ``>>>`` examples and ``::`` literal blocks -> fenced code.
+* ``>>>`` examples and ``::`` literal blocks -> fenced code;
+* members whose docstring starts with "Deprecated" (old spellings kept for one release) are left
+  out.
 
 Used only by ``mkdocs.yml`` (``extensions:`` of the Python handler); the docstrings themselves are
 not changed.
@@ -25,9 +27,19 @@ from typing import Any
 
 import griffe
 
-_ENTRY_SECTIONS = {"parameters", "attributes", "fields", "returns", "raises", "other parameters", "yields"}
+_ENTRY_SECTIONS = {
+    "parameters",
+    "attributes",
+    "fields",
+    "returns",
+    "raises",
+    "other parameters",
+    "yields",
+}
 _UNDERLINE = re.compile(r"^\s*(-{3,}|={3,})\s*$")
-_ENTRY = re.compile(r"^(\*{0,2}[A-Za-z_][\w.]*(?:\s*,\s*\*{0,2}[A-Za-z_][\w.]*)*)\s*:(?:\s+(.*)|\s*)$")
+_ENTRY = re.compile(
+    r"^(\*{0,2}[A-Za-z_][\w.]*(?:\s*,\s*\*{0,2}[A-Za-z_][\w.]*)*)\s*:(?:\s+(.*)|\s*)$"
+)
 _ROLE = re.compile(r":(?:py:)?(class|meth|func|mod|attr|data|exc|obj|const):`([^`]+)`")
 _LITERAL = re.compile(r"``(.+?)``")
 
@@ -39,7 +51,9 @@ class RestToMarkdown(griffe.Extension):
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
         _convert_tree(pkg, pkg, set())
 
-    def on_package_loaded(self, *, pkg: griffe.Module, **kwargs: Any) -> None:  # the hook's name in griffe 1
+    def on_package_loaded(
+        self, *, pkg: griffe.Module, **kwargs: Any
+    ) -> None:  # the hook's name in griffe 1
         _convert_tree(pkg, pkg, set())
 
 
@@ -48,16 +62,32 @@ def _convert_tree(obj: Any, pkg: griffe.Module, seen: set[int]) -> None:
         return
     seen.add(id(obj))
     if obj.docstring is not None:
-        obj.docstring.value = to_markdown(obj.docstring.value, lambda target: _resolve(target, obj, pkg))
-    for member in list(obj.members.values()):
-        if not member.is_alias:
-            _convert_tree(member, pkg, seen)
+        obj.docstring.value = to_markdown(
+            obj.docstring.value, lambda target: _resolve(target, obj, pkg)
+        )
+    for name, member in list(obj.members.items()):
+        if member.is_alias:
+            continue
+        if member.docstring is not None and member.docstring.value.lstrip().startswith(
+            "Deprecated"
+        ):
+            del obj.members[
+                name
+            ]  # an old spelling kept for one release: not part of the reference
+            continue
+        _convert_tree(member, pkg, seen)
 
 
 def _lookup(path: str, pkg: griffe.Module) -> Any:
     try:
         found = pkg.modules_collection[path]
-    except (KeyError, ValueError, AttributeError, griffe.AliasResolutionError, griffe.CyclicAliasError):
+    except (
+        KeyError,
+        ValueError,
+        AttributeError,
+        griffe.AliasResolutionError,
+        griffe.CyclicAliasError,
+    ):
         return None
     if found is not None and found.is_alias:
         try:
@@ -121,13 +151,19 @@ def _fenced(block: list[str], language: str = "") -> list[str]:
     lines = list(block)
     while lines and not lines[-1].strip():
         lines.pop()
-    indent = min((len(line) - len(line.lstrip()) for line in lines if line.strip()), default=0)
+    indent = min(
+        (len(line) - len(line.lstrip()) for line in lines if line.strip()), default=0
+    )
     return ["", f"```{language}", *(line[indent:] for line in lines), "```", ""]
 
 
 def _join_spans(text: str) -> str:
     """Code spans and roles that a line break splits, put on one line (the rest works line by line)."""
-    text = re.sub(r"(:\w+:`)([^`]*)`", lambda m: m.group(1) + re.sub(r"\s*\n\s*", " ", m.group(2)) + "`", text)
+    text = re.sub(
+        r"(:\w+:`)([^`]*)`",
+        lambda m: m.group(1) + re.sub(r"\s*\n\s*", " ", m.group(2)) + "`",
+        text,
+    )
     pieces = text.split("``")
     for k in range(1, len(pieces), 2):  # odd pieces are inside a ``code`` span
         pieces[k] = re.sub(r"\s*\n\s*", " ", pieces[k])
@@ -144,7 +180,12 @@ def to_markdown(text: str, resolve: Any = lambda target: target) -> str:
         line = lines[i]
         stripped = line.strip()
         # section header: a line underlined with dashes or equals signs
-        if stripped and i + 1 < n and _UNDERLINE.match(lines[i + 1]) and not _UNDERLINE.match(line):
+        if (
+            stripped
+            and i + 1 < n
+            and _UNDERLINE.match(lines[i + 1])
+            and not _UNDERLINE.match(line)
+        ):
             out += ["", f"**{_inline(stripped, resolve)}**", ""]
             entries = stripped.lower() in _ENTRY_SECTIONS
             i += 2
@@ -169,7 +210,9 @@ def to_markdown(text: str, resolve: Any = lambda target: target) -> str:
                 i += 1
             base = len(line) - len(line.lstrip())
             block = []
-            while i < n and (not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) > base):
+            while i < n and (
+                not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) > base
+            ):
                 block.append(lines[i])
                 i += 1
             out += _fenced(block)
@@ -178,7 +221,9 @@ def to_markdown(text: str, resolve: Any = lambda target: target) -> str:
         if entries:
             match = _ENTRY.match(line) if line == line.lstrip() else None
             if match:
-                names = ", ".join(f"`{name.strip()}`" for name in match.group(1).split(","))
+                names = ", ".join(
+                    f"`{name.strip()}`" for name in match.group(1).split(",")
+                )
                 item = [f"- {names}: {_inline(match.group(2) or '', resolve)}".rstrip()]
                 i += 1
                 while i < n and lines[i].strip() and lines[i] != lines[i].lstrip():
