@@ -49,10 +49,10 @@ def load(path: str | Path, device: Any = None) -> JEM:
     ``device``: where to put the model (default: CPU). To sample as ``jem sample`` does, see
     :func:`load_sampler`.
 
-    Raises :class:`~jem_plugin.errors.CheckpointError` (one line, ``.reason`` as for
-    :func:`~jem_plugin.checkpoint.load_checkpoint`) for a missing file, a file that is not a model
-    file, weights that do not fit the rebuilt network, or a network that cannot be rebuilt (a
-    factory module that cannot be imported).
+    Raises :class:`~jem_plugin.errors.CheckpointError`, one line: a missing file (``.reason``
+    ``"missing"``), a file that is not a model file (``"corrupt"``, ``"mismatch"``), weights that do
+    not fit the rebuilt network (``"mismatch"``), or a network that cannot be rebuilt (``None``:
+    e.g. a factory module that cannot be imported, named with how to make it importable).
     """
     jm, spec = read_model_file(path, device)
     # Plain attributes, not module state (torch types Module.__setattr__ for tensors and modules).
@@ -71,7 +71,7 @@ def load_sampler(path: str | Path, device: Any = None) -> tuple[SGLD, ReplayBuff
     the training data) and colour axes. ``sgld.sample(jm, x_init=buffer.init_dist.sample(n,
     buffer.sample_shape, jm.domain))`` starts fresh chains from the init distribution (``jem
     sample``); ``sgld.sample(jm, n, buffer=buffer)`` continues the run's chains (``jem sample
-    --from-buffer``). ``device``: where to put the buffer (default: CPU; sampling moves it to the
+    --from-buffer``; the chains are written back to ``buffer``, in memory). ``device``: where to put the buffer (default: CPU; sampling moves it to the
     model's device).
 
     Raises :class:`~jem_plugin.errors.CheckpointError` when there is no sampler file (``jem demo``

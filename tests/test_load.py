@@ -164,6 +164,27 @@ def test_the_app_reads_model_files_through_the_library(tmp_path):
     assert spec["model"] == "digits-cnn" and isinstance(jm, jem.JEM) and not jm.training
 
 
+def test_load_sampler_reads_the_sgld_and_buffer_saved_beside_the_model(tmp_path):
+    from types import SimpleNamespace
+
+    from jem_plugin.app.model_files import save_run_sampler
+
+    jm = _model_file(tmp_path / "model.pt")
+    buffer = jem.ReplayBuffer(40, (1, 8, 8), num_classes=10)
+    buffer.initialize(jm.domain, torch.Generator().manual_seed(0))
+    save_run_sampler(tmp_path / "model.pt", SimpleNamespace(sampler=jem.SGLD(steps=3, noise=0.005), buffer=buffer))
+    sgld, loaded = jem.load_sampler(tmp_path / "model.pt")
+    assert (sgld.steps, sgld.noise) == (3, 0.005) and sgld.cuda_graph == jem.SGLD().cuda_graph
+    assert torch.equal(loaded.data, buffer.data) and loaded.num_classes == 10
+    jm = jem.load(tmp_path / "model.pt")
+    x0 = loaded.init_dist.sample(4, loaded.sample_shape, jm.domain)
+    assert sgld.sample(jm, x_init=x0).shape == (4, 1, 8, 8)
+    assert sgld.sample(jm, 4, buffer=loaded, y=torch.arange(4)).shape == (4, 1, 8, 8)
+    with pytest.raises(jem.CheckpointError, match="no sampler file") as err:
+        jem.load_sampler(_model_path(tmp_path / "model_baseline.pt"))
+    assert err.value.reason == "missing"
+
+
 def test_a_missing_file_is_one_line(tmp_path):
     with pytest.raises(jem.CheckpointError, match="no model file at") as err:
         jem.load(tmp_path / "nothing.pt")
