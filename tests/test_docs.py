@@ -195,3 +195,16 @@ def test_documented_jem_commands_parse() -> None:
             flag = word.split("=", 1)[0]
             if flag.startswith("--"):
                 assert flag in known, f"{where}: `jem {argv[0]}` has no flag {flag}"
+
+
+def test_cli_page_names_only_existing_flags() -> None:
+    """The `jem` command's page names no flag that no subcommand has (in prose too)."""
+    from jem_plugin.app.cli import build_parser
+
+    parser = build_parser()
+    subparsers = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    known = {s for sub in subparsers.values() for a in sub._actions for s in a.option_strings}
+    known |= {s for a in parser._actions for s in a.option_strings}
+    text = (DOCS / "cli.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
+    assert not named - known, f"docs/cli.md names flags no jem command has: {sorted(named - known)}"
