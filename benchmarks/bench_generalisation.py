@@ -461,8 +461,11 @@ def plan(
     others: Sequence[str] | None = None,
     epochs: Sequence[int] | None = None,
     tiny: bool = False,
+    others_everywhere: bool = False,
 ) -> list[dict[str, Any]]:
-    """The cells of a plan (``PLANS[mode]`` with any of its parts replaced), cheapest rows first."""
+    """The cells of a plan (``PLANS[mode]`` with any of its parts replaced), cheapest rows first.
+    ``others_everywhere``: the other recipes on every row, with the plan's seeds and networks (a
+    comparison of recipes), not only on the 150 row."""
     p = PLANS[mode]
     networks = tuple(networks or p["networks"])
     seeds = tuple(p["seeds"] if seeds is None else seeds)
@@ -476,7 +479,9 @@ def plan(
             per_class = per_class_for(name, size, tiny)
             ep = e_small if per_class <= 50 else (e_mid if per_class <= 200 else e_big)
             runs = [(r, seeds, networks) for r in ("baseline", default_recipe())]
-            if size == "150":
+            if others_everywhere:
+                runs += [(r, seeds, networks) for r in others]
+            elif size == "150":
                 runs += [(r, tuple(p["other_seeds"]), other_nets) for r in others]
             for net in networks:
                 for run, run_seeds, nets in runs:
@@ -823,6 +828,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--sizes", nargs="*", default=None, choices=list(SIZES))
     p.add_argument("--others", nargs="*", default=None, help="recipes besides the default on the 150 row")
     p.add_argument("--with-paper", action="store_true", help="add the paper recipe to the others")
+    p.add_argument(
+        "--others-everywhere",
+        action="store_true",
+        help="the other recipes on every row, with the plan's seeds and networks (to compare recipes)",
+    )
     p.add_argument("--epochs", nargs=3, type=int, default=None, metavar=("E40", "E150", "EFULL"))
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", default=None, help="default benchmarks/results/generalisation/{quick,full}")
@@ -840,7 +850,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     mode = "quick" if a.quick else "full"
     out_dir = a.out or os.path.join(RESULTS, mode)
     others = a.others if a.others is not None else other_recipes(a.with_paper)
-    cells = plan(mode, a.datasets, a.networks, a.seeds, a.sizes, others, a.epochs)
+    cells = plan(
+        mode, a.datasets, a.networks, a.seeds, a.sizes, others, a.epochs, others_everywhere=a.others_everywhere
+    )
     if not a.summary_only:
         run(cells, out_dir, workers=a.workers, grids=a.grids, retry_failed=a.retry_failed)
     if a.probe_speed:
