@@ -55,10 +55,10 @@ def load(path: str | Path, device: Any = None) -> JEM:
     e.g. a factory module that cannot be imported, named with how to make it importable).
     """
     jm, spec = read_model_file(path, device)
-    # Plain attributes, not module state (torch types Module.__setattr__ for tensors and modules).
-    jm.classes = list(spec.get("classes") or [str(i) for i in range(spec["num_classes"])])  # type: ignore[assignment]
+    # Plain attributes declared on JEM, not module state.
+    jm.classes = list(spec.get("classes") or [str(i) for i in range(spec["num_classes"])])
     temperature = spec.get("temperature")
-    jm.temperature = float(temperature) if temperature is not None else None  # type: ignore[assignment]
+    jm.temperature = float(temperature) if temperature is not None else None
     return jm
 
 

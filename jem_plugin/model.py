@@ -48,6 +48,11 @@ class JEM(nn.Module):
     #: ``logpx_sgld``, ...) warn once when it is not ``True``; set it for a model trained as a JEM
     #: elsewhere. Not part of ``state_dict()``.
     trained_px: bool | None = None
+    #: The class names of a model read by :func:`jem_plugin.load` (``None`` otherwise).
+    classes: list[str] | None = None
+    #: The temperature ``jem train`` kept for calibrated probabilities, ``softmax(jm(x) / T)``,
+    #: as :func:`jem_plugin.load` reads it; ``None`` when none was kept (or not a loaded model).
+    temperature: float | None = None
 
     def __init__(self, model: nn.Module, adapter: Adapter, check_finite: bool = True) -> None:
         super().__init__()
