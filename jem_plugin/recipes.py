@@ -17,10 +17,7 @@ full; ``jem train``'s flags and ``--config`` keys are this tree's flat names (:f
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import types
-import typing
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +28,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from ._checks import unpack_batch
+from ._config_tree import ConfigTree
 from .buffer import ReplayBuffer
 from .covariance import COVARIANCE_KINDS, Full, Stationary
 from .errors import InvalidInputError, UnknownNameError
@@ -335,57 +333,24 @@ class Recipe:
 
     def flat(self) -> dict[str, Any]:
         """Every setting by its flat name (``sgld_steps``, ``init_covariance``, ``lr``, ...): what
-        ``jem train``'s flags and ``--config`` keys set. Union choices read as their kind."""
-        out: dict[str, Any] = {}
-        for name, (path, kinds) in _flat_table().items():
-            value = _get_path(self, path)
-            if value is _MISSING:
-                continue
-            out[name] = _kind_of(value) if kinds is not None else value  # a union choice reads as its kind
-        return out
+        ``jem train``'s flags and ``--config`` keys set. A choice (``init``) reads as its kind."""
+        return _TREE.flat(self)
 
     def replace(self, **changes: Any) -> Recipe:
         """A copy with settings changed by flat name, e.g. ``replace(sgld_steps=10, init="gaussian",
         init_covariance="lowrank", init_rank=8)``. A kind (``init``, ``init_covariance``) is set
         before the settings inside it; a setting the current kind lacks is refused."""
-        changes = _translate_old_names(changes, stacklevel=3)
-        table = _flat_table()
-        unknown = sorted(set(changes) - set(table))
-        if unknown:
-            raise InvalidInputError(
-                f"recipe {self.name!r}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(table)}"
-            )
-        recipe = self
-        # kinds first (outer before inner), then plain values
-        order = sorted(changes, key=lambda n: (0 if table[n][1] is not None else 1, len(table[n][0])))
-        for name in order:
-            path, kinds = table[name]
-            value = changes[name]
-            if kinds is not None:
-                if value not in kinds:
-                    raise InvalidInputError(f"{name} must be one of {', '.join(kinds)}, got {value!r}")
-                current = _get_path(recipe, path)
-                if _is_spec(current) and _kind_of(current) == value:
-                    continue  # keep its settings
-                value = kinds[value]()
-            elif _get_path(recipe, path) is _MISSING:
-                owner = _get_path(recipe, path[:-1])
-                raise InvalidInputError(
-                    f"recipe {self.name!r}: {name} does not apply to {_describe(owner)}; set the kind first "
-                    f"({_kind_flag_for(name)})"
-                )
-            recipe = _set_path(recipe, path, value)
-        return recipe
+        return _TREE.replace(self, _translate_old_names(changes, stacklevel=3), f"recipe {self.name!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """The recipe as plain data (JSON, ``weights_only`` checkpoints); :meth:`from_dict` reads it back."""
-        return _to_plain(self)
+        return _TREE.to_plain(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Recipe:
         """The recipe :meth:`to_dict` wrote."""
         try:
-            return _from_plain(cls, data)
+            return _TREE.from_plain(cls, data)
         except (TypeError, KeyError) as exc:
             raise InvalidInputError(f"not a recipe written by Recipe.to_dict: {exc}") from None
 
@@ -509,7 +474,7 @@ class Recipe:
     # ------------------------------------------------------------------ the old flat spelling
     def __getattr__(self, name: str) -> Any:
         # Only reached for names the tree lacks: the flat fields of the recipe before the tree.
-        table = _flat_table()
+        table = _TREE.table()
         new = DEPRECATED_NAMES.get(name, name)
         if name.startswith("_") or new not in table:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -615,15 +580,17 @@ def _examples(data: Any, limit: int) -> tuple[Tensor, Tensor | None]:
     )
 
 
-# ---------------------------------------------------------------------------- the tree, walked
-# Flat names: a section's settings are prefixed with its section's name (sampler -> sgld), except the
-# loss's and the optimiser's, which are read bare (lr, px_weight); a field's "flag" metadata names it
-# outright; the settings inside a union choice (init, init_covariance) take the choice's prefix.
-_PREFIX = {"sampler": "sgld", "buffer": "buffer", "sam": "sam", "loss": "", "optim": ""}
-_UNIONS: dict[tuple[type, str], dict[str, type]] = {
-    (BufferConfig, "init"): INIT_SPECS,
-    (Gaussian, "covariance"): COVARIANCE_KINDS,
-}
+# ---------------------------------------------------------------------------- the tree's flat names
+# A section's settings are prefixed with its section's name (sampler -> sgld), except the loss's and
+# the optimiser's, read bare (lr, px_weight); a field's "flag" metadata names it outright; the
+# settings inside a choice (init, init_covariance) take the choice's prefix (init_rank).
+_TREE = ConfigTree(
+    Recipe,
+    prefixes={"sampler": "sgld", "buffer": "buffer", "sam": "sam", "loss": "", "optim": ""},
+    unions={(BufferConfig, "init"): INIT_SPECS, (Gaussian, "covariance"): COVARIANCE_KINDS},
+    tagged=(Poly,),
+    skip=("name", "summary"),
+)
 # Old flat names: still accepted for one release, with a DeprecationWarning naming the new one.
 # jem train's flags of the same names are translated with this table too.
 DEPRECATED_NAMES = {
@@ -637,136 +604,10 @@ DEPRECATED_NAMES = {
 DEPRECATED_BATCHNORM = {"eval": "joint", "batch": "separate"}
 
 
-class _Missing:
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-_MISSING: Any = _Missing()
-
-
-_KINDS: tuple[type, ...] = (*INIT_SPECS.values(), *COVARIANCE_KINDS.values(), Poly)
-
-
-def _is_spec(value: Any) -> bool:
-    """Whether ``value`` is one choice of a union (an init spec, a covariance, a schedule)."""
-    return isinstance(value, _KINDS)
-
-
-def _kind_of(value: Any) -> str:
-    """The kind of a union choice (``"gaussian"``, ``"lowrank"``, ...)."""
-    return str(value.kind)
-
-
-def _describe(value: Any) -> str:
-    return f"{type(value).__name__.lower()} {_kind_of(value)!r}" if _is_spec(value) else type(value).__name__
-
-
-def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
-    hints = typing.get_type_hints(cls)
-    return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
-
-
-def _walk(cls: type, path: tuple[str, ...], prefix: str, table: dict[str, tuple[tuple[str, ...], dict | None]]) -> None:
-    for f, hint in _fields(cls):
-        sub = path + (f.name,)
-        if (cls, f.name) in _UNIONS:
-            kinds = _UNIONS[(cls, f.name)]
-            name = f.metadata.get("flag") or (f"{prefix}_{f.name}" if prefix else f.name)
-            table[name] = (sub, kinds)
-            inner = name if f.metadata.get("flag") else prefix
-            for member in kinds.values():
-                _walk(member, sub, inner, table)
-            continue
-        if dataclasses.is_dataclass(hint) and isinstance(hint, type):
-            _walk(hint, sub, _PREFIX.get(f.name, f.name), table)
-            continue
-        name = f.metadata.get("flag") or (f"{prefix}_{f.name}" if prefix else f.name)
-        table.setdefault(name, (sub, None))
-
-
-_TABLE: dict[str, tuple[tuple[str, ...], dict | None]] = {}
-
-
-def _flat_table() -> dict[str, tuple[tuple[str, ...], dict | None]]:
-    """``{flat name: (path in the tree, kinds for a union choice or None)}``, walked once."""
-    if not _TABLE:
-        table: dict[str, tuple[tuple[str, ...], dict | None]] = {}
-        for f, hint in _fields(Recipe):
-            if f.name in ("name", "summary"):
-                continue
-            if dataclasses.is_dataclass(hint) and isinstance(hint, type):
-                _walk(hint, (f.name,), _PREFIX[f.name], table)
-            else:
-                table[f.name] = ((f.name,), None)
-        _TABLE.update(table)
-    return _TABLE
-
-
 def flat_names() -> dict[str, dict[str, Any]]:
-    """Every recipe setting by flat name: ``{name: {"help", "type", "choices", "optional"}}``, read
-    from the tree's fields (``jem train`` derives its flags from this)."""
-    out: dict[str, dict[str, Any]] = {}
-    for name, (path, kinds) in _flat_table().items():
-        owner_cls, f, hint = _field_at(path)
-        info: dict[str, Any] = {"help": f.metadata.get("help", ""), "path": ".".join(path)}
-        if kinds is not None:
-            info.update(type=str, choices=list(kinds), optional=False)
-        else:
-            info.update(_scalar_type(hint))
-        out[name] = info
-    return out
-
-
-def _field_at(path: tuple[str, ...]) -> tuple[type, dataclasses.Field, Any]:
-    cls: type = Recipe
-    for i, part in enumerate(path):
-        fields = {f.name: (f, h) for f, h in _fields(cls)}
-        if part not in fields:  # inside a union: find the member that has it
-            raise KeyError(part)
-        f, hint = fields[part]
-        if i == len(path) - 1:
-            return cls, f, hint
-        if (cls, part) in _UNIONS:
-            rest = path[i + 1]
-            cls = next(m for m in _UNIONS[(cls, part)].values() if rest in {g.name for g in dataclasses.fields(m)})
-        else:
-            cls = hint
-    raise KeyError(path)
-
-
-def _scalar_type(hint: Any) -> dict[str, Any]:
-    args = typing.get_args(hint)
-    origin = typing.get_origin(hint)
-    optional = type(None) in args
-    if origin is Literal:
-        return {"type": str, "choices": list(args), "optional": False}
-    if origin in (typing.Union, types.UnionType):
-        plain = [a for a in args if a is not type(None) and not dataclasses.is_dataclass(a)]
-        return {"type": plain[0] if plain else str, "choices": None, "optional": optional}
-    return {"type": hint, "choices": None, "optional": False}
-
-
-def _get_path(obj: Any, path: tuple[str, ...]) -> Any:
-    for part in path:
-        if not (dataclasses.is_dataclass(obj) and part in {f.name for f in dataclasses.fields(obj)}):
-            return _MISSING
-        obj = getattr(obj, part)
-    return obj
-
-
-def _set_path(obj: Any, path: tuple[str, ...], value: Any) -> Any:
-    if len(path) == 1:
-        return dataclasses.replace(obj, **{path[0]: value})
-    return dataclasses.replace(obj, **{path[0]: _set_path(getattr(obj, path[0]), path[1:], value)})
-
-
-def _kind_flag_for(name: str) -> str:
-    path = _flat_table()[name][0]
-    for other, (p, kinds) in _flat_table().items():
-        if kinds is not None and path[: len(p)] == p:
-            candidate = other
-    return candidate
+    """Every recipe setting by flat name: ``{name: {"help", "path", "type", "choices", "optional"}}``,
+    read from the tree's fields (``jem train`` derives its flags from this)."""
+    return _TREE.describe()
 
 
 def _translate_old_names(changes: Mapping[str, Any], stacklevel: int) -> dict[str, Any]:
@@ -786,35 +627,6 @@ def _translate_old_names(changes: Mapping[str, Any], stacklevel: int) -> dict[st
             value = DEPRECATED_BATCHNORM[value]
         out[new] = value
     return out
-
-
-def _to_plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        body = {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        return {"kind": _kind_of(value), **body} if _is_spec(value) else body
-    if isinstance(value, tuple):
-        return [_to_plain(v) for v in value]
-    return value
-
-
-def _from_plain(cls: type, data: Mapping[str, Any]) -> Any:
-    kwargs: dict[str, Any] = {}
-    for f, hint in _fields(cls):
-        if f.name not in data:
-            continue
-        value = data[f.name]
-        if (cls, f.name) in _UNIONS and isinstance(value, Mapping):
-            body = dict(value)
-            member = _UNIONS[(cls, f.name)][body.pop("kind")]
-            value = _from_plain(member, body)
-        elif isinstance(value, Mapping) and "kind" in value and value["kind"] == Poly.kind:
-            body = dict(value)
-            body.pop("kind")
-            value = Poly(**body)
-        elif dataclasses.is_dataclass(hint) and isinstance(hint, type):
-            value = _from_plain(hint, value)
-        kwargs[f.name] = value
-    return cls(**kwargs)
 
 
 # ---------------------------------------------------------------------------- the presets
