@@ -313,6 +313,26 @@ def test_gen_is_the_papers_formula():
     torch.testing.assert_close(ood.score(jm, logits, "gen", M=2).double(), torch.tensor(top2).double())
 
 
+def test_gen_keeps_confident_inputs_apart_where_float32_saturates():
+    """A confident model's top probability rounds to exactly 1 in float32: the top class's term
+    ``p^g (1 - p)^g`` is then 0 for all of them. GEN is computed from the logits in log space, so
+    ``1 - p`` is the others' probability mass: the term matches a float64 reference and orders the
+    inputs by how confident they are."""
+    logits = torch.zeros(5, 10)
+    logits[:, 0] = torch.tensor([40.0, 45.0, 50.0, 60.0, 80.0])  # the top probability: 1.0 in float32
+    assert (logits.softmax(1)[:, 0] == 1.0).all()
+    jm = jem.wrap(lambda x: x, num_classes=10, data_range=(-100.0, 100.0))
+    g = 0.1
+    p = logits.double().softmax(1)
+    rest = p[:, 1:].sum(1)  # 1 - p_top, exactly: the nine others' (tiny) probabilities
+    expected = -(p[:, 0] ** g * rest**g + (p[:, 1:] ** g * (1 - p[:, 1:]) ** g).sum(1))
+    scores = ood.score(jm, logits, "gen")
+    torch.testing.assert_close(scores.double(), expected, rtol=1e-6, atol=0.0)
+    naive_top = logits.softmax(1)[:, 0] ** g * (1 - logits.softmax(1)[:, 0]) ** g
+    assert (naive_top == 0).all()  # what float32 gives the top class
+    assert torch.all(scores[1:] > scores[:-1])  # more confident, more in-distribution
+
+
 def test_scores_separate_far_inputs_from_the_fit_data(setup):
     """Higher = in-distribution: far-away inputs score lower on average (the distance-based
     detectors; ReAct is an energy, which an untrained network does not order this way)."""

@@ -249,16 +249,27 @@ def odin(jm: Any, x: Tensor, temperature: float = 1000.0, eps: float = 0.0014) -
 
 def gen(jm: Any, x: Tensor, gamma: float = 0.1, M: int | None = None) -> Tensor:
     """GEN (Liu et al. 2023): ``-sum_{j <= M} p_j^gamma (1 - p_j)^gamma`` over the ``M`` largest
-    softmax probabilities (``M = min(K, 100)`` by default), as the authors' code computes it (a
-    sum, no clamping of ``p``)."""
+    softmax probabilities (``M = min(K, 100)`` by default), a sum as the authors' code computes it.
+
+    Computed from the logits in log space, in float64: ``1 - p`` of the top class is the sum of
+    the other classes' probabilities, so a confident model's inputs, whose top probability rounds
+    to exactly 1 in float32, keep distinct scores instead of all scoring 0 (tied), and no clamp of
+    ``p`` shifts them (pytorch-ood clamps to ``[1e-7, 1 - 1e-7]`` and averages, a constant factor).
+    """
     if not float(gamma) > 0:
         raise ValueError(f"gamma must be positive, got {gamma!r}")
-    p = torch.softmax(jm.logits(x).float(), dim=1)
-    m = min(p.shape[1], 100) if M is None else int(M)
-    if not 1 <= m <= p.shape[1]:
-        raise ValueError(f"M must be in [1, {p.shape[1]}] (the number of classes), got {M!r}")
-    top = p.topk(m, dim=1).values if m < p.shape[1] else p
-    return -(top.pow(gamma) * (1.0 - top).pow(gamma)).sum(dim=1)
+    logp = torch.log_softmax(jm.logits(x).double(), dim=1)
+    k = logp.shape[1]
+    m = min(k, 100) if M is None else int(M)
+    if not 1 <= m <= k:
+        raise ValueError(f"M must be in [1, {k}] (the number of classes), got {M!r}")
+    top = logp.topk(m, dim=1).values  # descending: column 0 is the top class
+    # log(1 - p): log1p(-p) is exact for p <= 1/2, which every class but the top one is; for the top
+    # class, the log of the others' summed probabilities.
+    log_rest = torch.log1p(-top.exp().clamp(max=0.5))
+    others = logp.scatter(1, logp.argmax(dim=1, keepdim=True), float("-inf"))
+    log_rest[:, 0] = torch.where(top[:, 0] > -math.log(2.0), torch.logsumexp(others, dim=1), log_rest[:, 0])
+    return -torch.exp(gamma * (top + log_rest)).sum(dim=1).float()
 
 
 def ash(jm: Any, x: Tensor, percentile: float = 90.0) -> Tensor:
