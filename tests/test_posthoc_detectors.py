@@ -291,14 +291,14 @@ def test_odin_runs_in_eval_mode_under_no_grad_and_inference_mode(setup):
 
 
 def test_gen_equals_pytorch_ood_up_to_its_mean(setup):
-    """pytorch-ood averages over the top M (ours sums, as the authors' code) and clamps ``p`` to
-    ``[1e-7, 1 - 1e-7]`` (ours does not); with probabilities inside that range ours = ``-M`` theirs."""
+    """pytorch-ood averages over the top M (ours sums, as the authors' code); both clamp ``p`` to
+    ``[1e-7, 1 - 1e-7]``: ours = ``-M`` theirs, also for saturated and tiny probabilities."""
     jm, _, _, _, x_test, *_ = setup
-    logits = jm.logits(x_test).detach()
-    assert logits.softmax(1).min() > 1e-7
-    for m in (2, K):
-        ref = _po().GEN(None, gamma=0.1, M=m).predict_logits(logits)
-        torch.testing.assert_close(ood.score(jm, x_test, "gen", M=m) / m, -ref, rtol=1e-4, atol=1e-5)
+    for logits in (jm.logits(x_test).detach(), torch.linspace(0, 60, 10).repeat(4, 1) * torch.rand(4, 1)):
+        net = jem.wrap(lambda x: x, num_classes=logits.shape[1], data_range=(-100.0, 100.0))
+        for m in (2, logits.shape[1]):
+            ref = _po().GEN(None, gamma=0.1, M=m).predict_logits(logits)
+            torch.testing.assert_close(ood.score(net, logits, "gen", M=m) / m, -ref, rtol=1e-4, atol=1e-5)
 
 
 def test_gen_is_the_papers_formula():
@@ -311,6 +311,8 @@ def test_gen_is_the_papers_formula():
     torch.testing.assert_close(ood.score(jm, logits, "gen").double(), torch.tensor(expected).double())
     top2 = [-sum(p**g * (1 - p) ** g for p in row) for row in ([0.7, 0.2], [0.4, 0.35])]
     torch.testing.assert_close(ood.score(jm, logits, "gen", M=2).double(), torch.tensor(top2).double())
+    with pytest.raises(ValueError, match="clamp"):
+        ood.score(jm, logits, "gen", clamp=0.5)
 
 
 def test_gen_keeps_confident_inputs_apart_where_float32_saturates():
@@ -326,7 +328,7 @@ def test_gen_keeps_confident_inputs_apart_where_float32_saturates():
     p = logits.double().softmax(1)
     rest = p[:, 1:].sum(1)  # 1 - p_top, exactly: the nine others' (tiny) probabilities
     expected = -(p[:, 0] ** g * rest**g + (p[:, 1:] ** g * (1 - p[:, 1:]) ** g).sum(1))
-    scores = ood.score(jm, logits, "gen")
+    scores = ood.score(jm, logits, "gen", clamp=0.0)  # the formula exactly
     torch.testing.assert_close(scores.double(), expected, rtol=1e-6, atol=0.0)
     naive_top = logits.softmax(1)[:, 0] ** g * (1 - logits.softmax(1)[:, 0]) ** g
     assert (naive_top == 0).all()  # what float32 gives the top class
