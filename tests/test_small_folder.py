@@ -138,3 +138,39 @@ def test_the_model_file_says_whether_log_px_was_trained(trained_run, tmp_path):
     assert main([*args, "--baseline", "--batch-size", "32", "--out", str(base), "--quiet"]) == 0
     jb, _ = load_model_checkpoint(str(base / "model.pt"))
     assert jb.trained_px is False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "per_class, model, expected",
+    [(20, "resnet10t", "fast"), (80, "resnet10t", "generative"), (20, "nobn:build", "generative")],
+)
+def test_jem_train_picks_the_recipe_that_held_accuracy_at_the_datas_size(
+    tmp_path, capsys, monkeypatch, per_class, model, expected
+):
+    """At 40 images per class `generative` lost accuracy against the baseline on a BatchNorm network
+    where `fast` held it; on a network without BatchNorm both lost (benchmarks/README.md). With no
+    --recipe, small data on a BatchNorm network gets `fast`, and the console says why."""
+    from jem_plugin.recipes import SMALL_DATA_PER_CLASS
+
+    (tmp_path / "nobn.py").write_text(
+        "import torch.nn as nn\n"
+        "def build(num_classes, **options):\n"
+        "    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.GELU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),"
+        " nn.Linear(8, num_classes))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    folder = write_digits_folder(tmp_path / "d", classes=[0, 1], per_class=per_class, size=8)
+    out = tmp_path / "run"
+    args = ["train", "--data", f"folder:{folder}", "--model", model, "--image-size", "16", "--epochs", "1"]
+    assert main([*args, "--batch-size", "16", "--sgld-steps", "1", "--val-fraction", "0.2", "--out", str(out)]) == 0
+    spec = json.loads((out / "spec.json").read_text())
+    assert spec["recipe"]["name"] == expected
+    said = (
+        f"recipe fast: the smallest class has {int(per_class * 0.8)} training images (at most {SMALL_DATA_PER_CLASS})"
+    )
+    assert (said in capsys.readouterr().out) == (expected == "fast")
+    override = tmp_path / "run2"
+    flags = ["--recipe", "generative", "--batch-size", "16", "--sgld-steps", "1", "--out", str(override), "--quiet"]
+    assert main([*args, *flags]) == 0
+    assert json.loads((override / "spec.json").read_text())["recipe"]["name"] == "generative"

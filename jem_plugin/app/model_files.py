@@ -215,7 +215,7 @@ def check_training_split(
         few = [str(names[c]) for c, n in enumerate(counts) if n < 2]
         raise CLIError(
             f"--data {data}: class {', '.join(few)} has one training image, too few to fit the recipe's per-class "
-            "Gaussian init; add images, or use --recipe fast (uniform init)"
+            "Gaussian init; add images, or use --recipe paper (uniform init)"
         )
     per_epoch = len(ds) // batch_size
     if per_epoch < 10:

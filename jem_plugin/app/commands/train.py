@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ... import distributed as jdist
@@ -15,7 +17,18 @@ from ... import training
 from ..._checks import model_device
 from ...extensions import Decision, RecomputeBatchNorm
 from ...inits import Uniform
-from ...recipes import DEFAULT_RECIPE, DEPRECATED_BATCHNORM, DEPRECATED_NAMES, RECIPES, Recipe, flat_names, get_recipe
+from ...recipes import (
+    DEFAULT_RECIPE,
+    DEPRECATED_BATCHNORM,
+    DEPRECATED_NAMES,
+    RECIPES,
+    SMALL_DATA_PER_CLASS,
+    SMALL_DATA_RECIPE,
+    Recipe,
+    default_recipe_for,
+    flat_names,
+    get_recipe,
+)
 from .. import CLIError, post_training
 from ..experiments import dataset_sample_quality
 from ..model_files import (
@@ -24,6 +37,7 @@ from ..model_files import (
     check_inputs,
     check_resume,
     check_training_split,
+    dataset_labels,
     drop_buffer_from_checkpoints,
     load_data,
     model_spec,
@@ -82,8 +96,9 @@ def add_recipe_flags(p: argparse.ArgumentParser) -> None:
         )
 
 
-def recipe_from_args(args: argparse.Namespace, quiet: bool = False) -> Recipe:
-    """The ``--recipe`` with the settings given as flags (or ``--config`` keys) applied."""
+def recipe_from_args(args: argparse.Namespace, quiet: bool = False, name: str | None = None) -> Recipe:
+    """The ``--recipe`` (or ``name``, the one chosen for the data) with the settings given as flags
+    (or ``--config`` keys) applied."""
     changes = {name: getattr(args, name) for name in flat_names() if getattr(args, name, None) is not None}
     for old, new in OLD_FLAGS.items():
         value = getattr(args, "old_" + old, None)
@@ -99,7 +114,7 @@ def recipe_from_args(args: argparse.Namespace, quiet: bool = False) -> Recipe:
         changes["sgld_batchnorm"] = _OLD_BATCHNORM[value]
     if "buffer_capacity" in changes and "buffer_visits" not in changes:
         changes["buffer_visits"] = None  # the size asked for, not one for the run
-    return get_recipe(args.recipe).replace(**changes)
+    return get_recipe(name or args.recipe or DEFAULT_RECIPE).replace(**changes)
 
 
 def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -143,8 +158,10 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     p.add_argument(
         "--recipe",
         choices=sorted(RECIPES),
-        default=DEFAULT_RECIPE,
-        help=f"JEM recipe (default: {DEFAULT_RECIPE}; fast keeps calibration, its samples barely move at 32x32)",
+        default=None,
+        help=f"JEM recipe (default: {SMALL_DATA_RECIPE} for a BatchNorm network whose smallest class has at most "
+        f"{SMALL_DATA_PER_CLASS} training images, else {DEFAULT_RECIPE}: the one that held accuracy there in "
+        "benchmarks/README.md)",
     )
     p.add_argument(
         "--epochs",
@@ -199,18 +216,16 @@ def run(args) -> int:
 
 def _train(args, info) -> int:
     dev, out = info.device, _out_dir(args.out or "runs/jem")
-    recipe = recipe_from_args(args, quiet=not info.is_main or args.baseline)
     # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(args.seed)
     ds, domain, k, shape = load_data(
         args.data, train=True, image_size=args.image_size, seed=args.seed, skip_bad=args.skip_bad_images
     )
-    recipe, notes = recipe.for_inputs(shape)
-    for note in notes if info.is_main and not args.baseline else ():
-        print(f"jem train: {note}")
     ds, val, held_out, data_classes = _held_out_split(args, ds, k)
-    # Data that cannot train (one class, a class left without images) is refused before anything else.
-    informative = not isinstance(recipe.buffer.init, Uniform)
+    # Data that cannot train (one class, a class left without images) is refused before anything else
+    # (both candidate defaults fit a per-class init: the check does not wait for the choice below).
+    provisional = recipe_from_args(args, quiet=True, name=args.recipe or DEFAULT_RECIPE)
+    informative = not isinstance(provisional.buffer.init, Uniform)
     advice = check_training_split(
         ds, k, args.batch_size, data=args.data, fits_init=not args.baseline and informative, classes=data_classes
     )
@@ -222,6 +237,10 @@ def _train(args, info) -> int:
     jm = wrap_for_data(build_model(args.model, k, shape[0], options), spec).to(dev)
     x0, y0 = next(iter(DataLoader(ds, batch_size=2)))[:2]
     check_inputs(jm, x0, spec, args.data)
+    recipe = _choose_recipe(args, info, ds, jm)
+    recipe, notes = recipe.for_inputs(shape)
+    for note in notes if info.is_main and not args.baseline else ():
+        print(f"jem train: {note}")
     before = check_resume(out, spec, no_resume=args.no_resume)
     done = _finished(out, epochs) if before is not None else None
     if done:
@@ -309,6 +328,20 @@ def interrupted(args) -> str:
             "from the newest, --no-resume to start over"
         )
     return "no checkpoint was written yet: run the same command again to start the run"
+
+
+def _choose_recipe(args, info, ds, jm) -> Recipe:
+    """The ``--recipe``, or the one that held accuracy for data of this size on this kind of network."""
+    smallest = min(Counter(dataset_labels(ds)).values(), default=0)
+    batchnorm = any(isinstance(m, _BatchNorm) for m in jm.modules())
+    chosen = args.recipe or default_recipe_for(smallest, batchnorm)
+    if args.recipe is None and chosen != DEFAULT_RECIPE and info.is_main and not args.baseline:
+        print(
+            f"jem train: recipe {chosen}: the smallest class has {smallest} training images (at most "
+            f"{SMALL_DATA_PER_CLASS}) and the network has BatchNorm, where {DEFAULT_RECIPE} lost accuracy and "
+            f"{chosen} held it (benchmarks/README.md); --recipe {DEFAULT_RECIPE} to choose it anyway"
+        )
+    return recipe_from_args(args, quiet=not info.is_main or args.baseline, name=chosen)
 
 
 def _held_out_split(args, ds, k):
