@@ -135,14 +135,24 @@ def _read_json(path: str, default: Any = None) -> Any:
         return json.load(f)
 
 
-def default_recipe() -> str:
-    """What ``jem train`` uses with no recipe flag."""
-    return R.DEFAULT_RECIPE
+def default_recipe(per_class: int | None = None, net: str | None = None) -> str:
+    """What ``jem train`` uses with no recipe flag for ``per_class`` training images per class on
+    the network ``net`` (:func:`jem_plugin.recipes.default_recipe_for`); with neither, the general
+    default (:data:`jem_plugin.recipes.DEFAULT_RECIPE`)."""
+    if per_class is None or net is None:
+        return R.DEFAULT_RECIPE
+    return R.default_recipe_for(per_class, batchnorm="BN" in NORMS.get(net, ""))
+
+
+def defaults_for(per_class: int, net: str) -> list[str]:
+    """The recipes every cell of a row runs beside the baseline: ``jem train``'s choice and, where
+    the size rule picks another, the general default too (what the rule is judged against)."""
+    return list(dict.fromkeys([default_recipe(per_class, net), default_recipe()]))
 
 
 def other_recipes(with_paper: bool = False) -> list[str]:
-    """Every registered recipe but the default (``paper``, 20 steps on 64 chains from noise, only
-    when asked: about 4x the default's time per iteration)."""
+    """Every registered recipe but the general default (``paper``, 20 steps on 64 chains from noise,
+    only when asked: about 4x the default's time per iteration)."""
     return [r for r in R.RECIPES if r != default_recipe() and (with_paper or r != "paper")]
 
 
@@ -478,12 +488,12 @@ def plan(
         for name in datasets:
             per_class = per_class_for(name, size, tiny)
             ep = e_small if per_class <= 50 else (e_mid if per_class <= 200 else e_big)
-            runs = [(r, seeds, networks) for r in ("baseline", default_recipe())]
-            if others_everywhere:
-                runs += [(r, seeds, networks) for r in others]
-            elif size == "150":
-                runs += [(r, tuple(p["other_seeds"]), other_nets) for r in others]
             for net in networks:
+                runs = [(r, seeds, networks) for r in ("baseline", *defaults_for(per_class, net))]
+                if others_everywhere:
+                    runs += [(r, seeds, networks) for r in others]
+                elif size == "150":
+                    runs += [(r, tuple(p["other_seeds"]), other_nets) for r in others]
                 for run, run_seeds, nets in runs:
                     if net not in nets:
                         continue
@@ -579,7 +589,7 @@ def summarise(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "epochs": ep,
             "seeds": paired,
             "failed": {s: seeds[s].get("error") or base_all[s].get("error") for s in paired if s not in ok},
-            "default": run == default_recipe(),
+            "default": run == default_recipe(pc, net),
         }
         if ok:
             rr, bb = [seeds[s] for s in ok], [base_all[s] for s in ok]
@@ -692,7 +702,7 @@ def to_markdown(entries: Sequence[dict[str, Any]], refs: dict[str, Any], title: 
     if default:
         counts = {k: sum(e["targets"][k] for e in default) for k in ("accuracy", "auroc", "fd")}
         lines.append(
-            f"- default recipe (`{default_recipe()}`) meets: accuracy {counts['accuracy']}/{len(default)} rows, "
+            f"- default recipe (`jem train`'s choice per row, in bold) meets: accuracy {counts['accuracy']}/{len(default)} rows, "
             f"AUROC {counts['auroc']}/{len(default)}, buffer FD {counts['fd']}/{len(default)}; all three on "
             f"{sum(all(e['targets'].values()) for e in default)}/{len(default)}"
         )

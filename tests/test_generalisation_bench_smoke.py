@@ -99,7 +99,7 @@ def test_the_plan():
     assert len(names) == len(cells)
     for c in cells:  # every recipe cell has its baseline: same data, size, network, seed and epochs
         assert B.cell_name({**c, "run": "baseline"}) in names
-    others = {c["per_class"] for c in cells if c["run"] not in ("baseline", B.default_recipe())}
+    others = {c["per_class"] for c in cells if c["run"] not in ("baseline", *B.defaults_for(c["per_class"], c["net"]))}
     digits_all = B.pool_per_class("digits32")
     assert others == {150, digits_all}, "the other recipes run on the ~150-per-class row (the digits have no more)"
     full = B.plan("full")
@@ -114,6 +114,22 @@ def test_the_plan():
         ("textures", 150),
         ("textures", 500),
     }
+
+
+def test_each_cell_runs_jem_trains_choice_and_the_general_default_beside_it():
+    cells = B.plan("full", sizes=["40", "150"], networks=["resnet10t", "convnext_atto"], seeds=[0])
+    runs = {(c["per_class"], c["net"]): set() for c in cells}
+    for c in cells:
+        if c["dataset"] == "textures":
+            runs[(c["per_class"], c["net"])].add(c["run"])
+    # a BatchNorm network on 40 images per class: jem train picks the small-data recipe, and the
+    # general default runs beside it so the table shows what the size rule changed
+    assert B.default_recipe(40, "resnet10t") == "fast" != B.default_recipe()
+    assert {"baseline", "fast", B.default_recipe()} <= runs[(40, "resnet10t")]
+    assert B.default_recipe(40, "convnext_atto") == B.default_recipe()  # LayerNorm: the general default
+    assert B.default_recipe(150, "resnet10t") == B.default_recipe()
+    (e,) = B.summarise([_row("baseline", 0, 0.9, (0.5,) * 4), _row("fast", 0, 0.9, (0.5,) * 4)])
+    assert e["default"], "on resnet10t at 40 per class the table marks fast as the default"
 
 
 def _row(run, seed, acc, auroc, fd=None, init_fd=100.0):
