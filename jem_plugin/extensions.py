@@ -94,8 +94,9 @@ class Decision:
         return asdict(self)
 
 
-def _held_out(jm: nn.Module, data: Any) -> tuple[Tensor, Tensor]:
-    """Logits and labels of ``jm`` (eval mode) on ``(x, y)`` tensors or a loader of batches."""
+def held_out_logits(jm: nn.Module, data: Any) -> tuple[Tensor, Tensor]:
+    """Logits (float32, on the CPU) and labels of ``jm`` in eval mode on ``(x, y)`` tensors or a
+    loader of labelled batches: what every keep-only-when-not-worse decision scores."""
     jm.eval()
     dev = model_device(jm) or torch.device("cpu")
     batches = (
@@ -152,12 +153,12 @@ def recompute_batchnorm(jm: nn.Module, loader: Iterable, held_out: Any) -> Decis
         )
     was_training = jm.training
     saved = [{k: v.clone() for k, v in m.state_dict().items()} for m in norms]
-    before = _accuracy_nll(*_held_out(jm, held_out)) if scored else None
+    before = _accuracy_nll(*held_out_logits(jm, held_out)) if scored else None
     update_bn(loader, jm, device=model_device(jm))
     average_batchnorm_statistics(jm)  # each rank saw its own shard
     n, after = 0, None
     if scored:
-        logits, labels = _held_out(jm, held_out)
+        logits, labels = held_out_logits(jm, held_out)
         n, after = len(labels), _accuracy_nll(logits, labels)
     keep = _agree(after is not None and before is not None and (after[0], -after[1]) >= (before[0], -before[1]))
     if not keep:

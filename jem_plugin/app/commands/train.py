@@ -14,8 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ... import distributed as jdist
 from ... import training
-from ..._checks import model_device
-from ...extensions import Decision, RecomputeBatchNorm
+from ...extensions import Decision, RecomputeBatchNorm, held_out_logits
 from ...inits import Uniform
 from ...recipes import (
     DEFAULT_RECIPE,
@@ -444,7 +443,7 @@ def _report(args, info, jm, setup, history, ds, val, val_loader, spec, out, doma
             )
         )
     if scored:
-        final_logits = _held_out_logits(jm, val_loader)
+        final_logits = held_out_logits(jm, val_loader)
         temperature, c = post_training.choose_temperature(*final_logits)
         record["calibration"] = c
         print(
@@ -472,14 +471,6 @@ def _report(args, info, jm, setup, history, ds, val, val_loader, spec, out, doma
     if "held_out" in record:
         print(f"held-out accuracy {record['held_out']['accuracy']:.3f} (the saved model, after the steps above)")
     print(f"model: {out / 'model.pt'}  (metrics.json and history.json beside it)")
-
-
-def _held_out_logits(jm, loader) -> tuple[torch.Tensor, torch.Tensor]:
-    jm.eval()
-    dev = model_device(jm)
-    with torch.no_grad():
-        logits, labels = zip(*[(jm.logits(xb.to(dev)).float().cpu(), yb) for xb, yb in loader])
-    return torch.cat(logits), torch.cat(labels)
 
 
 def _accuracy(z: torch.Tensor, y: torch.Tensor) -> float:
