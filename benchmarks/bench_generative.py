@@ -66,9 +66,12 @@ import jem_plugin as jem  # noqa: E402
 from jem_plugin.app.data import digits_tensors, photo_patches, transposed, uniform_noise  # noqa: E402
 from jem_plugin.extensions import FitInitFromBatches  # noqa: E402
 from jem_plugin.inits import Uniform  # noqa: E402
-from jem_plugin.recipes import Recipe, get_recipe  # noqa: E402
+from jem_plugin.recipes import OptimConfig, Recipe, get_recipe  # noqa: E402
 from jem_plugin.sam import SAM  # noqa: E402
 from jem_plugin.sample_quality import chain_trace, reference_points, sample_quality, train_judge  # noqa: E402
+
+#: the optimiser's flat setting names (``lr``, ...): overrides that also reach the baseline
+OPTIM_NAMES = frozenset(f.name for f in dataclasses.fields(OptimConfig))
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generative")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -289,7 +292,8 @@ def train_run(
     net = SamplesInEvalMode(model) if bn_mode == "eval" else model
     jm = jem.wrap(net, **S["wrap_kw"])
     r = recipe_for(run, quick, bn_mode, overrides)
-    base = r or get_recipe("fast")
+    # the baseline trains with the fast preset's optimiser, and the same optimiser overrides
+    base = r or get_recipe("fast").replace(**{k: v for k, v in (overrides or {}).items() if k in OPTIM_NAMES})
     n_batches = math.ceil(len(S["x"]) / batch_size)
     total = epochs * n_batches
     opt = base.optim.build(model.parameters())
@@ -341,6 +345,7 @@ def train_run(
         "train_wall_s": time.perf_counter() - t_wall,
         "iterations": total,
         "buffer_slots": loss_fn.buffer.capacity if loss_fn is not None else None,
+        "lr": base.optim.lr,
     }
     model.eval()
     jm_eval = jem.wrap(model, **S["wrap_kw"])  # evaluation on the bare model

@@ -132,6 +132,25 @@ def test_each_cell_runs_jem_trains_choice_and_the_general_default_beside_it():
     assert e["default"], "on resnet10t at 40 per class the table marks fast as the default"
 
 
+def test_a_networks_learning_rate_reaches_its_baseline_and_recipes_and_names_its_cells(monkeypatch):
+    monkeypatch.setitem(B.NETWORK_LR, "lcnet_050", 3e-3)
+    cells = B.plan("full", datasets=["textures"], sizes=["40"], networks=["lcnet_050", "resnet10t"], seeds=[0])
+    lcnet = [c for c in cells if c["net"] == "lcnet_050"]
+    assert lcnet and all(c["lr"] == 3e-3 and B.cell_name(c).endswith("_lr0.003") for c in lcnet)
+    assert all("lr" not in c for c in cells if c["net"] == "resnet10t")  # the recipes' own 3e-4
+    # the baseline trains with the fast preset's optimiser: an lr override must reach it too
+    S = {
+        "model": "test_resnet",
+        "wrap_kw": {},
+        "shift": 0,
+        "x": torch.rand(20, 3, 32, 32),
+        "y": torch.arange(20) % 10,
+    }
+    for run in ("baseline", "fast"):
+        res = B.G.train_run(S, run, 1, batch_size=10, overrides={"lr": 3e-3}, fit_init="train")
+        assert res["cost"]["lr"] == 3e-3, run
+
+
 def _row(run, seed, acc, auroc, fd=None, init_fd=100.0):
     r = dict(
         dataset="textures",
