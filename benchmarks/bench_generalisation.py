@@ -104,8 +104,8 @@ NORMS = {
 #: 3e-4 (the baseline and every recipe of the cell use it, as ``jem train --lr``). Chosen by
 #: ``--tune-lr`` on the tune set only: the baseline's *validation* accuracy on 40 digits per class,
 #: seed 0 (results/generalisation/lr_tuning/); every other network keeps 3e-4.
-NETWORK_LR: dict[str, float] = {}
-TUNE_LRS = (3e-4, 1e-3, 3e-3)
+NETWORK_LR: dict[str, float] = {"lcnet_050": 1e-2, "wrn10-1": 3e-3, "vit": 1e-3}
+TUNE_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
 SIZES = ("40", "150", "full")
 OOD_NAMES = ("noise", "photos", "near", "other")
 BATCH = 64
