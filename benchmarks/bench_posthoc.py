@@ -29,7 +29,8 @@ Set-up:
 Measured: AUROC (in-distribution positive; AUPR and FPR95 in the JSON) per score and set; the
 time per 1000 images of one pass over all sets; for each detector both libraries have, the
 largest difference between our scores and pytorch-ood's at matched settings (ASH at 90% and
-SCALE at 85%, our defaults; ViM at our principal dimension) and the throughput of both on the
+SCALE at 85%, our defaults; ViM at our principal dimension; OpenMax on float64 logits with every
+class predicted in each batch, :class:`EveryClassOpenMax`) and the throughput of both on the
 same 512 images (interleaved rounds, median of paired ratios). Targets of issue 29, per network.
 
     python -m benchmarks.bench_posthoc            # ~35 CPU minutes on one thread
@@ -94,6 +95,9 @@ SHARED = {
     "react": "ReAct",
     "ash": "ASH",
     "scale": "SCALE",
+    "gmm": "GMM",
+    "mahalanobis_odin": "MahalanobisODIN",
+    "openmax": "OpenMax",
 }
 TARGET_MARGIN = 0.005  # best of ours >= best of pytorch-ood - this, per set
 EQUAL_TOL = 1e-4  # shared detectors: max |ours - theirs| <= EQUAL_TOL * max(1, max |ours|)
@@ -337,8 +341,36 @@ def pytorch_ood_detectors(model: nn.Module, feature_dim: int) -> dict[str, tuple
     }
 
 
+class EveryClassOpenMax:
+    """pytorch-ood's ``OpenMax`` as ours computes it (for the equality check only): on float64
+    logits (its shifted Weibull tails are float32 otherwise, rounded at 1e-3), and with one extra
+    row per class appended to each batch, predicted as that class, its scores dropped (it measures
+    the distance only to the classes some input of the batch is predicted as, 0 for the others)."""
+
+    requires_fit = True
+
+    def __init__(self, model: nn.Module) -> None:
+        from pytorch_ood import detector as D
+
+        self.model = model
+        self.det = D.OpenMax(None)
+
+    def fit(self, loader: DataLoader) -> EveryClassOpenMax:
+        with torch.no_grad():
+            logits = torch.cat([self.model(x).double() for x, _ in loader])
+        self.det.fit_logits(logits, torch.cat([y for _, y in loader]))
+        return self
+
+    def predict(self, x: Tensor) -> Tensor:
+        logits = self.model(x).double()
+        k = logits.shape[1]
+        anchors = torch.eye(k, dtype=logits.dtype) * (logits.abs().max() + 1.0)  # row c: predicted as c
+        return self.det.predict_logits(torch.cat([logits, anchors]))[: len(x)]
+
+
 #: pytorch-ood at our settings where its own differ (for the equality check only): ASH and
-#: SCALE on the penultimate features (ours) at our percentiles.
+#: SCALE on the penultimate features (ours) at our percentiles; OpenMax on float64 logits with
+#: every class predicted in each batch (:class:`EveryClassOpenMax`).
 def matched_detectors(model: nn.Module) -> dict[str, Callable[[], Any]]:
     from pytorch_ood import detector as D
 
@@ -346,6 +378,7 @@ def matched_detectors(model: nn.Module) -> dict[str, Callable[[], Any]]:
     return {
         "ASH": lambda: D.ASH(flat, flat_head, variant="ash-s", percentile=0.90),
         "SCALE": lambda: D.SCALE(flat, flat_head, percentile=0.85),
+        "OpenMax": lambda: EveryClassOpenMax(model),
     }
 
 
@@ -512,6 +545,10 @@ def score_network(
             "max_auroc_diff": au_diff,
             "non_finite_pairs": int((~ok).sum()),
         }
+        if t in matched:  # pytorch-ood's AUROCs at our settings, beside its defaults' in the table
+            equality[ours_name]["auroc_theirs_matched"] = {
+                k: ood.evaluate(s_t["in"], s_t[k])["auroc"] for k in main_sets
+            }
     throughput = time_shared(jm, model, D, feats_dim, s_main, timing_n, timing_repeats)
     return {
         "kind": kind,
@@ -802,6 +839,8 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"{res['wall_s'] / 60:.0f} wall minutes.",
         "",
     ]
+    if res.get("note"):  # results merged from several runs (networks rerun): which comes from which
+        lines += [res["note"], ""]
     twins = res.get("jem_twins") or {}
     for name, net in res["networks"].items():
         lines += [

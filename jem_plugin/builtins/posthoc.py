@@ -27,7 +27,8 @@ Feature detectors fitted on in-distribution training data are classes (registere
 ``data`` (a DataLoader, any iterable of batches, a tensor, or an ``(x, y)`` pair of tensors): it
 keeps running sums, never the whole set, except KNN's bank of normalised features (``max_fit=``
 keeps a uniform subsample) and a bounded uniform subsample where a statistic needs the data
-itself (ReAct's percentile, ViM's alpha).
+itself (ReAct's percentile, ViM's alpha). OpenMax streams twice (class means, then the distances
+to them), so its data must be iterable twice (not a one-shot generator).
 
 ====================  ==============================================================  ==========
 name                  score                                                           fit keeps
@@ -41,6 +42,13 @@ knn                   ``-||z/|z| - n_k||``, distance to the k-th nearest normali
                       training feature (Sun et al. 2022; ``k = 50``)
 react                 energy of the head on features clipped at the ``p``-th            a sample
                       percentile of training activations (Sun et al. 2021; ``p = 90``)
+mahalanobis_odin      mahalanobis at ``x' = x - eps sign(d/dx min_c d_c(x))``, Lee      ``D x D``
+                      et al.'s input preprocessing (input gradient; ``eps = 0.002``)
+gmm                   ``log sum_c pi_c N(z | mu_c, S_c + reg I)``, one covariance       ``K x D x D``
+                      per class, ``pi_c`` the class frequencies (``reg = 1e-6``)
+openmax               ``-P(unknown)`` once the top ``alpha`` logits are revised by      ``K x K``
+                      per-class Weibull fits of their distances to the class mean
+                      logits (Bendale & Boult 2016; ``tailsize = 25``, ``alpha = 10``)
 ====================  ==============================================================  ==========
 
 Features are :meth:`jem_plugin.JEM.features` (penultimate, ``[B, D]``); the "head" is
@@ -65,7 +73,20 @@ from ..errors import InvalidInputError, InvalidLabelError, NoFeaturesError, NotF
 from ..model import as_jem, input_grad_enabled, sampling_mode
 from ..plugins import hookimpl
 
-__all__ = ["odin", "gen", "ash", "scale", "Mahalanobis", "RelativeMahalanobis", "ViM", "KNN", "ReAct"]
+__all__ = [
+    "odin",
+    "gen",
+    "ash",
+    "scale",
+    "Mahalanobis",
+    "RelativeMahalanobis",
+    "MahalanobisODIN",
+    "GMM",
+    "ViM",
+    "KNN",
+    "ReAct",
+    "OpenMax",
+]
 
 
 # ---------------------------------------------------------------------- helpers
@@ -216,10 +237,58 @@ def _whitener(cov: Tensor) -> Tensor:
     return evecs[:, keep] / evals[keep].sqrt()
 
 
+def _input_step(core: Any, x: Tensor, g: Tensor, eps: float) -> Tensor:
+    """``x - eps * sign(g) * (high - low)``: ODIN's input step against the gradient ``g`` of a loss,
+    ``eps`` in units of the ``[0, 1]`` pixel range (``eps / std`` for normalised images, as the
+    ODIN and Mahalanobis code divide the gradient sign by the normalisation's std)."""
+    xd = x.detach()
+    lo, hi = core.domain.bounds(xd) if xd.dim() >= 2 else (0.0, 1.0)
+    return xd - float(eps) * g.sign().to(xd.dtype) * (hi - lo)
+
+
 def _sq_dists(a: Tensor, b: Tensor) -> Tensor:
     """``[A, B]`` squared Euclidean distances, by the expansion (one matmul, no ``[A, B, D]``)."""
     d = a.pow(2).sum(1, keepdim=True) - 2.0 * (a @ b.T) + b.pow(2).sum(1).unsqueeze(0)
     return d.clamp_min_(0.0)
+
+
+#: libMR's shift: a Weibull tail is fitted to the distances moved to start at this value.
+_WEIBULL_SHIFT = 10_000.0
+
+
+def _weibull_fit(x: Tensor, valid: Tensor, iters: int = 100) -> tuple[Tensor, Tensor]:
+    """Maximum-likelihood Weibull fits with location 0 to the rows of ``x`` ``[R, t]`` (positive;
+    entries where ``valid`` is False left out): ``(shape, scale)``, ``[R]`` each, float64.
+
+    The shape ``c`` solves ``1/c + mean(log x) - sum(x^c log x) / sum(x^c) = 0`` (its left side
+    decreases in ``c``), by bisection in ``log c`` over ``[1e-6, 1e12]``, all rows at once;
+    ``scale = mean(x^c)^(1/c)``. scipy's ``weibull_min.fit(x, floc=0)`` and
+    ``exponweib.fit(x, floc=0, f0=1)`` (pytorch-ood's) find the same maximum with a generic
+    optimiser. A row of equal values has no finite maximum: it gets the largest shape, a step at
+    that value."""
+    x = x.double()
+    m = x.masked_fill(~valid, -math.inf).amax(dim=1, keepdim=True)
+    t = torch.where(valid, (x / m).log(), torch.zeros_like(x))  # log(x / max) <= 0: no overflow in x^c
+    n = valid.sum(dim=1).to(x.dtype)
+    mean_t = t.sum(dim=1) / n
+    lo = torch.full_like(mean_t, math.log(1e-6))
+    hi = torch.full_like(mean_t, math.log(1e12))
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        c = mid.exp()
+        w = torch.softmax((c.unsqueeze(1) * t).masked_fill(~valid, -math.inf), dim=1)  # x^c / sum x^c
+        rising = 1.0 / c + mean_t - (w * t).sum(dim=1) > 0
+        lo, hi = torch.where(rising, mid, lo), torch.where(rising, hi, mid)
+    c = (0.5 * (lo + hi)).exp()
+    ct = (c.unsqueeze(1) * t).masked_fill(~valid, -math.inf)
+    scale = m.squeeze(1) * ((torch.logsumexp(ct, dim=1) - n.log()) / c).exp()
+    return c, scale
+
+
+def _weibull_cdf(x: Tensor, shape: Tensor, scale: Tensor) -> Tensor:
+    """``1 - exp(-(x / scale)^shape)`` for ``x > 0``, else 0 (float64, broadcast)."""
+    u = shape * (x.clamp_min(torch.finfo(x.dtype).tiny).log() - scale.log())
+    return torch.where(x > 0, -torch.expm1(-u.exp()), torch.zeros_like(x))
 
 
 # ---------------------------------------------------------------------- function scores
@@ -240,9 +309,7 @@ def odin(jm: Any, x: Tensor, temperature: float = 1000.0, eps: float = 0.0014) -
         logits = core.logits(xg) / t
         loss = F.cross_entropy(logits, logits.argmax(1), reduction="sum")
         (g,) = torch.autograd.grad(loss, xg)
-    xd = x.detach()
-    lo, hi = core.domain.bounds(xd) if xd.dim() >= 2 else (0.0, 1.0)
-    x_hat = xd - float(eps) * g.sign().to(xd.dtype) * (hi - lo)
+    x_hat = _input_step(core, x, g, eps)
     with torch.no_grad():
         return torch.softmax(core.logits(x_hat) / t, dim=1).max(dim=1).values
 
@@ -339,22 +406,39 @@ class _FittedDetector:
         """
         core = as_jem(jm, f"{self.name}.fit")
         self._begin(core)
-        for feats, logits, y in _features_of(
-            core, data, batch_size=batch_size, progress=progress, input_key=input_key, desc=f"fit {self.name}"
-        ):
-            self._add(feats, logits, y)
+        self._stream(core, data, self._add, batch_size=batch_size, progress=progress, input_key=input_key)
         self._finish(core)
         self.fitted = True
         return self
 
-    def score(self, jm: Any, x: Tensor) -> Tensor:
-        """``[B]`` scores of the batch ``x``, higher = more in-distribution (no autograd graph).
-        The model runs in the mode it is in; :func:`jem_plugin.ood.score` puts it in eval mode."""
+    def _stream(
+        self,
+        core: Any,
+        data: Any,
+        add: Callable[[Tensor, Tensor, Tensor | None], None],
+        *,
+        batch_size: int,
+        progress: bool | None,
+        input_key: str | None,
+        desc: str | None = None,
+    ) -> None:
+        """One pass over ``data``: ``add(features, logits, labels or None)`` per batch."""
+        for feats, logits, y in _features_of(
+            core, data, batch_size=batch_size, progress=progress, input_key=input_key, desc=desc or f"fit {self.name}"
+        ):
+            add(feats, logits, y)
+
+    def _check_fitted(self) -> None:
         if not self.fitted:
             raise NotFittedError(
                 f"the {self.name} detector is not fitted: call .fit(jm, train_loader) first, or "
                 f"jem.ood.score(jm, data, {self.name!r}, fit_data=train_loader)"
             )
+
+    def score(self, jm: Any, x: Tensor) -> Tensor:
+        """``[B]`` scores of the batch ``x``, higher = more in-distribution (no autograd graph).
+        The model runs in the mode it is in; :func:`jem_plugin.ood.score` puts it in eval mode."""
+        self._check_fitted()
         core = as_jem(jm, f"{self.name}.score")
         with torch.no_grad():
             feats, logits = core.features(x)
@@ -372,7 +456,36 @@ class _FittedDetector:
         raise NotImplementedError
 
 
-class Mahalanobis(_FittedDetector):
+class _ClassConditional(_FittedDetector):
+    """A detector fitted per class: labels from the data (``labels="true"``, ``(x, y)`` batches)
+    or the model's predictions (``labels="predicted"``, for unlabelled data)."""
+
+    labels: str
+
+    def _set_labels(self, labels: str) -> None:
+        if labels not in ("true", "predicted"):
+            raise ValueError(f"labels must be 'true' (from the data) or 'predicted', got {labels!r}")
+        self.labels = labels
+
+    def _options(self) -> dict[str, Any]:
+        return {"labels": self.labels}
+
+    def _labels(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> Tensor:
+        """The batch's class labels, ``long`` on the features' device, checked against the logits."""
+        k = logits.shape[1]
+        if self.labels == "predicted":
+            y = logits.argmax(dim=1)
+        elif y is None:
+            raise InvalidLabelError(
+                f"{self.name} is class-conditional and the fit data holds no labels: yield (x, y) "
+                f"batches, or pass labels='predicted' to use the model's predictions"
+            )
+        y = y.to(device=feats.device, dtype=torch.long).reshape(-1)
+        check_label_range(y, k, what=f"{self.name} fit labels")
+        return y
+
+
+class Mahalanobis(_ClassConditional):
     """Mahalanobis distance to the closest class mean under a shared covariance (Lee et al. 2018),
     on the penultimate features, without input preprocessing or feature ensembles:
     ``score(z) = -min_c (z - mu_c)^T Sigma^+ (z - mu_c)`` with ``Sigma`` the within-class
@@ -393,12 +506,7 @@ class Mahalanobis(_FittedDetector):
 
     def __init__(self, labels: str = "true") -> None:
         super().__init__()
-        if labels not in ("true", "predicted"):
-            raise ValueError(f"labels must be 'true' (from the data) or 'predicted', got {labels!r}")
-        self.labels = labels
-
-    def _options(self) -> dict[str, Any]:
-        return {"labels": self.labels}
+        self._set_labels(labels)
 
     def _begin(self, jm: Any) -> None:
         self._shift: Tensor | None = None
@@ -408,15 +516,7 @@ class Mahalanobis(_FittedDetector):
 
     def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
         k = logits.shape[1]
-        if self.labels == "predicted":
-            y = logits.argmax(dim=1)
-        elif y is None:
-            raise InvalidLabelError(
-                f"{self.name} is class-conditional and the fit data holds no labels: yield (x, y) "
-                f"batches, or pass labels='predicted' to use the model's predictions"
-            )
-        y = y.to(device=feats.device, dtype=torch.long).reshape(-1)
-        check_label_range(y, k, what=f"{self.name} fit labels")
+        y = self._labels(feats, logits, y)
         z = feats.double()
         if self._shift is None:
             self._shift = z.mean(dim=0)
@@ -477,6 +577,166 @@ class RelativeMahalanobis(Mahalanobis):
         z0 = (feats - self._centre.to(feats.device)) @ self._w0.to(feats.device)
         md0 = (z0 - self._mean0_w.to(feats.device)).pow(2).sum(dim=1)
         return -(self._class_dists(feats).min(dim=1).values - md0)
+
+
+class MahalanobisODIN(Mahalanobis):
+    """:class:`Mahalanobis` with Lee et al.'s input preprocessing (2018): the input is moved by
+    ``eps`` against the gradient sign of its squared distance to the closest class mean,
+    ``x' = x - eps * sign(d/dx (z(x) - mu_c)^T Sigma^+ (z(x) - mu_c))``, and scored as
+    :class:`Mahalanobis` scores ``x'``. Fitted as :class:`Mahalanobis` (the same streaming fit and
+    state); scoring costs a forward and a backward pass more (an input gradient: ``needs_grad``).
+
+    ``eps`` is in units of the ``[0, 1]`` pixel range, as :func:`odin`'s: the step is
+    ``eps * (high - low)`` per channel of the model's domain, i.e. pytorch-ood's ``eps`` with
+    ``norm_std`` for normalised images; its default (0.002) is pytorch-ood's. ``eps=0`` is
+    :class:`Mahalanobis`.
+
+    pytorch-ood's ``MahalanobisODIN`` returns its ``Mahalanobis`` score of ``x'``: ours is ``-2 N``
+    times its outlier score (the scale of :class:`Mahalanobis`). It takes the gradient with its
+    ridge-regularised inverse of the summed covariance, ours with the pseudo-inverse of the
+    covariance: the same step where the features span their space, a different one where units
+    are dead or collinear (its ridge then weighs the empty directions by ~1e6).
+    """
+
+    name = "mahalanobis_odin"
+    needs_grad = True
+
+    def __init__(self, eps: float = 0.002, labels: str = "true") -> None:
+        super().__init__(labels)
+        value = float(eps)
+        if not (value >= 0.0 and math.isfinite(value)):
+            raise ValueError(f"eps must be a non-negative finite number, got {eps!r}")
+        self.eps = value
+
+    def _options(self) -> dict[str, Any]:
+        return {"eps": self.eps, **super()._options()}
+
+    def perturb(self, jm: Any, x: Tensor) -> Tensor:
+        """``x'``: the batch moved by ``eps`` towards its closest class mean (the model in the
+        mode it is in; works under ``no_grad`` and ``inference_mode``)."""
+        self._check_fitted()
+        core = as_jem(jm, f"{self.name}.score")
+        with input_grad_enabled(x) as xg:
+            feats, _ = core.features(xg)
+            zw = (feats.float() - self._centre.to(feats.device)) @ self._w.to(feats.device)
+            means_w = self._means_w.to(feats.device)
+            nearest = _sq_dists(zw.detach(), means_w).argmin(dim=1)
+            loss = (zw - means_w[nearest]).pow(2).sum()
+            (g,) = torch.autograd.grad(loss, xg)
+        return _input_step(core, x, g, self.eps)
+
+    def score(self, jm: Any, x: Tensor) -> Tensor:
+        """``[B]`` scores of the preprocessed batch ``x'`` (see :meth:`perturb`), higher = more
+        in-distribution."""
+        self._check_fitted()
+        return super().score(jm, self.perturb(jm, x) if self.eps > 0 else x)
+
+
+class GMM(_ClassConditional):
+    """Class-conditional Gaussian mixture: one Gaussian per class, with its own mean ``mu_c`` and
+    covariance ``Sigma_c`` (the squared deviations from the class mean over ``N_c``, plus ``reg I``),
+    weighted by the class frequency ``pi_c = N_c / N``; the score is the log-likelihood of the
+    features under the mixture, ``log sum_c pi_c N(z | mu_c, Sigma_c)``. Unlike
+    :class:`Mahalanobis` (one shared covariance, the closest class), each class has its own shape
+    and all classes count.
+
+    ``fit`` keeps per-class sums and one ``D x D`` sum of outer products per class, in float64
+    around the first batch's mean (``K x D x D``, independent of the data's size), and ends with a
+    Cholesky factorisation per class; a covariance that is not positive definite even with
+    ``reg`` raises ``ValueError``. Scoring is in float32 (the whitening ``L_c^-T`` of each class,
+    classes in chunks: memory ``B x chunk_classes x D``). Labels as for :class:`Mahalanobis`;
+    classes absent from the fit data are left out of the mixture.
+
+    The same as pytorch-ood's ``GMM`` (its outlier score is ``-score``: its defaults, the same
+    ``reg`` and covariances), which holds every training feature and scores in float64: ours agree
+    to float32 rounding (relative ~1e-7 on the scores here).
+    """
+
+    name = "gmm"
+
+    def __init__(self, reg: float = 1e-6, labels: str = "true", chunk_classes: int | None = None) -> None:
+        super().__init__()
+        self._set_labels(labels)
+        value = float(reg)
+        if not (value >= 0.0 and math.isfinite(value)):
+            raise ValueError(f"reg must be a non-negative finite number, got {reg!r}")
+        if chunk_classes is not None and (not isinstance(chunk_classes, int) or chunk_classes < 1):
+            raise ValueError(f"chunk_classes must be a positive integer or None, got {chunk_classes!r}")
+        self.reg, self.chunk_classes = value, chunk_classes
+
+    def _options(self) -> dict[str, Any]:
+        return {"reg": self.reg, **super()._options()}
+
+    def _begin(self, jm: Any) -> None:
+        self._shift: Tensor | None = None
+        self._sums: Tensor | None = None
+        self._counts: Tensor | None = None
+        self._outer: Tensor | None = None
+
+    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+        k = logits.shape[1]
+        y = self._labels(feats, logits, y)
+        z = feats.double()
+        if self._shift is None:
+            self._shift = z.mean(dim=0)
+            self._sums = z.new_zeros(k, z.shape[1])
+            self._counts = z.new_zeros(k)
+            self._outer = z.new_zeros(k, z.shape[1], z.shape[1])
+        assert self._sums is not None and self._counts is not None and self._outer is not None
+        z = z - self._shift
+        self._sums.index_add_(0, y, z)
+        counts = torch.bincount(y, minlength=k)
+        self._counts += counts.to(z.dtype)
+        present = counts.nonzero().squeeze(1)
+        # the batch sorted by class, one outer-product update per class in it
+        for c, zc in zip(present.tolist(), z[y.argsort()].split(counts[present].tolist())):
+            self._outer[c].addmm_(zc.T, zc)
+
+    def _finish(self, jm: Any) -> None:
+        assert self._sums is not None and self._counts is not None and self._outer is not None
+        present = (self._counts > 0).nonzero().squeeze(1)
+        d = self._outer.shape[1]
+        eye = torch.eye(d, dtype=self._outer.dtype, device=self._outer.device)
+        whiten, log_det = [], []
+        for c in present.tolist():  # one class at a time: one D x D float64 matrix of scratch
+            n_c = self._counts[c]
+            mean = self._sums[c] / n_c
+            cov = self._outer[c] / n_c - torch.outer(mean, mean)
+            cov = 0.5 * (cov + cov.T) + self.reg * eye
+            chol, info = torch.linalg.cholesky_ex(cov)
+            if int(info) != 0:
+                raise ValueError(
+                    f"gmm: the covariance of class {c} is not positive definite ({int(n_c.item())} fit inputs, "
+                    f"{d}-d features); increase reg (now {self.reg:g})"
+                )
+            inv = torch.linalg.solve_triangular(chol, eye, upper=False)  # L^-1: |L^-1 v|^2 = v^T Sigma^-1 v
+            whiten.append(inv.T.float())
+            log_det.append(2.0 * chol.diagonal().log().sum())
+        counts = self._counts[present]
+        n = counts.sum()
+        self.classes = present
+        self.n_fit = int(n.item())
+        self._centre = self._shift.float()  # type: ignore[union-attr]  # set by the first batch
+        self._means = (self._sums[present] / counts.unsqueeze(1)).float()  # around the centre
+        self._whiten = torch.stack(whiten)
+        self._const = ((counts / n).log() - 0.5 * (torch.stack(log_det) + d * math.log(2.0 * math.pi))).float()
+        self._sums = self._outer = None
+
+    def log_likelihoods(self, feats: Tensor) -> Tensor:
+        """``[B, C]``: ``log pi_c + log N(z | mu_c, Sigma_c)`` of each feature row and fitted class
+        (:attr:`classes`); the score is their ``logsumexp``."""
+        z = feats.float() - self._centre.to(feats.device)
+        means, whiten = self._means.to(feats.device), self._whiten.to(feats.device)
+        n_cls, d = whiten.shape[0], whiten.shape[1]
+        chunk = self.chunk_classes or max(1, (1 << 24) // max(1, z.shape[0] * d))
+        maha = []
+        for i in range(0, n_cls, chunk):
+            diff = z.unsqueeze(0) - means[i : i + chunk].unsqueeze(1)  # [c, B, D]
+            maha.append(torch.bmm(diff, whiten[i : i + chunk]).pow(2).sum(dim=2).T)
+        return self._const.to(feats.device) - 0.5 * torch.cat(maha, dim=1)
+
+    def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
+        return torch.logsumexp(self.log_likelihoods(feats), dim=1)
 
 
 class ViM(_FittedDetector):
@@ -651,6 +911,155 @@ class ReAct(_FittedDetector):
         return _energy(_head(jm, "react"), feats.clamp(max=self.threshold))
 
 
+class OpenMax(_ClassConditional):
+    """OpenMax (Bendale & Boult 2016) on the logits, as pytorch-ood computes it: for each class
+    ``c`` the mean logit vector ``mu_c`` of its training inputs (the "mean activation vector")
+    and a Weibull fit to the ``tailsize`` largest distances of those inputs to ``mu_c`` (libMR's:
+    location 0, the tail moved to start at 10000). A test input's ``alpha`` largest logits
+    ``v_j`` (rank ``r = 0, 1, ...``) are revised by ``w_j = (alpha - r) / alpha * CDF_j(dist(v,
+    mu_j))``: ``v_j (1 - w_j)`` stays, ``v_0 = sum_j v_j w_j`` is the logit of an "unknown" class;
+    the score is minus the softmax probability of that class (in ``[-1, 0]``, higher =
+    in-distribution). Distances are ``euclid_weight`` times the Euclidean plus ``1 -
+    euclid_weight`` times the cosine distance. Labels as for :class:`Mahalanobis` (all labelled
+    inputs, as pytorch-ood; the paper keeps the correctly classified ones).
+
+    ``fit`` streams over ``data`` twice (two forward passes): the class sums of the logits
+    (``K x K``), then the ``tailsize`` largest distances per class (``K x tailsize``); so the data
+    must be iterable twice (a DataLoader, a tensor, a list; not a one-shot generator). The
+    Weibull fit is the exact maximum-likelihood one (bisection on the likelihood equation,
+    float64), which pytorch-ood's scipy ``exponweib.fit(floc=0, f0=1)`` reaches to its
+    optimiser's tolerance.
+
+    Differences from pytorch-ood's ``OpenMax``: its outlier score is ``-score``; it measures the
+    distance only to the classes that are the top prediction of some input of the same batch
+    (the others count as distance 0, so its scores depend on the batch: equal to ours where each
+    of an input's top ``alpha`` classes is predicted for some input of its batch, e.g. always at
+    ``alpha=1``); it clips the revised logits at 709 before ``exp`` (ours: log-sum-exp, no clip);
+    its class means, distances and shifted tails are float32 (ours float64 from the float32
+    logits).
+    """
+
+    name = "openmax"
+
+    def __init__(self, tailsize: int = 25, alpha: int = 10, euclid_weight: float = 1.0, labels: str = "true") -> None:
+        super().__init__()
+        self._set_labels(labels)
+        for what, v in (("tailsize", tailsize), ("alpha", alpha)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{what} must be a positive integer, got {v!r}")
+        e = float(euclid_weight)
+        if not 0.0 <= e <= 1.0:
+            raise ValueError(f"euclid_weight must be in [0, 1], got {euclid_weight!r}")
+        self.tailsize, self.alpha, self.euclid_weight = tailsize, alpha, e
+
+    def _options(self) -> dict[str, Any]:
+        return {
+            "tailsize": self.tailsize,
+            "alpha": self.alpha,
+            "euclid_weight": self.euclid_weight,
+            **super()._options(),
+        }
+
+    def fit(
+        self,
+        jm: Any,
+        data: Any,
+        *,
+        batch_size: int = 256,
+        progress: bool | None = None,
+        input_key: str | None = None,
+    ) -> OpenMax:
+        """Fit on in-distribution ``data``, streaming over it twice (class means, then the
+        distance tails); returns ``self``. ``data``: a DataLoader or another iterable that can be
+        iterated twice, a tensor, or an ``(x, y)`` pair of tensors."""
+        if isinstance(data, Iterator):
+            raise InvalidInputError(
+                "openmax streams over the fit data twice (class means, then the distances to them) and "
+                f"got a one-shot iterator ({type(data).__name__}): pass a DataLoader, a list of batches or tensors"
+            )
+        core = as_jem(jm, f"{self.name}.fit")
+        options: dict[str, Any] = {"batch_size": batch_size, "progress": progress, "input_key": input_key}
+        self._begin(core)
+        self._stream(core, data, self._add, **options, desc="fit openmax (1/2: class means)")
+        self._set_centres()
+        self._stream(core, data, self._add_tail, **options, desc="fit openmax (2/2: distance tails)")
+        self._finish(core)
+        self.fitted = True
+        return self
+
+    def _begin(self, jm: Any) -> None:
+        self._sums: Tensor | None = None
+        self._counts: Tensor | None = None
+
+    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+        k = logits.shape[1]
+        y = self._labels(logits, logits, y)
+        v = logits.double()
+        if self._sums is None:
+            self._sums, self._counts = v.new_zeros(k, k), v.new_zeros(k)
+        assert self._counts is not None
+        self._sums.index_add_(0, y, v)
+        self._counts += torch.bincount(y, minlength=k).to(v.dtype)
+
+    def _set_centres(self) -> None:
+        assert self._sums is not None and self._counts is not None
+        self._present = self._counts > 0
+        self._centres = self._sums / self._counts.clamp_min(1.0).unsqueeze(1)  # absent classes: 0, never used
+        self._tails = torch.full(
+            (self._sums.shape[0], self.tailsize), -math.inf, dtype=self._sums.dtype, device=self._sums.device
+        )
+
+    def _distance(self, v: Tensor, centres: Tensor) -> Tensor:
+        """Distances of the rows of ``v`` to ``centres`` along the last dimension (broadcast)."""
+        e = self.euclid_weight
+        out = e * (v - centres).norm(dim=-1) if e > 0 else None
+        if e < 1:  # NaN for an all-zero row, as pytorch-ood's
+            cos = 1.0 - (v * centres).sum(dim=-1) / (v.norm(dim=-1) * centres.norm(dim=-1))
+            out = (1.0 - e) * cos if out is None else out + (1.0 - e) * cos
+        assert out is not None
+        return out
+
+    def _add_tail(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+        y = self._labels(logits, logits, y)
+        v = logits.double()
+        d = self._distance(v, self._centres[y])
+        by_class = v.new_full((self._tails.shape[0], v.shape[0]), -math.inf)
+        by_class[y, torch.arange(v.shape[0], device=v.device)] = d
+        self._tails = torch.cat([self._tails, by_class], dim=1).topk(self.tailsize, dim=1).values
+
+    def _finish(self, jm: Any) -> None:
+        valid = self._tails > -math.inf
+        lowest = self._tails.masked_fill(~valid, math.inf).amin(dim=1)
+        present = self._present
+        shape, scale = _weibull_fit(
+            self._tails[present] + _WEIBULL_SHIFT - lowest[present].unsqueeze(1), valid[present]
+        )
+        nan = torch.full_like(lowest, math.nan)
+        self.classes = present.nonzero().squeeze(1)
+        self.n_fit = int(self._counts.sum().item())  # type: ignore[union-attr]  # set by _add
+        self.weibull_shape = nan.masked_scatter(present, shape)
+        self.weibull_scale = nan.masked_scatter(present, scale)
+        self.tail_min = nan.masked_scatter(present, lowest[present])
+        del self._tails, self._sums, self._counts
+
+    def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
+        v = logits.double()
+        a = min(self.alpha, v.shape[1])
+        act, top = v.topk(a, dim=1)  # descending
+        dev = v.device
+        d = self._distance(v.unsqueeze(1), self._centres.to(dev)[top])  # [B, a]
+        cdf = _weibull_cdf(
+            d + _WEIBULL_SHIFT - self.tail_min.to(dev)[top],
+            self.weibull_shape.to(dev)[top],
+            self.weibull_scale.to(dev)[top],
+        )
+        cdf = torch.where(self._present.to(dev)[top], cdf, torch.ones_like(cdf))  # a class never fitted: unknown
+        w = cdf * (a - torch.arange(a, device=dev, dtype=v.dtype)) / a
+        unknown = (act * w).sum(dim=1, keepdim=True)
+        revised = torch.cat([unknown, v.scatter(1, top, act * (1.0 - w))], dim=1)
+        return -torch.softmax(revised, dim=1)[:, 0].float()
+
+
 @hookimpl
 def jem_register_ood_scores(register: Callable[..., None]) -> None:
     register(
@@ -682,6 +1091,20 @@ def jem_register_ood_scores(register: Callable[..., None]) -> None:
         description="Mahalanobis minus the distance under one Gaussian of all data (fit; labels=)",
     )
     register(
+        "mahalanobis_odin",
+        MahalanobisODIN,
+        needs_grad=True,
+        needs_fit=True,
+        description="Mahalanobis after an eps input step towards the closest class mean (fit; eps=0.002, labels=)",
+    )
+    register(
+        "gmm",
+        GMM,
+        needs_grad=False,
+        needs_fit=True,
+        description="log-likelihood under class-conditional Gaussians, one covariance per class (fit; reg=1e-6, labels=)",
+    )
+    register(
         "vim",
         ViM,
         needs_grad=False,
@@ -701,4 +1124,11 @@ def jem_register_ood_scores(register: Callable[..., None]) -> None:
         needs_grad=False,
         needs_fit=True,
         description="ReAct: energy of features clipped at a training percentile (fit; percentile=90)",
+    )
+    register(
+        "openmax",
+        OpenMax,
+        needs_grad=False,
+        needs_fit=True,
+        description="OpenMax: minus the unknown class's probability from Weibull fits of logit distances (fit; tailsize=25, alpha=10)",
     )
