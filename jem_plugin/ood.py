@@ -88,8 +88,8 @@ class Detector(Protocol):
 
 def detector(name: str, **kwargs: Any) -> Any:
     """A new, unfitted detector of the registered score ``name`` that needs fitting
-    (``needs_fit=True``: ``"mahalanobis"``, ``"relative_mahalanobis"``, ``"vim"``, ``"knn"``,
-    ``"react"``, ...), built with ``kwargs``. Fit it with ``.fit(jm, train_loader)``, then pass
+    (``needs_fit=True``: ``"mahalanobis"``, ``"relative_mahalanobis"``, ``"mahalanobis_odin"``,
+    ``"gmm"``, ``"vim"``, ``"knn"``, ``"react"``, ``"openmax"``, ...), built with ``kwargs``. Fit it with ``.fit(jm, train_loader)``, then pass
     it to :func:`score` as ``method`` or call ``.score(jm, x)`` on batches."""
     entry = lookup(_HOOK, name, "OOD score")
     if not entry.get("needs_fit", False):

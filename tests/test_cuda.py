@@ -169,6 +169,27 @@ def _gen(seed=0):
     return torch.Generator(device="cuda").manual_seed(seed)
 
 
+def _score_every_method(jm, x):
+    """Every registered score on ``x``, on its device: the fitted detectors get in-distribution
+    data of every class (fitting them is part of scoring with them)."""
+    dev = x.device
+    fit = (_x(60, device=dev, seed=5), torch.arange(60, device=dev) % 10)  # knn: k = 50
+    for method in jem.ood.available_scores():
+        kw: dict = (
+            {"generator": torch.Generator(device=dev).manual_seed(2), "steps": 2} if method.endswith("_sgld") else {}
+        )
+        if jem.ood.score_info(method)["needs_fit"]:
+            kw["fit_data"] = fit
+        scores = jem.ood.score(jm, x, method, progress=False, **kw)
+        assert scores.shape == (len(x),) and scores.device == dev and torch.isfinite(scores).all(), method
+
+
+@pytest.mark.filterwarnings("ignore::jem_plugin.errors.UntrainedDensityWarning")  # an untrained net, on purpose
+def test_every_score_runs_on_the_cuda_tests_network_on_the_cpu():
+    # the same loop as on the GPU below, so what it asks of each score is checked where CI runs
+    _score_every_method(_jm(SmallConvNet(), (3, 16, 16)), _x())
+
+
 @cuda
 def test_cuda_generator_everywhere():
     _, jm = _cuda_jm()
@@ -183,10 +204,7 @@ def test_cuda_generator_everywhere():
     loss = jem.JEMLoss(sampler=s, generator=_gen(1), class_conditional_px=True, pxy_weight=1.0)
     out = loss(jm, x, y)
     assert torch.isfinite(out.loss)
-    for method in jem.ood.available_scores():
-        kw = {"generator": _gen(2), "steps": 2} if method.endswith("_sgld") else {}
-        scores = jem.ood.score(jm, x, method, progress=False, **kw)
-        assert scores.shape == (8,) and torch.isfinite(scores).all(), method
+    _score_every_method(jm, x)
     adv = jem.robustness.pgd_attack(jm, x, y, eps=0.03, steps=2, generator=_gen(3))
     assert adv.is_cuda
     defended = jem.robustness.SGLDDefense(jm, steps=2, n_chains=2, generator=_gen(4))
