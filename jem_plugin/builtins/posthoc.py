@@ -485,6 +485,36 @@ class _ClassConditional(_FittedDetector):
         return y
 
 
+class _ClassMoments:
+    """Running per-class sums and counts of features and their sums of outer products (one shared
+    ``D x D`` sum, or one per class), in float64 around the first batch's mean: what the Gaussian
+    detectors fit, in memory that does not grow with the data."""
+
+    def __init__(self, per_class_outer: bool) -> None:
+        self.per_class_outer = per_class_outer
+        self.shift: Tensor | None = None
+        self.sums = self.counts = self.outer = torch.empty(0)
+
+    def add(self, feats: Tensor, y: Tensor, k: int) -> None:
+        z = feats.double()
+        if self.shift is None:
+            d = z.shape[1]
+            self.shift = z.mean(dim=0)
+            self.sums, self.counts = z.new_zeros(k, d), z.new_zeros(k)
+            self.outer = z.new_zeros((k, d, d) if self.per_class_outer else (d, d))
+        z = z - self.shift
+        self.sums.index_add_(0, y, z)
+        counts = torch.bincount(y, minlength=k)
+        self.counts += counts.to(z.dtype)
+        if not self.per_class_outer:
+            self.outer.addmm_(z.T, z)
+            return
+        present = counts.nonzero().squeeze(1)
+        # the batch sorted by class, one outer-product update per class in it
+        for c, zc in zip(present.tolist(), z[y.argsort()].split(counts[present].tolist())):
+            self.outer[c].addmm_(zc.T, zc)
+
+
 class Mahalanobis(_ClassConditional):
     """Mahalanobis distance to the closest class mean under a shared covariance (Lee et al. 2018),
     on the penultimate features, without input preprocessing or feature ensembles:
@@ -509,41 +539,27 @@ class Mahalanobis(_ClassConditional):
         self._set_labels(labels)
 
     def _begin(self, jm: Any) -> None:
-        self._shift: Tensor | None = None
-        self._sums: Tensor | None = None
-        self._counts: Tensor | None = None
-        self._outer: Tensor | None = None
+        self._moments = _ClassMoments(per_class_outer=False)
 
     def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
-        k = logits.shape[1]
-        y = self._labels(feats, logits, y)
-        z = feats.double()
-        if self._shift is None:
-            self._shift = z.mean(dim=0)
-            self._sums = z.new_zeros(k, z.shape[1])
-            self._counts = z.new_zeros(k)
-            self._outer = z.new_zeros(z.shape[1], z.shape[1])
-        assert self._sums is not None and self._counts is not None and self._outer is not None
-        z = z - self._shift
-        self._sums.index_add_(0, y, z)
-        self._counts += torch.bincount(y, minlength=k).to(z.dtype)
-        self._outer.addmm_(z.T, z)
+        self._moments.add(feats, self._labels(feats, logits, y), logits.shape[1])
 
     def _finish(self, jm: Any) -> None:
-        assert self._sums is not None and self._counts is not None and self._outer is not None
-        present = self._counts > 0
-        sums, counts = self._sums[present], self._counts[present]
+        m = self._moments
+        assert m.shift is not None, "fit saw no data"
+        present = m.counts > 0
+        sums, counts = m.sums[present], m.counts[present]
         n = counts.sum()
         means = sums / counts.unsqueeze(1)  # around the shift
-        within = (self._outer - sums.T @ means) / n
+        within = (m.outer - sums.T @ means) / n
         w = _whitener(0.5 * (within + within.T))
         self.classes = present.nonzero().squeeze(1)
         self.n_fit = int(n.item())
         self._w = w.float()
-        self._centre = self._shift.float()  # type: ignore[union-attr]  # set by the first batch
+        self._centre = m.shift.float()
         self._means_w = (means @ w).float()
-        self._total = (self._sums.sum(0), n)  # for the relative variant
-        self._sums = self._outer = None
+        self._total = (m.sums.sum(0), n)  # for the relative variant
+        del self._moments
 
     def _class_dists(self, feats: Tensor) -> Tensor:
         zw = (feats - self._centre.to(feats.device)) @ self._w.to(feats.device)
@@ -563,9 +579,8 @@ class RelativeMahalanobis(Mahalanobis):
     name = "relative_mahalanobis"
 
     def _finish(self, jm: Any) -> None:
-        outer = self._outer
+        outer = self._moments.outer  # the finish below lets go of the running sums
         super()._finish(jm)
-        assert outer is not None
         total, n = self._total
         mean0 = total / n
         cov0 = outer / n - torch.outer(mean0, mean0)
@@ -668,40 +683,22 @@ class GMM(_ClassConditional):
         return {"reg": self.reg, **super()._options()}
 
     def _begin(self, jm: Any) -> None:
-        self._shift: Tensor | None = None
-        self._sums: Tensor | None = None
-        self._counts: Tensor | None = None
-        self._outer: Tensor | None = None
+        self._moments = _ClassMoments(per_class_outer=True)
 
     def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
-        k = logits.shape[1]
-        y = self._labels(feats, logits, y)
-        z = feats.double()
-        if self._shift is None:
-            self._shift = z.mean(dim=0)
-            self._sums = z.new_zeros(k, z.shape[1])
-            self._counts = z.new_zeros(k)
-            self._outer = z.new_zeros(k, z.shape[1], z.shape[1])
-        assert self._sums is not None and self._counts is not None and self._outer is not None
-        z = z - self._shift
-        self._sums.index_add_(0, y, z)
-        counts = torch.bincount(y, minlength=k)
-        self._counts += counts.to(z.dtype)
-        present = counts.nonzero().squeeze(1)
-        # the batch sorted by class, one outer-product update per class in it
-        for c, zc in zip(present.tolist(), z[y.argsort()].split(counts[present].tolist())):
-            self._outer[c].addmm_(zc.T, zc)
+        self._moments.add(feats, self._labels(feats, logits, y), logits.shape[1])
 
     def _finish(self, jm: Any) -> None:
-        assert self._sums is not None and self._counts is not None and self._outer is not None
-        present = (self._counts > 0).nonzero().squeeze(1)
-        d = self._outer.shape[1]
-        eye = torch.eye(d, dtype=self._outer.dtype, device=self._outer.device)
+        m = self._moments
+        assert m.shift is not None, "fit saw no data"
+        present = (m.counts > 0).nonzero().squeeze(1)
+        d = m.outer.shape[1]
+        eye = torch.eye(d, dtype=m.outer.dtype, device=m.outer.device)
         whiten, log_det = [], []
         for c in present.tolist():  # one class at a time: one D x D float64 matrix of scratch
-            n_c = self._counts[c]
-            mean = self._sums[c] / n_c
-            cov = self._outer[c] / n_c - torch.outer(mean, mean)
+            n_c = m.counts[c]
+            mean = m.sums[c] / n_c
+            cov = m.outer[c] / n_c - torch.outer(mean, mean)
             cov = 0.5 * (cov + cov.T) + self.reg * eye
             chol, info = torch.linalg.cholesky_ex(cov)
             if int(info) != 0:
@@ -712,15 +709,15 @@ class GMM(_ClassConditional):
             inv = torch.linalg.solve_triangular(chol, eye, upper=False)  # L^-1: |L^-1 v|^2 = v^T Sigma^-1 v
             whiten.append(inv.T.float())
             log_det.append(2.0 * chol.diagonal().log().sum())
-        counts = self._counts[present]
+        counts = m.counts[present]
         n = counts.sum()
         self.classes = present
         self.n_fit = int(n.item())
-        self._centre = self._shift.float()  # type: ignore[union-attr]  # set by the first batch
-        self._means = (self._sums[present] / counts.unsqueeze(1)).float()  # around the centre
+        self._centre = m.shift.float()
+        self._means = (m.sums[present] / counts.unsqueeze(1)).float()  # around the centre
         self._whiten = torch.stack(whiten)
         self._const = ((counts / n).log() - 0.5 * (torch.stack(log_det) + d * math.log(2.0 * math.pi))).float()
-        self._sums = self._outer = None
+        del self._moments
 
     def log_likelihoods(self, feats: Tensor) -> Tensor:
         """``[B, C]``: ``log pi_c + log N(z | mu_c, Sigma_c)`` of each feature row and fitted class
