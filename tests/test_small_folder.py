@@ -174,3 +174,27 @@ def test_jem_train_picks_the_recipe_that_held_accuracy_at_the_datas_size(
     flags = ["--recipe", "generative", "--batch-size", "16", "--sgld-steps", "1", "--out", str(override), "--quiet"]
     assert main([*args, *flags]) == 0
     assert json.loads((override / "spec.json").read_text())["recipe"]["name"] == "generative"
+
+
+def test_a_learning_rate_far_above_the_recipes_is_warned_about(tmp_path, capsys, monkeypatch):
+    """The recipes lost far more accuracy at learning rates tuned for cross-entropy (lcnet_050 at
+    1e-2 in the generalisation matrix) than at their own: jem train says so when --lr is raised
+    more than RAISED_LR_FACTOR-fold, and not for a rate near the recipe's."""
+    from jem_plugin.app.commands.train import RAISED_LR_FACTOR
+
+    (tmp_path / "tiny.py").write_text(
+        "import torch.nn as nn\n"
+        "def build(num_classes, **options):\n"
+        "    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),"
+        " nn.Linear(4, num_classes))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    folder = write_digits_folder(tmp_path / "d", classes=[0, 1], per_class=10, size=8)
+    args = ["train", "--data", f"folder:{folder}", "--model", "tiny:build", "--image-size", "8", "--epochs", "1"]
+    args += ["--batch-size", "8", "--sgld-steps", "1", "--recipe", "fast"]
+    for lr, warned in ((3e-4 * RAISED_LR_FACTOR * 1.5, True), (3e-4 * 2, False)):
+        assert main([*args, "--lr", str(lr), "--out", str(tmp_path / f"run{lr}")]) == 0
+        out = capsys.readouterr().out
+        assert ("jem train: warning: --lr" in out) == warned, out
+        if warned:
+            assert "x the fast recipe's 0.0003" in out and "--baseline --lr" in out

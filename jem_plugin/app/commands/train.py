@@ -329,6 +329,16 @@ def interrupted(args) -> str:
     return "no checkpoint was written yet: run the same command again to start the run"
 
 
+# A learning rate raised this far above the recipe's is warned about: the recipes were measured at
+# their own rate, and at rates tuned for cross-entropy they lost far more (the matrix's numbers).
+RAISED_LR_FACTOR = 3.0
+RAISED_LR_EVIDENCE = (
+    "In the generalisation matrix (benchmarks/README.md), at 40 images per class and learning rates "
+    "tuned for cross-entropy, JEM recipes lost 3-55 points of accuracy against a baseline at the same "
+    "rate (lcnet_050 at 1e-2)."
+)
+
+
 def _choose_recipe(args, info, ds, jm) -> Recipe:
     """The ``--recipe``, or the one that held accuracy for data of this size on this kind of network."""
     smallest = min(Counter(dataset_labels(ds)).values(), default=0)
@@ -340,7 +350,14 @@ def _choose_recipe(args, info, ds, jm) -> Recipe:
             f"{SMALL_DATA_PER_CLASS}) and the network has BatchNorm, where {DEFAULT_RECIPE} lost accuracy and "
             f"{chosen} held it (benchmarks/README.md); --recipe {DEFAULT_RECIPE} to choose it anyway"
         )
-    return recipe_from_args(args, quiet=not info.is_main or args.baseline, name=chosen)
+    recipe = recipe_from_args(args, quiet=not info.is_main or args.baseline, name=chosen)
+    preset_lr = get_recipe(chosen).optim.lr
+    if recipe.optim.lr > RAISED_LR_FACTOR * preset_lr and info.is_main and not args.baseline:
+        print(
+            f"jem train: warning: --lr {recipe.optim.lr:g} is {recipe.optim.lr / preset_lr:.0f}x the {chosen} "
+            f"recipe's {preset_lr:g}. {RAISED_LR_EVIDENCE} Compare with jem train --baseline --lr {recipe.optim.lr:g}."
+        )
+    return recipe
 
 
 def _held_out_split(args, ds, k):
