@@ -841,7 +841,8 @@ def report(out_dir: str, cells: Sequence[dict[str, Any]] | None, mode: str, read
     speed_path = os.path.join(out_dir, "speed.json")
     tm = timing(rows, _read_json(speed_path, None))
     title = (
-        f"`{mode}` plan, {len(rows)} cells ({os.path.relpath(out_dir, os.path.dirname(README))}/cells); "
+        f"`{mode}` plan, {len(rows)}{f' of its {len(cells)}' if cells is not None else ''} cells "
+        f"({os.path.relpath(out_dir, os.path.dirname(README))}/cells); "
         f"mean over seeds; targets per row: test accuracy within 1 point of the baseline's, log p(x) AUROC "
         f">= the baseline energy score's on all four OOD sets, buffer FD <= half its init's. Cells took "
         f"{tm['cell_cpu_s_total'] / 60:.0f} CPU minutes (median cell {_f(tm['cell_cpu_s_median'], '{:.0f}')} CPU s; "
