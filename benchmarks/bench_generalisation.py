@@ -147,7 +147,7 @@ def default_recipe(per_class: int | None = None, net: str | None = None) -> str:
     default (:data:`jem_plugin.recipes.DEFAULT_RECIPE`)."""
     if per_class is None or net is None:
         return R.DEFAULT_RECIPE
-    return R.default_recipe_for(per_class, batchnorm="BN" in NORMS.get(net, ""))
+    return R.default_recipe_for(per_class, batchnorm="BN" in NORMS.get(net, ""), lr=NETWORK_LR.get(net))
 
 
 def defaults_for(per_class: int, net: str) -> list[str]:

@@ -20,6 +20,7 @@ from ...recipes import (
     DEFAULT_RECIPE,
     DEPRECATED_BATCHNORM,
     DEPRECATED_NAMES,
+    RAISED_LR_FACTOR,
     RECIPES,
     SMALL_DATA_PER_CLASS,
     SMALL_DATA_RECIPE,
@@ -159,8 +160,8 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         choices=sorted(RECIPES),
         default=None,
         help=f"JEM recipe (default: {SMALL_DATA_RECIPE} for a BatchNorm network whose smallest class has at most "
-        f"{SMALL_DATA_PER_CLASS} training images, else {DEFAULT_RECIPE}: the one that held accuracy there in "
-        "benchmarks/README.md)",
+        f"{SMALL_DATA_PER_CLASS} training images, at no more than {RAISED_LR_FACTOR:g}x the recipe's --lr; else "
+        f"{DEFAULT_RECIPE}: the one that lost the least accuracy there in benchmarks/README.md)",
     )
     p.add_argument(
         "--epochs",
@@ -329,9 +330,8 @@ def interrupted(args) -> str:
     return "no checkpoint was written yet: run the same command again to start the run"
 
 
-# A learning rate raised this far above the recipe's is warned about: the recipes were measured at
-# their own rate, and at rates tuned for cross-entropy they lost far more (the matrix's numbers).
-RAISED_LR_FACTOR = 3.0
+# A learning rate raised more than RAISED_LR_FACTOR-fold above the recipe's is warned about: the
+# recipes were measured at their own rate, and at rates tuned for cross-entropy they lost far more.
 RAISED_LR_EVIDENCE = (
     "In the generalisation matrix (benchmarks/README.md), at 40 images per class and learning rates "
     "tuned for cross-entropy, JEM recipes lost 3-55 points of accuracy against a baseline at the same "
@@ -343,7 +343,7 @@ def _choose_recipe(args, info, ds, jm) -> Recipe:
     """The ``--recipe``, or the one that held accuracy for data of this size on this kind of network."""
     smallest = min(Counter(dataset_labels(ds)).values(), default=0)
     batchnorm = any(isinstance(m, _BatchNorm) for m in jm.modules())
-    chosen = args.recipe or default_recipe_for(smallest, batchnorm)
+    chosen = args.recipe or default_recipe_for(smallest, batchnorm, lr=args.lr)
     if args.recipe is None and chosen != DEFAULT_RECIPE and info.is_main and not args.baseline:
         print(
             f"jem train: recipe {chosen}: the smallest class has {smallest} training images (at most "
