@@ -646,7 +646,8 @@ RECIPES: dict[str, Recipe] = {
         "fast",
         "5 SGLD steps on 32 chains from a per-class Gaussian fitted from the data, energy L2 0.1, "
         "Adam 3e-4; samples pass BatchNorm on their own (batch statistics, running ones from data only). "
-        "About 3-4x the cross-entropy cost, within a point of its accuracy",
+        "About 3-4x the cross-entropy cost; within a point of its accuracy on a BatchNorm ResNet at this "
+        "learning rate, not on every network (benchmarks/README.md)",
         sampler=SamplerConfig(steps=5, batchnorm="separate"),
         buffer=BufferConfig(init=Gaussian()),
         loss=LossConfig(n_samples=32, l2_weight=0.1),
@@ -691,8 +692,9 @@ RECIPES: dict[str, Recipe] = {
 }
 
 # jem train's default: on BatchNorm networks at 32x32 `generative` moves its buffer towards the data
-# where `fast`'s stays where it started; on the digits it was tuned on it cost half a point of
-# accuracy, on data it was not tuned on more (benchmarks/README.md, "Generalisation matrix").
+# where `fast`'s stays where it started, at a cost in accuracy: on resnet10t at 136-150 per class,
+# 1.7 points on the digits it was tuned on and 8.4 and 1.8 on data it was not (benchmarks/README.md,
+# "Generalisation matrix").
 DEFAULT_RECIPE = "generative"
 # ... except on small data with BatchNorm: with at most this many training images in the smallest
 # class, `generative` lost accuracy against the baseline on a BatchNorm network where `fast` held it
