@@ -739,6 +739,72 @@ def tune_lr(networks: Sequence[str], out_dir: str, lrs: Sequence[float] = TUNE_L
     return out
 
 
+def accuracy_figure(entries: Sequence[dict[str, Any]], path: str) -> str:
+    """A heat map a reader takes in at a glance: test accuracy minus the baseline's (points, mean
+    over seeds) per row of the matrix (network, size, recipe) and data set; ``jem train``'s choice
+    outlined, cells within the 1-point target marked. Returns ``path``."""
+    import matplotlib
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    done = [e for e in entries if "accuracy" in e]
+    if not done:
+        raise ValueError("no finished cell to draw")
+    sets = [d for d in DATASETS if any(e["dataset"] == d for e in done)]
+
+    def size_label(e: dict[str, Any]) -> str:
+        return "40" if e["per_class"] <= 50 else ("136-150" if e["per_class"] <= 200 else str(e["per_class"]))
+
+    rows = list(
+        dict.fromkeys(
+            (e["net"], size_label(e), e["run"])
+            for e in sorted(
+                done,
+                key=lambda e: (
+                    list(NETWORKS).index(e["net"]) if e["net"] in NETWORKS else 99,
+                    e["per_class"],
+                    e["run"],
+                ),
+            )
+        )
+    )
+    values = np.full((len(rows), len(sets)), np.nan)
+    chosen = np.zeros_like(values, dtype=bool)
+    for e in done:
+        i, j = rows.index((e["net"], size_label(e), e["run"])), sets.index(e["dataset"])
+        values[i, j] = 100 * (e["accuracy"] - e["baseline_accuracy"])
+        chosen[i, j] = bool(e["default"])
+    cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="#d9d9d9")
+    norm = matplotlib.colors.TwoSlopeNorm(vmin=-40.0, vcenter=0.0, vmax=10.0)
+    fig = Figure(figsize=(4.2 + 1.3 * len(sets), 1.5 + 0.32 * len(rows)))
+    ax = fig.subplots()
+    im = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, norm=norm, aspect="auto")
+    for i in range(len(rows)):
+        for j in range(len(sets)):
+            v = values[i, j]
+            text = "-" if np.isnan(v) else f"{v:+.1f}" + (" ok" if v >= -1.0 else "")
+            ax.text(j, i, text, ha="center", va="center", fontsize=8, weight="bold" if chosen[i, j] else "normal")
+            if chosen[i, j]:
+                ax.add_patch(Rectangle((j - 0.45, i - 0.4), 0.9, 0.8, fill=False, edgecolor="black", lw=1.2))
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(
+        [f"{n} ({NORMS.get(n, '?')}, lr {NETWORK_LR.get(n, 3e-4):g}) · {sz}/class · {r}" for n, sz, r in rows],
+        fontsize=8,
+    )
+    ax.set_xticks(range(len(sets)))
+    ax.set_xticklabels([f"{d}\n{'(tuned on)' if d == 'digits32' else '(judged on)'}" for d in sets], fontsize=9)
+    ax.tick_params(length=0)
+    fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label="test accuracy - baseline's (points)")
+    ax.set_title(
+        "Test accuracy minus the cross-entropy baseline's, in points (mean of 3 seeds)\n"
+        "'ok': within the 1-point target; boxed: what jem train picks with no --recipe",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
 # ---------------------------------------------------------------------------- time
 def probe_speed(networks: Sequence[str], runs: Sequence[str], iters: int = 4) -> dict[str, float]:
     """CPU seconds per training iteration of each network and run, from ``iters`` iterations
@@ -851,6 +917,8 @@ def report(out_dir: str, cells: Sequence[dict[str, Any]] | None, mode: str, read
         "unshared cores" + (f" (unmeasured: {', '.join(tm['unmeasured'])})" if tm["unmeasured"] else "") + "."
     )
     md = to_markdown(entries, refs, title)
+    if any("accuracy" in e for e in entries):
+        accuracy_figure(entries, os.path.join(out_dir, "accuracy.png"))
     write_json(os.path.join(out_dir, "summary.json"), {"entries": entries, "timing": tm, "references": refs})
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(md)

@@ -57,6 +57,7 @@ def test_one_tiny_cell_runs_resumes_and_is_summarised(tmp_path, monkeypatch, one
     assert text.startswith("# benchmarks\n\nother sections\n") and B.HEADING in text and md.strip() in text
     row = next(line for line in md.splitlines() if line.startswith("| textures | 6 (all) |"))
     assert row.count("met") + row.count("MISSED") == 3
+    assert (tmp_path / "accuracy.png").stat().st_size > 0  # the accuracy heat map beside the table
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["entries"][0]["seeds"] == [0] and summary["timing"]["cells"] == 2
 
