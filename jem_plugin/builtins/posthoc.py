@@ -515,7 +515,19 @@ class _ClassMoments:
             self.outer[c].addmm_(zc.T, zc)
 
 
-class Mahalanobis(_ClassConditional):
+class _GaussianDetector(_ClassConditional):
+    """A class-conditional detector fitted from the running class moments of the features."""
+
+    per_class_covariance = False
+
+    def _begin(self, jm: Any) -> None:
+        self._moments = _ClassMoments(per_class_outer=self.per_class_covariance)
+
+    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+        self._moments.add(feats, self._labels(feats, logits, y), logits.shape[1])
+
+
+class Mahalanobis(_GaussianDetector):
     """Mahalanobis distance to the closest class mean under a shared covariance (Lee et al. 2018),
     on the penultimate features, without input preprocessing or feature ensembles:
     ``score(z) = -min_c (z - mu_c)^T Sigma^+ (z - mu_c)`` with ``Sigma`` the within-class
@@ -537,12 +549,6 @@ class Mahalanobis(_ClassConditional):
     def __init__(self, labels: str = "true") -> None:
         super().__init__()
         self._set_labels(labels)
-
-    def _begin(self, jm: Any) -> None:
-        self._moments = _ClassMoments(per_class_outer=False)
-
-    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
-        self._moments.add(feats, self._labels(feats, logits, y), logits.shape[1])
 
     def _finish(self, jm: Any) -> None:
         m = self._moments
@@ -647,7 +653,7 @@ class MahalanobisODIN(Mahalanobis):
         return super().score(jm, self.perturb(jm, x) if self.eps > 0 else x)
 
 
-class GMM(_ClassConditional):
+class GMM(_GaussianDetector):
     """Class-conditional Gaussian mixture: one Gaussian per class, with its own mean ``mu_c`` and
     covariance ``Sigma_c`` (the squared deviations from the class mean over ``N_c``, plus ``reg I``),
     weighted by the class frequency ``pi_c = N_c / N``; the score is the log-likelihood of the
@@ -668,6 +674,7 @@ class GMM(_ClassConditional):
     """
 
     name = "gmm"
+    per_class_covariance = True
 
     def __init__(self, reg: float = 1e-6, labels: str = "true", chunk_classes: int | None = None) -> None:
         super().__init__()
@@ -681,12 +688,6 @@ class GMM(_ClassConditional):
 
     def _options(self) -> dict[str, Any]:
         return {"reg": self.reg, **super()._options()}
-
-    def _begin(self, jm: Any) -> None:
-        self._moments = _ClassMoments(per_class_outer=True)
-
-    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
-        self._moments.add(feats, self._labels(feats, logits, y), logits.shape[1])
 
     def _finish(self, jm: Any) -> None:
         m = self._moments
