@@ -697,9 +697,9 @@ RECIPES: dict[str, Recipe] = {
 # "Generalisation matrix").
 DEFAULT_RECIPE = "generative"
 # ... except on small data with BatchNorm: with at most this many training images in the smallest
-# class, `generative` lost accuracy against the baseline on a BatchNorm network where `fast` held it
-# (40 per class, three data sets, three seeds: benchmarks/README.md, "Recipes at 40 images per
-# class"). On a LayerNorm network both lost (fast more), so there the default stays.
+# class, `generative` lost accuracy against the baseline on resnet10t where `fast` held it (40 per
+# class, three data sets, three seeds: benchmarks/README.md, "Generalisation matrix"). On the
+# LayerNorm, ViT and normalisation-free networks both lost (fast as much or more): there it stays.
 SMALL_DATA_RECIPE = "fast"
 SMALL_DATA_PER_CLASS = 50
 
