@@ -52,6 +52,7 @@ __all__ = [
     "SMALL_DATA_PER_CLASS",
     "default_recipe_for",
     "RAISED_LR_FACTOR",
+    "lr_raised",
     "get_recipe",
     "list_recipes",
     "flat_names",
@@ -715,8 +716,13 @@ def default_recipe_for(per_class: int | None, batchnorm: bool, lr: float | None 
     network with (``batchnorm=True``) or without BatchNorm layers, at the learning rate ``lr``
     (``None``: the recipe's own)."""
     small = per_class is not None and per_class <= SMALL_DATA_PER_CLASS
-    raised = lr is not None and lr > RAISED_LR_FACTOR * RECIPES[SMALL_DATA_RECIPE].optim.lr
+    raised = lr is not None and lr_raised(lr, SMALL_DATA_RECIPE)
     return SMALL_DATA_RECIPE if small and batchnorm and not raised else DEFAULT_RECIPE
+
+
+def lr_raised(lr: float, recipe: str) -> bool:
+    """Whether ``lr`` is more than :data:`RAISED_LR_FACTOR` times the registered ``recipe``'s."""
+    return lr > RAISED_LR_FACTOR * get_recipe(recipe).optim.lr
 
 
 def get_recipe(name: str) -> Recipe:

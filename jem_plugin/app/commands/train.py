@@ -28,6 +28,7 @@ from ...recipes import (
     default_recipe_for,
     flat_names,
     get_recipe,
+    lr_raised,
 )
 from .. import CLIError, post_training
 from ..experiments import dataset_sample_quality
@@ -351,8 +352,8 @@ def _choose_recipe(args, info, ds, jm) -> Recipe:
             f"{chosen} held it (benchmarks/README.md); --recipe {DEFAULT_RECIPE} to choose it anyway"
         )
     recipe = recipe_from_args(args, quiet=not info.is_main or args.baseline, name=chosen)
-    preset_lr = get_recipe(chosen).optim.lr
-    if recipe.optim.lr > RAISED_LR_FACTOR * preset_lr and info.is_main and not args.baseline:
+    if lr_raised(recipe.optim.lr, chosen) and info.is_main and not args.baseline:
+        preset_lr = get_recipe(chosen).optim.lr
         print(
             f"jem train: warning: --lr {recipe.optim.lr:g} is {recipe.optim.lr / preset_lr:.0f}x the {chosen} "
             f"recipe's {preset_lr:g}. {RAISED_LR_EVIDENCE} Compare with jem train --baseline --lr {recipe.optim.lr:g}."
