@@ -361,9 +361,16 @@ def references(name: str, tiny: bool = False, cache_dir: str | None = None) -> d
 
 
 # ---------------------------------------------------------------------------- one cell
+def run_label(c: dict[str, Any]) -> str:
+    """The run's name with the recipe settings it changed (``--set``), e.g. ``generative[px_weight=0.1]``."""
+    changed = c.get("set") or {}
+    return c["run"] + ("[" + ",".join(f"{k}={v:g}" for k, v in sorted(changed.items())) + "]" if changed else "")
+
+
 def cell_name(c: dict[str, Any]) -> str:
     lr = f"_lr{c['lr']:g}" if "lr" in c else ""
-    return f"{c['dataset']}_{c['per_class']}_{c['net']}_{c['run']}_s{c['seed']}_e{c['epochs']}{lr}"
+    run = run_label(c).replace("[", "+").replace("]", "").replace("=", "")  # a file name without shell specials
+    return f"{c['dataset']}_{c['per_class']}_{c['net']}_{run}_s{c['seed']}_e{c['epochs']}{lr}"
 
 
 def _accuracy(model, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -407,8 +414,10 @@ def run_cell(c: dict[str, Any], out_dir: str, grids: bool = False) -> dict[str, 
     t0, c0 = time.perf_counter(), time.process_time()
     stage = "training"
     try:
-        lr = {"lr": c["lr"]} if "lr" in c else None
-        res = G.train_run(S, c["run"], c["epochs"], seed=c["seed"], batch_size=BATCH, fit_init="train", overrides=lr)
+        overrides = {**({"lr": c["lr"]} if "lr" in c else {}), **(c.get("set") or {})}
+        res = G.train_run(
+            S, c["run"], c["epochs"], seed=c["seed"], batch_size=BATCH, fit_init="train", overrides=overrides or None
+        )
         stage = "evaluation"
         row["bn_selection"] = keep_better_bn_statistics(S, res)
         t1 = time.perf_counter()
@@ -481,10 +490,13 @@ def plan(
     epochs: Sequence[int] | None = None,
     tiny: bool = False,
     others_everywhere: bool = False,
+    settings: dict[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     """The cells of a plan (``PLANS[mode]`` with any of its parts replaced), cheapest rows first.
     ``others_everywhere``: the other recipes on every row, with the plan's seeds and networks (a
-    comparison of recipes), not only on the 150 row."""
+    comparison of recipes), not only on the 150 row. ``settings``: recipe settings by flat name
+    changed in every recipe cell (not the baseline's), to try a setting on the tune set and judge
+    it on the others; the cells' names carry them."""
     p = PLANS[mode]
     networks = tuple(networks or p["networks"])
     seeds = tuple(p["seeds"] if seeds is None else seeds)
@@ -510,6 +522,8 @@ def plan(
                         c = dict(dataset=name, per_class=per_class, net=net, run=run, seed=seed, epochs=ep)
                         if net in NETWORK_LR:
                             c["lr"] = NETWORK_LR[net]
+                        if settings and run != "baseline":
+                            c["set"] = dict(settings)
                         if tiny:
                             c["tiny"] = True
                         cells.setdefault(cell_name(c), c)  # digits: the 150 row is the full set
@@ -584,7 +598,7 @@ def summarise(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     against the baseline on the same seeds, and the three targets."""
     by_key: dict[tuple, dict[int, dict[str, Any]]] = {}
     for r in rows:
-        by_key.setdefault((r["dataset"], r["per_class"], r["net"], r["run"], r["epochs"]), {})[r["seed"]] = r
+        by_key.setdefault((r["dataset"], r["per_class"], r["net"], run_label(r), r["epochs"]), {})[r["seed"]] = r
     out = []
     for (name, pc, net, run, ep), seeds in sorted(by_key.items(), key=lambda kv: _order(kv[0])):
         if run == "baseline":
@@ -627,7 +641,8 @@ def summarise(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _order(key: tuple) -> tuple:
-    name, pc, net, run, _ = key
+    name, pc, net, label, _ = key
+    run = label.split("[")[0]
     nets = list(NETWORKS)
     runs = [default_recipe(), *other_recipes(with_paper=True)]
     return (
@@ -635,6 +650,7 @@ def _order(key: tuple) -> tuple:
         pc,
         nets.index(net) if net in nets else 99,
         runs.index(run) if run in runs else 99,
+        label,
     )
 
 
@@ -927,6 +943,22 @@ def report(out_dir: str, cells: Sequence[dict[str, Any]] | None, mode: str, read
     return md
 
 
+def parse_settings(pairs: Sequence[str], parser: argparse.ArgumentParser) -> dict[str, float]:
+    """``["px_weight=0.1"]`` -> ``{"px_weight": 0.1}``; a name no recipe has, or a value that is not
+    a number, ends the command with one line."""
+    known = R.flat_names()
+    out: dict[str, float] = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if name not in known:
+            parser.error(f"--set {pair}: no recipe setting {name!r}")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            parser.error(f"--set {pair}: {value!r} is not a number")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="the quick subset (PLANS['quick']): under 30 minutes")
@@ -940,6 +972,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--others-everywhere",
         action="store_true",
         help="the other recipes on every row, with the plan's seeds and networks (to compare recipes)",
+    )
+    p.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="NAME=VALUE",
+        help="recipe settings (flat names, numbers) changed in every recipe cell, e.g. px_weight=0.1",
     )
     p.add_argument("--epochs", nargs=3, type=int, default=None, metavar=("E40", "E150", "EFULL"))
     p.add_argument("--workers", type=int, default=2)
@@ -967,7 +1006,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     out_dir = a.out or os.path.join(RESULTS, mode)
     others = a.others if a.others is not None else other_recipes(a.with_paper)
     cells = plan(
-        mode, a.datasets, a.networks, a.seeds, a.sizes, others, a.epochs, others_everywhere=a.others_everywhere
+        mode,
+        a.datasets,
+        a.networks,
+        a.seeds,
+        a.sizes,
+        others,
+        a.epochs,
+        others_everywhere=a.others_everywhere,
+        settings=parse_settings(a.set, p),
     )
     if not a.summary_only:
         run(cells, out_dir, workers=a.workers, grids=a.grids, retry_failed=a.retry_failed)

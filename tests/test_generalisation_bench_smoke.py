@@ -210,3 +210,28 @@ def test_folder_photos_look_like_the_folder_digits():
     p8 = (D.photo_patches(4, size=8, seed=1) + 1) / 2
     blocky = p8.repeat_interleave(4, 2).repeat_interleave(4, 3)
     assert np.allclose(blocky[:, :, ::4, ::4].numpy(), p8.numpy())
+
+
+def test_a_setting_tried_with_set_reaches_the_recipes_only_and_is_its_own_row_against_the_same_baseline():
+    cells = B.plan(
+        "full", datasets=["textures"], sizes=["40"], networks=["vit"], seeds=[0], settings={"px_weight": 0.1}
+    )
+    by_run = {c["run"]: c for c in cells}
+    assert "set" not in by_run["baseline"]  # the baseline is the same cell as the matrix's
+    assert by_run["generative"]["set"] == {"px_weight": 0.1}
+    name = B.cell_name(by_run["generative"])
+    assert "generative+px_weight0.1_" in name and not set("[]=") & set(name)
+    S = {"model": "test_resnet", "wrap_kw": {}, "shift": 0, "x": torch.rand(20, 3, 32, 32), "y": torch.arange(20) % 10}
+    res = B.G.train_run(S, "fast", 1, batch_size=10, overrides={"px_weight": 0.1}, fit_init="train")
+    assert res["recipe"].loss.px_weight == 0.1
+    rows = [_row("baseline", 0, 0.9, (0.5,) * 4), _row("fast", 0, 0.8, (0.6,) * 4), _row("fast", 0, 0.9, (0.6,) * 4)]
+    rows[2]["set"] = {"px_weight": 0.1}
+    entries = B.summarise(rows)
+    assert [(e["run"], e["accuracy"], e["baseline_accuracy"]) for e in entries] == [
+        ("fast", 0.8, 0.9),
+        ("fast[px_weight=0.1]", 0.9, 0.9),
+    ]
+    parser = B.argparse.ArgumentParser()
+    assert B.parse_settings(["px_weight=0.3"], parser) == {"px_weight": 0.3}
+    with pytest.raises(SystemExit):
+        B.parse_settings(["pxweight=0.3"], parser)
