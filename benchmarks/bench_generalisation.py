@@ -755,6 +755,28 @@ def tune_lr(networks: Sequence[str], out_dir: str, lrs: Sequence[float] = TUNE_L
     return out
 
 
+def validation_table(rows: Sequence[dict[str, Any]]) -> str:
+    """What a tuning step may read: each run's *validation* accuracy against its baseline's on the
+    same cell (data set, size, network, seed), in points; the test split is not shown."""
+    base = {(r["dataset"], r["per_class"], r["net"], r["seed"]): r for r in rows if r["run"] == "baseline"}
+    labels = sorted({run_label(r) for r in rows if r["run"] != "baseline"}, key=lambda x: (x.split("[")[0], x))
+    cells = sorted({k for k in base}, key=lambda k: (k[0], k[1], list(NETWORKS).index(k[2]), k[3]))
+    out = {(run_label(r), r["dataset"], r["per_class"], r["net"], r["seed"]): r for r in rows if r["run"] != "baseline"}
+    header = ["data", "per class", "network", "seed", "baseline", *labels]
+    body = []
+    for k in cells:
+        b = base[k].get("val_accuracy")
+        if b is None:
+            continue
+        line = [k[0], str(k[1]), k[2], str(k[3]), f"{b:.2f}"]
+        for lab in labels:
+            r = out.get((lab, *k))
+            v = None if r is None else r.get("val_accuracy")
+            line.append("-" if v is None else f"{v:.2f} ({100 * (v - b):+.0f})")
+        body.append(line)
+    return md_table(header, body)
+
+
 def accuracy_figure(entries: Sequence[dict[str, Any]], path: str) -> str:
     """A heat map a reader takes in at a glance: test accuracy minus the baseline's (points, mean
     over seeds) per row of the matrix (network, size, recipe) and data set; ``jem train``'s choice
@@ -991,6 +1013,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="time a few iterations of every network and recipe (OUT/speed.json) for the full matrix's projection",
     )
+    p.add_argument(
+        "--validation",
+        action="store_true",
+        help="with --summary-only: every run's validation accuracy against its baseline's (what tuning reads)",
+    )
     p.add_argument("--readme", action="store_true", help="write the table into benchmarks/README.md")
     p.add_argument(
         "--tune-lr",
@@ -1016,6 +1043,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         others_everywhere=a.others_everywhere,
         settings=parse_settings(a.set, p),
     )
+    if a.summary_only and a.validation:
+        print(validation_table(load_cells(out_dir)))
+        return
     if not a.summary_only:
         run(cells, out_dir, workers=a.workers, grids=a.grids, retry_failed=a.retry_failed)
     if a.probe_speed:

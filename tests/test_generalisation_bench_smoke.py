@@ -235,3 +235,14 @@ def test_a_setting_tried_with_set_reaches_the_recipes_only_and_is_its_own_row_ag
     assert B.parse_settings(["px_weight=0.3"], parser) == {"px_weight": 0.3}
     with pytest.raises(SystemExit):
         B.parse_settings(["pxweight=0.3"], parser)
+
+
+def test_the_tuning_table_shows_validation_accuracy_against_the_same_seeds_baseline_never_the_test_split():
+    rows = [_row("baseline", 0, 0.99, (0.5,) * 4), _row("generative", 0, 0.11, (0.5,) * 4)]
+    rows.append(_row("generative", 0, 0.12, (0.5,) * 4) | {"set": {"px_weight": 0.03}})
+    for r, val in zip(rows, (0.80, 0.60, 0.83)):
+        r["val_accuracy"] = val
+    md = B.validation_table(rows)
+    assert "| textures | 40 | resnet10t | 0 | 0.80 | 0.60 (-20) | 0.83 (+3) |" in md
+    assert "generative[px_weight=0.03]" in md.splitlines()[0]
+    assert "0.99" not in md and "0.11" not in md  # test accuracies are not what tuning reads
