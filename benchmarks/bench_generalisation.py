@@ -150,10 +150,24 @@ def default_recipe(per_class: int | None = None, net: str | None = None) -> str:
     return R.default_recipe_for(per_class, batchnorm="BN" in NORMS.get(net, ""), lr=NETWORK_LR.get(net))
 
 
-def defaults_for(per_class: int, net: str) -> list[str]:
-    """The recipes every cell of a row runs beside the baseline: ``jem train``'s choice and, where
-    the size rule picks another, the general default too (what the rule is judged against)."""
-    return list(dict.fromkeys([default_recipe(per_class, net), default_recipe()]))
+def default_settings(per_class: int, net: str) -> dict[str, float]:
+    """The settings ``jem train`` changes in :func:`default_recipe`'s recipe for the cell
+    (:func:`jem_plugin.recipes.default_settings_for`)."""
+    return R.default_settings_for(per_class, batchnorm="BN" in NORMS.get(net, ""), lr=NETWORK_LR.get(net))
+
+
+def defaults_for(per_class: int, net: str) -> list[tuple[str, dict[str, float]]]:
+    """The runs (recipe, changed settings) every cell of a row runs beside the baseline: ``jem
+    train``'s choice and, where the rule picks another recipe or settings, the general default too
+    (what the rule is judged against)."""
+    chosen = (default_recipe(per_class, net), default_settings(per_class, net))
+    return [chosen] if chosen == (default_recipe(), {}) else [chosen, (default_recipe(), {})]
+
+
+def default_label(per_class: int, net: str) -> str:
+    """The table's name of ``jem train``'s choice for the cell, e.g. ``generative[px_weight=0.03]``."""
+    run, settings = defaults_for(per_class, net)[0]
+    return run_label({"run": run, "set": settings})
 
 
 def other_recipes(with_paper: bool = False) -> list[str]:
@@ -510,20 +524,21 @@ def plan(
             per_class = per_class_for(name, size, tiny)
             ep = e_small if per_class <= 50 else (e_mid if per_class <= 200 else e_big)
             for net in networks:
-                runs = [(r, seeds, networks) for r in ("baseline", *defaults_for(per_class, net))]
+                runs = [("baseline", {}, seeds, networks)]
+                runs += [(r, chosen, seeds, networks) for r, chosen in defaults_for(per_class, net)]
                 if others_everywhere:
-                    runs += [(r, seeds, networks) for r in others]
+                    runs += [(r, {}, seeds, networks) for r in others]
                 elif size == "150":
-                    runs += [(r, tuple(p["other_seeds"]), other_nets) for r in others]
-                for run, run_seeds, nets in runs:
+                    runs += [(r, {}, tuple(p["other_seeds"]), other_nets) for r in others]
+                for run, chosen, run_seeds, nets in runs:
                     if net not in nets:
                         continue
                     for seed in run_seeds:
                         c = dict(dataset=name, per_class=per_class, net=net, run=run, seed=seed, epochs=ep)
                         if net in NETWORK_LR:
                             c["lr"] = NETWORK_LR[net]
-                        if settings and run != "baseline":
-                            c["set"] = dict(settings)
+                        if run != "baseline" and (chosen or settings):
+                            c["set"] = {**chosen, **(settings or {})}
                         if tiny:
                             c["tiny"] = True
                         cells.setdefault(cell_name(c), c)  # digits: the 150 row is the full set
@@ -614,7 +629,7 @@ def summarise(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "epochs": ep,
             "seeds": paired,
             "failed": {s: seeds[s].get("error") or base_all[s].get("error") for s in paired if s not in ok},
-            "default": run == default_recipe(pc, net),
+            "default": run == default_label(pc, net),
         }
         if ok:
             rr, bb = [seeds[s] for s in ok], [base_all[s] for s in ok]

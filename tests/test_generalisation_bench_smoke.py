@@ -99,8 +99,9 @@ def test_the_plan():
     names = {B.cell_name(c) for c in cells}
     assert len(names) == len(cells)
     for c in cells:  # every recipe cell has its baseline: same data, size, network, seed and epochs
-        assert B.cell_name({**c, "run": "baseline"}) in names
-    others = {c["per_class"] for c in cells if c["run"] not in ("baseline", *B.defaults_for(c["per_class"], c["net"]))}
+        assert B.cell_name({**c, "run": "baseline", "set": {}}) in names
+    defaults = {(c["per_class"], c["net"]): [r for r, _ in B.defaults_for(c["per_class"], c["net"])] for c in cells}
+    others = {c["per_class"] for c in cells if c["run"] not in ("baseline", *defaults[(c["per_class"], c["net"])])}
     digits_all = B.pool_per_class("digits32")
     assert others == {150, digits_all}, "the other recipes run on the ~150-per-class row (the digits have no more)"
     full = B.plan("full")
@@ -122,13 +123,17 @@ def test_each_cell_runs_jem_trains_choice_and_the_general_default_beside_it():
     runs = {(c["per_class"], c["net"]): set() for c in cells}
     for c in cells:
         if c["dataset"] == "textures":
-            runs[(c["per_class"], c["net"])].add(c["run"])
+            runs[(c["per_class"], c["net"])].add(B.run_label(c))
     # a BatchNorm network on 40 images per class: jem train picks the small-data recipe, and the
     # general default runs beside it so the table shows what the size rule changed
     assert B.default_recipe(40, "resnet10t") == "fast" != B.default_recipe()
     assert {"baseline", "fast", B.default_recipe()} <= runs[(40, "resnet10t")]
-    assert B.default_recipe(40, "convnext_atto") == B.default_recipe()  # LayerNorm: the general default
-    assert B.default_recipe(150, "resnet10t") == B.default_recipe()
+    # LayerNorm at 40 per class: the general default at the small-data p(x) weight, the plain one beside it
+    px = B.R.SMALL_DATA_PX_WEIGHT
+    assert B.defaults_for(40, "convnext_atto") == [(B.default_recipe(), {"px_weight": px}), (B.default_recipe(), {})]
+    assert {"baseline", f"{B.default_recipe()}[px_weight={px:g}]", B.default_recipe()} <= runs[(40, "convnext_atto")]
+    assert B.default_label(40, "convnext_atto") == f"{B.default_recipe()}[px_weight={px:g}]"
+    assert B.defaults_for(150, "resnet10t") == B.defaults_for(150, "convnext_atto") == [(B.default_recipe(), {})]
     (e,) = B.summarise([_row("baseline", 0, 0.9, (0.5,) * 4), _row("fast", 0, 0.9, (0.5,) * 4)])
     assert e["default"], "on resnet10t at 40 per class the table marks fast as the default"
 

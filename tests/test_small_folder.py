@@ -142,15 +142,16 @@ def test_the_model_file_says_whether_log_px_was_trained(trained_run, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "per_class, model, expected",
-    [(20, "resnet10t", "fast"), (80, "resnet10t", "generative"), (20, "nobn:build", "generative")],
+    "per_class, model, expected, px_weight",
+    [(20, "resnet10t", "fast", 1.0), (80, "resnet10t", "generative", 0.75), (20, "nobn:build", "generative", 0.03)],
 )
 def test_jem_train_picks_the_recipe_that_held_accuracy_at_the_datas_size(
-    tmp_path, capsys, monkeypatch, per_class, model, expected
+    tmp_path, capsys, monkeypatch, per_class, model, expected, px_weight
 ):
     """At 40 images per class `generative` lost accuracy against the baseline on a BatchNorm network
-    where `fast` held it; on a network without BatchNorm both lost (benchmarks/README.md). With no
-    --recipe, small data on a BatchNorm network gets `fast`, and the console says why."""
+    where `fast` held it; on networks without BatchNorm both lost, and `generative` with its p(x)
+    term at SMALL_DATA_PX_WEIGHT held it (benchmarks/README.md). With no --recipe, small data gets
+    one of these, the console says why, and a --recipe or --px-weight the user gives wins."""
     from jem_plugin.recipes import SMALL_DATA_PER_CLASS
 
     (tmp_path / "nobn.py").write_text(
@@ -165,15 +166,21 @@ def test_jem_train_picks_the_recipe_that_held_accuracy_at_the_datas_size(
     args = ["train", "--data", f"folder:{folder}", "--model", model, "--image-size", "16", "--epochs", "1"]
     assert main([*args, "--batch-size", "16", "--sgld-steps", "1", "--val-fraction", "0.2", "--out", str(out)]) == 0
     spec = json.loads((out / "spec.json").read_text())
-    assert spec["recipe"]["name"] == expected
-    said = (
-        f"recipe fast: the smallest class has {int(per_class * 0.8)} training images (at most {SMALL_DATA_PER_CLASS})"
-    )
-    assert (said in capsys.readouterr().out) == (expected == "fast")
+    assert spec["recipe"]["name"] == expected and spec["recipe"]["loss"]["px_weight"] == px_weight
+    smallest = f"the smallest class has {int(per_class * 0.8)} training images (at most {SMALL_DATA_PER_CLASS})"
+    printed = capsys.readouterr().out
+    assert (f"recipe fast: {smallest}" in printed) == (expected == "fast")
+    assert (f"recipe generative with --px-weight 0.03: {smallest}" in printed) == (px_weight == 0.03), printed
     override = tmp_path / "run2"
     flags = ["--recipe", "generative", "--batch-size", "16", "--sgld-steps", "1", "--out", str(override), "--quiet"]
     assert main([*args, *flags]) == 0
-    assert json.loads((override / "spec.json").read_text())["recipe"]["name"] == "generative"
+    recipe = json.loads((override / "spec.json").read_text())["recipe"]
+    assert recipe["name"] == "generative" and recipe["loss"]["px_weight"] == 0.75  # the recipe asked for, as it is
+    if px_weight == 0.03:
+        mine = tmp_path / "run3"
+        flags = ["--px-weight", "0.2", "--batch-size", "16", "--sgld-steps", "1", "--out", str(mine), "--quiet"]
+        assert main([*args, *flags]) == 0
+        assert json.loads((mine / "spec.json").read_text())["recipe"]["loss"]["px_weight"] == 0.2
 
 
 def test_a_learning_rate_far_above_the_recipes_is_warned_about(tmp_path, capsys, monkeypatch):
@@ -209,3 +216,16 @@ def test_the_small_data_choice_holds_only_near_the_recipes_learning_rate():
     assert default_recipe_for(40, True, lr=3e-4) == SMALL_DATA_RECIPE
     assert default_recipe_for(40, True, lr=1e-2) == DEFAULT_RECIPE
     assert default_recipe_for(40, False) == default_recipe_for(400, True) == DEFAULT_RECIPE
+
+
+def test_small_data_without_fast_gets_the_small_data_p_x_weight_and_nothing_else_changes():
+    """Where small data gets `generative` (no BatchNorm, or BatchNorm at a raised learning rate), its
+    p(x) weight of 0.75 lost 3-43 points at 40 per class; SMALL_DATA_PX_WEIGHT held accuracy on the
+    tune set. Everywhere else jem train changes no setting of the recipe it picks."""
+    from jem_plugin.recipes import SMALL_DATA_PX_WEIGHT, default_settings_for
+
+    assert default_settings_for(40, False) == {"px_weight": SMALL_DATA_PX_WEIGHT}
+    assert default_settings_for(40, True, lr=1e-2) == {"px_weight": SMALL_DATA_PX_WEIGHT}
+    assert default_settings_for(40, True) == default_settings_for(40, True, lr=3e-4) == {}  # fast, as it is
+    assert default_settings_for(400, False) == default_settings_for(51, True, lr=1e-2) == {}
+    assert default_settings_for(None, False) == {}

@@ -23,9 +23,11 @@ from ...recipes import (
     RAISED_LR_FACTOR,
     RECIPES,
     SMALL_DATA_PER_CLASS,
+    SMALL_DATA_PX_WEIGHT,
     SMALL_DATA_RECIPE,
     Recipe,
     default_recipe_for,
+    default_settings_for,
     flat_names,
     get_recipe,
     lr_raised,
@@ -97,10 +99,13 @@ def add_recipe_flags(p: argparse.ArgumentParser) -> None:
         )
 
 
-def recipe_from_args(args: argparse.Namespace, quiet: bool = False, name: str | None = None) -> Recipe:
-    """The ``--recipe`` (or ``name``, the one chosen for the data) with the settings given as flags
-    (or ``--config`` keys) applied."""
-    changes = {name: getattr(args, name) for name in flat_names() if getattr(args, name, None) is not None}
+def recipe_from_args(
+    args: argparse.Namespace, quiet: bool = False, name: str | None = None, defaults: dict[str, Any] | None = None
+) -> Recipe:
+    """The ``--recipe`` (or ``name``, the one chosen for the data) with ``defaults`` (the settings
+    chosen for the data) and then the settings given as flags (or ``--config`` keys) applied."""
+    given = {name: getattr(args, name) for name in flat_names() if getattr(args, name, None) is not None}
+    changes = {**(defaults or {}), **given}
     for old, new in OLD_FLAGS.items():
         value = getattr(args, "old_" + old, None)
         if value is None:
@@ -161,8 +166,9 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         choices=sorted(RECIPES),
         default=None,
         help=f"JEM recipe (default: {SMALL_DATA_RECIPE} for a BatchNorm network whose smallest class has at most "
-        f"{SMALL_DATA_PER_CLASS} training images, at no more than {RAISED_LR_FACTOR:g}x the recipe's --lr; else "
-        f"{DEFAULT_RECIPE}: the one that lost the least accuracy there in benchmarks/README.md)",
+        f"{SMALL_DATA_PER_CLASS} training images, at no more than {RAISED_LR_FACTOR:g}x the recipe's --lr; "
+        f"{DEFAULT_RECIPE} with --px-weight {SMALL_DATA_PX_WEIGHT:g} for other networks with that little data; else "
+        f"{DEFAULT_RECIPE}: what lost the least accuracy there in benchmarks/README.md)",
     )
     p.add_argument(
         "--epochs",
@@ -345,14 +351,25 @@ def _choose_recipe(args, info, ds, jm) -> Recipe:
     smallest = min(Counter(dataset_labels(ds)).values(), default=0)
     batchnorm = any(isinstance(m, _BatchNorm) for m in jm.modules())
     chosen = args.recipe or default_recipe_for(smallest, batchnorm, lr=args.lr)
-    if args.recipe is None and chosen != DEFAULT_RECIPE and info.is_main and not args.baseline:
+    settings = {} if args.recipe else default_settings_for(smallest, batchnorm, lr=args.lr)
+    tell = args.recipe is None and info.is_main and not args.baseline
+    if tell and chosen != DEFAULT_RECIPE:
         print(
             f"jem train: recipe {chosen}: the smallest class has {smallest} training images (at most "
             f"{SMALL_DATA_PER_CLASS}) and the network has BatchNorm, where {DEFAULT_RECIPE} lost accuracy and "
             f"{chosen} held it (benchmarks/README.md); --recipe {DEFAULT_RECIPE} to choose it anyway"
         )
-    recipe = recipe_from_args(args, quiet=not info.is_main or args.baseline, name=chosen)
-    if lr_raised(recipe.optim.lr, chosen) and info.is_main and not args.baseline:
+    small_px = tell and "px_weight" in settings and getattr(args, "px_weight", None) is None
+    if small_px:
+        print(
+            f"jem train: recipe {chosen} with --px-weight {settings['px_weight']:g}: the smallest class has "
+            f"{smallest} training images (at most {SMALL_DATA_PER_CLASS}), where {chosen}'s own p(x) weight lost 3-43 points of accuracy on networks "
+            + ("with BatchNorm at a raised --lr" if batchnorm else "without BatchNorm")
+            + "; this weight held it, but the samples stay near their starting noise (benchmarks/README.md). "
+            "--px-weight sets it"
+        )
+    recipe = recipe_from_args(args, quiet=not info.is_main or args.baseline, name=chosen, defaults=settings)
+    if lr_raised(recipe.optim.lr, chosen) and info.is_main and not args.baseline and not small_px:
         preset_lr = get_recipe(chosen).optim.lr
         print(
             f"jem train: warning: --lr {recipe.optim.lr:g} is {recipe.optim.lr / preset_lr:.0f}x the {chosen} "
