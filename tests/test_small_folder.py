@@ -220,7 +220,7 @@ def test_the_small_data_choice_holds_only_near_the_recipes_learning_rate():
 
 def test_small_data_without_fast_gets_the_small_data_p_x_weight_and_nothing_else_changes():
     """Where small data gets `generative` (no BatchNorm, or BatchNorm at a raised learning rate), its
-    p(x) weight of 0.75 lost 3-43 points at 40 per class; SMALL_DATA_PX_WEIGHT held accuracy on the
+    p(x) weight of 0.75 lost 2-43 points at 40 per class; SMALL_DATA_PX_WEIGHT held accuracy on the
     tune set. Everywhere else jem train changes no setting of the recipe it picks."""
     from jem_plugin.recipes import SMALL_DATA_PX_WEIGHT, default_settings_for
 

@@ -363,10 +363,10 @@ def _choose_recipe(args, info, ds, jm) -> Recipe:
     if small_px:
         print(
             f"jem train: recipe {chosen} with --px-weight {settings['px_weight']:g}: the smallest class has "
-            f"{smallest} training images (at most {SMALL_DATA_PER_CLASS}), where {chosen}'s own p(x) weight lost 3-43 points of accuracy on networks "
+            f"{smallest} training images (at most {SMALL_DATA_PER_CLASS}); at that size on networks "
             + ("with BatchNorm at a raised --lr" if batchnorm else "without BatchNorm")
-            + "; this weight held it, but the samples stay near their starting noise (benchmarks/README.md). "
-            "--px-weight sets it"
+            + f", {chosen}'s own p(x) weight lost 2-43 points of accuracy and this one far less, but its "
+            "samples stay near their starting noise (benchmarks/README.md). --px-weight sets it"
         )
     recipe = recipe_from_args(args, quiet=not info.is_main or args.baseline, name=chosen, defaults=settings)
     if lr_raised(recipe.optim.lr, chosen) and info.is_main and not args.baseline and not small_px:
