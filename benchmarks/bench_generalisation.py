@@ -823,10 +823,12 @@ def accuracy_figure(entries: Sequence[dict[str, Any]], path: str) -> str:
     )
     values = np.full((len(rows), len(sets)), np.nan)
     chosen = np.zeros_like(values, dtype=bool)
+    few = np.zeros_like(values, dtype=bool)
     for e in done:
         i, j = rows.index((e["net"], size_label(e), e["run"])), sets.index(e["dataset"])
         values[i, j] = 100 * (e["accuracy"] - e["baseline_accuracy"])
         chosen[i, j] = bool(e["default"])
+        few[i, j] = len(e["seeds"]) < 3
     cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="#d9d9d9")
     norm = matplotlib.colors.TwoSlopeNorm(vmin=-40.0, vcenter=0.0, vmax=10.0)
     fig = Figure(figsize=(4.2 + 1.3 * len(sets), 1.5 + 0.32 * len(rows)))
@@ -835,7 +837,7 @@ def accuracy_figure(entries: Sequence[dict[str, Any]], path: str) -> str:
     for i in range(len(rows)):
         for j in range(len(sets)):
             v = values[i, j]
-            text = "-" if np.isnan(v) else f"{v:+.1f}" + (" ok" if v >= -1.0 else "")
+            text = "-" if np.isnan(v) else f"{v:+.1f}" + (" ok" if v >= -1.0 else "") + ("*" if few[i, j] else "")
             ax.text(j, i, text, ha="center", va="center", fontsize=8, weight="bold" if chosen[i, j] else "normal")
             if chosen[i, j]:
                 ax.add_patch(Rectangle((j - 0.45, i - 0.4), 0.9, 0.8, fill=False, edgecolor="black", lw=1.2))
@@ -849,12 +851,12 @@ def accuracy_figure(entries: Sequence[dict[str, Any]], path: str) -> str:
     ax.tick_params(length=0)
     fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label="test accuracy - baseline's (points)")
     ax.set_title(
-        "Test accuracy minus the cross-entropy baseline's, in points (mean of 3 seeds)\n"
+        "Test accuracy minus the cross-entropy baseline's, in points (mean of 3 seeds; *: fewer)\n"
         "'ok': within the 1-point target; boxed: what jem train picks with no --recipe",
         fontsize=9,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     return path
 
 
