@@ -774,8 +774,8 @@ def validation_table(rows: Sequence[dict[str, Any]]) -> str:
     """What a tuning step may read: each run's *validation* accuracy against its baseline's on the
     same cell (data set, size, network, seed), in points; the test split is not shown."""
     base = {(r["dataset"], r["per_class"], r["net"], r["seed"]): r for r in rows if r["run"] == "baseline"}
-    labels = sorted({run_label(r) for r in rows if r["run"] != "baseline"}, key=lambda x: (x.split("[")[0], x))
-    cells = sorted({k for k in base}, key=lambda k: (k[0], k[1], list(NETWORKS).index(k[2]), k[3]))
+    labels = sorted({run_label(r) for r in rows if r["run"] != "baseline"})  # a recipe, then its variants
+    cells = sorted(base, key=lambda k: (k[0], k[1], list(NETWORKS).index(k[2]), k[3]))
     out = {(run_label(r), r["dataset"], r["per_class"], r["net"], r["seed"]): r for r in rows if r["run"] != "baseline"}
     header = ["data", "per class", "network", "seed", "baseline", *labels]
     body = []

@@ -726,17 +726,19 @@ def default_recipe_for(per_class: int | None, batchnorm: bool, lr: float | None 
     """``jem train``'s recipe for training data whose smallest class has ``per_class`` images, on a
     network with (``batchnorm=True``) or without BatchNorm layers, at the learning rate ``lr``
     (``None``: the recipe's own)."""
-    small = per_class is not None and per_class <= SMALL_DATA_PER_CLASS
     raised = lr is not None and lr_raised(lr, SMALL_DATA_RECIPE)
-    return SMALL_DATA_RECIPE if small and batchnorm and not raised else DEFAULT_RECIPE
+    return SMALL_DATA_RECIPE if _small_data(per_class) and batchnorm and not raised else DEFAULT_RECIPE
+
+
+def _small_data(per_class: int | None) -> bool:
+    return per_class is not None and per_class <= SMALL_DATA_PER_CLASS
 
 
 def default_settings_for(per_class: int | None, batchnorm: bool, lr: float | None = None) -> dict[str, float]:
     """The settings ``jem train`` changes in :func:`default_recipe_for`'s recipe for the same data,
     network and learning rate (flags the user gives win): the p(x) term at
     :data:`SMALL_DATA_PX_WEIGHT` on small data where ``fast`` is not the choice; else none."""
-    small = per_class is not None and per_class <= SMALL_DATA_PER_CLASS
-    if small and default_recipe_for(per_class, batchnorm, lr) == DEFAULT_RECIPE:
+    if _small_data(per_class) and default_recipe_for(per_class, batchnorm, lr) == DEFAULT_RECIPE:
         return {"px_weight": SMALL_DATA_PX_WEIGHT}
     return {}
 
