@@ -378,3 +378,23 @@ def test_labels_predicted_fits_without_labels(setup):
         a = ood.detector(name, labels="predicted").fit(jm, x_fit).score(jm, x_test)
         b = ood.detector(name).fit(jm, (x_fit, y_fit)).score(jm, x_test)
         torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------------- one image, one score
+@pytest.mark.filterwarnings("ignore::jem_plugin.errors.UntrainedDensityWarning")  # grad_norm on this CNN
+@pytest.mark.parametrize("name", [n for n in ood.available_scores() if not n.endswith("_sgld")])
+def test_an_images_score_does_not_depend_on_the_batch_it_is_scored_in(setup, name):
+    """A deployed detector sees one image, or a batch of whatever arrived: every registered score
+    gives an image the same value alone, in its own batch and beside other images.
+    (pytorch-ood's OpenMax does not: benchmarks/check_openmax_batches.py.) The SGLD-refined scores
+    are left out: their chains draw noise per batch."""
+    jm, _, x_fit, y_fit, x_test = setup
+    fit = _loader(x_fit, y_fit) if ood.score_info(name)["needs_fit"] else None
+    det = ood.detector(name).fit(jm, fit) if fit is not None else name
+    together = ood.score(jm, x_test, det, batch_size=len(x_test))
+    alone = ood.score(jm, x_test[:8], det, batch_size=1)
+    others = _images(40, torch.Generator().manual_seed(5))
+    beside_others = ood.score(jm, torch.cat([x_test[:8], others]), det, batch_size=48)[:8]
+    tol = 1e-4 * max(1.0, float(together.abs().max()))
+    torch.testing.assert_close(alone, together[:8], rtol=0, atol=tol)
+    torch.testing.assert_close(beside_others, together[:8], rtol=0, atol=tol)
