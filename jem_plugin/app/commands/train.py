@@ -17,13 +17,13 @@ from ... import training
 from ...extensions import Decision, RecomputeBatchNorm, held_out_logits
 from ...inits import Uniform
 from ...recipes import (
+    DEFAULT_PX_WEIGHT,
     DEFAULT_RECIPE,
     DEPRECATED_BATCHNORM,
     DEPRECATED_NAMES,
     RAISED_LR_FACTOR,
     RECIPES,
     SMALL_DATA_PER_CLASS,
-    SMALL_DATA_PX_WEIGHT,
     SMALL_DATA_RECIPE,
     Recipe,
     default_recipe_for,
@@ -167,8 +167,8 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         default=None,
         help=f"JEM recipe (default: {SMALL_DATA_RECIPE} for a BatchNorm network whose smallest class has at most "
         f"{SMALL_DATA_PER_CLASS} training images, at no more than {RAISED_LR_FACTOR:g}x the recipe's --lr; "
-        f"{DEFAULT_RECIPE} with --px-weight {SMALL_DATA_PX_WEIGHT:g} for other networks with that little data; else "
-        f"{DEFAULT_RECIPE}: what lost the least accuracy there in benchmarks/README.md)",
+        f"{DEFAULT_RECIPE} with --px-weight {DEFAULT_PX_WEIGHT:g} otherwise: what lost the least accuracy in "
+        "benchmarks/README.md)",
     )
     p.add_argument(
         "--epochs",
@@ -361,12 +361,19 @@ def _choose_recipe(args, info, ds, jm) -> Recipe:
         )
     small_px = tell and "px_weight" in settings and getattr(args, "px_weight", None) is None
     if small_px:
+        if not batchnorm:
+            where = "a network without BatchNorm"
+        elif smallest > SMALL_DATA_PER_CLASS:
+            where = (
+                f"a BatchNorm network whose smallest class has {smallest} training images (over {SMALL_DATA_PER_CLASS})"
+            )
+        else:  # small data, where fast would be the choice but for the raised learning rate
+            where = f"a BatchNorm network at --lr {args.lr:g}"
         print(
-            f"jem train: recipe {chosen} with --px-weight {settings['px_weight']:g}: the smallest class has "
-            f"{smallest} training images (at most {SMALL_DATA_PER_CLASS}); at that size on networks "
-            + ("with BatchNorm at a raised --lr" if batchnorm else "without BatchNorm")
-            + f", {chosen}'s own p(x) weight lost 2-43 points of accuracy and this one far less, but its "
-            "samples stay near their starting noise (benchmarks/README.md). --px-weight sets it"
+            f"jem train: recipe {chosen} with --px-weight {settings['px_weight']:g}: on {where}, {chosen}'s own "
+            f"p(x) weight ({get_recipe(chosen).loss.px_weight:g}) lost 0.6-43 points of accuracy against a "
+            "cross-entropy baseline and this one far less, but its samples stay near their starting noise "
+            f"(benchmarks/README.md). --px-weight sets it; --recipe {chosen} keeps the recipe's"
         )
     recipe = recipe_from_args(args, quiet=not info.is_main or args.baseline, name=chosen, defaults=settings)
     if lr_raised(recipe.optim.lr, chosen) and info.is_main and not args.baseline and not small_px:
@@ -424,6 +431,14 @@ def _loader(args, ds, jm, info):
 def _announce(args, recipe, setup, epochs: int, iters: int, out) -> None:
     warmup = setup.warmup_iters if setup is not None else recipe.optim.warmup_for(epochs * iters)
     what = "baseline (cross-entropy only)" if setup is None else "recipe " + recipe.name
+    if setup is not None and recipe.name in RECIPES:  # the settings changed from the registered recipe's
+        preset = RECIPES[recipe.name].flat()
+        changed = [
+            f"{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"{k.replace('_', '-')} {v}"
+            for k, v in recipe.flat().items()
+            if preset.get(k) != v
+        ]
+        what += f" ({', '.join(changed)})" if changed else ""
     print(
         f"jem train: {args.model} on {args.data}, {what}, {epochs} epochs of {iters} iterations, "
         f"warm-up {warmup}; output in {out}/"
