@@ -655,6 +655,20 @@ def test_train_flags_are_the_recipe_trees_flat_names(capsys):
     )
     out = capsys.readouterr().out
     assert "recipe 'jempp'" in out and "sgld_steps             3" in out and "init_covariance        'lowrank'" in out
+    assert "no --recipe" not in out
+
+
+def test_show_recipe_without_a_recipe_says_that_jem_train_picks_by_the_data(capsys):
+    """With no --recipe, the recipe jem train trains depends on the data and the network (fast on
+    small BatchNorm data, else generative at DEFAULT_PX_WEIGHT): --show-recipe, which reads no data,
+    says so under the general default it prints, rather than passing that off as what will run."""
+    from jem_plugin.recipes import DEFAULT_PX_WEIGHT
+
+    assert main(["train", "--show-recipe"]) == 0
+    out = capsys.readouterr().out
+    assert "recipe 'generative'" in out
+    assert "no --recipe: jem train picks by the data and the network" in out
+    assert f"px_weight {DEFAULT_PX_WEIGHT:g}" in out.splitlines()[-1]
 
 
 def test_train_init_covariance_flag_reaches_the_fitted_init(captured_fit, tmp_path):

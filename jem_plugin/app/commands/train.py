@@ -213,6 +213,13 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
 def run(args) -> int:
     if args.show_recipe:
         print(recipe_from_args(args))
+        if args.recipe is None:  # the choice waits for the data and the network
+            print(
+                f"(no --recipe: jem train picks by the data and the network: {SMALL_DATA_RECIPE} for a BatchNorm "
+                f"network whose smallest class has at most {SMALL_DATA_PER_CLASS} training images (at no more than "
+                f"{RAISED_LR_FACTOR:g}x its --lr), else this one "
+                f"with px_weight {DEFAULT_PX_WEIGHT:g}; --recipe {DEFAULT_RECIPE} shows and trains it as it is)"
+            )
         return 0
     _check_install()
     try:
