@@ -159,7 +159,7 @@ def default_settings(per_class: int, net: str) -> dict[str, float]:
 def defaults_for(per_class: int, net: str) -> list[tuple[str, dict[str, float]]]:
     """The runs (recipe, changed settings) every cell of a row runs beside the baseline: ``jem
     train``'s choice and, where the rule picks another recipe or settings, the general default too
-    (what the rule is judged against)."""
+    (what the rule is judged against; :func:`plan` runs it on the other recipes' seeds)."""
     chosen = (default_recipe(per_class, net), default_settings(per_class, net))
     return [chosen] if chosen == (default_recipe(), {}) else [chosen, (default_recipe(), {})]
 
@@ -524,8 +524,12 @@ def plan(
             per_class = per_class_for(name, size, tiny)
             ep = e_small if per_class <= 50 else (e_mid if per_class <= 200 else e_big)
             for net in networks:
-                runs = [("baseline", {}, seeds, networks)]
-                runs += [(r, chosen, seeds, networks) for r, chosen in defaults_for(per_class, net)]
+                (choice, *beside) = defaults_for(per_class, net)
+                runs = [("baseline", {}, seeds, networks), (*choice, seeds, networks)]
+                # the general default beside the choice shows what the rule changed: on the other
+                # recipes' seeds (every seed with others_everywhere), inside the matrix's 8 hours
+                beside_seeds = seeds if others_everywhere else tuple(s for s in seeds if s in p["other_seeds"])
+                runs += [(r, chosen, beside_seeds, networks) for r, chosen in beside]
                 if others_everywhere:
                     runs += [(r, {}, seeds, networks) for r in others]
                 elif size == "150":

@@ -137,6 +137,13 @@ def test_each_cell_runs_jem_trains_choice_and_the_general_default_beside_it():
     for net in ("resnet10t", "convnext_atto"):
         assert B.defaults_for(150, net) == [(B.default_recipe(), {"px_weight": px}), (B.default_recipe(), {})]
         assert {"baseline", f"{B.default_recipe()}[px_weight={px:g}]", B.default_recipe()} <= runs[(150, net)]
+    # the general default beside the choice runs on the other recipes' seeds (every seed when asked)
+    three = B.plan("full", sizes=["150"], networks=["convnext_atto"], seeds=[0, 1, 2])
+    choice, plain = f"{B.default_recipe()}[px_weight={px:g}]", B.default_recipe()
+    assert {c["seed"] for c in three if B.run_label(c) == choice} == {0, 1, 2}
+    assert {c["seed"] for c in three if B.run_label(c) == plain} == set(B.PLANS["full"]["other_seeds"])
+    everywhere = B.plan("full", sizes=["150"], networks=["convnext_atto"], seeds=[0, 1, 2], others_everywhere=True)
+    assert {c["seed"] for c in everywhere if B.run_label(c) == plain} == {0, 1, 2}
     (e,) = B.summarise([_row("baseline", 0, 0.9, (0.5,) * 4), _row("fast", 0, 0.9, (0.5,) * 4)])
     assert e["default"], "on resnet10t at 40 per class the table marks fast as the default"
 
