@@ -295,7 +295,9 @@ def captured_fit(monkeypatch):
 
 
 def test_train_defaults_to_the_generative_recipe_with_warmup_capped(captured_fit, tmp_path, capsys):
-    from jem_plugin.recipes import get_recipe
+    """With no --recipe, the digits (over 50 per class) train generative with its p(x) term at
+    DEFAULT_PX_WEIGHT and every other setting the recipe's."""
+    from jem_plugin.recipes import DEFAULT_PX_WEIGHT, get_recipe
 
     assert main(["train", "--out", str(tmp_path), "--quiet"]) == 0
     call = captured_fit[0]
@@ -305,12 +307,13 @@ def test_train_defaults_to_the_generative_recipe_with_warmup_capped(captured_fit
     assert call["warmup_iters"] == default.optim.warmup_for(150 * iters) == default.optim.warmup_iters
     sampler = call["loss_fn"].sampler
     assert (sampler.steps, sampler.noise, sampler.grad_clamp, sampler.colours) == (10, 0.0, 0.03, "data")
-    assert call["loss_fn"].px_weight == 0.75 and default.bn_stats_from_data
+    assert call["loss_fn"].px_weight == DEFAULT_PX_WEIGHT != default.loss.px_weight and default.bn_stats_from_data
     assert call["loss_fn"].n_samples == default.loss.n_samples and sampler.batchnorm == "joint"
     assert call["loss_fn"].buffer.init_spec == default.buffer.init and call["loss_fn"].buffer.init_dist.fitted
     assert call["optimizer"].param_groups[0]["lr"] == default.optim.lr
-    assert call["setup"].recipe == default.replace(buffer_capacity=10000)  # the one recipe, as built
-    assert "recipe generative" in capsys.readouterr().out
+    built = default.replace(buffer_capacity=10000, px_weight=DEFAULT_PX_WEIGHT)
+    assert call["setup"].recipe == built  # the one recipe, as built
+    assert f"recipe generative (px-weight {DEFAULT_PX_WEIGHT:g})" in capsys.readouterr().out
 
 
 def test_train_sizes_the_replay_buffer_for_the_run_unless_told(captured_fit, tmp_path, capsys):
