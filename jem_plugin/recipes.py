@@ -718,9 +718,10 @@ RAISED_LR_FACTOR = 3.0
 # weight was chosen on the tune set alone (the digits' validation split at 40 per class: mean +0.5
 # points against the baseline on those four networks, where 0.1 gave -3.0 and 0.75 -28.5;
 # benchmarks/results/generalisation/px_tuning/). Judged on the test split, 3 seeds, on all three
-# data sets: within a point of the baseline on 6 of 12 cells at 40 per class and on 10 of 15 at
-# 136-150, against none at 0.75; wrn10-1 (no normalisation) still loses 2-22 points. Its buffer
-# stays near its init's Fréchet distance: a classifier with a weak energy term.
+# data sets: within a point of the baseline on 6 of 12 cells at 40 per class, 10 of 15 at 136-150
+# and 4 of 5 at 500 (textures), where 0.75 held 3 of the 32 (one seed each); wrn10-1 (no
+# normalisation) still loses 2-22 points. Its buffer stays near its init's Fréchet distance, except
+# on resnet10t above 50 per class: mostly a classifier with a weak energy term.
 DEFAULT_PX_WEIGHT = 0.03
 SMALL_DATA_PX_WEIGHT = DEFAULT_PX_WEIGHT  # its name while it applied to small data alone
 
