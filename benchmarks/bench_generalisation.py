@@ -153,7 +153,8 @@ def default_recipe(per_class: int | None = None, net: str | None = None) -> str:
 def default_settings(per_class: int, net: str) -> dict[str, float]:
     """The settings ``jem train`` changes in :func:`default_recipe`'s recipe for the cell
     (:func:`jem_plugin.recipes.default_settings_for`)."""
-    return R.default_settings_for(per_class, batchnorm="BN" in NORMS.get(net, ""), lr=NETWORK_LR.get(net))
+    norm = NORMS.get(net, "")
+    return R.default_settings_for(per_class, batchnorm="BN" in norm, lr=NETWORK_LR.get(net), normalised=norm != "none")
 
 
 def defaults_for(per_class: int, net: str) -> list[tuple[str, dict[str, float]]]:

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ... import distributed as jdist
@@ -353,12 +354,21 @@ RAISED_LR_EVIDENCE = (
 )
 
 
+# torch's normalisation layers, and any other whose class is named for one (timm's RmsNorm, ...)
+_NORM_TYPES = (_NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
+
+
+def _is_normalisation(module: nn.Module) -> bool:
+    return isinstance(module, _NORM_TYPES) or type(module).__name__.lower().endswith(("norm", "norm1d", "norm2d"))
+
+
 def _choose_recipe(args, info, ds, jm) -> Recipe:
     """The ``--recipe``, or the one that held accuracy for data of this size on this kind of network."""
     smallest = min(Counter(dataset_labels(ds)).values(), default=0)
     batchnorm = any(isinstance(m, _BatchNorm) for m in jm.modules())
+    normalised = any(_is_normalisation(m) for m in jm.modules())
     chosen = args.recipe or default_recipe_for(smallest, batchnorm, lr=args.lr)
-    settings = {} if args.recipe else default_settings_for(smallest, batchnorm, lr=args.lr)
+    settings = {} if args.recipe else default_settings_for(smallest, batchnorm, lr=args.lr, normalised=normalised)
     tell = args.recipe is None and info.is_main and not args.baseline
     if tell and chosen != DEFAULT_RECIPE:
         print(
@@ -366,9 +376,11 @@ def _choose_recipe(args, info, ds, jm) -> Recipe:
             f"{SMALL_DATA_PER_CLASS}) and the network has BatchNorm, where {DEFAULT_RECIPE} lost accuracy and "
             f"{chosen} held it (benchmarks/README.md); --recipe {DEFAULT_RECIPE} to choose it anyway"
         )
-    small_px = tell and "px_weight" in settings and getattr(args, "px_weight", None) is None
-    if small_px:
-        if not batchnorm:
+    told = {k: v for k, v in settings.items() if getattr(args, k, None) is None} if tell else {}
+    if told:
+        if not normalised:
+            where = "a network without normalisation layers"
+        elif not batchnorm:
             where = "a network without BatchNorm"
         elif smallest > SMALL_DATA_PER_CLASS:
             where = (
@@ -376,14 +388,16 @@ def _choose_recipe(args, info, ds, jm) -> Recipe:
             )
         else:  # small data, where fast would be the choice but for the raised learning rate
             where = f"a BatchNorm network at --lr {args.lr:g}"
+        flags = " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in told.items())
+        l2 = f" and its energy L2 ({get_recipe(chosen).loss.l2_weight:g}) 2-22 more" if "l2_weight" in told else ""
         print(
-            f"jem train: recipe {chosen} with --px-weight {settings['px_weight']:g}: on {where}, {chosen}'s own "
-            f"p(x) weight ({get_recipe(chosen).loss.px_weight:g}) lost 0.6-43 points of accuracy against a "
-            "cross-entropy baseline and this one far less, but its samples stay near their starting noise "
-            f"(benchmarks/README.md). --px-weight sets it; --recipe {chosen} keeps the recipe's"
+            f"jem train: recipe {chosen} with {flags}: on {where}, {chosen}'s own p(x) weight "
+            f"({get_recipe(chosen).loss.px_weight:g}) lost 0.6-43 points of accuracy against a cross-entropy "
+            f"baseline{l2}, and these settings far less, but its samples stay near their starting noise "
+            f"(benchmarks/README.md). Flags you give win; --recipe {chosen} keeps the recipe's settings"
         )
     recipe = recipe_from_args(args, quiet=not info.is_main or args.baseline, name=chosen, defaults=settings)
-    if lr_raised(recipe.optim.lr, chosen) and info.is_main and not args.baseline and not small_px:
+    if lr_raised(recipe.optim.lr, chosen) and info.is_main and not args.baseline and not told:
         preset_lr = get_recipe(chosen).optim.lr
         print(
             f"jem train: warning: --lr {recipe.optim.lr:g} is {recipe.optim.lr / preset_lr:.0f}x the {chosen} "
