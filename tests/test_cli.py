@@ -296,8 +296,9 @@ def captured_fit(monkeypatch):
 
 def test_train_defaults_to_the_generative_recipe_with_warmup_capped(captured_fit, tmp_path, capsys):
     """With no --recipe, the digits (over 50 per class) train generative with its p(x) term at
-    DEFAULT_PX_WEIGHT and every other setting the recipe's."""
-    from jem_plugin.recipes import DEFAULT_PX_WEIGHT, get_recipe
+    DEFAULT_PX_WEIGHT and, the default digits-cnn having no normalisation layer, no energy L2;
+    every other setting the recipe's."""
+    from jem_plugin.recipes import DEFAULT_PX_WEIGHT, NO_NORMALISATION_L2_WEIGHT, get_recipe
 
     assert main(["train", "--out", str(tmp_path), "--quiet"]) == 0
     call = captured_fit[0]
@@ -311,9 +312,10 @@ def test_train_defaults_to_the_generative_recipe_with_warmup_capped(captured_fit
     assert call["loss_fn"].n_samples == default.loss.n_samples and sampler.batchnorm == "joint"
     assert call["loss_fn"].buffer.init_spec == default.buffer.init and call["loss_fn"].buffer.init_dist.fitted
     assert call["optimizer"].param_groups[0]["lr"] == default.optim.lr
-    built = default.replace(buffer_capacity=10000, px_weight=DEFAULT_PX_WEIGHT)
+    built = default.replace(buffer_capacity=10000, px_weight=DEFAULT_PX_WEIGHT, l2_weight=NO_NORMALISATION_L2_WEIGHT)
     assert call["setup"].recipe == built  # the one recipe, as built
-    assert f"recipe generative (px-weight {DEFAULT_PX_WEIGHT:g})" in capsys.readouterr().out
+    changed = f"px-weight {DEFAULT_PX_WEIGHT:g}, l2-weight {NO_NORMALISATION_L2_WEIGHT:g}"
+    assert f"recipe generative ({changed})" in capsys.readouterr().out
 
 
 def test_train_sizes_the_replay_buffer_for_the_run_unless_told(captured_fit, tmp_path, capsys):
