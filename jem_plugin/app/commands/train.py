@@ -22,6 +22,7 @@ from ...recipes import (
     DEFAULT_RECIPE,
     DEPRECATED_BATCHNORM,
     DEPRECATED_NAMES,
+    NO_NORMALISATION_L2_WEIGHT,
     RAISED_LR_FACTOR,
     RECIPES,
     SMALL_DATA_PER_CLASS,
@@ -168,8 +169,9 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         default=None,
         help=f"JEM recipe (default: {SMALL_DATA_RECIPE} for a BatchNorm network whose smallest class has at most "
         f"{SMALL_DATA_PER_CLASS} training images, at no more than {RAISED_LR_FACTOR:g}x the recipe's --lr; "
-        f"{DEFAULT_RECIPE} with --px-weight {DEFAULT_PX_WEIGHT:g} otherwise: what lost the least accuracy in "
-        "benchmarks/README.md)",
+        f"{DEFAULT_RECIPE} with --px-weight {DEFAULT_PX_WEIGHT:g} otherwise, and --l2-weight "
+        f"{NO_NORMALISATION_L2_WEIGHT:g} on a network without normalisation layers: what lost the least accuracy "
+        "in benchmarks/README.md)",
     )
     p.add_argument(
         "--epochs",
@@ -218,8 +220,9 @@ def run(args) -> int:
             print(
                 f"(no --recipe: jem train picks by the data and the network: {SMALL_DATA_RECIPE} for a BatchNorm "
                 f"network whose smallest class has at most {SMALL_DATA_PER_CLASS} training images (at no more than "
-                f"{RAISED_LR_FACTOR:g}x its --lr), else this one "
-                f"with px_weight {DEFAULT_PX_WEIGHT:g}; --recipe {DEFAULT_RECIPE} shows and trains it as it is)"
+                f"{RAISED_LR_FACTOR:g}x its --lr), else this one with px_weight {DEFAULT_PX_WEIGHT:g} (and "
+                f"l2_weight {NO_NORMALISATION_L2_WEIGHT:g} on a network without normalisation layers); "
+                f"--recipe {DEFAULT_RECIPE} shows and trains it as it is)"
             )
         return 0
     _check_install()
