@@ -53,6 +53,8 @@ __all__ = [
     "DEFAULT_PX_WEIGHT",
     "SMALL_DATA_PX_WEIGHT",
     "NO_NORMALISATION_L2_WEIGHT",
+    "DefaultChoice",
+    "default_choice",
     "default_recipe_for",
     "default_settings_for",
     "RAISED_LR_FACTOR",
@@ -736,32 +738,71 @@ SMALL_DATA_PX_WEIGHT = DEFAULT_PX_WEIGHT  # its name while it applied to small d
 NO_NORMALISATION_L2_WEIGHT = 0.0
 
 
-def default_recipe_for(per_class: int | None, batchnorm: bool, lr: float | None = None) -> str:
-    """``jem train``'s recipe for training data whose smallest class has ``per_class`` images, on a
-    network with (``batchnorm=True``) or without BatchNorm layers, at the learning rate ``lr``
-    (``None``: the recipe's own)."""
+@dataclass(frozen=True)
+class DefaultChoice:
+    """What ``jem train`` trains with when no ``--recipe`` is given (:func:`default_choice`).
+
+    ``recipe``: the registered recipe's name; ``settings``: flat settings changed in it (flags the
+    user gives win); ``reason``: the kind of data and network the rule saw, as a phrase ("a network
+    without BatchNorm"), for the one line that says why."""
+
+    recipe: str
+    settings: dict[str, float]
+    reason: str
+
+
+def default_choice(
+    per_class: int | None, batchnorm: bool, lr: float | None = None, normalised: bool = True
+) -> DefaultChoice:
+    """``jem train``'s recipe and settings for training data whose smallest class has ``per_class``
+    images, on a network with or without BatchNorm (``batchnorm``) and with or without any
+    normalisation layer (``normalised``; BatchNorm is one), at the learning rate ``lr`` (``None``:
+    the recipe's own).
+
+    :data:`SMALL_DATA_RECIPE` as it is for small data on a BatchNorm network at about its own rate;
+    else :data:`DEFAULT_RECIPE` with its p(x) term at :data:`DEFAULT_PX_WEIGHT`, and on a network
+    without normalisation layers its energy L2 at :data:`NO_NORMALISATION_L2_WEIGHT`.
+
+    >>> default_choice(40, batchnorm=True).recipe
+    'fast'
+    >>> default_choice(500, batchnorm=False, normalised=False).settings
+    {'px_weight': 0.03, 'l2_weight': 0.0}
+    """
+    small = per_class is not None and per_class <= SMALL_DATA_PER_CLASS
     raised = lr is not None and lr_raised(lr, SMALL_DATA_RECIPE)
-    return SMALL_DATA_RECIPE if _small_data(per_class) and batchnorm and not raised else DEFAULT_RECIPE
+    if small and batchnorm and not raised:
+        return DefaultChoice(
+            SMALL_DATA_RECIPE,
+            {},
+            f"a BatchNorm network whose smallest class has {per_class} training images (at most {SMALL_DATA_PER_CLASS})",
+        )
+    settings = {"px_weight": DEFAULT_PX_WEIGHT}
+    if not (normalised or batchnorm):
+        settings["l2_weight"] = NO_NORMALISATION_L2_WEIGHT
+        reason = "a network without normalisation layers"
+    elif not batchnorm:
+        reason = "a network without BatchNorm"
+    elif small:  # where the small-data recipe would be the choice but for the raised learning rate
+        reason = f"a BatchNorm network at --lr {lr:g} (over {RAISED_LR_FACTOR:g}x {SMALL_DATA_RECIPE}'s)"
+    else:
+        reason = (
+            f"a BatchNorm network whose smallest class has {per_class} training images (over {SMALL_DATA_PER_CLASS})"
+            if per_class is not None
+            else "a BatchNorm network"
+        )
+    return DefaultChoice(DEFAULT_RECIPE, settings, reason)
 
 
-def _small_data(per_class: int | None) -> bool:
-    return per_class is not None and per_class <= SMALL_DATA_PER_CLASS
+def default_recipe_for(per_class: int | None, batchnorm: bool, lr: float | None = None) -> str:
+    """:func:`default_choice`'s recipe name (the benchmarks' label for ``jem train``'s choice)."""
+    return default_choice(per_class, batchnorm, lr).recipe
 
 
 def default_settings_for(
     per_class: int | None, batchnorm: bool, lr: float | None = None, normalised: bool = True
 ) -> dict[str, float]:
-    """The settings ``jem train`` changes in :func:`default_recipe_for`'s recipe for the same data,
-    network and learning rate (flags the user gives win): wherever that recipe is
-    :data:`DEFAULT_RECIPE`, the p(x) term at :data:`DEFAULT_PX_WEIGHT`, and on a network with no
-    normalisation layer (``normalised=False``; BatchNorm is one) the energy L2 at
-    :data:`NO_NORMALISATION_L2_WEIGHT`; else none."""
-    if default_recipe_for(per_class, batchnorm, lr) != DEFAULT_RECIPE:
-        return {}
-    settings = {"px_weight": DEFAULT_PX_WEIGHT}
-    if not (normalised or batchnorm):
-        settings["l2_weight"] = NO_NORMALISATION_L2_WEIGHT
-    return settings
+    """:func:`default_choice`'s changed settings (empty where the recipe runs as registered)."""
+    return default_choice(per_class, batchnorm, lr, normalised).settings
 
 
 def lr_raised(lr: float, recipe: str) -> bool:

@@ -181,8 +181,8 @@ def test_jem_train_picks_the_recipe_that_held_accuracy_at_the_datas_size(
     assert spec["recipe"]["name"] == expected and spec["recipe"]["loss"]["px_weight"] == px_weight
     n = int(per_class * 0.8)
     printed = capsys.readouterr().out
-    small = f"the smallest class has {n} training images (at most {SMALL_DATA_PER_CLASS})"
-    assert (f"recipe fast: {small}" in printed) == (expected == "fast")
+    small = f"a BatchNorm network whose smallest class has {n} training images (at most {SMALL_DATA_PER_CLASS})"
+    assert (f"recipe fast: on {small}," in printed) == (expected == "fast"), printed
     why = {
         "resnet10t": f"a BatchNorm network whose smallest class has {n} training images (over {SMALL_DATA_PER_CLASS})",
         "nobn:build": "a network without BatchNorm",
@@ -240,6 +240,19 @@ def test_the_small_data_choice_holds_only_near_the_recipes_learning_rate():
     assert default_recipe_for(40, True, lr=3e-4) == SMALL_DATA_RECIPE
     assert default_recipe_for(40, True, lr=1e-2) == DEFAULT_RECIPE
     assert default_recipe_for(40, False) == default_recipe_for(400, True) == DEFAULT_RECIPE
+
+
+def test_the_default_choice_says_why_in_the_terms_of_the_rule_that_made_it():
+    """jem train prints the rule's own reason: the one case that only the learning rate decides
+    names the rate, and each other case the kind of network and data that decided it."""
+    from jem_plugin.recipes import default_choice
+
+    raised = default_choice(40, True, lr=1e-2)
+    assert raised.recipe == "generative" and raised.reason.startswith("a BatchNorm network at --lr 0.01")
+    assert "--lr" not in default_choice(400, True, lr=1e-2).reason  # above 50 per class the rate decides nothing
+    assert default_choice(400, True).reason.endswith("has 400 training images (over 50)")
+    assert default_choice(40, True).reason.endswith("has 40 training images (at most 50)")
+    assert default_choice(None, True).reason == "a BatchNorm network"
 
 
 def test_wherever_jem_train_picks_generative_it_lowers_its_p_x_weight_and_changes_nothing_else():

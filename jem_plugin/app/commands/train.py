@@ -28,8 +28,7 @@ from ...recipes import (
     SMALL_DATA_PER_CLASS,
     SMALL_DATA_RECIPE,
     Recipe,
-    default_recipe_for,
-    default_settings_for,
+    default_choice,
     flat_names,
     get_recipe,
     lr_raised,
@@ -60,6 +59,11 @@ OLD_FLAGS = DEPRECATED_NAMES
 _OLD_BATCHNORM = DEPRECATED_BATCHNORM
 
 
+def _dashed(name: str) -> str:
+    """A recipe setting's flat name as its flag spells it: ``px_weight`` -> ``px-weight``."""
+    return name.replace("_", "-")
+
+
 def _optional(kind: type):
     """An argparse type that also reads ``none`` (a setting the recipe may switch off)."""
 
@@ -76,7 +80,7 @@ def add_recipe_flags(p: argparse.ArgumentParser) -> None:
         "recipe settings (default: the --recipe's; `jem train --recipe NAME --show-recipe` prints them)"
     )
     for name, info in flat_names().items():
-        flag = "--" + name.replace("_", "-")
+        flag = "--" + _dashed(name)
         text = f"{info['help']} (default: the recipe's)"
         if info["type"] is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
@@ -96,9 +100,7 @@ def add_recipe_flags(p: argparse.ArgumentParser) -> None:
     names = flat_names()
     for old, new in OLD_FLAGS.items():
         kind = _optional(names[new]["type"]) if names[new]["optional"] else names[new]["type"]
-        group.add_argument(
-            "--" + old.replace("_", "-"), dest="old_" + old, type=kind, default=None, help=argparse.SUPPRESS
-        )
+        group.add_argument("--" + _dashed(old), dest="old_" + old, type=kind, default=None, help=argparse.SUPPRESS)
 
 
 def recipe_from_args(
@@ -113,7 +115,7 @@ def recipe_from_args(
         if value is None:
             continue
         if not quiet:
-            print(f"jem train: --{old.replace('_', '-')} is deprecated; use --{new.replace('_', '-')}")
+            print(f"jem train: --{_dashed(old)} is deprecated; use --{_dashed(new)}")
         changes.setdefault(new, value)
     if changes.get("sgld_batchnorm") in _OLD_BATCHNORM:
         value = changes["sgld_batchnorm"]
@@ -370,31 +372,21 @@ def _choose_recipe(args, info, ds, jm) -> Recipe:
     smallest = min(Counter(dataset_labels(ds)).values(), default=0)
     batchnorm = any(isinstance(m, _BatchNorm) for m in jm.modules())
     normalised = any(_is_normalisation(m) for m in jm.modules())
-    chosen = args.recipe or default_recipe_for(smallest, batchnorm, lr=args.lr)
-    settings = {} if args.recipe else default_settings_for(smallest, batchnorm, lr=args.lr, normalised=normalised)
+    choice = default_choice(smallest, batchnorm, lr=args.lr, normalised=normalised)
+    chosen = args.recipe or choice.recipe
+    settings = {} if args.recipe else choice.settings
     tell = args.recipe is None and info.is_main and not args.baseline
     if tell and chosen != DEFAULT_RECIPE:
         print(
-            f"jem train: recipe {chosen}: the smallest class has {smallest} training images (at most "
-            f"{SMALL_DATA_PER_CLASS}) and the network has BatchNorm, where {DEFAULT_RECIPE} lost accuracy and "
+            f"jem train: recipe {chosen}: on {choice.reason}, {DEFAULT_RECIPE} lost accuracy and "
             f"{chosen} held it (benchmarks/README.md); --recipe {DEFAULT_RECIPE} to choose it anyway"
         )
     told = {k: v for k, v in settings.items() if getattr(args, k, None) is None} if tell else {}
     if told:
-        if not normalised:
-            where = "a network without normalisation layers"
-        elif not batchnorm:
-            where = "a network without BatchNorm"
-        elif smallest > SMALL_DATA_PER_CLASS:
-            where = (
-                f"a BatchNorm network whose smallest class has {smallest} training images (over {SMALL_DATA_PER_CLASS})"
-            )
-        else:  # small data, where fast would be the choice but for the raised learning rate
-            where = f"a BatchNorm network at --lr {args.lr:g}"
-        flags = " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in told.items())
+        flags = " ".join(f"--{_dashed(k)} {v:g}" for k, v in told.items())
         l2 = f" and its energy L2 ({get_recipe(chosen).loss.l2_weight:g}) 2-22 more" if "l2_weight" in told else ""
         print(
-            f"jem train: recipe {chosen} with {flags}: on {where}, {chosen}'s own p(x) weight "
+            f"jem train: recipe {chosen} with {flags}: on {choice.reason}, {chosen}'s own p(x) weight "
             f"({get_recipe(chosen).loss.px_weight:g}) lost 0.6-43 points of accuracy against a cross-entropy "
             f"baseline{l2}, and these settings far less, but its samples stay near their starting noise "
             f"(benchmarks/README.md). Flags you give win; --recipe {chosen} keeps the recipe's settings"
@@ -458,7 +450,7 @@ def _announce(args, recipe, setup, epochs: int, iters: int, out) -> None:
     if setup is not None and recipe.name in RECIPES:  # the settings changed from the registered recipe's
         preset = RECIPES[recipe.name].flat()
         changed = [
-            f"{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"{k.replace('_', '-')} {v}"
+            f"{_dashed(k)} {v:g}" if isinstance(v, float) else f"{_dashed(k)} {v}"
             for k, v in recipe.flat().items()
             if preset.get(k) != v
         ]
