@@ -8,11 +8,14 @@ one (ViTs built with ``img_size=32``), else the pretrained config's (CNNs take a
 Penultimate features (:meth:`jem_plugin.JEM.features`) are timm's own
 ``forward_head(forward_features(x), pre_logits=True)``, and the logits that classifier
 (``get_classifier()``) applied to them: one forward, exactly ``model(x)`` for the models whose
-``forward`` is ``forward_head(forward_features(x))`` (all of timm's classifiers).
+``forward`` is ``forward_head(forward_features(x))`` (all of timm's classifiers). A CNN's
+feature maps (:meth:`jem_plugin.JEM.feature_maps`, what ASH and SCALE shape) are
+``forward_features(x)``, mapped to the logits by ``forward_head``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
@@ -57,6 +60,19 @@ class TimmAdapter(Adapter):
         feats = core.forward_head(core.forward_features(x), pre_logits=True)
         logits = classifier(feats)
         return (feats.flatten(1) if feats.dim() != 2 else feats), self.logits(logits)
+
+    def feature_maps(self, model: Any, x: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]] | None:
+        """A CNN's ``forward_features(x)`` and ``forward_head`` (pooling, any pre-logits layers and
+        the classifier) as ``to_logits``; ``None`` for token models (ViTs), whose features are
+        not maps."""
+        parts = self._parts(model)
+        if parts is None:
+            return super().feature_maps(model, x)
+        core, _ = parts
+        maps = core.forward_features(x)
+        if not isinstance(maps, Tensor) or maps.dim() != 4:
+            return None
+        return maps, lambda m: self.logits(core.forward_head(m))
 
 
 def is_timm_model(model) -> bool:

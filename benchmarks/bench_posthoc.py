@@ -292,6 +292,13 @@ def vim_dim(d: int) -> int:
     return 1000 if d >= 2048 else 512 if d >= 768 else d // 2
 
 
+def _shaped_layer(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """``(backbone, head)`` for pytorch-ood's feature-map detectors: a CNN's last feature maps and
+    ``forward_head``, a ViT's penultimate features as 1x1 maps (as ours choose)."""
+    conv = torch.no_grad()(model.forward_features)(torch.zeros(1, 3, 32, 32)).dim() == 4
+    return (Features(model), Head(model)) if conv else (Backbone(model, maps=True), MapHead(model))
+
+
 def pytorch_ood_detectors(model: nn.Module, feature_dim: int) -> dict[str, tuple[Callable[[], Any], bool]]:
     """``{name: (build, needs input gradients)}``: pytorch-ood's detectors that apply to a plain
     classifier, at their defaults (the hyperparameters they require: DICE's sparsity ``p=0.9``,
@@ -306,8 +313,7 @@ def pytorch_ood_detectors(model: nn.Module, feature_dim: int) -> dict[str, tuple
 
     enc, head = Backbone(model), model.get_classifier()
     flat, flat_head = Backbone(model, maps=True), MapHead(model)
-    conv = torch.no_grad()(model.forward_features)(torch.zeros(1, 3, 32, 32)).dim() == 4
-    maps, maps_head = (Features(model), Head(model)) if conv else (flat, flat_head)
+    maps, maps_head = _shaped_layer(model)
     w, b = head.weight, head.bias
     std = list(IMAGENET_STD)
     return {
@@ -369,15 +375,16 @@ class EveryClassOpenMax:
 
 
 #: pytorch-ood at our settings where its own differ (for the equality check only): ASH and
-#: SCALE on the penultimate features (ours) at our percentiles; OpenMax on float64 logits with
-#: every class predicted in each batch (:class:`EveryClassOpenMax`).
+#: SCALE at our percentiles, on the same activations as its defaults (a CNN's feature maps, a
+#: ViT's penultimate features, as ours); OpenMax on float64 logits with every class predicted in
+#: each batch (:class:`EveryClassOpenMax`).
 def matched_detectors(model: nn.Module) -> dict[str, Callable[[], Any]]:
     from pytorch_ood import detector as D
 
-    flat, flat_head = Backbone(model, maps=True), MapHead(model)
+    maps, maps_head = _shaped_layer(model)
     return {
-        "ASH": lambda: D.ASH(flat, flat_head, variant="ash-s", percentile=0.90),
-        "SCALE": lambda: D.SCALE(flat, flat_head, percentile=0.85),
+        "ASH": lambda: D.ASH(maps, maps_head, variant="ash-s", percentile=0.90),
+        "SCALE": lambda: D.SCALE(maps, maps_head, percentile=0.85),
         "OpenMax": lambda: EveryClassOpenMax(model),
     }
 

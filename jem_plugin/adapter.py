@@ -15,7 +15,7 @@ adapter may override :meth:`Adapter.features` and :meth:`Adapter.head`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,6 +265,42 @@ class Adapter:
                 "taken) or wrap(model, features=lambda model, x: (features, model_output))"
             )
         return hooked_features(layer, model, x, self.logits)
+
+    def feature_maps(self, model: Any, x: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]] | None:
+        """``(maps [B, C, H, W], to_logits)``: the model's last feature maps of ``x`` before its
+        classifier pools them, from one forward, and the function that maps maps of that shape to
+        the logits (``to_logits(maps)`` is the model's output). ``None`` where the adapter knows
+        none; activation-shaping detectors (ASH, SCALE) then shape :meth:`features` instead.
+
+        Default: a model with an ``avgpool`` layer and an ``fc`` or ``classifier`` head
+        (torchvision's ResNets, MobileNets and EfficientNets, most hand-written CNNs): the pool's
+        input, caught by a forward hook, and ``to_logits(m) = head(flatten(avgpool(m)))``, given
+        only where it gives back the model's own logits on this batch. ``None`` when
+        ``wrap(model, features=...)`` points elsewhere.
+        """
+        core = unwrap_model(model)
+        pool = getattr(core, "avgpool", None)
+        head = getattr(core, "fc", None) or getattr(core, "classifier", None)
+        if self.features_spec is not None or not isinstance(pool, nn.Module) or not isinstance(head, nn.Module):
+            return None
+        seen: list[Any] = []
+        handle = pool.register_forward_hook(lambda _m, args, _out: seen.append(args[0] if args else None))
+        try:
+            logits = self.logits(model(x))
+        finally:
+            handle.remove()
+        maps = seen[-1] if seen else None
+        if not isinstance(maps, Tensor) or maps.dim() != 4:
+            return None
+
+        def to_logits(m: Tensor) -> Tensor:
+            return head(torch.flatten(pool(m), 1))
+
+        try:  # the head may expect more than flatten(avgpool(.)) (dropout in train mode, a norm layer, ...)
+            same = torch.allclose(to_logits(maps).float(), logits.float(), rtol=1e-4, atol=1e-4)
+        except (RuntimeError, TypeError, ValueError):
+            return None
+        return (maps, to_logits) if same else None
 
 
 def _flat(feats: Any) -> Tensor:

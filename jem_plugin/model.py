@@ -134,6 +134,26 @@ class JEM(nn.Module):
             feats = feats.float()
         return feats, logits
 
+    def feature_maps(self, x: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]] | None:
+        """``(maps [B, C, H, W], to_logits)`` in one forward: the model's last feature maps before
+        its classifier pools them, and the function mapping maps of that shape to the logits; or
+        ``None`` where the adapter knows none (ViTs, models whose head it cannot rebuild). The
+        activation-shaping detectors (``ash``, ``scale``) shape these, as their papers do, and
+        :meth:`features` where there are none. The adapter reads them
+        (:meth:`jem_plugin.adapter.Adapter.feature_maps`: timm's ``forward_features`` and
+        ``forward_head``; the input of an ``avgpool`` layer followed by ``fc``/``classifier``)."""
+        x = self._check_input(x)
+        found = self.adapter.feature_maps(self.model, x)
+        if found is None:
+            return None
+        maps, to_logits = found
+        if maps.dim() != 4 or maps.shape[0] != x.shape[0]:
+            raise NoFeaturesError(
+                f"expected feature maps of shape [B={x.shape[0]}, C, H, W], the adapter returned shape "
+                f"{tuple(maps.shape)}"
+            )
+        return maps, to_logits
+
     def head(self) -> nn.Module | None:
         """The layer mapping :meth:`features` to the logits (``logits == head(features)``), or
         ``None`` when the adapter knows none (features read by a user's callable)."""

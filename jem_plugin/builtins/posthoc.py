@@ -15,11 +15,12 @@ odin     ``max softmax(f(x') / T)`` at ``x' = x - eps * sign(-d log S_y/dx)``  y
 gen      ``-sum_j p_j^g (1 - p_j)^g`` over the ``M`` largest probabilities    no
          (generalized entropy, Liu et al. 2023; ``gamma = 0.1``,
          ``M = min(K, 100)``)
-ash      energy of the head on ASH-S features: the top ``100 - p`` % of the    no
-         penultimate activations kept and scaled by ``exp(sum / kept sum)``
-         (Djurisic et al. 2023; ``percentile = 90``)
-scale    energy of the head on ``h * exp(sum h / top sum h)`` (SCALE, Xu et    no
-         al. 2024; ``percentile = 85``)
+ash      energy of the logits from ASH-S activations: the top ``100 - p`` %    no
+         kept and scaled by ``exp(sum / kept sum)`` (Djurisic et al. 2023;
+         ``percentile = 90``); on the last feature maps where the adapter
+         gives them, else the penultimate features
+scale    energy of the logits from ``h * exp(sum h / top sum h)`` (SCALE,      no
+         Xu et al. 2024; ``percentile = 85``); the same activations as ash
 =======  ===================================================================  ===========
 
 Feature detectors fitted on in-distribution training data are classes (registered with
@@ -52,7 +53,8 @@ openmax               ``-P(unknown)`` once the top ``alpha`` logits are revised 
 ====================  ==============================================================  ==========
 
 Features are :meth:`jem_plugin.JEM.features` (penultimate, ``[B, D]``); the "head" is
-:meth:`jem_plugin.JEM.head`, the layer that maps them to the logits.
+:meth:`jem_plugin.JEM.head`, the layer that maps them to the logits. Feature maps are
+:meth:`jem_plugin.JEM.feature_maps` (``[B, C, H, W]`` before the classifier's pooling).
 """
 
 from __future__ import annotations
@@ -346,28 +348,51 @@ def gen(jm: Any, x: Tensor, gamma: float = 0.1, M: int | None = None, clamp: flo
     return -torch.exp(gamma * (top + log_rest)).sum(dim=1).float()
 
 
+def _ash_s(h: Tensor, percentile: float) -> Tensor:
+    """ASH-S on rows: the largest ``100 - percentile`` % of each row kept and scaled by
+    ``exp(sum / kept sum)``, the rest zeroed."""
+    v, i = torch.topk(h, _kept(h.shape[1], percentile), dim=1)
+    return torch.zeros_like(h).scatter_(1, i, v * torch.exp(_ratio(h.sum(dim=1), v.sum(dim=1))).unsqueeze(1))
+
+
+def _scale_rows(h: Tensor, percentile: float) -> Tensor:
+    """SCALE on rows: each row times ``exp(sum / sum of its top 100 - percentile %)``, nothing pruned."""
+    s2 = torch.topk(h, _kept(h.shape[1], percentile), dim=1).values.sum(dim=1)
+    return h * torch.exp(_ratio(h.sum(dim=1), s2)).unsqueeze(1)
+
+
+def _shaped_energy(jm: Any, x: Tensor, what: str, shape: Callable[[Tensor], Tensor]) -> Tensor:
+    """The energy ``logsumexp`` of the logits once ``shape`` has reshaped each input's activations:
+    its last feature maps, flattened over ``C x H x W``, where the adapter gives them
+    (:meth:`jem_plugin.JEM.feature_maps`, the layer the ASH and SCALE papers shape); else its
+    penultimate features, through the head."""
+    core = as_jem(jm, what)
+    found = core.feature_maps(x)
+    if found is not None:
+        maps, to_logits = found
+        return torch.logsumexp(to_logits(shape(maps.flatten(1)).view_as(maps)).float(), dim=1)
+    head = _head(jm, what)
+    h, _ = core.features(x)
+    return _energy(head, shape(h))
+
+
 def ash(jm: Any, x: Tensor, percentile: float = 90.0) -> Tensor:
-    """ASH-S (Djurisic et al. 2023) on the penultimate features ``h``: the largest
-    ``100 - percentile`` % of each row kept, the rest zeroed, the kept ones scaled by
-    ``exp(sum h / sum kept)``; the score is the energy ``logsumexp`` of the head on them.
-    Designed for non-negative (post-ReLU) features."""
+    """ASH-S (Djurisic et al. 2023): the largest ``100 - percentile`` % of each input's activations
+    kept, the rest zeroed, the kept ones scaled by ``exp(sum / kept sum)``; the score is the
+    energy ``logsumexp`` of the logits computed from them. The activations are the last feature
+    maps (``C x H x W`` per input, as the paper and pytorch-ood shape them) where the adapter
+    gives them (:meth:`jem_plugin.JEM.feature_maps`: timm CNNs, torchvision ResNets), else the
+    penultimate features (ViTs). Designed for non-negative (post-ReLU) activations."""
     p = _check_percentile(percentile)
-    head = _head(jm, "ash")
-    h, _ = jm.features(x)
-    s1 = h.sum(dim=1)
-    v, i = torch.topk(h, _kept(h.shape[1], p), dim=1)
-    shaped = torch.zeros_like(h).scatter_(1, i, v * torch.exp(_ratio(s1, v.sum(dim=1))).unsqueeze(1))
-    return _energy(head, shaped)
+    return _shaped_energy(jm, x, "ash", lambda h: _ash_s(h, p))
 
 
 def scale(jm: Any, x: Tensor, percentile: float = 85.0) -> Tensor:
-    """SCALE (Xu et al. 2024): the penultimate features ``h`` scaled by ``exp(sum h / sum of the
-    top 100 - percentile %)``, nothing pruned; the score is the energy of the head on them."""
+    """SCALE (Xu et al. 2024): each input's activations scaled by ``exp(sum / sum of the top
+    100 - percentile %)``, nothing pruned; the score is the energy of the logits computed from
+    them. The activations are the feature maps where the adapter gives them, as for :func:`ash`."""
     p = _check_percentile(percentile)
-    head = _head(jm, "scale")
-    h, _ = jm.features(x)
-    s2 = torch.topk(h, _kept(h.shape[1], p), dim=1).values.sum(dim=1)
-    return _energy(head, h * torch.exp(_ratio(h.sum(dim=1), s2)).unsqueeze(1))
+    return _shaped_energy(jm, x, "scale", lambda h: _scale_rows(h, p))
 
 
 # ---------------------------------------------------------------------- fitted detectors
@@ -1072,8 +1097,18 @@ def jem_register_ood_scores(register: Callable[..., None]) -> None:
         needs_grad=False,
         description="GEN generalized entropy of the top-M probabilities (gamma=, M=, clamp=)",
     )
-    register("ash", ash, needs_grad=False, description="ASH-S: energy of pruned, rescaled features (percentile=90)")
-    register("scale", scale, needs_grad=False, description="SCALE: energy of rescaled features (percentile=85)")
+    register(
+        "ash",
+        ash,
+        needs_grad=False,
+        description="ASH-S: energy of pruned, rescaled feature maps (penultimate features without maps; percentile=90)",
+    )
+    register(
+        "scale",
+        scale,
+        needs_grad=False,
+        description="SCALE: energy of rescaled feature maps (penultimate features without maps; percentile=85)",
+    )
     register(
         "mahalanobis",
         Mahalanobis,

@@ -1,0 +1,172 @@
+"""ASH and SCALE shape a CNN's last feature maps, as their papers and pytorch-ood do, wherever the
+adapter can give them (:meth:`jem_plugin.JEM.feature_maps`): timm CNNs through ``forward_features``
+and ``forward_head``, models with an ``avgpool`` layer and an ``fc``/``classifier`` head (torchvision's
+ResNets, MobileNets and EfficientNets, hand-written CNNs) through a forward hook. Elsewhere (ViTs,
+heads the adapter cannot rebuild) they shape the penultimate features, as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import jem_plugin as jem
+from jem_plugin import ood
+from jem_plugin.adapter import Adapter
+from jem_plugin.builtins import posthoc
+from jem_plugin.errors import NoFeaturesError
+
+timm = pytest.importorskip("timm")
+
+
+def _po():
+    return pytest.importorskip("pytorch_ood.detector")
+
+
+def _images(jm, n: int = 6, size: int = 32, seed: int = 0) -> torch.Tensor:
+    """Random pixels in the model's own input domain (normalised as it expects)."""
+    return jm.domain.uniform(n, (3, size, size), generator=torch.Generator().manual_seed(seed))
+
+
+def _penultimate(jm, x, shape) -> torch.Tensor:
+    """The energy from the shaped penultimate features: what ash/scale computed before maps."""
+    h, _ = jm.features(x)
+    return torch.logsumexp(jm.head()(shape(h)), dim=1)
+
+
+@pytest.mark.parametrize("name, cls, p", [("ash", "ASH", 90), ("scale", "SCALE", 85), ("ash", "ASH", 65)])
+def test_on_a_timm_cnn_ash_and_scale_equal_pytorch_oods_feature_map_detectors(name, cls, p):
+    """pytorch-ood's ASH and SCALE take a CNN's backbone and head: timm's ``forward_features`` and
+    ``forward_head``. Ours give the same scores at the same percentile (ours / 100 there)."""
+    torch.manual_seed(0)
+    model = timm.create_model("mobilenetv3_small_050", num_classes=7).eval()
+    with torch.no_grad():  # logits far apart, as a trained model's: the two scores then differ clearly
+        model.get_classifier().weight.mul_(30.0)
+    jm = jem.wrap(model)
+    x = _images(jm)
+    maps, to_logits = jm.feature_maps(x)
+    assert maps.shape[:2] == (6, model.num_features) and maps.dim() == 4
+    torch.testing.assert_close(to_logits(maps), model(x))
+    ref = getattr(_po(), cls)(backbone=model.forward_features, head=model.forward_head, percentile=p / 100)
+    with torch.no_grad():
+        theirs = -ref.predict(x)
+    torch.testing.assert_close(ood.score(jm, x, name, percentile=p), theirs, rtol=1e-4, atol=1e-4)
+    flat = _penultimate(jm, x, lambda h: posthoc._ash_s(h, p) if name == "ash" else posthoc._scale_rows(h, p))
+    assert (flat - theirs).abs().max() > 1e-3  # the penultimate-feature version is a different score
+
+
+def test_a_torchvision_efficientnet_gives_its_avgpool_input_as_its_feature_maps():
+    """torchvision names the pool ``avgpool`` and the head ``classifier`` (dropout, then the linear
+    layer): the maps are the pool's input and ``classifier(flatten(avgpool(maps)))`` its logits."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.efficientnet_b0(num_classes=5).eval()
+    jm = jem.wrap(model, input_size=(3, 32, 32))
+    x = _images(jm)
+    maps, to_logits = jm.feature_maps(x)
+    assert maps.shape == (6, 1280, 1, 1)
+    torch.testing.assert_close(to_logits(maps), model(x))
+    ref = _po().ASH(
+        backbone=lambda t: model.features(t), head=lambda m: model.classifier(torch.flatten(model.avgpool(m), 1))
+    )
+    with torch.no_grad():
+        theirs = -ref.predict(x)
+    torch.testing.assert_close(ood.score(jm, x, "ash", percentile=65), theirs, rtol=1e-4, atol=1e-4)
+
+
+class _PoolThenScaled(nn.Module):
+    """A hand-written CNN whose forward does more between its pool and its head than flatten."""
+
+    def __init__(self, k: int = 3) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, k)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.avgpool(self.body(x)), 1) * 2.0)
+
+
+class _Plain(_PoolThenScaled):
+    def forward(self, x):
+        return self.fc(torch.flatten(self.avgpool(self.body(x)), 1))
+
+
+def test_a_user_cnn_gets_maps_only_where_its_head_is_rebuilt_exactly():
+    """``fc(flatten(avgpool(maps)))`` is offered only where it gives back the model's own logits: a
+    forward that scales the pooled features falls back to the penultimate features (the fc's input)."""
+    torch.manual_seed(0)
+    x = torch.rand(5, 3, 10, 10)
+    plain = jem.wrap(_Plain().eval(), data_range=(0.0, 1.0))
+    maps, to_logits = plain.feature_maps(x)
+    assert maps.shape == (5, 8, 8, 8)
+    by_hand = torch.logsumexp(
+        plain.model.fc(plain.model.avgpool(posthoc._ash_s(maps.flatten(1), 90).view_as(maps)).flatten(1)), 1
+    )
+    torch.testing.assert_close(ood.score(plain, x, "ash"), by_hand)
+
+    scaled = jem.wrap(_PoolThenScaled().eval(), data_range=(0.0, 1.0))
+    assert scaled.feature_maps(x) is None
+    torch.testing.assert_close(
+        ood.score(scaled, x, "scale"), _penultimate(scaled, x, lambda h: posthoc._scale_rows(h, 85))
+    )
+
+
+def test_a_vit_has_no_feature_maps_and_is_shaped_on_its_penultimate_features():
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=1, num_classes=4).eval()
+    jm = jem.wrap(model)
+    x = _images(jm, 3)
+    assert jm.feature_maps(x) is None
+    torch.testing.assert_close(ood.score(jm, x, "ash"), _penultimate(jm, x, lambda h: posthoc._ash_s(h, 90)))
+
+
+class _MapsAdapter(Adapter):
+    """A third party's adapter: the maps of its model's ``trunk`` and the rest of the forward."""
+
+    def feature_maps(self, model, x):
+        return model.trunk(x), lambda m: model.fc(m.mean(dim=(2, 3)))
+
+
+class _Trunked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Conv2d(3, 6, 3), nn.ReLU())
+        self.fc = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.fc(self.trunk(x).mean(dim=(2, 3)))
+
+
+def test_an_adapter_from_the_plugin_hook_can_provide_the_feature_maps():
+    from jem_plugin.plugins import get_plugin_manager, hookimpl
+
+    class Plugin:
+        @hookimpl(tryfirst=True)
+        def jem_adapter(self, model, options):
+            return _MapsAdapter("trunked", num_classes=2) if isinstance(model, _Trunked) else None
+
+    pm = get_plugin_manager()
+    plugin = Plugin()
+    pm.register(plugin)
+    try:
+        model = _Trunked().eval()
+        jm = jem.wrap(model, data_range=(0.0, 1.0))
+        assert jm.adapter.name == "trunked"
+        x = torch.rand(4, 3, 9, 9)
+        m = model.trunk(x)
+        s2 = torch.topk(m.flatten(1), posthoc._kept(m[0].numel(), 85), dim=1).values.sum(1)
+        by_hand = torch.logsumexp(model.fc((m * torch.exp(m.flatten(1).sum(1) / s2).view(-1, 1, 1, 1)).mean((2, 3))), 1)
+        torch.testing.assert_close(ood.score(jm, x, "scale"), by_hand)
+    finally:
+        pm.unregister(plugin)
+
+
+def test_maps_of_the_wrong_shape_from_an_adapter_end_in_one_clear_error():
+    class Flat(_MapsAdapter):
+        def feature_maps(self, model, x):
+            return model.trunk(x).flatten(1), lambda m: m
+
+    jm = jem.wrap(_Trunked().eval(), adapter=Flat("flat", num_classes=2), data_range=(0.0, 1.0))
+    with pytest.raises(NoFeaturesError, match=r"feature maps of shape \[B=4, C, H, W\]"):
+        ood.score(jm, torch.rand(4, 3, 9, 9), "ash")
