@@ -103,13 +103,17 @@ def add_recipe_flags(p: argparse.ArgumentParser) -> None:
         group.add_argument("--" + _dashed(old), dest="old_" + old, type=kind, default=None, help=argparse.SUPPRESS)
 
 
+def _given_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The recipe settings the user gave, as flags or ``--config`` keys (their argparse defaults)."""
+    return {name: getattr(args, name) for name in flat_names() if getattr(args, name, None) is not None}
+
+
 def recipe_from_args(
     args: argparse.Namespace, quiet: bool = False, name: str | None = None, defaults: dict[str, Any] | None = None
 ) -> Recipe:
     """The ``--recipe`` (or ``name``, the one chosen for the data) with ``defaults`` (the settings
     chosen for the data) and then the settings given as flags (or ``--config`` keys) applied."""
-    given = {name: getattr(args, name) for name in flat_names() if getattr(args, name, None) is not None}
-    changes = {**(defaults or {}), **given}
+    changes = {**(defaults or {}), **_given_settings(args)}
     for old, new in OLD_FLAGS.items():
         value = getattr(args, "old_" + old, None)
         if value is None:
@@ -381,7 +385,8 @@ def _choose_recipe(args, info, ds, jm) -> Recipe:
             f"jem train: recipe {chosen}: on {choice.reason}, {DEFAULT_RECIPE} lost accuracy and "
             f"{chosen} held it (benchmarks/README.md); --recipe {DEFAULT_RECIPE} to choose it anyway"
         )
-    told = {k: v for k, v in settings.items() if getattr(args, k, None) is None} if tell else {}
+    given = _given_settings(args)
+    told = {k: v for k, v in settings.items() if k not in given} if tell else {}
     if told:
         flags = " ".join(f"--{_dashed(k)} {v:g}" for k, v in told.items())
         l2 = f" and its energy L2 ({get_recipe(chosen).loss.l2_weight:g}) 2-22 more" if "l2_weight" in told else ""
