@@ -509,7 +509,8 @@ def plan(
 ) -> list[dict[str, Any]]:
     """The cells of a plan (``PLANS[mode]`` with any of its parts replaced), cheapest rows first.
     ``others_everywhere``: the other recipes on every row, with the plan's seeds and networks (a
-    comparison of recipes), not only on the 150 row. ``settings``: recipe settings by flat name
+    comparison of recipes), not only on the 150 row, where the matrix's own others stay (so the
+    comparison's table is a superset of the matrix's). ``settings``: recipe settings by flat name
     changed in every recipe cell (not the baseline's), to try a setting on the tune set and judge
     it on the others; the cells' names carry them."""
     p = PLANS[mode]
@@ -533,8 +534,9 @@ def plan(
                 runs += [(r, chosen, beside_seeds, networks) for r, chosen in beside]
                 if others_everywhere:
                     runs += [(r, {}, seeds, networks) for r in others]
-                elif size == "150":
-                    runs += [(r, {}, tuple(p["other_seeds"]), other_nets) for r in others]
+                if size == "150":  # a comparison keeps the matrix's own recipes on this row: its table shows them
+                    row_others = other_recipes() if others_everywhere else others
+                    runs += [(r, {}, tuple(p["other_seeds"]), other_nets) for r in row_others]
                 for run, chosen, run_seeds, nets in runs:
                     if net not in nets:
                         continue

@@ -144,6 +144,14 @@ def test_each_cell_runs_jem_trains_choice_and_the_general_default_beside_it():
     assert {c["seed"] for c in three if B.run_label(c) == plain} == set(B.PLANS["full"]["other_seeds"])
     everywhere = B.plan("full", sizes=["150"], networks=["convnext_atto"], seeds=[0, 1, 2], others_everywhere=True)
     assert {c["seed"] for c in everywhere if B.run_label(c) == plain} == {0, 1, 2}
+    # ... and a comparison of some recipes everywhere keeps every cell of the matrix (the README's
+    # table comes from `--others fast --others-everywhere`: jempp and sadajem on the 150 row too)
+    matrix = B.plan("full", networks=["convnext_atto"], seeds=[0, 1, 2])
+    fast_everywhere = B.plan(
+        "full", networks=["convnext_atto"], seeds=[0, 1, 2], others=["fast"], others_everywhere=True
+    )
+    assert {B.cell_name(c) for c in matrix} <= {B.cell_name(c) for c in fast_everywhere}
+    assert {"jempp", "sadajem"} <= {B.run_label(c) for c in fast_everywhere}
     (e,) = B.summarise([_row("baseline", 0, 0.9, (0.5,) * 4), _row("fast", 0, 0.9, (0.5,) * 4)])
     assert e["default"], "on resnet10t at 40 per class the table marks fast as the default"
 
