@@ -10,7 +10,8 @@ Penultimate features (:meth:`jem_plugin.JEM.features`) are timm's own
 (``get_classifier()``) applied to them: one forward, exactly ``model(x)`` for the models whose
 ``forward`` is ``forward_head(forward_features(x))`` (all of timm's classifiers). A CNN's
 feature maps (:meth:`jem_plugin.JEM.feature_maps`, what ASH and SCALE shape) are
-``forward_features(x)``, mapped to the logits by ``forward_head``.
+``forward_features(x)``, mapped to the logits by ``forward_head``; a ViT's are its pre-logits
+features as ``1 x 1`` maps.
 """
 
 from __future__ import annotations
@@ -63,16 +64,20 @@ class TimmAdapter(Adapter):
 
     def feature_maps(self, model: Any, x: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]] | None:
         """A CNN's ``forward_features(x)`` and ``forward_head`` (pooling, any pre-logits layers and
-        the classifier) as ``to_logits``; ``None`` for token models (ViTs), whose features are
-        not maps."""
+        the classifier) as ``to_logits``. A token model (ViT) has no spatial maps: its pre-logits
+        features (:meth:`features`) as ``[B, D, 1, 1]`` maps and the classifier, from the same
+        forward, so a detector that shapes them runs the model once."""
         parts = self._parts(model)
         if parts is None:
             return super().feature_maps(model, x)
-        core, _ = parts
+        core, classifier = parts
         maps = core.forward_features(x)
-        if not isinstance(maps, Tensor) or maps.dim() != 4:
+        if isinstance(maps, Tensor) and maps.dim() == 4:
+            return maps, lambda m: self.logits(core.forward_head(m))
+        feats = core.forward_head(maps, pre_logits=True)
+        if not isinstance(feats, Tensor) or feats.dim() != 2:
             return None
-        return maps, lambda m: self.logits(core.forward_head(m))
+        return feats[:, :, None, None], lambda m: self.logits(classifier(m.flatten(1)))
 
 
 def is_timm_model(model) -> bool:

@@ -723,7 +723,7 @@ def run(
     twin_net = JEM_TWIN if JEM_TWIN in networks else networks[0]
     recipes = {r: jem_epochs or epochs or JEM_RECIPES[r] for r in (jem_recipes or JEM_RECIPES)} if jem_twin else {}
     timing_n = timing_n or (128 if quick else 512)
-    timing_repeats = timing_repeats if timing_repeats is not None else (1 if quick else 3)
+    timing_repeats = timing_repeats if timing_repeats is not None else (1 if quick else 5)
     if quick:
         n_train, n_eval = n_train or 400, n_eval or 120
     D = load_data(n_train, n_eval, n_ood)

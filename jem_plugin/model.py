@@ -137,11 +137,12 @@ class JEM(nn.Module):
     def feature_maps(self, x: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]] | None:
         """``(maps [B, C, H, W], to_logits)`` in one forward: the model's last feature maps before
         its classifier pools them, and the function mapping maps of that shape to the logits; or
-        ``None`` where the adapter knows none (ViTs, models whose head it cannot rebuild). The
+        ``None`` where the adapter knows none (models whose head it cannot rebuild). The
         activation-shaping detectors (``ash``, ``scale``) shape these, as their papers do, and
         :meth:`features` where there are none. The adapter reads them
         (:meth:`jem_plugin.adapter.Adapter.feature_maps`: timm's ``forward_features`` and
-        ``forward_head``; the input of an ``avgpool`` layer followed by ``fc``/``classifier``)."""
+        ``forward_head``, a timm ViT's pre-logits features as ``1 x 1`` maps; the input of an
+        ``avgpool`` layer followed by ``fc``/``classifier``)."""
         x = self._check_input(x)
         found = self.adapter.feature_maps(self.model, x)
         if found is None:

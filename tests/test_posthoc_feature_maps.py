@@ -112,13 +112,27 @@ def test_a_user_cnn_gets_maps_only_where_its_head_is_rebuilt_exactly():
     )
 
 
-def test_a_vit_has_no_feature_maps_and_is_shaped_on_its_penultimate_features():
+def test_a_vit_is_shaped_on_its_penultimate_features_in_one_forward():
+    """A ViT has no spatial maps: its pre-logits features are its 1x1 maps, read in the same
+    forward (ASH and SCALE on test_vit cost two forwards, half pytorch-ood's throughput, when the
+    maps were looked for first and the features read after)."""
     torch.manual_seed(0)
     model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=1, num_classes=4).eval()
     jm = jem.wrap(model)
     x = _images(jm, 3)
-    assert jm.feature_maps(x) is None
-    torch.testing.assert_close(ood.score(jm, x, "ash"), _penultimate(jm, x, lambda h: posthoc._ash_s(h, 90)))
+    maps, to_logits = jm.feature_maps(x)
+    assert maps.shape == (3, model.num_features, 1, 1)
+    torch.testing.assert_close(to_logits(maps), model(x))
+    calls = []
+    handle = model.patch_embed.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        for name, shape in (("ash", lambda h: posthoc._ash_s(h, 90)), ("scale", lambda h: posthoc._scale_rows(h, 85))):
+            calls.clear()
+            score = ood.score(jm, x, name)
+            assert len(calls) == 1, f"{name} ran the model {len(calls)} times"
+            torch.testing.assert_close(score, _penultimate(jm, x, shape))
+    finally:
+        handle.remove()
 
 
 class _MapsAdapter(Adapter):
