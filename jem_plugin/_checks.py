@@ -359,12 +359,11 @@ def warn_out_of_domain(x: Tensor, domain: Any, where: str, stacklevel: int = 2) 
     if site in _WARNED_SITES:
         return False
 
-    with torch.no_grad():
-        flat = (
-            x.detach().transpose(0, 1).reshape(x.shape[1], -1) if domain.is_per_channel else x.detach().reshape(1, -1)
-        )
-        lo_obs: list[float] = flat.amin(1).float().cpu().tolist()
-        hi_obs: list[float] = flat.amax(1).float().cpu().tolist()
+    with torch.no_grad():  # reduced in place over every dimension but the channels' (no copy of x)
+        xd = x.detach()
+        dims = [0, *range(2, x.dim())] if domain.is_per_channel else list(range(x.dim()))
+        lo_obs: list[float] = xd.amin(dim=dims).reshape(-1).float().cpu().tolist()
+        hi_obs: list[float] = xd.amax(dim=dims).reshape(-1).float().cpu().tolist()
     lows, highs = domain.low, domain.high
     if len(lows) == 1:
         lows, highs = lows * len(lo_obs), highs * len(hi_obs)
