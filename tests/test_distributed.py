@@ -466,3 +466,32 @@ def test_helpers_without_a_process_group(tmp_path):
 
 if __name__ == "__main__":  # the torchrun children
     _worker(sys.argv[1])
+
+
+def test_cleanup_frees_garbage_before_it_leaves_the_process_group(monkeypatch):
+    """A DDP wrapper lives in reference cycles; freed during interpreter shutdown, after the group
+    is gone, its gloo work can abort a finished run (pytorch/pytorch#179291). cleanup() collects
+    such garbage while the group still exists."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from jem_plugin.distributed import _group
+
+    class Cyclic:
+        pass
+
+    obj = Cyclic()
+    obj.me = obj  # only the cyclic collector frees it
+    alive = weakref.ref(obj)
+    del obj
+    seen = []
+    gc.disable()
+    try:
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "destroy_process_group", lambda: seen.append(alive() is None))
+        _group.cleanup()
+    finally:
+        gc.enable()
+    assert seen == [True]

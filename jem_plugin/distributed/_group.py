@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 from typing import Any
 
@@ -78,8 +79,11 @@ def init_distributed(
 
 
 def cleanup() -> None:
-    """Leave the process group (if one was joined)."""
+    """Leave the process group (if one was joined). Garbage (a DDP wrapper and its reducer, in
+    reference cycles) is collected first, while the interpreter is whole: gloo work freed during
+    interpreter shutdown can abort a process whose run had finished (pytorch/pytorch#179291)."""
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
