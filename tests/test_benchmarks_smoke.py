@@ -207,3 +207,18 @@ def test_inner_steps_check_tells_a_linear_stem_from_a_nonlinear_cut():
     assert layer == "Conv2d" and at_point < 1e-6 and moved < 1e-6
     layer, at_point, moved = measure(model, (3, 32, 32), through_activation=True)
     assert layer == "ReLU" and at_point < 1e-6 and moved > 0.1
+
+
+@pytest.mark.slow
+def test_jem_train_default_check_runs_the_cli_and_compares_with_the_same_seeds_baseline(tmp_path):
+    """benchmarks/check_jem_train_default.py: jem train as typed, through the command line, against
+    `jem train --baseline` on the same seed; the points are the held-out accuracies' difference."""
+    from benchmarks import check_jem_train_default as C
+
+    out = tmp_path / "default.json"
+    res = C.main(["--seeds", "0", "--runs", "default", "baseline", "--epochs", "1", "--out", str(out)])
+    runs = res["runs"]
+    assert "recipe generative (px-weight 0.03, l2-weight 0)" in runs["default"]["0"]["run_line"]
+    acc = {k: runs[k]["0"]["metrics"]["held_out"]["accuracy"] for k in ("default", "baseline")}
+    assert res["points_vs_baseline"]["default"]["per_seed"] == [pytest.approx(100 * (acc["default"] - acc["baseline"]))]
+    assert json.loads(out.read_text())["points_vs_baseline"] == res["points_vs_baseline"]

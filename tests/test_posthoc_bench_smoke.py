@@ -88,3 +88,23 @@ def test_targets():
     assert t["jem_ok"] is True and t["jem"]["generative"]["ok"] is False
     assert t["best_posthoc_on_twin"] == ("pytorch-ood EnergyBased", pytest.approx(0.95))
     assert B.targets(_net([0.99] * 6, [0.95] * 6), twins)["jem_ok"] is False
+
+
+@pytest.mark.slow
+def test_openmax_alpha_is_chosen_on_the_tune_network_alone(tmp_path, monkeypatch):
+    """benchmarks/tune_openmax_alpha.py: every alpha on every network, six sets each, and the
+    choice read from the tune network's mean AUROC only (the others are judged, never read)."""
+    from benchmarks import tune_openmax_alpha as T
+
+    small = B.load_data(n_train=120, n_eval=60, n_ood=20)
+    monkeypatch.setattr(B, "load_data", lambda *a, **k: small)
+    monkeypatch.setitem(B.NETWORKS, "tune_net", ("BatchNorm", "test_resnet", 1e-3, 1))
+    monkeypatch.setitem(B.NETWORKS, "judged_net", ("BatchNorm", "test_resnet", 3e-3, 1))
+    out = tmp_path / "alpha.json"
+    res = T.main(["--tune", "tune_net", "--networks", "judged_net", "tune_net", "--out", str(out)])
+    assert list(res["auroc"]) == ["tune_net", "judged_net"]  # the tune network first
+    for net in res["auroc"].values():
+        assert set(net) == {f"alpha={a}" for a in T.ALPHAS} and all(set(r) == set(B.SETS) for r in net.values())
+    means = {k: sum(v.values()) / len(v) for k, v in res["auroc"]["tune_net"].items()}
+    assert means[res["chosen"]] == pytest.approx(max(means.values()), abs=1e-4)
+    assert json.loads(out.read_text())["chosen"] == res["chosen"]
