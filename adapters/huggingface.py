@@ -10,17 +10,27 @@ so pass the processor (or ``mean``/``std``) for those. Channels and image size c
 
 Penultimate features (:meth:`jem_plugin.JEM.features`) are the classifier's input: the pooled
 output (ResNet, ConvNeXt, Swin) or the normalised class token (ViT), caught by a forward hook on
-the last ``nn.Linear`` of ``model.classifier`` during the one forward.
+the last ``nn.Linear`` of ``model.classifier`` during the one forward. A ResNet's feature maps
+(for ASH and SCALE) are its pooler's input.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from jem_plugin._checks import unwrap_model
-from jem_plugin.adapter import Adapter, InputDomain, built_by, domain_from_options, last_linear, with_channels
+from jem_plugin.adapter import (
+    Adapter,
+    InputDomain,
+    built_by,
+    domain_from_options,
+    last_linear,
+    pooled_maps,
+    with_channels,
+)
 from jem_plugin.plugins import hookimpl
 
 
@@ -35,6 +45,18 @@ class HuggingFaceAdapter(Adapter):
             if found is not None:
                 return found
         return super().head(model)
+
+    def feature_maps(self, model: Any, x: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]] | None:
+        """A CNN whose base model pools with an ``nn.AdaptiveAvgPool2d`` named ``pooler`` (ResNet):
+        the pooler's input and ``classifier(pooler(maps))``, given only where that reproduces the
+        logits. Others (ViT's class token, ConvNeXt's normalised mean) have none."""
+        core = unwrap_model(model)
+        base = getattr(core, getattr(core, "base_model_prefix", "") or "", None)
+        pool = getattr(base, "pooler", None)
+        classifier = getattr(core, "classifier", None)
+        if self.features_spec is not None or not isinstance(pool, nn.AdaptiveAvgPool2d) or classifier is None:
+            return None
+        return pooled_maps(model, x, pool, lambda m: classifier(pool(m)), self.logits)
 
 
 def is_hf_model(model) -> bool:

@@ -283,24 +283,30 @@ class Adapter:
         head = getattr(core, "fc", None) or getattr(core, "classifier", None)
         if self.features_spec is not None or not isinstance(pool, nn.Module) or not isinstance(head, nn.Module):
             return None
-        seen: list[Any] = []
-        handle = pool.register_forward_hook(lambda _m, args, _out: seen.append(args[0] if args else None))
-        try:
-            logits = self.logits(model(x))
-        finally:
-            handle.remove()
-        maps = seen[-1] if seen else None
-        if not isinstance(maps, Tensor) or maps.dim() != 4:
-            return None
+        return pooled_maps(model, x, pool, lambda m: head(torch.flatten(pool(m), 1)), self.logits)
 
-        def to_logits(m: Tensor) -> Tensor:
-            return head(torch.flatten(pool(m), 1))
 
-        try:  # the head may expect more than flatten(avgpool(.)) (dropout in train mode, a norm layer, ...)
-            same = torch.allclose(to_logits(maps).float(), logits.float(), rtol=1e-4, atol=1e-4)
-        except (RuntimeError, TypeError, ValueError):
-            return None
-        return (maps, to_logits) if same else None
+def pooled_maps(
+    model: Any, x: Tensor, pool: nn.Module, to_logits: Callable[[Tensor], Tensor], read_logits: Any
+) -> tuple[Tensor, Callable[[Tensor], Tensor]] | None:
+    """``(input of pool, to_logits)`` from one ``model(x)`` (a forward hook on ``pool``), or ``None``
+    where that input is not ``[B, C, H, W]`` maps or ``to_logits`` does not give back the model's
+    own logits on this batch (a head that does more than the adapter knows: dropout in train
+    mode, a normalisation, a rescaling in ``forward``)."""
+    seen: list[Any] = []
+    handle = pool.register_forward_hook(lambda _m, args, _out: seen.append(args[0] if args else None))
+    try:
+        logits = read_logits(model(x))
+    finally:
+        handle.remove()
+    maps = seen[-1] if seen else None
+    if not isinstance(maps, Tensor) or maps.dim() != 4:
+        return None
+    try:
+        same = torch.allclose(to_logits(maps).float(), logits.float(), rtol=1e-4, atol=1e-4)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return (maps, to_logits) if same else None
 
 
 def _flat(feats: Any) -> Tensor:

@@ -184,3 +184,27 @@ def test_maps_of_the_wrong_shape_from_an_adapter_end_in_one_clear_error():
     jm = jem.wrap(_Trunked().eval(), adapter=Flat("flat", num_classes=2), data_range=(0.0, 1.0))
     with pytest.raises(NoFeaturesError, match=r"feature maps of shape \[B=4, C, H, W\]"):
         ood.score(jm, torch.rand(4, 3, 9, 9), "ash")
+
+
+def test_a_hugging_face_resnet_gives_its_poolers_input_as_its_feature_maps():
+    """transformers' ResNet pools in ``resnet.pooler`` and classifies with ``classifier`` (Flatten,
+    Linear): its maps are the pooler's input, and ASH equals pytorch-ood's on them."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.ResNetConfig(
+        num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=3
+    )
+    model = transformers.ResNetForImageClassification(cfg).eval()
+    jm = jem.wrap(model, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    x = _images(jm, 4)
+    maps, to_logits = jm.feature_maps(x)
+    assert maps.shape[:2] == (4, 16) and maps.dim() == 4
+    torch.testing.assert_close(to_logits(maps), model(x).logits)
+
+    def trunk(t):
+        return model.resnet.encoder(model.resnet.embedder(t)).last_hidden_state
+
+    ref = _po().ASH(backbone=trunk, head=lambda m: model.classifier(model.resnet.pooler(m)), percentile=0.9)
+    with torch.no_grad():
+        theirs = -ref.predict(x)
+    torch.testing.assert_close(ood.score(jm, x, "ash"), theirs, rtol=1e-4, atol=1e-4)
