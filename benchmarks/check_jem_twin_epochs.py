@@ -24,13 +24,16 @@ if __package__ in (None, ""):
 
 from benchmarks import bench_posthoc as P  # noqa: E402
 from benchmarks import common  # noqa: E402
+from jem_plugin.recipes import get_recipe, list_recipes  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "jem_twin_epochs.json")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", default="generative", choices=list(P.JEM_RECIPES))
+    p.add_argument(
+        "--recipe", default="generative", choices=[r for r in list_recipes() if get_recipe(r).sam.rho is None]
+    )
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--network", default=P.JEM_TWIN, choices=list(P.NETWORKS))
     p.add_argument("--out", default=OUT)
