@@ -293,13 +293,7 @@ def pooled_maps(
     where that input is not ``[B, C, H, W]`` maps or ``to_logits`` does not give back the model's
     own logits on this batch (a head that does more than the adapter knows: dropout in train
     mode, a normalisation, a rescaling in ``forward``)."""
-    seen: list[Any] = []
-    handle = pool.register_forward_hook(lambda _m, args, _out: seen.append(args[0] if args else None))
-    try:
-        logits = read_logits(model(x))
-    finally:
-        handle.remove()
-    maps = seen[-1] if seen else None
+    maps, _, logits = _last_call(pool, model, x, read_logits)
     if not isinstance(maps, Tensor) or maps.dim() != 4:
         return None
     try:
@@ -335,9 +329,10 @@ def hookable_name(model: Any, layer: nn.Module) -> str:
     return type(layer).__name__
 
 
-def hooked_features(layer: nn.Module, model: Any, x: Tensor, read_logits: Any) -> tuple[Tensor, Tensor]:
-    """``(input of layer, logits)`` from one ``model(x)``: a forward hook on ``layer`` records
-    its last call's input and output; ``read_logits(output)`` extracts the logits."""
+def _last_call(layer: nn.Module, model: Any, x: Tensor, read_logits: Any) -> tuple[Any, Any, Tensor]:
+    """``(input, output, logits)``: ``layer``'s first input and its output in its last call during
+    one ``model(x)`` (``None`` for both when it did not run), caught by a forward hook, and
+    ``read_logits(model output)``."""
     seen: list[tuple[Any, Any]] = []
 
     def hook(_module: nn.Module, args: tuple, output: Any) -> None:
@@ -348,14 +343,20 @@ def hooked_features(layer: nn.Module, model: Any, x: Tensor, read_logits: Any) -
         out = model(x)
     finally:
         handle.remove()
-    logits = read_logits(out)
-    if not seen or not isinstance(seen[-1][0], Tensor):
+    inp, outp = seen[-1] if seen else (None, None)
+    return inp, outp, read_logits(out)
+
+
+def hooked_features(layer: nn.Module, model: Any, x: Tensor, read_logits: Any) -> tuple[Tensor, Tensor]:
+    """``(input of layer, logits)`` from one ``model(x)``: a forward hook on ``layer`` records
+    its last call's input and output; ``read_logits(output)`` extracts the logits."""
+    feats, head_out, logits = _last_call(layer, model, x, read_logits)
+    if not isinstance(feats, Tensor):
         raise NoFeaturesError(
             f"the layer {hookable_name(model, layer)!r} did not run (or got no tensor input) in the model's "
             "forward, so its input cannot be the features; name the classifier layer with "
             "wrap(model, features='name') or pass features=lambda model, x: (features, output)"
         )
-    feats, head_out = seen[-1]
     if head_out is not logits and (not isinstance(head_out, Tensor) or head_out.shape != logits.shape):
         raise NoFeaturesError(
             f"the layer whose input was taken as the features ({hookable_name(model, layer)!r}, the last "
