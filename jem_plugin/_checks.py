@@ -76,6 +76,19 @@ def draw(
     return fn(size, generator=generator, device=generator.device, **kwargs).to(device)
 
 
+def generator_on(device: torch.device | str | None, generator: torch.Generator, seed: int) -> torch.Generator:
+    """``generator`` where it lives on ``device`` (or ``device`` is unknown: ``None``), else a new
+    one there seeded with ``seed``.
+
+    SGLD draws its noise where its chain runs, at every step (no copy per step), and refuses a
+    generator on another device; a command that seeds one CPU generator for its data draws gives
+    its chains this one instead.
+    """
+    if device is None or same_device(generator.device, device):
+        return generator
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 # ---------------------------------------------------------------------- labels
 def check_labels(
     y: Any,

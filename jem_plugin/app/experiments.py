@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from .. import calibration, ood
-from .._checks import model_device
+from .._checks import generator_on, model_device
 from ..model import JEM, wrap
 from ..recipes import Recipe, SamplerConfig, get_recipe
 from ..sample_quality import sample_quality, train_judge
@@ -340,7 +340,7 @@ def dataset_sample_quality(
     y_cond = torch.arange(k, device=buffer.device).repeat_interleave(max(1, 100 // k))
     x0 = buffer.init_dist.sample(len(y_cond), tuple(buffer.sample_shape), jm.domain, g, buffer.device, y=y_cond)
     config = sampler or SamplerConfig()
-    chains = dataclasses.replace(config, steps=max(20, config.steps)).build(g)
+    chains = dataclasses.replace(config, steps=max(20, config.steps)).build(generator_on(dev, g, seed))
     if config.colours == "data":
         chains.use_colours_of(buffer)
     jm.eval()

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..._checks import model_device
+from ..._checks import generator_on, model_device
 from ...sampling import SGLD
 from .. import CLIError
 from ..experiments import samples_against_data
@@ -69,7 +69,7 @@ def run(args) -> int:
     else:
         settings, buffer = run
     settings.update({key: v for key, v in asked.items() if v is not None})
-    sampler = SGLD(**settings, generator=g)
+    sampler = SGLD(**settings, generator=generator_on(device, g, args.seed))
     if buffer is not None and sampler.colours == "data":
         sampler.use_colours_of(buffer)
     yd = None if y is None else y.to(device)
