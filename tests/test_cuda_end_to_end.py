@@ -37,13 +37,13 @@ def exact_fp32(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
 
 
-def _cli_run(root, device: str) -> dict:
+def _cli_run(root, device: str, *train_args: str) -> dict:
     """`jem train` for one short epoch, then `eval`, `ood` and `sample` on its model file, all on
     ``device``; returns eval's report."""
     run = root / "run"
     common = ["--device", device, "--quiet"]
     argv = ["train", "--recipe", "fast", "--epochs", "1", "--sgld-steps", "2", "--buffer-capacity", "200"]
-    assert main([*argv, *common, "--out", str(run)]) == 0
+    assert main([*argv, *train_args, *common, "--out", str(run)]) == 0
     model = run / "model.pt"
     assert model.is_file() and (run / "metrics.json").is_file()
     assert main(["eval", str(model), *common, "--out", str(root / "eval.json")]) == 0
@@ -120,6 +120,21 @@ def test_the_cli_trains_evaluates_scores_and_samples_on_cuda(tmp_path):
     x = torch.stack([ds[i][0] for i in range(32)])
     with torch.no_grad():
         torch.testing.assert_close(jm(x.cuda()).cpu(), on_cpu(x), rtol=1e-3, atol=1e-3)
+
+
+@cuda
+@pytest.mark.slow
+def test_a_timm_network_trains_under_bf16_and_channels_last_and_is_scored_by_every_detector(tmp_path):
+    """What a GPU user types: a timm CNN, bf16 autocast, channels_last; then every score at once."""
+    _cli_run(tmp_path, "cuda", "--model", "resnet10t", "--image-size", "32", "--amp", "bf16", "--channels-last")
+    model = tmp_path / "run" / "model.pt"
+    out = tmp_path / "all.json"
+    assert main(["ood", str(model), "--device", "cuda", "--quiet", "--scores", "all", "--out", str(out)]) == 0
+    table = json.loads(out.read_text())
+    scores = {key.split("/")[0] for key in table}
+    assert scores >= {"logpx", "ash", "scale", "gmm", "vim", "knn", "mahalanobis_odin"}, scores
+    assert all(0.0 <= row["auroc"] <= 1.0 for row in table.values()), table  # every score ran to a number
+    assert list(tmp_path.glob("*.csv")) and list(tmp_path.glob("*.png")), sorted(p.name for p in tmp_path.iterdir())
 
 
 @cuda
