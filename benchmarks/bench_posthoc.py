@@ -617,21 +617,42 @@ def time_shared(jm, model, D, feats_dim, s_main, n: int, repeats: int) -> dict[s
 
 
 def score_jem_twin(
-    D: dict[str, Any], network: str, recipe: str, epochs: int, methods: Sequence[str] = JEM_SCORES
+    D: dict[str, Any],
+    network: str,
+    recipe: str,
+    epochs: int,
+    methods: Sequence[str] = JEM_SCORES,
+    init: tuple[nn.Module, nn.Module] | None = None,
 ) -> dict[str, Any]:
-    """The JEM-trained twin of ``network`` (its learning rate, ``recipe``, from scratch) and the
-    energy scores of its two models (0-9, and 0-7 for the held-out classes)."""
+    """The JEM-trained twin of ``network`` (its learning rate, ``recipe``, from scratch, or
+    fine-tuned from ``init``'s two models, 0-9 and 0-7) and the scores ``methods`` of its two
+    models (0-9, and 0-7 for the held-out classes); detectors that need fitting are fitted on the
+    training digits as on the cross-entropy twin."""
     kind, spec, lr, _ = NETWORKS[network]
-    _log(f"JEM twin {network} ({recipe} recipe): training on digits 0-9 ({epochs} epochs)")
+    how = "from scratch" if init is None else "fine-tuned from the cross-entropy twin"
+    _log(f"JEM twin {network} ({recipe} recipe, {how}): training on digits 0-9 ({epochs} epochs)")
     model, cost = train(
-        spec, D["x"], D["y"], 10, epochs, recipe=recipe, lr=lr, bs=JEM_BATCH, eval_every=(D["xt"], D["yt"])
+        spec,
+        D["x"],
+        D["y"],
+        10,
+        epochs,
+        recipe=recipe,
+        lr=lr,
+        bs=JEM_BATCH,
+        eval_every=(D["xt"], D["yt"]),
+        init=None if init is None else init[0],
     )
     _log(f"JEM twin ({recipe}): training on digits 0-7")
-    model8, cost8 = train(spec, D["x07"], D["y07"], 8, epochs, recipe=recipe, lr=lr, bs=JEM_BATCH)
+    model8, cost8 = train(
+        spec, D["x07"], D["y07"], 8, epochs, recipe=recipe, lr=lr, bs=JEM_BATCH, init=None if init is None else init[1]
+    )
     jm, jm8 = jem.wrap(model, **_wrap_kw(10)), jem.wrap(model8, **_wrap_kw(8))
     jm.trained_px = jm8.trained_px = True
-    t_main = ood.evaluate_all(jm, D["xt"], D["sets"], list(methods), progress=False)
-    t_ho = ood.evaluate_all(jm8, D["xt07"], {"held_out": D["xt89"]}, list(methods), progress=False)
+    t_main = ood.evaluate_all(jm, D["xt"], D["sets"], methods, fit_data=_loader(D["x"], D["y"]), progress=False)
+    t_ho = ood.evaluate_all(
+        jm8, D["xt07"], {"held_out": D["xt89"]}, methods, fit_data=_loader(D["x07"], D["y07"]), progress=False
+    )
     table = ood.OODTable(t_main.records + t_ho.records, t_main.methods, SETS, t_main.timing)
     return {
         "network": network,
