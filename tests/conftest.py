@@ -12,6 +12,20 @@ import torch
 torch.set_num_threads(1)
 
 
+def cuda(test):
+    """A CUDA-only test: marked gpu (`-m "not gpu"` leaves it out), skipped where no GPU is (CI)."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")(test))
+
+
+# ``@pytest.mark.parametrize("device", DEVICES)``: a test on the CPU everywhere, and on the GPU where one is.
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+    ),
+]
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

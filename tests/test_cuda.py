@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import cuda
 from torch import nn
 
 import jem_plugin as jem
@@ -16,11 +17,6 @@ from jem_plugin import _cuda_graph
 from jem_plugin._checks import follow, generator_on, same_device
 from jem_plugin.errors import CUDAGraphError
 from jem_plugin.schedules import Poly
-
-
-def cuda(test):
-    """A CUDA-only test: marked gpu (`-m "not gpu"` leaves it out), skipped where no GPU is."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")(test))
 
 
 class SmallConvNet(nn.Module):

@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import cuda
 from torch.utils.data import DataLoader, TensorDataset
 
 import jem_plugin as jem
@@ -23,11 +24,6 @@ from jem_plugin.errors import UntrainedDensityWarning
 from jem_plugin.recipes import get_recipe
 
 timm = pytest.importorskip("timm")
-
-
-def cuda(test):
-    """A CUDA-only test: marked gpu, skipped where no GPU is."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")(test))
 
 
 @pytest.fixture

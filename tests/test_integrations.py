@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TinyCNN
+from conftest import DEVICES, TinyCNN
 from torch.utils.data import DataLoader, TensorDataset
 
 import jem_plugin as jem
@@ -24,30 +24,32 @@ def _state_equal(a: dict, b: dict) -> bool:
 timm_task = pytest.importorskip("jem_plugin.integrations.timm_task", reason="this timm has no task API (timm.task)")
 
 
-def _timm_task(num_classes=5, **kwargs):
+def _timm_task(num_classes=5, device="cpu", **kwargs):
     import timm
 
     torch.manual_seed(0)
     model = timm.create_model("test_resnet", pretrained=False, num_classes=num_classes)
-    kwargs.setdefault("sampler", jem.SGLD(steps=2, generator=torch.Generator().manual_seed(0)))
+    kwargs.setdefault("sampler", jem.SGLD(steps=2, generator=torch.Generator(device=device).manual_seed(0)))
     kwargs.setdefault("buffer", jem.ReplayBuffer(32, (3, 32, 32)))
-    return timm_task.JEMTask(model, verbose=False, **kwargs)
+    return timm_task.JEMTask(model, verbose=False, device=torch.device(device), **kwargs)
 
 
 @pytest.mark.slow
-def test_timm_task_trains_test_resnet_and_round_trips_through_timm_checkpoints(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_timm_task_trains_test_resnet_and_round_trips_through_timm_checkpoints(tmp_path, device):
     import timm
     import timm.optim
     from timm.task import TrainingTask, resume_task_checkpoint
     from timm.utils import CheckpointSaver
 
-    task = _timm_task()
+    task = _timm_task(device=device)
     assert isinstance(task, TrainingTask)
     opt = timm.optim.create_optimizer_v2(task.get_trainable_module(), "adamw", lr=1e-3)
     before = [p.detach().clone() for p in task.jem.parameters()]
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         x, y = torch.rand(4, 3, 32, 32, generator=g) * 2 - 1, torch.randint(0, 5, (4,), generator=g)
+        x, y = x.to(device), y.to(device)
         with task.no_sync():  # timm's accumulation context: a no-op in one process
             result = task(x, y)
             result["loss"].backward()
@@ -76,7 +78,7 @@ def test_timm_task_trains_test_resnet_and_round_trips_through_timm_checkpoints(t
     plain = timm.create_model("test_resnet", pretrained=False, num_classes=5)
     plain.load_state_dict(ckpt["state_dict"])  # a JEM checkpoint is a timm checkpoint
 
-    fresh = _timm_task(sampler=jem.SGLD(steps=2), buffer=jem.ReplayBuffer(32, (3, 32, 32)))
+    fresh = _timm_task(device=device, sampler=jem.SGLD(steps=2), buffer=jem.ReplayBuffer(32, (3, 32, 32)))
     fresh_opt = timm.optim.create_optimizer_v2(fresh.get_trainable_module(), "adamw", lr=1e-3)
     resume_task_checkpoint(fresh, path, optimizer=fresh_opt, log_info=False)
     assert _state_equal(fresh.jem.state_dict(), task.jem.state_dict())
@@ -117,10 +119,10 @@ def _lightning():
     return pytest.importorskip("lightning.pytorch", reason="lightning is not installed (pip install lightning)")
 
 
-def _trainer(pl, root, **kwargs):
+def _trainer(pl, root, device="cpu", **kwargs):
     kwargs.setdefault("max_steps", 2)
     return pl.Trainer(
-        accelerator="cpu",
+        accelerator="gpu" if device == "cuda" else "cpu",
         devices=1,
         limit_val_batches=1,
         logger=False,
@@ -132,7 +134,8 @@ def _trainer(pl, root, **kwargs):
     )
 
 
-def test_lightning_module_fits_validates_under_inference_mode_and_checkpoints(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_lightning_module_fits_validates_under_inference_mode_and_checkpoints(tmp_path, device):
     pl = _lightning()
     from jem_plugin.integrations.lightning import JEMLightningModule
 
@@ -159,7 +162,7 @@ def test_lightning_module_fits_validates_under_inference_mode_and_checkpoints(tm
     assert "jem_loss.buffer.data" in module._ddp_params_and_buffers_to_ignore
     train = DataLoader(_digits_like(32), batch_size=8)
     val = DataLoader(_digits_like(16, seed=1), batch_size=8)
-    trainer = _trainer(pl, tmp_path, val_check_interval=2)
+    trainer = _trainer(pl, tmp_path, device, val_check_interval=2)
     trainer.fit(module, train, val)
     m = dict(trainer.callback_metrics)
     # Validation inside fit runs under no_grad, trainer.validate under inference_mode: gradient
@@ -181,7 +184,7 @@ def test_lightning_module_fits_validates_under_inference_mode_and_checkpoints(tm
 
     # Resume training from the checkpoint: the buffer continues from the saved chains.
     resumed = make()
-    _trainer(pl, tmp_path / "resumed", max_steps=3).fit(resumed, train, val, ckpt_path=str(path))
+    _trainer(pl, tmp_path / "resumed", device, max_steps=3).fit(resumed, train, val, ckpt_path=str(path))
     assert resumed.trainer.global_step == 3
 
 
@@ -234,17 +237,18 @@ def test_lightning_loads_this_ranks_buffer_from_a_per_rank_checkpoint():
 
 
 # =============================================================================== Accelerate
-def test_accelerate_save_state_restores_the_replay_buffer(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_accelerate_save_state_restores_the_replay_buffer(tmp_path, device):
     accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed (pip install accelerate)")
     from jem_plugin.integrations.accelerate import register_jem_state
 
-    accelerator = accelerate.Accelerator(cpu=True, project_dir=str(tmp_path))
+    accelerator = accelerate.Accelerator(cpu=device == "cpu", project_dir=str(tmp_path))
     jm = jem.wrap(TinyCNN(), data_range=(-1.0, 1.0), input_size=(1, 8, 8))
     opt = torch.optim.Adam(jm.parameters(), lr=1e-3)
     loader = DataLoader(_digits_like(16), batch_size=8)
     jm, opt, loader = accelerator.prepare(jm, opt, loader)
     loss_fn = jem.JEMLoss(
-        jem.SGLD(steps=2, generator=torch.Generator().manual_seed(0)), jem.ReplayBuffer(32, (1, 8, 8))
+        jem.SGLD(steps=2, generator=torch.Generator(device=device).manual_seed(0)), jem.ReplayBuffer(32, (1, 8, 8))
     )
     (wrapper,) = register_jem_state(accelerator, loss_fn)
     for x, y in loader:
