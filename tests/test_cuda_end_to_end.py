@@ -134,6 +134,19 @@ def test_a_timm_network_trains_under_bf16_and_channels_last_and_is_scored_by_eve
 
 
 @cuda
+@pytest.mark.slow
+def test_jem_train_as_first_typed_runs_its_post_training_steps_on_cuda(tmp_path):
+    """The default recipe's extra steps (BatchNorm statistics from data, the temperature, the
+    sample-quality judge), each decided on held-out data, on the GPU."""
+    argv = ["train", "--epochs", "1", "--sgld-steps", "2", "--device", "cuda", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 0
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert 0.0 <= metrics["held_out"]["accuracy"] <= 1.0
+    assert metrics["post_training"] and all(isinstance(step["kept"], bool) for step in metrics["post_training"])
+    assert metrics["sample_quality"]["fd_buffer"] > 0
+
+
+@cuda
 def test_fit_with_a_recipe_trains_a_cuda_model_and_keeps_it_there():
     jm = _fit_with_recipe("cuda")
     assert all(p.is_cuda for p in jm.parameters())
