@@ -6,6 +6,7 @@ same way.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -15,7 +16,7 @@ from typing import Any, Literal, Protocol, overload, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from .errors import InvalidInputError, InvalidLabelError, OutOfDomainWarning
+from .errors import DeviceChangeWarning, InvalidInputError, InvalidLabelError, OutOfDomainWarning
 
 __all__ = [
     "same_device",
@@ -87,6 +88,33 @@ def generator_on(device: torch.device | str | None, generator: torch.Generator, 
     if device is None or same_device(generator.device, device):
         return generator
     return torch.Generator(device=device).manual_seed(seed)
+
+
+def restore_generator(
+    current: torch.Generator | None, state: Tensor, saved_device: str | None, owner: str
+) -> torch.Generator:
+    """The generator a checkpoint's ``state`` (saved from a generator on ``saved_device``) restores
+    into: ``current`` where there is one, else a new one on ``saved_device`` (on the CPU when
+    that device is not present here). Across kinds of device (CUDA and CPU generators keep
+    different states) it is seeded from ``state`` instead, with a :class:`DeviceChangeWarning`
+    naming ``owner``: the run goes on, reproducibly, but not bit for bit."""
+    saved = torch.device(saved_device or "cpu")
+    if current is None:
+        module = getattr(torch, saved.type, None)
+        present = saved.type == "cpu" or bool(module is not None and module.is_available())
+        current = torch.Generator(device=saved if present else "cpu")
+    if current.device.type == saved.type:
+        current.set_state(state)
+        return current
+    seed = int.from_bytes(hashlib.sha256(state.cpu().numpy().tobytes()).digest()[:8], "little") >> 1
+    current.manual_seed(seed)
+    warnings.warn(
+        f"{owner}: the checkpoint's generator ran on {saved}, this one is on {current.device}: it is seeded "
+        f"from the saved state instead, so the run goes on, but not bit for bit as on {saved.type}",
+        DeviceChangeWarning,
+        stacklevel=3,
+    )
+    return current
 
 
 # ---------------------------------------------------------------------- labels

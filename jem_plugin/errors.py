@@ -27,6 +27,7 @@ __all__ = [
     "NoFeaturesError",
     "NotFittedError",
     "UntrainedDensityWarning",
+    "DeviceChangeWarning",
 ]
 
 
@@ -150,3 +151,10 @@ class UntrainedDensityWarning(UserWarning):
     p(x|y) term; set it yourself for a model trained as a JEM elsewhere, or silence the warning
     with ``warnings.filterwarnings("ignore", category=jem_plugin.errors.UntrainedDensityWarning)``.
     """
+
+
+class DeviceChangeWarning(UserWarning):
+    """A checkpoint's random generator ran on another kind of device than the one it is restored
+    on (a run started on a GPU, resumed on the CPU): a CUDA generator's state cannot drive a CPU
+    generator, so the generator is seeded from the saved state instead. The run continues,
+    reproducibly, but not bit for bit as it would have on the saved device."""

@@ -46,7 +46,17 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from . import plugins
-from ._checks import DomainCheck, check_input, check_label_range, check_labels, draw, follow, free_energy, model_device
+from ._checks import (
+    DomainCheck,
+    check_input,
+    check_label_range,
+    check_labels,
+    draw,
+    follow,
+    free_energy,
+    model_device,
+    restore_generator,
+)
 from .buffer import INIT_HOOK, ReplayBuffer
 from .errors import InvalidInputError
 from .extensions import FitInitFromBatches
@@ -709,9 +719,9 @@ class JEMLoss(nn.Module):
             if name not in self._term_kwargs:
                 self.add_term(name, **kwargs)
         if state.get("generator") is not None:
-            if self.generator is None:
-                self.generator = torch.Generator(device=state.get("generator_device", "cpu"))
-            self.generator.set_state(state["generator"])
+            self.generator = restore_generator(
+                self.generator, state["generator"], state.get("generator_device"), "JEMLoss"
+            )
         if "sampler" in state and isinstance(self.sampler, _Stateful):
             self.sampler.load_state_dict(state["sampler"])
         saved_bn = state.get("config", {}).get("batchnorm")

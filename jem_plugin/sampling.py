@@ -38,6 +38,7 @@ from ._checks import (
     check_labels,
     follow,
     model_device,
+    restore_generator,
     same_device,
 )
 from ._colours import project_colours
@@ -752,9 +753,9 @@ class SGLD:
         for name in _SETTINGS:
             setattr(self, name, getattr(checked, name))
         if state.get("generator_state") is not None:
-            if self.generator is None:
-                self.generator = torch.Generator(device=state.get("generator_device") or "cpu")
-            self.generator.set_state(state["generator_state"])
+            self.generator = restore_generator(
+                self.generator, state["generator_state"], state.get("generator_device"), "SGLD"
+            )
 
 
 # The settings a checkpoint carries: every constructor argument but the generator (whose state is

@@ -167,3 +167,57 @@ def test_a_restored_fast_loss_samples_as_the_saved_one():
     dst = jem.JEMLoss(sampler=jem.SGLD(steps=2))
     dst.load_state_dict(_through_checkpoint(src.state_dict()))
     assert dst.sampler.batchnorm == "separate" and dst.batchnorm == "separate"
+
+
+# A CUDA generator's state is its Philox seed and offset (16 bytes); a CPU generator's is 5056.
+_CUDA_STATE = {"state": torch.arange(16, dtype=torch.uint8), "device": "cuda:0"}
+
+
+def _cuda_written(owner: str) -> tuple[Any, dict[str, Any]]:
+    """A fresh ``owner`` (SGLD or JEMLoss) and a state of it as a GPU run writes it."""
+    if owner == "SGLD":
+        obj: Any = jem.SGLD(steps=3, generator=torch.Generator().manual_seed(0))
+        state = obj.state_dict()
+        state["generator_state"], state["generator_device"] = _CUDA_STATE["state"], _CUDA_STATE["device"]
+    else:
+        obj = jem.JEMLoss(jem.SGLD(steps=3), generator=torch.Generator().manual_seed(0))
+        state = obj.state_dict()
+        extra = state["_extra_state"]  # a Module: its own settings and generator travel as extra state
+        extra["generator"], extra["generator_device"] = _CUDA_STATE["state"], _CUDA_STATE["device"]
+    return obj, state
+
+
+@pytest.mark.parametrize("owner", ["SGLD", "JEMLoss"])
+def test_a_gpu_runs_generator_resumed_on_the_cpu_is_seeded_from_its_state_with_one_warning(owner):
+    # Before: SGLD/JEMLoss.load_state_dict passed the CUDA state to the CPU generator, and torch
+    # stopped the resume with "Expected a CPUGeneratorImplState of size 5056 but found ... 16".
+    draws = []
+    for _ in range(2):
+        obj, state = _cuda_written(owner)
+        with pytest.warns(jem.errors.DeviceChangeWarning, match=f"{owner}: the checkpoint's generator ran on cuda:0"):
+            obj.load_state_dict(state)
+        assert obj.generator.device.type == "cpu"
+        draws.append(torch.rand(4, generator=obj.generator))
+    assert torch.equal(draws[0], draws[1])  # the same checkpoint resumes the same way every time
+    fresh = torch.rand(4, generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(draws[0], fresh)  # seeded from the saved state, not left where it was
+
+
+def test_without_a_generator_of_its_own_a_cuda_state_restores_on_the_cpu_where_there_is_no_gpu(monkeypatch):
+    # Before: torch.Generator(device="cuda:0") on a machine without a usable GPU raised a CUDA error.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    sampler, state = _cuda_written("SGLD")
+    sampler.generator = None
+    with pytest.warns(jem.errors.DeviceChangeWarning):
+        sampler.load_state_dict(state)
+    assert sampler.generator is not None and sampler.generator.device.type == "cpu"
+
+
+def test_a_generator_resumed_on_its_own_kind_of_device_restores_exactly_and_silently(recwarn):
+    saved = jem.SGLD(steps=3, generator=torch.Generator().manual_seed(5))
+    torch.rand(3, generator=saved.generator)
+    state = saved.state_dict()
+    restored = jem.SGLD(steps=3, generator=torch.Generator().manual_seed(0))
+    restored.load_state_dict(state)
+    assert torch.equal(restored.generator.get_state(), saved.generator.get_state())
+    assert not [w for w in recwarn if issubclass(w.category, jem.errors.DeviceChangeWarning)]
