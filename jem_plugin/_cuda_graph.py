@@ -153,6 +153,9 @@ def _blocker(sampler: ChainSettings, jm: JEM, x: Tensor, record: bool) -> str | 
         return "the colour projection of SGLD(colours='data') on data with fewer colour axes than channels is not part of the captured step yet"
     if isinstance(jm.model, _CallableModule):
         return "the model is a plain callable (its tensors cannot be tracked between runs)"
+    if any(hasattr(p, "full_tensor") for p in jm.model.parameters()):  # FSDP2's shards are DTensors
+        # a capture that fails on one rank after another rank's gather would hang the collective
+        return "the model's parameters are sharded (FSDP): its forward gathers them with collectives"
     if _cuda.is_current_stream_capturing():
         return "a CUDA graph is already being captured on this stream"
     return None

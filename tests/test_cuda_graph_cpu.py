@@ -472,6 +472,10 @@ def _blocked(how, jm, fake):
     elif how == "callable":
         model = jm.model
         jm = jem.wrap(lambda x: model(x), data_range=(-1.0, 1.0), input_size=SHAPE, num_classes=10)
+    elif how == "sharded":  # what FSDP2 leaves: parameters that are DTensors (full_tensor() gathers them)
+        weight = jm.model.head.weight
+        weight.full_tensor = lambda: weight
+        undo = lambda: delattr(weight, "full_tensor")
     elif how == "capturing":
         fake.capturing = True
     elif how == "unavailable":
@@ -485,6 +489,7 @@ _REASONS = {
     "hook": "jem_sgld_step plugin hook",
     "colours": "colour projection",
     "callable": "plain callable",
+    "sharded": "sharded \\(FSDP\\)",
     "capturing": "already being captured",
     "unavailable": "not on a CUDA device",
 }
