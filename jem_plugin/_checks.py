@@ -100,8 +100,8 @@ def restore_generator(
     naming ``owner``: the run goes on, reproducibly, but not bit for bit."""
     saved = torch.device(saved_device or "cpu")
     if current is None:
-        module = getattr(torch, saved.type, None)
-        present = saved.type == "cpu" or bool(module is not None and module.is_available())
+        is_available = getattr(getattr(torch, saved.type, None), "is_available", None)  # torch.cuda, torch.mps, ...
+        present = saved.type == "cpu" or (callable(is_available) and bool(is_available()))
         current = torch.Generator(device=saved if present else "cpu")
     if current.device.type == saved.type:
         current.set_state(state)
