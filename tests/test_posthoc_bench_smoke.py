@@ -108,3 +108,27 @@ def test_openmax_alpha_is_chosen_on_the_tune_network_alone(tmp_path, monkeypatch
     means = {k: sum(v.values()) / len(v) for k, v in res["auroc"]["tune_net"].items()}
     assert means[res["chosen"]] == pytest.approx(max(means.values()), abs=1e-4)
     assert json.loads(out.read_text())["chosen"] == res["chosen"]
+
+
+@pytest.mark.slow
+def test_the_jem_fine_tune_check_scores_the_ce_twin_and_its_fine_tune(tmp_path, monkeypatch):
+    """benchmarks/check_jem_finetune_twin.py: the CE twin as bench_posthoc trains it, every score on
+    it, then the fine-tune from its weights (not from scratch) and every score on that."""
+    from benchmarks import check_jem_finetune_twin as C
+
+    small = B.load_data(n_train=120, n_eval=60, n_ood=20)
+    monkeypatch.setattr(B, "load_data", lambda *a, **k: small)
+    monkeypatch.setitem(B.NETWORKS, "tiny", ("BatchNorm", "test_resnet", 1e-3, 2))
+    starts = []
+    train = B.train
+    monkeypatch.setattr(B, "train", lambda *a, **k: (starts.append(k.get("init")), train(*a, **k))[1])
+    out = tmp_path / "ft.json"
+    res = C.main(["--network", "tiny", "--out", str(out)])
+    assert starts[:2] == [None, None] and all(s is not None for s in starts[2:]) and len(starts) == 4
+    ce, ft = res["ce_twin"], res["finetuned"]
+    assert ce["epochs"] == 2 and ft["epochs"] == 1  # half the CE run's
+    assert ce["best_posthoc"] in ce["mean_auroc"] and "gmm" in ce["mean_auroc"] and "logpx" in ft["mean_auroc"]
+    assert res["target_met"] == (ft["mean_auroc"]["logpx"] > ce["mean_auroc"][ce["best_posthoc"]])
+    assert json.loads(out.read_text())["check"]["network"] == "tiny"
+    alone = C.main(["--network", "tiny", "--epochs", "0", "--ce-epochs", "1", "--out", str(tmp_path / "ce.json")])
+    assert "finetuned" not in alone and alone["ce_twin"]["epochs"] == 1
