@@ -64,7 +64,7 @@ from benchmarks.bench_generative import IMAGENET_MEAN, IMAGENET_STD, build_loss,
 from jem_plugin import ood  # noqa: E402
 from jem_plugin.app.data import digits_tensors, photo_patches, transposed  # noqa: E402
 from jem_plugin.extensions import FitInitFromBatches  # noqa: E402
-from jem_plugin.recipes import get_recipe  # noqa: E402
+from jem_plugin.recipes import Recipe, get_recipe  # noqa: E402
 
 NAME = "posthoc"
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -169,7 +169,7 @@ def train(
     y: Tensor,
     num_classes: int,
     epochs: int,
-    recipe: str | None = None,
+    recipe: str | Recipe | None = None,
     seed: int = 0,
     lr: float = LR,
     bs: int = BATCH_TRAIN,
@@ -188,7 +188,7 @@ def train(
     if init is not None:
         model.load_state_dict(init.state_dict())
     jm = jem.wrap(model, **_wrap_kw(num_classes))
-    r = get_recipe(recipe) if recipe else None
+    r = recipe if isinstance(recipe, Recipe) else get_recipe(recipe) if recipe else None
     base = r or get_recipe("generative")
     total = epochs * math.ceil(len(x) / bs)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -204,7 +204,7 @@ def train(
     loss_fn = fit_init = None
     if r is not None:
         if r.sam.rho is not None:
-            raise ValueError(f"recipe {recipe!r} uses SAM, which this benchmark's loop does not run")
+            raise ValueError(f"recipe {r.name!r} uses SAM, which this benchmark's loop does not run")
         # an informative init is fitted from the loop's first batches (the p(x) term's data)
         loss_fn = build_loss(r, {"x": x, "y": y}, total, bs, g, "loop", num_classes=num_classes)
         fit_init = FitInitFromBatches(loss_fn.buffer)
@@ -619,7 +619,7 @@ def time_shared(jm, model, D, feats_dim, s_main, n: int, repeats: int) -> dict[s
 def score_jem_twin(
     D: dict[str, Any],
     network: str,
-    recipe: str,
+    recipe: str | Recipe,
     epochs: int,
     methods: Sequence[str] = JEM_SCORES,
     init: tuple[nn.Module, nn.Module] | None = None,
@@ -630,7 +630,8 @@ def score_jem_twin(
     training digits as on the cross-entropy twin."""
     kind, spec, lr, _ = NETWORKS[network]
     how = "from scratch" if init is None else "fine-tuned from the cross-entropy twin"
-    _log(f"JEM twin {network} ({recipe} recipe, {how}): training on digits 0-9 ({epochs} epochs)")
+    name = recipe.name if isinstance(recipe, Recipe) else recipe
+    _log(f"JEM twin {network} ({name} recipe, {how}): training on digits 0-9 ({epochs} epochs)")
     model, cost = train(
         spec,
         D["x"],
@@ -643,7 +644,7 @@ def score_jem_twin(
         eval_every=(D["xt"], D["yt"]),
         init=None if init is None else init[0],
     )
-    _log(f"JEM twin ({recipe}): training on digits 0-7")
+    _log(f"JEM twin ({name}): training on digits 0-7")
     model8, cost8 = train(
         spec, D["x07"], D["y07"], 8, epochs, recipe=recipe, lr=lr, bs=JEM_BATCH, init=None if init is None else init[1]
     )
@@ -656,7 +657,8 @@ def score_jem_twin(
     table = ood.OODTable(t_main.records + t_ho.records, t_main.methods, SETS, t_main.timing)
     return {
         "network": network,
-        "recipe": recipe,
+        "recipe": name,
+        "settings": recipe.to_dict() if isinstance(recipe, Recipe) else None,
         "epochs": epochs,
         "accuracy": accuracy(model, D["xt"], D["yt"]),
         "accuracy_0_7": accuracy(model8, D["xt07"], D["yt07"]),

@@ -8,6 +8,9 @@ over the six OOD sets) was missed by both. This script trains one twin (``--reci
 its scores; compare with ``results/posthoc.md``.
 
     python -m benchmarks.check_jem_twin_epochs --recipe generative --epochs 12   # ~8 CPU minutes
+
+``--default-choice`` trains the twin with what ``jem train`` chooses for these data and this
+network (:func:`jem_plugin.recipes.default_choice_for`) instead of ``--recipe``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ if __package__ in (None, ""):
 
 from benchmarks import bench_posthoc as P  # noqa: E402
 from benchmarks import common  # noqa: E402
-from jem_plugin.recipes import get_recipe, list_recipes  # noqa: E402
+from jem_plugin.recipes import Recipe, default_choice_for, get_recipe, list_recipes  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "jem_twin_epochs.json")
 
@@ -36,12 +39,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--network", default=P.JEM_TWIN, choices=list(P.NETWORKS))
+    p.add_argument("--default-choice", action="store_true", help="the recipe and settings jem train chooses")
     p.add_argument("--out", default=OUT)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    twin = P._strip(P.score_jem_twin(P.load_data(), a.network, a.recipe, a.epochs))
+    D = P.load_data()
+    recipe: str | Recipe = a.recipe
+    if a.default_choice:
+        _, spec, lr, _ = P.NETWORKS[a.network]
+        choice = default_choice_for(P.make_net(spec, 10), int(torch.bincount(D["y"]).min()), lr)
+        print(f"jem train's choice for {a.network}: {choice.recipe} {choice.settings} ({choice.reason})")
+        recipe = get_recipe(choice.recipe).replace(**choice.settings)
+    twin = P._strip(P.score_jem_twin(D, a.network, recipe, a.epochs))
     logpx = {r["set"]: r["auroc"] for r in twin["scores"] if r["score"] == "logpx"}
-    print(f"{a.network} `{a.recipe}` twin, {a.epochs} epochs: accuracy {twin['accuracy']:.3f}; logpx AUROC")
+    print(f"{a.network} `{twin['recipe']}` twin, {a.epochs} epochs: accuracy {twin['accuracy']:.3f}; logpx AUROC")
     print(" ".join(f"{k} {v:.3f}" for k, v in logpx.items()) + f"; mean {twin['mean_auroc']['logpx']:.3f}")
     common.write_json(a.out, {"machine": common.machine_info(), "twin": twin})
     return twin

@@ -55,6 +55,7 @@ __all__ = [
     "NO_NORMALISATION_L2_WEIGHT",
     "DefaultChoice",
     "default_choice",
+    "default_choice_for",
     "default_recipe_for",
     "default_settings_for",
     "RAISED_LR_FACTOR",
@@ -791,6 +792,22 @@ def default_choice(
             else "a BatchNorm network"
         )
     return DefaultChoice(DEFAULT_RECIPE, settings, reason)
+
+
+# torch's normalisation layers, and any other whose class is named for one (timm's RmsNorm, ...)
+_NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
+
+
+def _is_normalisation(module: nn.Module) -> bool:
+    return isinstance(module, _NORM_TYPES) or type(module).__name__.lower().endswith(("norm", "norm1d", "norm2d"))
+
+
+def default_choice_for(model: nn.Module, per_class: int | None, lr: float | None = None) -> DefaultChoice:
+    """:func:`default_choice` for ``model`` (a classifier or its JEM): whether it has BatchNorm
+    and any normalisation layer is read from its modules, as ``jem train`` reads them."""
+    modules = list(model.modules())
+    batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in modules)
+    return default_choice(per_class, batchnorm, lr=lr, normalised=any(_is_normalisation(m) for m in modules))
 
 
 def default_recipe_for(per_class: int | None, batchnorm: bool, lr: float | None = None) -> str:

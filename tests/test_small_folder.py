@@ -255,6 +255,27 @@ def test_the_default_choice_says_why_in_the_terms_of_the_rule_that_made_it():
     assert default_choice(None, True).reason == "a BatchNorm network"
 
 
+def test_the_choice_for_a_model_reads_its_normalisation_from_its_modules():
+    """default_choice_for is what jem train and the benchmarks ask: BatchNorm anywhere in the
+    network, or any normalisation layer (a class named for one counts, as timm's RmsNorm)."""
+    from torch import nn
+
+    from jem_plugin import wrap
+    from jem_plugin.recipes import default_choice_for
+
+    class RmsNorm(nn.Module):  # not a torch normalisation class: recognised by its name
+        def forward(self, x):
+            return x
+
+    conv = lambda *extra: nn.Sequential(nn.Conv2d(3, 4, 3), *extra, nn.Flatten(), nn.LazyLinear(5))
+    assert default_choice_for(wrap(conv(nn.BatchNorm2d(4))), 40).recipe == "fast"  # the JEM or its model alike
+    assert default_choice_for(conv(nn.BatchNorm2d(4)), 400).reason.startswith("a BatchNorm network whose")
+    assert default_choice_for(conv(nn.GroupNorm(2, 4)), 40).reason == "a network without BatchNorm"
+    assert default_choice_for(conv(RmsNorm()), 40).reason == "a network without BatchNorm"
+    plain = default_choice_for(conv(nn.ReLU()), 40)
+    assert plain.reason == "a network without normalisation layers" and "l2_weight" in plain.settings
+
+
 def test_wherever_jem_train_picks_generative_it_lowers_its_p_x_weight_and_changes_nothing_else():
     """`generative`'s own p(x) weight of 0.75 lost 2-43 points at 40 per class where `fast` is not
     the choice (no BatchNorm, or BatchNorm at a raised learning rate) and 0.6-37 above 50 per class

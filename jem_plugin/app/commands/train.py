@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ... import distributed as jdist
@@ -28,7 +26,7 @@ from ...recipes import (
     SMALL_DATA_PER_CLASS,
     SMALL_DATA_RECIPE,
     Recipe,
-    default_choice,
+    default_choice_for,
     flat_names,
     get_recipe,
     lr_raised,
@@ -363,20 +361,10 @@ RAISED_LR_EVIDENCE = (
 )
 
 
-# torch's normalisation layers, and any other whose class is named for one (timm's RmsNorm, ...)
-_NORM_TYPES = (_NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
-
-
-def _is_normalisation(module: nn.Module) -> bool:
-    return isinstance(module, _NORM_TYPES) or type(module).__name__.lower().endswith(("norm", "norm1d", "norm2d"))
-
-
 def _choose_recipe(args, info, ds, jm) -> Recipe:
     """The ``--recipe``, or the one that held accuracy for data of this size on this kind of network."""
     smallest = min(Counter(dataset_labels(ds)).values(), default=0)
-    batchnorm = any(isinstance(m, _BatchNorm) for m in jm.modules())
-    normalised = any(_is_normalisation(m) for m in jm.modules())
-    choice = default_choice(smallest, batchnorm, lr=args.lr, normalised=normalised)
+    choice = default_choice_for(jm, smallest, lr=args.lr)
     chosen = args.recipe or choice.recipe
     settings = {} if args.recipe else choice.settings
     tell = args.recipe is None and info.is_main and not args.baseline
