@@ -74,13 +74,13 @@ from torch.optim.swa_utils import update_bn
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jem_plugin as jem  # noqa: E402
-from benchmarks import bench_generative as G  # noqa: E402
-from benchmarks.common import machine_info, md_table, target_mark, write_json  # noqa: E402
-from jem_plugin import recipes as R  # noqa: E402
-from jem_plugin.app import data as D  # noqa: E402
-from jem_plugin.app.model_files import load_data  # noqa: E402
-from jem_plugin.sample_quality import Judge, JudgeNet, reference_points, train_judge  # noqa: E402
+import jem_plugin as jem
+from benchmarks import bench_generative as G
+from benchmarks.common import machine_info, md_table, target_mark, write_json
+from jem_plugin import recipes as R
+from jem_plugin.app import data as D
+from jem_plugin.app.model_files import load_data
+from jem_plugin.sample_quality import Judge, JudgeNet, reference_points, train_judge
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generalisation")
 README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")

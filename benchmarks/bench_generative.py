@@ -62,13 +62,13 @@ from torch.optim.swa_utils import update_bn
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jem_plugin as jem  # noqa: E402
-from jem_plugin.app.data import digits_tensors, photo_patches, transposed, uniform_noise  # noqa: E402
-from jem_plugin.extensions import FitInitFromBatches  # noqa: E402
-from jem_plugin.inits import Uniform  # noqa: E402
-from jem_plugin.recipes import OptimConfig, Recipe, get_recipe  # noqa: E402
-from jem_plugin.sam import SAM  # noqa: E402
-from jem_plugin.sample_quality import chain_trace, reference_points, sample_quality, train_judge  # noqa: E402
+import jem_plugin as jem
+from jem_plugin.app.data import digits_tensors, photo_patches, transposed, uniform_noise
+from jem_plugin.extensions import FitInitFromBatches
+from jem_plugin.inits import Uniform
+from jem_plugin.recipes import OptimConfig, Recipe, get_recipe
+from jem_plugin.sam import SAM
+from jem_plugin.sample_quality import chain_trace, reference_points, sample_quality, train_judge
 
 #: the optimiser's flat setting names (``lr``, ...): overrides that also reach the baseline
 OPTIM_NAMES = frozenset(f.name for f in dataclasses.fields(OptimConfig))
@@ -725,7 +725,7 @@ def to_markdown(res: dict[str, Any]) -> str:
     lines += [head, "|" + "---|" * 13]
     for r in res["rows"]:
         a = r["auroc"]
-        f3 = lambda m: "/".join(f"{a[m][s]:.3f}" for s in OOD_SETS)  # noqa: E731
+        f3 = lambda m: "/".join(f"{a[m][s]:.3f}" for s in OOD_SETS)
         slots = r["cost"].get("buffer_slots")
         slots = f"; {slots} slots" if slots and slots != st["buffer_size"] else ""
         buf = f"{r['buffer']['fd']:.1f} ({r['init_fd']:.1f}{slots})" if "buffer" in r else f"- ({r['init_fd']:.1f})"
@@ -750,7 +750,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         ]
         for r in traced:
             t = r["chains"]["trace"]
-            arrow = lambda k, f: " → ".join(f.format(p[k]) for p in t)  # noqa: E731
+            arrow = lambda k, f: " → ".join(f.format(p[k]) for p in t)
             lines.append(
                 f"| {r['setting']} | {r['run']} | {arrow('steps', '{}')} | {arrow('energy', '{:.2f}')} | "
                 f"{r['chains']['heldout_energy']:.2f} | {arrow('fd', '{:.0f}')} |"

@@ -58,13 +58,13 @@ from torch.utils.data import DataLoader, TensorDataset
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jem_plugin as jem  # noqa: E402
-from benchmarks import common  # noqa: E402
-from benchmarks.bench_generative import IMAGENET_MEAN, IMAGENET_STD, build_loss, shift_augment, to32  # noqa: E402
-from jem_plugin import ood  # noqa: E402
-from jem_plugin.app.data import digits_tensors, photo_patches, transposed  # noqa: E402
-from jem_plugin.extensions import FitInitFromBatches  # noqa: E402
-from jem_plugin.recipes import Recipe, get_recipe  # noqa: E402
+import jem_plugin as jem
+from benchmarks import common
+from benchmarks.bench_generative import IMAGENET_MEAN, IMAGENET_STD, build_loss, shift_augment, to32
+from jem_plugin import ood
+from jem_plugin.app.data import digits_tensors, photo_patches, transposed
+from jem_plugin.extensions import FitInitFromBatches
+from jem_plugin.recipes import Recipe, get_recipe
 
 NAME = "posthoc"
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -100,7 +100,7 @@ def to_markdown(res: dict) -> str:
     rows = []
     for s, v in res["vs_steps"].items():
         m = res["memory_vs_steps"].get(s, {})
-        fm = lambda x: "n/a" if x is None else f"{x:.1f}"  # noqa: E731
+        fm = lambda x: "n/a" if x is None else f"{x:.1f}"
         rows.append(
             [
                 s,

@@ -29,11 +29,11 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jem_plugin as jem  # noqa: E402
-from benchmarks import bench_posthoc as P  # noqa: E402
-from benchmarks import common  # noqa: E402
-from jem_plugin import ood  # noqa: E402
-from jem_plugin.recipes import get_recipe, list_recipes  # noqa: E402
+import jem_plugin as jem
+from benchmarks import bench_posthoc as P
+from benchmarks import common
+from jem_plugin import ood
+from jem_plugin.recipes import get_recipe, list_recipes
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "jem_finetune_twin.json")
 

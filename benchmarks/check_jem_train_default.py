@@ -27,7 +27,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "jem_train_default.json")
 RUNS = {"default": [], "baseline": ["--baseline"], "generative": ["--recipe", "generative"]}

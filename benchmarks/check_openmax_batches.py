@@ -36,8 +36,8 @@ from torch import Tensor
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import bench_posthoc as P  # noqa: E402
-from benchmarks import common  # noqa: E402
+from benchmarks import bench_posthoc as P
+from benchmarks import common
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "openmax_batches.json")
 NETWORK = "lcnet_050"

@@ -28,8 +28,8 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import bench_posthoc as P  # noqa: E402
-from benchmarks import common  # noqa: E402
+from benchmarks import bench_posthoc as P
+from benchmarks import common
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "openmax_alpha.json")
 ALPHAS = (1, 2, 3, 5, 10)

@@ -44,7 +44,7 @@ def test_digits_split_is_stratified_disjoint_and_deterministic():
     # disjoint: no test image appears in train (digits has a few exact duplicates; compare indices
     # through the full set instead)
     xa, _ = D.digits_tensors("all")
-    key = lambda t: {row.numpy().tobytes() for row in t}  # noqa: E731
+    key = lambda t: {row.numpy().tobytes() for row in t}
     assert len(key(x)) + len(key(xt)) >= len(key(xa))
     x2, y2 = D.digits_tensors("train", seed=3)
     assert torch.equal(x, x2) and torch.equal(y, y2)

@@ -158,7 +158,7 @@ def _worker(out_dir: str) -> None:  # pragma: no cover - runs in the torchrun ch
 
     # 5. FSDP2 (fully_shard) on CPU/gloo: trains with JEMLoss, ranks in sync, close to DDP.
     try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        from torch.distributed.fsdp import fully_shard  # noqa: F401 (imported only to learn whether this torch has FSDP2)
     except ImportError:
         res["fsdp"] = "unavailable"
     else:

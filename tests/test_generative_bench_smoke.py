@@ -123,7 +123,7 @@ def test_a_recipe_is_reported_as_jem_train_leaves_it_with_batchnorm_statistics_f
                 None,
                 True,
                 "",
-                64,  # noqa: E731
+                64,
                 {"bn_stats_from_data": run == "generative"},
                 "",
                 0,

@@ -13,9 +13,9 @@ from jem_plugin import ood
 from jem_plugin.errors import InvalidInputError, InvalidScoresError, UnknownNameError
 
 pytest.importorskip("pytorch_ood")
-from pytorch_ood.detector import EnergyBased, MaxLogit, MaxSoftmax  # noqa: E402
-from pytorch_ood.metrics import OODMetrics  # noqa: E402
-from sklearn.metrics import average_precision_score, roc_auc_score  # noqa: E402
+from pytorch_ood.detector import EnergyBased, MaxLogit, MaxSoftmax  # noqa: E402 (after the importorskip above)
+from pytorch_ood.metrics import OODMetrics  # noqa: E402 (after the importorskip above)
+from sklearn.metrics import average_precision_score, roc_auc_score  # noqa: E402 (kept with the imports above)
 
 
 @pytest.fixture

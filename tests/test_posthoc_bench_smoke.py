@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("pytorch_ood")
 pytest.importorskip("timm")
 
-from benchmarks import bench_posthoc as B  # noqa: E402
+from benchmarks import bench_posthoc as B  # noqa: E402 (it imports pytorch_ood and timm: skipped above without them)
 
 
 @pytest.fixture(autouse=True)
@@ -66,9 +66,7 @@ def test_tiny_run_writes_results_and_judges_targets(tmp_path):
 
 
 def _net(ours, theirs, eq=True, ratio=1.2):
-    rows = lambda prefix, vals: [  # noqa: E731
-        {"score": prefix, "set": s, "status": "ok", "auroc": v} for s, v in zip(B.SETS, vals)
-    ]
+    rows = lambda prefix, vals: [{"score": prefix, "set": s, "status": "ok", "auroc": v} for s, v in zip(B.SETS, vals)]
     return {
         "ours": rows("logpx", ours),
         "pytorch_ood": rows("EnergyBased", theirs),

@@ -40,7 +40,7 @@ def test_px_data_feeds_the_px_term_and_ce_keeps_the_augmented_batch():
     x_aug, x_clean = torch.rand(4, 1, 4, 4) * 2 - 1, torch.rand(4, 1, 4, 4) * 2 - 1
     y = torch.tensor([0, 1, 2, 0])
     out = loss_fn(jm, x_aug, y, px_data=x_clean)
-    e = lambda t: -torch.logsumexp(model(t), 1)  # noqa: E731
+    e = lambda t: -torch.logsumexp(model(t), 1)
     with torch.no_grad():
         assert out.metrics["px"] == pytest.approx(float(e(x_clean).mean() - e(xs).mean()), abs=1e-5)
         assert out.metrics["l2"] == pytest.approx(float(e(x_clean).pow(2).mean() + e(xs).pow(2).mean()), abs=1e-5)

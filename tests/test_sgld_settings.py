@@ -265,7 +265,7 @@ def test_a_schedule_round_trips_through_a_weights_only_checkpoint(schedule):
 def test_a_float_step_size_stays_a_float_and_a_callable_one_is_kept():
     state = SGLD(step_size=0.25).state_dict()
     assert state["step_size"] == 0.25 and isinstance(state["step_size"], float)
-    fn = lambda t: 0.1  # noqa: E731
+    fn = lambda t: 0.1
     src = SGLD(step_size=fn)
     assert src.state_dict()["step_size"] is None  # not data
     dst = SGLD(step_size=fn)
