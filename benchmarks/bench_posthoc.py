@@ -836,7 +836,7 @@ def network_markdown(name: str, net: dict[str, Any], twins: dict[str, dict[str, 
     rows = []
     for k in order:
         vals = [cells.get((k, s)) for s in SETS]
-        mean = statistics.fmean(vals) if all(v is not None for v in vals) else None  # type: ignore[arg-type]
+        mean = statistics.fmean(vals) if all(v is not None for v in vals) else None  # type: ignore[arg-type]  # None is ruled out by the all() beside it
         t = timing.get(k, {}).get("seconds_per_1000")
         label = k if k not in status else f"{k} ({status[k][:60]})"
         rows.append(
@@ -849,7 +849,7 @@ def network_markdown(name: str, net: dict[str, Any], twins: dict[str, dict[str, 
         )
     for recipe, twin in (twins or {}).items():  # the JEM-trained twins' log p(x), for the JEM target
         vals = [_auroc(twin["scores"], "logpx", s) for s in SETS]
-        mean = statistics.fmean(vals) if all(v is not None for v in vals) else None  # type: ignore[arg-type]
+        mean = statistics.fmean(vals) if all(v is not None for v in vals) else None  # type: ignore[arg-type]  # None is ruled out by the all() beside it
         rows.append([f"*JEM-trained twin (`{recipe}`): jem logpx*", *(_fmt(v) for v in vals), _fmt(mean), "-"])
     head = ["score", *SETS, "mean", "s / 1000 img"]
     return common.md_table(head, rows)

@@ -50,7 +50,7 @@ def _count(fn: Any) -> int | None:
 
 
 def _is_config(cls: type) -> bool:
-    return dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    return dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen  # type: ignore[attr-defined]  # set on every dataclass, not in typeshed
 
 
 def _is_private(module: str) -> bool:

@@ -189,7 +189,7 @@ def test_documented_jem_commands_parse() -> None:
             parser.parse_known_args(argv)
         except SystemExit:
             pytest.fail(f"{where}: `jem {' '.join(argv)}` does not parse")
-        sub = parser._subparsers._group_actions[0].choices[argv[0]]  # type: ignore[union-attr]
+        sub = parser._subparsers._group_actions[0].choices[argv[0]]  # type: ignore[union-attr]  # argparse's private structure: a subparsers action
         known = {s for a in sub._actions for s in a.option_strings}
         for word in argv[1:]:
             flag = word.split("=", 1)[0]
@@ -202,7 +202,7 @@ def test_cli_page_names_only_existing_flags() -> None:
     from jem_plugin.app.cli import build_parser
 
     parser = build_parser()
-    subparsers = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    subparsers = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]  # argparse's private structure: a subparsers action
     known = {s for sub in subparsers.values() for a in sub._actions for s in a.option_strings}
     known |= {s for a in parser._actions for s in a.option_strings}
     text = (DOCS / "cli.md").read_text(encoding="utf-8")

@@ -90,9 +90,9 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
 
 
 def _with_domain(ds: _DS, domain: InputDomain, classes: Sequence[str] | None = None) -> _DS:
-    ds.domain = domain  # type: ignore[attr-defined]
+    ds.domain = domain  # type: ignore[attr-defined]  # the input domain travels with the dataset
     if classes is not None:
-        ds.classes = list(classes)  # type: ignore[attr-defined]
+        ds.classes = list(classes)  # type: ignore[attr-defined]  # class names on a plain dataset, as torchvision's datasets carry them
     return ds
 
 
@@ -510,7 +510,7 @@ def image_files(
     keep, skipped = _readable(files, f"image folder {str(p)!r}", skip_bad)
     transform, domain = normalize_transform(mean, std, image_size)
     ds = _ImageFiles(p, [f for f, k in zip(files, keep) if k], transform)
-    ds.skipped = skipped  # type: ignore[attr-defined]
+    ds.skipped = skipped  # type: ignore[attr-defined]  # the unreadable files travel with the dataset
     return _with_domain(ds, domain)
 
 

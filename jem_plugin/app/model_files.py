@@ -51,7 +51,7 @@ def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int 
     if kind == "toy2d":
         x, y = D.toy2d(arg or "8gaussians", n=4000 if train else 1000, seed=seed if train else seed + 1)
         ds = TensorDataset(x, y)
-        ds.classes = [str(i) for i in range(int(y.max()) + 1)]  # type: ignore[attr-defined]
+        ds.classes = [str(i) for i in range(int(y.max()) + 1)]  # type: ignore[attr-defined]  # class names on a plain dataset, as torchvision's datasets carry them
         lim = float(x.abs().max()) * 1.2
         return ds, InputDomain.from_range(-lim, lim, input_size=(2,)), int(y.max()) + 1, (2,)
     if kind == "folder":
@@ -67,7 +67,7 @@ def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int 
             raise CLIError(f"--data {spec!r}: use textures or textures:N (N images per class)") from None
         x, y = D.textures(n, size=image_size, seed=seed, offset=0 if train else 1_000_000)
         ds = TensorDataset(x * 2.0 - 1.0, y)  # [0, 1] -> the paper's [-1, 1], as a folder is read
-        ds.classes = [f"{k}_{c}" for k, c in enumerate(D.TEXTURE_CLASSES)]  # type: ignore[attr-defined]
+        ds.classes = [f"{k}_{c}" for k, c in enumerate(D.TEXTURE_CLASSES)]  # type: ignore[attr-defined]  # class names on a plain dataset, as torchvision's datasets carry them
         return ds, D.signed_domain(3, (3, image_size, image_size)), 10, (3, image_size, image_size)
     if kind == "cifar10":
         if not arg:

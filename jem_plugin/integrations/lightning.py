@@ -59,7 +59,7 @@ try:
     import lightning.pytorch as pl
 except ImportError:  # pragma: no cover - the standalone package name
     try:
-        import pytorch_lightning as pl  # type: ignore[no-redef]
+        import pytorch_lightning as pl  # type: ignore[no-redef]  # the standalone package's name for the same module
     except ImportError as exc:
         raise ImportError(
             "jem_plugin.integrations.lightning needs Lightning: pip install lightning "
@@ -76,13 +76,13 @@ class JEMLightningMixin(GenerativeLossMixin):
 
     def configure_jem(self, *args: Any, **kwargs: Any) -> JEMLoss:
         loss = super().configure_jem(*args, **kwargs)
-        ignore_replay_buffers(self)  # type: ignore[arg-type]
+        ignore_replay_buffers(self)  # type: ignore[arg-type]  # a LightningModule is an nn.Module; the mixin's type does not say so
         return loss
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str) -> None:
         # Before the strategy wraps the module in DDP: buffers created since configure_jem too.
-        ignore_replay_buffers(self)  # type: ignore[arg-type]
+        ignore_replay_buffers(self)  # type: ignore[arg-type]  # a LightningModule is an nn.Module; the mixin's type does not say so
         # The next class in the user's MRO may or may not define each hook: ask it, then chain.
         parent = getattr(super(), "setup", None)
         if parent is not None:
