@@ -89,3 +89,23 @@ def test_mistake_is_one_line_with_exit_2(world, argv, message, capsys, monkeypat
     assert code == 2, err
     assert err.startswith("jem: error:") and "\n" not in err and "Traceback" not in err, err
     assert message in err, err
+
+
+def test_the_default_cpu_names_a_gpu_the_machine_has_and_a_given_device_does_not(capsys, monkeypatch):
+    """`jem train` on a GPU machine without --device trains on the CPU, as documented, and says in
+    one line that a GPU is there; --device cpu given by hand is taken as meant."""
+    import torch
+
+    from jem_plugin.app.cli import build_parser
+    from jem_plugin.app.commands._common import _device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Some GPU")
+    default = build_parser().parse_args(["eval", "model.pt"]).device
+    assert _device(default) == torch.device("cpu")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "this machine has a GPU (Some GPU): add --device cuda" in err
+    given = build_parser().parse_args(["eval", "model.pt", "--device", "cpu"]).device
+    assert _device(given) == torch.device("cpu") and capsys.readouterr().err == ""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _device(default) == torch.device("cpu") and capsys.readouterr().err == ""  # no GPU: nothing to say

@@ -19,7 +19,7 @@ from .. import __version__
 from ..errors import JEMError
 from . import CLIError
 from .commands import demo, doctor, evaluate, ood, plugins, sample, train
-from .commands._common import _positive
+from .commands._common import DEFAULT_DEVICE, _positive
 
 # In the order of `jem --help`.
 COMMANDS = (demo, train, evaluate, ood, sample, plugins, doctor)
@@ -117,7 +117,7 @@ OUT_HELP = (
 
 def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
-    common.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps")
+    common.add_argument("--device", default=DEFAULT_DEVICE, help="torch device: cpu, cuda, cuda:1, mps")
     common.add_argument("--seed", type=int, default=0, help="random seed")
     common.add_argument("--out", default=None, help=OUT_HELP)
     common.add_argument(

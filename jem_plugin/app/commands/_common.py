@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,21 @@ def _positive(text: str) -> int:
     return value
 
 
+class DefaultDevice(str):
+    """``--device`` as nobody gave it: the CPU. A GPU on the machine is then named in one line,
+    since training there on the CPU is rarely what was meant."""
+
+
+DEFAULT_DEVICE = DefaultDevice("cpu")
+
+
 def _device(name: str):
+    if isinstance(name, DefaultDevice) and torch.cuda.is_available():
+        print(
+            f"jem: running on the CPU (the default); this machine has a GPU ({torch.cuda.get_device_name(0)}): "
+            "add --device cuda",
+            file=sys.stderr,
+        )
     try:
         dev = torch.device(name)
     except RuntimeError as exc:
