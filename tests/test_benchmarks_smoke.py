@@ -222,3 +222,13 @@ def test_jem_train_default_check_runs_the_cli_and_compares_with_the_same_seeds_b
     acc = {k: runs[k]["0"]["metrics"]["held_out"]["accuracy"] for k in ("default", "baseline")}
     assert res["points_vs_baseline"]["default"]["per_seed"] == [pytest.approx(100 * (acc["default"] - acc["baseline"]))]
     assert json.loads(out.read_text())["points_vs_baseline"] == res["points_vs_baseline"]
+
+
+def test_gpu_path_gpu_only_leaves_the_cpu_out():
+    """bench_gpu_path --gpu-only (what run_gpu_checks.sh runs): no CPU correctness or timings, so
+    a short GPU lease is spent on the GPU's figures; without a GPU it says so and nothing else."""
+    res = bench_gpu_path.run(quick=True, compile=False, gpu_only=True)
+    assert "cpu_correctness" not in res and "cpu_timings" not in res
+    if not torch.cuda.is_available():
+        assert "gpu_correctness" not in res and "no CUDA device" in res["gpu_note"]
+        assert "GPU: no CUDA device" in bench_gpu_path.to_markdown(res)
