@@ -12,18 +12,18 @@ import torch
 torch.set_num_threads(1)
 
 
+_NEEDS_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+
+
 def cuda(test):
     """A CUDA-only test: marked gpu (`-m "not gpu"` leaves it out), skipped where no GPU is (CI)."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")(test))
+    for mark in reversed(_NEEDS_GPU):
+        test = mark(test)
+    return test
 
 
 # ``@pytest.mark.parametrize("device", DEVICES)``: a test on the CPU everywhere, and on the GPU where one is.
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
-    ),
-]
+DEVICES = ["cpu", pytest.param("cuda", marks=_NEEDS_GPU)]
 
 
 @pytest.fixture(autouse=True)
