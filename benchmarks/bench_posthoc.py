@@ -454,6 +454,20 @@ def _loader(x: Tensor, y: Tensor) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=BATCH)
 
 
+def score_pair(
+    jm: Any, jm8: Any, D: dict[str, Any], methods: str | Sequence[str]
+) -> tuple[ood.OODTable, dict[str, dict[str, Tensor]]]:
+    """``methods`` on a network's two models, one ``evaluate_all`` each, the detectors that need
+    fitting fitted on each model's training digits: the 0-9 model on the test digits against the
+    five OOD sets, the 0-7 model on its test digits against the held-out classes. Returns the
+    table of all six sets and the 0-9 model's scores (``{method: {set: scores}}``)."""
+    t_main = ood.evaluate_all(jm, D["xt"], D["sets"], methods, fit_data=_loader(D["x"], D["y"]), progress=False)
+    t_ho = ood.evaluate_all(
+        jm8, D["xt07"], {"held_out": D["xt89"]}, methods, fit_data=_loader(D["x07"], D["y07"]), progress=False
+    )
+    return ood.OODTable(t_main.records + t_ho.records, t_main.methods, SETS, t_main.timing), t_main.scores
+
+
 def score_network(
     name: str,
     D: dict[str, Any],
@@ -477,17 +491,7 @@ def score_network(
     # ---- ours: one call per model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the JEM scores' warning on a cross-entropy model: expected here
-        t_main = ood.evaluate_all(jm, D["xt"], main_sets, methods, fit_data=_loader(D["x"], D["y"]), progress=False)
-        t_ho = ood.evaluate_all(
-            jm8,
-            D["xt07"],
-            {"held_out": D["xt89"]},
-            methods,
-            fit_data=_loader(D["x07"], D["y07"]),
-            progress=False,
-        )
-        s_main = t_main.scores
-    ours = ood.OODTable(t_main.records + t_ho.records, t_main.methods, SETS, t_main.timing)
+        ours, s_main = score_pair(jm, jm8, D, methods)
 
     # ---- pytorch-ood: every detector, same models, same images
     feats_dim = int(jm.features(D["xt"][:2])[0].shape[1])
@@ -650,11 +654,7 @@ def score_jem_twin(
     )
     jm, jm8 = jem.wrap(model, **_wrap_kw(10)), jem.wrap(model8, **_wrap_kw(8))
     jm.trained_px = jm8.trained_px = True
-    t_main = ood.evaluate_all(jm, D["xt"], D["sets"], methods, fit_data=_loader(D["x"], D["y"]), progress=False)
-    t_ho = ood.evaluate_all(
-        jm8, D["xt07"], {"held_out": D["xt89"]}, methods, fit_data=_loader(D["x07"], D["y07"]), progress=False
-    )
-    table = ood.OODTable(t_main.records + t_ho.records, t_main.methods, SETS, t_main.timing)
+    table, _ = score_pair(jm, jm8, D, methods)
     return {
         "network": network,
         "recipe": name,

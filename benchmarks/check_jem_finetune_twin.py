@@ -42,11 +42,7 @@ def _table(jm, jm8, D: dict[str, Any]) -> ood.OODTable:
     """Every registered score on the cross-entropy pair, fitted on its training digits."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the JEM scores' warning on a cross-entropy model: expected here
-        t_main = ood.evaluate_all(jm, D["xt"], D["sets"], "all", fit_data=P._loader(D["x"], D["y"]), progress=False)
-        t_ho = ood.evaluate_all(
-            jm8, D["xt07"], {"held_out": D["xt89"]}, "all", fit_data=P._loader(D["x07"], D["y07"]), progress=False
-        )
-    return ood.OODTable(t_main.records + t_ho.records, t_main.methods, P.SETS, t_main.timing)
+        return P.score_pair(jm, jm8, D, "all")[0]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
