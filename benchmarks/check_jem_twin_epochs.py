@@ -10,7 +10,9 @@ its scores; compare with ``results/posthoc.md``.
     python -m benchmarks.check_jem_twin_epochs --recipe generative --epochs 12   # ~8 CPU minutes
 
 ``--default-choice`` trains the twin with what ``jem train`` chooses for these data and this
-network (:func:`jem_plugin.recipes.default_choice_for`) instead of ``--recipe``.
+network (:func:`jem_plugin.recipes.default_choice_for`) instead of ``--recipe``; ``--candidate
+NAME`` with one of :mod:`benchmarks.tune_jem_twin`'s candidates (the one its tuning selected is
+judged here, once).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ if __package__ in (None, ""):
 
 from benchmarks import bench_posthoc as P
 from benchmarks import common
-from jem_plugin.recipes import Recipe, default_choice_for, get_recipe, list_recipes
+from benchmarks import tune_jem_twin as T
+from jem_plugin.recipes import Recipe, get_recipe, list_recipes
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "jem_twin_epochs.json")
 
@@ -40,16 +43,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--network", default=P.JEM_TWIN, choices=list(P.NETWORKS))
     p.add_argument("--default-choice", action="store_true", help="the recipe and settings jem train chooses")
+    p.add_argument("--candidate", choices=list(T.CANDIDATES), help="a candidate of benchmarks.tune_jem_twin")
     p.add_argument("--out", default=OUT)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     D = P.load_data()
     recipe: str | Recipe = a.recipe
-    if a.default_choice:
-        _, spec, lr, _ = P.NETWORKS[a.network]
-        choice = default_choice_for(P.make_net(spec, 10), int(torch.bincount(D["y"]).min()), lr)
-        print(f"jem train's choice for {a.network}: {choice.recipe} {choice.settings} ({choice.reason})")
-        recipe = get_recipe(choice.recipe).replace(**choice.settings)
+    if a.default_choice or a.candidate:  # jem train's choice is the tuning's candidate "choice"
+        recipe = T.candidate_recipe(a.candidate or "choice", a.network, int(torch.bincount(D["y"]).min()))
+        print(f"{a.candidate or 'jem train choice'} for {a.network}: {recipe.name}, loss {recipe.to_dict()['loss']}")
     twin = P._strip(P.score_jem_twin(D, a.network, recipe, a.epochs))
     logpx = {r["set"]: r["auroc"] for r in twin["scores"] if r["score"] == "logpx"}
     print(f"{a.network} `{twin['recipe']}` twin, {a.epochs} epochs: accuracy {twin['accuracy']:.3f}; logpx AUROC")

@@ -130,3 +130,27 @@ def test_the_jem_fine_tune_check_scores_the_ce_twin_and_its_fine_tune(tmp_path, 
     assert json.loads(out.read_text())["check"]["network"] == "tiny"
     alone = C.main(["--network", "tiny", "--epochs", "0", "--ce-epochs", "1", "--out", str(tmp_path / "ce.json")])
     assert "finetuned" not in alone and alone["ce_twin"]["epochs"] == 1
+
+
+def test_the_jem_tuning_split_never_reads_the_judges_test_digits(monkeypatch):
+    """benchmarks/tune_jem_twin chooses settings that bench_posthoc then judges: its data must come
+    from the training split alone, and its model must never see the classes it holds out."""
+    from benchmarks import tune_jem_twin as T
+
+    real = T.digits_tensors
+
+    def train_split_only(split):
+        assert split == "train", "the tuning read the judge's test split"
+        return real(split)
+
+    monkeypatch.setattr(T, "digits_tensors", train_split_only)
+    F = T.fold_data((0, 1))
+    x8, y = real("train")
+    train_rows = {tuple(r.tolist()) for r in T.to32(x8[y >= 2]).flatten(1)}
+    fit = [tuple(r.tolist()) for r in F["x"].flatten(1)]
+    val = [tuple(r.tolist()) for r in F["xv"].flatten(1)]
+    assert set(fit) <= train_rows and set(val) <= train_rows  # no image of a held-out class is trained on
+    assert not set(fit) & set(val) and int(F["y"].max()) == 7 == int(F["yv"].max())
+    assert len(F["sets"]["held_out"]) == int((y < 2).sum())  # every image of the two held-out classes
+    assert set(F["sets"]) == set(B.SETS)
+    assert T.candidate_recipe("pxy_only", "resnet10t", F["per_class"]).loss.px_weight == 0.0
