@@ -16,7 +16,7 @@ from torch import nn
 import jem_plugin as jem
 from jem_plugin import ood
 from jem_plugin.builtins import posthoc
-from jem_plugin.errors import InvalidInputError, NotFittedError
+from jem_plugin.errors import InvalidInputError, NoFeaturesError, NotFittedError
 
 NEW = ("gmm", "mahalanobis_odin", "openmax")
 K, N_FIT = 4, 320
@@ -398,3 +398,49 @@ def test_an_images_score_does_not_depend_on_the_batch_it_is_scored_in(setup, nam
     tol = 1e-4 * max(1.0, float(together.abs().max()))
     torch.testing.assert_close(alone, together[:8], rtol=0, atol=tol)
     torch.testing.assert_close(beside_others, together[:8], rtol=0, atol=tol)
+
+
+def _as_convolutions(model: nn.Sequential) -> nn.Sequential:
+    """The same classifier with each ``nn.Linear`` a 1x1 convolution (a SqueezeNet-style head):
+    the same logits, and no linear layer for the adapter to read features from."""
+    layers: list[nn.Module] = [*model[:3]]  # conv, tanh, pooling to [B, 12, 2, 2]
+    layers.append(nn.Flatten(2))  # [B, 12, 4]: the flattened maps as channels of one position
+    layers.append(_Unflatten())
+    for m in model[4:]:
+        if isinstance(m, nn.Linear):
+            conv = nn.Conv2d(m.in_features, m.out_features, 1)
+            conv.weight.data.copy_(m.weight.data.view(*m.weight.shape, 1, 1))
+            conv.bias.data.copy_(m.bias.data)
+            layers.append(conv)
+        else:
+            layers.append(m)
+    layers.append(nn.Flatten())
+    return nn.Sequential(*layers).eval()
+
+
+class _Unflatten(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, P] -> [B, C*P, 1, 1] in Flatten's order
+        return x.reshape(x.shape[0], -1, 1, 1)
+
+
+def test_openmax_reads_the_logits_alone_so_a_model_without_a_linear_head_can_use_it(setup):
+    """OpenMax fits and scores the logits: on a classifier whose head is a convolution (the adapter
+    finds no features) it must work, and give what it gives on the same logits of a linear head."""
+    jm, model, x_fit, y_fit, x_test = setup
+    conv = _as_convolutions(model)
+    assert not any(isinstance(m, nn.Linear) for m in conv.modules())
+    jm_conv = jem.wrap(conv, mean=MEAN, std=STD)
+    torch.testing.assert_close(jm_conv(x_test), jm(x_test), atol=1e-5, rtol=0)
+    with pytest.raises(NoFeaturesError):  # a feature detector still needs features
+        ood.detector("mahalanobis").fit(jm_conv, _loader(x_fit, y_fit))
+    ours = ood.detector("openmax").fit(jm_conv, _loader(x_fit, y_fit)).score(jm_conv, x_test)
+    ref = ood.detector("openmax").fit(jm, _loader(x_fit, y_fit)).score(jm, x_test)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    table = ood.evaluate_all(
+        jm_conv,
+        x_test,
+        {"other": _images(20, torch.Generator().manual_seed(5))},
+        ["openmax"],
+        fit_data=_loader(x_fit, y_fit),
+    )
+    assert table.rows()[0]["status"] == "ok"

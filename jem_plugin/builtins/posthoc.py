@@ -199,11 +199,19 @@ def _labelled_batches(data: Any, batch_size: int, input_key: str | None) -> tupl
 
 
 def _features_of(
-    jm: Any, data: Any, *, batch_size: int, progress: bool | None, input_key: str | None, desc: str
+    jm: Any,
+    data: Any,
+    *,
+    batch_size: int,
+    progress: bool | None,
+    input_key: str | None,
+    desc: str,
+    features: bool = True,
 ) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:
     """``(features fp32, logits fp32, labels or None)`` of every batch of ``data``: the model in
     :func:`~jem_plugin.model.sampling_mode` (eval, frozen), no autograd graph, batches moved to
-    the model's device."""
+    the model's device. ``features=False``: the logits alone, in both places (a detector of the
+    logits then works on a model whose features cannot be read)."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     batches, n, in_memory = _labelled_batches(data, batch_size, input_key)
@@ -221,12 +229,20 @@ def _features_of(
                 x = x.to(device, non_blocking=True)
             x = check_input(x, dtype=dtype, domain=jm.domain)
             domain_check(x, jm.domain, desc, stacklevel=4)
-            feats, logits = jm.features(x)
+            feats, logits = _features_and_logits(jm, x, features)
             seen += x.shape[0]
             yield feats.float(), logits.float(), None if y is None else y.to(feats.device)
             bar.update(1)
     if not seen:
         raise InvalidInputError(f"{desc}: no inputs to fit on, the data is empty")
+
+
+def _features_and_logits(jm: Any, x: Tensor, features: bool) -> tuple[Tensor, Tensor]:
+    """``jm.features(x)``, or ``(logits, logits)`` for a detector that reads the logits alone."""
+    if features:
+        return jm.features(x)
+    logits = jm(x)
+    return logits, logits
 
 
 def _whitener(cov: Tensor) -> Tensor:
@@ -403,6 +419,9 @@ class _FittedDetector:
 
     name = "detector"
     needs_grad = False
+    #: False for a detector of the logits alone: it then never asks the adapter for features, so
+    #: it works on models whose penultimate layer cannot be found (a convolutional head).
+    uses_features = True
 
     def __init__(self) -> None:
         self.fitted = False
@@ -449,7 +468,13 @@ class _FittedDetector:
     ) -> None:
         """One pass over ``data``: ``add(features, logits, labels or None)`` per batch."""
         for feats, logits, y in _features_of(
-            core, data, batch_size=batch_size, progress=progress, input_key=input_key, desc=desc or f"fit {self.name}"
+            core,
+            data,
+            batch_size=batch_size,
+            progress=progress,
+            input_key=input_key,
+            desc=desc or f"fit {self.name}",
+            features=self.uses_features,
         ):
             add(feats, logits, y)
 
@@ -466,7 +491,7 @@ class _FittedDetector:
         self._check_fitted()
         core = as_jem(jm, f"{self.name}.score")
         with torch.no_grad():
-            feats, logits = core.features(x)
+            feats, logits = _features_and_logits(core, x, self.uses_features)
             return self._score(core, feats.float(), logits.float())
 
     # subclasses
@@ -963,6 +988,7 @@ class OpenMax(_ClassConditional):
     """
 
     name = "openmax"
+    uses_features = False  # the logits alone: any classifier, whatever its head
 
     def __init__(self, tailsize: int = 25, alpha: int = 10, euclid_weight: float = 1.0, labels: str = "true") -> None:
         super().__init__()
