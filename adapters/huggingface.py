@@ -29,6 +29,7 @@ from jem_plugin.adapter import (
     domain_from_options,
     last_linear,
     pooled_maps,
+    refuse_removed_classifier,
     with_channels,
 )
 from jem_plugin.plugins import hookimpl
@@ -100,6 +101,13 @@ def jem_adapter(model, options):
     """The Hugging Face adapter: ``.logits`` of the output; domain from ``processor=`` if given."""
     if not is_hf_model(model):
         return None
+    refuse_removed_classifier(
+        model,
+        getattr(model, "classifier", None),
+        "model.classifier",
+        "load it with num_labels=K (from_pretrained(name, num_labels=K))",
+        options,
+    )
     config = model.config
     channels = int(getattr(config, "num_channels", 3) or 3)
     size = _size(getattr(config, "image_size", None))

@@ -30,6 +30,7 @@ from jem_plugin.adapter import (
     built_by,
     domain_from_options,
     first_conv_channels,
+    refuse_removed_classifier,
     with_channels,
 )
 from jem_plugin.plugins import hookimpl
@@ -99,6 +100,14 @@ def jem_adapter(model, options):
     """The timm adapter for models built by ``timm.create_model``."""
     if not is_timm_model(model):
         return None
+    if callable(getattr(model, "get_classifier", None)):
+        refuse_removed_classifier(
+            model,
+            model.get_classifier(),
+            "get_classifier()",
+            "create it with num_classes=K (timm.create_model(name, num_classes=K)) or call model.reset_classifier(K)",
+            options,
+        )
     cfg = dict(getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {})
     default = InputDomain.from_normalization(
         cfg.get("mean", IMAGENET_MEAN), cfg.get("std", IMAGENET_STD), input_size=_input_size(model, cfg)

@@ -24,6 +24,7 @@ from jem_plugin.adapter import (
     built_by,
     domain_from_options,
     first_conv_channels,
+    refuse_removed_classifier,
     with_channels,
 )
 from jem_plugin.plugins import hookimpl
@@ -44,6 +45,17 @@ def jem_adapter(model, options):
     """The torchvision adapter for ``torchvision.models`` classifiers."""
     if not built_by(model, "torchvision.models"):
         return None
+    name = next(
+        (n for n in ("fc", "classifier", "heads", "head") if isinstance(getattr(model, n, None), nn.Module)), None
+    )
+    if name is not None:
+        refuse_removed_classifier(
+            model,
+            getattr(model, name),
+            f"model.{name}",
+            f"put back a layer with one output per class in model.{name}",
+            options,
+        )
     # Spatial size is flexible for torchvision CNNs; 224 is what sampling uses without shape=.
     default = InputDomain.from_normalization(IMAGENET_MEAN, IMAGENET_STD, input_size=(3, 224, 224))
     return Adapter(

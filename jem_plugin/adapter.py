@@ -463,6 +463,21 @@ def built_by(model: Any, package: str) -> bool:
     return any(c.__module__.startswith(prefix) for c in type(model).__mro__[:-1])
 
 
+def refuse_removed_classifier(model: Any, classifier: Any, where: str, fix: str, options: dict) -> None:
+    """Raise :class:`NoLogitsError` when the classifier at ``where`` was replaced by
+    ``nn.Identity`` (timm's ``num_classes=0``, ``model.fc = nn.Identity()``): such a model returns
+    its features, which would otherwise be taken for one logit per "class". ``logits=`` in the
+    wrap options says where the logits are, and skips the check."""
+    if options.get("logits") is not None or not isinstance(classifier, nn.Module):
+        return
+    last = [m for m in classifier.modules() if not list(m.children())]  # its leaves, in order
+    if isinstance(classifier, nn.Identity) or (last and isinstance(last[-1], nn.Identity)):
+        raise NoLogitsError(
+            f"{type(model).__name__} has no classifier ({where} is, or ends in, nn.Identity), so it returns features, "
+            f"not logits: {fix}"
+        )
+
+
 def first_conv_channels(model: Any) -> int | None:
     """Input channels of the model's first convolution (its first ``ConvNd`` in module order)."""
     from torch import nn

@@ -50,6 +50,42 @@ def test_torchvision_model():
     assert torch.equal(jm(x), model(x))
 
 
+def _without_head(kind: str) -> torch.nn.Module:
+    """A classifier whose head a user removed the usual way, to get features out of it."""
+    if kind == "timm num_classes=0":
+        return timm.create_model("lcnet_050", pretrained=False, num_classes=0)
+    if kind == "torchvision fc = Identity":
+        model = torchvision.models.shufflenet_v2_x0_5(num_classes=4)
+        model.fc = torch.nn.Identity()
+        return model
+    if kind == "torchvision classifier[-1] = Identity":
+        model = torchvision.models.mnasnet0_5(num_classes=4)
+        model.classifier[-1] = torch.nn.Identity()
+        return model
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=0)
+    return transformers.ConvNextForImageClassification(config)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "timm num_classes=0",
+        "torchvision fc = Identity",
+        "torchvision classifier[-1] = Identity",
+        "huggingface num_labels=0",
+    ],
+)
+def test_a_model_whose_classifier_was_removed_is_refused_not_read_as_logits(kind):
+    """Its output is the pooled features: read as logits they would give one "class" per feature
+    and every score, loss and sample would be silently wrong."""
+    model = _without_head(kind).eval()
+    with pytest.raises(jem.NoLogitsError, match=r"has no classifier .*nn.Identity.*returns features, not logits: "):
+        jem.wrap(model)
+    jm = jem.wrap(model, logits=lambda out: getattr(out, "logits", out)[:, :3])  # the user says where: accepted
+    assert jm(torch.rand(2, 3, 32, 32) * 2 - 1).shape == (2, 3)
+
+
 def test_user_options_override_domain():
     model = timm.create_model("test_resnet", pretrained=False, num_classes=2)
     jm = jem.wrap(model, data_range=(-1, 1))
