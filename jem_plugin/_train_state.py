@@ -9,7 +9,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ class History:
     evaluation), ``cpu_time`` (process CPU seconds: comparable across runs on a busy machine),
     ``iterations``, and the throughput ``img_per_s``, ``ms_per_iter`` and ``remaining_s`` (the
     projected time to the last epoch; per process under DDP, averaged over the ranks).
-    ``history["acc"]`` is the column of one metric. ``events`` records rollbacks and stops;
+    ``history["acc"]`` is the column of one metric, ``history[-1]`` the last epoch. ``events`` records rollbacks and stops;
     ``stopped`` is ``None`` for a complete run, else why it stopped early (``"max_seconds"``,
     ``"callback"``).
     """
@@ -37,8 +37,22 @@ class History:
     stopped: str | None = None
     total_time: float = 0.0
 
-    def __getitem__(self, metric: str) -> list[float]:
-        return [rec[metric] for rec in self.epochs if metric in rec]
+    @overload
+    def __getitem__(self, key: str) -> list[float]: ...
+    @overload
+    def __getitem__(self, key: int) -> dict[str, float]: ...
+    def __getitem__(self, key: str | int) -> list[float] | dict[str, float]:
+        """``history["acc"]``: one metric's column; ``history[-1]``: one epoch's metrics (a copy).
+        A metric that no recorded epoch has raises ``KeyError`` naming the ones they have, so a
+        misspelt name is not read as "never measured"."""
+        if isinstance(key, int) and not isinstance(key, bool):
+            return dict(self.epochs[key])
+        if not isinstance(key, str):
+            raise TypeError(f"History is indexed by a metric name or an epoch index, got {type(key).__name__}")
+        column = [rec[key] for rec in self.epochs if key in rec]
+        if self.epochs and not column:
+            raise KeyError(f"no epoch recorded the metric {key!r}; recorded: {', '.join(self.columns())}")
+        return column
 
     def __len__(self) -> int:
         return len(self.epochs)

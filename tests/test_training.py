@@ -481,3 +481,19 @@ def test_options_and_their_old_keywords_together_are_refused(digits, tmp_path):
         fit(_model(), _loader(train), epochs=1, options=FitOptions(progress=False), checkpoint_dir=tmp_path)
     with pytest.raises(TypeError, match="learning_rate"):
         fit(_model(), _loader(train), epochs=1, options=QUIET, learning_rate=1e-3)
+
+
+def test_history_reads_an_epoch_by_index_and_refuses_a_metric_it_never_recorded():
+    """``history[-1]`` is the last epoch (it read as an empty column before), and a misspelt
+    metric is an error naming the recorded ones, not an empty list read as "never measured"."""
+    from jem_plugin._train_state import History
+
+    hist = History(epochs=[{"epoch": 1, "acc": 0.5, "loss": 2.0}, {"epoch": 2, "acc": 0.75, "loss": 1.0}])
+    assert hist[-1] == {"epoch": 2, "acc": 0.75, "loss": 1.0} and hist[0]["acc"] == 0.5
+    hist[-1]["acc"] = 0.0  # a copy: the record stays
+    assert hist["acc"] == [0.5, 0.75] and hist.last["acc"] == 0.75
+    with pytest.raises(KeyError, match=r"'accuracy'; recorded: epoch, acc, loss"):
+        hist["accuracy"]
+    with pytest.raises(TypeError, match="metric name or an epoch index"):
+        hist[1.0]  # type: ignore[call-overload]  # the wrong type, on purpose
+    assert History()["acc"] == []  # before the first epoch every column is empty
