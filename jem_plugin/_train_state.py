@@ -27,8 +27,8 @@ class History:
     evaluation), ``cpu_time`` (process CPU seconds: comparable across runs on a busy machine),
     ``iterations``, and the throughput ``img_per_s``, ``ms_per_iter`` and ``remaining_s`` (the
     projected time to the last epoch; per process under DDP, averaged over the ranks).
-    ``history["acc"]`` is the column of one metric, ``history[-1]`` the last epoch. ``events`` records rollbacks and stops;
-    ``stopped`` is ``None`` for a complete run, else why it stopped early (``"max_seconds"``,
+    ``history["acc"]`` is the column of one metric, ``history[-1]`` the last epoch. ``events``
+    records rollbacks and stops; ``stopped`` is ``None`` for a complete run, else why it stopped early (``"max_seconds"``,
     ``"callback"``).
     """
 
