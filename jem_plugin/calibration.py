@@ -189,9 +189,16 @@ class TemperatureScaler(nn.Module):
         return logits / self.log_temperature.exp().to(logits.dtype)
 
     def fit(self, logits: Any, labels: Any, *, max_iter: int = 100) -> TemperatureScaler:
-        """Fit ``T`` by minimising the NLL of held-out ``logits``/``labels`` (L-BFGS); returns self."""
+        """Fit ``T`` by minimising the NLL of held-out ``logits``/``labels`` (L-BFGS); returns self.
+
+        Raises :class:`~jem_plugin.errors.InvalidScoresError` when every prediction is correct:
+        the NLL then keeps falling as ``T -> 0`` and has no minimum, and the optimiser would stop
+        at an arbitrary, ever sharper temperature.
+        """
         z = _as_2d(logits, "logits")
         y = _as_labels(labels, z.shape[0], z.shape[1])
+        if _all_correct(z, y):
+            raise InvalidScoresError(_NO_MINIMUM)
         # float64 and a fresh leaf: the fit is tiny, so exactness beats speed, and it must work
         # inside no_grad/inference_mode evaluation code.
         with torch.inference_mode(False), torch.enable_grad():
@@ -221,6 +228,17 @@ class TemperatureScaler(nn.Module):
         return self
 
 
+_NO_MINIMUM = (
+    "every prediction in the fit data is correct, so the NLL keeps falling as the temperature goes to 0 "
+    "and no temperature minimises it; fit on held-out data on which the model makes mistakes"
+)
+
+
+def _all_correct(z: Tensor, y: Tensor) -> bool:
+    """Whether the argmax of every row of ``z`` is its label: temperature scaling then has no optimum."""
+    return bool((z.argmax(1) == y).all())
+
+
 def fit_temperature(logits: Any, labels: Any, *, max_iter: int = 100) -> float:
     """The NLL-optimal temperature ``T`` for held-out ``logits`` (L-BFGS over ``log T``)."""
     return TemperatureScaler().fit(logits, labels, max_iter=max_iter).temperature
@@ -240,8 +258,11 @@ def calibration_report(
 ) -> dict[str, float]:
     """ECE, MCE, NLL and Brier before and after temperature scaling, and the temperature.
 
-    Returns ``{"accuracy", "n", "temperature", "ece_before", "ece_after", "mce_before",
-    "mce_after", "nll_before", "nll_after", "brier_before", "brier_after"}``.
+    Returns ``{"accuracy", "n", "temperature", "temperature_fitted", "ece_before", "ece_after",
+    "mce_before", "mce_after", "nll_before", "nll_after", "brier_before", "brier_after"}``.
+    ``temperature_fitted`` is ``False`` where the fitting data has no misclassified example: no
+    temperature minimises its NLL (it falls without bound as ``T -> 0``), so none is applied:
+    ``temperature`` is 1 and the "after" metrics are the "before" ones.
 
     The temperature is fitted on ``fit_logits``/``fit_labels`` (a held-out validation split, the
     standard protocol) and applied to ``logits``. Without them it is fitted on ``logits`` itself:
@@ -252,11 +273,11 @@ def calibration_report(
     y = _as_labels(labels, z.shape[0], z.shape[1])
     if (fit_logits is None) != (fit_labels is None):
         raise ValueError("pass both fit_logits and fit_labels (a held-out split), or neither")
-    if fit_logits is None:
-        t = fit_temperature(z, y)
-    else:
-        t = fit_temperature(fit_logits, fit_labels)
-    return _before_after(z, y, z / t, n_bins, temperature=t)
+    fz, fy = (z, y) if fit_logits is None else (_as_2d(fit_logits, "fit_logits"), fit_labels)
+    fy = _as_labels(fy, fz.shape[0], fz.shape[1])
+    fitted = not _all_correct(fz, fy)
+    t = fit_temperature(fz, fy) if fitted else 1.0
+    return _before_after(z, y, z / t, n_bins, temperature=t, temperature_fitted=fitted)
 
 
 def _before_after(z: Tensor, y: Tensor, scaled: Tensor, n_bins: int, **temperatures: float) -> dict[str, float]:
@@ -280,15 +301,25 @@ def cross_fitted_report(logits: Any, labels: Any, *, n_bins: int = 15) -> dict[s
 
     Use it when the only held-out data is the split being reported on. ``"temperature"`` is the
     geometric mean of the two fitted temperatures; ``"temperature_even"``/``"temperature_odd"``
-    are the ones applied to each half.
+    are the ones applied to each half. Where either half has no misclassified example no
+    temperature is fitted (``"temperature_fitted"`` is ``False``, every temperature 1, as in
+    :func:`calibration_report`).
     """
     z = _as_2d(logits, "logits")
     y = _as_labels(labels, z.shape[0], z.shape[1])
     if z.shape[0] < 4:
         raise InvalidScoresError(f"cross-fitting needs at least 4 examples, got {z.shape[0]}")
     even = torch.arange(z.shape[0]) % 2 == 0
-    t_even, t_odd = fit_temperature(z[~even], y[~even]), fit_temperature(z[even], y[even])
+    fitted = not (_all_correct(z[~even], y[~even]) or _all_correct(z[even], y[even]))
+    t_even, t_odd = (fit_temperature(z[~even], y[~even]), fit_temperature(z[even], y[even])) if fitted else (1.0, 1.0)
     scaled = torch.where(even[:, None], z / t_even, z / t_odd)
     return _before_after(
-        z, y, scaled, n_bins, temperature=math.sqrt(t_even * t_odd), temperature_even=t_even, temperature_odd=t_odd
+        z,
+        y,
+        scaled,
+        n_bins,
+        temperature=math.sqrt(t_even * t_odd),
+        temperature_fitted=fitted,
+        temperature_even=t_even,
+        temperature_odd=t_odd,
     )

@@ -120,6 +120,7 @@ def test_calibration_report_before_after():
         "accuracy",
         "n",
         "temperature",
+        "temperature_fitted",
         "ece_before",
         "ece_after",
         "mce_before",
@@ -155,6 +156,28 @@ def test_cross_fitted_report_scales_each_half_by_the_other_halfs_temperature():
     assert r["ece_after"] > 0.1 > cal.calibration_report(mixed[::2], labels[::2])["ece_after"]
     with pytest.raises(InvalidScoresError, match="at least 4"):
         cal.cross_fitted_report(z[:3], labels[:3])
+
+
+def test_no_temperature_is_fitted_where_every_prediction_is_right():
+    """With no misclassified example the NLL keeps falling as T -> 0: L-BFGS stopped at an
+    arbitrary T (0.04 on a perfect 80-image held-out split), and jem train kept those sharpened
+    logits. Fitting now refuses, and the reports apply no temperature and say so."""
+    z, _, labels = _synthetic_calibrated(400, 5, 9)
+    right = z.argmax(1)  # labels the logits always get right
+    with pytest.raises(InvalidScoresError, match="every prediction in the fit data is correct"):
+        cal.TemperatureScaler().fit(z, right)
+    r = cal.calibration_report(z, right)
+    assert r["temperature_fitted"] is False and r["temperature"] == 1.0
+    assert r["ece_after"] == r["ece_before"] and r["nll_after"] == r["nll_before"]
+    held = cal.calibration_report(z, labels, fit_logits=z, fit_labels=right)  # the fit split decides
+    assert held["temperature_fitted"] is False and held["ece_after"] == held["ece_before"]
+    half = right.clone()
+    half[1::2] = labels[1::2]  # the odd half has errors, the even half none
+    c = cal.cross_fitted_report(z, half)
+    assert c["temperature_fitted"] is False and c["temperature_even"] == c["temperature_odd"] == 1.0
+    one_wrong = right.clone()
+    one_wrong[0] = (right[0] + 1) % 5  # a single error gives the NLL a minimum again
+    assert cal.calibration_report(z, one_wrong)["temperature_fitted"] is True
 
 
 @pytest.mark.parametrize(

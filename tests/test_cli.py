@@ -384,6 +384,23 @@ def test_factory_from_the_current_directory(captured_fit, tmp_path, monkeypatch)
     assert json.loads((tmp_path / "run" / "spec.json").read_text())["model"] == "mynet:build"
 
 
+@pytest.mark.parametrize("data, model", [("folder", "resnet10t"), ("toy2d", "toy-mlp")])
+def test_train_without_model_picks_a_network_made_for_the_data(data, model, captured_fit, tmp_path, capsys):
+    """`jem train --data folder:PATH` with no --model stopped with "digits-cnn fails on inputs of
+    shape (3, 32, 32)": the default was the net for the bundled 8x8 digits, whatever the data."""
+    from jem_plugin.app.data import write_digits_folder
+
+    if data == "folder":
+        write_digits_folder(tmp_path / "imgs", classes=(0, 1, 2), per_class=6)
+        data = f"folder:{tmp_path / 'imgs'}"
+    argv = ["train", "--data", data, "--epochs", "1", "--batch-size", "8", "--out", str(tmp_path / "run"), "--quiet"]
+    assert main(argv) == 0
+    spec = json.loads((tmp_path / "run" / "spec.json").read_text())
+    assert spec["model"] == model and len(captured_fit) == 1
+    said = capsys.readouterr().out
+    assert (f"--model {model}, the default for --data folder" in said) == (model == "resnet10t")
+
+
 # ----------------------------------------------------------------------------- folders, resume, checkpoints
 @pytest.fixture(scope="module")
 def folder_run(tmp_path_factory):

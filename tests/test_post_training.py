@@ -70,6 +70,16 @@ def test_a_temperature_is_kept_only_when_it_lowers_the_held_out_ece():
     assert d.kept == (d.after < d.before)
 
 
+def test_no_temperature_is_kept_from_a_held_out_split_the_model_gets_all_right():
+    """jem train on 400 digit PNGs: 80 held-out images, all right; it kept a temperature of 0.04
+    (logits x 25) because the ECE of an all-correct split only falls as the logits sharpen."""
+    g = torch.Generator().manual_seed(2)
+    y = torch.randint(0, 4, (80,), generator=g)
+    logits = torch.nn.functional.one_hot(y, 4).float() * 2.0 + 0.3 * torch.randn(80, 4, generator=g)
+    d, report = post_training.choose_temperature(logits, y)
+    assert not d.kept and "no misclassified image" in d.reason and report["temperature_fitted"] is False
+
+
 def test_a_small_held_out_split_is_named_in_one_line():
     line = post_training.small_held_out_warning(150)
     assert line is not None and "150 images" in line and "\n" not in line

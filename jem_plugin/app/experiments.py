@@ -161,7 +161,8 @@ def _evaluate(
         "nll": cal["nll_before"],
         "ece": cal["ece_before"],
         "ece_temp_scaled": cal["ece_after"],
-        "temperature": cal["temperature"],
+        # none where every test image is classified correctly: no temperature minimises the NLL
+        **({"temperature": cal["temperature"]} if cal["temperature_fitted"] else {}),
     }
     detail: dict[str, Any] = {"calibration": cal, "ood": {}}
     for method in OOD_SCORES:

@@ -83,6 +83,16 @@ def _say_skipped(ds, where: str) -> None:
         print(f"jem: {note}", file=sys.stderr)  # stderr: eval and ood print their JSON on stdout
 
 
+#: --model when none is given: the built-in net made for the bundled data, else a small timm CNN.
+DEFAULT_MODELS = {"digits": "digits-cnn", "toy2d": "toy-mlp"}
+DEFAULT_IMAGE_MODEL = "resnet10t"
+
+
+def default_model_for(data: str) -> str:
+    """The ``--model`` ``jem train`` uses for ``--data`` ``data`` when none is given."""
+    return DEFAULT_MODELS.get(data.partition(":")[0], DEFAULT_IMAGE_MODEL)
+
+
 def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, Any] | None = None):
     """An ``nn.Module`` for a ``--model`` spec: a built-in net, a timm name, or ``module:factory``.
 

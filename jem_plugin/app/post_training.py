@@ -52,10 +52,18 @@ def choose_temperature(logits: Tensor, labels: Tensor) -> tuple[Decision, dict[s
     kept temperature is ``report["temperature"]``, the geometric mean of the two halves' ones.
     """
     report = calibration.cross_fitted_report(logits, labels)
-    keep = report["ece_after"] < report["ece_before"]
-    reason = (
-        f"kept: ECE {report['ece_before']:.3f} -> {report['ece_after']:.3f} on held-out halves it was not fitted on"
-        if keep
-        else f"not kept: it does not lower the held-out ECE ({report['ece_before']:.3f} -> {report['ece_after']:.3f})"
-    )
+    keep = bool(report["temperature_fitted"]) and report["ece_after"] < report["ece_before"]
+    if not report["temperature_fitted"]:
+        reason = (
+            "not fitted: a half of the held-out split has no misclassified image, so no temperature minimises "
+            "its NLL (it keeps falling as the temperature goes to 0); a larger held-out split can tell"
+        )
+    elif keep:
+        reason = (
+            f"kept: ECE {report['ece_before']:.3f} -> {report['ece_after']:.3f} on held-out halves it was not fitted on"
+        )
+    else:
+        reason = (
+            f"not kept: it does not lower the held-out ECE ({report['ece_before']:.3f} -> {report['ece_after']:.3f})"
+        )
     return Decision("temperature", keep, reason, report["ece_before"], report["ece_after"], int(report["n"])), report

@@ -34,12 +34,14 @@ from ...recipes import (
 from .. import CLIError, post_training
 from ..experiments import dataset_sample_quality
 from ..model_files import (
+    DEFAULT_IMAGE_MODEL,
     build_model,
     check_classes,
     check_inputs,
     check_resume,
     check_training_split,
     dataset_labels,
+    default_model_for,
     drop_buffer_from_checkpoints,
     load_data,
     model_spec,
@@ -142,8 +144,9 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     )
     p.add_argument(
         "--model",
-        default="digits-cnn",
-        help="digits-cnn, toy-mlp, a timm name, or module:factory (factory(num_classes=K) -> nn.Module)",
+        default=None,
+        help="digits-cnn, toy-mlp, a timm name, or module:factory (factory(num_classes=K) -> nn.Module) "
+        "(default: digits-cnn for --data digits, toy-mlp for toy2d, resnet10t for other images)",
     )
     p.add_argument(
         "--data",
@@ -238,6 +241,10 @@ def run(args) -> int:
 
 def _train(args, info) -> int:
     dev, out = info.device, _out_dir(args.out or "runs/jem")
+    if args.model is None:  # the net made for the bundled data, else a small timm CNN: said, for images
+        args.model = default_model_for(args.data)
+        if args.model == DEFAULT_IMAGE_MODEL and info.is_main:
+            print(f"jem train: --model {args.model}, the default for --data {args.data.partition(':')[0]}")
     # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(args.seed)
     ds, domain, k, shape = load_data(
@@ -505,12 +512,15 @@ def _report(args, info, jm, setup, history, ds, val, val_loader, spec, out, doma
         final_logits = held_out_logits(jm, val_loader)
         temperature, c = post_training.choose_temperature(*final_logits)
         record["calibration"] = c
-        print(
-            f"held-out calibration ({int(c['n'])} images): ECE {c['ece_before']:.3f}, {c['ece_after']:.3f} "
-            f"after a temperature of {c['temperature']:.2f} (each half of the held-out split scaled by one "
-            "fitted on the other; fit yours with jem.calibration.TemperatureScaler)"
-            + ("; below 1: the model was under-confident, its logits are sharpened" if c["temperature"] < 1 else "")
-        )
+        if c["temperature_fitted"]:
+            print(
+                f"held-out calibration ({int(c['n'])} images): ECE {c['ece_before']:.3f}, {c['ece_after']:.3f} "
+                f"after a temperature of {c['temperature']:.2f} (each half of the held-out split scaled by one "
+                "fitted on the other; fit yours with jem.calibration.TemperatureScaler)"
+                + ("; below 1: the model was under-confident, its logits are sharpened" if c["temperature"] < 1 else "")
+            )
+        else:
+            print(f"held-out calibration ({int(c['n'])} images): ECE {c['ece_before']:.3f}; no temperature fitted")
         decisions.append(temperature)
         if temperature.kept:
             spec["temperature"] = c["temperature"]  # calibrated probabilities: softmax(logits / T)
