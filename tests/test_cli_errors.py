@@ -77,7 +77,10 @@ CASES = [
         ["train", "--data", "folder:{root}/three", "--model", "resnet10t", "--batch-size", "64", "--image-size", "16"],
         "lower --batch-size",
     ),
-    (["train", "--data", "folder:{root}/three", "--image-size", "16"], "--model resnet10t"),
+    (
+        ["train", "--model", "digits-cnn", "--data", "folder:{root}/three", "--image-size", "16", "--batch-size", "8"],
+        "--model resnet10t",
+    ),
 ]
 
 
