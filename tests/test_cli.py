@@ -136,6 +136,22 @@ def test_sample_defaults_to_the_model_directory(trained_run, capsys):
     assert str(trained_run / "model_samples.png") in capsys.readouterr().out
 
 
+def test_the_sample_check_says_what_its_figures_say():
+    """`jem sample` printed "Lower distance than the starts: the chains moved towards the data"
+    after figures that said the opposite (342 for the samples, 331 for their starts)."""
+    from jem_plugin.app.commands.sample import sample_check_line
+
+    worse = {"judge_acc_heldout": 0.94, "n": 64, "fd_samples": 342.0, "fd_starts": 331.0}
+    line = sample_check_line(worse)
+    assert "342 for the samples" in line and "NOT closer to the data than their starts" in line
+    assert "moved towards it" not in line and "\n" not in line
+    better = dict(worse, fd_samples=120.0, judge_acc_samples=0.9, judge_acc_starts=0.5)
+    line = sample_check_line(better)
+    assert "closer to the data than their starts: the chains moved towards it" in line and "NOT" not in line
+    assert "90% of the samples" in line and "no more samples" not in line
+    assert "no more samples than starts" in sample_check_line(dict(better, judge_acc_samples=0.5))
+
+
 def test_plugins_lists_builtins(capsys):
     assert main(["plugins"]) == 0
     text = capsys.readouterr().out

@@ -110,14 +110,29 @@ def _print_sample_check(
     if "skipped" in q:
         print(f"check skipped: {q['skipped']}")
         return
+    print(sample_check_line(q))
+
+
+def sample_check_line(q: dict) -> str:
+    """The check's one line: the judge's figures and what they say, read from the figures (the
+    samples are closer to the data than their starts, or they are not)."""
     line = (
         f"check (a judge trained on the training data, {q['judge_acc_heldout']:.2f} on held-out images): "
         f"Fréchet distance to {q['n']} held-out images {q['fd_samples']:.3g} for the samples, "
         f"{q['fd_starts']:.3g} for their starting points"
     )
-    if y is not None:
+    if "judge_acc_samples" in q:
         line += (
             f"; it puts {q['judge_acc_samples']:.0%} of the samples in the class they were drawn for "
             f"({q['judge_acc_starts']:.0%} of the starting points)"
         )
-    print(line + ". Lower distance than the starts: the chains moved towards the data.")
+    if q["fd_samples"] < q["fd_starts"]:
+        verdict = "the samples are closer to the data than their starts: the chains moved towards it"
+    else:
+        verdict = (
+            "the samples are NOT closer to the data than their starts: the chains did not move towards it "
+            "(more --sgld-steps, or a longer training run)"
+        )
+    if "judge_acc_samples" in q and q["judge_acc_samples"] <= q["judge_acc_starts"]:
+        verdict += "; the judge places no more samples than starts in their class"
+    return f"{line}. {verdict[0].upper()}{verdict[1:]}."
