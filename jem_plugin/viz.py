@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -496,12 +497,15 @@ def plot_ood_table(table: Any, path: str, title: str | None = None, *, metric: s
         ax.tick_params(length=0)
         label = {"auroc": "AUROC", "aupr_in": "AUPR-in", "aupr_out": "AUPR-out", "fpr95": "FPR at 95% TPR"}
         fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label=label.get(metric, metric))
-        ax.set_title(
+        text = (
             title
             or f"OOD detection: {label.get(metric, metric)} per score and OOD set\n"
-            "(best per set outlined; row label: mean over the sets)",
-            fontsize=10,
+            "(best per set outlined; row label: mean over the sets)"
         )
+        # Over the whole figure, wrapped to its width: a table of one or two sets is narrower than
+        # its title, which an axes title would clip at the edge.
+        width = max(16, int(12 * fig.get_figwidth()))
+        fig.suptitle("\n".join(textwrap.fill(line, width) for line in text.splitlines()), fontsize=10)
         fig.tight_layout()
         fig.savefig(_to_path(path), dpi=120)
     return path

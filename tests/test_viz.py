@@ -132,3 +132,29 @@ def test_viz_never_changes_the_backend_nor_uses_pyplot(tmp_path):
     for name in "hrcatgdb":
         with open(tmp_path / f"{name}.png", "rb") as f:
             assert f.read(8) == PNG, name
+
+
+@pytest.mark.parametrize("n_sets", [1, 2, 6])
+def test_the_ood_heat_map_title_stays_inside_the_figure(n_sets, tmp_path, monkeypatch):
+    """`jem ood` on a run with one OOD set drew "model.pt: AUROC per score and OOD" clipped at the
+    right edge: the title sat over the one-column axes, narrower than the text."""
+    from matplotlib.figure import Figure
+
+    drawn = []
+    save = Figure.savefig
+
+    def keep_and_save(fig, *args, **kwargs):
+        drawn.append(fig)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep_and_save)
+    rows = [{"score": s, "set": f"set{j}", "auroc": 0.5 + 0.05 * i} for i, s in enumerate("abc") for j in range(n_sets)]
+    viz.plot_ood_table(rows, str(tmp_path / "t.png"), title="a_long_checkpoint_name.pt: AUROC per score and OOD set")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    (fig,) = drawn
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    (title,) = [t for t in fig.findobj(Text) if "AUROC per score" in t.get_text()]
+    box, frame = title.get_window_extent(renderer), fig.bbox
+    assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and box.y1 <= frame.y1, (box, frame)
