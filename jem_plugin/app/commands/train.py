@@ -456,7 +456,8 @@ def _announce(args, recipe, setup, epochs: int, iters: int, out) -> None:
         ]
         what += f" ({', '.join(changed)})" if changed else ""
     print(
-        f"jem train: {args.model} on {args.data}, {what}, {epochs} epochs of {iters} iterations, "
+        f"jem train: {args.model} on {args.data}, {what}, {epochs} epoch{'s' * (epochs != 1)} of {iters} "
+        f"iteration{'s' * (iters != 1)}, "
         f"warm-up {warmup}; output in {out}/"
     )
     if setup is not None and setup.buffer.capacity < recipe.buffer.capacity:
