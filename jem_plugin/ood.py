@@ -514,17 +514,19 @@ def _non_finite(s_in: Tensor, s_out: Tensor) -> str | None:
 
 
 def _run_method(
-    jm, m: str, entry: Mapping[str, Any], kw: dict, data_in, data_out, fit_data, batch_size, progress, input_key
+    jm, method: Any, needs_fit: bool, kw: dict, data_in, data_out, fit_data, batch_size, progress, input_key
 ) -> tuple[dict[str, Tensor], float, float]:
-    """Scores of one method on the in-distribution data and every OOD set: ``(scores, fit
-    seconds, scoring seconds)``. A fit-able detector is built and fitted once, first, with the
-    model in :func:`~jem_plugin.model.sampling_mode` as for scoring."""
+    """Scores of one method (a registered name, or a detector object) on the in-distribution data
+    and every OOD set: ``(scores, fit seconds, scoring seconds)``. A detector that needs fitting
+    (a fit-able name is built here) is fitted once, first, with the model in
+    :func:`~jem_plugin.model.sampling_mode` as for scoring."""
     import time
 
-    fit_s, method, options = 0.0, m, kw
-    if entry.get("needs_fit", False):
+    fit_s, options = 0.0, kw
+    if needs_fit:
         t0 = time.perf_counter()
-        method, options = detector(m, **kw), {}
+        if isinstance(method, str):
+            method, options = detector(method, **kw), {}
         with sampling_mode(jm):  # eval mode: BatchNorm statistics and Dropout as when scoring
             method.fit(
                 jm,
@@ -539,6 +541,33 @@ def _run_method(
     for name, data in [("in", data_in), *data_out.items()]:
         s[str(name)] = score(jm, data, method, batch_size=batch_size, progress=progress, input_key=input_key, **options)
     return s, fit_s, time.perf_counter() - t0
+
+
+def _methods_to_run(methods: Any) -> dict[str, Any]:
+    """``{row label: registered name or detector object}`` for :func:`evaluate_all`: names are
+    checked against the registry, a detector object is labelled by its ``name`` (or class)."""
+    if isinstance(methods, str):
+        return {m: m for m in _method_names(methods)}
+    items = list(methods)
+    if not items:
+        raise ValueError("methods is empty: name at least one score, or 'all'")
+    for m in items:
+        if not isinstance(m, (str, Detector)):
+            raise TypeError(
+                f"methods holds {type(m).__name__}: give score names or detector objects with .score(jm, x)"
+            )
+    if any(isinstance(m, str) for m in items):
+        _method_names([m for m in items if isinstance(m, str)])  # unknown names: one line, first
+    out: dict[str, Any] = {}
+    for m in items:
+        label = m if isinstance(m, str) else str(getattr(m, "name", type(m).__name__))
+        if label in out and out[label] is not m and not (isinstance(m, str) and out[label] == m):
+            raise ValueError(
+                f"two methods are labelled {label!r}: give a detector object a distinct name "
+                f"(det.name = '{label}_2') to compare it beside the other"
+            )
+        out[label] = m
+    return out
 
 
 def evaluate_all(
@@ -566,7 +595,9 @@ def evaluate_all(
     - ``methods``: ``"all"`` (default: every registered score, :func:`available_scores`), a
       list of names, or one name / comma-separated names. Unknown names raise
       :class:`~jem_plugin.errors.UnknownNameError` (one line listing the available ones)
-      before anything is scored.
+      before anything is scored. The list may also hold detector objects
+      (:class:`Detector`: ``jem.ood.detector("knn", k=5)``, fitted or not, or your own),
+      labelled by their ``name``; an unfitted one is fitted on ``fit_data``.
     - ``fit_data``: in-distribution *training* data (a loader or tensor) for the scores that
       need fitting (Mahalanobis, ViM, KNN, ...): each is fitted once, streaming over it, then
       scores every set. Without it those scores are listed as ``skipped`` with the reason.
@@ -588,11 +619,15 @@ def evaluate_all(
 
     if not isinstance(data_out, Mapping) or not data_out:
         raise InvalidInputError("data_out must be a non-empty dict {name: OOD data}")
-    names = _method_names(methods)
+    to_run = _methods_to_run(methods)
+    names = list(to_run)
     method_kwargs = dict(method_kwargs or {})
-    unknown = sorted(set(method_kwargs) - set(names))
+    unknown = sorted(set(method_kwargs) - {k for k, m in to_run.items() if isinstance(m, str)})
     if unknown:
-        raise ValueError(f"method_kwargs names methods not in methods: {', '.join(unknown)}")
+        raise ValueError(
+            f"method_kwargs names methods not in methods (a detector object takes its options when built): "
+            f"{', '.join(unknown)}"
+        )
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     jm = as_jem(jm, "ood.evaluate_all")
@@ -602,6 +637,8 @@ def evaluate_all(
         raise ValueError(f"OOD set names must be distinct and not 'in' (the in-distribution data), got {sets}")
     # Every option is checked before the first score runs: a typo is an error, not a failed row.
     for m in names:
+        if not isinstance(to_run[m], str):
+            continue
         fit_able = entries[m].get("needs_fit", False)  # options of a detector go to its constructor
         _check_kwargs(m, entries[m]["item"], dict(method_kwargs.get(m, {})), skip=0 if fit_able else 2)
 
@@ -631,14 +668,18 @@ def evaluate_all(
         except Exception:  # a failure here is reported by the scores themselves, below
             pass
     for m in names:
-        entry, kw = entries[m], dict(method_kwargs.get(m, {}))
-        if entry.get("needs_fit", False) and fit_data is None:
+        method, kw = to_run[m], dict(method_kwargs.get(m, {}))
+        if isinstance(method, str):
+            needs_fit = bool(entries[m].get("needs_fit", False))
+        else:  # a detector object: fitted here only where it says it is not fitted yet
+            needs_fit = callable(getattr(method, "fit", None)) and getattr(method, "fitted", True) is False
+        if needs_fit and fit_data is None:
             for name in sets:
                 add(m, name, "skipped", "needs fit_data (in-distribution training data) to be fitted")
             continue
         try:
             s, fit_s, elapsed = _run_method(
-                jm, m, entry, kw, data_in, data_out, fit_data, batch_size, progress, input_key
+                jm, method, needs_fit, kw, data_in, data_out, fit_data, batch_size, progress, input_key
             )
         except (InvalidInputError, NotWrappedError):
             raise

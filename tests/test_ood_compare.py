@@ -242,3 +242,27 @@ def test_jem_ood_unknown_score_fails_before_loading_anything(plugin, tmp_path, c
     assert err.startswith("jem: error: unknown OOD score 'nope'; available: ") and "t_centre" in err
     assert main(["ood", str(tmp_path / "m.pt"), "--openood", str(tmp_path), "--ood", "noise"]) == 2
     assert "drop --data and --ood" in capsys.readouterr().err
+
+
+def test_detector_objects_are_compared_beside_named_scores(jm, data):
+    """`evaluate_all(jm, x, sets, [jem.ood.detector("knn", k=5).fit(...), "msp"])` stopped with
+    "unknown OOD score 'KNN(k=5, ...)'": a detector built with its own options could be scored
+    by `score` but not compared."""
+    x_train, x_in, outs = data
+    fit = DataLoader(TensorDataset(x_train, x_train[:, 0, 0, 0].long()), batch_size=32)
+    fitted = ood.detector("knn", k=5).fit(jm, x_train)
+    unfitted = ood.detector("knn", k=3)
+    unfitted.name = "knn_k3"  # two KNNs side by side: each has its own label
+    table = ood.evaluate_all(jm, x_in, outs, [fitted, unfitted, "msp"], fit_data=fit)
+    assert table.methods == ["knn", "knn_k3", "msp"] and {r["status"] for r in table.rows()} == {"ok"}
+    jm.eval()
+    assert table["knn"]["far"] == ood.evaluate(fitted.score(jm, x_in), ood.score(jm, outs["far"], fitted))
+    assert unfitted.fitted and table.timing["knn_k3"]["fit_seconds"] > 0 == table.timing["knn"]["fit_seconds"]
+    rows = ood.evaluate_all(jm, x_in, outs, [ood.detector("knn", k=5)]).rows()  # nothing to fit it on
+    assert {r["status"] for r in rows} == {"skipped"}
+    with pytest.raises(ValueError, match="two methods are labelled 'knn'"):
+        ood.evaluate_all(jm, x_in, outs, [fitted, "knn"], fit_data=fit)
+    with pytest.raises(TypeError, match="score names or detector objects"):
+        ood.evaluate_all(jm, x_in, outs, [fitted, 3])
+    with pytest.raises(ValueError, match="a detector object takes its options when built"):
+        ood.evaluate_all(jm, x_in, outs, [fitted], method_kwargs={"knn": {"k": 2}})
