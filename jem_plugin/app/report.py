@@ -192,7 +192,11 @@ CAPTIONS: tuple[tuple[str, str], ...] = (
         "{run}: log p(x) of test images vs each OOD set. Test images should sit to "
         "the right (higher), well apart from the OOD sets.",
     ),
-    (r"hist_grad_norm_(?P<run>.+)", "{run}: gradient-norm score. Test images to the right, OOD sets apart."),
+    (
+        r"hist_grad_norm_(?P<run>.+)",
+        "{run}: gradient-norm score. Test images to the right, OOD sets apart. It reads log p(x) as a "
+        "trained density: on a model trained without the JEM loss (the baseline) it can rank OOD images higher.",
+    ),
     (
         r"roc_logpx_(?P<run>.+)",
         "{run}: ROC curves of log p(x). Curves hugging the top-left corner = OOD set told apart from test images.",
