@@ -971,6 +971,12 @@ class OpenMax(_ClassConditional):
     euclid_weight`` times the cosine distance. Labels as for :class:`Mahalanobis` (all labelled
     inputs, as pytorch-ood; the paper keeps the correctly classified ones).
 
+    The revision assumes activations above zero, as the paper's penultimate-layer vectors are:
+    where an input's top logits are far *below* zero (a JEM-trained model gives uniform noise
+    logits around -26 where test images have +4), the unknown logit is the most negative of all
+    and the input looks in-distribution (AUROC 0.000 against noise on such a model). Use
+    ``logpx`` or a feature detector there.
+
     ``fit`` streams over ``data`` twice (two forward passes): the class sums of the logits
     (``K x K``), then the ``tailsize`` largest distances per class (``K x tailsize``); so the data
     must be iterable twice (a DataLoader, a tensor, a list; not a one-shot generator). The
