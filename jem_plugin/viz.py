@@ -74,6 +74,18 @@ _CURVES = {
 }
 
 
+def _wrap_title(text: str, width_inches: float, fontsize: float = 12.0) -> str:
+    """``text`` wrapped, line by line, to about ``width_inches`` at ``fontsize`` points: a title
+    longer than its figure (a long checkpoint or data name) is otherwise clipped at the edge."""
+    chars = max(16, int(width_inches * 120 / fontsize))
+    return "\n".join(textwrap.fill(line, chars) for line in text.splitlines())
+
+
+def _axes_width(ax: Any) -> float:
+    """The width of ``ax`` in inches."""
+    return float(ax.figure.get_figwidth() * ax.get_position().width)
+
+
 def _to_path(path: str | os.PathLike) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -134,7 +146,7 @@ def save_image_grid(
         for s in ax.spines.values():
             s.set_visible(False)
         if title:
-            ax.set_title(title)
+            ax.set_title(_wrap_title(title, _axes_width(ax)))
         fig.tight_layout()
         fig.savefig(path)
     return path
@@ -391,7 +403,7 @@ def plot_histograms(
         ax.hist(s, bins=edges, density=True, alpha=0.45, color=f"C{i}", label=f"{name} (n={s.size}, AUROC {au:.3f})")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("density")
-    ax.set_title(title or "OOD scores")
+    ax.set_title(_wrap_title(title or "OOD scores", _axes_width(ax)))
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -423,7 +435,7 @@ def plot_roc(scores_in: Any, scores_out: Any, path: str, title: str | None = Non
     ax.set_ylim(0, 1.01)
     ax.set_xlabel("false positive rate (OOD accepted)")
     ax.set_ylabel("true positive rate (in-distribution accepted)")
-    ax.set_title(title or "ROC, in-distribution positive")
+    ax.set_title(_wrap_title(title or "ROC, in-distribution positive", _axes_width(ax)))
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -504,8 +516,7 @@ def plot_ood_table(table: Any, path: str, title: str | None = None, *, metric: s
         )
         # Over the whole figure, wrapped to its width: a table of one or two sets is narrower than
         # its title, which an axes title would clip at the edge.
-        width = max(16, int(12 * fig.get_figwidth()))
-        fig.suptitle("\n".join(textwrap.fill(line, width) for line in text.splitlines()), fontsize=10)
+        fig.suptitle(_wrap_title(text, fig.get_figwidth(), fontsize=10), fontsize=10)
         fig.tight_layout()
         fig.savefig(_to_path(path), dpi=120)
     return path
@@ -566,7 +577,7 @@ def reliability_diagram(
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     ax.set_ylabel("accuracy")
-    ax.set_title(title or "Reliability diagram")
+    ax.set_title(_wrap_title(title or "Reliability diagram", _axes_width(ax)))
 
     ax2.bar(centers, count / n, width=width, color="C0", edgecolor="k", lw=0.6)
     ax2.axvline(acc_all, color="C2", ls="-", lw=1.5, label=f"accuracy {acc_all:.3f}")
@@ -611,7 +622,7 @@ def plot_robust_accuracy(
     ax.set_ylabel("accuracy")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.set_title(title or f"Robust accuracy under PGD ({norm_txt})")
+    ax.set_title(_wrap_title(title or f"Robust accuracy under PGD ({norm_txt})", _axes_width(ax)))
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -158,3 +158,30 @@ def test_the_ood_heat_map_title_stays_inside_the_figure(n_sets, tmp_path, monkey
     (title,) = [t for t in fig.findobj(Text) if "AUROC per score" in t.get_text()]
     box, frame = title.get_window_extent(renderer), fig.bbox
     assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and box.y1 <= frame.y1, (box, frame)
+
+
+def test_a_long_title_is_wrapped_inside_the_reliability_diagram(tmp_path, monkeypatch):
+    """`jem eval` titles its diagram with the checkpoint and the data ("model.pt on folder:...,
+    the 0.2 held out from training: reliability"): the title ran off both edges."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.text import Text
+
+    drawn = []
+    save = Figure.savefig
+
+    def keep_and_save(fig, *args, **kwargs):
+        drawn.append(fig)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep_and_save)
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(200, 4, generator=g) * 3, torch.randint(0, 4, (200,), generator=g)
+    long = "model.pt on folder:/home/someone/datasets/digits, the 0.2 held out from training: reliability"
+    viz.reliability_diagram(logits, labels, str(tmp_path / "r.png"), title=long, from_logits=True)
+    (fig,) = drawn
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    (title,) = [t for t in fig.findobj(Text) if "held out" in t.get_text()]
+    box, frame = title.get_window_extent(renderer), fig.bbox
+    assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and box.y1 <= frame.y1, (box, frame)
+    assert title.get_text().replace("\n", " ") == long  # wrapped, not cut

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 from ... import calibration
 from ..._checks import model_device
 from ..model_files import check_inputs, load_model_checkpoint
-from ._common import _checkpoint_args, _device, _emit, _eval_tensors
+from ._common import _checkpoint_args, _device, _emit, _eval_tensors, _out_file
 
 
 def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("eval", parents=[common], help="accuracy and calibration of a trained model")
+    p = sub.add_parser(
+        "eval",
+        parents=[common],
+        help="accuracy and calibration of a trained model",
+        description="Accuracy and calibration of a trained model: JSON on stdout (and in --out), and a "
+        "reliability diagram next to --out (default: next to the checkpoint, MODEL_reliability.png).",
+    )
     _checkpoint_args(p)
     p.set_defaults(func=run)
 
@@ -31,4 +39,15 @@ def run(args) -> int:
         "n": len(y),
     }
     _emit(result, args)
+    from ...viz import reliability_diagram  # lazy: matplotlib
+
+    png = (
+        _out_file(args.out).with_suffix(".png")
+        if args.out
+        else Path(args.checkpoint).with_name(Path(args.checkpoint).stem + "_reliability.png")
+    )
+    reliability_diagram(
+        logits, y, str(png), title=f"{Path(args.checkpoint).name} on {where}: reliability", from_logits=True
+    )
+    print(f"figure: {png}", file=sys.stderr)  # stdout stays the JSON, for scripts
     return 0
