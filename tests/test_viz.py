@@ -134,54 +134,49 @@ def test_viz_never_changes_the_backend_nor_uses_pyplot(tmp_path):
             assert f.read(8) == PNG, name
 
 
-@pytest.mark.parametrize("n_sets", [1, 2, 6])
-def test_the_ood_heat_map_title_stays_inside_the_figure(n_sets, tmp_path, monkeypatch):
-    """`jem ood` on a run with one OOD set drew "model.pt: AUROC per score and OOD" clipped at the
-    right edge: the title sat over the one-column axes, narrower than the text."""
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures ``viz`` saves during the test, in order (each still drawable)."""
     from matplotlib.figure import Figure
 
-    drawn = []
+    figures = []
     save = Figure.savefig
 
     def keep_and_save(fig, *args, **kwargs):
-        drawn.append(fig)
+        figures.append(fig)
         return save(fig, *args, **kwargs)
 
     monkeypatch.setattr(Figure, "savefig", keep_and_save)
-    rows = [{"score": s, "set": f"set{j}", "auroc": 0.5 + 0.05 * i} for i, s in enumerate("abc") for j in range(n_sets)]
-    viz.plot_ood_table(rows, str(tmp_path / "t.png"), title="a_long_checkpoint_name.pt: AUROC per score and OOD set")
+    return figures
+
+
+def _title_inside(fig, needle: str):
+    """The text of ``fig`` containing ``needle``, asserted to lie inside the figure's frame."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.text import Text
 
-    (fig,) = drawn
     renderer = FigureCanvasAgg(fig).get_renderer()
-    (title,) = [t for t in fig.findobj(Text) if "AUROC per score" in t.get_text()]
+    (title,) = [t for t in fig.findobj(Text) if needle in t.get_text()]
     box, frame = title.get_window_extent(renderer), fig.bbox
     assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and box.y1 <= frame.y1, (box, frame)
+    return title
 
 
-def test_a_long_title_is_wrapped_inside_the_reliability_diagram(tmp_path, monkeypatch):
+@pytest.mark.parametrize("n_sets", [1, 2, 6])
+def test_the_ood_heat_map_title_stays_inside_the_figure(n_sets, tmp_path, drawn):
+    """`jem ood` on a run with one OOD set drew "model.pt: AUROC per score and OOD" clipped at the
+    right edge: the title sat over the one-column axes, narrower than the text."""
+    rows = [{"score": s, "set": f"set{j}", "auroc": 0.5 + 0.05 * i} for i, s in enumerate("abc") for j in range(n_sets)]
+    viz.plot_ood_table(rows, str(tmp_path / "t.png"), title="a_long_checkpoint_name.pt: AUROC per score and OOD set")
+    _title_inside(drawn[0], "AUROC per score")
+
+
+def test_a_long_title_is_wrapped_inside_the_reliability_diagram(tmp_path, drawn):
     """`jem eval` titles its diagram with the checkpoint and the data ("model.pt on folder:...,
     the 0.2 held out from training: reliability"): the title ran off both edges."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.text import Text
-
-    drawn = []
-    save = Figure.savefig
-
-    def keep_and_save(fig, *args, **kwargs):
-        drawn.append(fig)
-        return save(fig, *args, **kwargs)
-
-    monkeypatch.setattr(Figure, "savefig", keep_and_save)
     g = torch.Generator().manual_seed(0)
     logits, labels = torch.randn(200, 4, generator=g) * 3, torch.randint(0, 4, (200,), generator=g)
     long = "model.pt on folder:/home/someone/datasets/digits, the 0.2 held out from training: reliability"
     viz.reliability_diagram(logits, labels, str(tmp_path / "r.png"), title=long, from_logits=True)
-    (fig,) = drawn
-    renderer = FigureCanvasAgg(fig).get_renderer()
-    (title,) = [t for t in fig.findobj(Text) if "held out" in t.get_text()]
-    box, frame = title.get_window_extent(renderer), fig.bbox
-    assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and box.y1 <= frame.y1, (box, frame)
+    title = _title_inside(drawn[0], "held out")
     assert title.get_text().replace("\n", " ") == long  # wrapped, not cut
