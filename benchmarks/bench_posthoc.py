@@ -113,6 +113,20 @@ def _pixels_to_input(p: Tensor) -> Tensor:
     return (p - mean) / std
 
 
+def far_sets(digits8: Tensor, g: torch.Generator, photo_seed: int) -> dict[str, Tensor]:
+    """The five OOD sets other than held-out classes, as many images as ``digits8`` (8x8 digits):
+    uniform and Gaussian noise drawn from ``g``, those digits transposed and inverted, and photo
+    crops (seed ``photo_seed``), all at 32x32 RGB."""
+    n = len(digits8)
+    return {
+        "uniform": _pixels_to_input(torch.rand(n, 3, 32, 32, generator=g)),
+        "gaussian": _pixels_to_input((0.5 + 0.25 * torch.randn(n, 3, 32, 32, generator=g)).clamp(0, 1)),
+        "transposed": to32(transposed(digits8)),
+        "inverted": to32(-digits8),
+        "photo": to32(photo_patches(n, size=8, seed=photo_seed)),
+    }
+
+
 def load_data(n_train: int | None = None, n_eval: int | None = None, n_ood: int | None = N_OOD) -> dict[str, Any]:
     """Digits at 32x32 RGB: train/test tensors, the five OOD sets of the full model, and the
     0-7 / 8-9 split of the held-out-classes model."""
@@ -123,14 +137,7 @@ def load_data(n_train: int | None = None, n_eval: int | None = None, n_ood: int 
     if n_eval is not None:
         xt8, yt = xt8[:n_eval], yt[:n_eval]
     n = min(len(xt8), n_ood or len(xt8))
-    g = torch.Generator().manual_seed(2)
-    sets = {
-        "uniform": _pixels_to_input(torch.rand(n, 3, 32, 32, generator=g)),
-        "gaussian": _pixels_to_input((0.5 + 0.25 * torch.randn(n, 3, 32, 32, generator=g)).clamp(0, 1)),
-        "transposed": to32(transposed(xt8[:n])),
-        "inverted": to32(-xt8[:n]),
-        "photo": to32(photo_patches(n, size=8, seed=1)),
-    }
+    sets = far_sets(xt8[:n], torch.Generator().manual_seed(2), photo_seed=1)
     x, xt = to32(x8), to32(xt8)
     keep, keep_t = y < 8, yt < 8
     return dict(

@@ -51,7 +51,7 @@ from benchmarks import bench_posthoc as P
 from benchmarks import common
 from benchmarks.bench_generative import to32
 from jem_plugin import ood
-from jem_plugin.app.data import digits_tensors, photo_patches, transposed
+from jem_plugin.app.data import digits_tensors
 from jem_plugin.recipes import Recipe, default_choice_for, get_recipe
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -105,16 +105,8 @@ def fold_data(held_out: tuple[int, ...], seed: int = 11) -> dict[str, Any]:
     keep = relabel[y] >= 0
     x_tr, y_tr = x8[keep & ~val], relabel[y[keep & ~val]]
     x_va8, y_va = x8[keep & val], relabel[y[keep & val]]
-    n = len(y_va)
-    gs = torch.Generator().manual_seed(seed + 1)
-    sets = {
-        "uniform": P._pixels_to_input(torch.rand(n, 3, 32, 32, generator=gs)),
-        "gaussian": P._pixels_to_input((0.5 + 0.25 * torch.randn(n, 3, 32, 32, generator=gs)).clamp(0, 1)),
-        "transposed": to32(transposed(x_va8)),
-        "inverted": to32(-x_va8),
-        "photo": to32(photo_patches(n, size=8, seed=seed + 2)),
-        "held_out": to32(x8[~keep]),  # never trained on: every image of the two classes
-    }
+    sets = P.far_sets(x_va8, torch.Generator().manual_seed(seed + 1), photo_seed=seed + 2)
+    sets["held_out"] = to32(x8[~keep])  # never trained on: every image of the two classes
     return dict(x=to32(x_tr), y=y_tr, xv=to32(x_va8), yv=y_va, sets=sets, per_class=int(torch.bincount(y_tr).min()))
 
 
