@@ -77,6 +77,13 @@ def _out_file(path: str, flag: str = "--out") -> Path:
     return out
 
 
+def _beside_checkpoint(checkpoint: str, suffix: str) -> Path:
+    """A command's default output file, beside the checkpoint it read: ``model.pt`` with
+    ``"_ood"`` gives ``model_ood`` (used when no ``--out`` is given)."""
+    path = Path(checkpoint)
+    return path.with_name(path.stem + suffix)
+
+
 def _check_install() -> None:
     """The cheap part of `jem doctor` (milliseconds): a torch/torchvision mismatch ends the command
     before any training, not inside torchvision minutes later."""

@@ -11,7 +11,7 @@ import torch
 from ... import calibration
 from ..._checks import model_device
 from ..model_files import check_inputs, load_model_checkpoint
-from ._common import _checkpoint_args, _device, _emit, _eval_tensors, _out_file
+from ._common import _beside_checkpoint, _checkpoint_args, _device, _emit, _eval_tensors, _out_file
 
 
 def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -42,9 +42,7 @@ def run(args) -> int:
     from ...viz import reliability_diagram  # lazy: matplotlib
 
     png = (
-        _out_file(args.out).with_suffix(".png")
-        if args.out
-        else Path(args.checkpoint).with_name(Path(args.checkpoint).stem + "_reliability.png")
+        _out_file(args.out).with_suffix(".png") if args.out else _beside_checkpoint(args.checkpoint, "_reliability.png")
     )
     reliability_diagram(
         logits, y, str(png), title=f"{Path(args.checkpoint).name} on {where}: reliability", from_logits=True

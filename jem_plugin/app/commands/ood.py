@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from ... import ood
 from .. import CLIError
 from ..model_files import check_inputs, load_data, load_model_checkpoint, ood_sets, training_data
-from ._common import _checkpoint_args, _device, _emit, _eval_tensors, _out_file, _positive
+from ._common import _beside_checkpoint, _checkpoint_args, _device, _emit, _eval_tensors, _out_file, _positive
 
 
 def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -109,11 +109,7 @@ def run(args) -> int:
         else:
             result[key] = {"status": r["status"], "reason": r["reason"]}
     _emit(result, args)
-    base = (
-        _out_file(args.out).with_suffix("")
-        if args.out
-        else Path(args.checkpoint).with_name(Path(args.checkpoint).stem + "_ood")
-    )
+    base = _out_file(args.out).with_suffix("") if args.out else _beside_checkpoint(args.checkpoint, "_ood")
     csv_path, png_path = table.to_csv(base.with_suffix(".csv")), str(base.with_suffix(".png"))
     plot_ood_table(table, png_path, title=f"{Path(args.checkpoint).name}: AUROC per score and OOD set")
     # The JSON above is the result for scripts; the table is for the reader (stderr keeps stdout JSON).

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,7 +12,7 @@ from ...sampling import SGLD
 from .. import CLIError
 from ..experiments import samples_against_data
 from ..model_files import held_out_data, load_model_checkpoint, load_run_sampler, sampler_file, training_data
-from ._common import SKIP_BAD_HELP, _device, _out_file, _positive
+from ._common import SKIP_BAD_HELP, _beside_checkpoint, _device, _out_file, _positive
 
 
 def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -45,11 +44,7 @@ def run(args) -> int:
     jm, spec = load_model_checkpoint(args.checkpoint, dev)
     if len(spec["sample_shape"]) != 3:
         raise CLIError(f"jem sample draws images; this model's inputs have shape {tuple(spec['sample_shape'])}")
-    out = (
-        _out_file(args.out)
-        if args.out
-        else Path(args.checkpoint).with_name(Path(args.checkpoint).stem + "_samples.png")
-    )
+    out = _out_file(args.out) if args.out else _beside_checkpoint(args.checkpoint, "_samples.png")
     g = torch.Generator().manual_seed(args.seed)
     k, classes = spec["num_classes"], spec.get("classes") or [str(i) for i in range(spec["num_classes"])]
     per = max(1, args.n // k) if args.per_class else args.n
