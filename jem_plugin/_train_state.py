@@ -28,8 +28,8 @@ class History:
     ``iterations``, and the throughput ``img_per_s``, ``ms_per_iter`` and ``remaining_s`` (the
     projected time to the last epoch; per process under DDP, averaged over the ranks).
     ``history["acc"]`` is the column of one metric, ``history[-1]`` the last epoch. ``events``
-    records rollbacks and stops; ``stopped`` is ``None`` for a complete run, else why it stopped early (``"max_seconds"``,
-    ``"callback"``).
+    records rollbacks and stops; ``stopped`` is ``None`` for a complete run, else why it stopped
+    early (``"max_seconds"``, ``"callback"``).
     """
 
     epochs: list[dict[str, float]] = field(default_factory=list)

@@ -277,10 +277,11 @@ def check_inputs(jm, x, spec: dict[str, Any], data: str) -> None:
     except (RuntimeError, AssertionError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         model = spec["model"]
-        if model in BUILTIN_NETS:
+        made_for = {net: data for data, net in DEFAULT_MODELS.items()}  # digits-cnn -> digits, ...
+        if model in made_for:
             hint = (
-                f"{model} is made for --data {'digits' if model == 'digits-cnn' else 'toy2d'}; for other "
-                "images use a timm model, e.g. --model resnet10t"
+                f"{model} is made for --data {made_for[model]}; for other images use a timm model, "
+                f"e.g. --model {DEFAULT_IMAGE_MODEL}"
             )
         elif ":" in model:
             hint = "make the model accept this input size, or change --image-size"
