@@ -283,7 +283,7 @@ def check_inputs(jm, x, spec: dict[str, Any], data: str) -> None:
                 f"{model} is made for --data {made_for[model]}; for other images use a timm model, "
                 f"e.g. --model {DEFAULT_IMAGE_MODEL}"
             )
-        elif ":" in model:
+        elif ":" in model or _WRN.fullmatch(model):  # a factory's net, or the paper's Wide-ResNet
             hint = "make the model accept this input size, or change --image-size"
         else:
             size = (getattr(jm.model, "pretrained_cfg", None) or {}).get("input_size", (0, 224))[-1]
