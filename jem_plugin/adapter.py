@@ -285,6 +285,55 @@ class Adapter:
             return None
         return pooled_maps(model, x, pool, lambda m: head(torch.flatten(pool(m), 1)), self.logits)
 
+    def feature_layers(self, model: Any) -> list[str] | None:
+        """Dotted names of the submodules whose outputs are the model's intermediate features,
+        shallow to deep, for the detectors that read several depths (``multi_mahalanobis``);
+        ``None`` where the adapter knows none (the detector then asks for ``layers=``).
+
+        Default: the modules a timm-style ``feature_info`` lists (every timm model, and any model
+        carrying that attribute: ``[{"module": "blocks.2", "num_chs": 64}, ...]``), else
+        ``layer1``, ``layer2``, ... where the model has them (torchvision's ResNets and most
+        hand-written ones).
+        """
+        core = unwrap_model(model)
+        names = [name for name, _ in _feature_info(core)]
+        if names:
+            return names
+        while isinstance(getattr(core, f"layer{len(names) + 1}", None), nn.Module):
+            names.append(f"layer{len(names) + 1}")
+        return names or None
+
+    def layer_features(self, model: Any, x: Tensor, layers: Sequence[str]) -> tuple[list[Tensor], Tensor]:
+        """``([B, C_i] per layer, logits [B, K])`` of ``x`` in ONE forward of ``model``: the output
+        of each named submodule (its last call), averaged over its spatial positions (``[B, C, H,
+        W]`` maps, or channels-last ones where the model's ``output_fmt`` or ``feature_info`` says so) or tokens
+        (``[B, T, C]``), as Lee et al. pool feature maps for their feature ensemble.
+
+        Raises :class:`~jem_plugin.errors.NoFeaturesError` for a name that is no submodule, a layer
+        that did not run, or an output that is not a tensor of 2 to 4 dimensions.
+        """
+        core = unwrap_model(model)
+        if not isinstance(core, nn.Module):
+            raise NoFeaturesError(f"{type(core).__name__} is not an nn.Module: it has no layers to read features from")
+        modules = [_named_submodule(core, name) for name in layers]
+        seen: dict[int, Any] = {}
+        handles = [
+            m.register_forward_hook(lambda _m, _a, out, i=i: seen.__setitem__(i, out)) for i, m in enumerate(modules)
+        ]
+        try:
+            logits = self.logits(model(x))
+        finally:
+            for h in handles:
+                h.remove()
+        channels = dict(_feature_info(core))
+        last = getattr(core, "output_fmt", None) == "NHWC"  # timm's channels-last models (Swin, MambaOut)
+        pooled = []
+        for i, name in enumerate(layers):
+            if i not in seen:
+                raise NoFeaturesError(f"the layer {name!r} did not run in the model's forward, so it gives no features")
+            pooled.append(_pool_positions(seen[i], name, channels.get(name), last))
+        return pooled, logits
+
 
 def pooled_maps(
     model: Any, x: Tensor, pool: nn.Module, to_logits: Callable[[Tensor], Tensor], read_logits: Any
@@ -301,6 +350,47 @@ def pooled_maps(
     except (RuntimeError, TypeError, ValueError):
         return None
     return (maps, to_logits) if same else None
+
+
+def _feature_info(core: Any) -> list[tuple[str, int | None]]:
+    """``(module name, channel count or None)`` of each entry of a timm-style ``feature_info``
+    (a list of dicts, or timm's ``FeatureInfo``); ``[]`` where the model carries none."""
+    info = getattr(core, "feature_info", None)
+    try:
+        entries = [(str(f["module"]), f.get("num_chs")) for f in (info or ())]
+    except (TypeError, KeyError, AttributeError):
+        return []
+    return [(name, ch if isinstance(ch, int) else None) for name, ch in entries if name]
+
+
+def _named_submodule(core: nn.Module, name: str) -> nn.Module:
+    try:
+        return core.get_submodule(name)
+    except AttributeError:
+        top = ", ".join(n for n, _ in core.named_children())
+        raise NoFeaturesError(
+            f"{type(core).__name__} has no submodule {name!r}; name layers by their dotted names in "
+            f"model.named_modules() (its top-level children: {top or 'none'})"
+        ) from None
+
+
+def _pool_positions(out: Any, name: str, channels: int | None, channels_last: bool = False) -> Tensor:
+    """``[B, C]``: a layer's output averaged over its spatial positions or tokens. Maps are
+    ``[B, C, H, W]`` unless the model says its maps are channels-last (timm's ``output_fmt``) or
+    only the last dimension matches the layer's known channel count."""
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+        out = out[0]  # blocks returning (hidden, extras), as some transformer blocks do
+    if not isinstance(out, Tensor) or not 2 <= out.dim() <= 4:
+        raise NoFeaturesError(
+            f"the layer {name!r} outputs {_describe(out)}; its features must be [B, C], [B, T, C] tokens "
+            "or [B, C, H, W] maps"
+        )
+    if out.dim() == 4:
+        last = channels_last or (channels is not None and out.shape[-1] == channels and out.shape[1] != channels)
+        out = out.mean(dim=(1, 2) if last else (2, 3))
+    elif out.dim() == 3:
+        out = out.mean(dim=1)
+    return out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
 
 
 def _flat(feats: Any) -> Tensor:

@@ -7,7 +7,7 @@ Logits ``f(x)`` are reread as energies (Grathwohl et al. 2019): ``E(x, y) = -f(x
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -154,6 +154,29 @@ class JEM(nn.Module):
                 f"{tuple(maps.shape)}"
             )
         return maps, to_logits
+
+    def feature_layers(self) -> list[str] | None:
+        """Dotted names of the layers whose outputs :meth:`layer_features` reads by default,
+        shallow to deep, or ``None`` where the adapter knows none
+        (:meth:`jem_plugin.adapter.Adapter.feature_layers`: a timm model's ``feature_info``
+        stages, a ResNet's ``layer1``... ``layerN``)."""
+        return self.adapter.feature_layers(self.model)
+
+    def layer_features(self, x: Tensor, layers: Sequence[str] | None = None) -> tuple[list[Tensor], Tensor]:
+        """``([B, C_i] per layer, logits [B, K])`` in one forward: the outputs of several layers,
+        averaged over their spatial positions or tokens, next to the validated logits (as
+        :meth:`logits`). ``layers``: dotted submodule names, shallow to deep (default:
+        :meth:`feature_layers`). Multi-layer detectors (``multi_mahalanobis``) read these."""
+        x = self._check_input(x)
+        names = list(layers) if layers is not None else self.feature_layers()
+        if not names:
+            raise NoFeaturesError(
+                f"jem-plugin knows no intermediate layers of {type(unwrap_model(self.model)).__name__}; "
+                "name them: layers=['name.of.block1', 'name.of.block2', ...] (dotted names in "
+                "model.named_modules(), shallow to deep)"
+            )
+        feats, out = self.adapter.layer_features(self.model, x, names)
+        return [f.flatten(1) if f.dim() != 2 else f for f in feats], self._checked_logits(x, out)
 
     def head(self) -> nn.Module | None:
         """The layer mapping :meth:`features` to the logits (``logits == head(features)``), or

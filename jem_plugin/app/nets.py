@@ -64,6 +64,8 @@ class DigitsCNN(nn.Module):
         )
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(2 * w * 4, num_classes))
         self.num_classes = num_classes
+        # the blocks' outputs in timm's convention, for the detectors that read several depths
+        self.feature_info = [{"module": "features.4", "num_chs": w}, {"module": "features.9", "num_chs": 2 * w}]
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.features(x))
@@ -159,6 +161,8 @@ class WideResNet(nn.Module):
         self.act = nn.LeakyReLU(leak)
         self.linear = nn.Linear(c_in, num_classes)
         self.num_classes = num_classes
+        # each stage's last block in timm's convention, for the detectors that read several depths
+        self.feature_info = [{"module": f"blocks.{(s + 1) * n - 1}", "num_chs": widths[s + 1]} for s in range(3)]
         self.depth, self.widen_factor = depth, widen_factor
 
     def forward(self, x: Tensor) -> Tensor:

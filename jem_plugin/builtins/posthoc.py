@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -83,6 +83,7 @@ __all__ = [
     "Mahalanobis",
     "RelativeMahalanobis",
     "MahalanobisODIN",
+    "MultiMahalanobis",
     "GMM",
     "ViM",
     "KNN",
@@ -206,12 +207,12 @@ def _features_of(
     progress: bool | None,
     input_key: str | None,
     desc: str,
-    features: bool = True,
+    read: Callable[[Any, Tensor], tuple[Tensor, Tensor]],
 ) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:
-    """``(features fp32, logits fp32, labels or None)`` of every batch of ``data``: the model in
+    """``(features fp32, logits fp32, labels or None)`` of every batch of ``data``, the first two
+    from ``read(jm, x)`` (a detector's :meth:`_FittedDetector._read`): the model in
     :func:`~jem_plugin.model.sampling_mode` (eval, frozen), no autograd graph, batches moved to
-    the model's device. ``features=False``: the logits alone, in both places (a detector of the
-    logits then works on a model whose features cannot be read)."""
+    the model's device."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     batches, n, in_memory = _labelled_batches(data, batch_size, input_key)
@@ -229,7 +230,7 @@ def _features_of(
                 x = x.to(device, non_blocking=True)
             x = check_input(x, dtype=dtype, domain=jm.domain)
             domain_check(x, jm.domain, desc, stacklevel=4)
-            feats, logits = _features_and_logits(jm, x, features)
+            feats, logits = read(jm, x)
             seen += x.shape[0]
             yield feats.float(), logits.float(), None if y is None else y.to(feats.device)
             bar.update(1)
@@ -474,7 +475,7 @@ class _FittedDetector:
             progress=progress,
             input_key=input_key,
             desc=desc or f"fit {self.name}",
-            features=self.uses_features,
+            read=self._read,
         ):
             add(feats, logits, y)
 
@@ -491,8 +492,14 @@ class _FittedDetector:
         self._check_fitted()
         core = as_jem(jm, f"{self.name}.score")
         with torch.no_grad():
-            feats, logits = _features_and_logits(core, x, self.uses_features)
+            feats, logits = self._read(core, x)
             return self._score(core, feats.float(), logits.float())
+
+    def _read(self, jm: Any, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(features, logits)`` of a batch, what :meth:`_add` and :meth:`_score` get: the
+        penultimate features, or the logits in both places for a detector of the logits alone
+        (it then works on a model whose features cannot be read)."""
+        return _features_and_logits(jm, x, self.uses_features)
 
     # subclasses
     def _begin(self, jm: Any) -> None: ...
@@ -701,6 +708,113 @@ class MahalanobisODIN(Mahalanobis):
         in-distribution."""
         self._check_fitted()
         return super().score(jm, self.perturb(jm, x) if self.eps > 0 else x)
+
+
+class MultiMahalanobis(_ClassConditional):
+    """Lee et al.'s feature ensemble (2018): :class:`Mahalanobis` at several depths of the network,
+    summed. Each layer's output is averaged over its spatial positions (or tokens) to ``z_l``, a
+    class-conditional Gaussian with a shared covariance is fitted to it, and
+
+    ``score(x) = -sum_l w_l min_c (z_l - mu_lc)^T Sigma_l^+ (z_l - mu_lc)``.
+
+    Early layers see what the penultimate features discard (brightness, contrast, texture), so the
+    sum catches low-level shifts such as inverted or noisy images that a classifier maps onto its
+    classes; on semantic shifts (unseen classes) it can be worse than :class:`Mahalanobis`.
+
+    ``layers``: dotted submodule names, shallow to deep (default: the adapter's
+    :meth:`~jem_plugin.JEM.feature_layers`, a timm model's ``feature_info`` stages or a ResNet's
+    ``layer1``... ``layerN``). ``weights``: ``"dof"`` divides each layer's squared distance by
+    ``sqrt(2 r_l)``, its standard deviation at in-distribution inputs (chi-squared with ``r_l``,
+    the rank of ``Sigma_l``, degrees of freedom), so that a wide layer does not outweigh a narrow
+    one; ``"uniform"`` sums them as they are (pytorch-ood's default, ``alpha = 1``); or one number
+    per layer. Lee et al. learn the weights by logistic regression on OOD or adversarial examples,
+    which a post-hoc user without OOD data does not have. No input preprocessing.
+
+    ``fit`` streams as :class:`Mahalanobis` does: one ``C_l x C_l`` sum per layer, one forward per
+    batch (forward hooks on the layers). pytorch-ood's ``MultiMahalanobis`` with ``alpha = 1``
+    is ``-1 / (2 N)`` times ours with ``weights="uniform"`` where the features span their space
+    (its ridge-regularised inverse of the summed covariance against our pseudo-inverse, as for
+    :class:`Mahalanobis`); it runs the network once per layer.
+    """
+
+    name = "multi_mahalanobis"
+
+    def __init__(
+        self, layers: Sequence[str] | None = None, weights: str | Sequence[float] = "dof", labels: str = "true"
+    ) -> None:
+        super().__init__()
+        self._set_labels(labels)
+        if layers is not None and (
+            isinstance(layers, str) or not layers or not all(isinstance(n, str) for n in layers)
+        ):
+            raise ValueError(f"layers must be a non-empty list of dotted submodule names, got {layers!r}")
+        if isinstance(weights, str):
+            if weights not in ("dof", "uniform"):
+                raise ValueError(f"weights must be 'dof', 'uniform' or one number per layer, got {weights!r}")
+        elif not all(isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 for w in weights):
+            raise ValueError(f"weights must be non-negative finite numbers, one per layer, got {weights!r}")
+        self.layers = None if layers is None else list(layers)
+        self.weights: str | list[float] = weights if isinstance(weights, str) else [float(w) for w in weights]
+
+    def _options(self) -> dict[str, Any]:
+        return {"layers": self.layers, "weights": self.weights, **super()._options()}
+
+    def _begin(self, jm: Any) -> None:
+        names = self.layers if self.layers is not None else jm.feature_layers()
+        if not names:
+            raise NoFeaturesError(
+                f"{self.name} reads several layers and jem-plugin knows none of this model's: name them, "
+                f"jem.ood.detector({self.name!r}, layers=['name.of.block1', 'name.of.block2', ...]) "
+                "(dotted names in model.named_modules(), shallow to deep)"
+            )
+        if not isinstance(self.weights, str) and len(self.weights) != len(names):
+            raise ValueError(f"weights gives {len(self.weights)} number(s) for {len(names)} layers ({names})")
+        self.layer_names = list(names)
+        self._per_layer = [Mahalanobis(self.labels) for _ in names]
+        for m in self._per_layer:
+            m._begin(jm)
+
+    def _read(self, jm: Any, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The layers' pooled features side by side (``[B, sum C_l]``) and the logits."""
+        feats, logits = jm.layer_features(x, self.layer_names)
+        self._dims = [f.shape[1] for f in feats]
+        return torch.cat([f.float() for f in feats], dim=1), logits
+
+    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+        y = self._labels(feats, logits, y)
+        for m, z in zip(self._per_layer, feats.split(self._dims, dim=1)):
+            m._moments.add(z, y, logits.shape[1])
+
+    def _finish(self, jm: Any) -> None:
+        for m in self._per_layer:
+            m._finish(jm)
+        self.ranks = [int(m._w.shape[1]) for m in self._per_layer]
+        if isinstance(self.weights, list):
+            self.layer_weights = list(self.weights)
+        elif self.weights == "uniform":
+            self.layer_weights = [1.0] * len(self.ranks)
+        else:  # a layer of zero rank measures nothing (its distances are all 0): weight 0, not 1/0
+            self.layer_weights = [1.0 / math.sqrt(2.0 * r) if r else 0.0 for r in self.ranks]
+        self.classes = self._per_layer[0].classes
+        self.n_fit = self._per_layer[0].n_fit
+
+    def layer_scores(self, jm: Any, x: Tensor) -> Tensor:
+        """``[B, L]``: each layer's ``-min_c`` squared distance of the batch ``x``, unweighted (what
+        the score sums with :attr:`layer_weights`), to see which depth flags an input."""
+        self._check_fitted()
+        core = as_jem(jm, f"{self.name}.layer_scores")
+        with torch.no_grad():
+            feats, _ = self._read(core, x)
+            parts = feats.float().split(self._dims, dim=1)
+            return torch.stack([-m._class_dists(z).min(dim=1).values for m, z in zip(self._per_layer, parts)], dim=1)
+
+    def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
+        parts = feats.split(self._dims, dim=1)
+        total = torch.zeros(feats.shape[0], device=feats.device)
+        for m, z, w in zip(self._per_layer, parts, self.layer_weights):
+            if w:
+                total -= w * m._class_dists(z).min(dim=1).values
+        return total
 
 
 class GMM(_GaussianDetector):
@@ -1161,6 +1275,13 @@ def jem_register_ood_scores(register: Callable[..., None]) -> None:
         needs_grad=True,
         needs_fit=True,
         description="Mahalanobis after an eps input step towards the closest class mean (fit; eps=0.002, labels=)",
+    )
+    register(
+        "multi_mahalanobis",
+        MultiMahalanobis,
+        needs_grad=False,
+        needs_fit=True,
+        description="Mahalanobis summed over several depths, Lee et al.'s feature ensemble (fit; layers=, weights='dof', labels=)",
     )
     register(
         "gmm",
