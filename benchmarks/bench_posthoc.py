@@ -30,7 +30,8 @@ Measured: AUROC (in-distribution positive; AUPR and FPR95 in the JSON) per score
 time per 1000 images of one pass over all sets; for each detector both libraries have, the
 largest difference between our scores and pytorch-ood's at matched settings (ASH at 90% and
 SCALE at 85%, our defaults; ViM at our principal dimension; OpenMax on float64 logits with every
-class predicted in each batch, :class:`EveryClassOpenMax`) and the throughput of both on the
+class predicted in each batch, :class:`EveryClassOpenMax`; MultiMahalanobis at our layer weights,
+on the same pooled layers, :class:`LayerMahalanobis`) and the throughput of both on the
 same 512 images (interleaved rounds, median of paired ratios). Targets of issue 29, per network.
 
     python -m benchmarks.bench_posthoc            # ~35 CPU minutes on one thread
@@ -98,6 +99,7 @@ SHARED = {
     "gmm": "GMM",
     "mahalanobis_odin": "MahalanobisODIN",
     "openmax": "OpenMax",
+    "multi_mahalanobis": "MultiMahalanobis",
 }
 TARGET_MARGIN = 0.005  # best of ours >= best of pytorch-ood - this, per set
 EQUAL_TOL = 1e-4  # shared detectors: max |ours - theirs| <= EQUAL_TOL * max(1, max |ours|)
@@ -312,8 +314,9 @@ def pytorch_ood_detectors(model: nn.Module, feature_dim: int) -> dict[str, tuple
     the paper's for CIFAR; ViM's ``d``, ours). Its feature-map detectors (ASH, SCALE, VRA,
     RankFeat) get a CNN's last feature maps and ``forward_head`` (pooling and classifier), as the
     ASH paper applies it; a ViT, which has no maps, its penultimate features as 1x1 maps. ReAct
-    clips the penultimate features (the paper's layer; as 1x1 maps). Left out: those needing
-    hand-picked layers (Gram, MultiMahalanobis, NACUE), Dropout (MCD), text embeddings (MCM)
+    clips the penultimate features (the paper's layer; as 1x1 maps). MultiMahalanobis reads the
+    layers ours reads (:class:`LayerMahalanobis`). Left out: those needing hand-picked layers
+    (Gram, NACUE), Dropout (MCD), text embeddings (MCM)
     or per-class weights (WeightedEBO), and GradNorm (Huang et al. 2021: per-example parameter
     gradients, 20x the cost of a forward pass, for this CPU budget)."""
     from pytorch_ood import detector as D
@@ -332,6 +335,7 @@ def pytorch_ood_detectors(model: nn.Module, feature_dim: int) -> dict[str, tuple
         "KLMatching": (lambda: D.KLMatching(model), False),
         "TemperatureScaling": (lambda: D.TemperatureScaling(model), False),
         "OpenMax": (lambda: D.OpenMax(model), False),
+        "MultiMahalanobis": (lambda: LayerMahalanobis(model), False),
         "ODIN": (lambda: D.ODIN(model, norm_std=std), True),
         "Mahalanobis": (lambda: D.Mahalanobis(enc), False),
         "MahalanobisODIN": (lambda: D.MahalanobisODIN(enc, norm_std=std), True),
@@ -381,11 +385,50 @@ class EveryClassOpenMax:
         return self.det.predict_logits(torch.cat([logits, anchors]))[: len(x)]
 
 
+class LayerMahalanobis:
+    """pytorch-ood's ``MultiMahalanobis`` on the layers ours reads by default (timm's
+    ``feature_info`` stages), given their pooled outputs through its structured API
+    (``fit_structured``/``predict_structured``), with its default ``alpha = 1`` or the given
+    per-layer weights. Its ``predict(x)`` needs the layers as a chain of modules, each run on the
+    previous one's output, which a ViT's blocks (class token, position embedding) and timm's
+    stems are not; so both libraries read the same features here and differ only in the maths."""
+
+    requires_fit = True
+
+    def __init__(self, model: nn.Module, alpha: Sequence[float] | None = None) -> None:
+        from pytorch_ood import detector as D
+
+        self.jm = jem.wrap(model, **_wrap_kw(model.num_classes))
+        layers = self.jm.feature_layers() or []
+        self.det = D.MultiMahalanobis([nn.Identity()] * len(layers), alpha=None if alpha is None else list(alpha))
+
+    def _pooled(self, x: Tensor) -> list[Tensor]:
+        with torch.no_grad():
+            return self.jm.layer_features(x)[0]
+
+    def fit(self, loader: DataLoader) -> LayerMahalanobis:
+        per_batch, ys = [], []
+        for x, y in loader:
+            per_batch.append(self._pooled(x))
+            ys.append(y)
+        self.det.fit_structured([torch.cat(z) for z in zip(*per_batch)], torch.cat(ys))
+        return self
+
+    def predict(self, x: Tensor) -> Tensor:
+        return self.det.predict_structured(self._pooled(x))
+
+
+def _our_layer_weights(model: nn.Module, loader: DataLoader) -> list[float]:
+    jm = jem.wrap(model, **_wrap_kw(model.num_classes))
+    return ood.detector("multi_mahalanobis").fit(jm, loader, progress=False).layer_weights
+
+
 #: pytorch-ood at our settings where its own differ (for the equality check only): ASH and
 #: SCALE at our percentiles, on the same activations as its defaults (a CNN's feature maps, a
 #: ViT's penultimate features, as ours); OpenMax on float64 logits with every class predicted in
-#: each batch (:class:`EveryClassOpenMax`).
-def matched_detectors(model: nn.Module) -> dict[str, Callable[[], Any]]:
+#: each batch (:class:`EveryClassOpenMax`); MultiMahalanobis with our layer weights (``alpha``
+#: read off our fit on the same data).
+def matched_detectors(model: nn.Module, fit: DataLoader) -> dict[str, Callable[[], Any]]:
     from pytorch_ood import detector as D
 
     maps, maps_head = _shaped_layer(model)
@@ -393,6 +436,7 @@ def matched_detectors(model: nn.Module) -> dict[str, Callable[[], Any]]:
         "ASH": lambda: D.ASH(maps, maps_head, variant="ash-s", percentile=0.90),
         "SCALE": lambda: D.SCALE(maps, maps_head, percentile=0.85),
         "OpenMax": lambda: EveryClassOpenMax(model),
+        "MultiMahalanobis": lambda: LayerMahalanobis(model, alpha=_our_layer_weights(model, fit)),
     }
 
 
@@ -523,7 +567,7 @@ def score_network(
     theirs_table = ood.OODTable(recs, names, SETS, t_timing)
 
     # ---- shared detectors: the same scores? (matched settings) and who is faster
-    matched = matched_detectors(model)
+    matched = matched_detectors(model, _loader(D["x"], D["y"]))
     equality: dict[str, Any] = {}
     for ours_name, t in SHARED.items():
         if ours_name not in s_main or t not in builders:

@@ -50,9 +50,13 @@ gmm                   ``log sum_c pi_c N(z | mu_c, S_c + reg I)``, one covarianc
 openmax               ``-P(unknown)`` once the top ``alpha`` logits are revised by      ``K x K``
                       per-class Weibull fits of their distances to the class mean
                       logits (Bendale & Boult 2016; ``tailsize = 25``, ``alpha = 10``)
+multi_mahalanobis     ``-sum_l w_l min_c`` Mahalanobis distance of layer ``l``'s         ``C_l x C_l``
+                      pooled output, Lee et al.'s feature ensemble (``weights="dof"``:    per layer
+                      ``w_l = 1 / sqrt(2 rank_l)``)
 ====================  ==============================================================  ==========
 
-Features are :meth:`jem_plugin.JEM.features` (penultimate, ``[B, D]``); the "head" is
+Features are :meth:`jem_plugin.JEM.features` (penultimate, ``[B, D]``), or for
+``multi_mahalanobis`` :meth:`jem_plugin.JEM.layer_features` (several layers, pooled); the "head" is
 :meth:`jem_plugin.JEM.head`, the layer that maps them to the logits. Feature maps are
 :meth:`jem_plugin.JEM.feature_maps` (``[B, C, H, W]`` before the classifier's pooling).
 """
