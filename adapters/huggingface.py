@@ -11,7 +11,8 @@ so pass the processor (or ``mean``/``std``) for those. Channels and image size c
 Penultimate features (:meth:`jem_plugin.JEM.features`) are the classifier's input: the pooled
 output (ResNet, ConvNeXt, Swin) or the normalised class token (ViT), caught by a forward hook on
 the last ``nn.Linear`` of ``model.classifier`` during the one forward. A ResNet's feature maps
-(for ASH and SCALE) are its pooler's input.
+(for ASH and SCALE) are its pooler's input. The layers ``multi_mahalanobis`` reads are the
+encoder's stages or blocks.
 """
 
 from __future__ import annotations
@@ -58,6 +59,21 @@ class HuggingFaceAdapter(Adapter):
         if self.features_spec is not None or not isinstance(pool, nn.AdaptiveAvgPool2d) or classifier is None:
             return None
         return pooled_maps(model, x, pool, lambda m: classifier(pool(m)), self.logits)
+
+    def feature_layers(self, model: Any) -> list[str] | None:
+        """The blocks of the encoder: the elements of the first ``nn.ModuleList`` named
+        ``stages``, ``layers`` or ``layer`` (ResNet's and ConvNeXt's stages, Swin's layers, a
+        ViT's blocks), else the generic answer."""
+        core = unwrap_model(model)
+        if isinstance(core, nn.Module):
+            for name, mod in core.named_modules():
+                if (
+                    isinstance(mod, nn.ModuleList)
+                    and len(mod)
+                    and name.rsplit(".", 1)[-1] in ("stages", "layers", "layer")
+                ):
+                    return [f"{name}.{i}" for i in range(len(mod))]
+        return super().feature_layers(model)
 
 
 def is_hf_model(model) -> bool:

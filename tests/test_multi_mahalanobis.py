@@ -168,6 +168,24 @@ def test_torchvision_resnet_and_the_cli_networks_have_default_layers():
     assert [f.shape[1] for f in feats] == [16, 32, 64]
 
 
+def test_hugging_face_models_default_to_their_encoders_blocks():
+    transformers = pytest.importorskip("transformers")
+    resnet = transformers.ResNetForImageClassification(
+        transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=K)
+    )
+    swin = transformers.SwinForImageClassification(
+        transformers.SwinConfig(
+            image_size=32, patch_size=4, embed_dim=8, depths=[1, 1], num_heads=[1, 1], window_size=2, num_labels=K
+        )
+    )
+    for model, width in ((resnet, [8, 16]), (swin, [16, 16])):  # Swin's blocks return (tokens, ...) tuples
+        jm = jem.wrap(model.eval())
+        layers = jm.feature_layers()
+        assert layers is not None and len(layers) == 2 and layers[0].endswith(("stages.0", "layers.0")), layers
+        feats, logits = jm.layer_features(torch.rand(2, 3, 32, 32))
+        assert [f.shape[1] for f in feats] == width and logits.shape == (2, K)
+
+
 def test_catches_low_level_shifts_that_the_penultimate_features_map_onto_the_classes():
     """What the ensemble is for: a digits classifier maps blurred or half-contrast digits onto its
     classes, so the penultimate Mahalanobis distance ranks many of them among the test digits
