@@ -293,7 +293,10 @@ class Adapter:
         Default: the modules a timm-style ``feature_info`` lists (every timm model, and any model
         carrying that attribute: ``[{"module": "blocks.2", "num_chs": 64}, ...]``), else
         ``layer1``, ``layer2``, ... where the model has them (torchvision's ResNets and most
-        hand-written ones).
+        hand-written ones), else the end of each resolution of a ``features`` ``nn.Sequential``
+        (torchvision's EfficientNets, MobileNets, ConvNeXts, VGGs and DenseNets): the block
+        before each one that downsamples (a strided convolution or pooling inside it), a pooling
+        layer itself, and the last block.
         """
         core = unwrap_model(model)
         names = [name for name, _ in _feature_info(core)]
@@ -301,7 +304,15 @@ class Adapter:
             return names
         while isinstance(getattr(core, f"layer{len(names) + 1}", None), nn.Module):
             names.append(f"layer{len(names) + 1}")
-        return names or None
+        if names:
+            return names
+        features = getattr(core, "features", None)
+        if isinstance(features, nn.Sequential) and len(features) > 1:
+            children = list(features.named_children())
+            ends = _resolution_ends([m for _, m in children])
+            if len(ends) > 1:  # one end only: no stage seen (patch-merging transformers), nothing to sum
+                return [f"features.{children[i][0]}" for i in ends]
+        return None
 
     def layer_features(self, model: Any, x: Tensor, layers: Sequence[str]) -> tuple[list[Tensor], Tensor]:
         """``([B, C_i] per layer, logits [B, K])`` of ``x`` in ONE forward of ``model``: the output
@@ -328,10 +339,10 @@ class Adapter:
         channels = dict(_feature_info(core))
         last = getattr(core, "output_fmt", None) == "NHWC"  # timm's channels-last models (Swin, MambaOut)
         pooled = []
-        for i, name in enumerate(layers):
+        for i, (name, module) in enumerate(zip(layers, modules)):
             if i not in seen:
                 raise NoFeaturesError(f"the layer {name!r} did not run in the model's forward, so it gives no features")
-            pooled.append(_pool_positions(seen[i], name, channels.get(name), last))
+            pooled.append(_pool_positions(seen[i], name, channels.get(name) or _out_channels(module), last))
         return pooled, logits
 
 
@@ -361,6 +372,45 @@ def _feature_info(core: Any) -> list[tuple[str, int | None]]:
     except (TypeError, KeyError, AttributeError):
         return []
     return [(name, ch if isinstance(ch, int) else None) for name, ch in entries if name]
+
+
+def _downsamples(module: nn.Module) -> bool:
+    """A strided convolution or pooling inside ``module``."""
+    for m in module.modules():
+        if isinstance(m, (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)):
+            stride = m.stride if isinstance(m.stride, tuple) else (m.stride,)
+            if max(int(s) for s in stride) > 1:
+                return True
+    return False
+
+
+def _resolution_ends(blocks: list[nn.Module]) -> list[int]:
+    """Indices of the blocks that end a resolution: a pooling layer itself (its output is the
+    stage's, pooled), the block before one that downsamples otherwise, and the last block."""
+    ends = set()
+    for i, block in enumerate(blocks):
+        if isinstance(block, (nn.MaxPool2d, nn.AvgPool2d)) and _downsamples(block):
+            ends.add(i)
+        elif i > 0 and _downsamples(block) and not isinstance(blocks[i - 1], (nn.MaxPool2d, nn.AvgPool2d)):
+            ends.add(i - 1)
+    ends.add(len(blocks) - 1)
+    return sorted(ends)
+
+
+def _out_channels(module: nn.Module) -> int | None:
+    """The channel count a module's output most likely has: its last convolution's, linear
+    layer's or normalisation's width (to tell channels-last maps from channels-first ones)."""
+    found = None
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            found = m.out_channels
+        elif isinstance(m, nn.Linear):
+            found = m.out_features
+        elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
+            found = m.num_features if isinstance(m, nn.BatchNorm2d) else m.num_channels
+        elif isinstance(m, nn.LayerNorm):
+            found = int(m.normalized_shape[-1])
+    return found
 
 
 def _named_submodule(core: nn.Module, name: str) -> nn.Module:

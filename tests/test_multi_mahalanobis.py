@@ -156,6 +156,38 @@ def test_timm_models_default_to_their_feature_info_stages(name, size, layers):
     torch.testing.assert_close(feats[0], maps.mean(dim=spatial))
 
 
+@pytest.mark.parametrize(
+    ("name", "layers", "widths"),
+    [
+        ("mobilenet_v3_small", ["features.0", "features.1", "features.3", "features.8", "features.12"], None),
+        ("densenet121", ["features.pool0", "features.denseblock1", "features.denseblock2"], [64, 256, 512]),
+    ],
+)
+def test_torchvision_cnns_default_to_the_end_of_each_resolution_of_their_features(name, layers, widths):
+    """Blocks named by index or by name; the end of a resolution is the block before a strided
+    one, or the pooling layer itself."""
+    tv = pytest.importorskip("torchvision")
+    jm = jem.wrap(getattr(tv.models, name)(num_classes=K).eval())
+    assert jm.feature_layers()[: len(layers)] == layers
+    with torch.no_grad():
+        feats, _ = jm.layer_features(torch.rand(2, 3, 64, 64))
+    assert widths is None or [f.shape[1] for f in feats[: len(widths)]] == widths
+
+
+def test_channels_last_maps_of_a_named_layer_are_pooled_over_positions():
+    """torchvision's Swin stages return [B, H, W, C]: the layer's own width (its last norm) says so."""
+    tv = pytest.importorskip("torchvision")
+    model = tv.models.swin_t(num_classes=K).eval()
+    jm = jem.wrap(model)
+    assert jm.feature_layers() is None  # no resolution ends to read off patch merging: named below
+    x = torch.rand(2, 3, 64, 64)
+    with torch.no_grad():
+        feats, _ = jm.layer_features(x, ["features.1", "features.3"])
+        maps = model.features[:2](x)
+    assert [f.shape[1] for f in feats] == [96, 192]
+    torch.testing.assert_close(feats[0], maps.mean(dim=(1, 2)))
+
+
 def test_torchvision_resnet_and_the_cli_networks_have_default_layers():
     tv = pytest.importorskip("torchvision")
     from jem_plugin.app.nets import DigitsCNN, WideResNet
