@@ -71,7 +71,9 @@ NAME = "posthoc"
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 NETWORKS = {  # name: (what it stands for, timm spec, Adam learning rate, epochs)
     "resnet10t": ("BatchNorm", "resnet10t", 2e-3, 12),
-    "lcnet_050": ("depthwise", "lcnet_050", 5e-3, 30),
+    # lcnet_050 at 5e-3 trained the 0-9 model (0.953) and not the 0-7 one (0.457): its rate is chosen
+    # on the training split by validation accuracy, python -m benchmarks.tune_posthoc_lr (worst 0.83 at 1e-2)
+    "lcnet_050": ("depthwise", "lcnet_050", 1e-2, 30),
     "convnext_atto": ("LayerNorm", "convnext_atto", 2e-3, 15),
     "test_vit": ("ViT", "test_vit:img_size=32,patch_size=4", 2e-3, 20),
 }
