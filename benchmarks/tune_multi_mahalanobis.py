@@ -79,7 +79,7 @@ def summary(folds: dict[str, dict[str, Any]]) -> tuple[str, str]:
     return "\n".join(lines), chosen
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--render", action="store_true", help="print the table from the saved run")
     a = p.parse_args(argv)
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     table, chosen = summary(folds)
     print(table)
     print(f"selected: weights={chosen!r}")
+    return {"folds": folds, "chosen": chosen}
 
 
 if __name__ == "__main__":

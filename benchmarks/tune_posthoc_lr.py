@@ -48,18 +48,20 @@ def run(network: str, lrs: list[float], epochs: int | None = None) -> dict[str, 
     return {"network": network, "epochs": epochs, "validation_accuracy": acc, "chosen_lr": chosen}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--network", choices=list(P.NETWORKS), required=True)
     p.add_argument("--lrs", type=float, nargs="+", required=True)
     p.add_argument("--epochs", type=int, default=None, help="default: the network's in bench_posthoc")
+    p.add_argument("--out", default=OUT_DIR, help="directory of the JSON (default: benchmarks/results)")
     a = p.parse_args(argv)
     res = run(a.network, a.lrs, a.epochs)
-    path = os.path.join(OUT_DIR, f"posthoc_lr_{a.network}.json")
+    path = os.path.join(a.out, f"posthoc_lr_{a.network}.json")
     common.write_json(path, {"machine": common.machine_info(), "tune": res})
     for lr, v in res["validation_accuracy"].items():
         print(f"lr {lr}: worst {min(v.values()):.3f}, " + ", ".join(f"{k} {x:.3f}" for k, x in v.items()))
     print(f"chosen: {res['chosen_lr']}  ({path})")
+    return res
 
 
 if __name__ == "__main__":

@@ -154,3 +154,47 @@ def test_the_jem_tuning_split_never_reads_the_judges_test_digits(monkeypatch):
     assert len(F["sets"]["held_out"]) == int((y < 2).sum())  # every image of the two held-out classes
     assert set(F["sets"]) == set(B.SETS)
     assert T.candidate_recipe("pxy_only", "resnet10t", F["per_class"]).loss.px_weight == 0.0
+
+
+def _small_folds(T, monkeypatch):
+    """The tuning split's folds cut to a few images each, for a tiny network."""
+    real = T.fold_data
+
+    def small(held_out):
+        F = real(held_out)
+        sets = {k: v[:24] for k, v in F["sets"].items()}
+        return {**F, "x": F["x"][:200], "y": F["y"][:200], "xv": F["xv"][:48], "yv": F["yv"][:48], "sets": sets}
+
+    monkeypatch.setattr(T, "fold_data", small)
+    monkeypatch.setitem(B.NETWORKS, "tiny", ("BatchNorm", "test_resnet", 1e-3, 1))
+
+
+def test_multi_mahalanobis_weights_are_chosen_on_the_tuning_split(tmp_path, monkeypatch):
+    """benchmarks/tune_multi_mahalanobis.py: both weightings and the penultimate Mahalanobis on
+    every fold's six sets, the choice the higher mean."""
+    from benchmarks import tune_multi_mahalanobis as T
+
+    _small_folds(T, monkeypatch)
+    monkeypatch.setattr(T, "TUNE_NETWORKS", ("tiny",))
+    monkeypatch.setattr(T, "OUT", str(tmp_path / "mm.json"))
+    res = T.main([])
+    assert set(res["folds"]) == {"tiny 01", "tiny 56"}
+    for fold in res["folds"].values():
+        assert set(fold["auroc"]) == {"mahalanobis", "multi_mahalanobis[uniform]", "multi_mahalanobis[dof]"}
+        assert all(set(v) == set(B.SETS) for v in fold["auroc"].values())
+    mean = {c: sum(f["mean_auroc"][f"multi_mahalanobis[{c}]"] for f in res["folds"].values()) for c in T.CANDIDATES}
+    assert mean[res["chosen"]] == max(mean.values())
+    assert json.loads((tmp_path / "mm.json").read_text())["folds"] == res["folds"]
+
+
+def test_posthoc_learning_rate_is_chosen_by_worst_validation_accuracy(tmp_path, monkeypatch):
+    """benchmarks/tune_posthoc_lr.py: every rate on every fold and seed, the choice the rate whose
+    worst validation accuracy is highest (accuracy only: no OOD metric is read)."""
+    from benchmarks import tune_posthoc_lr as T
+
+    _small_folds(T, monkeypatch)
+    res = T.main(["--network", "tiny", "--lrs", "0.0001", "0.003", "--out", str(tmp_path)])
+    acc = res["validation_accuracy"]
+    assert set(acc) == {"0.0001", "0.003"} and all(len(v) == 2 * len(T.SEEDS) for v in acc.values())
+    assert min(acc[str(res["chosen_lr"])].values()) == max(min(v.values()) for v in acc.values())
+    assert (tmp_path / "posthoc_lr_tiny.json").exists()
