@@ -36,8 +36,20 @@ BUILTIN_NETS = ("digits-cnn", "toy-mlp", "wrn28-10", "wrn-D-K")
 _WRN = re.compile(r"wrn-?(\d+)-(\d+)")  # wrn28-10, wrn-16-8: WideResNet(depth, widen_factor)
 
 
-def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int = 0, skip_bad: bool = False):
+def load_data(
+    spec: str,
+    *,
+    train: bool = True,
+    image_size: int = 32,
+    seed: int = 0,
+    skip_bad: bool = False,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+):
     """``(dataset, domain, num_classes, sample_shape)`` for a ``--data`` spec.
+
+    Images (folders, CIFAR-10) are normalised by ``mean``/``std`` where given (a user's own
+    classifier, ``jem ood --weights``), else into ``[-1, 1]`` as ``jem train`` reads them.
 
     Specs: ``digits``, ``toy2d`` (or ``toy2d:NAME``), ``textures`` (or ``textures:N``, N generated
     images per class, default 500; 100 per class for testing), ``folder:PATH``, ``cifar10:PATH``.
@@ -57,7 +69,7 @@ def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int 
     if kind == "folder":
         if not arg:
             raise CLIError("--data folder:PATH needs a path, e.g. folder:data/train")
-        ds = D.image_folder(arg, image_size=image_size, skip_bad=skip_bad)
+        ds = D.image_folder(arg, image_size=image_size, mean=mean, std=std, skip_bad=skip_bad)
         _say_skipped(ds, spec)
         return ds, ds.domain, len(ds.classes), (3, image_size, image_size)
     if kind == "textures":  # generated colour shapes on textures (data.textures): train 0.., test 1000000..
@@ -72,7 +84,7 @@ def load_data(spec: str, *, train: bool = True, image_size: int = 32, seed: int 
     if kind == "cifar10":
         if not arg:
             raise CLIError("--data cifar10:PATH needs the directory holding cifar-10-batches-py")
-        ds = D.cifar10(arg, train=train)
+        ds = D.cifar10(arg, train=train, mean=mean, std=std)
         return ds, ds.domain, 10, (3, 32, 32)
     raise CLIError(f"unknown --data {spec!r}; use digits, toy2d[:NAME], textures[:N], folder:PATH or cifar10:PATH")
 
@@ -322,7 +334,9 @@ def held_out_data(
     size = image_size or int(spec["sample_shape"][-1])
     own = skip_bad or bool(spec.get("skip_bad_images"))
     if data:
-        ds, *_ = load_data(data, train=False, image_size=size, seed=seed, skip_bad=skip_bad)
+        ds, *_ = load_data(
+            data, train=False, image_size=size, seed=seed, skip_bad=skip_bad, mean=spec.get("mean"), std=spec.get("std")
+        )
         where = data
     else:
         kept = spec.get("held_out") or {}
@@ -426,7 +440,13 @@ def ood_sets(
             continue
         if not item.startswith("folder:") or not item[len("folder:") :]:
             raise CLIError(f"--ood {item!r}: use noise or folder:PATH (a folder of images, any sub-folders)")
-        ds = D.image_files(item[len("folder:") :], image_size=int(spec["sample_shape"][-1]), skip_bad=skip_bad)
+        ds = D.image_files(
+            item[len("folder:") :],
+            image_size=int(spec["sample_shape"][-1]),
+            mean=spec.get("mean"),
+            std=spec.get("std"),
+            skip_bad=skip_bad,
+        )
         _say_skipped(ds, item)
         name = Path(item[len("folder:") :]).name or item
         while name in sets:

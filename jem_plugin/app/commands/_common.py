@@ -29,6 +29,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _floats(text: str) -> list[float]:
+    """A comma-separated list of numbers: ``0.485,0.456,0.406``."""
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected numbers separated by commas, e.g. 0.5,0.5,0.5; got {text!r}"
+        ) from None
+
+
 class DefaultDevice(str):
     """``--device`` as nobody gave it: the CPU. A GPU on the machine is then named in one line,
     since training there on the CPU is rarely what was meant."""
@@ -109,9 +119,15 @@ def _eval_tensors(args, spec):
     return x, y, where
 
 
-def _checkpoint_args(p: argparse.ArgumentParser) -> None:
-    """The arguments of the commands that score a trained model (eval, ood)."""
-    p.add_argument("checkpoint", help="model.pt written by `jem train`")
+def _checkpoint_args(p: argparse.ArgumentParser, own_weights: bool = False) -> None:
+    """The arguments of the commands that score a trained model (eval, ood). ``own_weights``: the
+    model file may be left out for ``--model``/``--weights`` (a classifier trained elsewhere)."""
+    if own_weights:
+        p.add_argument(
+            "checkpoint", nargs="?", default=None, help="model.pt written by `jem train` (or --model and --weights)"
+        )
+    else:
+        p.add_argument("checkpoint", help="model.pt written by `jem train`")
     p.add_argument("--data", default=None, help="evaluation data (default: what training held out)")
     p.add_argument("--image-size", type=int, default=None, help="folder data resized to this (default: the model's)")
     p.add_argument("--skip-bad-images", action="store_true", help=SKIP_BAD_HELP)

@@ -12,12 +12,38 @@ from torch.utils.data import DataLoader
 from ... import ood
 from .. import CLIError
 from ..model_files import check_inputs, load_data, load_model_checkpoint, ood_sets, training_data
-from ._common import _beside_checkpoint, _checkpoint_args, _device, _emit, _eval_tensors, _out_file, _positive
+from ..user_weights import load_user_model
+from ._common import _beside_checkpoint, _checkpoint_args, _device, _emit, _eval_tensors, _floats, _out_file, _positive
 
 
 def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("ood", parents=[common], help="OOD detection scores and metrics of a trained model")
-    _checkpoint_args(p)
+    _checkpoint_args(p, own_weights=True)
+    own = p.add_argument_group("a classifier trained elsewhere (instead of a jem train model file)")
+    own.add_argument(
+        "--model",
+        default=None,
+        metavar="SPEC",
+        help="its network, as jem train's --model: a timm name, module:factory (e.g. "
+        "torchvision.models:resnet18, called with num_classes=K) or a built-in net",
+    )
+    own.add_argument(
+        "--weights",
+        default=None,
+        metavar="FILE",
+        help="its weights: a file of torch.save(model.state_dict()) (or a training checkpoint holding one)",
+    )
+    own.add_argument(
+        "--num-classes", type=_positive, default=None, help="its class count (default: the folders of --data)"
+    )
+    own.add_argument(
+        "--mean",
+        type=_floats,
+        default=None,
+        help="the normalisation its training applied, per channel: 0.485,0.456,0.406 (default: its "
+        "adapter's: timm's pretrained mean/std, ImageNet's for torchvision, else [-1, 1] pixels)",
+    )
+    own.add_argument("--std", type=_floats, default=None, help="with --mean: 0.229,0.224,0.225")
     p.add_argument(
         "--scores",
         default="logpx,msp,grad_norm",
@@ -66,7 +92,31 @@ def run(args) -> int:
     methods = ood._method_names(args.scores)  # unknown names: one line, before anything is loaded
     if args.openood and (args.data or args.ood):
         raise CLIError("--openood gives both the test images and the OOD sets; drop --data and --ood")
-    jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
+    own = args.model is not None or args.weights is not None
+    if own and args.checkpoint:
+        raise CLIError(
+            "give a jem train model file, or --model and --weights for a classifier trained elsewhere, not both"
+        )
+    if not own and not args.checkpoint:
+        raise CLIError("give a jem train model file (jem ood runs/jem/model.pt), or --model SPEC --weights FILE")
+    if own:
+        if not (args.model and args.weights):
+            raise CLIError("a classifier trained elsewhere needs both --model SPEC and --weights FILE")
+        jm, spec = load_user_model(
+            args.model,
+            args.weights,
+            args.data,
+            openood_benchmark=args.benchmark if args.openood else None,
+            num_classes=args.num_classes,
+            mean=args.mean,
+            std=args.std,
+            image_size=args.image_size,
+            device=_device(args.device),
+        )
+    else:
+        if args.mean or args.std or args.num_classes:
+            raise CLIError("--mean, --std and --num-classes describe --model/--weights; a model file carries them")
+        jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
     size = args.image_size or int(spec["sample_shape"][-1])
     progress = False if args.quiet else None
     fit_needed = any(collect(ood._HOOK)[m].get("needs_fit", False) for m in methods)
@@ -88,11 +138,25 @@ def run(args) -> int:
         x, y, _ = _eval_tensors(args, spec)
         check_inputs(jm, x, spec, args.data or spec["data"])
         data_in, sets = x, ood_sets(args.ood, spec, jm, x, y, seed=args.seed, skip_bad=args.skip_bad_images)
-    if fit_needed and fit_data is None:
+    if fit_needed and fit_data is None and own and not args.fit_data:
+        print(
+            "jem ood: the detectors fitted on training data (mahalanobis, knn, ...) are skipped: "
+            "give --fit-data folder:PATH (the classifier's training images) to score them",
+            file=sys.stderr,
+        )
+    elif fit_needed and fit_data is None:
         # The model's own training data (its spec names it; the held-out split left out), or --fit-data.
         source = args.fit_data or spec["data"]
         if args.fit_data:
-            ds, *_ = load_data(source, train=True, image_size=size, seed=args.seed, skip_bad=args.skip_bad_images)
+            ds, *_ = load_data(
+                source,
+                train=True,
+                image_size=size,
+                seed=args.seed,
+                skip_bad=args.skip_bad_images,
+                mean=spec.get("mean"),
+                std=spec.get("std"),
+            )
         else:
             ds = training_data(spec, args.seed, skip_bad=args.skip_bad_images)
         if len(ds):
@@ -109,9 +173,10 @@ def run(args) -> int:
         else:
             result[key] = {"status": r["status"], "reason": r["reason"]}
     _emit(result, args)
-    base = _out_file(args.out).with_suffix("") if args.out else _beside_checkpoint(args.checkpoint, "_ood")
+    model_file = args.checkpoint or args.weights
+    base = _out_file(args.out).with_suffix("") if args.out else _beside_checkpoint(model_file, "_ood")
     csv_path, png_path = table.to_csv(base.with_suffix(".csv")), str(base.with_suffix(".png"))
-    plot_ood_table(table, png_path, title=f"{Path(args.checkpoint).name}: AUROC per score and OOD set")
+    plot_ood_table(table, png_path, title=f"{Path(model_file).name}: AUROC per score and OOD set")
     # The JSON above is the result for scripts; the table is for the reader (stderr keeps stdout JSON).
     print(f"\n{table.to_text()}\ntable: {csv_path}\nfigure: {png_path}", file=sys.stderr)
     return 0
