@@ -106,3 +106,21 @@ def test_jem_ood_on_an_openood_directory(mini, tmp_path, capsys):
     sets = ["cifar100", "tin", "mnist", "svhn", "texture", "places365"]
     assert set(result) == {f"{m}/{s}" for m in ("logpx", "msp") for s in sets}
     assert (out.parent / "ood.csv").is_file() and (out.parent / "ood.png").stat().st_size > 1000
+
+
+def test_jem_ood_on_an_openood_directory_with_weights_trained_elsewhere(mini, tmp_path, capsys):
+    """``--model``/``--weights``: ten classes (the benchmark's), 32x32 (CIFAR's), the images
+    normalised with the model's mean/std, fitted detectors on the benchmark's training list."""
+    import timm
+
+    from jem_plugin.app.cli import main
+
+    torch.manual_seed(0)
+    torch.save(timm.create_model("resnet10t", num_classes=10).state_dict(), tmp_path / "w.pth")
+    out = tmp_path / "ood.json"
+    argv = ["ood", "--model", "resnet10t", "--weights", str(tmp_path / "w.pth"), "--openood", str(mini)]
+    assert main([*argv, "--scores", "msp,mahalanobis", "--quiet", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert "auroc" in result["msp/svhn"] and "auroc" in result["mahalanobis/places365"]
+    assert main([*argv, "--num-classes", "3", "--quiet"]) == 2
+    assert "size mismatch" in capsys.readouterr().err
