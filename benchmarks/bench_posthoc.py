@@ -252,6 +252,30 @@ def train(
     return model.eval(), cost
 
 
+#: A run whose accuracy on its own training images (eval mode) stays below this did not train; it
+#: is rerun with the next seed, at most FIT_TRIES runs in all (lcnet_050 fails on ~1150 digits at
+#: some seeds: 0.26-0.46 test accuracy on digits 0-7 at seed 0). Reads the training data alone.
+MIN_TRAIN_ACCURACY = 0.9
+FIT_TRIES = 3
+
+
+def train_until_fit(
+    spec: str, x: Tensor, y: Tensor, num_classes: int, epochs: int, **kwargs: Any
+) -> tuple[nn.Module, dict[str, Any]]:
+    """:func:`train` from seed 0, rerun with seeds 1, 2 while the model's training accuracy stays
+    below :data:`MIN_TRAIN_ACCURACY`; the cost records the seed kept and every run's training
+    accuracy (the last run is kept when none fits)."""
+    tried: list[float] = []
+    for seed in range(FIT_TRIES):
+        model, cost = train(spec, x, y, num_classes, epochs, seed=seed, **kwargs)
+        tried.append(round(accuracy(model, x, y), 4))
+        if tried[-1] >= MIN_TRAIN_ACCURACY:
+            break
+        _log(f"{spec}: training accuracy {tried[-1]:.3f} at seed {seed}: it did not train, rerun")
+    cost.update(seed=seed, train_accuracy=tried)
+    return model, cost
+
+
 def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
     with torch.no_grad():
         return float((torch.cat([model(b) for b in x.split(BATCH)]).argmax(1) == y).float().mean())
@@ -534,9 +558,9 @@ def score_network(
     epochs = epochs or default_epochs
     main_sets = {k: v for k, v in D["sets"].items()}
     _log(f"{name}: training on digits 0-9 ({epochs} epochs)")
-    model, cost = train(spec, D["x"], D["y"], 10, epochs, lr=lr, eval_every=(D["xt"], D["yt"]))
+    model, cost = train_until_fit(spec, D["x"], D["y"], 10, epochs, lr=lr, eval_every=(D["xt"], D["yt"]))
     _log(f"{name}: training on digits 0-7")
-    model8, cost8 = train(spec, D["x07"], D["y07"], 8, epochs, lr=lr)
+    model8, cost8 = train_until_fit(spec, D["x07"], D["y07"], 8, epochs, lr=lr)
     acc, acc8 = accuracy(model, D["xt"], D["yt"]), accuracy(model8, D["xt07"], D["yt07"])
     _log(f"{name}: test accuracy {acc:.3f} (0-7 model: {acc8:.3f}); our scores")
     jm, jm8 = jem.wrap(model, **_wrap_kw(10)), jem.wrap(model8, **_wrap_kw(8))
@@ -689,7 +713,7 @@ def score_jem_twin(
     how = "from scratch" if init is None else "fine-tuned from the cross-entropy twin"
     name = recipe.name if isinstance(recipe, Recipe) else recipe
     _log(f"JEM twin {network} ({name} recipe, {how}): training on digits 0-9 ({epochs} epochs)")
-    model, cost = train(
+    model, cost = train_until_fit(
         spec,
         D["x"],
         D["y"],
@@ -702,7 +726,7 @@ def score_jem_twin(
         init=None if init is None else init[0],
     )
     _log(f"JEM twin ({name}): training on digits 0-7")
-    model8, cost8 = train(
+    model8, cost8 = train_until_fit(
         spec, D["x07"], D["y07"], 8, epochs, recipe=recipe, lr=lr, bs=JEM_BATCH, init=None if init is None else init[1]
     )
     jm, jm8 = jem.wrap(model, **_wrap_kw(10)), jem.wrap(model8, **_wrap_kw(8))
@@ -908,6 +932,17 @@ def network_markdown(name: str, net: dict[str, Any], twins: dict[str, dict[str, 
     return common.md_table(head, rows)
 
 
+def _reruns(net: dict[str, Any]) -> str:
+    """Where a model did not train at seed 0 and was rerun (:func:`train_until_fit`), say so."""
+    said = []
+    for which, cost in (("0-9", net["cost"]), ("0-7", net["cost_0_7"])):
+        tried = cost.get("train_accuracy") or []
+        if len(tried) > 1:
+            accs = ", ".join(f"{a:.2f}" for a in tried)
+            said.append(f"the {which} model kept seed {cost['seed']} (training accuracy by seed: {accs})")
+    return f"; {'; '.join(said)}" if said else ""
+
+
 def to_markdown(res: dict[str, Any]) -> str:
     st = res["settings"]
     lines = [
@@ -929,7 +964,8 @@ def to_markdown(res: dict[str, Any]) -> str:
         lines += [
             f"#### {name} ({net['kind']}): test accuracy {net['accuracy']:.3f} (0-7 model {net['accuracy_0_7']:.3f}); "
             f"{st['epochs'][name]} epochs at learning rate {st['lr'][name]:g}, "
-            f"{(net['cost']['train_cpu_s'] + net['cost_0_7']['train_cpu_s']) / 60:.1f} CPU minutes for both models",
+            f"{(net['cost']['train_cpu_s'] + net['cost_0_7']['train_cpu_s']) / 60:.1f} CPU minutes for both models"
+            + _reruns(net),
             "",
             network_markdown(name, net, twins if name == st["jem_twin"] else None),
             "",

@@ -120,6 +120,7 @@ def test_the_jem_fine_tune_check_scores_the_ce_twin_and_its_fine_tune(tmp_path, 
     starts = []
     train = B.train
     monkeypatch.setattr(B, "train", lambda *a, **k: (starts.append(k.get("init")), train(*a, **k))[1])
+    monkeypatch.setattr(B, "MIN_TRAIN_ACCURACY", 0.0)  # one run per model: what starts from what
     out = tmp_path / "ft.json"
     res = C.main(["--network", "tiny", "--out", str(out)])
     assert starts[:2] == [None, None] and all(s is not None for s in starts[2:]) and len(starts) == 4
@@ -198,3 +199,18 @@ def test_posthoc_learning_rate_is_chosen_by_worst_validation_accuracy(tmp_path, 
     assert set(acc) == {"0.0001", "0.003"} and all(len(v) == 2 * len(T.SEEDS) for v in acc.values())
     assert min(acc[str(res["chosen_lr"])].values()) == max(min(v.values()) for v in acc.values())
     assert (tmp_path / "posthoc_lr_tiny.json").exists()
+
+
+def test_a_model_that_did_not_train_is_rerun_with_the_next_seed(monkeypatch):
+    """bench_posthoc.train_until_fit: seeds 0, 1, 2 until the training accuracy reaches the bar,
+    read on the training images alone; the cost says which seed was kept and what each reached."""
+    reached = {0: 0.3, 1: 0.95, 2: 1.0}
+    monkeypatch.setattr(B, "train", lambda *a, seed, **k: (seed, {"seed_run": seed}))
+    monkeypatch.setattr(B, "accuracy", lambda model, x, y: reached[model])
+    model, cost = B.train_until_fit("net", torch.zeros(4, 1), torch.zeros(4), 2, 1, lr=1e-3)
+    assert model == 1 and cost["seed"] == 1 and cost["train_accuracy"] == [0.3, 0.95]
+    reached.update({1: 0.5, 2: 0.6})
+    model, cost = B.train_until_fit("net", torch.zeros(4, 1), torch.zeros(4), 2, 1, lr=1e-3)
+    assert model == 2 and cost["train_accuracy"] == [0.3, 0.5, 0.6]  # none fits: the last is kept
+    net = {"cost": {"train_accuracy": [1.0]}, "cost_0_7": cost}
+    assert B._reruns(net) == "; the 0-7 model kept seed 2 (training accuracy by seed: 0.30, 0.50, 0.60)"
