@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 from .. import wrap
-from .._checks import unwrap_model
 from ..adapter import InputDomain
 from . import CLIError
 from .model_files import build_model, model_spec
@@ -82,13 +81,11 @@ def _is_state(d: dict) -> bool:
 
 
 def data_classes(data: str) -> list[str] | None:
-    """The class names of a ``--data`` spec without reading its images: a folder's sub-folders,
-    CIFAR-10's ten; ``None`` for specs that hold no classes of a user's model."""
+    """A folder's class names (its sub-folders, as ``ImageFolder`` sorts them) without reading its
+    images; ``None`` for other specs."""
     kind, _, arg = data.partition(":")
     if kind == "folder" and arg and Path(arg).expanduser().is_dir():
         return sorted(d.name for d in Path(arg).expanduser().iterdir() if d.is_dir())
-    if kind == "cifar10":
-        return ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
     return None
 
 
@@ -134,9 +131,10 @@ def load_user_model(
                 "images, one sub-folder per class), --data cifar10:PATH or --openood ROOT"
             )
         classes = data_classes(data)
-        if not (num_classes or classes):
+        count = 10 if data.startswith("cifar10:") else len(classes or ())
+        if not (num_classes or count):
             raise CLIError(f"--data {data} holds no class folders to count: give --num-classes K")
-        k = num_classes or len(classes or ())
+        k = num_classes or count
     state = read_state_dict(weights)
     net = build_model(model, k, in_chans=3)
     try:
@@ -150,7 +148,11 @@ def load_user_model(
             else f" (built for {k} classes, the folders of --data; --num-classes K if it has another count)"
         )
         raise CLIError(f"--weights {weights} do not fit --model {model}{hint}: {detail[:300]}") from exc
-    size = image_size or (32 if data.startswith("cifar10:") else _model_image_size(net))
+    if not image_size and data.startswith("cifar10:"):
+        image_size = 32
+    # the size the adapter reads off the model (timm's config, a ViT's patch embedding), else 224
+    said = wrap(net).domain.input_size
+    size = image_size or (int(said[-1]) if said else 224)
     options: dict[str, Any] = {"input_size": (3, size, size)}
     if mean is not None or std is not None:
         if mean is None or std is None:
@@ -170,13 +172,3 @@ def load_user_model(
     if device is not None:
         jm.to(device)
     return jm.eval(), spec
-
-
-def _model_image_size(net: Any) -> int:
-    """The image size the model says it takes (timm's config, a ViT's patch embedding), else 224."""
-    cfg = getattr(unwrap_model(net), "pretrained_cfg", None) or {}
-    size = (cfg.get("input_size") or (3, 224, 224))[-1]
-    img = getattr(getattr(net, "patch_embed", None), "img_size", None)
-    if img is not None:
-        size = img if isinstance(img, int) else img[-1]
-    return int(size)
