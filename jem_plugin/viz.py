@@ -516,8 +516,11 @@ def plot_ood_table(table: Any, path: str, title: str | None = None, *, metric: s
         )
         # Over the whole figure, wrapped to its width: a table of one or two sets is narrower than
         # its title, which an axes title would clip at the edge.
-        fig.suptitle(_wrap_title(text, fig.get_figwidth(), fontsize=10), fontsize=10)
-        fig.tight_layout()
+        wrapped = _wrap_title(text, fig.get_figwidth(), fontsize=10)
+        fig.suptitle(wrapped, fontsize=10)
+        # tight_layout leaves the figure title out: keep its lines' height (and a margin) clear
+        title_inches = 0.25 + 0.2 * (wrapped.count("\n") + 1)
+        fig.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - title_inches / fig.get_figheight()))
         fig.savefig(_to_path(path), dpi=120)
     return path
 

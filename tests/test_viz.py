@@ -171,6 +171,20 @@ def test_the_ood_heat_map_title_stays_inside_the_figure(n_sets, tmp_path, drawn)
     _title_inside(drawn[0], "AUROC per score")
 
 
+@pytest.mark.parametrize("n_scores", [3, 55])
+def test_the_ood_heat_map_title_stays_clear_of_the_table(n_scores, tmp_path, drawn):
+    """bench_posthoc's heat maps (55 scores beside pytorch-ood's) drew their title over the top row."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    rows = [{"score": f"s{i:02d}", "set": f"set{j}", "auroc": 0.5 + 0.005 * i} for i in range(n_scores) for j in range(6)]
+    viz.plot_ood_table(rows, str(tmp_path / "t.png"), title="resnet10t: AUROC per score and OOD set")
+    fig = drawn[0]
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    title = _title_inside(fig, "AUROC per score").get_window_extent(renderer)
+    table = fig.axes[0].get_window_extent(renderer)
+    assert title.y0 >= table.y1, (title, table)
+
+
 def test_a_long_title_is_wrapped_inside_the_reliability_diagram(tmp_path, drawn):
     """`jem eval` titles its diagram with the checkpoint and the data ("model.pt on folder:...,
     the 0.2 held out from training: reliability"): the title ran off both edges."""
