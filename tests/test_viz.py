@@ -176,7 +176,9 @@ def test_the_ood_heat_map_title_stays_clear_of_the_table(n_scores, tmp_path, dra
     """bench_posthoc's heat maps (55 scores beside pytorch-ood's) drew their title over the top row."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    rows = [{"score": f"s{i:02d}", "set": f"set{j}", "auroc": 0.5 + 0.005 * i} for i in range(n_scores) for j in range(6)]
+    rows = [
+        {"score": f"s{i:02d}", "set": f"set{j}", "auroc": 0.5 + 0.005 * i} for i in range(n_scores) for j in range(6)
+    ]
     viz.plot_ood_table(rows, str(tmp_path / "t.png"), title="resnet10t: AUROC per score and OOD set")
     fig = drawn[0]
     renderer = FigureCanvasAgg(fig).get_renderer()
