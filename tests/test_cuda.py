@@ -191,6 +191,8 @@ def _score_every_method(jm, x):
         )
         if jem.ood.score_info(method)["needs_fit"]:
             kw["fit_data"] = fit
+        if method == "multi_mahalanobis":  # a hand-written net: its layers named
+            kw["layers"] = ["body.2", "body.4"]
         scores = jem.ood.score(jm, x, method, progress=False, **kw)
         assert scores.shape == (len(x),) and scores.device == dev and torch.isfinite(scores).all(), method
 

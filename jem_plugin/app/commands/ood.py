@@ -25,13 +25,15 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         default=None,
         metavar="SPEC",
         help="its network, as jem train's --model: a timm name, module:factory (e.g. "
-        "torchvision.models:resnet18, called with num_classes=K) or a built-in net",
+        "torchvision.models:resnet18, called with num_classes=K) or a built-in net (default: none; "
+        "the model file's)",
     )
     own.add_argument(
         "--weights",
         default=None,
         metavar="FILE",
-        help="its weights: a file of torch.save(model.state_dict()) (or a training checkpoint holding one)",
+        help="its weights: a file of torch.save(model.state_dict()) (or a training checkpoint holding "
+        "one) (default: none; the model file's)",
     )
     own.add_argument(
         "--num-classes", type=_positive, default=None, help="its class count (default: the folders of --data)"
@@ -43,7 +45,9 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         help="the normalisation its training applied, per channel: 0.485,0.456,0.406 (default: its "
         "adapter's: timm's pretrained mean/std, ImageNet's for torchvision, else [-1, 1] pixels)",
     )
-    own.add_argument("--std", type=_floats, default=None, help="with --mean: 0.229,0.224,0.225")
+    own.add_argument(
+        "--std", type=_floats, default=None, help="with --mean: 0.229,0.224,0.225 (default: its adapter's)"
+    )
     p.add_argument(
         "--scores",
         default="logpx,msp,grad_norm",
