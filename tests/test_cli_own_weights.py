@@ -92,6 +92,24 @@ def test_scores_a_classifier_trained_elsewhere_as_the_python_api_does(world, mon
     assert (root / "checkpoint_ood.csv").exists() and (root / "checkpoint_ood.png").exists()
 
 
+def test_without_a_normalisation_the_adapters_domain_is_used(world, monkeypatch, capsys):
+    """A plain nn.Module's adapter takes [-1, 1] inputs: the images are scaled so (0.5, 0.5), as
+    jem.wrap(model) and the folder loader's default would have it."""
+    root, model = world
+    monkeypatch.chdir(root)
+    argv = ["ood", "--model", "usernet:build", "--weights", str(root / "checkpoint.pth")]
+    argv += ["--data", f"folder:{root / 'test'}", "--ood", f"folder:{root / 'photos'}", "--image-size", "16"]
+    assert main([*argv, "--scores", "logpx", "--quiet"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    jm = jem.wrap(model)
+    assert jm.domain.low == (-1.0,) and jm.domain.high == (1.0,)
+    test, photos = image_folder(root / "test", image_size=16), image_files(root / "photos", image_size=16)
+    x = torch.stack([test[i][0] for i in range(len(test))])
+    xp = torch.stack([photos[i][0] for i in range(len(photos))])
+    expected = ood.evaluate(ood.score(jm, x, "logpx"), ood.score(jm, xp, "logpx"))["auroc"]
+    assert result["logpx/photos"]["auroc"] == pytest.approx(expected, abs=1e-6)
+
+
 def test_fitted_detectors_without_training_images_are_skipped_in_one_line(world, monkeypatch, capsys):
     root, _ = world
     monkeypatch.chdir(root)
