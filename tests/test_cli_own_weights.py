@@ -110,6 +110,23 @@ def test_without_a_normalisation_the_adapters_domain_is_used(world, monkeypatch,
     assert result["logpx/photos"]["auroc"] == pytest.approx(expected, abs=1e-6)
 
 
+def test_jem_eval_gives_the_accuracy_and_calibration_of_weights_trained_elsewhere(world, monkeypatch, capsys):
+    root, model = world
+    monkeypatch.chdir(root)
+    argv = ["eval", "--model", "usernet:build", "--weights", str(root / "checkpoint.pth")]
+    argv += ["--data", f"folder:{root / 'test'}", "--image-size", "16", "--mean", ",".join(map(str, MEAN))]
+    assert main([*argv, "--std", ",".join(map(str, STD))]) == 0
+    result = json.loads(capsys.readouterr().out)
+    test = image_folder(root / "test", image_size=16, mean=MEAN, std=STD)
+    x, y = torch.stack([test[i][0] for i in range(len(test))]), torch.tensor(test.targets)
+    with torch.no_grad():
+        assert result["accuracy"] == pytest.approx((model(x).argmax(1) == y).float().mean().item())
+    assert result["n"] == len(y) and "brier_before" in result
+    assert (root / "checkpoint_reliability.png").exists()
+    assert main(argv) == 2  # --mean without --std
+    assert "give both --mean and --std" in capsys.readouterr().err
+
+
 def test_fitted_detectors_without_training_images_are_skipped_in_one_line(world, monkeypatch, capsys):
     root, _ = world
     monkeypatch.chdir(root)

@@ -126,8 +126,77 @@ def _checkpoint_args(p: argparse.ArgumentParser, own_weights: bool = False) -> N
         p.add_argument(
             "checkpoint", nargs="?", default=None, help="model.pt written by `jem train` (or --model and --weights)"
         )
+        _own_weights_args(p)
     else:
         p.add_argument("checkpoint", help="model.pt written by `jem train`")
     p.add_argument("--data", default=None, help="evaluation data (default: what training held out)")
     p.add_argument("--image-size", type=int, default=None, help="folder data resized to this (default: the model's)")
     p.add_argument("--skip-bad-images", action="store_true", help=SKIP_BAD_HELP)
+
+
+def _own_weights_args(p: argparse.ArgumentParser) -> None:
+    """``--model``/``--weights`` and what they need: a classifier trained elsewhere."""
+    own = p.add_argument_group("a classifier trained elsewhere (instead of a jem train model file)")
+    own.add_argument(
+        "--model",
+        default=None,
+        metavar="SPEC",
+        help="its network, as jem train's --model: a timm name, module:factory (e.g. "
+        "torchvision.models:resnet18, called with num_classes=K) or a built-in net (default: none; "
+        "the model file's)",
+    )
+    own.add_argument(
+        "--weights",
+        default=None,
+        metavar="FILE",
+        help="its weights: a file of torch.save(model.state_dict()) (or a training checkpoint holding "
+        "one) (default: none; the model file's)",
+    )
+    own.add_argument(
+        "--num-classes", type=_positive, default=None, help="its class count (default: the folders of --data)"
+    )
+    own.add_argument(
+        "--mean",
+        type=_floats,
+        default=None,
+        help="the normalisation its training applied, per channel: 0.485,0.456,0.406 (default: its "
+        "adapter's: timm's pretrained mean/std, ImageNet's for torchvision, else [-1, 1] pixels)",
+    )
+    own.add_argument(
+        "--std", type=_floats, default=None, help="with --mean: 0.229,0.224,0.225 (default: its adapter's)"
+    )
+
+
+def _load_scored_model(args, command: str, openood_benchmark: str | None = None) -> tuple[Any, dict[str, Any], str]:
+    """``(jm, spec, model file)`` for a command that scores a trained model: a ``jem train`` model
+    file, or ``--model``/``--weights`` (``user_weights.load_user_model``); the file names the
+    default outputs."""
+    from ..model_files import load_model_checkpoint
+    from ..user_weights import load_user_model
+
+    own = args.model is not None or args.weights is not None
+    if own and args.checkpoint:
+        raise CLIError(
+            "give a jem train model file, or --model and --weights for a classifier trained elsewhere, not both"
+        )
+    if not own and not args.checkpoint:
+        raise CLIError(f"give a jem train model file (jem {command} runs/jem/model.pt), or --model SPEC --weights FILE")
+    if not own:
+        if args.mean or args.std or args.num_classes:
+            raise CLIError("--mean, --std and --num-classes describe --model/--weights; a model file carries them")
+        jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
+        return jm, spec, args.checkpoint
+    if not (args.model and args.weights):
+        raise CLIError("a classifier trained elsewhere needs both --model SPEC and --weights FILE")
+    jm, spec = load_user_model(
+        args.model,
+        args.weights,
+        args.data,
+        openood_benchmark=openood_benchmark,
+        num_classes=args.num_classes,
+        mean=args.mean,
+        std=args.std,
+        image_size=args.image_size,
+        device=_device(args.device),
+    )
+    return jm, spec, args.weights

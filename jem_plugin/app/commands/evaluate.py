@@ -10,8 +10,8 @@ import torch
 
 from ... import calibration
 from ..._checks import model_device
-from ..model_files import check_inputs, load_model_checkpoint
-from ._common import _beside_checkpoint, _checkpoint_args, _device, _emit, _eval_tensors, _out_file
+from ..model_files import check_inputs
+from ._common import _beside_checkpoint, _checkpoint_args, _emit, _eval_tensors, _load_scored_model, _out_file
 
 
 def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -19,15 +19,16 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         "eval",
         parents=[common],
         help="accuracy and calibration of a trained model",
-        description="Accuracy and calibration of a trained model: JSON on stdout (and in --out), and a "
-        "reliability diagram next to --out (default: next to the checkpoint, MODEL_reliability.png).",
+        description="Accuracy and calibration of a trained model (a jem train model file, or --model and "
+        "--weights for one trained elsewhere): JSON on stdout (and in --out), and a reliability diagram "
+        "next to --out (default: next to the checkpoint, MODEL_reliability.png).",
     )
-    _checkpoint_args(p)
+    _checkpoint_args(p, own_weights=True)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
+    jm, spec, model_file = _load_scored_model(args, "eval")
     x, y, where = _eval_tensors(args, spec)
     check_inputs(jm, x, spec, args.data or spec["data"])
     with torch.no_grad():
@@ -41,11 +42,7 @@ def run(args) -> int:
     _emit(result, args)
     from ...viz import reliability_diagram  # lazy: matplotlib
 
-    png = (
-        _out_file(args.out).with_suffix(".png") if args.out else _beside_checkpoint(args.checkpoint, "_reliability.png")
-    )
-    reliability_diagram(
-        logits, y, str(png), title=f"{Path(args.checkpoint).name} on {where}: reliability", from_logits=True
-    )
+    png = _out_file(args.out).with_suffix(".png") if args.out else _beside_checkpoint(model_file, "_reliability.png")
+    reliability_diagram(logits, y, str(png), title=f"{Path(model_file).name} on {where}: reliability", from_logits=True)
     print(f"figure: {png}", file=sys.stderr)  # stdout stays the JSON, for scripts
     return 0

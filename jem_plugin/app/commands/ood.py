@@ -11,43 +11,21 @@ from torch.utils.data import DataLoader
 
 from ... import ood
 from .. import CLIError
-from ..model_files import check_inputs, load_data, load_model_checkpoint, ood_sets, training_data
-from ..user_weights import load_user_model
-from ._common import _beside_checkpoint, _checkpoint_args, _device, _emit, _eval_tensors, _floats, _out_file, _positive
+from ..model_files import check_inputs, load_data, ood_sets, training_data
+from ._common import (
+    _beside_checkpoint,
+    _checkpoint_args,
+    _emit,
+    _eval_tensors,
+    _load_scored_model,
+    _out_file,
+    _positive,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("ood", parents=[common], help="OOD detection scores and metrics of a trained model")
     _checkpoint_args(p, own_weights=True)
-    own = p.add_argument_group("a classifier trained elsewhere (instead of a jem train model file)")
-    own.add_argument(
-        "--model",
-        default=None,
-        metavar="SPEC",
-        help="its network, as jem train's --model: a timm name, module:factory (e.g. "
-        "torchvision.models:resnet18, called with num_classes=K) or a built-in net (default: none; "
-        "the model file's)",
-    )
-    own.add_argument(
-        "--weights",
-        default=None,
-        metavar="FILE",
-        help="its weights: a file of torch.save(model.state_dict()) (or a training checkpoint holding "
-        "one) (default: none; the model file's)",
-    )
-    own.add_argument(
-        "--num-classes", type=_positive, default=None, help="its class count (default: the folders of --data)"
-    )
-    own.add_argument(
-        "--mean",
-        type=_floats,
-        default=None,
-        help="the normalisation its training applied, per channel: 0.485,0.456,0.406 (default: its "
-        "adapter's: timm's pretrained mean/std, ImageNet's for torchvision, else [-1, 1] pixels)",
-    )
-    own.add_argument(
-        "--std", type=_floats, default=None, help="with --mean: 0.229,0.224,0.225 (default: its adapter's)"
-    )
     p.add_argument(
         "--scores",
         default="logpx,msp,grad_norm",
@@ -96,31 +74,8 @@ def run(args) -> int:
     methods = ood._method_names(args.scores)  # unknown names: one line, before anything is loaded
     if args.openood and (args.data or args.ood):
         raise CLIError("--openood gives both the test images and the OOD sets; drop --data and --ood")
-    own = args.model is not None or args.weights is not None
-    if own and args.checkpoint:
-        raise CLIError(
-            "give a jem train model file, or --model and --weights for a classifier trained elsewhere, not both"
-        )
-    if not own and not args.checkpoint:
-        raise CLIError("give a jem train model file (jem ood runs/jem/model.pt), or --model SPEC --weights FILE")
-    if own:
-        if not (args.model and args.weights):
-            raise CLIError("a classifier trained elsewhere needs both --model SPEC and --weights FILE")
-        jm, spec = load_user_model(
-            args.model,
-            args.weights,
-            args.data,
-            openood_benchmark=args.benchmark if args.openood else None,
-            num_classes=args.num_classes,
-            mean=args.mean,
-            std=args.std,
-            image_size=args.image_size,
-            device=_device(args.device),
-        )
-    else:
-        if args.mean or args.std or args.num_classes:
-            raise CLIError("--mean, --std and --num-classes describe --model/--weights; a model file carries them")
-        jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
+    jm, spec, model_file = _load_scored_model(args, "ood", args.benchmark if args.openood else None)
+    own = args.checkpoint is None
     size = args.image_size or int(spec["sample_shape"][-1])
     progress = False if args.quiet else None
     fit_needed = any(collect(ood._HOOK)[m].get("needs_fit", False) for m in methods)
@@ -177,7 +132,6 @@ def run(args) -> int:
         else:
             result[key] = {"status": r["status"], "reason": r["reason"]}
     _emit(result, args)
-    model_file = args.checkpoint or args.weights
     base = _out_file(args.out).with_suffix("") if args.out else _beside_checkpoint(model_file, "_ood")
     csv_path, png_path = table.to_csv(base.with_suffix(".csv")), str(base.with_suffix(".png"))
     plot_ood_table(table, png_path, title=f"{Path(model_file).name}: AUROC per score and OOD set")
