@@ -23,6 +23,7 @@ from .. import wrap
 from ..adapter import InputDomain
 from . import CLIError
 from .model_files import build_model, model_spec
+from .openood import BENCHMARKS
 
 #: Where a training script's checkpoint keeps the weights when the file is not the state dict
 #: itself (timm's train.py, Lightning, most hand-written loops).
@@ -100,10 +101,6 @@ def pixel_normalisation(domain: InputDomain) -> tuple[list[float], list[float]]:
     return [-lo / (hi - lo) for lo, hi in zip(low, high)], [1.0 / (hi - lo) for lo, hi in zip(low, high)]
 
 
-#: The class count of each OpenOOD v1.5 benchmark's in-distribution data.
-OPENOOD_CLASSES = {"cifar10": 10, "cifar100": 100, "imagenet200": 200, "imagenet": 1000}
-
-
 def load_user_model(
     model: str,
     weights: str,
@@ -122,7 +119,7 @@ def load_user_model(
     untrained (a cross-entropy model): the JEM-only scores warn."""
     if openood_benchmark:
         data, classes = f"openood:{openood_benchmark}", None
-        k = num_classes or OPENOOD_CLASSES[openood_benchmark]
+        k = num_classes or BENCHMARKS[openood_benchmark].num_classes
         image_size = image_size or (32 if openood_benchmark.startswith("cifar") else None)
     else:
         if not data or not data.startswith(("folder:", "cifar10:")):
