@@ -82,12 +82,17 @@ def _is_state(d: dict) -> bool:
 
 
 def data_classes(data: str) -> list[str] | None:
-    """A folder's class names (its sub-folders, as ``ImageFolder`` sorts them) without reading its
-    images; ``None`` for other specs."""
+    """A folder's class names without reading its images: torchvision's ``find_classes``, which
+    ``ImageFolder`` labels by; ``None`` for other specs and folders without class sub-folders."""
+    from torchvision.datasets.folder import find_classes
+
     kind, _, arg = data.partition(":")
-    if kind == "folder" and arg and Path(arg).expanduser().is_dir():
-        return sorted(d.name for d in Path(arg).expanduser().iterdir() if d.is_dir())
-    return None
+    if kind != "folder" or not arg or not Path(arg).expanduser().is_dir():
+        return None
+    try:
+        return find_classes(Path(arg).expanduser())[0]
+    except FileNotFoundError:
+        return None
 
 
 def pixel_normalisation(domain: InputDomain) -> tuple[list[float], list[float]]:
