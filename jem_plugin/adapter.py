@@ -406,8 +406,10 @@ def _out_channels(module: nn.Module) -> int | None:
             found = m.out_channels
         elif isinstance(m, nn.Linear):
             found = m.out_features
-        elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
-            found = m.num_features if isinstance(m, nn.BatchNorm2d) else m.num_channels
+        elif isinstance(m, nn.BatchNorm2d):
+            found = m.num_features
+        elif isinstance(m, nn.GroupNorm):
+            found = m.num_channels
         elif isinstance(m, nn.LayerNorm):
             found = int(m.normalized_shape[-1])
     return found
