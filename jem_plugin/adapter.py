@@ -290,13 +290,18 @@ class Adapter:
         shallow to deep, for the detectors that read several depths (``multi_mahalanobis``);
         ``None`` where the adapter knows none (the detector then asks for ``layers=``).
 
-        Default: the modules a timm-style ``feature_info`` lists (every timm model, and any model
-        carrying that attribute: ``[{"module": "blocks.2", "num_chs": 64}, ...]``), else
-        ``layer1``, ``layer2``, ... where the model has them (torchvision's ResNets and most
-        hand-written ones), else the end of each resolution of a ``features`` ``nn.Sequential``
-        (torchvision's EfficientNets, MobileNets, ConvNeXts, VGGs and DenseNets): the block
-        before each one that downsamples (a strided convolution or pooling inside it), a pooling
-        layer itself, and the last block.
+        Default, the first rule that finds something:
+
+        1. the modules a timm-style ``feature_info`` lists (every timm model, and any model
+           carrying that attribute: ``[{"module": "blocks.2", "num_chs": 64}, ...]``);
+        2. ``layer1``, ``layer2``, ... (torchvision's ResNets and most hand-written ones);
+        3. the blocks of a sequence named ``features``, ``trunk_output``, ``layers``, ``blocks``
+           or ``encoder.layers`` (torchvision's EfficientNets, MobileNets, ConvNeXts, VGGs,
+           DenseNets, Swins, RegNets, MNASNets, MaxViTs and ViTs): the end of each resolution
+           (the block before each one that downsamples, a pooling layer itself, the last block),
+           or every block where none downsamples and all are alike (a transformer's encoder);
+        4. the same ends along the model's own children up to its head (GoogLeNet, Inception,
+           ShuffleNet, an ``nn.Sequential`` CNN).
         """
         core = unwrap_model(model)
         names = [name for name, _ in _feature_info(core)]
@@ -304,15 +309,18 @@ class Adapter:
             return names
         while isinstance(getattr(core, f"layer{len(names) + 1}", None), nn.Module):
             names.append(f"layer{len(names) + 1}")
-        if names:
-            return names
-        features = getattr(core, "features", None)
-        if isinstance(features, nn.Sequential) and len(features) > 1:
-            children = list(features.named_children())
-            ends = _resolution_ends([m for _, m in children])
-            if len(ends) > 1:  # one end only: no stage seen (patch-merging transformers), nothing to sum
-                return [f"features.{children[i][0]}" for i in ends]
-        return None
+        if names or not isinstance(core, nn.Module):
+            return names or None
+        for path in _BLOCK_SEQUENCES:
+            blocks = _optional_submodule(core, path)
+            if isinstance(blocks, (nn.Sequential, nn.ModuleList)) and len(blocks) > 1:
+                children = list(blocks.named_children())
+                ends = _stage_ends([m for _, m in children])
+                if ends:
+                    return [f"{path}.{children[i][0]}" for i in ends]
+        trunk = _trunk(core)
+        ends = _stage_ends([m for _, m in trunk])
+        return [trunk[i][0] for i in ends] or None
 
     def layer_features(self, model: Any, x: Tensor, layers: Sequence[str]) -> tuple[list[Tensor], Tensor]:
         """``([B, C_i] per layer, logits [B, K])`` of ``x`` in ONE forward of ``model``: the output
@@ -375,13 +383,49 @@ def _feature_info(core: Any) -> list[tuple[str, int | None]]:
 
 
 def _downsamples(module: nn.Module) -> bool:
-    """A strided convolution or pooling inside ``module``."""
+    """A strided convolution or pooling, or a Swin patch merging, inside ``module``."""
     for m in module.modules():
+        if type(m).__name__.startswith("PatchMerging"):  # halves the resolution with a linear layer: no stride to see
+            return True
         if isinstance(m, (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)):
             stride = m.stride if isinstance(m.stride, tuple) else (m.stride,)
             if max(int(s) for s in stride) > 1:
                 return True
     return False
+
+
+# Where models keep their chain of blocks (rule 3 of Adapter.feature_layers), searched in this order.
+_BLOCK_SEQUENCES = ("features", "trunk_output", "layers", "blocks", "encoder.layers")
+# A model's children from the first of these on are its head, not its trunk.
+_HEAD_TYPES = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Flatten, nn.Linear, nn.Dropout)
+_HEAD_NAMES = ("fc", "classifier", "head", "heads")
+
+
+def _optional_submodule(core: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return core.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _trunk(core: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's children before its head (pooling, flattening or classifier)."""
+    trunk = []
+    for name, child in core.named_children():
+        if name in _HEAD_NAMES or isinstance(child, _HEAD_TYPES):
+            break
+        trunk.append((name, child))
+    return trunk
+
+
+def _stage_ends(blocks: list[nn.Module]) -> list[int]:
+    """The ends of the resolutions along ``blocks``; every block where there is one resolution
+    only and the blocks are alike and built of layers (a transformer's encoder); else ``[]``."""
+    ends = _resolution_ends(blocks) if blocks else []
+    if len(ends) > 1:
+        return ends
+    alike = len(blocks) > 1 and len({type(b) for b in blocks}) == 1 and any(True for _ in blocks[0].children())
+    return list(range(len(blocks))) if alike else []
 
 
 def _resolution_ends(blocks: list[nn.Module]) -> list[int]:

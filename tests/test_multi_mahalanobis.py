@@ -174,18 +174,71 @@ def test_torchvision_cnns_default_to_the_end_of_each_resolution_of_their_feature
     assert widths is None or [f.shape[1] for f in feats[: len(widths)]] == widths
 
 
-def test_channels_last_maps_of_a_named_layer_are_pooled_over_positions():
-    """torchvision's Swin stages return [B, H, W, C]: the layer's own width (its last norm) says so."""
+def test_channels_last_maps_of_torchvisions_swin_are_pooled_over_positions():
+    """torchvision's Swin stages return [B, H, W, C]: the layer's own width (its last norm) says
+    so. Its stages end before each patch merging, which halves the resolution with no stride."""
     tv = pytest.importorskip("torchvision")
     model = tv.models.swin_t(num_classes=K).eval()
     jm = jem.wrap(model)
-    assert jm.feature_layers() is None  # no resolution ends to read off patch merging: named below
+    assert jm.feature_layers() == ["features.1", "features.3", "features.5", "features.7"]
     x = torch.rand(2, 3, 64, 64)
     with torch.no_grad():
-        feats, _ = jm.layer_features(x, ["features.1", "features.3"])
+        feats, _ = jm.layer_features(x)
         maps = model.features[:2](x)
-    assert [f.shape[1] for f in feats] == [96, 192]
+    assert [f.shape[1] for f in feats] == [96, 192, 384, 768]
     torch.testing.assert_close(feats[0], maps.mean(dim=(1, 2)))
+
+
+def _small_torchvision(name: str) -> nn.Module:
+    tv = pytest.importorskip("torchvision")
+    if name == "vit":  # a user's own small ViT: the class torchvision's vit_b_16 is built from
+        return tv.models.VisionTransformer(
+            image_size=32, patch_size=8, num_layers=3, num_heads=2, hidden_dim=16, mlp_dim=32, num_classes=K
+        )
+    if name == "googlenet":
+        return tv.models.googlenet(num_classes=K, aux_logits=False, init_weights=False)
+    return getattr(tv.models, name)(num_classes=K)
+
+
+@pytest.mark.parametrize(
+    ("name", "layers", "widths"),
+    [
+        (
+            "vit",
+            ["encoder.layers.encoder_layer_0", "encoder.layers.encoder_layer_1", "encoder.layers.encoder_layer_2"],
+            [16] * 3,
+        ),
+        ("regnet_x_400mf", [f"trunk_output.block{i}" for i in range(1, 5)], [32, 64, 160, 400]),
+        ("shufflenet_v2_x0_5", ["maxpool", "stage2", "stage3", "conv5"], [24, 48, 96, 1024]),
+        ("mnasnet0_5", ["layers.7", "layers.8", "layers.9", "layers.11", "layers.16"], [8, 16, 24, 48, 1280]),
+        ("googlenet", ["maxpool1", "maxpool2", "maxpool3", "maxpool4", "inception5b"], [64, 192, 480, 832, 1024]),
+    ],
+)
+def test_other_torchvision_classifiers_have_default_layers(name, layers, widths):
+    """A transformer's encoder blocks, a RegNet's trunk stages, and the resolution ends of a model
+    whose stages are its own children (ShuffleNet, GoogLeNet) or a ``layers`` sequence (MNASNet)."""
+    jm = jem.wrap(_small_torchvision(name).eval())
+    assert jm.feature_layers() == layers
+    with torch.no_grad():
+        feats, logits = jm.layer_features(torch.rand(2, 3, 32, 32))
+    assert [f.shape[1] for f in feats] == widths and logits.shape == (2, K)
+
+
+def test_an_nn_sequential_cnn_defaults_to_its_pooling_layers_and_is_scored_without_naming_them():
+    """Rule 4: the resolution ends along a plain ``nn.Sequential`` CNN up to its head, so
+    ``multi_mahalanobis`` runs on it as it comes; maps far from the fitted ones score lower."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(8 * 2 * 2, 2),
+    )  # fmt: skip
+    jm = jem.wrap(model, data_range=(-5.0, 5.0)).eval()
+    assert jm.feature_layers() == ["2", "5"]
+    x, y = torch.randn(80, 1, 8, 8), torch.arange(80) % 2
+    det = ood.detector("multi_mahalanobis").fit(jm, (x, y))
+    far = torch.randn(20, 1, 8, 8) * 4 + 3
+    assert det.score(jm, x[:20]).mean() > det.score(jm, far).mean()
 
 
 def test_torchvision_resnet_and_the_cli_networks_have_default_layers():
