@@ -159,7 +159,8 @@ class JEM(nn.Module):
         """Dotted names of the layers whose outputs :meth:`layer_features` reads by default,
         shallow to deep, or ``None`` where the adapter knows none
         (:meth:`jem_plugin.adapter.Adapter.feature_layers`: a timm model's ``feature_info``
-        stages, a ResNet's ``layer1``... ``layerN``)."""
+        stages, a ResNet's ``layer1``... ``layerN``, else the end of each resolution along the
+        model's chain of blocks, or a transformer encoder's blocks)."""
         return self.adapter.feature_layers(self.model)
 
     def layer_features(self, x: Tensor, layers: Sequence[str] | None = None) -> tuple[list[Tensor], Tensor]:
