@@ -214,3 +214,34 @@ def test_a_model_that_did_not_train_is_rerun_with_the_next_seed(monkeypatch):
     assert model == 2 and cost["train_accuracy"] == [0.3, 0.5, 0.6]  # none fits: the last is kept
     net = {"cost": {"train_accuracy": [1.0]}, "cost_0_7": cost}
     assert B._reruns(net) == "; the 0-7 model kept seed 2 (training accuracy by seed: 0.30, 0.50, 0.60)"
+
+
+def test_posthoc_clipping_is_chosen_with_the_rate_and_applied_before_each_step(tmp_path, monkeypatch):
+    """``--clips`` makes the choice one of (rate, clipping) pairs by the same worst validation
+    accuracy; ``train(clip=c)`` hands the optimiser gradients of global norm at most ``c``, and the
+    cost records it."""
+    from benchmarks import tune_posthoc_lr as T
+
+    _small_folds(T, monkeypatch)
+    res = T.main(["--network", "tiny", "--lrs", "0.003", "--clips", "none", "0.5", "--out", str(tmp_path)])
+    acc = res["validation_accuracy"]
+    assert set(acc) == {"lr 0.003 clip None", "lr 0.003 clip 0.5"}
+    chosen = f"lr {res['chosen_lr']} clip {res['chosen_clip']}"
+    assert min(acc[chosen].values()) == max(min(v.values()) for v in acc.values())
+    assert (tmp_path / "posthoc_clip_tiny.json").exists()
+
+    norms: list[float] = []
+    step = torch.optim.Adam.step
+
+    def recording_step(self, *a, **k):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", recording_step)
+    x, y = torch.rand(64, 3, 32, 32) * 2 - 1, torch.arange(64) % 4
+    _, cost = B.train("test_resnet", x, y, 4, 1, lr=1e-3)
+    assert max(norms) > 0.05 and cost["clip_grad_norm"] is None  # unclipped, the norms exceed the bar below
+    norms.clear()
+    _, cost = B.train("test_resnet", x, y, 4, 1, lr=1e-3, clip=0.05)
+    assert max(norms) <= 0.05 * (1 + 1e-5) and cost["clip_grad_norm"] == 0.05
