@@ -82,7 +82,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     path = os.path.join(a.out, f"posthoc_{'clip' if a.clips else 'lr'}_{a.network}.json")
     common.write_json(path, {"machine": common.machine_info(), "tune": res})
     for lr, v in res["validation_accuracy"].items():
-        print(f"lr {lr}: worst {min(v.values()):.3f}, " + ", ".join(f"{k} {x:.3f}" for k, x in v.items()))
+        print(
+            f"{lr if a.clips else 'lr ' + lr}: worst {min(v.values()):.3f}, "
+            + ", ".join(f"{k} {x:.3f}" for k, x in v.items())
+        )
     print(f"chosen: {res['chosen_lr']}" + (f", clip {res['chosen_clip']}" if a.clips else "") + f"  ({path})")
     return res
 
