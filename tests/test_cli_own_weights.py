@@ -164,3 +164,18 @@ def test_a_pickled_model_both_model_kinds_or_half_a_normalisation_are_refused(wo
     assert "--model SPEC --weights FILE" in capsys.readouterr().err
     assert main([*base, "--weights", str(root / "checkpoint.pth"), "--mean", "0.5"]) == 2
     assert "give both --mean and --std" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["ood", "eval"])
+def test_per_channel_normalisation_is_read_with_commas_or_spaces(command, capsys):
+    """``--mean 0.485 0.456 0.406`` (as a user copies it from their transform) reads as the
+    comma-separated form does; a word that is no number is refused in one line."""
+    from jem_plugin.app.cli import parse_args
+
+    base = [command, "--model", "resnet10t", "--weights", "w.pth"]
+    spaced = parse_args([*base, "--mean", "0.485", "0.456", "0.406", "--std", "0.229", "0.224", "0.225"])
+    commas = parse_args([*base, "--mean", "0.485,0.456,0.406", "--std", "0.229,0.224,0.225"])
+    assert spaced.mean == commas.mean == [0.485, 0.456, 0.406]
+    assert spaced.std == commas.std == [0.229, 0.224, 0.225]
+    assert main([*base, "--mean", "0.5", "half"]) == 2
+    assert "expected numbers separated by commas or spaces" in capsys.readouterr().err

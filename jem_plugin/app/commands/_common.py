@@ -35,8 +35,15 @@ def _floats(text: str) -> list[float]:
         return [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected numbers separated by commas, e.g. 0.5,0.5,0.5; got {text!r}"
+            f"expected numbers separated by commas or spaces, e.g. 0.5,0.5,0.5; got {text!r}"
         ) from None
+
+
+class _PerChannel(argparse.Action):
+    """``--mean 0.485,0.456,0.406`` and ``--mean 0.485 0.456 0.406`` alike: one flat list."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [v for part in values for v in part])
 
 
 class DefaultDevice(str):
@@ -158,12 +165,19 @@ def _own_weights_args(p: argparse.ArgumentParser) -> None:
     own.add_argument(
         "--mean",
         type=_floats,
+        nargs="+",
+        action=_PerChannel,
         default=None,
         help="the normalisation its training applied, per channel: 0.485,0.456,0.406 (default: its "
         "adapter's: timm's pretrained mean/std, ImageNet's for torchvision, else [-1, 1] pixels)",
     )
     own.add_argument(
-        "--std", type=_floats, default=None, help="with --mean: 0.229,0.224,0.225 (default: its adapter's)"
+        "--std",
+        type=_floats,
+        nargs="+",
+        action=_PerChannel,
+        default=None,
+        help="with --mean: 0.229,0.224,0.225 (default: its adapter's)",
     )
 
 
