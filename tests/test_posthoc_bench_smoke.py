@@ -11,7 +11,9 @@ import torch
 pytest.importorskip("pytorch_ood")
 pytest.importorskip("timm")
 
+import jem_plugin as jem  # noqa: E402 (after the skips above, with the benchmark)
 from benchmarks import bench_posthoc as B  # noqa: E402 (it imports pytorch_ood and timm: skipped above without them)
+from jem_plugin import ood  # noqa: E402 (after the skips above, with the benchmark)
 
 
 @pytest.fixture(autouse=True)
@@ -245,3 +247,28 @@ def test_posthoc_clipping_is_chosen_with_the_rate_and_applied_before_each_step(t
     norms.clear()
     _, cost = B.train("test_resnet", x, y, 4, 1, lr=1e-3, clip=0.05)
     assert max(norms) <= 0.05 * (1 + 1e-5) and cost["clip_grad_norm"] == 0.05
+
+
+def test_multi_mahalanobis_combinations_are_compared_on_the_tuning_split(tmp_path, monkeypatch):
+    """benchmarks/check_multi_mahalanobis_combine.py: every combination and every layer alone on
+    each fold's six sets, ``dof`` kept unless another has the higher mean; the formulas read the
+    detector's own per-layer distances (``dof`` is the detector's score)."""
+    from benchmarks import check_multi_mahalanobis_combine as C
+
+    _small_folds(C, monkeypatch)
+    monkeypatch.setitem(B.CLIP_GRAD_NORM, "tiny", 1.0)
+    res = C.main(["--networks", "tiny", "--out", str(tmp_path / "c.json")])
+    assert set(res["folds"]) == {"tiny 01", "tiny 56"}
+    fold = res["folds"]["tiny 01"]
+    assert set(fold["auroc"]) == set(B.SETS)
+    assert {"dof", "uniform", "max_z", "layer0"} <= set(fold["mean_auroc"])
+    best = max(res["mean"].values())
+    assert res["mean"][res["chosen"]] == best and (res["chosen"] == "dof" or res["mean"]["dof"] < best)
+
+    torch.manual_seed(0)
+    jm = jem.wrap(B.make_net("test_resnet", 3), **B._wrap_kw(3)).eval()
+    x, y = torch.rand(40, 3, 32, 32) * 2 - 1, torch.arange(40) % 3
+    det = ood.detector("multi_mahalanobis").fit(jm, (x, y))
+    torch.testing.assert_close(
+        C.combinations(det, jm, x[:8])["dof"].float(), det.score(jm, x[:8]), rtol=1e-4, atol=1e-4
+    )
