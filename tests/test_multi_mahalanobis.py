@@ -290,7 +290,61 @@ def test_catches_low_level_shifts_that_the_penultimate_features_map_onto_the_cla
             opt.step()
     jm = jem.wrap(model.eval(), data_range=(-1, 1))
     shifted = {"blurred": nn.functional.avg_pool2d(x_test, 3, 1, 1), "half contrast": 0.5 * x_test}
-    table = ood.evaluate_all(jm, x_test, shifted, ["mahalanobis", "multi_mahalanobis"], fit_data=(x, y))
+    adversarial = ood.detector("multi_mahalanobis", weights="adversarial")
+    adversarial.name = "adversarial"
+    methods = ["mahalanobis", "multi_mahalanobis", adversarial]
+    table = ood.evaluate_all(jm, x_test, shifted, methods, fit_data=(x, y))
     auroc = {(r["score"], r["set"]): r["auroc"] for r in table.rows()}
     for name in shifted:
         assert auroc["multi_mahalanobis", name] > max(0.95, auroc["mahalanobis", name] + 0.05), auroc
+    # Lee et al.'s FGSM-learned weights give the first layer a negative coefficient here: kept, it
+    # ranked blurred digits above the test digits (AUROC 0.20); left out, the scores stay above chance
+    assert adversarial.layer_weights[0] == 0.0 < adversarial.layer_weights[1]
+    assert min(auroc["adversarial", name] for name in shifted) > 0.85, auroc
+
+
+def test_adversarial_weights_are_lee_et_als_logistic_regression_on_fgsm_images(setup):
+    """``weights="adversarial"``: the coefficients of a logistic regression (standardised
+    per-layer scores, scaled back) telling the first ``adversarial_images`` fit images from their
+    FGSM versions, a step of ``eps`` pixels up the cross-entropy's gradient sign, recomputed here
+    with scikit-learn; the images are not kept past the fit, and batches stream as before."""
+    from sklearn.linear_model import LogisticRegression
+
+    jm, model, x_fit, y_fit, x_test = setup
+    n, eps = 100, 0.05
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x_fit, y_fit), batch_size=40)
+    det = ood.detector("multi_mahalanobis", weights="adversarial", adversarial_images=n, adversarial_eps=eps)
+    det.fit(jm, loader)
+    assert det._kept is None and repr(det).count("adversarial_eps=0.05") == 1
+
+    x, y = x_fit[:n].clone().requires_grad_(True), y_fit[:n]
+    (g,) = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), x)
+    x_adv = x.detach() + eps * g.sign() * 3.0  # the domain (-1, 2) is 3 pixel ranges wide
+    feats = torch.cat([det.layer_scores(jm, x.detach()), det.layer_scores(jm, x_adv)]).double().numpy()
+    standard, spread = (feats - feats.mean(0)) / feats.std(0), feats.std(0)
+    target = [1] * n + [0] * n
+    expected, kept = [0.0, 0.0], [0, 1]
+    while kept:  # the layers with a negative coefficient are left out, the rest refitted
+        coef = LogisticRegression(max_iter=2000).fit(standard[:, kept], target).coef_[0]
+        if (coef >= 0).all():
+            for i, c in zip(kept, coef):
+                expected[i] = c / spread[i]
+            break
+        kept = [i for i, c in zip(kept, coef) if c >= 0]
+    assert det.layer_weights == pytest.approx(expected, rel=1e-3, abs=1e-12)
+    by_hand = (det.layer_scores(jm, x_test).double() * torch.tensor(expected, dtype=torch.float64)).sum(1)
+    torch.testing.assert_close(det.score(jm, x_test).double(), by_hand, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="adversarial_eps"):
+        posthoc.MultiMahalanobis(weights="adversarial", adversarial_eps=0)
+    with pytest.raises(ValueError, match="adversarial_images"):
+        posthoc.MultiMahalanobis(weights="adversarial", adversarial_images=1)
+
+
+def test_adversarial_weights_score_noise_below_the_fit_images(setup):
+    """With labels read off the model (``labels="predicted"``, unlabelled fit data) the learned
+    weights are finite and score uniform noise over the domain below the in-distribution images."""
+    jm, _, x_fit, _, _ = setup
+    det = ood.detector("multi_mahalanobis", weights="adversarial", labels="predicted").fit(jm, x_fit)
+    assert len(det.layer_weights) == 2 and all(math.isfinite(w) for w in det.layer_weights)
+    noise = torch.rand(60, 3, 8, 8) * 3 - 1
+    assert det.score(jm, x_fit[:60]).mean() > det.score(jm, noise).mean()

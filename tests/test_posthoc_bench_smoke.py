@@ -261,7 +261,7 @@ def test_multi_mahalanobis_combinations_are_compared_on_the_tuning_split(tmp_pat
     assert set(res["folds"]) == {"tiny 01", "tiny 56"}
     fold = res["folds"]["tiny 01"]
     assert set(fold["auroc"]) == set(B.SETS)
-    assert {"dof", "uniform", "max_z", "layer0"} <= set(fold["mean_auroc"])
+    assert {"dof", "uniform", "max_z", "adversarial", "layer0"} <= set(fold["mean_auroc"])
     best = max(res["mean"].values())
     assert res["mean"][res["chosen"]] == best and (res["chosen"] == "dof" or res["mean"]["dof"] < best)
 

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -727,12 +728,27 @@ class MultiMahalanobis(_ClassConditional):
 
     ``layers``: dotted submodule names, shallow to deep (default: the adapter's
     :meth:`~jem_plugin.JEM.feature_layers`, a timm model's ``feature_info`` stages or a ResNet's
-    ``layer1``... ``layerN``). ``weights``: ``"dof"`` divides each layer's squared distance by
-    ``sqrt(2 r_l)``, its standard deviation at in-distribution inputs (chi-squared with ``r_l``,
-    the rank of ``Sigma_l``, degrees of freedom), so that a wide layer does not outweigh a narrow
-    one; ``"uniform"`` sums them as they are (pytorch-ood's default, ``alpha = 1``); or one number
-    per layer. Lee et al. learn the weights by logistic regression on OOD or adversarial examples,
-    which a post-hoc user without OOD data does not have. No input preprocessing.
+    ``layer1``... ``layerN``). ``weights``, how the layers count:
+
+    - ``"dof"`` (default) divides each layer's squared distance by ``sqrt(2 r_l)``, its standard
+      deviation at in-distribution inputs (chi-squared with ``r_l``, the rank of ``Sigma_l``,
+      degrees of freedom), so that a wide layer does not outweigh a narrow one;
+    - ``"uniform"`` sums them as they are (pytorch-ood's default, ``alpha = 1``);
+    - ``"adversarial"`` learns them as Lee et al. do without OOD data: the coefficients of a
+      logistic regression of the per-layer distances that tells the first
+      ``adversarial_images`` fit images from their FGSM versions (one step of ``adversarial_eps``
+      in ``[0, 1]``-pixel units up the sign of the cross-entropy's input gradient; Lee et al.'s
+      0.05), so the layers that a small perturbation moves count the most. A layer whose
+      coefficient comes out negative (its distance would count as evidence of in-distribution) is
+      left out and the regression refitted on the others; Lee et al.'s code keeps such weights.
+      The images are kept on the CPU until the end of the fit (512 at 3x224x224: 300 MB), and the
+      fit takes one backward pass over them. It is tuned to perturbation-like shifts: on the
+      tuning split of ``benchmarks/check_multi_mahalanobis_combine.py`` it beats ``"dof"`` (from
+      lcnet_050's noise sets), but it weighs down the layers that see blur and lost contrast
+      (``tests/test_multi_mahalanobis.py``'s digits CNN), so it is not the default;
+    - or one number per layer.
+
+    :attr:`layer_weights` holds the weights used. No input preprocessing.
 
     ``fit`` streams as :class:`Mahalanobis` does: one ``C_l x C_l`` sum per layer, one forward per
     batch (forward hooks on the layers). pytorch-ood's ``MultiMahalanobis`` with ``alpha = 1``
@@ -744,24 +760,42 @@ class MultiMahalanobis(_ClassConditional):
     name = "multi_mahalanobis"
 
     def __init__(
-        self, layers: Sequence[str] | None = None, weights: str | Sequence[float] = "dof", labels: str = "true"
+        self,
+        layers: Sequence[str] | None = None,
+        weights: str | Sequence[float] = "dof",
+        labels: str = "true",
+        adversarial_eps: float = 0.05,
+        adversarial_images: int = 512,
     ) -> None:
         super().__init__()
         self._set_labels(labels)
+        if not (isinstance(adversarial_eps, (int, float)) and math.isfinite(adversarial_eps) and adversarial_eps > 0):
+            raise ValueError(f"adversarial_eps must be a positive number, got {adversarial_eps!r}")
+        if not isinstance(adversarial_images, int) or adversarial_images < 2:
+            raise ValueError(f"adversarial_images must be an integer of at least 2, got {adversarial_images!r}")
+        self.adversarial_eps, self.adversarial_images = float(adversarial_eps), adversarial_images
         if layers is not None and (
             isinstance(layers, str) or not layers or not all(isinstance(n, str) for n in layers)
         ):
             raise ValueError(f"layers must be a non-empty list of dotted submodule names, got {layers!r}")
         if isinstance(weights, str):
-            if weights not in ("dof", "uniform"):
-                raise ValueError(f"weights must be 'dof', 'uniform' or one number per layer, got {weights!r}")
+            if weights not in ("dof", "uniform", "adversarial"):
+                raise ValueError(
+                    f"weights must be 'dof', 'uniform', 'adversarial' or one number per layer, got {weights!r}"
+                )
         elif not all(isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 for w in weights):
             raise ValueError(f"weights must be non-negative finite numbers, one per layer, got {weights!r}")
         self.layers = None if layers is None else list(layers)
         self.weights: str | list[float] = weights if isinstance(weights, str) else [float(w) for w in weights]
 
     def _options(self) -> dict[str, Any]:
-        return {"layers": self.layers, "weights": self.weights, **super()._options()}
+        extra = {"adversarial_eps": self.adversarial_eps, "adversarial_images": self.adversarial_images}
+        return {
+            "layers": self.layers,
+            "weights": self.weights,
+            **(extra if self.weights == "adversarial" else {}),
+            **super()._options(),
+        }
 
     def _begin(self, jm: Any) -> None:
         names = self.layers if self.layers is not None else jm.feature_layers()
@@ -777,17 +811,25 @@ class MultiMahalanobis(_ClassConditional):
         self._per_layer = [Mahalanobis(self.labels) for _ in names]
         for m in self._per_layer:
             m._begin(jm)
+        # the first fit images and labels, for the adversarial weights (filled by _read and _add)
+        self._kept: list[Tensor] | None = [] if self.weights == "adversarial" else None
+        self._kept_labels: list[Tensor] = []
 
     def _read(self, jm: Any, x: Tensor) -> tuple[Tensor, Tensor]:
         """The layers' pooled features side by side (``[B, sum C_l]``) and the logits."""
         feats, logits = jm.layer_features(x, self.layer_names)
         self._dims = [f.shape[1] for f in feats]
+        if self._kept is not None:
+            room = self.adversarial_images - sum(len(k) for k in self._kept)
+            self._kept.append(x[:room].detach().cpu())
         return torch.cat([f.float() for f in feats], dim=1), logits
 
     def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
         y = self._labels(feats, logits, y)
         for m, z in zip(self._per_layer, feats.split(self._dims, dim=1)):
             m._moments.add(z, y, logits.shape[1])
+        if self._kept is not None:
+            self._kept_labels.append(y[: len(self._kept[-1])].cpu())
 
     def _finish(self, jm: Any) -> None:
         for m in self._per_layer:
@@ -795,10 +837,12 @@ class MultiMahalanobis(_ClassConditional):
         self.ranks = [int(m._w.shape[1]) for m in self._per_layer]
         if isinstance(self.weights, list):
             self.layer_weights = list(self.weights)
+        elif self.weights == "adversarial":
+            self.layer_weights = self._adversarial_weights(jm)
         elif self.weights == "uniform":
             self.layer_weights = [1.0] * len(self.ranks)
-        else:  # a layer of zero rank measures nothing (its distances are all 0): weight 0, not 1/0
-            self.layer_weights = [1.0 / math.sqrt(2.0 * r) if r else 0.0 for r in self.ranks]
+        else:
+            self.layer_weights = self._dof_weights()
         self.classes = self._per_layer[0].classes
         self.n_fit = self._per_layer[0].n_fit
 
@@ -806,11 +850,60 @@ class MultiMahalanobis(_ClassConditional):
         """``[B, L]``: each layer's ``-min_c`` squared distance of the batch ``x``, unweighted (what
         the score sums with :attr:`layer_weights`), to see which depth flags an input."""
         self._check_fitted()
-        core = as_jem(jm, f"{self.name}.layer_scores")
+        return self._layer_scores(as_jem(jm, f"{self.name}.layer_scores"), x)
+
+    def _layer_scores(self, core: Any, x: Tensor) -> Tensor:
         with torch.no_grad():
             feats, _ = self._read(core, x)
             parts = feats.float().split(self._dims, dim=1)
             return torch.stack([-m._class_dists(z).min(dim=1).values for m, z in zip(self._per_layer, parts)], dim=1)
+
+    def _adversarial_weights(self, core: Any) -> list[float]:
+        """Lee et al.'s weights: the coefficients of a logistic regression (on standardised
+        per-layer scores, then scaled back) telling the kept fit images from their FGSM versions."""
+        from sklearn.linear_model import LogisticRegression
+
+        assert self._kept is not None
+        x, y = torch.cat(self._kept), torch.cat(self._kept_labels)
+        self._kept, self._kept_labels = None, []  # the images are not kept past the fit
+        device = model_device(core)
+        clean, perturbed = [], []
+        with sampling_mode(core):
+            for xb, yb in zip(x.split(128), y.split(128)):
+                xb = xb.to(device) if device is not None else xb
+                with input_grad_enabled(xb) as xg:
+                    loss = F.cross_entropy(core(xg).float(), yb.to(xb.device))
+                    (g,) = torch.autograd.grad(loss, xg)
+                clean.append(self._layer_scores(core, xb).double().cpu())
+                perturbed.append(
+                    self._layer_scores(core, _input_step(core, xb, -g, self.adversarial_eps)).double().cpu()
+                )
+        feats = torch.cat([torch.cat(clean), torch.cat(perturbed)]).numpy()
+        spread = feats.std(axis=0)
+        spread[spread == 0] = 1.0  # a layer that does not vary gets no weight from the fit anyway
+        target = np.r_[np.ones(len(x)), np.zeros(len(x))]
+        standard = (feats - feats.mean(axis=0)) / spread
+        weights = np.zeros(feats.shape[1])
+        kept = np.arange(feats.shape[1])
+        while kept.size:  # a negative weight would count distance as in-distribution: refit without it
+            coef = LogisticRegression(max_iter=2000).fit(standard[:, kept], target).coef_[0]
+            if (coef >= 0).all():
+                weights[kept] = coef / spread[kept]
+                break
+            kept = kept[coef >= 0]
+        if not kept.size:
+            warnings.warn(
+                f"{self.name}: no layer's distance tells the fit images from their FGSM versions; "
+                "falling back to weights='dof'",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return self._dof_weights()
+        return [float(w) for w in weights]
+
+    def _dof_weights(self) -> list[float]:
+        # a layer of zero rank measures nothing (its distances are all 0): weight 0, not 1/0
+        return [1.0 / math.sqrt(2.0 * r) if r else 0.0 for r in self.ranks]
 
     def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
         parts = feats.split(self._dims, dim=1)
