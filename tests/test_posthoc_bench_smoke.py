@@ -272,3 +272,21 @@ def test_multi_mahalanobis_combinations_are_compared_on_the_tuning_split(tmp_pat
     torch.testing.assert_close(
         C.combinations(det, jm, x[:8])["dof"].float(), det.score(jm, x[:8]), rtol=1e-4, atol=1e-4
     )
+
+
+def test_the_adversarial_option_is_reported_beside_the_default_on_the_benchmark(tmp_path, monkeypatch):
+    """benchmarks/check_multi_mahalanobis_option.py: the default and the option on every set of
+    the benchmark's two models, beside pytorch-ood's best per set read from posthoc.json."""
+    from benchmarks import check_multi_mahalanobis_option as O
+
+    real = B.load_data
+    monkeypatch.setattr(B, "load_data", lambda: real(n_train=200, n_eval=60, n_ood=20))
+    monkeypatch.setitem(B.NETWORKS, "tiny", ("BatchNorm", "test_resnet", 1e-3, 1))
+    best = {s: {"pytorch_ood": [0.5, "X"], "ours": [0.5, "y"], "ok": True} for s in B.SETS}
+    judged = tmp_path / "posthoc.json"
+    judged.write_text(json.dumps({"posthoc": {"networks": {"tiny": {"targets": {"best_per_set": best}}}}}))
+    res = O.main(["--networks", "tiny", "--out", str(tmp_path / "o.json"), "--posthoc", str(judged)])
+    rows = res["tiny"]
+    assert set(rows) == {"multi_mahalanobis", "multi_mahalanobis[adversarial]", "pytorch-ood best"}
+    assert all(set(v) == set(B.SETS) for v in rows.values())
+    assert (tmp_path / "o.json").exists()

@@ -354,3 +354,32 @@ def test_ash_and_scale_leave_an_all_zero_row_finite():
         s = ood.score(jm, torch.rand(4, 3), name)
         assert torch.isfinite(s).all()
         torch.testing.assert_close(s, torch.logsumexp(model[2].bias, 0).expand(4))
+
+
+@pytest.mark.parametrize("name", ["mahalanobis", "knn", "openmax"])
+def test_a_detector_scoring_another_network_than_it_was_fitted_on_warns_once(name, recwarn):
+    """Fitted statistics belong to one network: a detector fitted on one model and handed another
+    (one detector object reused across models, as in a loop over checkpoints) says so once.
+    Another wrapper of the same network is the same network; a pickled detector keeps its
+    statistics and scores as before."""
+    import pickle
+    import warnings
+
+    torch.manual_seed(0)
+    a, b = MLP().eval(), MLP().eval()
+    x, y = torch.randn(80, 10), torch.arange(80) % K
+    det = ood.detector(name).fit(jem.wrap(a, data_range=(-5, 5)), (x, y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        expected = det.score(jem.wrap(a, data_range=(-5, 5)), x[:6])  # a new wrapper, the same network
+    jm_b = jem.wrap(b, data_range=(-5, 5))
+    with pytest.warns(UserWarning, match=rf"this {name} detector was fitted on another network \(MLP\)"):
+        det.score(jm_b, x[:6])
+    det.score(jm_b, x[:6])
+    assert not [w for w in recwarn if "fitted on another network" in str(w.message)]  # once
+    det.fit(jm_b, (x, y))  # refitted on b: no warning on b
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        det.score(jm_b, x[:6])
+    again = pickle.loads(pickle.dumps(ood.detector(name).fit(jem.wrap(a, data_range=(-5, 5)), (x, y))))
+    torch.testing.assert_close(again.score(jem.wrap(a, data_range=(-5, 5)), x[:6]), expected)

@@ -66,6 +66,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -75,7 +76,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .._checks import INPUT_KEYS, DomainCheck, check_input, check_label_range, model_device, same_device, unpack_batch
+from .._checks import (
+    INPUT_KEYS,
+    DomainCheck,
+    check_input,
+    check_label_range,
+    model_device,
+    same_device,
+    unpack_batch,
+    unwrap_model,
+)
 from ..errors import InvalidInputError, InvalidLabelError, NoFeaturesError, NotFittedError
 from ..model import as_jem, input_grad_enabled, sampling_mode
 from ..plugins import hookimpl
@@ -458,7 +468,7 @@ class _FittedDetector:
         self._begin(core)
         self._stream(core, data, self._add, batch_size=batch_size, progress=progress, input_key=input_key)
         self._finish(core)
-        self.fitted = True
+        self._fitted_now(core)
         return self
 
     def _stream(
@@ -484,18 +494,44 @@ class _FittedDetector:
         ):
             add(feats, logits, y)
 
-    def _check_fitted(self) -> None:
+    def _check_fitted(self, core: Any = None) -> None:
+        """Raise where the detector is not fitted; warn once where ``core`` wraps another network
+        than the one it was fitted on (its statistics are that network's)."""
         if not self.fitted:
             raise NotFittedError(
                 f"the {self.name} detector is not fitted: call .fit(jm, train_loader) first, or "
                 f"jem.ood.score(jm, data, {self.name!r}, fit_data=train_loader)"
             )
+        ref = self.__dict__.get("_fitted_on")
+        fitted_on = ref() if ref is not None else None
+        if core is not None and fitted_on is not None and fitted_on is not unwrap_model(core.model):
+            if not self.__dict__.get("_warned_other_model"):
+                self._warned_other_model = True
+                warnings.warn(
+                    f"this {self.name} detector was fitted on another network "
+                    f"({type(fitted_on).__name__}): its statistics are that network's; fit it on this "
+                    f"one (.fit(jm, data)) or use a new jem.ood.detector({self.name!r})",
+                    UserWarning,
+                    stacklevel=3,
+                )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # pickle/torch.save keep the fitted statistics, not the link to the network (a weak reference)
+        state = self.__dict__.copy()
+        state.pop("_fitted_on", None)
+        return state
+
+    def _fitted_now(self, core: Any) -> None:
+        """Mark the detector fitted on ``core``'s network (a weak reference: the detector does not
+        keep the network alive)."""
+        self.fitted, self._warned_other_model = True, False
+        self._fitted_on = weakref.ref(unwrap_model(core.model))
 
     def score(self, jm: Any, x: Tensor) -> Tensor:
         """``[B]`` scores of the batch ``x``, higher = more in-distribution (no autograd graph).
         The model runs in the mode it is in; :func:`jem_plugin.ood.score` puts it in eval mode."""
-        self._check_fitted()
         core = as_jem(jm, f"{self.name}.score")
+        self._check_fitted(core)
         with torch.no_grad():
             feats, logits = self._read(core, x)
             return self._score(core, feats.float(), logits.float())
@@ -697,8 +733,8 @@ class MahalanobisODIN(Mahalanobis):
     def perturb(self, jm: Any, x: Tensor) -> Tensor:
         """``x'``: the batch moved by ``eps`` towards its closest class mean (the model in the
         mode it is in; works under ``no_grad`` and ``inference_mode``)."""
-        self._check_fitted()
         core = as_jem(jm, f"{self.name}.score")
+        self._check_fitted(core)
         with input_grad_enabled(x) as xg:
             feats, _ = core.features(xg)
             zw = (feats.float() - self._centre.to(feats.device)) @ self._w.to(feats.device)
@@ -849,8 +885,9 @@ class MultiMahalanobis(_ClassConditional):
     def layer_scores(self, jm: Any, x: Tensor) -> Tensor:
         """``[B, L]``: each layer's ``-min_c`` squared distance of the batch ``x``, unweighted (what
         the score sums with :attr:`layer_weights`), to see which depth flags an input."""
-        self._check_fitted()
-        return self._layer_scores(as_jem(jm, f"{self.name}.layer_scores"), x)
+        core = as_jem(jm, f"{self.name}.layer_scores")
+        self._check_fitted(core)
+        return self._layer_scores(core, x)
 
     def _layer_scores(self, core: Any, x: Tensor) -> Tensor:
         with torch.no_grad():
@@ -1250,7 +1287,7 @@ class OpenMax(_ClassConditional):
         self._set_centres()
         self._stream(core, data, self._add_tail, **options, desc="fit openmax (2/2: distance tails)")
         self._finish(core)
-        self.fitted = True
+        self._fitted_now(core)
         return self
 
     def _begin(self, jm: Any) -> None:
