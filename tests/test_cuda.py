@@ -195,6 +195,10 @@ def _score_every_method(jm, x):
             kw["layers"] = ["body.2", "body.4"]
         scores = jem.ood.score(jm, x, method, progress=False, **kw)
         assert scores.shape == (len(x),) and scores.device == dev and torch.isfinite(scores).all(), method
+    # multi_mahalanobis's FGSM-learned weights: its kept images go back to the model's device
+    layers = ["body.2", "body.4"]
+    scores = jem.ood.score(jm, x, "multi_mahalanobis", fit_data=fit, layers=layers, weights="adversarial")
+    assert scores.shape == (len(x),) and scores.device == dev and torch.isfinite(scores).all()
 
 
 @pytest.mark.filterwarnings("ignore::jem_plugin.errors.UntrainedDensityWarning")  # an untrained net, on purpose
