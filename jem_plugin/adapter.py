@@ -401,6 +401,15 @@ _HEAD_TYPES = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Flatten, nn.Linear
 _HEAD_NAMES = ("fc", "classifier", "head", "heads")
 
 
+def no_layers_error(model: Any, name_them: str) -> NoFeaturesError:
+    """The one error for a model whose intermediate layers no rule of :meth:`Adapter.feature_layers`
+    finds; ``name_them`` is the call that names them (``layers=[...]`` of the caller)."""
+    return NoFeaturesError(
+        f"jem-plugin knows no intermediate layers of {type(unwrap_model(model)).__name__}; name them: "
+        f"{name_them} (dotted names in model.named_modules(), shallow to deep)"
+    )
+
+
 def _optional_submodule(core: nn.Module, path: str) -> nn.Module | None:
     try:
         return core.get_submodule(path)

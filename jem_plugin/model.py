@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from ._checks import check_input, check_labels, free_energy, unwrap_model
-from .adapter import Adapter, InputDomain, check_wrap_options
+from .adapter import Adapter, InputDomain, check_wrap_options, no_layers_error
 from .errors import InferenceModeError, NoFeaturesError, NoLogitsError, NonFiniteLogitsError, NotWrappedError
 from .plugins import get_plugin_manager
 
@@ -171,11 +171,7 @@ class JEM(nn.Module):
         x = self._check_input(x)
         names = list(layers) if layers is not None else self.feature_layers()
         if not names:
-            raise NoFeaturesError(
-                f"jem-plugin knows no intermediate layers of {type(unwrap_model(self.model)).__name__}; "
-                "name them: layers=['name.of.block1', 'name.of.block2', ...] (dotted names in "
-                "model.named_modules(), shallow to deep)"
-            )
+            raise no_layers_error(self.model, "layers=['name.of.block1', 'name.of.block2', ...]")
         feats, out = self.adapter.layer_features(self.model, x, names)
         return [f.flatten(1) if f.dim() != 2 else f for f in feats], self._checked_logits(x, out)
 

@@ -86,6 +86,7 @@ from .._checks import (
     unpack_batch,
     unwrap_model,
 )
+from ..adapter import no_layers_error
 from ..errors import InvalidInputError, InvalidLabelError, NoFeaturesError, NotFittedError
 from ..model import as_jem, input_grad_enabled, sampling_mode
 from ..plugins import hookimpl
@@ -836,11 +837,7 @@ class MultiMahalanobis(_ClassConditional):
     def _begin(self, jm: Any) -> None:
         names = self.layers if self.layers is not None else jm.feature_layers()
         if not names:
-            raise NoFeaturesError(
-                f"{self.name} reads several layers and jem-plugin knows none of this model's: name them, "
-                f"jem.ood.detector({self.name!r}, layers=['name.of.block1', 'name.of.block2', ...]) "
-                "(dotted names in model.named_modules(), shallow to deep)"
-            )
+            raise no_layers_error(jm.model, f"jem.ood.detector({self.name!r}, layers=['name.of.block1', ...])")
         if not isinstance(self.weights, str) and len(self.weights) != len(names):
             raise ValueError(f"weights gives {len(self.weights)} number(s) for {len(names)} layers ({names})")
         self.layer_names = list(names)
