@@ -811,6 +811,8 @@ class MultiMahalanobis(_ClassConditional):
         if not isinstance(adversarial_images, int) or adversarial_images < 2:
             raise ValueError(f"adversarial_images must be an integer of at least 2, got {adversarial_images!r}")
         self.adversarial_eps, self.adversarial_images = float(adversarial_eps), adversarial_images
+        self._kept: list[Tensor] | None = None  # fit images kept for the adversarial weights
+        self._kept_labels: list[Tensor] = []
         if layers is not None and (
             isinstance(layers, str) or not layers or not all(isinstance(n, str) for n in layers)
         ):
@@ -845,8 +847,8 @@ class MultiMahalanobis(_ClassConditional):
         for m in self._per_layer:
             m._begin(jm)
         # the first fit images and labels, for the adversarial weights (filled by _read and _add)
-        self._kept: list[Tensor] | None = [] if self.weights == "adversarial" else None
-        self._kept_labels: list[Tensor] = []
+        self._kept = [] if self.weights == "adversarial" else None
+        self._kept_labels = []
 
     def _read(self, jm: Any, x: Tensor) -> tuple[Tensor, Tensor]:
         """The layers' pooled features side by side (``[B, sum C_l]``) and the logits."""
