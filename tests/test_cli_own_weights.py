@@ -179,3 +179,33 @@ def test_per_channel_normalisation_is_read_with_commas_or_spaces(command, capsys
     assert spaced.std == commas.std == [0.229, 0.224, 0.225]
     assert main([*base, "--mean", "0.5", "half"]) == 2
     assert "expected numbers separated by commas or spaces" in capsys.readouterr().err
+
+
+def test_score_options_reach_the_detectors_as_the_python_api_gives_them(world, monkeypatch, capsys):
+    """``--score-option SCORE.KEY=VALUE`` (repeatable, VALUE read as JSON) is the Python API's
+    ``method_kwargs``: knn at k=3 scores as ``jem.ood.detector("knn", k=3)`` does. An option the
+    score does not take, a score not run, or a malformed option ends in one line before loading."""
+    root, model = world
+    monkeypatch.chdir(root)
+    fit = ["--fit-data", f"folder:{root / 'train'}"]
+    assert _run(root, "--scores", "knn", "--score-option", "knn.k=3", *fit) == 0
+    result = json.loads(capsys.readouterr().out)
+    jm = jem.wrap(model, mean=MEAN, std=STD)
+    train = image_folder(root / "train", image_size=16, mean=MEAN, std=STD)
+    test = image_folder(root / "test", image_size=16, mean=MEAN, std=STD)
+    photos = image_files(root / "photos", image_size=16, mean=MEAN, std=STD)
+
+    def stack(ds):
+        return torch.stack([ds[i][0] for i in range(len(ds))])
+
+    knn = ood.detector("knn", k=3).fit(jm, (stack(train), torch.tensor(train.targets)))
+    expected = ood.evaluate(ood.score(jm, stack(test), knn), ood.score(jm, stack(photos), knn))["auroc"]
+    assert result["knn/photos"]["auroc"] == pytest.approx(expected, abs=1e-6)
+    for option, message in [
+        ("knn.kk=3", "OOD score 'knn' does not take option(s) kk; it accepts: k"),
+        ("msp.temperature=2", "'msp' is not among the --scores run (knn)"),
+        ("knn3", "expected SCORE.KEY=VALUE"),
+    ]:
+        assert _run(root, "--scores", "knn", "--score-option", option, *fit) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,16 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         "Prints the JSON result on stdout and a table marking the best score per set on "
         "stderr, and writes it as CSV and a PNG heat map next to --out (default: next to the "
         "checkpoint)",
+    )
+    p.add_argument(
+        "--score-option",
+        action="append",
+        default=[],
+        type=_score_option,
+        metavar="SCORE.KEY=VALUE",
+        help="an option of one score, repeatable: multi_mahalanobis.weights=adversarial, knn.k=10, "
+        '\'multi_mahalanobis.layers=["blocks.1", "blocks.3"]\' (VALUE read as JSON where it '
+        "parses, else as text; default: none, each score's own defaults)",
     )
     p.add_argument(
         "--fit-data",
@@ -66,12 +77,48 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     p.set_defaults(func=run)
 
 
+def _score_option(text: str) -> tuple[str, str, Any]:
+    """``SCORE.KEY=VALUE`` as ``(score, key, value)``, the value read as JSON where it parses."""
+    name, eq, raw = text.partition("=")
+    score, dot, key = name.partition(".")
+    if not (eq and dot and score and key):
+        raise argparse.ArgumentTypeError(f"expected SCORE.KEY=VALUE, e.g. knn.k=10; got {text!r}")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return score, key, value
+
+
+def _method_options(options: list[tuple[str, str, Any]], methods: list[str]) -> dict[str, dict[str, Any]]:
+    """``--score-option`` as ``evaluate_all``'s ``method_kwargs``, each checked against what its
+    score accepts (one line, before anything is loaded)."""
+    from ...plugins import collect
+
+    out: dict[str, dict[str, Any]] = {}
+    for score, key, value in options:
+        if score not in methods:
+            raise CLIError(
+                f"--score-option {score}.{key}: {score!r} is not among the --scores run ({', '.join(methods)})"
+            )
+        out.setdefault(score, {})[key] = value
+    entries = collect(ood._HOOK)
+    for score, kwargs in out.items():
+        fit_able = entries[score].get("needs_fit", False)  # a detector's options go to its constructor
+        try:
+            ood._check_kwargs(score, entries[score]["item"], kwargs, skip=0 if fit_able else 2)
+        except TypeError as exc:
+            raise CLIError(f"--score-option: {exc}") from None
+    return out
+
+
 def run(args) -> int:
     from ...plugins import collect
     from ...viz import plot_ood_table  # lazy: matplotlib
     from ..model_files import check_shape
 
     methods = ood._method_names(args.scores)  # unknown names: one line, before anything is loaded
+    method_kwargs = _method_options(args.score_option, methods)
     if args.openood and (args.data or args.ood):
         raise CLIError("--openood gives both the test images and the OOD sets; drop --data and --ood")
     jm, spec, model_file = _load_scored_model(args, "ood", args.benchmark if args.openood else None)
@@ -122,7 +169,14 @@ def run(args) -> int:
             check_shape(spec, ds[0][0].shape, source)
         fit_data = DataLoader(ds, batch_size=args.batch_size)
     table = ood.evaluate_all(
-        jm, data_in, sets, methods, fit_data=fit_data, batch_size=args.batch_size, progress=progress
+        jm,
+        data_in,
+        sets,
+        methods,
+        fit_data=fit_data,
+        method_kwargs=method_kwargs,
+        batch_size=args.batch_size,
+        progress=progress,
     )
     result: dict[str, Any] = {}
     for r in table.rows():
