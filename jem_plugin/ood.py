@@ -140,6 +140,14 @@ def _check_kwargs(name: str, fn, kwargs: dict, skip: int = 2) -> None:
         )
 
 
+def _check_method_kwargs(method_kwargs: Mapping[str, Mapping[str, Any]], entries: Mapping[str, Any]) -> None:
+    """Each registered score's options against what it accepts (a detector's go to its
+    constructor): ``TypeError`` in one line naming the ones it takes."""
+    for m, kwargs in method_kwargs.items():
+        fit_able = entries[m].get("needs_fit", False)
+        _check_kwargs(m, entries[m]["item"], dict(kwargs), skip=0 if fit_able else 2)
+
+
 def score(
     jm,
     data: Any,
@@ -636,11 +644,7 @@ def evaluate_all(
     if "in" in sets or len(set(sets)) != len(sets):
         raise ValueError(f"OOD set names must be distinct and not 'in' (the in-distribution data), got {sets}")
     # Every option is checked before the first score runs: a typo is an error, not a failed row.
-    for m in names:
-        if not isinstance(to_run[m], str):
-            continue
-        fit_able = entries[m].get("needs_fit", False)  # options of a detector go to its constructor
-        _check_kwargs(m, entries[m]["item"], dict(method_kwargs.get(m, {})), skip=0 if fit_able else 2)
+    _check_method_kwargs(method_kwargs, entries)
 
     records: list[dict[str, Any]] = []
     timing: dict[str, dict[str, float]] = {}

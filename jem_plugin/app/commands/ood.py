@@ -102,13 +102,10 @@ def _method_options(options: list[tuple[str, str, Any]], methods: list[str]) -> 
                 f"--score-option {score}.{key}: {score!r} is not among the --scores run ({', '.join(methods)})"
             )
         out.setdefault(score, {})[key] = value
-    entries = collect(ood._HOOK)
-    for score, kwargs in out.items():
-        fit_able = entries[score].get("needs_fit", False)  # a detector's options go to its constructor
-        try:
-            ood._check_kwargs(score, entries[score]["item"], kwargs, skip=0 if fit_able else 2)
-        except TypeError as exc:
-            raise CLIError(f"--score-option: {exc}") from None
+    try:
+        ood._check_method_kwargs(out, collect(ood._HOOK))
+    except TypeError as exc:
+        raise CLIError(f"--score-option: {exc}") from None
     return out
 
 
