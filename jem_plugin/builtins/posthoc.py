@@ -891,8 +891,12 @@ class MultiMahalanobis(_ClassConditional):
     def _layer_scores(self, core: Any, x: Tensor) -> Tensor:
         with torch.no_grad():
             feats, _ = self._read(core, x)
-            parts = feats.float().split(self._dims, dim=1)
-            return torch.stack([-m._class_dists(z).min(dim=1).values for m, z in zip(self._per_layer, parts)], dim=1)
+            return -self._layer_dists(feats.float().split(self._dims, dim=1))
+
+    def _layer_dists(self, parts: Sequence[Tensor]) -> Tensor:
+        """``[B, L]``: each layer's squared distance to its closest class (``parts``: the layers'
+        pooled features)."""
+        return torch.stack([m._class_dists(z).min(dim=1).values for m, z in zip(self._per_layer, parts)], dim=1)
 
     def _adversarial_weights(self, core: Any) -> list[float]:
         """Lee et al.'s weights: the coefficients of a logistic regression (on standardised
@@ -907,10 +911,11 @@ class MultiMahalanobis(_ClassConditional):
         with sampling_mode(core):
             for xb, yb in zip(x.split(128), y.split(128)):
                 xb = xb.to(device) if device is not None else xb
-                with input_grad_enabled(xb) as xg:
-                    loss = F.cross_entropy(core(xg).float(), yb.to(xb.device))
+                with input_grad_enabled(xb) as xg:  # one forward: the clean distances and the gradient
+                    layers, logits = core.layer_features(xg, self.layer_names)
+                    loss = F.cross_entropy(logits.float(), yb.to(xb.device))
                     (g,) = torch.autograd.grad(loss, xg)
-                clean.append(self._layer_scores(core, xb).double().cpu())
+                clean.append(-self._layer_dists([f.detach().float() for f in layers]).double().cpu())
                 perturbed.append(
                     self._layer_scores(core, _input_step(core, xb, -g, self.adversarial_eps)).double().cpu()
                 )
@@ -942,12 +947,8 @@ class MultiMahalanobis(_ClassConditional):
         return [1.0 / math.sqrt(2.0 * r) if r else 0.0 for r in self.ranks]
 
     def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
-        parts = feats.split(self._dims, dim=1)
-        total = torch.zeros(feats.shape[0], device=feats.device)
-        for m, z, w in zip(self._per_layer, parts, self.layer_weights):
-            if w:
-                total -= w * m._class_dists(z).min(dim=1).values
-        return total
+        weights = torch.tensor(self.layer_weights, dtype=feats.dtype, device=feats.device)
+        return -(self._layer_dists(feats.split(self._dims, dim=1)) * weights).sum(dim=1)
 
 
 class GMM(_GaussianDetector):
