@@ -469,14 +469,14 @@ def _out_channels(module: nn.Module) -> int | None:
 
 
 def _named_submodule(core: nn.Module, name: str) -> nn.Module:
-    try:
-        return core.get_submodule(name)
-    except AttributeError:
+    found = _optional_submodule(core, name)
+    if found is None:
         top = ", ".join(n for n, _ in core.named_children())
         raise NoFeaturesError(
             f"{type(core).__name__} has no submodule {name!r}; name layers by their dotted names in "
             f"model.named_modules() (its top-level children: {top or 'none'})"
-        ) from None
+        )
+    return found
 
 
 def _pool_positions(out: Any, name: str, channels: int | None, channels_last: bool = False) -> Tensor:
