@@ -322,11 +322,12 @@ class Adapter:
         ends = _stage_ends([m for _, m in trunk])
         return [trunk[i][0] for i in ends] or None
 
-    def layer_features(self, model: Any, x: Tensor, layers: Sequence[str]) -> tuple[list[Tensor], Tensor]:
-        """``([B, C_i] per layer, logits [B, K])`` of ``x`` in ONE forward of ``model``: the output
-        of each named submodule (its last call), averaged over its spatial positions (``[B, C, H,
-        W]`` maps, or channels-last ones where the model's ``output_fmt`` or ``feature_info`` says so) or tokens
-        (``[B, T, C]``), as Lee et al. pool feature maps for their feature ensemble.
+    def layer_maps(self, model: Any, x: Tensor, layers: Sequence[str]) -> tuple[list[Tensor], Tensor]:
+        """``([B, C_i, P_i] per layer, logits [B, K])`` of ``x`` in ONE forward of ``model``: the
+        output of each named submodule (its last call), channels first with its positions
+        flattened: ``[B, C, H, W]`` maps (or channels-last ones where the model's ``output_fmt`` or
+        ``feature_info`` says so) as ``[B, C, H*W]``, ``[B, T, C]`` tokens as ``[B, C, T]``, a
+        ``[B, C]`` vector as ``[B, C, 1]``. What the Gram-matrix detector (``gram``) reads.
 
         Raises :class:`~jem_plugin.errors.NoFeaturesError` for a name that is no submodule, a layer
         that did not run, or an output that is not a tensor of 2 to 4 dimensions.
@@ -346,12 +347,19 @@ class Adapter:
                 h.remove()
         channels = dict(_feature_info(core))
         last = getattr(core, "output_fmt", None) == "NHWC"  # timm's channels-last models (Swin, MambaOut)
-        pooled = []
+        maps = []
         for i, (name, module) in enumerate(zip(layers, modules)):
             if i not in seen:
                 raise NoFeaturesError(f"the layer {name!r} did not run in the model's forward, so it gives no features")
-            pooled.append(_pool_positions(seen[i], name, channels.get(name) or _out_channels(module), last))
-        return pooled, logits
+            maps.append(_channels_first(seen[i], name, channels.get(name) or _out_channels(module), last))
+        return maps, logits
+
+    def layer_features(self, model: Any, x: Tensor, layers: Sequence[str]) -> tuple[list[Tensor], Tensor]:
+        """``([B, C_i] per layer, logits [B, K])``: :meth:`layer_maps` averaged over each layer's
+        spatial positions or tokens, as Lee et al. pool feature maps for their feature ensemble
+        (``multi_mahalanobis``)."""
+        maps, logits = self.layer_maps(model, x, layers)
+        return [m.mean(dim=2) for m in maps], logits
 
 
 def pooled_maps(
@@ -479,10 +487,11 @@ def _named_submodule(core: nn.Module, name: str) -> nn.Module:
     return found
 
 
-def _pool_positions(out: Any, name: str, channels: int | None, channels_last: bool = False) -> Tensor:
-    """``[B, C]``: a layer's output averaged over its spatial positions or tokens. Maps are
-    ``[B, C, H, W]`` unless the model says its maps are channels-last (timm's ``output_fmt``) or
-    only the last dimension matches the layer's known channel count."""
+def _channels_first(out: Any, name: str, channels: int | None, channels_last: bool = False) -> Tensor:
+    """``[B, C, P]``: a layer's output, channels first, its spatial positions or tokens flattened
+    (``P = 1`` for a ``[B, C]`` output). Maps are ``[B, C, H, W]`` unless the model says its maps
+    are channels-last (timm's ``output_fmt``) or only the last dimension matches the layer's known
+    channel count."""
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
         out = out[0]  # blocks returning (hidden, extras), as some transformer blocks do
     if not isinstance(out, Tensor) or not 2 <= out.dim() <= 4:
@@ -492,9 +501,11 @@ def _pool_positions(out: Any, name: str, channels: int | None, channels_last: bo
         )
     if out.dim() == 4:
         last = channels_last or (channels is not None and out.shape[-1] == channels and out.shape[1] != channels)
-        out = out.mean(dim=(1, 2) if last else (2, 3))
+        out = out.flatten(1, 2).transpose(1, 2) if last else out.flatten(2)
     elif out.dim() == 3:
-        out = out.mean(dim=1)
+        out = out.transpose(1, 2)
+    else:
+        out = out.unsqueeze(2)
     return out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
 
 

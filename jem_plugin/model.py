@@ -175,6 +175,18 @@ class JEM(nn.Module):
         feats, out = self.adapter.layer_features(self.model, x, names)
         return [f.flatten(1) if f.dim() != 2 else f for f in feats], self._checked_logits(x, out)
 
+    def layer_maps(self, x: Tensor, layers: Sequence[str] | None = None) -> tuple[list[Tensor], Tensor]:
+        """``([B, C_i, P_i] per layer, logits [B, K])`` in one forward: the outputs of several
+        layers, channels first with their ``P_i`` spatial positions or tokens flattened (what
+        :meth:`layer_features` averages over), next to the validated logits. ``layers``: as in
+        :meth:`layer_features`. The Gram-matrix detector (``gram``) reads these."""
+        x = self._check_input(x)
+        names = list(layers) if layers is not None else self.feature_layers()
+        if not names:
+            raise no_layers_error(self.model, "layers=['name.of.block1', 'name.of.block2', ...]")
+        maps, out = self.adapter.layer_maps(self.model, x, names)
+        return maps, self._checked_logits(x, out)
+
     def head(self) -> nn.Module | None:
         """The layer mapping :meth:`features` to the logits (``logits == head(features)``), or
         ``None`` when the adapter knows none (features read by a user's callable)."""

@@ -191,7 +191,7 @@ def _score_every_method(jm, x):
         )
         if jem.ood.score_info(method)["needs_fit"]:
             kw["fit_data"] = fit
-        if method == "multi_mahalanobis":  # a hand-written net: its layers named
+        if method in ("multi_mahalanobis", "gram"):  # a hand-written net: its layers named
             kw["layers"] = ["body.2", "body.4"]
         scores = jem.ood.score(jm, x, method, progress=False, **kw)
         assert scores.shape == (len(x),) and scores.device == dev and torch.isfinite(scores).all(), method

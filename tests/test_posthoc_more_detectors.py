@@ -390,7 +390,7 @@ def test_an_images_score_does_not_depend_on_the_batch_it_is_scored_in(setup, nam
     are left out: their chains draw noise per batch."""
     jm, _, x_fit, y_fit, x_test = setup
     fit = _loader(x_fit, y_fit) if ood.score_info(name)["needs_fit"] else None
-    options = {"layers": ["1", "5"]} if name == "multi_mahalanobis" else {}  # an nn.Sequential's blocks
+    options = {"layers": ["1", "5"]} if name in ("multi_mahalanobis", "gram") else {}  # an nn.Sequential's blocks
     det = ood.detector(name, **options).fit(jm, fit) if fit is not None else name
     together = ood.score(jm, x_test, det, batch_size=len(x_test))
     alone = ood.score(jm, x_test[:8], det, batch_size=1)

@@ -53,10 +53,14 @@ openmax               ``-P(unknown)`` once the top ``alpha`` logits are revised 
 multi_mahalanobis     ``-sum_l w_l min_c`` Mahalanobis distance of layer ``l``'s         ``C_l x C_l``
                       pooled output, Lee et al.'s feature ensemble (``weights="dof"``:    per layer
                       ``w_l = 1 / sqrt(2 rank_l)``)
+gram                  ``-sum_l delta_l / E_l``, how far the Gram-matrix row sums of       ``K x sum C_l``
+                      layer ``l``'s maps fall outside the per-class training range       per power
+                      (Sastry & Oore 2020; ``powers = 10``)
 ====================  ==============================================================  ==========
 
 Features are :meth:`jem_plugin.JEM.features` (penultimate, ``[B, D]``), or for
-``multi_mahalanobis`` :meth:`jem_plugin.JEM.layer_features` (several layers, pooled); the "head" is
+``multi_mahalanobis`` :meth:`jem_plugin.JEM.layer_features` (several layers, pooled), for ``gram``
+:meth:`jem_plugin.JEM.layer_maps` (the same layers, unpooled); the "head" is
 :meth:`jem_plugin.JEM.head`, the layer that maps them to the logits. Feature maps are
 :meth:`jem_plugin.JEM.feature_maps` (``[B, C, H, W]`` before the classifier's pooling).
 """
@@ -100,6 +104,7 @@ __all__ = [
     "RelativeMahalanobis",
     "MahalanobisODIN",
     "MultiMahalanobis",
+    "Gram",
     "GMM",
     "ViM",
     "KNN",
@@ -429,6 +434,21 @@ def scale(jm: Any, x: Tensor, percentile: float = 85.0) -> Tensor:
 
 
 # ---------------------------------------------------------------------- fitted detectors
+def _checked_layers(layers: Sequence[str] | None) -> list[str] | None:
+    """A multi-layer detector's ``layers=`` option as a list (``None``: the adapter's default)."""
+    if layers is not None and (isinstance(layers, str) or not layers or not all(isinstance(n, str) for n in layers)):
+        raise ValueError(f"layers must be a non-empty list of dotted submodule names, got {layers!r}")
+    return None if layers is None else list(layers)
+
+
+def _layer_names(jm: Any, layers: list[str] | None, detector: str) -> list[str]:
+    """The layers a multi-layer detector reads: ``layers``, else the adapter's default ones."""
+    names = layers if layers is not None else jm.feature_layers()
+    if not names:
+        raise no_layers_error(jm.model, f"jem.ood.detector({detector!r}, layers=['name.of.block1', ...])")
+    return list(names)
+
+
 class _FittedDetector:
     """Base of the detectors fitted on in-distribution data: ``fit`` streams over the data
     (features of each batch handed to :meth:`_add`), :meth:`_finish` turns the running sums
@@ -813,10 +833,6 @@ class MultiMahalanobis(_ClassConditional):
         self.adversarial_eps, self.adversarial_images = float(adversarial_eps), adversarial_images
         self._kept: list[Tensor] | None = None  # fit images kept for the adversarial weights
         self._kept_labels: list[Tensor] = []
-        if layers is not None and (
-            isinstance(layers, str) or not layers or not all(isinstance(n, str) for n in layers)
-        ):
-            raise ValueError(f"layers must be a non-empty list of dotted submodule names, got {layers!r}")
         if isinstance(weights, str):
             if weights not in ("dof", "uniform", "adversarial"):
                 raise ValueError(
@@ -824,7 +840,7 @@ class MultiMahalanobis(_ClassConditional):
                 )
         elif not all(isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 for w in weights):
             raise ValueError(f"weights must be non-negative finite numbers, one per layer, got {weights!r}")
-        self.layers = None if layers is None else list(layers)
+        self.layers = _checked_layers(layers)
         self.weights: str | list[float] = weights if isinstance(weights, str) else [float(w) for w in weights]
 
     def _options(self) -> dict[str, Any]:
@@ -837,12 +853,10 @@ class MultiMahalanobis(_ClassConditional):
         }
 
     def _begin(self, jm: Any) -> None:
-        names = self.layers if self.layers is not None else jm.feature_layers()
-        if not names:
-            raise no_layers_error(jm.model, f"jem.ood.detector({self.name!r}, layers=['name.of.block1', ...])")
+        names = _layer_names(jm, self.layers, self.name)
         if not isinstance(self.weights, str) and len(self.weights) != len(names):
             raise ValueError(f"weights gives {len(self.weights)} number(s) for {len(names)} layers ({names})")
-        self.layer_names = list(names)
+        self.layer_names = names
         self._per_layer = [Mahalanobis(self.labels) for _ in names]
         for m in self._per_layer:
             m._begin(jm)
@@ -949,6 +963,160 @@ class MultiMahalanobis(_ClassConditional):
     def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
         weights = torch.tensor(self.layer_weights, dtype=feats.dtype, device=feats.device)
         return -(self._layer_dists(feats.split(self._dims, dim=1)) * weights).sum(dim=1)
+
+
+def _gram_rows(maps: Tensor, powers: Sequence[int]) -> Tensor:
+    """``[B, len(powers), C]``: for each power ``p``, the row sums of the ``p``-th order Gram
+    matrix of ``[B, C, P]`` maps, ``r = (F^p)(F^p)^T 1`` (elementwise power), as ``sign(r)
+    |r|^(1/p)``. Computed as ``F^p`` times the column sums of ``F^p`` (``O(C P)``, not the ``O(C^2
+    P)`` of the matrix), in float64 on maps divided by their largest entry (the result scales by
+    its square), so that ``F^10`` neither overflows nor underflows."""
+    dtype = torch.float32 if maps.device.type == "mps" else torch.float64  # MPS has no float64
+    f = maps.to(dtype)
+    m = f.abs().amax(dim=(1, 2), keepdim=True).clamp_min(torch.finfo(dtype).tiny)
+    f = f / m
+    rows = []
+    for p in powers:
+        fp = f**p
+        r = torch.bmm(fp, fp.sum(dim=1).unsqueeze(2)).squeeze(2)
+        rows.append(r.sign() * r.abs() ** (1.0 / p))
+    return (torch.stack(rows, dim=1) * m.squeeze(2).unsqueeze(1) ** 2).float()
+
+
+class Gram(_ClassConditional):
+    """Gram-matrix detector (Sastry & Oore 2020): how far the correlations between an input's
+    feature channels fall outside the range that training inputs of its predicted class showed,
+    over several depths and orders.
+
+    For each layer ``l`` (its output ``F_l`` as ``C_l`` channels by ``P_l`` positions,
+    :meth:`~jem_plugin.JEM.layer_maps`) and power ``p = 1 .. powers``, the statistic is the row
+    sums of the ``p``-th order Gram matrix, ``g = sign(r) |r|^(1/p)`` with ``r = (F_l^p)(F_l^p)^T 1``
+    (``C_l`` numbers). ``fit`` keeps, per class, the smallest and largest value of each number over
+    the fit images; an input's deviation is
+
+    ``delta_l(x) = sum_p sum_i relu(lo_i - g_i) / |lo_i| + relu(g_i - hi_i) / |hi_i|``
+
+    against the bounds of its predicted class (``1e-6`` added to each denominator), and
+
+    ``score(x) = -sum_l delta_l(x) / E_l``,
+
+    where ``E_l``, a layer's typical deviation, is its mean over the ``held_out`` fraction of the
+    fit images that the bounds leave out (an evenly spread ``held_out`` of the stream, of which a
+    uniform sample of at most ``max_held_out`` is kept; ``E_l = 1`` where they show none, or with
+    ``held_out=0``). ``layers``: as for :class:`MultiMahalanobis` (default: the adapter's
+    :meth:`~jem_plugin.JEM.feature_layers`); the paper reads every convolution's output. ``powers``:
+    the largest power (the paper's 10), or a list of powers.
+
+    Strong on low-level shifts (noise, inverted or transposed images, other textures), which move
+    the early layers' statistics out of range; on unseen classes of similar images it is usually
+    below the Gaussian detectors. ``fit`` streams: the bounds are ``K x L x sum C_l`` running
+    minima and maxima. pytorch-ood's ``Gram`` is the same statistic and bounds (its outlier score
+    is ``-score``); it holds out a random 10% per class, so ``E_l`` differs by the sample, and
+    computes the Gram matrix in float32.
+    """
+
+    name = "gram"
+
+    def __init__(
+        self,
+        layers: Sequence[str] | None = None,
+        powers: int | Sequence[int] = 10,
+        held_out: float = 0.1,
+        max_held_out: int = 1000,
+        labels: str = "true",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self._set_labels(labels)
+        self.layers = _checked_layers(layers)
+        if isinstance(powers, bool) or not (
+            (isinstance(powers, int) and powers >= 1)
+            or (
+                isinstance(powers, (list, tuple))
+                and powers
+                and all(isinstance(q, int) and not isinstance(q, bool) and q >= 1 for q in powers)
+            )
+        ):
+            raise ValueError(f"powers must be a positive integer or a list of them, got {powers!r}")
+        self.powers = list(range(1, powers + 1)) if isinstance(powers, int) else list(powers)
+        if not (isinstance(held_out, (int, float)) and 0 <= held_out < 1):
+            raise ValueError(f"held_out must be a fraction in [0, 1), got {held_out!r}")
+        if not isinstance(max_held_out, int) or max_held_out < 1:
+            raise ValueError(f"max_held_out must be a positive integer, got {max_held_out!r}")
+        self.held_out, self.max_held_out, self.seed = float(held_out), max_held_out, seed
+
+    def _options(self) -> dict[str, Any]:
+        return {
+            "layers": self.layers,
+            "powers": self.powers,
+            "held_out": self.held_out,
+            "max_held_out": self.max_held_out,
+            **super()._options(),
+        }
+
+    def _begin(self, jm: Any) -> None:
+        self.layer_names = _layer_names(jm, self.layers, self.name)
+        self._lo: Tensor | None = None
+        self._hi: Tensor | None = None
+        self._seen = 0
+        self._held = _Sample(self.max_held_out, self.seed)
+
+    def _read(self, jm: Any, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The Gram statistics of every layer and power side by side (``[B, sum_l P C_l]``) and the logits."""
+        maps, logits = jm.layer_maps(x, self.layer_names)
+        rows = [_gram_rows(m, self.powers).flatten(1) for m in maps]
+        self._dims = [r.shape[1] for r in rows]
+        return torch.cat(rows, dim=1), logits
+
+    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+        y = self._labels(feats, logits, y)
+        if self._lo is None:
+            k, d = logits.shape[1], feats.shape[1]
+            self._lo = feats.new_full((k, d), math.inf)
+            self._hi = feats.new_full((k, d), -math.inf)
+        assert self._hi is not None
+        # every (1 / held_out)-th image of the stream estimates E_l; the others set the bounds
+        i = torch.arange(self._seen, self._seen + len(y), dtype=torch.float64)
+        held = (torch.floor((i + 1) * self.held_out) > torch.floor(i * self.held_out)).to(feats.device)
+        self._seen += len(y)
+        if held.any():  # the label rides along as column 0 (exact in float32 below 2^24 classes)
+            self._held.add(torch.cat([y[held].unsqueeze(1).to(feats.dtype), feats[held]], dim=1))
+        idx = y[~held].unsqueeze(1).expand(-1, feats.shape[1])
+        self._lo.scatter_reduce_(0, idx, feats[~held], "amin")
+        self._hi.scatter_reduce_(0, idx, feats[~held], "amax")
+
+    def _finish(self, jm: Any) -> None:
+        assert self._lo is not None and self._hi is not None, "fit saw no data"
+        present = torch.isfinite(self._lo[:, 0])
+        absent = (~present).nonzero().squeeze(1).tolist()
+        if absent:  # a class predicted at scoring needs bounds: those of all classes
+            warnings.warn(
+                f"{self.name}: the fit data has no image of class(es) {absent[:10]} outside the held-out "
+                "part; inputs predicted as them are compared with the bounds of all classes",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self._lo[~present] = self._lo[present].amin(dim=0)
+            self._hi[~present] = self._hi[present].amax(dim=0)
+        self.classes = present.nonzero().squeeze(1)
+        self.n_fit = self._seen
+        held = self._held.values()
+        self.layer_norm = torch.ones(len(self._dims), device=self._lo.device)
+        if held.numel():
+            typical = self._layer_devs(held[:, 1:], held[:, 0].long()).mean(dim=0)
+            self.layer_norm = torch.where(typical > 0, typical, self.layer_norm)
+        del self._held
+
+    def _layer_devs(self, stats: Tensor, y: Tensor) -> Tensor:
+        """``[B, L]``: each layer's deviation from the bounds of the classes ``y``."""
+        assert self._lo is not None and self._hi is not None
+        lo, hi = self._lo.to(stats.device)[y], self._hi.to(stats.device)[y]
+        dev = F.relu(lo - stats) / (lo.abs() + 1e-6) + F.relu(stats - hi) / (hi.abs() + 1e-6)
+        return torch.stack([d.sum(dim=1) for d in dev.split(self._dims, dim=1)], dim=1)
+
+    def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
+        devs = self._layer_devs(feats, logits.argmax(dim=1))
+        return -(devs / self.layer_norm.to(devs.device)).sum(dim=1)
 
 
 class GMM(_GaussianDetector):
@@ -1416,6 +1584,13 @@ def jem_register_ood_scores(register: Callable[..., None]) -> None:
         needs_grad=False,
         needs_fit=True,
         description="Mahalanobis summed over several depths, Lee et al.'s feature ensemble (fit; layers=, weights='dof', labels=)",
+    )
+    register(
+        "gram",
+        Gram,
+        needs_grad=False,
+        needs_fit=True,
+        description="Gram matrices of several depths against per-class training bounds (fit; layers=, powers=10, held_out=0.1)",
     )
     register(
         "gmm",
