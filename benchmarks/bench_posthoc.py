@@ -31,7 +31,9 @@ time per 1000 images of one pass over all sets; for each detector both libraries
 largest difference between our scores and pytorch-ood's at matched settings (ASH at 90% and
 SCALE at 85%, our defaults; ViM at our principal dimension; OpenMax on float64 logits with every
 class predicted in each batch, :class:`EveryClassOpenMax`; MultiMahalanobis at our layer weights,
-on the same pooled layers, :class:`LayerMahalanobis`) and the throughput of both on the
+on the same pooled layers, :class:`LayerMahalanobis`; Gram at our powers, bounds and typical
+deviations, in float64 with our denominators, on the same unpooled layers, :class:`LayerGram`)
+and the throughput of both on the
 same 512 images (interleaved rounds, median of paired ratios). Targets of issue 29, per network.
 
     python -m benchmarks.bench_posthoc            # ~35 CPU minutes on one thread
@@ -106,6 +108,7 @@ SHARED = {
     "mahalanobis_odin": "MahalanobisODIN",
     "openmax": "OpenMax",
     "multi_mahalanobis": "MultiMahalanobis",
+    "gram": "Gram",
 }
 TARGET_MARGIN = 0.005  # best of ours >= best of pytorch-ood - this, per set
 EQUAL_TOL = 1e-4  # shared detectors: max |ours - theirs| <= EQUAL_TOL * max(1, max |ours|)
@@ -349,9 +352,9 @@ def pytorch_ood_detectors(model: nn.Module, feature_dim: int) -> dict[str, tuple
     the paper's for CIFAR; ViM's ``d``, ours). Its feature-map detectors (ASH, SCALE, VRA,
     RankFeat) get a CNN's last feature maps and ``forward_head`` (pooling and classifier), as the
     ASH paper applies it; a ViT, which has no maps, its penultimate features as 1x1 maps. ReAct
-    clips the penultimate features (the paper's layer; as 1x1 maps). MultiMahalanobis reads the
-    layers ours reads (:class:`LayerMahalanobis`). Left out: those needing hand-picked layers
-    (Gram, NACUE), Dropout (MCD), text embeddings (MCM)
+    clips the penultimate features (the paper's layer; as 1x1 maps). MultiMahalanobis and Gram
+    read the layers ours read (:class:`LayerMahalanobis`, :class:`LayerGram`). Left out: NACUE
+    (hand-picked layers), Dropout (MCD), text embeddings (MCM)
     or per-class weights (WeightedEBO), and GradNorm (Huang et al. 2021: per-example parameter
     gradients, 20x the cost of a forward pass, for this CPU budget)."""
     from pytorch_ood import detector as D
@@ -371,6 +374,7 @@ def pytorch_ood_detectors(model: nn.Module, feature_dim: int) -> dict[str, tuple
         "TemperatureScaling": (lambda: D.TemperatureScaling(model), False),
         "OpenMax": (lambda: D.OpenMax(model), False),
         "MultiMahalanobis": (lambda: LayerMahalanobis(model), False),
+        "Gram": (lambda: LayerGram(model), False),
         "ODIN": (lambda: D.ODIN(model, norm_std=std), True),
         "Mahalanobis": (lambda: D.Mahalanobis(enc), False),
         "MahalanobisODIN": (lambda: D.MahalanobisODIN(enc, norm_std=std), True),
@@ -453,6 +457,60 @@ class LayerMahalanobis:
         return self.det.predict_structured(self._pooled(x))
 
 
+class LayerGram:
+    """pytorch-ood's ``Gram`` on the layers ours reads by default, their unpooled outputs
+    (:meth:`jem_plugin.JEM.layer_maps`) handed to it in place of its chain of layers (as for
+    :class:`LayerMahalanobis`), at its default powers ``1 .. L`` and random tenth of each class
+    held out (seeded here). ``matched`` (for the equality check): our fitted ``gram`` detector,
+    whose powers and typical deviations it then uses, its bounds set on every fit image as ours
+    are, the maps in float64 as ours computes them, and our denominators ``|bound| + 1e-6``
+    (its ``|bound + 1e-6|``, the original code's, is 0 at a bound of ``-1e-6`` and up to 6x
+    smaller than ours on lcnet_050's near-zero bounds of negative statistics)."""
+
+    requires_fit = True
+
+    def __init__(self, model: nn.Module, matched: Any = None) -> None:
+        from pytorch_ood import detector as D
+
+        jm = jem.wrap(model, **_wrap_kw(model.num_classes))
+        layers = jm.feature_layers() or []
+
+        class OnOurLayers(D.Gram):
+            def _create_feature_list(self, data: Tensor) -> tuple[Tensor, list[Tensor]]:
+                with torch.no_grad():
+                    maps, logits = jm.layer_maps(data, layers)
+                return logits, maps if matched is None else [m.double() for m in maps]
+
+            if matched is not None:  # ours adds 1e-6 after the absolute value: |lo| + 1e-6, not |lo + 1e-6|
+
+                @staticmethod
+                def _deviation(g: Tensor, mins: Tensor, maxs: Tensor) -> Tensor:
+                    dev = F.relu(mins - g) / (mins.abs() + 1e-6) + F.relu(g - maxs) / (maxs.abs() + 1e-6)
+                    return dev.sum(dim=1)
+
+        powers = None if matched is None else matched.powers
+        self.det = OnOurLayers(nn.Identity(), [nn.Identity()] * len(layers), model.num_classes, powers)
+        self.det.to("cpu")
+        self.matched = matched
+        if matched is not None:
+            self.det.validation_fraction = 0.0
+
+    def fit(self, loader: DataLoader) -> LayerGram:
+        torch.manual_seed(0)  # its held-out split
+        self.det.fit(loader)
+        if self.matched is not None:
+            self.det.layer_norm = self.matched.layer_norm.double()
+        return self
+
+    def predict(self, x: Tensor) -> Tensor:
+        return self.det.predict(x)
+
+
+def _our_gram(model: nn.Module, loader: DataLoader) -> Any:
+    jm = jem.wrap(model, **_wrap_kw(model.num_classes))
+    return ood.detector("gram").fit(jm, loader, progress=False)
+
+
 def _our_layer_weights(model: nn.Module, loader: DataLoader) -> list[float]:
     jm = jem.wrap(model, **_wrap_kw(model.num_classes))
     return ood.detector("multi_mahalanobis").fit(jm, loader, progress=False).layer_weights
@@ -462,7 +520,8 @@ def _our_layer_weights(model: nn.Module, loader: DataLoader) -> list[float]:
 #: SCALE at our percentiles, on the same activations as its defaults (a CNN's feature maps, a
 #: ViT's penultimate features, as ours); OpenMax on float64 logits with every class predicted in
 #: each batch (:class:`EveryClassOpenMax`); MultiMahalanobis with our layer weights (``alpha``
-#: read off our fit on the same data).
+#: read off our fit on the same data); Gram at our powers, bounds and typical deviations
+#: (:class:`LayerGram`).
 def matched_detectors(model: nn.Module, fit: DataLoader) -> dict[str, Callable[[], Any]]:
     from pytorch_ood import detector as D
 
@@ -472,6 +531,7 @@ def matched_detectors(model: nn.Module, fit: DataLoader) -> dict[str, Callable[[
         "SCALE": lambda: D.SCALE(maps, maps_head, percentile=0.85),
         "OpenMax": lambda: EveryClassOpenMax(model),
         "MultiMahalanobis": lambda: LayerMahalanobis(model, alpha=_our_layer_weights(model, fit)),
+        "Gram": lambda: LayerGram(model, matched=_our_gram(model, fit)),
     }
 
 

@@ -111,21 +111,24 @@ def _deviation(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Ten
 
 
 def test_the_score_is_minus_the_normalised_deviation_from_the_bounds_of_the_predicted_class(setup):
-    """The formula written out: per-class bounds from the fit images outside the held-out part
-    (every fourth image of the stream at ``held_out=0.25``), each layer's typical deviation the
-    mean over the held-out images against their own class's bounds, and the score."""
+    """The formula written out: per-class bounds from every fit image, each layer's typical
+    deviation the mean over the held-out images (a seeded draw, a quarter here) against their
+    own class's bounds over the other images, and the score."""
     jm, model, x_fit, y_fit, x_test = setup
-    det = ood.detector("gram", powers=5, held_out=0.25).fit(jm, (x_fit, y_fit), batch_size=50)
-    held = torch.arange(len(x_fit)) % 4 == 3
+    det = ood.detector("gram", powers=5, held_out=0.25, seed=3).fit(jm, (x_fit, y_fit), batch_size=50)
     assert det.powers == [1, 2, 3, 4, 5]
+    held = torch.rand(len(x_fit), generator=torch.Generator().manual_seed(3)) < 0.25
+    assert 20 < int(held.sum()) < 40
     stats_fit = [torch.stack([_paper_rows(m, p) for p in det.powers], 1) for m in _maps(model, x_fit)]
     stats_test = [torch.stack([_paper_rows(m, p) for p in det.powers], 1) for m in _maps(model, x_test)]
     pred = model(x_test).argmax(1)
     expected = torch.zeros(len(x_test), dtype=torch.float64)
     for layer, (s_fit, s_test) in enumerate(zip(stats_fit, stats_test)):
-        lo = torch.stack([s_fit[~held & (y_fit == c)].amin(0) for c in range(K)])  # [K, P, C]
-        hi = torch.stack([s_fit[~held & (y_fit == c)].amax(0) for c in range(K)])
-        typical = _deviation(s_fit[held], lo[y_fit[held]], hi[y_fit[held]]).sum(1).mean()
+        lo = torch.stack([s_fit[y_fit == c].amin(0) for c in range(K)])  # [K, P, C]
+        hi = torch.stack([s_fit[y_fit == c].amax(0) for c in range(K)])
+        lo_others = torch.stack([s_fit[~held & (y_fit == c)].amin(0) for c in range(K)])
+        hi_others = torch.stack([s_fit[~held & (y_fit == c)].amax(0) for c in range(K)])
+        typical = _deviation(s_fit[held], lo_others[y_fit[held]], hi_others[y_fit[held]]).sum(1).mean()
         assert math.isclose(float(det.layer_norm[layer]), float(typical), rel_tol=1e-4)
         expected -= _deviation(s_test, lo[pred], hi[pred]).sum(1) / typical
     torch.testing.assert_close(det.score(jm, x_test).double(), expected, rtol=1e-4, atol=1e-3)
@@ -133,8 +136,8 @@ def test_the_score_is_minus_the_normalised_deviation_from_the_bounds_of_the_pred
 
 def test_equals_pytorch_oods_gram_with_nothing_held_out(setup):
     """pytorch-ood's ``Gram`` on the same layers (its ``predict(x)`` chains its layers, so they
-    are handed over as maps), at the same powers; it holds out a random tenth of each class,
-    ours an evenly spread tenth of the stream, so both hold out nothing here."""
+    are handed over as maps), at the same powers; it sets its bounds without its held-out tenth
+    of each class, a random draw of its own, so both hold out nothing here."""
     detector = pytest.importorskip("pytorch_ood.detector")
     jm, model, x_fit, y_fit, x_test = setup
 
@@ -178,7 +181,7 @@ def test_options_a_missing_class_and_unfitted_use_are_said_in_one_line(setup):
     with pytest.raises(ValueError, match="layers"):
         posthoc.Gram(layers="features.0")  # a string, not a list of names
     keep = y_fit != 2
-    with pytest.warns(RuntimeWarning, match=r"no image of class\(es\) \[2\]"):
+    with pytest.warns(RuntimeWarning, match=r"no image of class\(es\) \[2\]; inputs predicted as them"):
         det = posthoc.Gram().fit(jm, (x_fit[keep], y_fit[keep]))
     assert torch.isfinite(det.score(jm, x_test)).all()  # inputs predicted as class 2 included
 

@@ -40,8 +40,8 @@ def test_tiny_run_writes_results_and_judges_targets(tmp_path):
         epochs=1,
         n_train=96,
         n_eval=24,
-        methods=["logpx", "msp", "grad_norm", "mahalanobis", "knn", "ash"],
-        theirs=["EnergyBased", "MaxSoftmax", "Mahalanobis", "KNN", "ASH", "Entropy"],
+        methods=["logpx", "msp", "grad_norm", "mahalanobis", "knn", "ash", "gram"],
+        theirs=["EnergyBased", "MaxSoftmax", "Mahalanobis", "KNN", "ASH", "Entropy", "Gram"],
         timing_n=32,
         timing_repeats=1,
         jem_recipes=["fast"],
@@ -51,7 +51,8 @@ def test_tiny_run_writes_results_and_judges_targets(tmp_path):
     # the detectors both libraries have: identical where the method is the same computation
     assert net["equality"]["logpx"]["max_abs_diff"] == 0.0 and net["equality"]["logpx"]["equal"]
     assert net["equality"]["msp"]["equal"] and net["equality"]["ash"]["pytorch_ood"] == "ASH (matched settings)"
-    assert set(net["throughput"]) == {"logpx", "msp", "mahalanobis", "knn", "ash"}
+    assert net["equality"]["gram"]["pytorch_ood"] == "Gram (matched settings)" and net["equality"]["gram"]["equal"]
+    assert set(net["throughput"]) == {"logpx", "msp", "mahalanobis", "knn", "ash", "gram"}
     assert all(v["ratio"] > 0 for v in net["throughput"].values())
     tg = net["targets"]
     assert set(tg["best_per_set"]) == set(B.SETS) and "jem_ok" in tg  # the run's only network has the JEM twin

@@ -983,6 +983,23 @@ def _gram_rows(maps: Tensor, powers: Sequence[int]) -> Tensor:
     return (torch.stack(rows, dim=1) * m.squeeze(2).unsqueeze(1) ** 2).float()
 
 
+def _widen(lo: Tensor, hi: Tensor, stats: Tensor, y: Tensor) -> None:
+    """Widen the per-class bounds ``lo``, ``hi`` (``[K, D]``, in place) to cover ``stats`` of classes ``y``."""
+    idx = y.unsqueeze(1).expand(-1, stats.shape[1])
+    lo.scatter_reduce_(0, idx, stats, "amin")
+    hi.scatter_reduce_(0, idx, stats, "amax")
+
+
+def _fill_absent(lo: Tensor, hi: Tensor) -> bool:
+    """Give the classes without bounds (never seen) the bounds of all classes, in place; False
+    where no class has any."""
+    present = torch.isfinite(lo[:, 0])
+    if not present.any():
+        return False
+    lo[~present], hi[~present] = lo[present].amin(dim=0), hi[present].amax(dim=0)
+    return True
+
+
 class Gram(_ClassConditional):
     """Gram-matrix detector (Sastry & Oore 2020): how far the correlations between an input's
     feature channels fall outside the range that training inputs of its predicted class showed,
@@ -1000,19 +1017,26 @@ class Gram(_ClassConditional):
 
     ``score(x) = -sum_l delta_l(x) / E_l``,
 
-    where ``E_l``, a layer's typical deviation, is its mean over the ``held_out`` fraction of the
-    fit images that the bounds leave out (an evenly spread ``held_out`` of the stream, of which a
-    uniform sample of at most ``max_held_out`` is kept; ``E_l = 1`` where they show none, or with
-    ``held_out=0``). ``layers``: as for :class:`MultiMahalanobis` (default: the adapter's
-    :meth:`~jem_plugin.JEM.feature_layers`); the paper reads every convolution's output. ``powers``:
-    the largest power (the paper's 10), or a list of powers.
+    where ``E_l``, a layer's typical deviation, is its mean over held-out fit images against the
+    bounds of the other fit images: each image is held out with probability ``held_out`` (a
+    seeded draw, the same for any batching), of which a uniform sample of at most
+    ``max_held_out`` is kept. ``E_l = 1`` where they show none, or with ``held_out=0``. The
+    scoring bounds are those of every fit image, as in the paper (which estimates ``E_l`` on
+    separate validation data). ``layers``: as for :class:`MultiMahalanobis` (default: the
+    adapter's :meth:`~jem_plugin.JEM.feature_layers`); the paper reads every convolution's output.
+    ``powers``: the largest power (the paper's 10), or a list of powers.
 
     Strong on low-level shifts (noise, inverted or transposed images, other textures), which move
     the early layers' statistics out of range; on unseen classes of similar images it is usually
-    below the Gaussian detectors. ``fit`` streams: the bounds are ``K x L x sum C_l`` running
-    minima and maxima. pytorch-ood's ``Gram`` is the same statistic and bounds (its outlier score
-    is ``-score``); it holds out a random 10% per class, so ``E_l`` differs by the sample, and
-    computes the Gram matrix in float32.
+    below the Gaussian detectors. ``E_l`` rests on few nonzero deviations, so it varies with the
+    held-out draw (``seed``). On activations that take both signs (GELU, hard-swish, LayerNorm
+    outputs) an odd power's row sum can cancel to about 0, where its root is dominated by rounding
+    (``|r|^(1/p)`` of the rounding error), in any implementation.
+
+    ``fit`` streams: two sets of running bounds, ``K x sum_l C_l x powers`` each, and the held-out
+    sample. pytorch-ood's ``Gram`` is the same statistic and deviation (its outlier score is
+    ``-score``); it sets the scoring bounds without its held-out tenth of each class (a random
+    draw), so its bounds and ``E_l`` differ from ours by the sample.
     """
 
     name = "gram"
@@ -1056,10 +1080,12 @@ class Gram(_ClassConditional):
 
     def _begin(self, jm: Any) -> None:
         self.layer_names = _layer_names(jm, self.layers, self.name)
-        self._lo: Tensor | None = None
+        self._lo: Tensor | None = None  # bounds over every fit image: what scoring compares with
         self._hi: Tensor | None = None
-        self._seen = 0
+        self._others: tuple[Tensor, Tensor] | None = None  # over the images not held out: for E_l
         self._held = _Sample(self.max_held_out, self.seed)
+        self._draw = torch.Generator().manual_seed(self.seed)  # on the CPU: the same draw on any device
+        self._seen = 0
 
     def _read(self, jm: Any, x: Tensor) -> tuple[Tensor, Tensor]:
         """The Gram statistics of every layer and power side by side (``[B, sum_l P C_l]``) and the logits."""
@@ -1072,45 +1098,43 @@ class Gram(_ClassConditional):
         y = self._labels(feats, logits, y)
         if self._lo is None:
             k, d = logits.shape[1], feats.shape[1]
-            self._lo = feats.new_full((k, d), math.inf)
-            self._hi = feats.new_full((k, d), -math.inf)
-        assert self._hi is not None
-        # every (1 / held_out)-th image of the stream estimates E_l; the others set the bounds
-        i = torch.arange(self._seen, self._seen + len(y), dtype=torch.float64)
-        held = (torch.floor((i + 1) * self.held_out) > torch.floor(i * self.held_out)).to(feats.device)
+            self._lo, self._hi = feats.new_full((k, d), math.inf), feats.new_full((k, d), -math.inf)
+            self._others = (self._lo.clone(), self._hi.clone())
+        assert self._hi is not None and self._others is not None
         self._seen += len(y)
+        _widen(self._lo, self._hi, feats, y)
+        held = (torch.rand(len(y), generator=self._draw) < self.held_out).to(feats.device)
+        _widen(*self._others, feats[~held], y[~held])
         if held.any():  # the label rides along as column 0 (exact in float32 below 2^24 classes)
             self._held.add(torch.cat([y[held].unsqueeze(1).to(feats.dtype), feats[held]], dim=1))
-        idx = y[~held].unsqueeze(1).expand(-1, feats.shape[1])
-        self._lo.scatter_reduce_(0, idx, feats[~held], "amin")
-        self._hi.scatter_reduce_(0, idx, feats[~held], "amax")
 
     def _finish(self, jm: Any) -> None:
-        assert self._lo is not None and self._hi is not None, "fit saw no data"
+        assert self._lo is not None and self._hi is not None and self._others is not None, "fit saw no data"
         present = torch.isfinite(self._lo[:, 0])
         absent = (~present).nonzero().squeeze(1).tolist()
         if absent:  # a class predicted at scoring needs bounds: those of all classes
             warnings.warn(
-                f"{self.name}: the fit data has no image of class(es) {absent[:10]} outside the held-out "
-                "part; inputs predicted as them are compared with the bounds of all classes",
+                f"{self.name}: the fit data has no image of class(es) {absent[:10]}; inputs predicted as "
+                "them are compared with the bounds of all classes",
                 RuntimeWarning,
                 stacklevel=4,
             )
-            self._lo[~present] = self._lo[present].amin(dim=0)
-            self._hi[~present] = self._hi[present].amax(dim=0)
+        _fill_absent(self._lo, self._hi)
         self.classes = present.nonzero().squeeze(1)
         self.n_fit = self._seen
         held = self._held.values()
         self.layer_norm = torch.ones(len(self._dims), device=self._lo.device)
-        if held.numel():
-            typical = self._layer_devs(held[:, 1:], held[:, 0].long()).mean(dim=0)
+        if held.numel() and _fill_absent(*self._others):
+            typical = self._layer_devs(held[:, 1:], held[:, 0].long(), self._others).mean(dim=0)
             self.layer_norm = torch.where(typical > 0, typical, self.layer_norm)
-        del self._held
+        del self._held, self._others, self._draw
 
-    def _layer_devs(self, stats: Tensor, y: Tensor) -> Tensor:
-        """``[B, L]``: each layer's deviation from the bounds of the classes ``y``."""
-        assert self._lo is not None and self._hi is not None
-        lo, hi = self._lo.to(stats.device)[y], self._hi.to(stats.device)[y]
+    def _layer_devs(self, stats: Tensor, y: Tensor, bounds: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """``[B, L]``: each layer's deviation from the bounds of the classes ``y`` (default: the
+        scoring bounds)."""
+        lo, hi = bounds if bounds is not None else (self._lo, self._hi)
+        assert lo is not None and hi is not None
+        lo, hi = lo.to(stats.device)[y], hi.to(stats.device)[y]
         dev = F.relu(lo - stats) / (lo.abs() + 1e-6) + F.relu(stats - hi) / (hi.abs() + 1e-6)
         return torch.stack([d.sum(dim=1) for d in dev.split(self._dims, dim=1)], dim=1)
 
