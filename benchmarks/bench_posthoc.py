@@ -461,7 +461,7 @@ class LayerGram:
     """pytorch-ood's ``Gram`` on the layers ours reads by default, their unpooled outputs
     (:meth:`jem_plugin.JEM.layer_maps`) handed to it in place of its chain of layers (as for
     :class:`LayerMahalanobis`), at its default powers ``1 .. L`` and random tenth of each class
-    held out (seeded here). ``matched`` (for the equality check): our fitted ``gram`` detector,
+    held out (drawn after ``torch.manual_seed(seed)``). ``matched`` (for the equality check): our fitted ``gram`` detector,
     whose powers and typical deviations it then uses, its bounds set on every fit image as ours
     are, the maps in float64 as ours computes them, and our denominators ``|bound| + 1e-6``
     (its ``|bound + 1e-6|``, the original code's, is 0 at a bound of ``-1e-6`` and up to 6x
@@ -469,11 +469,12 @@ class LayerGram:
 
     requires_fit = True
 
-    def __init__(self, model: nn.Module, matched: Any = None) -> None:
+    def __init__(self, model: nn.Module, matched: Any = None, seed: int = 0) -> None:
         from pytorch_ood import detector as D
 
         jm = jem.wrap(model, **_wrap_kw(model.num_classes))
         layers = jm.feature_layers() or []
+        self.seed = seed
 
         class OnOurLayers(D.Gram):
             def _create_feature_list(self, data: Tensor) -> tuple[Tensor, list[Tensor]]:
@@ -496,7 +497,7 @@ class LayerGram:
             self.det.validation_fraction = 0.0
 
     def fit(self, loader: DataLoader) -> LayerGram:
-        torch.manual_seed(0)  # its held-out split
+        torch.manual_seed(self.seed)  # its held-out split
         self.det.fit(loader)
         if self.matched is not None:
             self.det.layer_norm = self.matched.layer_norm.double()

@@ -291,3 +291,21 @@ def test_the_adversarial_option_is_reported_beside_the_default_on_the_benchmark(
     assert set(rows) == {"multi_mahalanobis", "multi_mahalanobis[adversarial]", "pytorch-ood best"}
     assert all(set(v) == set(B.SETS) for v in rows.values())
     assert (tmp_path / "o.json").exists()
+
+
+@pytest.mark.slow
+def test_grams_held_out_draws_are_scored_for_both_libraries(tmp_path, monkeypatch):
+    """benchmarks/check_gram_seeds.py: ours and pytorch-ood's Gram at each held-out draw, every
+    set of the benchmark's two models; the same draw twice gives the same AUROC."""
+    from benchmarks import check_gram_seeds as G
+
+    real = B.load_data
+    monkeypatch.setattr(B, "load_data", lambda: real(n_train=200, n_eval=60, n_ood=20))
+    monkeypatch.setitem(B.NETWORKS, "tiny", ("BatchNorm", "test_resnet", 1e-3, 1))
+    res = G.main(["--networks", "tiny", "--seeds", "2", "--out", str(tmp_path / "g.json")])
+    libs = res["tiny"]
+    assert set(libs) == {"ours", "pytorch-ood"}
+    assert all(set(v) == set(B.SETS) and all(len(a) == 2 for a in v.values()) for v in libs.values())
+    assert json.loads((tmp_path / "g.json").read_text())["networks"] == res
+    again = G.main(["--networks", "tiny", "--seeds", "1", "--out", str(tmp_path / "g1.json")])
+    assert all(again["tiny"]["ours"][s] == libs["ours"][s][:1] for s in B.SETS)
