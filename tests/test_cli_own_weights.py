@@ -164,6 +164,8 @@ def test_a_pickled_model_both_model_kinds_or_half_a_normalisation_are_refused(wo
     assert "--model SPEC --weights FILE" in capsys.readouterr().err
     assert main([*base, "--weights", str(root / "checkpoint.pth"), "--mean", "0.5"]) == 2
     assert "give both --mean and --std" in capsys.readouterr().err
+    assert main([*base, "--weights", str(tmp_path / "not_written_yet.pth"), "--std", "0.5"]) == 2
+    assert "give both --mean and --std" in capsys.readouterr().err  # said before the weights are looked for
 
 
 @pytest.mark.parametrize("command", ["ood", "eval"])

@@ -122,6 +122,8 @@ def load_user_model(
     the class count of ``data``, or of the OpenOOD benchmark), ``weights`` loaded strictly, wrapped
     with ``mean``/``std`` or its adapter's normalisation, in eval mode. Its log p(x) is taken as
     untrained (a cross-entropy model): the JEM-only scores warn."""
+    if (mean is None) != (std is None):  # before the weights file is read: a mistake costs nothing
+        raise CLIError("give both --mean and --std (the normalisation your training applied)")
     if openood_benchmark:
         data, classes = f"openood:{openood_benchmark}", None
         k = num_classes or BENCHMARKS[openood_benchmark].num_classes
@@ -156,9 +158,7 @@ def load_user_model(
     said = wrap(net).domain.input_size
     size = image_size or (int(said[-1]) if said else 224)
     options: dict[str, Any] = {"input_size": (3, size, size)}
-    if mean is not None or std is not None:
-        if mean is None or std is None:
-            raise CLIError("give both --mean and --std (the normalisation your training applied)")
+    if mean is not None and std is not None:
         options.update(mean=tuple(mean), std=tuple(std))
     try:
         jm = wrap(net, **options)
