@@ -122,7 +122,7 @@ def test_the_score_is_minus_the_normalised_deviation_from_the_bounds_of_the_pred
     stats_fit = [torch.stack([_paper_rows(m, p) for p in det.powers], 1) for m in _maps(model, x_fit)]
     stats_test = [torch.stack([_paper_rows(m, p) for p in det.powers], 1) for m in _maps(model, x_test)]
     pred = model(x_test).argmax(1)
-    expected = torch.zeros(len(x_test), dtype=torch.float64)
+    per_layer = []
     for layer, (s_fit, s_test) in enumerate(zip(stats_fit, stats_test)):
         lo = torch.stack([s_fit[y_fit == c].amin(0) for c in range(K)])  # [K, P, C]
         hi = torch.stack([s_fit[y_fit == c].amax(0) for c in range(K)])
@@ -130,8 +130,10 @@ def test_the_score_is_minus_the_normalised_deviation_from_the_bounds_of_the_pred
         hi_others = torch.stack([s_fit[~held & (y_fit == c)].amax(0) for c in range(K)])
         typical = _deviation(s_fit[held], lo_others[y_fit[held]], hi_others[y_fit[held]]).sum(1).mean()
         assert math.isclose(float(det.layer_norm[layer]), float(typical), rel_tol=1e-4)
-        expected -= _deviation(s_test, lo[pred], hi[pred]).sum(1) / typical
-    torch.testing.assert_close(det.score(jm, x_test).double(), expected, rtol=1e-4, atol=1e-3)
+        per_layer.append(-_deviation(s_test, lo[pred], hi[pred]).sum(1) / typical)
+    expected = torch.stack(per_layer, dim=1)
+    torch.testing.assert_close(det.layer_scores(jm, x_test).double(), expected, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(det.score(jm, x_test).double(), expected.sum(dim=1), rtol=1e-4, atol=1e-3)
 
 
 def test_equals_pytorch_oods_gram_with_nothing_held_out(setup):

@@ -1138,9 +1138,21 @@ class Gram(_ClassConditional):
         dev = F.relu(lo - stats) / (lo.abs() + 1e-6) + F.relu(stats - hi) / (hi.abs() + 1e-6)
         return torch.stack([d.sum(dim=1) for d in dev.split(self._dims, dim=1)], dim=1)
 
+    def layer_scores(self, jm: Any, x: Tensor) -> Tensor:
+        """``[B, L]``: each layer's ``-delta_l / E_l`` for the batch ``x`` (the score is their sum),
+        to see which depth flags an input."""
+        core = as_jem(jm, f"{self.name}.layer_scores")
+        self._check_fitted(core)
+        with torch.no_grad():
+            stats, logits = self._read(core, x)
+            return self._layer_scores(stats.float(), logits.float())
+
+    def _layer_scores(self, stats: Tensor, logits: Tensor) -> Tensor:
+        devs = self._layer_devs(stats, logits.argmax(dim=1))
+        return -devs / self.layer_norm.to(devs.device)
+
     def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
-        devs = self._layer_devs(feats, logits.argmax(dim=1))
-        return -(devs / self.layer_norm.to(devs.device)).sum(dim=1)
+        return self._layer_scores(feats, logits).sum(dim=1)
 
 
 class GMM(_GaussianDetector):
