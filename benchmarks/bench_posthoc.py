@@ -33,7 +33,7 @@ SCALE at 85%, our defaults; ViM at our principal dimension; OpenMax on float64 l
 class predicted in each batch, :class:`EveryClassOpenMax`; MultiMahalanobis at our layer weights,
 on the same pooled layers, :class:`LayerMahalanobis`; Gram at our powers, bounds and typical
 deviations, in float64 with our denominators, on the same unpooled layers, :class:`LayerGram`)
-and the throughput of both on the
+and the throughput of both (Gram at our powers) on the
 same 512 images (interleaved rounds, median of paired ratios). Targets of issue 29, per network.
 
     python -m benchmarks.bench_posthoc            # ~35 CPU minutes on one thread
@@ -43,6 +43,7 @@ same 512 images (interleaved rounds, median of paired ratios). Targets of issue 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -461,7 +462,9 @@ class LayerGram:
     """pytorch-ood's ``Gram`` on the layers ours reads by default, their unpooled outputs
     (:meth:`jem_plugin.JEM.layer_maps`) handed to it in place of its chain of layers (as for
     :class:`LayerMahalanobis`), at its default powers ``1 .. L`` and random tenth of each class
-    held out (drawn after ``torch.manual_seed(seed)``). ``matched`` (for the equality check): our fitted ``gram`` detector,
+    held out (drawn after ``torch.manual_seed(seed)``), or at ``powers`` (the throughput
+    comparison: ours computes 10 by default, its default is one per layer). ``matched`` (for the
+    equality check): our fitted ``gram`` detector,
     whose powers and typical deviations it then uses, its bounds set on every fit image as ours
     are, the maps in float64 as ours computes them, and our denominators ``|bound| + 1e-6``
     (its ``|bound + 1e-6|``, the original code's, is 0 at a bound of ``-1e-6`` and up to 6x
@@ -469,7 +472,9 @@ class LayerGram:
 
     requires_fit = True
 
-    def __init__(self, model: nn.Module, matched: Any = None, seed: int = 0) -> None:
+    def __init__(
+        self, model: nn.Module, matched: Any = None, seed: int = 0, powers: Sequence[int] | None = None
+    ) -> None:
         from pytorch_ood import detector as D
 
         jm = jem.wrap(model, **_wrap_kw(model.num_classes))
@@ -489,7 +494,7 @@ class LayerGram:
                     dev = F.relu(mins - g) / (mins.abs() + 1e-6) + F.relu(g - maxs) / (maxs.abs() + 1e-6)
                     return dev.sum(dim=1)
 
-        powers = None if matched is None else matched.powers
+        powers = powers if matched is None else matched.powers
         self.det = OnOurLayers(nn.Identity(), [nn.Identity()] * len(layers), model.num_classes, powers)
         self.det.to("cpu")
         self.matched = matched
@@ -729,7 +734,8 @@ def score_network(
 def time_shared(jm, model, D, feats_dim, s_main, n: int, repeats: int) -> dict[str, Any]:
     """Ours and pytorch-ood's scoring time on the same ``n`` images, every shared detector,
     fitted beforehand (fitting excluded), interleaved rounds; ratio = median of paired
-    t_theirs / t_ours (> 1: ours faster)."""
+    t_theirs / t_ours (> 1: ours faster). Both at their defaults, except Gram: pytorch-ood's at
+    our powers (its default computes one power per layer, ours 10)."""
     if repeats < 1:
         return {}
     X = torch.cat([D["xt"], *D["sets"].values()])[:n]
@@ -745,6 +751,8 @@ def time_shared(jm, model, D, feats_dim, s_main, n: int, repeats: int) -> dict[s
             if info["needs_fit"]:
                 method = ood.detector(ours_name).fit(jm, fit, progress=False)
             build, grad = builders[t]
+            if t == "Gram":  # the same work: its default computes one power per layer, ours 10
+                build = functools.partial(LayerGram, model, powers=method.powers)
             det = build()
             if getattr(det, "requires_fit", False):
                 det.fit(fit)

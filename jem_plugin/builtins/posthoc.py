@@ -976,8 +976,12 @@ def _gram_rows(maps: Tensor, powers: Sequence[int]) -> Tensor:
     m = f.abs().amax(dim=(1, 2), keepdim=True).clamp_min(torch.finfo(dtype).tiny)
     f = f / m
     rows = []
+    fp, q = f, 1  # f^q, raised by one multiplication per power (a general pow costs 2x the whole)
     for p in powers:
-        fp = f**p
+        if p < q:
+            fp, q = f**p, p
+        while q < p:
+            fp, q = fp * f, q + 1
         r = torch.bmm(fp, fp.sum(dim=1).unsqueeze(2)).squeeze(2)
         rows.append(r.sign() * r.abs() ** (1.0 / p))
     return (torch.stack(rows, dim=1) * m.squeeze(2).unsqueeze(1) ** 2).float()
