@@ -106,6 +106,13 @@ def test_the_statistic_is_the_row_sums_of_the_papers_gram_matrices_even_where_fl
         torch.testing.assert_close(rows[:, i].double(), _paper_rows(maps, p), rtol=1e-5, atol=1e-3)
 
 
+def test_the_statistic_is_computed_a_few_images_at_a_time_with_the_same_numbers(monkeypatch):
+    maps = torch.randn(10, 6, 20, generator=torch.Generator().manual_seed(2))
+    whole = posthoc._gram_rows(maps, [1, 2, 3])
+    monkeypatch.setattr(posthoc, "_GRAM_CHUNK_ENTRIES", 3 * 6 * 20)  # three images per chunk
+    torch.testing.assert_close(posthoc._gram_rows(maps, [1, 2, 3]), whole, rtol=0, atol=0)
+
+
 def _deviation(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     return (torch.relu(lo - g) / (lo.abs() + 1e-6) + torch.relu(g - hi) / (hi.abs() + 1e-6)).sum(dim=-1)
 
