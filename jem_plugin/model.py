@@ -169,10 +169,7 @@ class JEM(nn.Module):
         :meth:`logits`). ``layers``: dotted submodule names, shallow to deep (default:
         :meth:`feature_layers`). Multi-layer detectors (``multi_mahalanobis``) read these."""
         x = self._check_input(x)
-        names = list(layers) if layers is not None else self.feature_layers()
-        if not names:
-            raise no_layers_error(self.model, "layers=['name.of.block1', 'name.of.block2', ...]")
-        feats, out = self.adapter.layer_features(self.model, x, names)
+        feats, out = self.adapter.layer_features(self.model, x, self._layer_names(layers))
         return [f.flatten(1) if f.dim() != 2 else f for f in feats], self._checked_logits(x, out)
 
     def layer_maps(self, x: Tensor, layers: Sequence[str] | None = None) -> tuple[list[Tensor], Tensor]:
@@ -181,11 +178,14 @@ class JEM(nn.Module):
         :meth:`layer_features` averages over), next to the validated logits. ``layers``: as in
         :meth:`layer_features`. The Gram-matrix detector (``gram``) reads these."""
         x = self._check_input(x)
+        maps, out = self.adapter.layer_maps(self.model, x, self._layer_names(layers))
+        return maps, self._checked_logits(x, out)
+
+    def _layer_names(self, layers: Sequence[str] | None) -> list[str]:
         names = list(layers) if layers is not None else self.feature_layers()
         if not names:
             raise no_layers_error(self.model, "layers=['name.of.block1', 'name.of.block2', ...]")
-        maps, out = self.adapter.layer_maps(self.model, x, names)
-        return maps, self._checked_logits(x, out)
+        return names
 
     def head(self) -> nn.Module | None:
         """The layer mapping :meth:`features` to the logits (``logits == head(features)``), or
