@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from conftest import train_by_cross_entropy
 from torch import nn
 
 import jem_plugin as jem
@@ -203,14 +204,8 @@ def test_flags_the_low_level_shifts_a_digits_classifier_maps_onto_its_classes():
     torch.manual_seed(0)
     x, y = digits_tensors("train")
     x_test, _ = digits_tensors("test")
-    model = UserCNN(10, c_in=1)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(5):
-        for idx in torch.randperm(len(x)).split(64):
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
-    jm = jem.wrap(model.eval(), data_range=(-1, 1))
+    model = train_by_cross_entropy(UserCNN(10, c_in=1), x, y, epochs=5)
+    jm = jem.wrap(model, data_range=(-1, 1))
     shifted = {"inverted": -x_test, "transposed": transposed(x_test), "half contrast": 0.5 * x_test}
     table = ood.evaluate_all(jm, x_test, shifted, ["msp", "gram"], fit_data=(x, y), progress=False)
     auroc = {(r["score"], r["set"]): r["auroc"] for r in table.rows()}

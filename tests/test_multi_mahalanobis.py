@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from conftest import train_by_cross_entropy
 from torch import nn
 
 import jem_plugin as jem
@@ -281,14 +282,8 @@ def test_catches_low_level_shifts_that_the_penultimate_features_map_onto_the_cla
     torch.manual_seed(0)
     x, y = digits_tensors("train")
     x_test, _ = digits_tensors("test")
-    model = DigitsCNN(width=8)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(3):
-        for idx in torch.randperm(len(x)).split(64):
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
-    jm = jem.wrap(model.eval(), data_range=(-1, 1))
+    model = train_by_cross_entropy(DigitsCNN(width=8), x, y, epochs=3)
+    jm = jem.wrap(model, data_range=(-1, 1))
     shifted = {"blurred": nn.functional.avg_pool2d(x_test, 3, 1, 1), "half contrast": 0.5 * x_test}
     adversarial = ood.detector("multi_mahalanobis", weights="adversarial")
     adversarial.name = "adversarial"
