@@ -101,9 +101,10 @@ def test_the_statistic_is_the_row_sums_of_the_papers_gram_matrices_even_where_fl
     maps = torch.randn(4, 5, 9, generator=g) * 200.0  # 200^20: beyond float32's range
     naive = (maps**10 @ (maps**10).transpose(1, 2)).sum(dim=2)
     assert not torch.isfinite(naive).all()  # the statistic computed as written, in float32
-    rows = posthoc._gram_rows(maps, [1, 2, 3, 10])
+    powers = [3, 1, 10, 2]  # in any order
+    rows = posthoc._gram_rows(maps, powers)
     assert rows.shape == (4, 4, 5) and torch.isfinite(rows).all()
-    for i, p in enumerate([1, 2, 3, 10]):
+    for i, p in enumerate(powers):
         torch.testing.assert_close(rows[:, i].double(), _paper_rows(maps, p), rtol=1e-5, atol=1e-3)
 
 
@@ -124,7 +125,7 @@ def test_the_score_is_minus_the_normalised_deviation_from_the_bounds_of_the_pred
     own class's bounds over the other images, and the score."""
     jm, model, x_fit, y_fit, x_test = setup
     det = ood.detector("gram", powers=5, held_out=0.25, seed=3).fit(jm, (x_fit, y_fit), batch_size=50)
-    assert det.powers == [1, 2, 3, 4, 5]
+    assert det.powers == [1, 2, 3, 4, 5] and "powers=[1, 2, 3, 4, 5], held_out=0.25" in repr(det)
     held = torch.rand(len(x_fit), generator=torch.Generator().manual_seed(3)) < 0.25
     assert 20 < int(held.sum()) < 40
     stats_fit = [torch.stack([_paper_rows(m, p) for p in det.powers], 1) for m in _maps(model, x_fit)]
