@@ -309,3 +309,28 @@ def test_grams_held_out_draws_are_scored_for_both_libraries(tmp_path, monkeypatc
     assert json.loads((tmp_path / "g.json").read_text())["networks"] == res
     again = G.main(["--networks", "tiny", "--seeds", "1", "--out", str(tmp_path / "g1.json")])
     assert all(again["tiny"]["ours"][s] == libs["ours"][s][:1] for s in B.SETS)
+
+
+def test_grams_scoring_bounds_are_compared_on_the_tuning_split(tmp_path, monkeypatch):
+    """benchmarks/check_gram_held_out.py: the default (bounds on every fit image) against bounds
+    without the held-out images, at each draw of each fold; the default kept unless the other
+    has the higher mean. The variant differs only in its bounds: it scores lower or equal."""
+    from benchmarks import check_gram_held_out as G
+
+    _small_folds(G, monkeypatch)
+    res = G.main(["--networks", "tiny", "--seeds", "2", "--out", str(tmp_path / "g.json")])
+    assert set(res["folds"]) == {"tiny 01", "tiny 56"}
+    fold = res["folds"]["tiny 01"]
+    assert all(len(v) == 2 for v in fold["mean_auroc_per_draw"].values())
+    best = max(res["mean"].values())
+    assert res["mean"][res["chosen"]] == best
+    torch.manual_seed(0)
+    jm = jem.wrap(B.make_net("test_resnet", 3), **B._wrap_kw(3)).eval()
+    x, y = torch.rand(60, 3, 32, 32) * 2 - 1, torch.arange(60) % 3
+    every, without = (
+        ood.detector("gram", held_out=0.3).fit(jm, (x, y)),
+        G.BoundsWithoutHeldOut(held_out=0.3).fit(jm, (x, y)),
+    )
+    torch.testing.assert_close(every.layer_norm, without.layer_norm)  # the same draw, the same E_l
+    assert (without.score(jm, x) <= every.score(jm, x) + 1e-6).all()  # narrower bounds: larger deviations
+    assert (without.score(jm, x) < every.score(jm, x) - 1e-6).any()
