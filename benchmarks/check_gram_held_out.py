@@ -38,7 +38,7 @@ if __package__ in (None, ""):
 import jem_plugin as jem
 from benchmarks import bench_posthoc as P
 from benchmarks import common
-from benchmarks.tune_jem_twin import FOLDS, OUT_DIR, fold_data
+from benchmarks.tune_jem_twin import OUT_DIR, each_fold, fold_data
 from jem_plugin.builtins import posthoc
 from jem_plugin.ood import evaluate
 
@@ -86,12 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", default=OUT)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    folds = {}
-    for network in a.networks:
-        for held_out in FOLDS:
-            key = f"{network} {''.join(map(str, held_out))}"
-            folds[key] = score_fold(network, held_out, a.seeds)
-            P._log(f"{key}: {folds[key]['median']} (spread {folds[key]['spread']})")
+    folds = each_fold(a.networks, lambda network, held_out: score_fold(network, held_out, a.seeds), "median")
     means = {c: round(statistics.fmean(f["median"][c] for f in folds.values()), 4) for c in CANDIDATES}
     chosen = max(CANDIDATES, key=lambda c: (means[c], c == "every image"))  # a tie keeps the default
     common.write_json(a.out, {"machine": common.machine_info(), "folds": folds, "mean": means, "chosen": chosen})

@@ -39,6 +39,7 @@ import os
 import statistics
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -108,6 +109,20 @@ def fold_data(held_out: tuple[int, ...], seed: int = 11) -> dict[str, Any]:
     sets = P.far_sets(x_va8, torch.Generator().manual_seed(seed + 1), photo_seed=seed + 2)
     sets["held_out"] = to32(x8[~keep])  # never trained on: every image of the two classes
     return dict(x=to32(x_tr), y=y_tr, xv=to32(x_va8), yv=y_va, sets=sets, per_class=int(torch.bincount(y_tr).min()))
+
+
+def each_fold(
+    networks: list[str], score: Callable[[str, tuple[int, ...]], dict[str, Any]], summary: str
+) -> dict[str, dict[str, Any]]:
+    """``{"<network> <held-out classes>": score(network, held_out)}`` over every network and fold,
+    each fold's ``summary`` entry logged as it ends (the tuning scripts' one loop)."""
+    folds = {}
+    for network in networks:
+        for held_out in FOLDS:
+            key = f"{network} {''.join(map(str, held_out))}"
+            folds[key] = score(network, held_out)
+            P._log(f"{key}: {folds[key][summary]}")
+    return folds
 
 
 def _score(model: torch.nn.Module, F: dict[str, Any], methods: Any, jem_trained: bool) -> dict[str, Any]:

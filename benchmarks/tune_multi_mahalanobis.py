@@ -33,7 +33,7 @@ if __package__ in (None, ""):
 import jem_plugin as jem
 from benchmarks import bench_posthoc as P
 from benchmarks import common
-from benchmarks.tune_jem_twin import FOLDS, OUT_DIR, TUNE_NETWORKS, fold_data
+from benchmarks.tune_jem_twin import OUT_DIR, TUNE_NETWORKS, each_fold, fold_data
 from jem_plugin import ood
 
 CANDIDATES = {"uniform": {"weights": "uniform"}, "dof": {"weights": "dof"}}
@@ -85,12 +85,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = p.parse_args(argv)
     if not a.render:
         torch.set_num_threads(1)
-        folds = {}
-        for network in TUNE_NETWORKS:
-            for held_out in FOLDS:
-                key = f"{network} {''.join(map(str, held_out))}"
-                folds[key] = score_fold(network, held_out)
-                P._log(f"{key}: {folds[key]['mean_auroc']}")
+        folds = each_fold(list(TUNE_NETWORKS), score_fold, "mean_auroc")
         common.write_json(OUT, {"machine": common.machine_info(), "folds": folds})
         print(f"wrote {OUT}")
     if a.render:
