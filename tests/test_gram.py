@@ -182,6 +182,15 @@ def test_fit_streams_the_same_bounds_and_held_out_images_whatever_the_batches(se
     torch.testing.assert_close(streamed.score(jm, x_test), whole.score(jm, x_test))
 
 
+def test_a_saved_detector_scores_as_before(setup, tmp_path):
+    jm, _, x_fit, y_fit, x_test = setup
+    det = ood.detector("gram").fit(jm, (x_fit, y_fit))
+    torch.save(det, tmp_path / "gram.pt")
+    again = torch.load(tmp_path / "gram.pt", weights_only=False)  # a detector object, not a state dict
+    torch.testing.assert_close(again.score(jm, x_test), det.score(jm, x_test))
+    torch.testing.assert_close(again.layer_scores(jm, x_test), det.layer_scores(jm, x_test))
+
+
 def test_options_a_missing_class_and_unfitted_use_are_said_in_one_line(setup):
     jm, _, x_fit, y_fit, x_test = setup
     with pytest.raises(NotFittedError, match="fit"):
