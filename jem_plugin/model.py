@@ -181,10 +181,14 @@ class JEM(nn.Module):
         maps, out = self.adapter.layer_maps(self.model, x, self._layer_names(layers))
         return maps, self._checked_logits(x, out)
 
-    def _layer_names(self, layers: Sequence[str] | None) -> list[str]:
+    def _layer_names(
+        self, layers: Sequence[str] | None, name_them: str = "layers=['name.of.block1', 'name.of.block2', ...]"
+    ) -> list[str]:
+        """``layers``, else the adapter's default ones; where there are none, the error says to
+        name them with ``name_them`` (the caller's own call)."""
         names = list(layers) if layers is not None else self.feature_layers()
         if not names:
-            raise no_layers_error(self.model, "layers=['name.of.block1', 'name.of.block2', ...]")
+            raise no_layers_error(self.model, name_them)
         return names
 
     def head(self) -> nn.Module | None:

@@ -90,7 +90,6 @@ from .._checks import (
     unpack_batch,
     unwrap_model,
 )
-from ..adapter import no_layers_error
 from ..errors import InvalidInputError, InvalidLabelError, NoFeaturesError, NotFittedError
 from ..model import as_jem, input_grad_enabled, sampling_mode
 from ..plugins import hookimpl
@@ -439,14 +438,6 @@ def _checked_layers(layers: Sequence[str] | None) -> list[str] | None:
     if layers is not None and (isinstance(layers, str) or not layers or not all(isinstance(n, str) for n in layers)):
         raise ValueError(f"layers must be a non-empty list of dotted submodule names, got {layers!r}")
     return None if layers is None else list(layers)
-
-
-def _layer_names(jm: Any, layers: list[str] | None, detector: str) -> list[str]:
-    """The layers a multi-layer detector reads: ``layers``, else the adapter's default ones."""
-    names = layers if layers is not None else jm.feature_layers()
-    if not names:
-        raise no_layers_error(jm.model, f"jem.ood.detector({detector!r}, layers=['name.of.block1', ...])")
-    return list(names)
 
 
 class _FittedDetector:
@@ -853,7 +844,7 @@ class MultiMahalanobis(_ClassConditional):
         }
 
     def _begin(self, jm: Any) -> None:
-        names = _layer_names(jm, self.layers, self.name)
+        names = jm._layer_names(self.layers, f"jem.ood.detector({self.name!r}, layers=['name.of.block1', ...])")
         if not isinstance(self.weights, str) and len(self.weights) != len(names):
             raise ValueError(f"weights gives {len(self.weights)} number(s) for {len(names)} layers ({names})")
         self.layer_names = names
@@ -1092,7 +1083,9 @@ class Gram(_ClassConditional):
         }
 
     def _begin(self, jm: Any) -> None:
-        self.layer_names = _layer_names(jm, self.layers, self.name)
+        self.layer_names = jm._layer_names(
+            self.layers, f"jem.ood.detector({self.name!r}, layers=['name.of.block1', ...])"
+        )
         self._lo: Tensor | None = None  # bounds over every fit image: what scoring compares with
         self._hi: Tensor | None = None
         self._others: tuple[Tensor, Tensor] | None = None  # over the images not held out: for E_l
