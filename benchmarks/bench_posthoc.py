@@ -512,14 +512,10 @@ class LayerGram:
         return self.det.predict(x)
 
 
-def _our_gram(model: nn.Module, loader: DataLoader) -> Any:
+def _our_fitted(model: nn.Module, loader: DataLoader, name: str) -> Any:
+    """Our detector ``name`` at its defaults, fitted on ``model`` (what a matched setting reads)."""
     jm = jem.wrap(model, **_wrap_kw(model.num_classes))
-    return ood.detector("gram").fit(jm, loader, progress=False)
-
-
-def _our_layer_weights(model: nn.Module, loader: DataLoader) -> list[float]:
-    jm = jem.wrap(model, **_wrap_kw(model.num_classes))
-    return ood.detector("multi_mahalanobis").fit(jm, loader, progress=False).layer_weights
+    return ood.detector(name).fit(jm, loader, progress=False)
 
 
 #: pytorch-ood at our settings where its own differ (for the equality check only): ASH and
@@ -536,8 +532,10 @@ def matched_detectors(model: nn.Module, fit: DataLoader) -> dict[str, Callable[[
         "ASH": lambda: D.ASH(maps, maps_head, variant="ash-s", percentile=0.90),
         "SCALE": lambda: D.SCALE(maps, maps_head, percentile=0.85),
         "OpenMax": lambda: EveryClassOpenMax(model),
-        "MultiMahalanobis": lambda: LayerMahalanobis(model, alpha=_our_layer_weights(model, fit)),
-        "Gram": lambda: LayerGram(model, matched=_our_gram(model, fit)),
+        "MultiMahalanobis": lambda: LayerMahalanobis(
+            model, alpha=_our_fitted(model, fit, "multi_mahalanobis").layer_weights
+        ),
+        "Gram": lambda: LayerGram(model, matched=_our_fitted(model, fit, "gram")),
     }
 
 
