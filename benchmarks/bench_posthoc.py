@@ -289,6 +289,23 @@ def train_until_fit(
     return model, cost
 
 
+def train_network(
+    name: str, D: dict[str, Any], epochs: int | None = None, curve: bool = False
+) -> tuple[nn.Module, dict[str, Any], nn.Module, dict[str, Any]]:
+    """``(model, cost, model_0_7, cost_0_7)``: the network's two models as the benchmark trains
+    them (its learning rate, epochs unless given, clipping; ``curve``: the 0-9 model's test
+    accuracy per epoch in its cost)."""
+    _, spec, lr, default_epochs = NETWORKS[name]
+    epochs = epochs or default_epochs
+    clip = CLIP_GRAD_NORM.get(name)
+    _log(f"{name}: training on digits 0-9 ({epochs} epochs)")
+    every = (D["xt"], D["yt"]) if curve else None
+    model, cost = train_until_fit(spec, D["x"], D["y"], 10, epochs, lr=lr, clip=clip, eval_every=every)
+    _log(f"{name}: training on digits 0-7")
+    model8, cost8 = train_until_fit(spec, D["x07"], D["y07"], 8, epochs, lr=lr, clip=clip)
+    return model, cost, model8, cost8
+
+
 def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
     with torch.no_grad():
         return float((torch.cat([model(b) for b in x.split(BATCH)]).argmax(1) == y).float().mean())
@@ -627,14 +644,9 @@ def score_network(
     timing_n: int = 512,
     timing_repeats: int = 3,
 ) -> dict[str, Any]:
-    kind, spec, lr, default_epochs = NETWORKS[name]
-    epochs = epochs or default_epochs
+    kind, spec = NETWORKS[name][:2]
     main_sets = {k: v for k, v in D["sets"].items()}
-    _log(f"{name}: training on digits 0-9 ({epochs} epochs)")
-    clip = CLIP_GRAD_NORM.get(name)
-    model, cost = train_until_fit(spec, D["x"], D["y"], 10, epochs, lr=lr, clip=clip, eval_every=(D["xt"], D["yt"]))
-    _log(f"{name}: training on digits 0-7")
-    model8, cost8 = train_until_fit(spec, D["x07"], D["y07"], 8, epochs, lr=lr, clip=clip)
+    model, cost, model8, cost8 = train_network(name, D, epochs, curve=True)
     acc, acc8 = accuracy(model, D["xt"], D["yt"]), accuracy(model8, D["xt07"], D["yt07"])
     _log(f"{name}: test accuracy {acc:.3f} (0-7 model: {acc8:.3f}); our scores")
     jm, jm8 = jem.wrap(model, **_wrap_kw(10)), jem.wrap(model8, **_wrap_kw(8))

@@ -35,10 +35,7 @@ OUT = os.path.join(P.OUT, "gram_seeds.json")
 
 def score(network: str, D: dict[str, Any], seeds: int) -> dict[str, dict[str, list[float]]]:
     """``{"ours"|"pytorch-ood": {set: [AUROC per seed]}}`` on the benchmark's two models of ``network``."""
-    _, spec, lr, epochs = P.NETWORKS[network]
-    clip = P.CLIP_GRAD_NORM.get(network)
-    model, _ = P.train_until_fit(spec, D["x"], D["y"], 10, epochs, lr=lr, clip=clip)
-    model8, _ = P.train_until_fit(spec, D["x07"], D["y07"], 8, epochs, lr=lr, clip=clip)
+    model, _, model8, _ = P.train_network(network, D)
     out: dict[str, dict[str, list[float]]] = {"ours": {}, "pytorch-ood": {}}
     for net, k, x_in, sets, x_fit, y_fit in (
         (model, 10, D["xt"], D["sets"], D["x"], D["y"]),

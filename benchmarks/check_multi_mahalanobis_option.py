@@ -33,10 +33,7 @@ OUT = os.path.join(P.OUT, "multi_mahalanobis_option.json")
 
 def score(network: str, D: dict[str, Any]) -> dict[str, dict[str, float]]:
     """AUROC per set of the default and the option, on the benchmark's two models of ``network``."""
-    _, spec, lr, epochs = P.NETWORKS[network]
-    clip = P.CLIP_GRAD_NORM.get(network)
-    model, _ = P.train_until_fit(spec, D["x"], D["y"], 10, epochs, lr=lr, clip=clip)
-    model8, _ = P.train_until_fit(spec, D["x07"], D["y07"], 8, epochs, lr=lr, clip=clip)
+    model, _, model8, _ = P.train_network(network, D)
     jm, jm8 = jem.wrap(model, **P._wrap_kw(10)), jem.wrap(model8, **P._wrap_kw(8))
     out: dict[str, dict[str, float]] = {}
     for core, x_in, sets, x_fit, y_fit in (
