@@ -5,6 +5,8 @@ to the paper's formula written out here."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -214,6 +216,43 @@ def test_mahalanobis_is_lee_et_al_formula():
     q = torch.tensor([[1.0, 1.0], [6.0, 5.0], [3.0, 3.0]]).double()
     expected = -torch.stack([((q - m) @ precision * (q - m)).sum(1) for m in mu], 1).min(1).values
     torch.testing.assert_close(det.score(jm, q.float()).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+class LinearBottleneck(nn.Module):
+    """A user's CNN whose 1x1 convolution widens 6 channels to 24 with no activation after it (as
+    MobileNetV2's projections do): its 24 pooled features span 6 directions, and the other 18 hold
+    nothing but float32 rounding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU())
+        self.widen = nn.Conv2d(6, 24, 1)
+        self.head = nn.Linear(24, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.widen(self.stem(x)).mean(dim=(2, 3)))
+
+
+@pytest.mark.parametrize("name", ["mahalanobis", "relative_mahalanobis", "multi_mahalanobis"])
+def test_gaussian_scores_ignore_directions_that_hold_only_rounding(name):
+    """Found on the first GPU run: directions of the covariance with float32 rounding in them and
+    nothing else were inverted as if they were spread, so the scores moved by 10% between the CPU
+    and the GPU. Here the network in float32 must score as its float64 copy does (before the fix:
+    differing by more than
+    the scores' own size)."""
+    torch.manual_seed(0)
+    net = LinearBottleneck().eval()
+    g = torch.Generator().manual_seed(1)
+    x_fit, y_fit = torch.rand(200, 3, 8, 8, generator=g), torch.arange(200) % 4
+    x = torch.rand(16, 3, 8, 8, generator=g)
+    scores = []
+    for dtype in (torch.float32, torch.float64):
+        layers = {"layers": ["stem", "widen"]} if name == "multi_mahalanobis" else {}
+        jm = jem.wrap(copy.deepcopy(net).to(dtype), input_size=(3, 8, 8))
+        det = ood.detector(name, **layers).fit(jm, (x_fit.to(dtype), y_fit), progress=False)
+        scores.append(det.score(jm, x.to(dtype)).double())
+    single, double = scores
+    assert (single - double).abs().max() < 1e-3 * double.abs().max(), (single, double)
 
 
 def test_relative_mahalanobis_equals_pytorch_ood_up_to_its_scale(setup):
