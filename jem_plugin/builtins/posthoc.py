@@ -665,7 +665,9 @@ class Mahalanobis(_GaussianDetector):
     ``score(z) = -min_c (z - mu_c)^T Sigma^+ (z - mu_c)`` with ``Sigma`` the within-class
     covariance (the sum of squared deviations from each class mean over ``N``, as scikit-learn's
     ``EmpiricalCovariance`` of the centred features in the authors' code) and ``^+`` its
-    pseudo-inverse (directions of zero variance, such as dead ReLU units, are ignored).
+    pseudo-inverse (directions of zero variance, such as dead ReLU units, are ignored, and so are
+    those whose variance is no more than the features' own rounding: see
+    :meth:`_ClassMoments.rounding_floor`).
 
     ``fit`` keeps per-class sums and one ``D x D`` sum of outer products, accumulated in float64
     around the first batch's mean, so the memory does not grow with the data. Labels come from the
