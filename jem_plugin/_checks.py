@@ -7,6 +7,7 @@ same way.
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +37,7 @@ __all__ = [
     "check_input",
     "DomainCheck",
     "warn_out_of_domain",
+    "user_stacklevel",
 ]
 
 # Keys a dict batch may hold its inputs / labels under (torchvision, Hugging Face, hand-written).
@@ -428,3 +430,15 @@ def warn_out_of_domain(x: Tensor, domain: Any, where: str, stacklevel: int = 2) 
 
 
 _WARNED_SITES: set[tuple[str, int]] = set()
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning raised here at the first caller outside
+    jem-plugin (the user's line), however deep in the package the warning is raised."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -6,6 +6,7 @@ to the paper's formula written out here."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -253,6 +254,22 @@ def test_gaussian_scores_ignore_directions_that_hold_only_rounding(name):
         scores.append(det.score(jm, x.to(dtype)).double())
     single, double = scores
     assert (single - double).abs().max() < 1e-3 * double.abs().max(), (single, double)
+
+
+@pytest.mark.parametrize("name", ["mahalanobis", "relative_mahalanobis", "multi_mahalanobis"])
+def test_a_fit_without_spread_within_classes_warns_once_at_the_users_line(name):
+    """One image per class: no direction varies within a class, every class distance is 0; said
+    once, pointing at the fit call, not silently."""
+    jm = jem.wrap(LinearBottleneck().eval(), input_size=(3, 8, 8))
+    layers = {"layers": ["stem", "widen"]} if name == "multi_mahalanobis" else {}
+    det = ood.detector(name, **layers)
+    with pytest.warns(RuntimeWarning, match="do not vary within their classes") as caught:
+        det.fit(jm, (torch.rand(4, 3, 8, 8), torch.arange(4)), progress=False)
+    flat = [w for w in caught if "do not vary" in str(w.message)]
+    assert len(flat) == 1 and flat[0].filename == __file__, [(w.filename, str(w.message)) for w in flat]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # two images per class: spread, no warning
+        ood.detector(name, **layers).fit(jm, (torch.rand(40, 3, 8, 8), torch.arange(40) % 4), progress=False)
 
 
 def test_relative_mahalanobis_equals_pytorch_ood_up_to_its_scale(setup):

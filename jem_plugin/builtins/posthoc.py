@@ -90,6 +90,7 @@ from .._checks import (
     same_device,
     unpack_batch,
     unwrap_model,
+    user_stacklevel,
 )
 from ..errors import InvalidInputError, InvalidLabelError, NoFeaturesError, NotFittedError
 from ..model import as_jem, input_grad_enabled, sampling_mode
@@ -598,6 +599,16 @@ class _ClassConditional(_FittedDetector):
         return y
 
 
+def _warn_flat(name: str, n_fit: int, n_classes: int) -> None:
+    """Warn that a Gaussian detector's fit features do not vary within their classes."""
+    warnings.warn(
+        f"{name}: the fit features do not vary within their classes ({n_fit} images, {n_classes} classes), "
+        "so its distances to the class means are all 0; fit on more images per class",
+        RuntimeWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
 class _ClassMoments:
     """Running per-class sums and counts of features and their sums of outer products (one shared
     ``D x D`` sum, or one per class), in float64 around the first batch's mean: what the Gaussian
@@ -679,6 +690,9 @@ class Mahalanobis(_GaussianDetector):
     """
 
     name = "mahalanobis"
+    #: warn when the fit features do not vary within their classes (:class:`MultiMahalanobis`
+    #: turns it off for its per-layer parts and warns once for all layers)
+    warn_flat = True
 
     def __init__(self, labels: str = "true") -> None:
         super().__init__()
@@ -696,6 +710,8 @@ class Mahalanobis(_GaussianDetector):
         w = _whitener(0.5 * (within + within.T), self._noise_floor)
         self.classes = present.nonzero().squeeze(1)
         self.n_fit = int(n.item())
+        if w.shape[1] == 0 and self.warn_flat:
+            _warn_flat(self.name, self.n_fit, len(self.classes))
         self._w = w.float()
         self._centre = m.shift.float()
         self._means_w = (means @ w).float()
@@ -875,6 +891,7 @@ class MultiMahalanobis(_ClassConditional):
         self.layer_names = names
         self._per_layer = [Mahalanobis(self.labels) for _ in names]
         for m in self._per_layer:
+            m.warn_flat = False
             m._begin(jm)
         # the first fit images and labels, for the adversarial weights (filled by _read and _add)
         self._kept = [] if self.weights == "adversarial" else None
@@ -912,6 +929,8 @@ class MultiMahalanobis(_ClassConditional):
             self.layer_weights = self._dof_weights()
         self.classes = self._per_layer[0].classes
         self.n_fit = self._per_layer[0].n_fit
+        if not any(self.ranks):
+            _warn_flat(self.name, self.n_fit, len(self.classes))
 
     def layer_scores(self, jm: Any, x: Tensor) -> Tensor:
         """``[B, L]``: each layer's ``-min_c`` squared distance of the batch ``x``, unweighted (what
