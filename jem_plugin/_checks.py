@@ -12,6 +12,7 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from types import FrameType
 from typing import Any, Literal, Protocol, overload, runtime_checkable
 
 import torch
@@ -438,7 +439,8 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 def user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning raised here at the first caller outside
     jem-plugin (the user's line), however deep in the package the warning is raised."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
         frame, level = frame.f_back, level + 1
     return level
