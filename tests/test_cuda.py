@@ -624,3 +624,54 @@ def test_chain_under_autocast_sees_its_current_state_not_a_cached_cast():
         uncached = chain.run(jm, x)
     assert torch.equal(ours, uncached)
     assert (ours - extrapolated).abs().max() > 0.1
+
+
+@cuda
+def test_ddp_and_fsdp2_over_nccl_on_one_rank():
+    """The distributed paths over NCCL, the backend GPU users have (the other distributed tests run
+    gloo on the CPU): one rank, in this process. DDP trains a BatchNorm JEM; an FSDP2-sharded
+    model trains too, and its chains run eagerly with the reason (a capture would gather the
+    shards with collectives), or refuse under ``cuda_graph="require"``."""
+    import socket
+
+    import torch.distributed as dist
+
+    from jem_plugin import distributed as jdist
+
+    if not (dist.is_available() and dist.is_nccl_available()):
+        pytest.skip("this PyTorch build has no NCCL")
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("this PyTorch has no FSDP2 (fully_shard)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        info = jdist.init_distributed()
+        assert (info.backend, info.world_size, info.device.type) == ("nccl", 1, "cuda")
+        x, y = _x(16, device="cuda"), torch.arange(16, device="cuda") % 10
+        for kind in ("ddp", "fsdp2"):
+            torch.manual_seed(0)
+            jm = _jm(SmallConvNet(bn=kind == "ddp")).cuda()
+            model = jdist.wrap_ddp(jm) if kind == "ddp" else jdist.fully_shard_jem(jm)
+            loss_fn = jem.JEMLoss(jem.SGLD(steps=3), jem.ReplayBuffer(64, (3, 16, 16), num_classes=10))
+            opt = torch.optim.SGD(jm.parameters(), lr=0.05)
+            start = [p.detach().clone() for p in jm.parameters()]
+            for _ in range(3):
+                out = loss_fn(model, x, y)
+                opt.zero_grad()
+                out.loss.backward()
+                opt.step()
+            assert torch.isfinite(out.loss), kind
+            assert any(not torch.equal(a, b) for a, b in zip(start, jm.parameters())), kind
+            assert jdist.params_in_sync(jm), kind
+        assert all(hasattr(p, "full_tensor") for p in jm.parameters())  # the last one is sharded
+        _cuda_graph._warned.clear()
+        with pytest.warns(RuntimeWarning, match=r"sharded \(FSDP\)"):
+            chains = jem.SGLD(steps=2, cuda_graph="auto").run(jm, x)
+        assert chains.is_cuda and torch.isfinite(chains).all()
+        with pytest.raises(CUDAGraphError, match=r"sharded \(FSDP\)"):
+            jem.SGLD(steps=2, cuda_graph="require").run(jm, x)
+    finally:
+        jdist.cleanup()
