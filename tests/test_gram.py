@@ -173,6 +173,40 @@ def test_an_image_inside_its_classes_bounds_scores_zero_and_others_below(setup):
     assert (flat <= 0).all() and (flat < 0).sum() >= 8  # images without texture: mostly out of range
 
 
+def test_by_default_each_layers_typical_deviation_is_the_leave_one_out_mean_over_every_fit_image(setup):
+    """``E_l`` written out: each fit image against the bounds of the other images of its class,
+    one refit per image; a duplicated image (a shared extreme) deviates from nothing, and a class
+    of one image adds nothing. No draw: the seed changes nothing."""
+    jm, model, x_fit, y_fit, _ = setup
+    two = y_fit < K - 1
+    # classes 0 and 1 (the first of their images twice), and one image of class K - 1
+    x = torch.cat([x_fit[two][:30], x_fit[two][:1], x_fit[~two][:1]])
+    y = torch.cat([y_fit[two][:30], y_fit[two][:1], y_fit[~two][:1]])
+    det = ood.detector("gram", powers=3).fit(jm, (x, y), batch_size=4)
+    assert det.held_out is None and "held_out=None" in repr(det)
+    stats = [torch.stack([_paper_rows(m, p) for p in det.powers], 1) for m in _maps(model, x)]
+    for layer, s in enumerate(stats):
+        total = 0.0
+        for i in range(len(x)):
+            others = [j for j in range(len(x)) if j != i and y[j] == y[i]]
+            if not others:  # the class of one image
+                assert y[i] == K - 1
+                continue
+            lo, hi = s[others].amin(0), s[others].amax(0)
+            total += float(_deviation(s[i], lo, hi).sum())
+        assert math.isclose(float(det.layer_norm[layer]), total / len(x), rel_tol=1e-4)
+    again = ood.detector("gram", powers=3, seed=7).fit(jm, (x, y), batch_size=len(x))
+    torch.testing.assert_close(again.layer_norm, det.layer_norm)
+
+
+def test_two_smallest_per_class_with_ties_and_single_rows():
+    stats = torch.tensor([[3.0, 1.0], [1.0, 1.0], [2.0, 5.0], [7.0, 0.0], [4.0, 4.0]])
+    y = torch.tensor([0, 0, 0, 2, 0])
+    first, second = posthoc._two_smallest(stats, y, 3)
+    torch.testing.assert_close(first, torch.tensor([[1.0, 1.0], [math.inf, math.inf], [7.0, 0.0]]))
+    torch.testing.assert_close(second, torch.tensor([[2.0, 1.0], [math.inf, math.inf], [math.inf, math.inf]]))
+
+
 def test_fit_streams_the_same_bounds_and_held_out_images_whatever_the_batches(setup):
     jm, _, x_fit, y_fit, x_test = setup
     whole = posthoc.Gram().fit(jm, (x_fit, y_fit), batch_size=len(x_fit))

@@ -313,8 +313,9 @@ def test_grams_held_out_draws_are_scored_for_both_libraries(tmp_path, monkeypatc
 
 def test_grams_scoring_bounds_are_compared_on_the_tuning_split(tmp_path, monkeypatch):
     """benchmarks/check_gram_held_out.py: the default (bounds on every fit image) against bounds
-    without the held-out images, at each draw of each fold; the default kept unless the other
-    has the higher mean. The variant differs only in its bounds: it scores lower or equal."""
+    without the held-out images and against leave-one-out typical deviations, at each draw of
+    each fold; the default kept unless another has the higher mean. The second differs only in its
+    bounds (it scores lower or equal); the third's E_l is the leave-one-out mean, with no draw."""
     from benchmarks import check_gram_held_out as G
 
     _small_folds(G, monkeypatch)
