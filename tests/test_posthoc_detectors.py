@@ -272,6 +272,23 @@ def test_a_fit_without_spread_within_classes_warns_once_at_the_users_line(name):
         ood.detector(name, **layers).fit(jm, (torch.rand(40, 3, 8, 8), torch.arange(40) % 4), progress=False)
 
 
+@pytest.mark.parametrize("name", ["mahalanobis", "relative_mahalanobis", "multi_mahalanobis"])
+def test_a_fit_on_fewer_images_than_features_says_what_the_distances_ignore(name):
+    """20 images in 4 classes for 24 features: the within-class covariance spans at most 16
+    directions and inputs can differ unseen in the others; said once, at the fit call (for
+    ``multi_mahalanobis``, naming the layer that is too wide, not the 6-channel one)."""
+    jm = jem.wrap(LinearBottleneck().eval(), input_size=(3, 8, 8))
+    layers = {"layers": ["stem", "widen"]} if name == "multi_mahalanobis" else {}
+    g = torch.Generator().manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="spans at most 16 directions") as caught:
+        ood.detector(name, **layers).fit(jm, (torch.rand(20, 3, 8, 8, generator=g), torch.arange(20) % 4))
+    few = [w for w in caught if "spans at most" in str(w.message)]
+    assert len(few) == 1 and few[0].filename == __file__
+    message = str(few[0].message)
+    assert "fit on at least 28 images" in message
+    assert ("widen (24 features)" in message and "stem" not in message) if layers else "24 features" in message
+
+
 def test_relative_mahalanobis_equals_pytorch_ood_up_to_its_scale(setup):
     """pytorch-ood's ``RMD`` uses sums of squared deviations, not covariances: ours = ``-N`` times theirs."""
     jm, _, x_fit, y_fit, x_test, z_fit, z_test = setup

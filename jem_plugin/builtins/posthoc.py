@@ -72,7 +72,7 @@ import math
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -609,6 +609,20 @@ def _warn_flat(name: str, n_fit: int, n_classes: int) -> None:
     )
 
 
+def _warn_few(name: str, n_fit: int, n_classes: int, widths: Mapping[str, int]) -> None:
+    """Warn that a Gaussian detector saw fewer fit images than features (``widths``: the feature
+    count of each layer that has more than ``n_fit - n_classes``)."""
+    span = max(n_fit - n_classes, 0)
+    where = ", ".join(f"{layer} ({d} features)" if layer else f"{d} features" for layer, d in widths.items())
+    warnings.warn(
+        f"{name}: {n_fit} fit images in {n_classes} classes for {where}: the within-class covariance "
+        f"spans at most {span} directions and the distances ignore the others, in which inputs can "
+        f"differ unseen; fit on at least {max(widths.values()) + n_classes} images",
+        RuntimeWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
 class _ClassMoments:
     """Running per-class sums and counts of features and their sums of outer products (one shared
     ``D x D`` sum, or one per class), in float64 around the first batch's mean: what the Gaussian
@@ -690,9 +704,10 @@ class Mahalanobis(_GaussianDetector):
     """
 
     name = "mahalanobis"
-    #: warn when the fit features do not vary within their classes (:class:`MultiMahalanobis`
-    #: turns it off for its per-layer parts and warns once for all layers)
-    warn_flat = True
+    #: warn when the fit features do not vary within their classes or the fit has fewer images
+    #: than features (:class:`MultiMahalanobis` turns it off for its per-layer parts and warns once
+    #: for all layers)
+    warn_fit = True
 
     def __init__(self, labels: str = "true") -> None:
         super().__init__()
@@ -710,8 +725,11 @@ class Mahalanobis(_GaussianDetector):
         w = _whitener(0.5 * (within + within.T), self._noise_floor)
         self.classes = present.nonzero().squeeze(1)
         self.n_fit = int(n.item())
-        if w.shape[1] == 0 and self.warn_flat:
+        self._dim = int(within.shape[0])
+        if self.warn_fit and w.shape[1] == 0:
             _warn_flat(self.name, self.n_fit, len(self.classes))
+        elif self.warn_fit and self.n_fit - len(self.classes) < self._dim:
+            _warn_few(self.name, self.n_fit, len(self.classes), {"": self._dim})
         self._w = w.float()
         self._centre = m.shift.float()
         self._means_w = (means @ w).float()
@@ -891,7 +909,7 @@ class MultiMahalanobis(_ClassConditional):
         self.layer_names = names
         self._per_layer = [Mahalanobis(self.labels) for _ in names]
         for m in self._per_layer:
-            m.warn_flat = False
+            m.warn_fit = False
             m._begin(jm)
         # the first fit images and labels, for the adversarial weights (filled by _read and _add)
         self._kept = [] if self.weights == "adversarial" else None
@@ -931,6 +949,14 @@ class MultiMahalanobis(_ClassConditional):
         self.n_fit = self._per_layer[0].n_fit
         if not any(self.ranks):
             _warn_flat(self.name, self.n_fit, len(self.classes))
+            return
+        wide = {
+            layer: m._dim
+            for layer, m in zip(self.layer_names, self._per_layer)
+            if self.n_fit - len(self.classes) < m._dim
+        }
+        if wide:
+            _warn_few(self.name, self.n_fit, len(self.classes), wide)
 
     def layer_scores(self, jm: Any, x: Tensor) -> Tensor:
         """``[B, L]``: each layer's ``-min_c`` squared distance of the batch ``x``, unweighted (what
