@@ -661,10 +661,11 @@ class _ClassMoments:
         covariance, times 100 (ten units in the last place: a network's features carry several
         roundings): ``(10 eps)^2 ms (1 + sqrt(D / N))^2``, with ``ms`` the features' mean square
         (rounding is relative to a value's size, not its spread) and the last factor how far the
-        largest singular value of ``N x D`` noise exceeds ``sqrt(N)`` times its entries' size. Directions below it are the features' rounding, not
-        their spread: on an untrained timm ResNet, 13 such directions in one layer (channels that
-        are exact linear functions of others, up to float32 rounding) moved ``multi_mahalanobis``
-        by 10% between the CPU and the GPU, and by 5% when the inputs moved by one part in 10^6."""
+        largest singular value of ``N x D`` noise exceeds ``sqrt(N)`` times its entries' size.
+        Directions below it are the features' rounding, not their spread: on an untrained timm
+        ResNet, 13 such directions in one layer (channels that are exact linear functions of
+        others, up to float32 rounding) moved ``multi_mahalanobis`` by 10% between the CPU and the
+        GPU, and by 5% when the inputs moved by one part in 10^6."""
         n, d = float(self.counts.sum()), self.sums.shape[1]
         if n == 0 or d == 0:
             return 0.0
@@ -1132,8 +1133,10 @@ class Gram(_ClassConditional):
     scoring bounds are those of every fit image, as in the paper. Leave-one-out is the default
     because :mod:`benchmarks.check_gram_held_out` chose it on the tuning split (mean AUROC 0.9784
     against 0.9778 for a tenth held out, over four networks and eight folds) and it removes the
-    draw, which moved single AUROCs by up to 0.015. ``layers``: as for :class:`MultiMahalanobis` (default: the
-    adapter's :meth:`~jem_plugin.JEM.feature_layers`); the paper reads every convolution's output.
+    draw, which moved single AUROCs by up to 0.015.
+
+    ``layers``: as for :class:`MultiMahalanobis` (default: the adapter's
+    :meth:`~jem_plugin.JEM.feature_layers`); the paper reads every convolution's output.
     ``powers``: the largest power (the paper's 10), or a list of powers.
 
     Strong on low-level shifts (noise, inverted or transposed images, other textures), which move
