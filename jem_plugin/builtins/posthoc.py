@@ -632,13 +632,11 @@ class _ClassMoments:
         self.per_class_outer = per_class_outer
         self.shift: Tensor | None = None
         self.sums = self.counts = self.outer = torch.empty(0)
-        self.squares = 0.0  # the sum of the raw features' squares, for the rounding floor
-        self.eps = 0.0  # the coarsest machine epsilon of the features seen
+        self.eps = 0.0  # the coarsest machine epsilon of the features seen, for the rounding floor
 
     def add(self, feats: Tensor, y: Tensor, k: int) -> None:
         self.eps = max(self.eps, torch.finfo(feats.dtype).eps)
         z = feats.double()
-        self.squares += float(z.pow(2).sum())
         if self.shift is None:
             d = z.shape[1]
             self.shift = z.mean(dim=0)
@@ -667,9 +665,12 @@ class _ClassMoments:
         others, up to float32 rounding) moved ``multi_mahalanobis`` by 10% between the CPU and the
         GPU, and by 5% when the inputs moved by one part in 10^6."""
         n, d = float(self.counts.sum()), self.sums.shape[1]
-        if n == 0 or d == 0:
+        if n == 0 or d == 0 or self.shift is None:
             return 0.0
-        mean_square = self.squares / (n * d)
+        # sum z^2 from the sums around the shift s: sum (z - s)^2 + 2 s . sum (z - s) + N s^2
+        around = self.outer.diagonal(dim1=-2, dim2=-1).sum()
+        squares = around + 2.0 * self.shift @ self.sums.sum(dim=0) + n * self.shift @ self.shift
+        mean_square = float(squares) / (n * d)
         return (10.0 * self.eps) ** 2 * mean_square * (1.0 + math.sqrt(d / n)) ** 2
 
 
@@ -722,15 +723,13 @@ class Mahalanobis(_GaussianDetector):
         n = counts.sum()
         means = sums / counts.unsqueeze(1)  # around the shift
         within = (m.outer - sums.T @ means) / n
-        self._noise_floor = m.rounding_floor()  # the relative variant's background covariance uses it too
-        w = _whitener(0.5 * (within + within.T), self._noise_floor)
+        w = _whitener(0.5 * (within + within.T), m.rounding_floor())
         self.classes = present.nonzero().squeeze(1)
         self.n_fit = int(n.item())
-        self._dim = int(within.shape[0])
         if self.warn_fit and w.shape[1] == 0:
             _warn_flat(self.name, self.n_fit, len(self.classes))
-        elif self.warn_fit and self.n_fit - len(self.classes) < self._dim:
-            _warn_few(self.name, self.n_fit, len(self.classes), {"": self._dim})
+        elif self.warn_fit and self.n_fit - len(self.classes) < w.shape[0]:
+            _warn_few(self.name, self.n_fit, len(self.classes), {"": w.shape[0]})
         self._w = w.float()
         self._centre = m.shift.float()
         self._means_w = (means @ w).float()
@@ -756,11 +755,12 @@ class RelativeMahalanobis(Mahalanobis):
 
     def _finish(self, jm: Any) -> None:
         outer = self._moments.outer  # the finish below lets go of the running sums
+        floor = self._moments.rounding_floor()
         super()._finish(jm)
         total, n = self._total
         mean0 = total / n
         cov0 = outer / n - torch.outer(mean0, mean0)
-        w0 = _whitener(0.5 * (cov0 + cov0.T), self._noise_floor)
+        w0 = _whitener(0.5 * (cov0 + cov0.T), floor)
         self._w0 = w0.float()
         self._mean0_w = (mean0 @ w0).float()
 
@@ -951,11 +951,7 @@ class MultiMahalanobis(_ClassConditional):
         if not any(self.ranks):
             _warn_flat(self.name, self.n_fit, len(self.classes))
             return
-        wide = {
-            layer: m._dim
-            for layer, m in zip(self.layer_names, self._per_layer)
-            if self.n_fit - len(self.classes) < m._dim
-        }
+        wide = {layer: d for layer, d in zip(self.layer_names, self._dims) if self.n_fit - len(self.classes) < d}
         if wide:
             _warn_few(self.name, self.n_fit, len(self.classes), wide)
 
@@ -1242,6 +1238,10 @@ class Gram(_ClassConditional):
         self.layer_norm = torch.ones(len(self._dims), device=self._lo.device)
         if self._runners_up is not None:  # before the absent classes get bounds
             self._set_layer_norm(self._leave_one_out(*self._runners_up) / self._seen)
+        elif self._others is not None:  # a fraction held out: the sample against the others' bounds
+            held = self._held.values()
+            if held.numel() and _fill_absent(*self._others):
+                self._set_layer_norm(self._layer_devs(held[:, 1:], held[:, 0].long(), self._others).mean(dim=0))
         present = torch.isfinite(self._lo[:, 0])
         absent = (~present).nonzero().squeeze(1).tolist()
         if absent:  # a class predicted at scoring needs bounds: those of all classes
@@ -1254,9 +1254,6 @@ class Gram(_ClassConditional):
         _fill_absent(self._lo, self._hi)
         self.classes = present.nonzero().squeeze(1)
         self.n_fit = self._seen
-        held = self._held.values()
-        if self._others is not None and held.numel() and _fill_absent(*self._others):
-            self._set_layer_norm(self._layer_devs(held[:, 1:], held[:, 0].long(), self._others).mean(dim=0))
         del self._held, self._others, self._draw, self._runners_up
 
     def _set_layer_norm(self, typical: Tensor) -> None:
