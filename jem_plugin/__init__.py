@@ -40,7 +40,7 @@ from .sampling import SGLD, SGLDDiagnostics, SGLDStepState
 from .stability import DivergenceGuard
 from .training import FitOptions, fit
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "JEM",
