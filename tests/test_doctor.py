@@ -6,9 +6,13 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import math
+import os
+import pathlib
+import shlex
 import subprocess
 import sys
 import time
+import zipfile
 
 import pytest
 import torch
@@ -131,11 +135,75 @@ def test_torchvision_pinned_to_another_torch(monkeypatch):
 
 def test_fix_names_the_matching_pair_and_the_index():
     assert doctor._fix("2.5.1+cpu") == (
+        "pip uninstall -y torchvision && "
         'pip install torch==2.5.1 "torchvision==0.20.*" --index-url https://download.pytorch.org/whl/cpu'
     )
-    assert doctor._fix("2.4.0+cu121").endswith("/whl/cu121") and doctor._fix("2.4.0") == (
+    assert doctor._fix("2.4.0+cu121").endswith("/whl/cu121") and doctor._fix("2.4.0", installed=False) == (
         'pip install torch==2.4.0 "torchvision==0.19.*"'
     )
+
+
+def _fake_wheel(folder: pathlib.Path, name: str, version: str, requires: str | None = None) -> None:
+    """A wheel with metadata only: what pip reads to resolve, install and uninstall it."""
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        + (f"Requires-Dist: {requires}\n" if requires else ""),
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in files) + f"{info}/RECORD,,\n"
+    project = folder / name
+    project.mkdir(parents=True, exist_ok=True)
+    wheel = f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(project / wheel, "w") as zf:
+        for path, text in files.items():
+            zf.writestr(path, text)
+    links = "".join(f'<a href="{w.name}">{w.name}</a>\n' for w in sorted(project.glob("*.whl")))
+    (project / "index.html").write_text(f"<html><body>\n{links}</body></html>\n")
+
+
+@pytest.mark.slow
+def test_the_printed_fix_replaces_a_torchvision_built_for_cuda_beside_a_cpu_torch(tmp_path, monkeypatch):
+    # The PyTorch CPU index as pip sees it, in miniature: two torch releases and the torchvision
+    # made for each; plus the CUDA build of torchvision that a plain `pip install` brought in.
+    index, cuda_build = tmp_path / "simple", tmp_path / "cu130"
+    for version in ("2.13.0", "2.13.1"):
+        _fake_wheel(index, "torch", f"{version}+cpu")
+        _fake_wheel(index, "torchvision", f"0.28.{version[-1]}+cpu", requires=f"torch=={version}")
+    _fake_wheel(cuda_build, "torchvision", "0.28.0+cu130", requires="torch==2.13.0")
+    env = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    python = env / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], capture_output=True, text=True
+    ).stdout.strip()
+    pip = [sys.executable, "-m", "pip", "--python", str(python), "--disable-pip-version-check", "--no-input"]
+    offline = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
+    wheels = [index / "torch/torch-2.13.0+cpu-py3-none-any.whl", *cuda_build.glob("torchvision/*.whl")]
+    subprocess.run([*pip, "install", "-q", "--no-deps", *map(str, wheels)], check=True, env=offline)
+
+    def installed() -> dict[str, str]:
+        return {d.metadata["Name"]: d.version for d in importlib.metadata.distributions(path=[site])}
+
+    assert installed() == {"torch": "2.13.0+cpu", "torchvision": "0.28.0+cu130"}
+    # What jem doctor reads of that install: its metadata, and the CUDA version of its operators.
+    monkeypatch.syspath_prepend(site)
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(doctor, "_torchvision_version", lambda: doctor._version("torchvision"))
+    monkeypatch.setattr(doctor, "check_torchvision_import", lambda: 13000)
+    [problem] = doctor.install_report(full=False)["problems"]
+    assert "torchvision 0.28.0+cu130 is built for CUDA 13.0 but torch 2.13.0+cpu is CPU-only" in problem
+    fix = problem.split("from one index: ", 1)[1]
+    for command in fix.split(" && "):  # run as printed, pip pointed at the venv and the index at the copy
+        words = shlex.split(command)
+        assert words[0] == "pip"
+        if "--index-url" in words:
+            at = words.index("--index-url") + 1
+            assert words[at] == "https://download.pytorch.org/whl/cpu"
+            words[at] = index.as_uri()
+        subprocess.run([*pip, *words[1:]], check=True, env=offline, capture_output=True)
+    assert installed() == {"torch": "2.13.0+cpu", "torchvision": "0.28.0+cpu"}
 
 
 @pytest.mark.slow

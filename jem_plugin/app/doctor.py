@@ -104,13 +104,22 @@ def _cuda_text(version: int | None) -> str:
     return "none" if not version else f"{version // 1000}.{version % 1000 // 10}"
 
 
-def _fix(torch_version: str) -> str:
-    """The install command for the torchvision made for this torch, from the index this torch came from."""
+def _fix(torch_version: str, installed: bool = True) -> str:
+    """The commands that install the torchvision made for this torch, from the index this torch came from.
+
+    An ``installed`` torchvision is uninstalled first. pip ignores a local label that the requirement
+    does not name, so the wrong build (``0.28.0+cu130`` beside a CPU-only torch) already satisfies
+    ``torchvision==0.28.*``, and ``pip install`` alone changes nothing. With it gone, pip keeps the
+    installed torch (``2.13.0+cpu`` satisfies ``torch==2.13.0``) and picks the index's torchvision
+    that requires exactly that torch. ``--force-reinstall`` would also download torch again and
+    replace every dependency with the index's version.
+    """
     base, _, label = torch_version.partition("+")
     major, minor = (base.split(".") + ["0", "0"])[:2]
     tv = f'"torchvision==0.{int(minor) + 15}.*"' if major == "2" and minor.isdigit() else "torchvision"
     index = f" --index-url {PYTORCH_INDEX}/{label}" if re.fullmatch(r"cpu|cu\d+|rocm[\d.]+|xpu", label) else ""
-    return f"pip install torch=={base} {tv}{index}"
+    uninstall = "pip uninstall -y torchvision && " if installed else ""
+    return f"{uninstall}pip install torch=={base} {tv}{index}"
 
 
 def _requirement_problems(versions: dict[str, str | None]) -> list[str]:
@@ -178,7 +187,7 @@ def install_report(full: bool = True) -> dict[str, Any]:
     problems: list[str] = report["problems"]
     t, tv = str(torch.__version__), versions["torchvision"]
     if tv is None:
-        problems.append(f"torchvision is not installed; install the one made for torch {t}: {_fix(t)}")
+        problems.append(f"torchvision is not installed; install the one made for torch {t}: {_fix(t, installed=False)}")
     else:
         try:
             tv_cuda = check_torchvision_import()
