@@ -238,12 +238,12 @@ class SGLD:
         (exploding but still finite energies); ``None`` checks finiteness only.
     generator: ``torch.Generator`` for the noise, the start and the buffer draws: the same seed
         gives bitwise identical samples.
-    cuda_graph: ``"off"`` (default) always runs eagerly. ``"auto"`` runs chains on a CUDA device
-        as one captured CUDA graph per step, replayed ``steps`` times (eager where capture is
-        impossible, with a one-time warning saying why); ``"require"`` raises
-        :class:`~jem_plugin.errors.CUDAGraphError` with the reason instead of falling back. Opt-in
-        until the CUDA tests and the GPU benchmark have passed on a real GPU (``jem doctor
-        --device cuda`` checks it on yours).
+    cuda_graph: ``"auto"`` (default) runs chains on a CUDA device as one captured CUDA graph per
+        step, replayed ``steps`` times (eager where capture is impossible, with a one-time warning
+        saying why), and chains on any other device eagerly, without a word. ``"off"`` always runs
+        eagerly; ``"require"`` raises :class:`~jem_plugin.errors.CUDAGraphError` with the reason
+        instead of falling back. ``jem doctor --device cuda`` checks the graph against the eager
+        chain on your GPU.
 
     Recording the trajectory or the energies and a progress bar are chosen per call:
     ``run``/``sample(..., record_trajectory=, record_energies=, progress=)``.
@@ -274,7 +274,7 @@ class SGLD:
         colours: Literal["all", "data"] = "all",
         max_energy: float | None = None,
         generator: torch.Generator | None = None,
-        cuda_graph: str = "off",
+        cuda_graph: str = "auto",
         **deprecated: Any,
     ) -> None:
         step_size, grad_clamp, bn, recording, messages = _translate(deprecated, step_size, grad_clamp, batchnorm)

@@ -638,11 +638,23 @@ def test_zero_steps_and_off_need_no_graph(fake):
     assert not fake.graphs
 
 
-def test_default_is_off(fake):
+def test_default_is_auto_and_graphs_chains_on_the_graph_device(fake):
     jm = _jm()
-    assert jem.SGLD().cuda_graph == "off"
-    jem.SGLD(steps=2).run(jm, _x())
-    assert not fake.graphs
+    assert jem.SGLD().cuda_graph == "auto"
+    graph = jem.SGLD(steps=2, generator=_gen()).run(jm, _x())
+    assert fake.captures == 1 and fake.graphs[-1].replays == 2
+    assert torch.equal(graph, jem.SGLD(steps=2, generator=_gen(), cuda_graph="off").run(jm, _x()))
+
+
+def test_default_runs_cpu_chains_eagerly_without_a_word():
+    # The real torch.cuda, chains on the CPU: no graph is attempted, nothing is said.
+    jm = _jm()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        default = jem.SGLD(steps=2, generator=_gen()).run(jm, _x())
+        conditional = jem.SGLD(steps=2, generator=_gen()).sample(jm, y=torch.tensor([0, 3]), shape=SHAPE)
+    assert torch.equal(default, jem.SGLD(steps=2, generator=_gen(), cuda_graph="off").run(jm, _x()))
+    assert conditional.shape == (2, *SHAPE) and jm.model not in _cuda_graph._graphs
 
 
 def test_a_generator_on_another_device_is_left_to_the_eager_loop(fake):

@@ -30,7 +30,7 @@ SGLD_VALUES: dict[str, Any] = {
     "grad_clamp": 0.03,
     "generator": lambda: torch.Generator().manual_seed(11),
     "max_energy": 1e4,
-    "cuda_graph": "auto",
+    "cuda_graph": "off",
     "batchnorm": "separate",
     "colours": "data",
 }
