@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -478,6 +480,19 @@ def test_folder_run_holds_out_a_stratified_split_and_evaluates_on_it(folder_run,
     assert "needs >= 20 held-out images, got 6" in quality["skipped"]
     assert main(["eval", str(folder_run / "run" / "model.pt"), "--data", f"folder:{folder_run / 'other'}"]) == 0
     assert json.loads(capsys.readouterr().out)["n"] == 12
+
+
+@pytest.mark.slow
+def test_eval_figures_never_overwrite_the_training_run_or_each_other(folder_run, capsys):
+    run = folder_run / "run"
+    training = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "model_eval" not in p.parts}
+    capsys.readouterr()
+    assert main(["eval", str(run / "model.pt"), "--quiet"]) == 0
+    assert main(["eval", str(run / "model.pt"), "--data", f"folder:{folder_run / 'other'}", "--quiet"]) == 0
+    figures = [pathlib.Path(f) for f in re.findall(r"^figure: (.+)$", capsys.readouterr().err, re.M)]
+    assert [f.name for f in figures] == ["held-out_reliability.png", "folder_other_reliability.png"]
+    assert all(f.parent == run / "model_eval" and f.stat().st_size > 10_000 for f in figures)
+    assert {p: p.read_bytes() for p in training} == training  # the run's own files are untouched
 
 
 @pytest.mark.slow

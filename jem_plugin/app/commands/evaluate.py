@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -21,7 +22,8 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         help="accuracy and calibration of a trained model",
         description="Accuracy and calibration of a trained model (a jem train model file, or --model and "
         "--weights for one trained elsewhere): JSON on stdout (and in --out), and a reliability diagram "
-        "next to --out (default: next to the checkpoint, MODEL_reliability.png).",
+        "next to --out (default: in eval's own folder beside the checkpoint, MODEL_eval/DATA_reliability.png; "
+        "never over the training run's files).",
     )
     _checkpoint_args(p, own_weights=True)
     p.set_defaults(func=run)
@@ -42,7 +44,18 @@ def run(args) -> int:
     _emit(result, args)
     from ...viz import reliability_diagram  # lazy: matplotlib
 
-    png = _out_file(args.out).with_suffix(".png") if args.out else _beside_checkpoint(model_file, "_reliability.png")
+    png = _out_file(args.out).with_suffix(".png") if args.out else _figure_path(model_file, args.data)
     reliability_diagram(logits, y, str(png), title=f"{Path(model_file).name} on {where}: reliability", from_logits=True)
     print(f"figure: {png}", file=sys.stderr)  # stdout stays the JSON, for scripts
     return 0
+
+
+def _figure_path(model_file: str, data: str | None) -> Path:
+    """Where the reliability diagram goes without ``--out``: eval's own folder beside the model
+    file (``runs/jem/model_eval/``), one figure per data set (``held-out``, ``folder_NAME``, ...),
+    so that neither the training run's files nor another data set's figure are written over."""
+    kind, _, rest = (data or "held-out").partition(":")
+    name = kind + (f"_{Path(rest).name or rest}" if rest else "")
+    folder = _beside_checkpoint(model_file, "_eval")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name).strip('_')}_reliability.png"
