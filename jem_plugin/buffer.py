@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -34,7 +33,6 @@ from .inits import (
     Uniform,
     init_options,
     init_spec_from_dict,
-    init_spec_from_name,
     init_spec_to_dict,
 )
 from .model import as_jem
@@ -42,7 +40,6 @@ from .model import as_jem
 __all__ = ["ReplayBuffer", "ReadOnlyBuffer"]
 
 INIT_HOOK = "jem_register_init_distributions"
-DEFAULT_AUTO_FIT_EXAMPLES = 1024  # the deprecated ReplayBuffer(auto_fit_examples=) default
 _UNIFORM = Uniform()
 
 
@@ -75,14 +72,6 @@ def _takes(fn: Callable, name: str) -> bool:
         return False
 
 
-def _legacy_plain(name: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Plain data for the old spelling ``init=name, init_kwargs=kwargs`` (what checkpoints held
-    before init specs): a spec's dict for the built-in names, ``{"kind": name, **kwargs}`` else."""
-    if name in INIT_SPECS:
-        return init_spec_to_dict(init_spec_from_name(name, kwargs))
-    return {"kind": name, **kwargs}
-
-
 def _spelled(plain: Mapping[str, Any]) -> str:
     """How to write the init that ``plain`` describes, for an error message."""
     if plain.get("kind") in INIT_SPECS:
@@ -93,11 +82,9 @@ def _spelled(plain: Mapping[str, Any]) -> str:
     return repr(plain["kind"]) if len(plain) == 1 else repr(dict(plain))
 
 
-def _resolve_init(init: Any, kwargs: dict[str, Any]) -> tuple[Any, str, InitSpec | None, dict[str, Any] | None]:
+def _resolve_init(init: Any) -> tuple[Any, str, InitSpec | None, dict[str, Any] | None]:
     """``(distribution object, name, spec or None, plain data that rebuilds it or None)``."""
     if isinstance(init, Mapping):  # plain data, as config() writes it
-        if kwargs:
-            raise TypeError("init_kwargs only apply when init is a registered name or a class")
         data = dict(init)
         if not isinstance(data.get("kind"), str):
             raise TypeError(f"init as plain data needs the registered name under 'kind', got {data!r}")
@@ -109,18 +96,14 @@ def _resolve_init(init: Any, kwargs: dict[str, Any]) -> tuple[Any, str, InitSpec
     if isinstance(init, str):
         if init not in INIT_SPECS:  # a plugin's distribution, by its registered name
             factory = plugins.lookup(INIT_HOOK, init, "init distribution")["item"]
-            return factory(**kwargs), init, None, {"kind": init, **kwargs}
-        init, kwargs = init_spec_from_name(init, kwargs), {}
+            return factory(), init, None, {"kind": init}
+        init = INIT_SPECS[init]()  # a built-in spec's name: its defaults
     if isinstance(init, (Uniform, Gaussian, Normal)):
-        if kwargs:
-            raise TypeError(f"init_kwargs only apply when init is a registered name or a class, not {init!r}")
         name, options = init_options(init)
         factory = plugins.lookup(INIT_HOOK, name, "init distribution")["item"]
         return factory(**options), name, init, init_spec_to_dict(init)
     if isinstance(init, type):  # a class implementing the protocol: instantiate it
-        return init(**kwargs), init.__name__, None, None
-    if kwargs:
-        raise TypeError("init_kwargs only apply when init is a registered name or a class")
+        return init(), init.__name__, None, None
     if isinstance(init, InitDistribution):
         return init, type(init).__name__, None, None
     if callable(init):
@@ -130,26 +113,6 @@ def _resolve_init(init: Any, kwargs: dict[str, Any]) -> tuple[Any, str, InitSpec
         "a registered init distribution, an object with .sample(...), or a callable "
         f"(n, shape, domain, generator, device, y=None) -> Tensor; got {type(init).__name__}"
     )
-
-
-def _deprecated_buffer_options(options: dict[str, Any]) -> tuple[dict[str, Any] | None, int]:
-    """``(init_kwargs, auto_fit_examples)`` from the deprecated keywords, checked."""
-    init_kwargs = options.pop("init_kwargs", None)
-    auto_fit = options.pop("auto_fit_examples", None)
-    if options:
-        raise TypeError(f"ReplayBuffer() got an unexpected keyword argument {next(iter(options))!r}")
-    if auto_fit is None:
-        return init_kwargs, DEFAULT_AUTO_FIT_EXAMPLES
-    if isinstance(auto_fit, bool) or not isinstance(auto_fit, int) or auto_fit < 0:
-        raise ValueError(f"auto_fit_examples must be an int >= 0, got {auto_fit!r}")
-    warnings.warn(
-        f"ReplayBuffer(auto_fit_examples={auto_fit}) is deprecated: fit the init yourself, "
-        f"buffer.fit(x, y), or from the first batches with "
-        f"jem_plugin.extensions.FitInitFromBatches(buffer, examples={auto_fit})",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return init_kwargs, auto_fit
 
 
 class ReadOnlyBuffer:
@@ -202,7 +165,6 @@ class ReplayBuffer(nn.Module):
         distribution (a plugin's, or ``"uniform"``/``"gaussian"``/``"normal"`` with their
         defaults), or plain data ``{"kind": name, **options}`` as :meth:`config` writes it; or an
         object with ``sample(n, shape, domain, generator, device, y=None)``, or such a callable.
-        (``init_kwargs=`` still works, with a ``DeprecationWarning`` naming the spec to write.)
     num_classes: enables class-conditional sampling: the buffer is split into ``num_classes``
         contiguous segments (slot ``i`` belongs to class ``labels[i]``) and ``sample(..., y=...)``
         draws each chain from its class's segment.
@@ -212,8 +174,7 @@ class ReplayBuffer(nn.Module):
 
     An informative init (``Gaussian``) is fitted from data with :meth:`fit` before the first
     draw, or from the first training batches with
-    :class:`~jem_plugin.extensions.FitInitFromBatches` (``ReplayBuffer(auto_fit_examples=)`` is
-    deprecated: that extension's ``examples``). The samples are drawn lazily from the init
+    :class:`~jem_plugin.extensions.FitInitFromBatches`. The samples are drawn lazily from the init
     distribution on the first :meth:`sample`, which receives the model's
     :class:`~jem_plugin.adapter.InputDomain`. :meth:`for_model` builds one for a wrapped model.
     """
@@ -235,7 +196,6 @@ class ReplayBuffer(nn.Module):
         init: InitSpec | str | Mapping[str, Any] | Callable | Any = _UNIFORM,
         num_classes: int | None = None,
         device=None,
-        **deprecated: Any,
     ) -> None:
         super().__init__()
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
@@ -255,26 +215,11 @@ class ReplayBuffer(nn.Module):
                     f"capacity {capacity} is smaller than num_classes {num_classes}: every class needs "
                     "at least one slot; use a capacity of at least num_classes (JEM uses 10000)"
                 )
-        init_kwargs, self.auto_fit_examples = _deprecated_buffer_options(dict(deprecated))
         self.capacity = capacity
         self.sample_shape = sample_shape
         self.reinit_freq = float(reinit_freq)
         self.num_classes = num_classes
-        init_obj, self.init_name, self.init_spec, self._init_plain = _resolve_init(init, dict(init_kwargs or {}))
-        if init_kwargs is not None:
-            instead = (
-                repr(self.init_spec)
-                if self.init_spec is not None
-                else repr(self._init_plain)
-                if self._init_plain is not None
-                else f"{self.init_name}(**init_kwargs)"
-            )
-            warnings.warn(
-                f"ReplayBuffer(init={init!r}, init_kwargs={init_kwargs!r}) is deprecated; write "
-                f"ReplayBuffer(init={instead})" + (" (from jem_plugin.inits)" if self.init_spec is not None else ""),
-                DeprecationWarning,
-                stacklevel=2,
-            )
+        init_obj, self.init_name, self.init_spec, self._init_plain = _resolve_init(init)
         self.init_dist = init_obj  # an nn.Module init registers as a submodule: its buffers are saved
 
         self.register_buffer("data", torch.zeros(capacity, *sample_shape, device=device))
@@ -301,7 +246,6 @@ class ReplayBuffer(nn.Module):
         #: :class:`~jem_plugin.extensions.FitInitFromBatches` collecting batches stops when someone
         #: else fits it.
         self.fit_count = 0
-        self._fitter: Any = None  # what the deprecated fit_if_unfitted collects with
 
     @classmethod
     def for_model(
@@ -317,10 +261,7 @@ class ReplayBuffer(nn.Module):
         """A buffer for ``jm`` (``jem_plugin.wrap(model)``), on its device: ``sample_shape``
         defaults to the domain's ``input_size``; ``class_conditional=True`` (what ``JEMLoss``
         needs with ``pxy_weight > 0`` or ``class_conditional_px=True``) gives it one segment per
-        class of the model. The other arguments are the constructor's (paper defaults).
-
-        ``JEMLoss(sampler, ReplayBuffer.for_model(jm, (3, 32, 32)))`` is what ``JEMLoss`` used to
-        build on its first batch."""
+        class of the model. The other arguments are the constructor's (paper defaults)."""
         core = as_jem(jm, "ReplayBuffer.for_model")
         shape = tuple(sample_shape) if sample_shape is not None else core.domain.input_size
         if shape is None:
@@ -339,13 +280,7 @@ class ReplayBuffer(nn.Module):
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ReplayBuffer:
-        """The buffer :meth:`config` describes. Also reads, without a warning, a config written
-        before init specs (``init`` a name with ``init_kwargs``, and ``auto_fit_examples``)."""
-        config = dict(config)
-        init_kwargs = config.pop("init_kwargs", None)
-        config.pop("auto_fit_examples", None)  # moved to FitInitFromBatches; a restored init counts as fitted
-        if isinstance(config.get("init"), str) and init_kwargs is not None:
-            config["init"] = _legacy_plain(config["init"], init_kwargs)
+        """The buffer :meth:`config` describes."""
         return cls(**config)
 
     # ------------------------------------------------------------------ drawing
@@ -516,22 +451,6 @@ class ReplayBuffer(nn.Module):
         fitted = self._colours_fitted or (isinstance(self.init_dist, FittedFromData) and self.init_dist.fitted)
         return self._colours if fitted else None
 
-    def fit_if_unfitted(self, x: Tensor, y: Tensor | None) -> bool:
-        """Deprecated: :class:`~jem_plugin.extensions.FitInitFromBatches` does this, outside the
-        loss (``FitInitFromBatches(buffer, examples=...).on_batch(None, x, y)`` before each step).
-        Returns whether it fitted."""
-        warnings.warn(
-            "ReplayBuffer.fit_if_unfitted is deprecated: fit the init yourself, buffer.fit(x, y), or from "
-            "the first batches with jem_plugin.extensions.FitInitFromBatches(buffer).on_batch(None, x, y)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from .extensions import FitInitFromBatches  # deferred: extensions imports this module
-
-        if self._fitter is None:
-            self._fitter = FitInitFromBatches(examples=self.auto_fit_examples)
-        return self._fitter.observe(self, x, y)
-
     def read_only(self, generator: torch.Generator | None = None) -> ReadOnlyBuffer:
         """This buffer's chains to start from without changing it: a :class:`ReadOnlyBuffer` that
         draws with ``generator`` and drops writes (validation:
@@ -601,7 +520,6 @@ class ReplayBuffer(nn.Module):
     def set_extra_state(self, state: dict) -> None:
         # The settings that change no tensor's shape come back with the state; the structure
         # (capacity, shape, classes, init) was checked against this buffer in _load_from_state_dict.
-        # (An old state's auto_fit_examples is left out: a restored init counts as fitted.)
         config = state.get("config", {})
         self.reinit_freq = float(config.get("reinit_freq", self.reinit_freq))
         if "init_state" in state and isinstance(self.init_dist, _Stateful):
@@ -626,8 +544,6 @@ class ReplayBuffer(nn.Module):
             )
         extra = state_dict.get(prefix + "_extra_state")
         saved = _saved_init(extra) if isinstance(extra, dict) else None
-        if saved is None and isinstance(extra, dict) and isinstance(extra.get("init"), str):
-            saved = {"kind": extra["init"]} if extra["init"] != self.init_name else None
         if saved is not None and saved != self._plain_init():
             raise CheckpointError(
                 f"replay buffer checkpoint was saved with init={_spelled(saved)}, this buffer uses "
@@ -636,8 +552,6 @@ class ReplayBuffer(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        if prefix + "_colours" in missing_keys:  # saved before buffers kept their colour axes
-            missing_keys.remove(prefix + "_colours")
         self._is_init = bool(self.initialized)
         self.fit_count += 1  # a restored init counts as fitted
         if self._has_colours:  # (an init with a `fitted` flag says it itself, once loaded)
@@ -672,17 +586,9 @@ class _Stateful(Protocol):
 
 
 def _saved_init(extra: dict[str, Any]) -> dict[str, Any] | None:
-    """The init a buffer's saved state was built with, as plain data (``None``: not recorded).
-    States written before init specs hold a name and ``init_kwargs``: read silently."""
+    """The init a buffer's saved state was built with, as plain data (``None``: not recorded)."""
     config = extra.get("config")
-    if not isinstance(config, dict):  # states older than the config kept only the init's name
-        return None
-    init = config.get("init", extra.get("init"))
-    if init is None:
-        return None
+    init = config.get("init") if isinstance(config, dict) else None
     if isinstance(init, Mapping):
         return dict(init)
-    kwargs = config.get("init_kwargs") or {}
-    if init in INIT_SPECS or kwargs:
-        return _legacy_plain(init, kwargs)
-    return {"kind": init}
+    return None if init is None else {"kind": init}

@@ -1,15 +1,15 @@
 """The covariance of a per-class Gaussian init distribution, as a typed choice.
 
-``ReplayBuffer(init=Gaussian(covariance=LowRank(rank=8)))`` replaces the free-form
-``init="gaussian", init_kwargs={"covariance": "lowrank", "rank": 8}``.
+``ReplayBuffer(init=Gaussian(covariance=LowRank(rank=8)))``: one frozen value per kind, with
+its own options, stored as plain data in a checkpoint.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
-__all__ = ["Covariance", "Diagonal", "Full", "LowRank", "Stationary", "COVARIANCE_KINDS", "covariance_from_name"]
+__all__ = ["Covariance", "Diagonal", "Full", "LowRank", "Stationary", "COVARIANCE_KINDS"]
 
 
 @dataclass(frozen=True)
@@ -53,18 +53,3 @@ class Stationary:
 Covariance = Diagonal | Full | LowRank | Stationary
 
 COVARIANCE_KINDS: dict[str, type] = {c.kind: c for c in (Diagonal, Full, LowRank, Stationary)}
-
-
-def covariance_from_name(name: str, rank: Any = None, residual: Any = None) -> Covariance:
-    """The typed covariance an old string spelling stands for: ``"lowrank"`` with ``rank`` and
-    ``residual`` (unset: :class:`LowRank`'s defaults); the other kinds ignore them, as before."""
-    if name not in COVARIANCE_KINDS:
-        raise ValueError(f"covariance must be one of {', '.join(map(repr, COVARIANCE_KINDS))}, got {name!r}")
-    if name != LowRank.kind:
-        return COVARIANCE_KINDS[name]()
-    options = {k: v for k, v in (("rank", rank), ("residual", residual)) if v is not None}
-    if "rank" in options and not isinstance(options["rank"], bool):
-        options["rank"] = int(options["rank"])
-    if "residual" in options:
-        options["residual"] = float(options["residual"])
-    return LowRank(**options)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-from .covariance import COVARIANCE_KINDS, Covariance, Diagonal, covariance_from_name
+from .covariance import COVARIANCE_KINDS, Covariance, Diagonal
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -35,7 +35,6 @@ __all__ = [
     "init_options",
     "init_spec_to_dict",
     "init_spec_from_dict",
-    "init_spec_from_name",
 ]
 
 
@@ -146,24 +145,3 @@ def init_spec_from_dict(data: dict[str, Any]) -> InitSpec:
         cov = dict(data["covariance"])
         data["covariance"] = COVARIANCE_KINDS[cov.pop("kind")](**cov)
     return cls(**data)
-
-
-def init_spec_from_name(name: str, options: Mapping[str, Any] | None = None) -> InitSpec:
-    """The spec the old spelling ``init=name, init_kwargs=options`` stands for (``name`` one of
-    :data:`INIT_SPECS`; ``covariance`` may be a string, with ``rank`` and ``residual`` for ``"lowrank"``)."""
-    options = dict(options or {})
-    cls = INIT_SPECS[name]
-    if cls is Gaussian:
-        covariance = options.pop("covariance", None)
-        rank, residual = options.pop("rank", None), options.pop("residual", None)
-        if rank is not None and (isinstance(rank, bool) or not int(rank) >= 1):
-            raise ValueError(f"gaussian init needs rank >= 1, got {rank}")
-        if residual is not None and not 0.0 <= float(residual) <= 1.0:
-            raise ValueError(f"gaussian init needs 0 <= residual <= 1, got {residual}")
-        if covariance is None or isinstance(covariance, str):
-            options["covariance"] = covariance_from_name(covariance or "diagonal", rank, residual)
-        elif rank is not None or residual is not None:
-            raise TypeError("rank and residual belong in the covariance: LowRank(rank=..., residual=...)")
-        else:
-            options["covariance"] = covariance
-    return cls(**options)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -59,17 +58,12 @@ from ._checks import (
 )
 from .buffer import INIT_HOOK, ReplayBuffer
 from .errors import InvalidInputError
-from .extensions import FitInitFromBatches
 from .model import JEM, as_jem, frozen_bn_stats, sampling_mode
 from .sampling import SGLD
 
 __all__ = ["LossOutput", "LossBatch", "JEMLoss", "SampleReplay", "LOSS_TERMS_HOOK"]
 
 LOSS_TERMS_HOOK = "jem_register_loss_terms"
-
-# Defaults of the buffer a JEMLoss without one still builds on its first batch (deprecated).
-DEFAULT_BUFFER_CAPACITY = 10000
-DEFAULT_REINIT_FREQ = 0.05
 
 
 @dataclass
@@ -130,11 +124,6 @@ class LossBatch:
 
 
 LOSS_BATCHNORM_MODES = ("joint", "separate")
-# The sampler's batchnorm read as the loss's: SGLD's spellings before "joint"/"separate" included.
-_SAMPLES_BATCHNORM = {"joint": "joint", "separate": "separate", "eval": "joint", "batch": "separate"}
-# JEMLoss keywords that moved: to the sampler (batchnorm, clamp_data), to add_term (terms), to an
-# attribute (validate).
-_DEPRECATED = ("batchnorm", "clamp_data", "terms", "validate")
 
 
 def _batch_statistics_in_use(model: nn.Module) -> bool:
@@ -161,9 +150,9 @@ def _sampler_batchnorm(sampler: Any) -> str | None:
         mode = getattr(sampler, "batchnorm", None)
         if mode is None:
             return None
-    if mode not in _SAMPLES_BATCHNORM:
+    if mode not in LOSS_BATCHNORM_MODES:
         raise InvalidInputError(f"the sampler's batchnorm must be one of {LOSS_BATCHNORM_MODES}, got {mode!r}")
-    return _SAMPLES_BATCHNORM[mode]
+    return str(mode)
 
 
 def _sampler_clamps(sampler: Any) -> bool:
@@ -213,8 +202,7 @@ class JEMLoss(nn.Module):
         (``buffer.fit(x, y)``) or by :class:`~jem_plugin.extensions.FitInitFromBatches`. The buffer
         is a submodule: it is saved in ``JEMLoss.state_dict()``, and it moves to the model's device
         on first use (a buffer given, or restored from a checkpoint, on the CPU joins the chains on
-        the GPU: no host-device copy per iteration). Without one, a loss whose terms draw samples
-        still builds one on its first batch, with a ``DeprecationWarning`` (for one release).
+        the GPU: no host-device copy per iteration). A loss whose terms draw samples needs one.
     ce_weight, px_weight, pxy_weight, l2_weight: weights of the p(y|x), p(x), p(x|y) and
         energy-L2 terms (paper: 1, 1, 0, 0; try ``l2_weight=0.1`` .. ``1`` if training diverges).
     data_noise: std of the Gaussian noise added to the data batch (paper: 0.03). It is kept inside
@@ -235,11 +223,6 @@ class JEMLoss(nn.Module):
     regulariser is ``l2_weight``, not a term). :attr:`validate` (default ``True``) checks shapes,
     dtypes and the label range of every batch (one small device sync on a GPU); set it to
     ``False`` in a loop whose data you trust.
-
-    Deprecated keywords (for one release, with a ``DeprecationWarning``): ``batchnorm=`` (set it
-    on the sampler, ``SGLD(batchnorm="separate")``; a value that disagrees with the sampler's is an
-    error), ``clamp_data=`` (the data noise follows ``sampler.clamp``), ``terms=`` (:meth:`add_term`)
-    and ``validate=`` (the attribute).
 
     ``loss_fn(jm, x, y)`` returns a :class:`LossOutput`. ``jm`` is ``jem_plugin.wrap(model)``, or a
     ``DistributedDataParallel`` around it: samples are drawn on the bare module, the concatenated
@@ -262,7 +245,6 @@ class JEMLoss(nn.Module):
         n_samples: int | None = None,
         class_conditional_px: bool = False,
         generator: torch.Generator | None = None,
-        **deprecated: Any,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -287,63 +269,11 @@ class JEMLoss(nn.Module):
         self.class_conditional_px = bool(class_conditional_px)
         self.generator = generator
         self.validate = True  # check shapes, dtypes and label range (one small device sync on a GPU)
-        self._clamp_data: bool | None = None  # the deprecated clamp_data=: None follows the sampler
-        self._batchnorm: str | None = None  # the deprecated batchnorm=, for a sampler that does not say
         self.terms = nn.ModuleDict()
         self._plain_terms: dict[str, Callable] = {}
         self._term_kwargs: dict[str, dict[str, Any]] = {}  # what add_term built each term from
-        self._take_deprecated(deprecated)
         self._domain_check = DomainCheck()  # warns once when the data leave the model's domain
         self._replay: SampleReplay | None = None  # set inside reusing_samples()
-        self._legacy_fit: FitInitFromBatches | None = None  # the deprecated fit from the first batches
-        self._warned: set[str] = set()
-
-    def _take_deprecated(self, options: dict[str, Any]) -> None:
-        """The old keywords: ``batchnorm`` (checked against the sampler's) and ``clamp_data``."""
-        unknown = sorted(set(options) - set(_DEPRECATED))
-        if unknown:
-            raise TypeError(f"JEMLoss() got an unexpected keyword argument {unknown[0]!r}")
-        if "batchnorm" in options:
-            mode = options["batchnorm"]
-            if mode not in LOSS_BATCHNORM_MODES:
-                raise ValueError(f"batchnorm must be one of {LOSS_BATCHNORM_MODES}, got {mode!r}")
-            warnings.warn(
-                f"JEMLoss(batchnorm={mode!r}) is deprecated: set it on the sampler: SGLD(batchnorm={mode!r})",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            said = _sampler_batchnorm(self.sampler)
-            if said is not None and mode != said:
-                raise InvalidInputError(
-                    f"JEMLoss(batchnorm={mode!r}) disagrees with its sampler's batchnorm {said!r}: "
-                    f"set it on the sampler only, SGLD(batchnorm={mode!r})"
-                )
-            self._batchnorm = mode if said is None else None
-        if "clamp_data" in options:
-            clamp = options["clamp_data"]
-            warnings.warn(
-                f"JEMLoss(clamp_data={clamp!r}) is deprecated: the data noise stays in the domain exactly when "
-                "the sampler clamps its chains, SGLD(clamp=...)",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            self._clamp_data = None if clamp is None else bool(clamp)
-        if "terms" in options:
-            terms = options["terms"] or {}
-            calls = "; ".join(f"loss_fn.add_term({name!r}, ...)" for name in terms) or "loss_fn.add_term(name, ...)"
-            warnings.warn(
-                f"JEMLoss(terms={{...}}) is deprecated; add each term: {calls}", DeprecationWarning, stacklevel=3
-            )
-            for name, kwargs in terms.items():
-                self.add_term(name, **(kwargs or {}))
-        if "validate" in options:
-            warnings.warn(
-                f"JEMLoss(validate={options['validate']!r}) is deprecated; set loss_fn.validate = "
-                f"{bool(options['validate'])} (the checks cost one small device sync per batch on a GPU)",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            self.validate = bool(options["validate"])
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -367,12 +297,12 @@ class JEMLoss(nn.Module):
         forward with their own batch statistics, leaving the running statistics to the data
         (JEM++'s passes; the chains then climb the energy this trains). No effect on models
         without BatchNorm. A sampler that does not say is ``"joint"``."""
-        return _sampler_batchnorm(self.sampler) or self._batchnorm or "joint"
+        return _sampler_batchnorm(self.sampler) or "joint"
 
     def clamps_data(self) -> bool:
         """Whether the data noise is kept inside the model's input domain: when the sampler
         clamps its chains (``SGLD(clamp=True)``, the default)."""
-        return self._clamp_data if self._clamp_data is not None else _sampler_clamps(self.sampler)
+        return _sampler_clamps(self.sampler)
 
     def add_term(self, name: str, **kwargs: Any) -> Callable:
         """Add the loss term ``name`` from the ``jem_register_loss_terms`` hook; returns it."""
@@ -453,46 +383,6 @@ class JEMLoss(nn.Module):
             core.settle(num_classes=k)
         return k
 
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, DeprecationWarning, stacklevel=7)  # the line calling loss_fn(jm, x, y)
-
-    def _legacy_setup(self, core: JEM, x: Tensor, y: Tensor, px_data: Tensor | None, training: bool) -> Any:
-        """``self.buffer``, after what the loss still does behind the caller's back, deprecated for
-        one release: build a missing buffer, and (``training``) fit an unfitted informative init
-        from the first batches. Nothing of this runs for a loss given a buffer whose init is fitted."""
-        if self.buffer is None:
-            shape = tuple(int(s) for s in x.shape[1:])
-            cond = f", num_classes={core.num_classes or 'K'}" if self.class_conditional else ""
-            self._warn_once(
-                "buffer",
-                "JEMLoss without a buffer builds one on its first batch; this is deprecated: build it "
-                f"yourself, JEMLoss(buffer=ReplayBuffer({DEFAULT_BUFFER_CAPACITY}, sample_shape={shape}{cond})) "
-                "or ReplayBuffer.for_model(jm), or use a recipe's build",
-            )
-            self.buffer = ReplayBuffer(
-                DEFAULT_BUFFER_CAPACITY,
-                shape,
-                DEFAULT_REINIT_FREQ,
-                num_classes=self._num_classes(core, x) if self.class_conditional else None,
-                device=x.device,
-            )
-        buffer = self.buffer
-        if training and isinstance(buffer, ReplayBuffer):
-            if self._legacy_fit is None and buffer.needs_fit and not buffer.has_samples:
-                self._warn_once(
-                    "fit",
-                    f"JEMLoss fits the buffer's unfitted {buffer.init_name!r} init from the first batches; this "
-                    "is deprecated: fit it yourself, buffer.fit(x, y), or pass "
-                    "jem_plugin.extensions.FitInitFromBatches() to fit (or call its on_batch in your loop)",
-                )
-                self._legacy_fit = FitInitFromBatches(examples=buffer.auto_fit_examples)
-            if self._legacy_fit is not None:
-                same = px_data is None or px_data.shape[0] == y.shape[0]
-                self._legacy_fit.observe(buffer, x if px_data is None else px_data, y if same else None)
-        return buffer
-
     # ------------------------------------------------------------------ the loss
     @staticmethod
     def _clamp_noisy(core: JEM, x: Tensor, x_noisy: Tensor) -> Tensor:
@@ -526,13 +416,19 @@ class JEMLoss(nn.Module):
         return self.sampler.sample(core, x_init=x0.to(device or x0.device), y=y)
 
     def _draw(
-        self, core: JEM, x: Tensor, y: Tensor, px_data: Tensor | None, evaluating: bool
+        self, core: JEM, x: Tensor, y: Tensor, evaluating: bool
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
         """``(x_sample, y_sample, x_cond, y_cond)``: the p(x) and p(x|y) chains and their labels
         (``None`` where a term is off), drawn, or reused inside :meth:`reusing_samples`."""
         replay = self._replay
         replaying = replay is not None and replay.replaying
-        buffer = self._legacy_setup(core, x, y, px_data, training=not evaluating and not replaying)
+        buffer = self.buffer
+        if buffer is None:
+            cond = ", class_conditional=True" if self.class_conditional else ""
+            raise InvalidInputError(
+                f"JEMLoss draws samples and needs a replay buffer: JEMLoss(sampler, "
+                f"ReplayBuffer.for_model(jm{cond})), or use a recipe's build"
+            )
         follow(buffer, model_device(core, x.device))  # a buffer given or restored on the CPU
         x_sample = y_sample = x_cond = y_cond = None
         n = self.n_samples or x.shape[0]
@@ -579,7 +475,7 @@ class JEMLoss(nn.Module):
         # 2. Samples (detached fp32; the sampler handles eval mode and parameter grads).
         x_sample = y_sample = x_cond = y_cond = None
         if self.samples_needed:
-            x_sample, y_sample, x_cond, y_cond = self._draw(core, x, y, px_data, evaluating)
+            x_sample, y_sample, x_cond, y_cond = self._draw(core, x, y, evaluating)
         if replay is not None:
             replay.replaying = True
 
@@ -680,10 +576,6 @@ class JEMLoss(nn.Module):
         # JEMLoss built without one, e.g. Lightning's load_from_checkpoint(ck, model=...)), the
         # terms as the arguments they were built from.
         config = {name: getattr(self, name) for name in _SETTINGS}
-        if self._clamp_data is not None:  # the deprecated keywords travel while they work
-            config["clamp_data"] = self._clamp_data
-        if self._batchnorm is not None and _sampler_batchnorm(self.sampler) is None:
-            config["batchnorm"] = self._batchnorm
         state: dict[str, Any] = {
             "config": config,
             "buffer_config": _buffer_config(self.buffer),
@@ -705,16 +597,12 @@ class JEMLoss(nn.Module):
     def set_extra_state(self, state: dict[str, Any]) -> None:
         # Runs before the children are loaded: a buffer or term this loss lacks is created here
         # from its arguments, so a fresh JEMLoss resumes from a checkpoint.
-        # Old states also hold batchnorm (the sampler's now, restored with it below; kept for a
-        # sampler that does not say) and clamp_data (None follows the sampler): both load silently.
         for name, value in state.get("config", {}).items():
             if name in _SETTINGS:
                 setattr(self, name, value)
-            elif name == "clamp_data":
-                self._clamp_data = None if value is None else bool(value)
         config = state.get("buffer_config")
         if config is not None and self.buffer is None:
-            self.buffer = ReplayBuffer.from_config(config)  # also a config written before init specs
+            self.buffer = ReplayBuffer.from_config(config)
         for name, kwargs in state.get("term_kwargs", {}).items():
             if name not in self._term_kwargs:
                 self.add_term(name, **kwargs)
@@ -724,9 +612,6 @@ class JEMLoss(nn.Module):
             )
         if "sampler" in state and isinstance(self.sampler, _Stateful):
             self.sampler.load_state_dict(state["sampler"])
-        saved_bn = state.get("config", {}).get("batchnorm")
-        if saved_bn in LOSS_BATCHNORM_MODES and _sampler_batchnorm(self.sampler) is None:
-            self._batchnorm = saved_bn  # for a sampler that does not say
         for name, term_state in state.get("terms", {}).items():
             term = self._plain_terms.get(name)
             if isinstance(term, _Stateful):
@@ -762,11 +647,11 @@ def _buffer_config(buffer: Any) -> dict[str, Any] | None:
 
 # The settings a checkpoint carries as values: every named constructor argument but the
 # collaborators (sampler, buffer, generator and terms travel as their own state), read from the
-# signature so that a new argument cannot be left out (the **deprecated catch-all is not one).
+# signature so that a new argument cannot be left out.
 _SETTINGS: tuple[str, ...] = tuple(
     name
-    for name, p in inspect.signature(JEMLoss.__init__).parameters.items()
-    if name not in ("self", "sampler", "buffer", "generator", "terms") and p.kind is not p.VAR_KEYWORD
+    for name in inspect.signature(JEMLoss.__init__).parameters
+    if name not in ("self", "sampler", "buffer", "generator")
 )
 
 

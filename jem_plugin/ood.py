@@ -42,7 +42,6 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ._checks import INPUT_KEYS, DomainCheck, check_input, model_device, same_device, unpack_batch
-from ._deprecation import old_spellings
 from .errors import InvalidInputError, InvalidScoresError, NotFittedError
 from .model import as_jem, sampling_mode
 from .plugins import collect, lookup
@@ -590,11 +589,10 @@ def evaluate_all(
     batch_size: int = 256,
     progress: bool | None = None,
     input_key: str | None = None,
-    **deprecated: Any,
 ) -> OODTable:
     """Compare OOD scores: every score in ``methods`` against every OOD set, in one call.
 
-    Returns an :class:`OODTable`: the dict ``{method: {set name: evaluate(...)}}`` (as before)
+    Returns an :class:`OODTable`: the dict ``{method: {set name: evaluate(...)}}``
     with rows for every pair (metrics, status, reason, scoring time per 1000 images),
     :meth:`~OODTable.best` per set, :meth:`~OODTable.to_csv`, and a printable table
     (``print(table)``) marking the best score per set. Draw it with
@@ -616,14 +614,9 @@ def evaluate_all(
       in-distribution data is scored once per method. ``method_kwargs`` gives per-method
       options, e.g. ``{"msp": {"temperature": 1000.0}}`` (a detector's go to its constructor).
     - ``table.scores[method] = {"in": Tensor, name: Tensor, ...}``: the scores themselves, ready
-      for :func:`jem_plugin.viz.plot_histograms` / ``plot_roc``. The old ``return_scores=True``
-      (returning ``(table, scores)``) still works for one release, with a ``DeprecationWarning``.
+      for :func:`jem_plugin.viz.plot_histograms` / ``plot_roc``.
     """
     from .errors import NotWrappedError
-
-    return_scores = old_spellings(
-        "evaluate_all", deprecated, {"return_scores": "table = evaluate_all(...) and read table.scores"}
-    ).get("return_scores", False)
 
     if not isinstance(data_out, Mapping) or not data_out:
         raise InvalidInputError("data_out must be a non-empty dict {name: OOD data}")
@@ -700,5 +693,4 @@ def evaluate_all(
                 add(m, name, "non-finite", bad)
             else:
                 add(m, name, "ok", metrics=evaluate(s["in"], s[name], positive=positive))
-    table = OODTable(records, names, sets, timing, scores)
-    return (table, table.scores) if return_scores else table  # type: ignore[return-value]  # the old spelling
+    return OODTable(records, names, sets, timing, scores)

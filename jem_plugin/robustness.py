@@ -43,9 +43,8 @@ measured in, EOT samples) is one frozen :class:`PGD` value, shared by :func:`pgd
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +54,6 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ._checks import check_input, check_labels, draw
-from ._deprecation import old_spellings
 from .model import as_jem, input_grad_enabled, sampling_mode
 from .sampling import SGLD
 
@@ -112,25 +110,12 @@ class PGD:
             raise ValueError(f"step_size must be a finite number > 0 or None, got {self.step_size!r}")
 
 
-_PGD_FIELDS = tuple(f.name for f in dataclasses.fields(PGD))
-
-
-def _pgd_settings(where: str, pgd: Any, deprecated: Mapping[str, Any], old_names: Sequence[str]) -> PGD:
-    """The :class:`PGD` a call asked for: ``pgd``, or the old spellings (keywords named like PGD's
-    fields, the norm as a positional string), with a DeprecationWarning naming the new one."""
-    old = dict(deprecated)
-    if isinstance(pgd, str):  # the old positional ``norm``
-        if "norm" in old:
-            raise TypeError(f"{where}() got multiple values for argument 'norm'")
-        old, pgd = {"norm": pgd, **old}, None
-    spelled = f"{where}(..., PGD({', '.join(f'{k}=...' for k in old)}))"
-    old = old_spellings(where, old, dict.fromkeys(old_names, spelled), stacklevel=4)
+def _pgd_settings(where: str, pgd: Any) -> PGD:
+    """The :class:`PGD` a call asked for (``None``: the defaults)."""
     if pgd is None:
-        return PGD(**old)
+        return PGD()
     if not isinstance(pgd, PGD):
         raise TypeError(f"{where}: pgd must be a jem_plugin.robustness.PGD, got {type(pgd).__name__}")
-    if old:
-        raise TypeError(f"{where}: give the settings in PGD(...) only, not also as {', '.join(old)}=")
     return pgd
 
 
@@ -241,7 +226,6 @@ def pgd_attack(
     pgd: PGD | None = None,
     *,
     generator: torch.Generator | None = None,
-    **deprecated: Any,
 ) -> Tensor:
     """Untargeted PGD on ``jm``'s logits; returns ``x_adv`` (detached).
 
@@ -252,16 +236,13 @@ def pgd_attack(
     pgd: the attack's settings, :class:`PGD` (default ``PGD()``: L-inf, 10 steps, cross-entropy,
         random start, ``eps`` in unit space).
     generator: ``torch.Generator`` for the random start (reproducible attacks).
-    **deprecated: the old spellings ``norm=``, ``steps=``, ``step_size=``, ``random_start=``,
-        ``eps_space=``, ``loss=`` (and the norm as the fifth positional argument) still work for
-        one release, with a ``DeprecationWarning``: write ``PGD(norm=..., steps=...)``.
 
     ``x_adv`` stays within ``eps`` of ``x`` and inside the adapter's (per-channel) domain (a
     coordinate of ``x`` that is already outside it never moves further out). The
     model runs in eval mode with frozen parameters (restored after); no parameter ``.grad``
     is touched; works under ``torch.no_grad()`` and ``torch.inference_mode()``.
     """
-    settings = _pgd_settings("pgd_attack", pgd, deprecated, _PGD_FIELDS[:-1])  # eot_samples: defences only
+    settings = _pgd_settings("pgd_attack", pgd)
     x, y = _check_xy(jm, x, y)
     with sampling_mode(jm):
         return _pgd(jm, x, y, eps, settings, generator)
@@ -360,7 +341,6 @@ def robust_accuracy(
     generator: torch.Generator | None = None,
     batch_size: int = 256,
     progress: bool = True,
-    **deprecated: Any,
 ) -> dict[str, Any]:
     """Accuracy under PGD for every ``eps`` in ``eps_list``.
 
@@ -374,14 +354,11 @@ def robust_accuracy(
       the honest number: a refinement can saturate the BPDA gradient, and then transfer wins).
 
     ``pgd`` is how PGD runs (:class:`PGD`: norm, steps, objective ``"ce"`` or ``"margin"``, EOT
-    samples for BPDA, ...). ``eps = 0`` is not attacked, so its entry is clean accuracy. The old
-    keywords ``norm=``, ``loss=``, ``steps=``, ``step_size=``, ``eot_samples=``,
-    ``random_start=``, ``eps_space=`` (and the norm as the fifth positional argument) still work
-    for one release, with a ``DeprecationWarning``: write ``PGD(...)``.
+    samples for BPDA, ...). ``eps = 0`` is not attacked, so its entry is clean accuracy.
 
     Returns ``{"eps": [...], "accuracy": [...], "norm", "attack", "steps", "n"}``.
     """
-    settings = _pgd_settings("robust_accuracy", pgd, deprecated, _PGD_FIELDS)
+    settings = _pgd_settings("robust_accuracy", pgd)
     norm, loss, eot_samples = settings.norm, settings.loss, settings.eot_samples
     x, y = _check_xy(jm, x, y)
     eps_values = [float(e) for e in eps_list]

@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._checks import model_device
-from ._deprecation import old_spellings
 from .errors import InvalidInputError, InvalidLabelError
 
 __all__ = [
@@ -198,34 +197,13 @@ def train_judge(
     test: tuple[Tensor, Tensor] | None = None,
     seed: int = 0,
     device: torch.device | str | None = None,
-    **deprecated: Any,
 ) -> Judge:
     """Train a :class:`JudgeNet` of size ``arch`` on ``(x, y)`` with plain cross-entropy (Adam, no
     augmentation).
 
     Seconds on a CPU for the digits (8x8 or 32x32 RGB). ``test=(x_test, y_test)``, held-out data,
-    sets ``judge.test_accuracy``. Never train it on samples of the model under test. The old
-    keywords ``x_test=``/``y_test=`` (write ``test=(x_test, y_test)``) and ``width=``/
-    ``feature_dim=`` (write ``arch=JudgeArch(...)``) still work for one release, with a
-    ``DeprecationWarning``.
+    sets ``judge.test_accuracy``. Never train it on samples of the model under test.
     """
-    old = old_spellings(
-        "train_judge",
-        deprecated,
-        {
-            "x_test": "test=(x_test, y_test)",
-            "y_test": "test=(x_test, y_test)",
-            "width": "arch=JudgeArch(width=..., feature_dim=...)",
-            "feature_dim": "arch=JudgeArch(width=..., feature_dim=...)",
-        },
-    )
-    if {"width", "feature_dim"} & set(old):
-        arch = JudgeArch(old.get("width", arch.width), old.get("feature_dim", arch.feature_dim))
-    if {"x_test", "y_test"} & set(old):
-        if test is not None:
-            raise TypeError("train_judge: give the held-out data as test=(x_test, y_test) only")
-        if old.get("x_test") is not None and old.get("y_test") is not None:  # one without the other: ignored, as before
-            test = (old["x_test"], old["y_test"])
     if not isinstance(arch, JudgeArch):
         raise TypeError(f"train_judge: arch must be a JudgeArch, got {type(arch).__name__}")
     if test is not None and not (isinstance(test, (tuple, list)) and len(test) == 2):

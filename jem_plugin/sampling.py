@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -57,8 +56,6 @@ COLOURS = ("all", "data")  # SGLD(colours=...): steps move every channel, or the
 # normalised with the running statistics); "separate": the samples normalised by their own batch
 # statistics, in the chains and in the loss's second pass.
 BATCHNORM_MODES = ("joint", "separate")
-_OLD_BATCHNORM = {"eval": "joint", "batch": "separate"}  # the spellings before BATCHNORM_MODES
-RECORDING = ("record_trajectory", "record_energies", "progress")  # per-call choices of run/sample
 
 STEP_HOOK = hookspecs.STEP_HOOK
 SGLD_REMEDIES: tuple[str, ...] = (
@@ -67,7 +64,6 @@ SGLD_REMEDIES: tuple[str, ...] = (
     "the energy L2 regulariser, JEMLoss(l2_weight=...)",
     "restart training from the last good checkpoint",
 )
-SCHEDULES = ("constant", "poly")  # the deprecated SGLD(schedule=...) values
 
 
 @dataclass
@@ -137,73 +133,6 @@ def _spelled(step_size: Any) -> str:
     return repr(step_size)
 
 
-def _translate(
-    old: dict[str, Any], step_size: Any, grad_clamp: Any, batchnorm: Any
-) -> tuple[Any, Any, Any, dict[str, bool], list[str]]:
-    """What the deprecated spellings in ``old`` (and an old ``batchnorm`` value) stand for:
-    ``(step_size, grad_clamp, batchnorm, recording defaults, one message per old spelling)``."""
-    unknown = sorted(set(old) - {"grad_clip", "schedule", "decay_power", "final_step_size", *RECORDING})
-    if unknown:
-        raise TypeError(f"SGLD() got an unexpected keyword argument {unknown[0]!r}")
-    step_size = _step_size(step_size)
-    messages: list[str] = []
-    schedule_words = {k: old[k] for k in old if k in ("schedule", "decay_power", "final_step_size")}
-    if schedule_words:
-        schedule = schedule_words.get("schedule", "constant")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES} (or pass a callable step_size), got {schedule!r}")
-        power = _positive_float("decay_power", schedule_words.get("decay_power", 0.55))
-        end = schedule_words.get("final_step_size")
-        if end is not None and (schedule != "poly" or callable(step_size)):
-            raise ValueError("final_step_size only applies to schedule='poly' with a numeric step_size")
-        if schedule == "poly" and not callable(step_size):
-            step_size = Poly(step_size, power=power, end=end)
-        words = ", ".join(f"{k}={v!r}" for k, v in schedule_words.items())
-        messages.append(f"SGLD({words}) is deprecated; write SGLD(step_size={_spelled(step_size)})")
-    if "grad_clip" in old:
-        if grad_clamp is not None:
-            raise TypeError("pass grad_clamp only: grad_clip is its deprecated name")
-        grad_clamp = old["grad_clip"]
-        messages.append(f"SGLD(grad_clip={grad_clamp!r}) is deprecated; write SGLD(grad_clamp={grad_clamp!r})")
-    if batchnorm in _OLD_BATCHNORM:
-        new = _OLD_BATCHNORM[batchnorm]
-        messages.append(f"SGLD(batchnorm={batchnorm!r}) is deprecated; write SGLD(batchnorm={new!r})")
-        batchnorm = new
-    recording = {k: bool(old[k]) for k in RECORDING if k in old}
-    for k, v in recording.items():
-        also = ", return_diagnostics=True" if k != "progress" else ""
-        messages.append(
-            f"SGLD({k}={v!r}) is deprecated: it is chosen per call; write sampler.sample(..., {k}={v!r}{also}) "
-            f"or sampler.run(..., {k}={v!r}{also})"
-        )
-    return step_size, grad_clamp, batchnorm, recording, messages
-
-
-class _CallDefault:
-    """A deprecated SGLD attribute for what each ``run``/``sample`` call now chooses: it reads and
-    writes the sampler's default for its calls."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def _warn(self) -> None:
-        warnings.warn(
-            f"SGLD.{self.name} is deprecated: it is chosen per call; write sampler.sample(..., {self.name}=...)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-
-    def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        if obj is None:
-            return self
-        self._warn()
-        return obj._recording.get(self.name, False)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        self._warn()
-        obj._recording = {**obj._recording, self.name: bool(value)}  # a copy's defaults stay its own
-
-
 class SGLD:
     """SGLD sampler for a :class:`~jem_plugin.model.JEM` (paper defaults: 20 steps, step 1, noise 0.01).
 
@@ -220,7 +149,7 @@ class SGLD:
     grad_clamp: proximal SGLD (JEM++): clamp the gradient elementwise to ``[-c, c]`` before the
         step, ``x <- x + a_t * clamp(grad, -c, c) + noise``, as JEM++'s code does
         (``t.clamp(eta, -eps, eps) * sgld_lr``; with its default ``sgld_lr = 1`` this is also a
-        bound on the update). Not the gradient-norm clip of the optimiser (``fit(grad_clip=...)``).
+        bound on the update). Not the gradient-norm clip of the optimiser (``OptimConfig(max_grad_norm=...)``).
     batchnorm: how the samples meet BatchNorm layers that are in train mode (one of
         :data:`BATCHNORM_MODES`). ``"joint"``: the samples share BatchNorm with the data in the
         loss's pass, and the chains normalise with the running statistics (each chain independent
@@ -248,12 +177,6 @@ class SGLD:
     Recording the trajectory or the energies and a progress bar are chosen per call:
     ``run``/``sample(..., record_trajectory=, record_energies=, progress=)``.
 
-    Deprecated spellings, accepted for one release with a :class:`DeprecationWarning` that names
-    the new one: ``schedule=``, ``decay_power=``, ``final_step_size=`` (write
-    ``step_size=Poly(...)``), ``grad_clip=`` (``grad_clamp=``), ``batchnorm="eval"``/``"batch"``
-    (``"joint"``/``"separate"``), and ``record_trajectory=``, ``record_energies=``, ``progress=``
-    (per call; given here they become this sampler's default for its calls).
-
     Attributes
     ----------
     colour_projection: ``[C, C]`` matrix applied to every step over the channel dimension, or
@@ -275,15 +198,11 @@ class SGLD:
         max_energy: float | None = None,
         generator: torch.Generator | None = None,
         cuda_graph: str = "auto",
-        **deprecated: Any,
     ) -> None:
-        step_size, grad_clamp, bn, recording, messages = _translate(deprecated, step_size, grad_clamp, batchnorm)
-        for message in messages:
-            warnings.warn(message, DeprecationWarning, stacklevel=2)
         self.cuda_graph = _cuda_graph.check_mode(cuda_graph)
-        if bn not in BATCHNORM_MODES:
-            raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {bn!r}")
-        self.batchnorm: str = bn
+        if batchnorm not in BATCHNORM_MODES:
+            raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
+        self.batchnorm: str = batchnorm
         if colours not in COLOURS:
             raise ValueError(f"colours must be one of {COLOURS}, got {colours!r}")
         self.colours = colours
@@ -294,31 +213,12 @@ class SGLD:
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         self.steps = steps
-        self.step_size: float | Schedule | Callable[[int], float] = step_size
+        self.step_size: float | Schedule | Callable[[int], float] = _step_size(step_size)
         self.noise = _positive_float("noise", noise, allow_zero=True)
         self.clamp = bool(clamp)
         self.grad_clamp = None if grad_clamp is None else _positive_float("grad_clamp", grad_clamp)
         self.max_energy = None if max_energy is None else _positive_float("max_energy", max_energy)
         self.generator = generator
-        # Defaults of run/sample's record_trajectory, record_energies, progress: set only by the
-        # deprecated constructor keywords and attributes.
-        self._recording: dict[str, bool] = recording
-
-    # Deprecated attributes: the old names, for one release.
-    record_trajectory = _CallDefault()
-    record_energies = _CallDefault()
-    progress = _CallDefault()
-
-    @property
-    def grad_clip(self) -> float | None:
-        """Deprecated name of :attr:`grad_clamp`."""
-        warnings.warn("SGLD.grad_clip is deprecated; write SGLD.grad_clamp", DeprecationWarning, stacklevel=2)
-        return self.grad_clamp
-
-    @grad_clip.setter
-    def grad_clip(self, value: float | None) -> None:
-        warnings.warn("SGLD.grad_clip is deprecated; write SGLD.grad_clamp", DeprecationWarning, stacklevel=2)
-        self.grad_clamp = value
 
     def __repr__(self) -> str:
         extra = f", grad_clamp={self.grad_clamp}" if self.grad_clamp is not None else ""
@@ -352,21 +252,12 @@ class SGLD:
                 y = y.clone()
         return y
 
-    def _per_call(
-        self,
-        return_diagnostics: bool,
-        record_trajectory: bool | None,
-        record_energies: bool | None,
-        progress: bool | None,
-    ) -> tuple[bool, bool, bool]:
-        """``(record_trajectory, record_energies, progress)`` of one call: what it asks, else the
-        sampler's default (``False`` unless set through the deprecated constructor keywords)."""
-        asked = {"record_trajectory": record_trajectory, "record_energies": record_energies, "progress": progress}
-        for name in ("record_trajectory", "record_energies"):
-            if asked[name] and not return_diagnostics:
+    @staticmethod
+    def _check_recording(return_diagnostics: bool, record_trajectory: bool, record_energies: bool) -> None:
+        """A recording asked for without ``return_diagnostics`` would be thrown away: say so."""
+        for name, asked in (("record_trajectory", record_trajectory), ("record_energies", record_energies)):
+            if asked and not return_diagnostics:
                 raise ValueError(f"{name}=True records into the diagnostics: pass return_diagnostics=True too")
-        x, e, p = (self._recording.get(k, False) if v is None else bool(v) for k, v in asked.items())
-        return x, e, p
 
     @overload
     def run(
@@ -376,9 +267,9 @@ class SGLD:
         y: Tensor | None = ...,
         *,
         return_diagnostics: Literal[False] = ...,
-        record_trajectory: bool | None = ...,
-        record_energies: bool | None = ...,
-        progress: bool | None = ...,
+        record_trajectory: bool = ...,
+        record_energies: bool = ...,
+        progress: bool = ...,
     ) -> Tensor: ...
 
     @overload
@@ -389,9 +280,9 @@ class SGLD:
         y: Tensor | None = ...,
         *,
         return_diagnostics: Literal[True],
-        record_trajectory: bool | None = ...,
-        record_energies: bool | None = ...,
-        progress: bool | None = ...,
+        record_trajectory: bool = ...,
+        record_energies: bool = ...,
+        progress: bool = ...,
     ) -> tuple[Tensor, SGLDDiagnostics]: ...
 
     @overload
@@ -402,9 +293,9 @@ class SGLD:
         y: Tensor | None = ...,
         *,
         return_diagnostics: bool,
-        record_trajectory: bool | None = ...,
-        record_energies: bool | None = ...,
-        progress: bool | None = ...,
+        record_trajectory: bool = ...,
+        record_energies: bool = ...,
+        progress: bool = ...,
     ) -> Tensor | tuple[Tensor, SGLDDiagnostics]: ...
 
     def run(
@@ -414,9 +305,9 @@ class SGLD:
         y: Tensor | None = None,
         *,
         return_diagnostics: bool = False,
-        record_trajectory: bool | None = None,
-        record_energies: bool | None = None,
-        progress: bool | None = None,
+        record_trajectory: bool = False,
+        record_energies: bool = False,
+        progress: bool = False,
     ) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
         """Run ``steps`` Langevin updates from ``x``; returns a new detached fp32 tensor, or
         ``(x, SGLDDiagnostics)`` with ``return_diagnostics=True``.
@@ -431,7 +322,7 @@ class SGLD:
         and ``torch.autocast`` (the forward runs in the caller's autocast; the chain stays fp32).
         Raises :class:`~jem_plugin.errors.DivergenceError` if the chain's energies are not finite.
         """
-        record_x, record_e, show = self._per_call(return_diagnostics, record_trajectory, record_energies, progress)
+        self._check_recording(return_diagnostics, record_trajectory, record_energies)
         jm = as_jem(jm, "SGLD.run")
         x = check_input(x, domain=jm.domain, what="chain start")
         if y is not None:
@@ -439,7 +330,7 @@ class SGLD:
         sizes = self.step_sizes()
         if self.cuda_graph != "off" and self.steps:
             # None: this chain runs eagerly
-            graphed = _cuda_graph.run(self, jm, x, y, record=record_x or record_e, progress=show)
+            graphed = _cuda_graph.run(self, jm, x, y, record=record_trajectory or record_energies, progress=progress)
             if graphed is not None:
                 out, last = graphed
                 self._check_divergence(out, last)
@@ -476,10 +367,10 @@ class SGLD:
                 )
             noise_buf = torch.empty_like(xd) if noise > 0 else None
             clamps = domain.clamp_plan(xd) if self.clamp else ()  # applied after every update
-            if record_x:
+            if record_trajectory:
                 trajectory.append(xd.clone())
             steps_iter = range(len(sizes))
-            if show:
+            if progress:
                 steps_iter = tqdm(steps_iter, desc="SGLD", leave=False)
             check_k = y is not None and jm.num_classes is None  # labels checked at the first forward
             score = ones = None
@@ -507,18 +398,18 @@ class SGLD:
                     xd.add_(z if colour is None else project_colours(z, colour), alpha=noise)
                 for view, lo, hi in clamps:
                     view.clamp_(lo, hi)
-                if record_e:
+                if record_energies:
                     energies.append(-score.detach().reshape(-1).to(dtype))
                 if hook is not None:
                     state = SGLDStepState(t, xd, g, sizes[t], noise, y, self)
                     hook(state=state)
                     if state.x is not xd:
                         xd.copy_(state.x)
-                if record_x:
+                if record_trajectory:
                     trajectory.append(xd.clone())
             if score is not None:
                 last_score = score.detach()  # the last step's energies, for the divergence check
-            if record_e:
+            if record_energies:
                 with torch.no_grad():
                     out = read_logits(model(xd))
                     final = logsumexp(out, 1) if y is None else out.gather(1, y_index)
@@ -532,8 +423,8 @@ class SGLD:
         return xd, SGLDDiagnostics(
             steps=len(sizes),
             final_step_size=sizes[-1] if sizes else None,
-            trajectory=trajectory if record_x else None,
-            energies=torch.stack(energies) if record_e else None,
+            trajectory=trajectory if record_trajectory else None,
+            energies=torch.stack(energies) if record_energies else None,
         )
 
     def use_colours_of(self, buffer: ReplayBuffer) -> None:
@@ -543,7 +434,7 @@ class SGLD:
         if p is None:
             raise JEMError(
                 "SGLD(colours='data') confines steps to the colour axes of the buffer's data, and this "
-                "buffer has none: fit its init (buffer.fit(x, y), or let JEMLoss fit it) on image data "
+                "buffer has none: fit its init (buffer.fit(x, y), or FitInitFromBatches) on image data "
                 "[N, C, ...], or use colours='all'"
             )
         if p is not self._colours_of:  # a new fit or device: one check, not one per iteration
@@ -603,9 +494,9 @@ class SGLD:
         x_init: Tensor | None = ...,
         shape: Sequence[int] | None = ...,
         return_diagnostics: Literal[False] = ...,
-        record_trajectory: bool | None = ...,
-        record_energies: bool | None = ...,
-        progress: bool | None = ...,
+        record_trajectory: bool = ...,
+        record_energies: bool = ...,
+        progress: bool = ...,
     ) -> Tensor: ...
 
     @overload
@@ -619,9 +510,9 @@ class SGLD:
         x_init: Tensor | None = ...,
         shape: Sequence[int] | None = ...,
         return_diagnostics: Literal[True],
-        record_trajectory: bool | None = ...,
-        record_energies: bool | None = ...,
-        progress: bool | None = ...,
+        record_trajectory: bool = ...,
+        record_energies: bool = ...,
+        progress: bool = ...,
     ) -> tuple[Tensor, SGLDDiagnostics]: ...
 
     @overload
@@ -635,9 +526,9 @@ class SGLD:
         x_init: Tensor | None = ...,
         shape: Sequence[int] | None = ...,
         return_diagnostics: bool,
-        record_trajectory: bool | None = ...,
-        record_energies: bool | None = ...,
-        progress: bool | None = ...,
+        record_trajectory: bool = ...,
+        record_energies: bool = ...,
+        progress: bool = ...,
     ) -> Tensor | tuple[Tensor, SGLDDiagnostics]: ...
 
     def sample(
@@ -650,9 +541,9 @@ class SGLD:
         x_init: Tensor | None = None,
         shape: Sequence[int] | None = None,
         return_diagnostics: bool = False,
-        record_trajectory: bool | None = None,
-        record_energies: bool | None = None,
-        progress: bool | None = None,
+        record_trajectory: bool = False,
+        record_energies: bool = False,
+        progress: bool = False,
     ) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
         """Draw ``n`` samples (class-conditional when ``y`` is given); with
         ``return_diagnostics=True``, ``(samples, SGLDDiagnostics)``; ``record_trajectory``,
@@ -663,7 +554,7 @@ class SGLD:
         ``input_size``).
         """
         # A contradiction fails before the buffer is drawn from.
-        self._per_call(return_diagnostics, record_trajectory, record_energies, progress)
+        self._check_recording(return_diagnostics, record_trajectory, record_energies)
 
         def chain(x0: Tensor, y: Tensor | None) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
             return self.run(
@@ -732,23 +623,12 @@ class SGLD:
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` saved; settings it lacks (older checkpoints) keep their
         current values, and a callable step size is kept. The settings are validated together,
-        as the constructor does.
-
-        A state written before the current names (``grad_clip``, ``schedule``, ``decay_power``,
-        ``final_step_size``, ``batchnorm="eval"``/``"batch"``) is translated without a warning: a
-        checkpoint is not the user's spelling. Its ``record_*`` and ``progress`` are not
-        restored: they are chosen per call now."""
+        as the constructor does."""
         settings = {name: getattr(self, name) for name in _SETTINGS}
         settings.update((k, state[k]) for k in _SETTINGS if k in state and k != "step_size")
         if state.get("step_size") is not None:
             stored = state["step_size"]
             settings["step_size"] = schedule_from_dict(stored) if isinstance(stored, Mapping) else float(stored)
-        if "grad_clip" in state and "grad_clamp" not in state:
-            settings["grad_clamp"] = state["grad_clip"]
-        old = {k: state[k] for k in ("schedule", "decay_power", "final_step_size") if k in state}
-        settings["step_size"], _, settings["batchnorm"], _, _ = _translate(
-            old, settings["step_size"], None, settings["batchnorm"]
-        )
         checked = SGLD(**settings)
         for name in _SETTINGS:
             setattr(self, name, getattr(checked, name))
@@ -759,10 +639,7 @@ class SGLD:
 
 
 # The settings a checkpoint carries: every constructor argument but the generator (whose state is
-# saved instead) and the deprecated spellings, read from the signature so that a new argument
-# cannot be left out.
+# saved instead), read from the signature so that a new argument cannot be left out.
 _SETTINGS: tuple[str, ...] = tuple(
-    name
-    for name, p in inspect.signature(SGLD.__init__).parameters.items()
-    if name not in ("self", "generator") and p.kind is not inspect.Parameter.VAR_KEYWORD
+    name for name in inspect.signature(SGLD.__init__).parameters if name not in ("self", "generator")
 )

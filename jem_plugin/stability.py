@@ -55,7 +55,6 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from ._deprecation import old_spellings
 from .errors import DivergenceError
 from .integrations.mixin import GenerativeLossMixin
 from .losses import LossOutput
@@ -131,9 +130,6 @@ class GuardLimits:
         object.__setattr__(self, "max_abs_energy", float(self.max_abs_energy))
 
 
-_LIMIT_FIELDS = ("max_abs_energy", "explode_factor", "window", "min_history")
-
-
 @runtime_checkable
 class _Tunable(Protocol):
     """The knobs the ``"l2"`` and ``"sgld_step"`` remedies turn: :class:`~jem_plugin.losses.JEMLoss`'s,
@@ -155,8 +151,6 @@ class DivergenceGuard:
         needed separately when it is a submodule of ``model`` (``GenerativeLossMixin``).
     policy: ``"raise"`` or ``"rollback"`` (see the module docs).
     limits: what counts as a divergence, :class:`GuardLimits` (default: ``|energy| > 1e4``).
-        The old keywords ``max_abs_energy=``, ``explode_factor=``, ``window=``, ``min_history=``
-        still work for one release, with a ``DeprecationWarning``.
     snapshot_every: healthy iterations between snapshots (policy ``"rollback"``).
     max_rollbacks: rollbacks allowed before raising.
     remedies: which safer settings a rollback applies (subset of ``("l2", "sgld_step", "lr")``).
@@ -178,17 +172,7 @@ class DivergenceGuard:
         remedies: Iterable[str] = REMEDIES,
         scheduler: Any = None,
         snapshot_device: str | torch.device | None = None,
-        **deprecated: Any,
     ) -> None:
-        old = old_spellings(
-            "DivergenceGuard",
-            deprecated,
-            dict.fromkeys(_LIMIT_FIELDS, f"limits=GuardLimits({', '.join(f'{k}=...' for k in deprecated)})"),
-        )
-        if old:
-            if limits != GuardLimits():
-                raise TypeError("DivergenceGuard: give the limits in GuardLimits(...) only, not also as keywords")
-            limits = GuardLimits(**old)
         if not isinstance(limits, GuardLimits):
             raise TypeError(f"DivergenceGuard: limits must be a GuardLimits, got {type(limits).__name__}")
         if policy not in POLICIES:

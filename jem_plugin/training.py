@@ -23,9 +23,7 @@ What it adds over a hand-written loop:
 
 from __future__ import annotations
 
-import dataclasses
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -336,48 +334,6 @@ class FitOptions:
     decay_rate: float = 0.3
 
 
-# fit's keywords before FitOptions and OptimConfig: still accepted for one release, with a warning.
-_OLD_OPTIONS = {f.name for f in dataclasses.fields(FitOptions)}
-_OLD_OPTIM = {"lr": "lr", "warmup_iters": "warmup_iters", "grad_clip": "max_grad_norm"}
-
-
-def _translate(deprecated: Mapping[str, Any], options: FitOptions | None, optimizer: Any) -> tuple[FitOptions, Any]:
-    unknown = sorted(set(deprecated) - _OLD_OPTIONS - set(_OLD_OPTIM))
-    if unknown:
-        raise TypeError(f"fit() got unexpected keyword argument(s): {', '.join(unknown)}")
-    moved = {k: v for k, v in deprecated.items() if k in _OLD_OPTIONS}
-    if moved:
-        if options is not None:
-            raise InvalidInputError(f"fit(): give {', '.join(moved)} inside options=FitOptions(...), not beside it")
-        if "decay_epochs" in moved:
-            moved["decay_epochs"] = tuple(int(e) for e in moved["decay_epochs"])
-        warnings.warn(
-            f"fit({', '.join(f'{k}=...' for k in moved)}) is deprecated; pass options=FitOptions("
-            f"{', '.join(f'{k}=...' for k in moved)})",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        options = FitOptions(**moved)
-    optim = {_OLD_OPTIM[k]: v for k, v in deprecated.items() if k in _OLD_OPTIM}
-    cfg = OptimConfig()
-    if optim:
-        if isinstance(optimizer, OptimConfig):
-            raise InvalidInputError(f"fit(): give {', '.join(optim)} inside optimizer=OptimConfig(...), not beside it")
-        warnings.warn(
-            f"fit({', '.join(f'{k}=...' for k in deprecated if k in _OLD_OPTIM)}) is deprecated; pass "
-            f"optimizer=OptimConfig({', '.join(f'{k}=...' for k in optim)}) (lr, warm-up, gradient-norm clip)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        # as before: the warm-up was not capped to a share of the run
-        cfg = dataclasses.replace(OptimConfig(warmup_max_fraction=1.0), **optim)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = (optimizer, cfg)  # its learning rate is its own; the warm-up and clip are cfg's
-    elif optimizer is None and optim:
-        optimizer = cfg
-    return options or FitOptions(), optimizer
-
-
 def fit(
     jm: nn.Module,
     train_loader: Iterable,
@@ -389,7 +345,6 @@ def fit(
     val_data: Any = None,
     callbacks: Sequence[Any] | None = None,
     options: FitOptions | None = None,
-    **deprecated: Any,
 ) -> History:
     """Train ``jm`` (``jem_plugin.wrap(model)``, or any classifier for the cross-entropy baseline)
     on ``train_loader`` (``(x, y)`` batches; its length is the epoch) up to ``epochs`` epochs.
@@ -413,7 +368,7 @@ def fit(
         )
     if recipe is not None and not isinstance(recipe, (Recipe, JEMSetup)):
         raise InvalidInputError(f"fit(): recipe must be a Recipe or a JEMSetup, got {type(recipe).__name__}")
-    options, optimizer = _translate(deprecated, options, optimizer)
+    options = options or FitOptions()
     device, multi = (model_device(jm) or torch.device("cpu")), _multi_process()
     _check_args(epochs, options.guard_policy, options.amp, device, multi)
     iters, start = _iters_per_epoch(train_loader), time.perf_counter()
@@ -432,12 +387,9 @@ def fit(
         opt, max_grad_norm = setup.optimizer, setup.recipe.optim.max_grad_norm
     else:
         extensions = extras
-        optim_cfg = OptimConfig()
-        if isinstance(optimizer, tuple):  # a torch optimiser, and the warm-up it gets
-            opt, optim_cfg = optimizer
-        else:
-            optim_cfg = optimizer if isinstance(optimizer, OptimConfig) else optim_cfg
-            opt = optim_cfg.build(jm.parameters())
+        optim_cfg = optimizer if isinstance(optimizer, OptimConfig) else OptimConfig()
+        # a torch optimiser keeps its own learning rate; the warm-up and clip are the default config's
+        opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optim_cfg.build(jm.parameters())
         warmup, max_grad_norm = optim_cfg.warmup_for(epochs * iters), optim_cfg.max_grad_norm
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         opt, warmup_schedule(warmup, iters, options.decay_epochs, options.decay_rate)

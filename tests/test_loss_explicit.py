@@ -1,5 +1,5 @@
 """JEMLoss only computes: the buffer, the init's fit, the sampler's settings and SAM's replay are
-explicit calls; the old implicit behaviour and the old keywords warn for one release and still work."""
+explicit calls."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ import torch
 from torch import nn
 
 import jem_plugin as jem
-import jem_plugin.losses as losses_module
 from jem_plugin._train_state import History, TrainState
 from jem_plugin.buffer import ReadOnlyBuffer, ReplayBuffer
 from jem_plugin.builtins.init_distributions import GaussianInit
-from jem_plugin.covariance import Full, LowRank
+from jem_plugin.covariance import LowRank
 from jem_plugin.errors import InvalidInputError
 from jem_plugin.extensions import FitInitFromBatches
 from jem_plugin.inits import Gaussian
@@ -82,7 +81,6 @@ def test_forward_with_an_explicit_buffer_and_a_fitted_init_warns_nothing_and_bui
     monkeypatch.setattr(ReplayBuffer, "__init__", refuse)  # no buffer is built
     monkeypatch.setattr(ReplayBuffer, "fit", refuse)  # nor fitted
     monkeypatch.setattr(GaussianInit, "fit", refuse)
-    monkeypatch.setattr(losses_module, "FitInitFromBatches", refuse)  # nor an auto-fit started
     x, y = _batches()[1]
     with _NoWarnings():
         loss_fn(jm, x, y).loss.backward()
@@ -94,20 +92,17 @@ def test_forward_with_an_explicit_buffer_and_a_fitted_init_warns_nothing_and_bui
     assert sampler.colour_projection is None  # the loss set nothing on its sampler
 
 
-def test_the_lazy_buffer_warns_once_naming_the_explicit_call_and_for_model_builds_the_same():
+def test_a_loss_that_draws_samples_without_a_buffer_names_the_explicit_call():
     jm = _jm()
     x, y = _batches()[1]
-    loss_fn = JEMLoss(SGLD(steps=1), pxy_weight=1.0)
-    with pytest.warns(DeprecationWarning) as record:
-        loss_fn(jm, x, y)
-        loss_fn(jm, x, y)
-    messages = [str(w.message) for w in record if "buffer" in str(w.message)]
-    assert len(messages) == 1
-    assert "JEMLoss(buffer=ReplayBuffer(10000, sample_shape=(1, 4, 4), num_classes=3))" in messages[0]
-    assert "ReplayBuffer.for_model(jm)" in messages[0]
+    with pytest.raises(InvalidInputError, match=re.escape("ReplayBuffer.for_model(jm, class_conditional=True)")):
+        JEMLoss(SGLD(steps=1), pxy_weight=1.0)(jm, x, y)
+    with pytest.raises(InvalidInputError, match=re.escape("ReplayBuffer.for_model(jm))")):
+        JEMLoss(SGLD(steps=1))(jm, x, y)
+    assert JEMLoss(SGLD(steps=1), px_weight=0.0)(jm, x, y).metrics["ce"] > 0  # cross-entropy alone draws nothing
     with _NoWarnings():
         explicit = ReplayBuffer.for_model(jm, class_conditional=True)
-    assert explicit.config() == loss_fn.buffer.config()
+    assert explicit.config() == ReplayBuffer(10000, SHAPE, 0.05, num_classes=K).config()
     assert ReplayBuffer.for_model(jm, (1, 4, 4)).num_classes is None
     with pytest.raises(InvalidInputError, match="sample_shape"):
         ReplayBuffer.for_model(jem.wrap(_net(), data_range=(-1, 1)))
@@ -116,9 +111,9 @@ def test_the_lazy_buffer_warns_once_naming_the_explicit_call_and_for_model_build
 
 
 # ---------------------------------------------------------------- fitting the init from batches
-def _old_auto_fit_means(batches, examples: int) -> list[torch.Tensor | None]:
-    """The old ReplayBuffer.fit_if_unfitted, by hand: keep the batches, fit (missing classes
-    pooled) at the first batch and each time the examples double, until ``examples`` are held.
+def _doubling_fit_means(batches, examples: int) -> list[torch.Tensor | None]:
+    """A fit from the first batches, by hand: keep the batches, fit (missing classes pooled) at
+    the first batch and each time the examples double, until ``examples`` are held.
     The fitted mean after each batch (``None`` before the first fit)."""
     init, held, next_fit, done, means = GaussianInit(), [], 0, False, []
     for x, y in batches:
@@ -132,9 +127,9 @@ def _old_auto_fit_means(batches, examples: int) -> list[torch.Tensor | None]:
     return means
 
 
-def test_fit_init_from_batches_reproduces_the_old_auto_fit_bit_for_bit():
+def test_fit_init_from_batches_refits_as_the_examples_double_bit_for_bit():
     batches = _batches()
-    reference = _old_auto_fit_means(batches, examples=32)
+    reference = _doubling_fit_means(batches, examples=32)
     assert [m is not None for m in reference] == [True] * 6
     assert sum(not torch.equal(a, b) for a, b in zip(reference, reference[1:])) == 2  # refits at 16 and 32
 
@@ -153,14 +148,6 @@ def test_fit_init_from_batches_reproduces_the_old_auto_fit_bit_for_bit():
     assert buffer.fit_count == 3
     ext2, buffer2 = FitInitFromBatches(examples=32), ReplayBuffer(30, SHAPE, init=Gaussian(), num_classes=K)
     assert [ext2.observe(buffer2, x, y) for x, y in batches] == [True, True, False, True, False, False]
-
-    # The deprecated path (JEMLoss fitting it itself) is the same fit, with a warning.
-    old_buffer = ReplayBuffer(30, SHAPE, init=Gaussian(), num_classes=K)
-    old_loss = JEMLoss(SGLD(steps=1), old_buffer, data_noise=0.0)
-    with pytest.warns(DeprecationWarning, match="FitInitFromBatches"):
-        for i, (x, y) in enumerate(batches):
-            old_loss(jm, x, y)
-            assert torch.equal(old_buffer.init_dist.mean, reference[i])
 
 
 def test_fit_init_from_batches_in_fit_reads_the_loss_buffer_and_yields_to_a_users_fit():
@@ -181,17 +168,6 @@ def test_fit_init_from_batches_in_fit_reads_the_loss_buffer_and_yields_to_a_user
         FitInitFromBatches().on_batch(None, *batches[0])
     with pytest.raises(ValueError, match="examples"):
         FitInitFromBatches(examples=-1)
-
-
-def test_deprecated_auto_fit_spellings_warn_and_still_work():
-    batches = _batches()
-    with pytest.warns(DeprecationWarning, match=r"FitInitFromBatches\(buffer, examples=16\)"):
-        buffer = ReplayBuffer(30, SHAPE, init=Gaussian(), num_classes=K, auto_fit_examples=16)
-    with pytest.warns(DeprecationWarning, match="fit_if_unfitted is deprecated"):
-        fitted = [buffer.fit_if_unfitted(x, y) for x, y in batches]
-    assert fitted == [True, True, False, False, False, False]  # 8, 16 examples, then done
-    with pytest.raises(ValueError, match="auto_fit_examples"):
-        ReplayBuffer(30, SHAPE, init=Gaussian(), auto_fit_examples=-1)
 
 
 # ---------------------------------------------------------------- the sampler's settings
@@ -216,38 +192,31 @@ def test_batchnorm_is_the_samplers_one_knob(mode):
     assert torch.allclose(out.logits.detach(), alone) is (mode == "separate")
 
 
-def test_the_batchnorm_keyword_warns_and_a_disagreement_is_one_line():
-    with pytest.warns(DeprecationWarning, match=re.escape("set it on the sampler: SGLD(batchnorm='separate')")):
-        loss_fn = JEMLoss(SGLD(batchnorm="separate"), batchnorm="separate")
-    assert loss_fn.batchnorm == "separate"
-    with pytest.warns(DeprecationWarning), pytest.raises(InvalidInputError, match="disagrees") as err:
-        JEMLoss(SGLD(), batchnorm="separate")
-    assert "\n" not in str(err.value) and "SGLD(batchnorm='separate')" in str(err.value)
-    with pytest.warns(DeprecationWarning), pytest.raises(InvalidInputError, match="disagrees"):
-        JEMLoss(SGLD(batchnorm="separate"), batchnorm="joint")
-
-    class Plain:  # a user's sampler that says nothing about BatchNorm: the keyword still applies
+def test_a_users_sampler_says_how_its_samples_pass_batchnorm_or_is_joint():
+    class Plain:  # a user's sampler that says nothing about BatchNorm
         def sample(self, jm, n=None, **kwargs):
             return torch.zeros(n, *SHAPE)
 
-    with pytest.warns(DeprecationWarning):
-        assert JEMLoss(Plain(), batchnorm="separate").batchnorm == "separate"
     assert JEMLoss(Plain()).batchnorm == "joint"
+    separate = Plain()
+    separate.batchnorm = "separate"  # a user's sampler may say
+    assert JEMLoss(separate).batchnorm == "separate"
+    separate.batchnorm = "eval"  # the names are joint/separate only
+    with pytest.raises(InvalidInputError, match="joint"):
+        JEMLoss(separate).batchnorm  # noqa: B018  (the property raises)
 
 
-@pytest.mark.parametrize("clamp_data, sampler_clamp", [(True, False), (False, True)])
-def test_the_clamp_data_keyword_warns_and_still_overrides_the_sampler(clamp_data, sampler_clamp):
+@pytest.mark.parametrize("sampler_clamp", [True, False])
+def test_the_data_noise_stays_in_the_domain_exactly_when_the_sampler_clamps(sampler_clamp):
     jm = jem.wrap(_net(), data_range=(-1, 1), input_size=SHAPE, num_classes=K)
     x, y = torch.ones(8, *SHAPE), torch.arange(8) % K  # saturated: noise leaves the domain unless clamped
-    with pytest.warns(DeprecationWarning, match=r"clamp_data.*SGLD\(clamp=...\)"):
-        loss_fn = JEMLoss(
-            SGLD(steps=1, clamp=sampler_clamp), ReplayBuffer(8, SHAPE), data_noise=0.3, clamp_data=clamp_data
-        )
-    assert loss_fn.clamps_data() is clamp_data
+    loss_fn = JEMLoss(SGLD(steps=1, clamp=sampler_clamp), ReplayBuffer(8, SHAPE), data_noise=0.3)
+    assert loss_fn.clamps_data() is sampler_clamp
     seen = []
     jm.model.register_forward_pre_hook(lambda m, inp: seen.append(inp[0].detach().clone()))
-    loss_fn(jm, x, y)
-    assert bool((seen[-1][:8] <= 1).all()) is clamp_data
+    with _NoWarnings():
+        loss_fn(jm, x, y)
+    assert bool((seen[-1][:8] <= 1).all()) is sampler_clamp
 
 
 # ---------------------------------------------------------------- validation reads the buffer
@@ -300,35 +269,3 @@ def test_typed_covariance_round_trips_through_a_weights_only_jem_loss_checkpoint
     assert dst.buffer.init_spec == spec and dst.buffer.init_dist.covariance == LowRank(rank=4, residual=0.5)
     assert torch.equal(dst.buffer.init_dist.factor, src.buffer.init_dist.factor)
     assert torch.equal(dst.buffer.data, src.buffer.data)
-
-
-def test_an_old_jem_loss_checkpoint_loads_without_warnings():
-    """Written before this change: batchnorm and clamp_data in the loss's config, the buffer's
-    config with an init name, init_kwargs and auto_fit_examples."""
-    x, y = torch.cat([b[0] for b in _batches()]), torch.cat([b[1] for b in _batches()])
-    src = JEMLoss(
-        SGLD(steps=1, batchnorm="separate"), ReplayBuffer(30, SHAPE, init=Gaussian(covariance=Full()), num_classes=K)
-    )
-    src.buffer.fit(x, y)
-    state = src.state_dict()
-    extra = state["_extra_state"]
-    extra["config"].update(batchnorm="separate", clamp_data=None)
-    old_buffer = {
-        "capacity": 30,
-        "sample_shape": SHAPE,
-        "reinit_freq": 0.05,
-        "init": "gaussian",
-        "init_kwargs": {"covariance": "full"},
-        "num_classes": K,
-        "auto_fit_examples": 1024,
-    }
-    extra["buffer_config"] = old_buffer
-    state["buffer._extra_state"] = {"init": "gaussian", "config": old_buffer}
-    state = _through_checkpoint(state)
-    with _NoWarnings():
-        dst = JEMLoss()
-        dst.load_state_dict(state)
-    assert dst.batchnorm == "separate" and dst.sampler.batchnorm == "separate"
-    assert dst.buffer.init_spec == Gaussian(covariance=Full()) and dst.clamps_data()
-    assert torch.equal(dst.buffer.init_dist.scale_tril, src.buffer.init_dist.scale_tril)
-    assert "batchnorm" not in dst.state_dict()["_extra_state"]["config"]  # the sampler carries it now

@@ -26,9 +26,8 @@ parameters are buffers: they move with ``.to(device)`` and are saved with the re
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +36,7 @@ from .._checks import check_labels
 from .._checks import draw as _draw
 from .._colours import channel_axes
 from ..adapter import InputDomain
-from ..covariance import COVARIANCE_KINDS, Covariance, Diagonal, Full, LowRank, Stationary, covariance_from_name
+from ..covariance import Covariance, Diagonal, Full, LowRank, Stationary
 from ..errors import InvalidInputError, InvalidLabelError, JEMError
 from ..plugins import hookimpl
 
@@ -92,41 +91,8 @@ class NormalInit(nn.Module):
 # 0.35 GiB at 3x32x32, 5.6 GiB at 3x64x64, 844 GiB at 3x224x224; lowrank, rank 8 at 3x224x224:
 # 0.04 GiB for 10 classes, 4.5 GiB for 1000.
 COVARIANCE_MAX_BYTES = 4 * 2**30
-COVARIANCES = tuple(COVARIANCE_KINDS)  # the deprecated string spellings: "diagonal", "full", "lowrank", "stationary"
 _DIAGONAL = Diagonal()
-
-
-def _typed_covariance(covariance: Any, deprecated: dict[str, Any]) -> Covariance:
-    """``covariance`` as a :mod:`jem_plugin.covariance` value; the old string spellings and the
-    ``rank``/``residual`` keywords still work, with a ``DeprecationWarning`` naming the typed form."""
-    unknown = sorted(set(deprecated) - {"rank", "residual"})
-    if unknown:
-        raise TypeError(f"GaussianInit() got an unexpected keyword argument {unknown[0]!r}")
-    if isinstance(covariance, (Diagonal, Full, LowRank, Stationary)) and not deprecated:
-        return covariance
-    rank, residual = deprecated.get("rank"), deprecated.get("residual")
-    if rank is not None and (isinstance(rank, bool) or not int(rank) >= 1):
-        raise ValueError(f"gaussian init needs rank >= 1, got {rank}")
-    if residual is not None and not 0.0 <= float(residual) <= 1.0:
-        raise ValueError(f"gaussian init needs 0 <= residual <= 1, got {residual}")
-    if isinstance(covariance, str) and covariance in COVARIANCE_KINDS:
-        typed = covariance_from_name(covariance, rank, residual)
-        old = ", ".join([f"covariance={covariance!r}"] + [f"{k}={v!r}" for k, v in deprecated.items()])
-    elif isinstance(covariance, (Diagonal, Full, LowRank, Stationary)):
-        raise TypeError(
-            f"rank and residual belong in the covariance: covariance=LowRank(rank=..., residual=...), got {covariance!r}"
-        )
-    else:
-        raise ValueError(
-            f"covariance must be Diagonal(), Full(), LowRank(rank, residual) or Stationary() from "
-            f"jem_plugin.covariance (or one of {', '.join(map(repr, COVARIANCES))}), got {covariance!r}"
-        )
-    warnings.warn(
-        f"GaussianInit({old}) is deprecated; write GaussianInit(covariance={typed!r}) (from jem_plugin.covariance)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return typed
+_COVARIANCE_TYPES = (Diagonal, Full, LowRank, Stationary)
 
 
 def _per_class_matmul(v: Tensor, mats: Tensor, y: Tensor) -> Tensor:
@@ -155,8 +121,7 @@ class GaussianInit(nn.Module):
         power spectrum per colour axis (the principal axes of the residuals' channels, shared by
         the classes); ``D`` numbers per class like ``Diagonal()``, but the draws keep the data's
         correlation between near and distant pixels, so they carry no per-pixel noise for the
-        energy to tell them by. The old strings (``"full"``, ...) and the ``rank=``/``residual=``
-        keywords still work, with a ``DeprecationWarning`` naming the typed form.
+        energy to tell them by.
     jitter: added to the variances (diagonal) or the covariance diagonal (full, low rank) so a
         constant pixel or a class with one example still gives a valid distribution (stationary:
         not used, its spectrum is valid as it is).
@@ -168,13 +133,17 @@ class GaussianInit(nn.Module):
 
     def __init__(
         self,
-        covariance: Covariance | str = _DIAGONAL,
+        covariance: Covariance = _DIAGONAL,
         jitter: float = 1e-4,
         scale: float = 1.0,
-        **deprecated: Any,
     ) -> None:
         super().__init__()
-        self.covariance: Covariance = _typed_covariance(covariance, deprecated)
+        if not isinstance(covariance, _COVARIANCE_TYPES):
+            raise ValueError(
+                "covariance must be Diagonal(), Full(), LowRank(rank, residual) or Stationary() from "
+                f"jem_plugin.covariance, got {covariance!r}"
+            )
+        self.covariance: Covariance = covariance
         self._kind = self.covariance.kind  # the branch fit and sample take
         self.jitter, self.scale = float(jitter), float(scale)
         low = self.covariance if isinstance(self.covariance, LowRank) else LowRank()
@@ -200,8 +169,9 @@ class GaussianInit(nn.Module):
     def fit(self, x: Tensor, y: Tensor, num_classes: int | None = None, *, pool_missing: bool = False) -> GaussianInit:
         """Fit one Gaussian per class from data ``x`` ``[N, *shape]`` with labels ``y`` ``[N]``.
 
-        ``pool_missing``: classes without examples get the Gaussian of all examples (what ``JEMLoss``
-        does when it fits from the first batches) instead of an error.
+        ``pool_missing``: classes without examples get the Gaussian of all examples (what
+        :class:`~jem_plugin.extensions.FitInitFromBatches` asks for: a few batches need not hold
+        every class) instead of an error.
         """
         if not isinstance(x, Tensor) or not isinstance(y, Tensor):
             raise InvalidInputError("gaussian init: fit(x, y) needs tensors x [N, ...] and y [N]")

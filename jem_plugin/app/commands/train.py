@@ -18,8 +18,6 @@ from ...inits import Uniform
 from ...recipes import (
     DEFAULT_PX_WEIGHT,
     DEFAULT_RECIPE,
-    DEPRECATED_BATCHNORM,
-    DEPRECATED_NAMES,
     NO_NORMALISATION_L2_WEIGHT,
     RAISED_LR_FACTOR,
     RECIPES,
@@ -53,11 +51,6 @@ from ..model_files import (
 from ..report import QUALITY_HOW_TO_READ
 from ._common import SKIP_BAD_HELP, _check_install, _device, _out_dir, _positive
 
-# Flags that named recipe settings before the recipe tree (the recipes' own table of old names):
-# accepted for one release, with a note.
-OLD_FLAGS = DEPRECATED_NAMES
-_OLD_BATCHNORM = DEPRECATED_BATCHNORM
-
 
 def _dashed(name: str) -> str:
     """A recipe setting's flat name as its flag spells it: ``px_weight`` -> ``px-weight``."""
@@ -86,8 +79,6 @@ def add_recipe_flags(p: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
             continue
         choices = info["choices"]
-        if name == "sgld_batchnorm":
-            choices = [*choices, *_OLD_BATCHNORM]  # the old vocabulary, translated with a note
         kind = _optional(info["type"]) if info["optional"] else info["type"]
         group.add_argument(
             flag,
@@ -97,10 +88,6 @@ def add_recipe_flags(p: argparse.ArgumentParser) -> None:
             help=text,
             metavar=None if choices else name.split("_")[-1].upper(),
         )
-    names = flat_names()
-    for old, new in OLD_FLAGS.items():
-        kind = _optional(names[new]["type"]) if names[new]["optional"] else names[new]["type"]
-        group.add_argument("--" + _dashed(old), dest="old_" + old, type=kind, default=None, help=argparse.SUPPRESS)
 
 
 def _given_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -109,23 +96,11 @@ def _given_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def recipe_from_args(
-    args: argparse.Namespace, quiet: bool = False, name: str | None = None, defaults: dict[str, Any] | None = None
+    args: argparse.Namespace, name: str | None = None, defaults: dict[str, Any] | None = None
 ) -> Recipe:
     """The ``--recipe`` (or ``name``, the one chosen for the data) with ``defaults`` (the settings
     chosen for the data) and then the settings given as flags (or ``--config`` keys) applied."""
     changes = {**(defaults or {}), **_given_settings(args)}
-    for old, new in OLD_FLAGS.items():
-        value = getattr(args, "old_" + old, None)
-        if value is None:
-            continue
-        if not quiet:
-            print(f"jem train: --{_dashed(old)} is deprecated; use --{_dashed(new)}")
-        changes.setdefault(new, value)
-    if changes.get("sgld_batchnorm") in _OLD_BATCHNORM:
-        value = changes["sgld_batchnorm"]
-        if not quiet:
-            print(f"jem train: --sgld-batchnorm {value} is deprecated; use --sgld-batchnorm {_OLD_BATCHNORM[value]}")
-        changes["sgld_batchnorm"] = _OLD_BATCHNORM[value]
     if "buffer_capacity" in changes and "buffer_visits" not in changes:
         changes["buffer_visits"] = None  # the size asked for, not one for the run
     return get_recipe(name or args.recipe or DEFAULT_RECIPE).replace(**changes)
@@ -253,7 +228,7 @@ def _train(args, info) -> int:
     ds, val, held_out, data_classes = _held_out_split(args, ds, k)
     # Data that cannot train (one class, a class left without images) is refused before anything else
     # (both candidate defaults fit a per-class init: the check does not wait for the choice below).
-    provisional = recipe_from_args(args, quiet=True, name=args.recipe or DEFAULT_RECIPE)
+    provisional = recipe_from_args(args, name=args.recipe or DEFAULT_RECIPE)
     informative = not isinstance(provisional.buffer.init, Uniform)
     advice = check_training_split(
         ds, k, args.batch_size, data=args.data, fits_init=not args.baseline and informative, classes=data_classes
@@ -276,7 +251,7 @@ def _train(args, info) -> int:
         if info.is_main:
             print(f"jem train: {done}")
         return 0
-    if before is not None and args.buffer_capacity is None and args.old_buffer_size is None:
+    if before is not None and args.buffer_capacity is None:
         # A continued run keeps its chains: the slots it began with, whatever --epochs says now.
         recipe = recipe.replace(
             buffer_capacity=before.get("replay_buffer_slots", recipe.buffer.capacity), buffer_visits=None
@@ -391,7 +366,7 @@ def _choose_recipe(args, info, ds, jm) -> Recipe:
             f"baseline{l2}, and these settings far less, but its samples stay near their starting noise "
             f"(benchmarks/README.md). Flags you give win; --recipe {chosen} keeps the recipe's settings"
         )
-    recipe = recipe_from_args(args, quiet=not info.is_main or args.baseline, name=chosen, defaults=settings)
+    recipe = recipe_from_args(args, name=chosen, defaults=settings)
     if lr_raised(recipe.optim.lr, chosen) and info.is_main and not args.baseline and not told:
         preset_lr = get_recipe(chosen).optim.lr
         print(
