@@ -4,7 +4,7 @@ A callable with more options than that hides coupled choices that belong togethe
 frozen dataclass (configuration: those are not counted) or belong to another call. The walk covers
 every public module of ``jem_plugin`` (``jem_plugin.app``, the command line, is not a library API)
 and, in each, the public functions, the classes' ``__init__`` and their public methods. Counted:
-every parameter except ``self``/``cls`` and a ``**deprecated`` catch-all for old spellings.
+every parameter except ``self``/``cls``.
 
 ``python tests/test_api_shape.py`` prints the inventory, largest first.
 """
@@ -42,11 +42,7 @@ def _count(fn: Any) -> int | None:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature
         return None
-    return sum(
-        1
-        for name, p in sig.parameters.items()
-        if name not in ("self", "cls") and not (p.kind is p.VAR_KEYWORD and name == "deprecated")
-    )
+    return sum(1 for name in sig.parameters if name not in ("self", "cls"))
 
 
 def _is_config(cls: type) -> bool:

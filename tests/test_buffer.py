@@ -17,7 +17,7 @@ from jem_plugin.buffer import ReplayBuffer
 from jem_plugin.builtins.init_distributions import GaussianInit
 from jem_plugin.covariance import Diagonal, Full, LowRank, Stationary
 from jem_plugin.errors import CheckpointError, InvalidInputError, InvalidLabelError, JEMError, UnknownNameError
-from jem_plugin.inits import Gaussian, Normal, Uniform
+from jem_plugin.inits import Gaussian, Normal
 
 SHAPE = (1, 8, 8)
 DOMAIN = InputDomain()  # [-1, 1]
@@ -389,49 +389,17 @@ def test_repr_names_the_configuration():
 
 
 # ---------------------------------------------------------------- typed covariance and init specs
-@pytest.mark.parametrize(
-    "old, typed",
-    [
-        ({"covariance": "full"}, Full()),
-        ({"covariance": "lowrank", "rank": 8, "residual": 0.5}, LowRank(rank=8, residual=0.5)),
-        ({"covariance": "lowrank"}, LowRank()),
-        ({"covariance": "stationary"}, Stationary()),
-        ({"covariance": "diagonal", "rank": 4}, Diagonal()),  # rank only ever applied to lowrank
-    ],
-)
-def test_old_covariance_spellings_warn_naming_the_typed_value_and_fit_the_same(old, typed):
-    with pytest.warns(DeprecationWarning, match=re.escape(f"write GaussianInit(covariance={typed!r})")):
-        init = GaussianInit(**old)
-    assert init.covariance == typed
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the typed spelling is silent
-        new = GaussianInit(covariance=typed)
-    x = torch.rand(12, 2, 4, 4, generator=gen(0))
-    y = torch.arange(12) % 2
-    a, b = init.fit(x, y), new.fit(x, y)
-    for name in ("mean", "std", "scale_tril", "factor", "colour"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
-    with pytest.raises(TypeError, match="LowRank"):  # typed, and the old keywords beside it
-        GaussianInit(covariance=LowRank(), rank=3)
-
-
-@pytest.mark.parametrize(
-    "init, init_kwargs, spec",
-    [
-        ("gaussian", {"covariance": "lowrank", "rank": 8}, Gaussian(covariance=LowRank(rank=8))),
-        ("gaussian", {"covariance": "full", "jitter": 1e-3}, Gaussian(covariance=Full(), jitter=1e-3)),
-        ("normal", {"std": 0.2}, Normal(std=0.2)),
-        ("uniform", {}, Uniform()),
-    ],
-)
-def test_init_kwargs_warn_naming_the_spec_and_build_the_same_buffer(init, init_kwargs, spec):
-    with pytest.warns(DeprecationWarning, match=re.escape(f"write ReplayBuffer(init={spec!r})")):
-        old = ReplayBuffer(12, SHAPE, init=init, init_kwargs=init_kwargs, num_classes=3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        new = ReplayBuffer(12, SHAPE, init=spec, num_classes=3)
-    assert old.init_spec == new.init_spec == spec and old.config() == new.config()
-    assert repr(old.init_dist) == repr(new.init_dist)
+def test_the_covariance_is_typed_and_the_init_a_spec():
+    for old in ("full", "lowrank"):  # the strings before the typed values
+        with pytest.raises(ValueError, match=r"Stationary\(\) from jem_plugin.covariance"):
+            GaussianInit(covariance=old)
+    for old in ("rank", "residual"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{old}'"):
+            GaussianInit(**{old: 1})
+    for old in ("init_kwargs", "auto_fit_examples"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{old}'"):
+            ReplayBuffer(12, SHAPE, init="gaussian", **{old: None})
+    assert not hasattr(ReplayBuffer(12, SHAPE), "fit_if_unfitted")  # FitInitFromBatches does it
 
 
 def test_a_registered_name_alone_is_silent_and_means_the_default_spec():
@@ -469,33 +437,6 @@ def test_typed_covariance_round_trips_through_config_and_a_weights_only_checkpoi
     with pytest.raises(CheckpointError, match=re.escape(f"create it with init={spec!r}")) as err:
         ReplayBuffer(12, SHAPE, init=other, num_classes=3).load_state_dict(saved["buffer"])
     assert "\n" not in str(err.value)
-
-
-def test_a_buffer_config_and_state_written_before_init_specs_load_silently():
-    old_config = {
-        "capacity": 12,
-        "sample_shape": SHAPE,
-        "reinit_freq": 0.2,
-        "init": "gaussian",
-        "init_kwargs": {"covariance": "lowrank", "rank": 4},
-        "num_classes": 3,
-        "auto_fit_examples": 1024,
-    }
-    x, y, _ = class_data(n_per=20)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        buf = ReplayBuffer.from_config(old_config)
-        assert buf.init_spec == Gaussian(covariance=LowRank(rank=4))
-        buf.fit(x, y)
-        state = buf.state_dict()
-        state["_extra_state"] = {"init": "gaussian", "config": old_config}  # as the old code saved it
-        fresh = ReplayBuffer(12, SHAPE, init=Gaussian(covariance=LowRank(rank=4)), num_classes=3, reinit_freq=0.5)
-        fresh.load_state_dict(roundtrip(state))
-    assert fresh.reinit_freq == 0.2 and torch.equal(fresh.init_dist.factor, buf.init_dist.factor)
-    old_full = dict(old_config, init_kwargs={"covariance": "full"})
-    state["_extra_state"] = {"init": "gaussian", "config": old_full}
-    with pytest.raises(CheckpointError, match=re.escape("saved with init=Gaussian(covariance=Full()")):
-        fresh.load_state_dict(state)
 
 
 def test_fit_pools_missing_classes_by_copies_for_an_init_that_does_not_pool_itself():

@@ -686,21 +686,23 @@ def test_train_batchnorm_flags_reach_the_loss_and_fast_keeps_the_samples_apart(c
     assert captured_fit[1]["loss_fn"].sampler.batchnorm == "joint"
 
 
-def test_train_old_recipe_flags_still_work_and_say_their_new_names(captured_fit, tmp_path, capsys):
-    flags = ["--recipe", "fast", "--batchnorm", "joint", "--grad-clip", "0.05", "--buffer-size", "300"]
+def test_train_recipe_flags_have_one_name_each(captured_fit, tmp_path):
+    from jem_plugin.app import CLIError
+    from jem_plugin.app.cli import build_parser
+
+    flags = ["--recipe", "fast", "--sgld-grad-clamp", "0.05", "--buffer-capacity", "300"]
     assert main(["train", "--epochs", "1", *flags, "--out", str(tmp_path), "--quiet"]) == 0
     loss_fn = captured_fit[0]["loss_fn"]
-    assert (loss_fn.sampler.batchnorm, loss_fn.sampler.grad_clamp, loss_fn.buffer.capacity) == ("joint", 0.05, 300)
-    out = capsys.readouterr().out
-    for old, new in (
-        ("batchnorm", "sgld-batchnorm"),
-        ("grad-clip", "sgld-grad-clamp"),
-        ("buffer-size", "buffer-capacity"),
+    assert (loss_fn.sampler.grad_clamp, loss_fn.buffer.capacity) == (0.05, 300)
+    # the names before the recipe tree, and the BatchNorm modes before joint/separate
+    for old in (
+        ["--grad-clip", "0.05"],
+        ["--buffer-size", "300"],
+        ["--batchnorm", "joint"],
+        ["--sgld-batchnorm", "batch"],
     ):
-        assert f"--{old} is deprecated; use --{new}" in out
-    assert main(["train", "--epochs", "1", "--sgld-batchnorm", "batch", "--out", str(tmp_path / "b"), "--quiet"]) == 0
-    assert captured_fit[1]["loss_fn"].sampler.batchnorm == "separate"
-    assert "--sgld-batchnorm batch is deprecated; use --sgld-batchnorm separate" in capsys.readouterr().out
+        with pytest.raises(CLIError, match=old[0] if old[1] != "batch" else "invalid choice: 'batch'"):
+            build_parser().parse_args(["train", *old])
 
 
 def test_train_flags_are_the_recipe_trees_flat_names(capsys):

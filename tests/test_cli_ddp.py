@@ -200,7 +200,7 @@ def _diverge_on_rank1() -> str:  # pragma: no cover - torchrun children
             batches,
             epochs=1,
             optimizer=OptimConfig(warmup_iters=1, warmup_max_fraction=1.0),
-            loss_fn=jem.JEMLoss(jem.SGLD(steps=1)),
+            loss_fn=jem.JEMLoss(jem.SGLD(steps=1), jem.ReplayBuffer.for_model(jm)),
             options=FitOptions(progress=False),
         )
     except jem.DivergenceError as e:

@@ -218,27 +218,25 @@ def test_cuda_generator_everywhere():
     buf = jem.ReplayBuffer(capacity=32, sample_shape=(3, 16, 16), num_classes=10, init="gaussian")
     buf.fit(_x(20), torch.arange(20) % 10)  # the per-class Gaussian needs every class
     assert s.sample(jm, buffer=buf, y=y).is_cuda
-    loss = jem.JEMLoss(sampler=s, generator=_gen(1), class_conditional_px=True, pxy_weight=1.0)
+    loss = jem.JEMLoss(sampler=s, buffer=buf, generator=_gen(1), class_conditional_px=True, pxy_weight=1.0)
     out = loss(jm, x, y)
     assert torch.isfinite(out.loss)
     _score_every_method(jm, x)
-    adv = jem.robustness.pgd_attack(jm, x, y, eps=0.03, steps=2, generator=_gen(3))
+    adv = jem.robustness.pgd_attack(jm, x, y, eps=0.03, pgd=jem.robustness.PGD(steps=2), generator=_gen(3))
     assert adv.is_cuda
     defended = jem.robustness.SGLDDefense(jm, steps=2, n_chains=2, generator=_gen(4))
     assert defended.predict(x).shape == (8,)
 
 
 @cuda
-@pytest.mark.parametrize("how", ["lazy", "given", "restored"])
+@pytest.mark.parametrize("how", ["given", "restored"])
 def test_buffer_lives_on_the_chains_device_after_first_use(how):
     _, jm = _cuda_jm()
     x, y = _x(device="cuda"), torch.arange(8, device="cuda") % 10
-    if how == "lazy":
-        loss = jem.JEMLoss(sampler=jem.SGLD(steps=2))
-    elif how == "given":
+    if how == "given":
         loss = jem.JEMLoss(sampler=jem.SGLD(steps=2), buffer=jem.ReplayBuffer(64, (3, 16, 16)))
     else:
-        src = jem.JEMLoss(sampler=jem.SGLD(steps=2))
+        src = jem.JEMLoss(sampler=jem.SGLD(steps=2), buffer=jem.ReplayBuffer(64, (3, 16, 16), device="cuda"))
         src(jm, x, y)
         loss = jem.JEMLoss(sampler=jem.SGLD(steps=2))
         loss.load_state_dict({k: v.cpu() if torch.is_tensor(v) else v for k, v in src.state_dict().items()})
@@ -259,7 +257,7 @@ def test_autocast_and_channels_last_training_steps(amp, channels_last):
     dtype = torch.bfloat16 if amp == "bf16" else torch.float16
     scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")
     opt = torch.optim.Adam(model.parameters(), 1e-4)
-    loss_fn = jem.JEMLoss(sampler=jem.SGLD(steps=3, generator=_gen(), cuda_graph="auto"))
+    loss_fn = jem.JEMLoss(jem.SGLD(steps=3, generator=_gen(), cuda_graph="auto"), jem.ReplayBuffer(64, (3, 16, 16)))
     x, y = _x(device="cuda"), torch.arange(8, device="cuda") % 10
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -313,7 +311,11 @@ def _checkpoint_resume(tmp_path):
         torch.manual_seed(0)
         model, jm = _cuda_jm(SmallConvNet(bn=False))
         opt = torch.optim.Adam(model.parameters(), 1e-3)
-        loss = jem.JEMLoss(sampler=jem.SGLD(steps=3, generator=_gen(5), cuda_graph="auto"), generator=_gen(6))
+        loss = jem.JEMLoss(
+            jem.SGLD(steps=3, generator=_gen(5), cuda_graph="auto"),
+            jem.ReplayBuffer(64, (3, 16, 16)),
+            generator=_gen(6),
+        )
         return model, jm, opt, loss
 
     x, y = _x(device="cuda"), torch.arange(8, device="cuda") % 10

@@ -63,7 +63,7 @@ def test_calibrate_margins_rule():
 def test_registered_through_the_hook():
     entry = plugins.lookup("jem_register_loss_terms", "energy_bounded", "loss term")
     assert entry["item"] is EnergyBoundedTerm
-    term = JEMLoss(px_weight=0.0, terms={"energy_bounded": {"m_in": -5.0, "m_out": -1.0}})._all_terms()[0][1]
+    term = JEMLoss(px_weight=0.0).add_term("energy_bounded", m_in=-5.0, m_out=-1.0)
     assert isinstance(term, EnergyBoundedTerm) and (term.m_in, term.m_out) == (-5.0, -1.0)
 
 

@@ -168,31 +168,27 @@ def test_wrapped_module_forward_goes_through_wrapper_sampling_does_not():
     assert n_calls == [16]
 
 
-def test_a_loss_without_a_buffer_still_builds_the_papers_one_and_resumes_it_exactly():
-    """Deprecated for one release: the buffer JEMLoss builds on the first batch (a warning names
-    the explicit call); its state resumes into a loss built without one."""
+def test_a_loss_built_without_a_buffer_resumes_the_saved_one_exactly():
+    """The buffer travels as the arguments that rebuild it: a loss built without one (Lightning's
+    ``load_from_checkpoint(ck, model=...)``) resumes from the state."""
     torch.manual_seed(0)
     jm = jem.wrap(small_net(), num_classes=K)
     x, y = batch(8)
-    make = lambda: JEMLoss(
+    make = lambda buffer=None: JEMLoss(
         SGLD(steps=2, generator=torch.Generator().manual_seed(3)),
+        buffer,
         pxy_weight=1.0,
         generator=torch.Generator().manual_seed(4),
     )
-    loss_fn = make()
-    assert loss_fn.buffer is None
-    with pytest.warns(
-        DeprecationWarning, match=r"JEMLoss\(buffer=ReplayBuffer\(10000, sample_shape=\(1, 8, 8\), num_classes=10\)\)"
-    ):
-        loss_fn(jm, x, y)
+    loss_fn = make(ReplayBuffer.for_model(jm, (1, 8, 8), class_conditional=True))
+    loss_fn(jm, x, y)
     buf = loss_fn.buffer
-    assert isinstance(buf, ReplayBuffer)
     assert (buf.capacity, buf.sample_shape, buf.reinit_freq, buf.num_classes) == (10000, (1, 8, 8), 0.05, K)
     state = loss_fn.state_dict()
     assert "buffer.data" in state
 
     resumed = make()
-    resumed.load_state_dict(state)  # recreates the lazily built buffer
+    resumed.load_state_dict(state)  # builds the buffer from its saved arguments
     assert torch.equal(resumed.buffer.data, buf.data)
     a, b = loss_fn(jm, x, y), resumed(jm, x, y)
     assert a.loss.item() == b.loss.item()
@@ -411,14 +407,17 @@ def test_mixin_misuse_is_explained():
         Missing()
 
 
-def test_terms_and_validate_keywords_warn_and_still_work():
-    with pytest.warns(DeprecationWarning, match=r"loss_fn.add_term\('energy_bounded', ...\)"):
-        old = JEMLoss(SGLD(), terms={"energy_bounded": {"outliers": "uniform", "weight": 0.3}})
-    new = JEMLoss(SGLD())
-    new.add_term("energy_bounded", outliers="uniform", weight=0.3)
-    assert dict(old._all_terms())["energy_bounded"].weight == dict(new._all_terms())["energy_bounded"].weight
-    assert old.state_dict()["_extra_state"]["term_kwargs"] == new.state_dict()["_extra_state"]["term_kwargs"]
-    with pytest.warns(DeprecationWarning, match="loss_fn.validate = False"):
-        assert JEMLoss(SGLD(), validate=False).validate is False
+def test_terms_are_added_by_name_and_validate_is_an_attribute():
+    loss_fn = JEMLoss(SGLD())
+    term = loss_fn.add_term("energy_bounded", outliers="uniform", weight=0.3)
+    assert dict(loss_fn._all_terms())["energy_bounded"] is term and term.weight == 0.3
+    assert loss_fn.state_dict()["_extra_state"]["term_kwargs"] == {
+        "energy_bounded": {"outliers": "uniform", "weight": 0.3}
+    }
     assert JEMLoss(SGLD()).validate is True
-    assert len([n for n in inspect.signature(JEMLoss.__init__).parameters if n not in ("self", "deprecated")]) <= 10
+    params = inspect.signature(JEMLoss.__init__).parameters
+    assert len([n for n in params if n != "self"]) <= 10
+    assert not [n for n, p in params.items() if p.kind is p.VAR_KEYWORD]  # one spelling per setting
+    for old in ("terms", "validate", "batchnorm", "clamp_data"):
+        with pytest.raises(TypeError, match=old):
+            JEMLoss(SGLD(), **{old: None})

@@ -157,19 +157,8 @@ def test_detector_options_and_the_scores(plugin, jm, data):
     det = CentreDistance(scale=2.0).fit(jm.eval(), x_train)
     torch.testing.assert_close(table.scores["t_centre"]["in"], det.score(jm, x_in))
     assert set(table.scores["t_centre"]) == {"in", "far", "mid"} and list(table) == ["t_centre"]
-    # the old spelling: (table, scores), with a DeprecationWarning naming table.scores
-    with pytest.warns(DeprecationWarning, match=r"evaluate_all\(return_scores=\.\.\.\) is deprecated.*table\.scores"):
-        old, scores = ood.evaluate_all(
-            jm, x_in, outs, "t_centre", fit_data=x_train, method_kwargs={"t_centre": {"scale": 2.0}}, return_scores=True
-        )
-    assert old == table and set(scores) == set(table.scores)
-    torch.testing.assert_close(scores["t_centre"]["far"], table.scores["t_centre"]["far"])
-    with pytest.warns(DeprecationWarning, match="return_scores"):
-        assert isinstance(
-            ood.evaluate_all(jm, x_in, outs, "t_centre", fit_data=x_train, return_scores=False), ood.OODTable
-        )
-    with pytest.raises(TypeError, match="unexpected keyword argument 'return_score'"):
-        ood.evaluate_all(jm, x_in, outs, "t_centre", return_score=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'return_scores'"):
+        ood.evaluate_all(jm, x_in, outs, "t_centre", return_scores=True)
 
 
 def test_heat_map_figure(plugin, jm, data, tmp_path):

@@ -223,51 +223,16 @@ def test_worst_case_over_attacks_and_margin_loss(trained, test_data):
         PGD(loss="hinge")
 
 
-# ---------------------------------------------------------------- old spellings
-def test_old_pgd_keywords_warn_and_attack_the_same(trained, test_data):
+# ---------------------------------------------------------------- one spelling: PGD(...)
+def test_the_settings_are_given_as_pgd_only(trained, test_data):
     _, jm = trained
     x, y = test_data
-    x, y = x[:32], y[:32]
-    settings = PGD(norm="l2", steps=3, loss="margin")
-    new = rob.pgd_attack(jm, x, y, 0.1, settings, generator=torch.Generator().manual_seed(5))
-    message = (
-        r"pgd_attack\(norm=\.\.\., steps=\.\.\., loss=\.\.\.\) is deprecated.*PGD\(norm=\.\.\., steps=\.\.\., loss"
-    )
-    with pytest.warns(DeprecationWarning, match=message):
-        old = rob.pgd_attack(
-            jm, x, y, 0.1, norm="l2", steps=3, loss="margin", generator=torch.Generator().manual_seed(5)
-        )
-    torch.testing.assert_close(old, new, atol=0, rtol=0)
-    with pytest.warns(DeprecationWarning, match=message):  # the norm as the fifth positional argument, as before
-        positional = rob.pgd_attack(
-            jm, x, y, 0.1, "l2", steps=3, loss="margin", generator=torch.Generator().manual_seed(5)
-        )
-    torch.testing.assert_close(positional, new, atol=0, rtol=0)
-    with pytest.warns(DeprecationWarning, match="eps_space"):
-        raw = rob.pgd_attack(jm, x, y, 0.1, eps_space="input", random_start=False, step_size=0.05)
-    expected = rob.pgd_attack(jm, x, y, 0.1, PGD(eps_space="input", random_start=False, step_size=0.05))
-    torch.testing.assert_close(raw, expected, atol=0, rtol=0)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'stepz'"):
-        rob.pgd_attack(jm, x, y, 0.1, stepz=3)
-    with pytest.raises(TypeError, match="eot_samples"):  # never a pgd_attack keyword
-        rob.pgd_attack(jm, x, y, 0.1, eot_samples=2)
-    with pytest.raises(TypeError, match="PGD"), pytest.warns(DeprecationWarning):
-        rob.pgd_attack(jm, x, y, 0.1, PGD(), steps=3)  # both spellings at once
-
-
-def test_old_robust_accuracy_keywords_warn_and_measure_the_same(trained, test_data):
-    _, jm = trained
-    x, y = test_data
-    x, y = x[:32], y[:32]
-    d = rob.SGLDDefense(jm, steps=1, step_size=0.001, noise=0.0, n_chains=2)
-    settings = PGD(norm="l2", steps=3, random_start=False, loss="margin", eot_samples=2)
-    new = rob.robust_accuracy(jm, x, y, [0.0, 0.5], settings, defense=d, attack="worst", progress=False)
-    message = r"robust_accuracy\(norm=\.\.\., steps=.*eot_samples=\.\.\.\) is deprecated.*write robust_accuracy\(\.\.\., PGD\(norm="
-    with pytest.warns(DeprecationWarning, match=message):
-        old = rob.robust_accuracy(
-            jm, x, y, [0.0, 0.5], "l2", d, attack="worst", steps=3, random_start=False, loss="margin",
-            eot_samples=2, progress=False,
-        )  # fmt: skip
-    assert old == new and new["attack"] == "pgd-worst(transfer,bpda-eot2)-margin"
-    with pytest.raises(TypeError, match="multiple values for argument 'norm'"):
-        rob.robust_accuracy(jm, x, y, [0.1], "l2", norm="linf", progress=False)
+    x, y = x[:4], y[:4]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'steps'"):
+        rob.pgd_attack(jm, x, y, 0.1, steps=3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'steps'"):
+        rob.robust_accuracy(jm, x, y, [0.1], steps=3)
+    with pytest.raises(TypeError, match="PGD, got str"):  # not the norm as a positional string
+        rob.pgd_attack(jm, x, y, 0.1, "l2")
+    with pytest.raises(TypeError, match="PGD, got str"):
+        rob.robust_accuracy(jm, x, y, [0.1], "l2")

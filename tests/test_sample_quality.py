@@ -74,26 +74,16 @@ def test_judge_tells_data_from_noise(digits_judge):
     assert ref["train"] < ref["init"] / 10
 
 
-def test_train_judge_old_keywords_warn_and_train_the_same_judge():
+def test_train_judge_takes_its_size_as_an_arch_and_the_held_out_pair_as_test():
     g = torch.Generator().manual_seed(0)
     x, y = torch.rand(64, 1, 8, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
     xt, yt = x[:16], y[:16]
-    new = train_judge(x, y, epochs=1, arch=JudgeArch(width=4, feature_dim=8), test=(xt, yt))
-    with pytest.warns(
-        DeprecationWarning,
-        match=r"train_judge\(x_test=\.\.\., y_test=\.\.\., width=\.\.\., feature_dim=\.\.\.\) is deprecated.*test=\(x_test, y_test\); arch=JudgeArch",
-    ):
-        old = train_judge(x, y, epochs=1, x_test=xt, y_test=yt, width=4, feature_dim=8)
-    assert old.test_accuracy == new.test_accuracy is not None
-    assert old.net.head.in_features == 8 and old.net.body[0].out_channels == 4
-    for a, b in zip(old.net.parameters(), new.net.parameters()):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
-    with pytest.warns(DeprecationWarning, match="y_test"):
-        assert train_judge(x, y, epochs=0, y_test=yt).test_accuracy is None  # one without the other: ignored
-    with pytest.raises(TypeError, match="unexpected keyword argument 'x_tset'"):
-        train_judge(x, y, epochs=0, x_tset=xt)
-    with pytest.raises(TypeError, match="test="), pytest.warns(DeprecationWarning):
-        train_judge(x, y, epochs=0, test=(xt, yt), x_test=xt, y_test=yt)
+    judge = train_judge(x, y, epochs=1, arch=JudgeArch(width=4, feature_dim=8), test=(xt, yt))
+    assert judge.test_accuracy is not None
+    assert judge.net.head.in_features == 8 and judge.net.body[0].out_channels == 4
+    for old in ("x_test", "y_test", "width", "feature_dim"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{old}'"):
+            train_judge(x, y, epochs=0, **{old: None})
     with pytest.raises(TypeError, match="held-out pair"):
         train_judge(x, y, epochs=0, test=xt)
     with pytest.raises(ValueError, match="width"):

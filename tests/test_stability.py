@@ -196,28 +196,17 @@ def test_relative_explosion_detection():
         guard.check(_fake(-200.0))
 
 
-def test_old_limit_keywords_warn_and_guard_the_same():
-    new = setup(policy="raise", limits=GuardLimits(max_abs_energy=1e3, explode_factor=10.0, window=4, min_history=5))[4]
-    message = (
-        r"DivergenceGuard\(explode_factor=\.\.\., min_history=\.\.\., window=\.\.\., max_abs_energy=\.\.\.\) is "
-        r"deprecated.*write limits=GuardLimits\(explode_factor=\.\.\., min_history"
-    )
-    with pytest.warns(DeprecationWarning, match=message):
-        old = setup(policy="raise", explode_factor=10.0, min_history=5, window=4, max_abs_energy=1e3)[4]
-    assert old.limits == new.limits and old._history.maxlen == 4
-    seen = _explodes_at(new)
-    assert seen is not None and _explodes_at(old) == seen
-    with pytest.warns(DeprecationWarning, match="max_abs_energy"):
-        small = setup(policy="raise", max_abs_energy=100.0)[4]
-    assert small.limits == GuardLimits(max_abs_energy=100.0) and "exceeds max_abs_energy=100" in _explodes_at(small)[1]
-    with pytest.raises(TypeError, match="unexpected keyword argument 'max_energy'"):
-        setup(max_energy=1.0)
-    with pytest.raises(TypeError, match="GuardLimits"), pytest.warns(DeprecationWarning):
-        setup(limits=GuardLimits(window=3), min_history=2)
+def test_the_limits_are_one_guard_limits_value():
+    small = setup(policy="raise", limits=GuardLimits(max_abs_energy=100.0))[4]
+    assert "exceeds max_abs_energy=100" in _explodes_at(small)[1]
+    assert setup(limits=GuardLimits(window=4))[4]._history.maxlen == 4
+    for old in ("max_abs_energy", "explode_factor", "window", "min_history"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{old}'"):
+            setup(**{old: 1.0})
     with pytest.raises(TypeError, match="GuardLimits"):
         setup(limits={"max_abs_energy": 1.0})
-    with pytest.raises(ValueError, match="explode_factor"), pytest.warns(DeprecationWarning):
-        setup(explode_factor=0.5)  # the old spelling is checked as before
+    with pytest.raises(ValueError, match="explode_factor"):
+        GuardLimits(explode_factor=0.5)
 
 
 def test_rollback_without_snapshot_and_bad_arguments():

@@ -63,12 +63,8 @@ LOSS_TERMS = {"energy_bounded": {"m_in": -3.0, "m_out": -1.0, "weight": 0.2, "ou
 
 
 def _arguments(cls: type) -> dict[str, inspect.Parameter]:
-    """The named arguments (a ``**deprecated`` catch-all for old spellings is not one)."""
-    return {
-        n: p
-        for n, p in inspect.signature(cls.__init__).parameters.items()
-        if n != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
-    }
+    """The named arguments."""
+    return {n: p for n, p in inspect.signature(cls.__init__).parameters.items() if n != "self"}
 
 
 def _built(values: dict[str, Any]) -> dict[str, Any]:
@@ -111,10 +107,6 @@ def test_sgld_state_carries_every_argument():
 
 
 def test_sgld_state_is_validated_together_on_load():
-    # A state of the old format: final_step_size only applied to the poly schedule.
-    state = {**jem.SGLD().state_dict(), "schedule": "constant", "final_step_size": 0.1}
-    with pytest.raises(ValueError, match="final_step_size"):
-        jem.SGLD().load_state_dict(state)
     state = {**jem.SGLD().state_dict(), "step_size": {"kind": "poly", "start": 0.1, "power": 0.55, "end": 1.0}}
     with pytest.raises(ValueError, match="exceed"):
         jem.SGLD().load_state_dict(state)

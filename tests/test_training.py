@@ -438,49 +438,24 @@ def test_resume_is_announced(digits, tmp_path, caplog):
     assert "resuming at epoch 2, iteration 6 of 15" in caplog.text
 
 
-# ---------------------------------------------------------------- fit's old keywords
-_TIMING = ("time", "cpu_time", "img_per_s", "ms_per_iter", "remaining_s")
-
-
-def _metrics(hist):
-    return [{k: v for k, v in r.items() if k not in _TIMING} for r in hist.epochs]
-
-
-def test_old_keywords_warn_and_train_as_the_new_spelling(digits):
-    """lr/warmup_iters and FitOptions' fields given to fit directly: a DeprecationWarning naming
-    where each went, and the very same run (the old warm-up was not capped to a share of the run)."""
-    train, (xt, yt) = digits
-    sub = TensorDataset(*[t[:192] for t in train.tensors])  # 3 batches: 6 iterations, warm-up 5 uncapped
-
-    torch.manual_seed(5)
-    old_jm = _model(width=4)
-    with pytest.warns(DeprecationWarning) as record:
-        old = fit(old_jm, _loader(sub), epochs=2, lr=1e-3, warmup_iters=5, val_data=(xt, yt), progress=False)
-    messages = [str(w.message) for w in record if issubclass(w.category, DeprecationWarning)]
-    assert any("FitOptions(progress=...)" in m for m in messages), messages
-    assert any("OptimConfig(lr=..., warmup_iters=...)" in m for m in messages), messages
-
-    torch.manual_seed(5)
-    new_jm = _model(width=4)
-    new = fit(
-        new_jm,
-        _loader(sub),
-        epochs=2,
-        optimizer=OptimConfig(lr=1e-3, warmup_iters=5, warmup_max_fraction=1.0),
-        val_data=(xt, yt),
-        options=QUIET,
-    )
-    assert _metrics(old) == _metrics(new) and len(new) == 2
-    assert [r["lr"] for r in new.epochs] == pytest.approx([1e-3 * 4 / 5, 1e-3])  # warming up after epoch 1
-    assert torch.equal(_params(old_jm), _params(new_jm))
-
-
-def test_options_and_their_old_keywords_together_are_refused(digits, tmp_path):
+# ---------------------------------------------------------------- fit's one spelling per setting
+def test_the_optimiser_is_an_optim_config_or_a_torch_optimiser_keeping_its_lr(digits):
     train, _ = digits
-    with pytest.raises(jem.InvalidInputError, match="checkpoint_dir"):
-        fit(_model(), _loader(train), epochs=1, options=FitOptions(progress=False), checkpoint_dir=tmp_path)
-    with pytest.raises(TypeError, match="learning_rate"):
-        fit(_model(), _loader(train), epochs=1, options=QUIET, learning_rate=1e-3)
+    sub = TensorDataset(*[t[:192] for t in train.tensors])  # 3 batches: 6 iterations
+    config = OptimConfig(lr=1e-3, warmup_iters=5, warmup_max_fraction=1.0)
+    hist = fit(_model(width=4), _loader(sub), epochs=2, optimizer=config, options=QUIET)
+    assert [r["lr"] for r in hist.epochs] == pytest.approx([1e-3 * 4 / 5, 1e-3])  # warming up after epoch 1
+    jm = _model(width=4)
+    sgd = torch.optim.SGD(jm.parameters(), lr=0.05)
+    hist = fit(jm, _loader(sub), epochs=2, optimizer=sgd, options=QUIET)  # the default warm-up: none in 6 iterations
+    assert [r["lr"] for r in hist.epochs] == pytest.approx([0.05, 0.05])
+
+
+@pytest.mark.parametrize("old", ["lr", "warmup_iters", "grad_clip", "progress", "checkpoint_dir", "learning_rate"])
+def test_loose_keywords_are_type_errors(digits, old):
+    train, _ = digits
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{old}'"):
+        fit(_model(), _loader(train), epochs=1, options=QUIET, **{old: 1})
 
 
 def test_history_reads_an_epoch_by_index_and_refuses_a_metric_it_never_recorded():
