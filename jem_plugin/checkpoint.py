@@ -231,8 +231,8 @@ def _unpickling_detail(exc: BaseException) -> str:
 
 
 def _lazy_slot(module: nn.Module, key: str) -> bool:
-    """True when ``key`` belongs to a submodule slot that is still ``None`` (created on load or on
-    first use, like the replay buffer of a JEMLoss that has not seen a batch yet)."""
+    """True when ``key`` belongs to a submodule slot that is still ``None`` (created on load, like
+    the replay buffer of a JEMLoss built without one)."""
     obj: Any = module
     for part in key.split(".")[:-1]:
         child = getattr(obj, part, _MISSING)

@@ -8,7 +8,7 @@ The mixin is :class:`~jem_plugin.integrations.mixin.GenerativeLossMixin` plus wh
 ...     def __init__(self):
 ...         super().__init__()
 ...         self.net = timm.create_model("resnet18", num_classes=10)
-...         self.configure_jem("net", px_weight=1.0, l2_weight=0.1)
+...         self.configure_jem("net", buffer=ReplayBuffer(10000, (3, 32, 32)), l2_weight=0.1)
 ...     def training_step(self, batch, batch_idx):
 ...         out = self.generative_loss(*batch)          # SGLD + one forward on [data; samples]
 ...         self.log_dict({f"train/{k}": v for k, v in out.metrics.items()})
@@ -144,10 +144,8 @@ class JEMLightningMixin(GenerativeLossMixin):
             )
         buffer = self.jem_loss.buffer if use_buffer else None
         if use_buffer and buffer is None:
-            raise ValueError(
-                "use_buffer=True but the replay buffer does not exist yet (it is created on the first training batch)"
-            )
-        known = self.jem_loss.buffer  # None until the first training batch creates it
+            raise ValueError("use_buffer=True needs a replay buffer: configure_jem(..., buffer=ReplayBuffer(...))")
+        known = self.jem_loss.buffer  # None for a loss without one (cross-entropy only)
         shape = (
             None
             if x_init is not None or buffer is not None or not isinstance(known, ReplayBuffer)

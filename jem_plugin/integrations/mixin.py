@@ -44,8 +44,8 @@ class GenerativeLossMixin:
     ) -> JEMLoss:
         """Set up JEM on ``classifier`` (a module, its JEM view, or an attribute name such as
         ``"net"`` or ``"backbone.model"``); ``sampler``, ``buffer`` (a
-        :class:`~jem_plugin.buffer.ReplayBuffer`: give it, a loss without one builds it on its
-        first batch only for one more release) and ``loss_kwargs`` go to :class:`JEMLoss`."""
+        :class:`~jem_plugin.buffer.ReplayBuffer`, which a loss that draws samples needs) and
+        ``loss_kwargs`` go to :class:`JEMLoss`."""
         if not isinstance(self, nn.Module):
             raise TypeError("GenerativeLossMixin must be mixed into an nn.Module subclass")
         if "_modules" not in self.__dict__:
