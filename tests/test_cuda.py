@@ -62,9 +62,9 @@ def test_require_on_cpu_raises_one_line_error_with_the_reason():
     assert "\n" not in msg and "not on a CUDA device" in msg and "cuda_graph='auto'" in msg
 
 
-def test_cuda_graph_is_off_by_default():
-    assert jem.SGLD().cuda_graph == "off"
-    assert jem.SGLD.__init__.__kwdefaults__["cuda_graph"] == "off"
+def test_cuda_graph_is_auto_by_default():
+    assert jem.SGLD().cuda_graph == "auto"
+    assert jem.SGLD.__init__.__kwdefaults__["cuda_graph"] == "auto"
 
 
 def test_auto_on_cpu_is_eager_and_silent():
