@@ -138,7 +138,7 @@ def make_model(name: str) -> nn.Module:
 
         return DigitsCNN(num_classes=10)
     if name.startswith("wrn"):  # "wrn10-1": the JEM paper's Wide-ResNet, no normalisation (as --model takes it)
-        from jem_plugin.app.model_files import build_model
+        from jem_plugin.nets import build_model
 
         return build_model(name, 10, 3)
     import timm

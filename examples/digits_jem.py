@@ -21,7 +21,7 @@ from tqdm import tqdm
 import jem_plugin as jem
 from jem_plugin.app.data import digits_ood_sets, load_digits
 from jem_plugin.app.nets import DigitsCNN
-from jem_plugin.viz import save_image_grid
+from jem_plugin.viz import save_image_grid, save_samples
 
 
 def main(argv=None) -> dict:
@@ -65,7 +65,7 @@ def main(argv=None) -> dict:
     x_test, y_test = test.tensors
     with torch.no_grad():
         acc = float((jm(x_test).argmax(1) == y_test).float().mean())
-    buffer.save_grid(out_dir / "buffer_samples.png", n=64, domain=jm.domain)
+    save_samples(buffer.samples(64), out_dir / "buffer_samples.png", domain=jm.domain)
     y = torch.arange(10).repeat_interleave(8)
     cond = jem.SGLD(steps=5 if args.smoke else 60, step_size=1.0, noise=0.01).sample(jm, y=y)
     save_image_grid(cond, out_dir / "class_conditional_samples.png", domain=jm.domain, nrow=8)

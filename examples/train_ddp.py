@@ -38,6 +38,7 @@ from jem_plugin.buffer import ReplayBuffer
 from jem_plugin.checkpoint import save_checkpoint
 from jem_plugin.losses import JEMLoss
 from jem_plugin.sampling import SGLD
+from jem_plugin.viz import save_samples
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -171,7 +172,7 @@ def main(argv=None) -> dict:
         "train": metrics,
     }
     if bool(buffer.initialized):  # each rank's own chains
-        buffer.save_grid(out / f"samples-rank{info.rank}.png", n=64)
+        save_samples(buffer.samples(64), out / f"samples-rank{info.rank}.png", domain=jm.domain)
     if info.is_main:
         jm.eval()
         test = load_digits("test", seed=args.seed)

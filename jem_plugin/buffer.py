@@ -10,7 +10,6 @@ model is (no host round trip per step) and ``state_dict()`` resumes a run exactl
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -241,7 +240,6 @@ class ReplayBuffer(nn.Module):
         if isinstance(init_obj, nn.Module):
             init_obj.to(self.data.device)
         self._is_init = False  # host mirror of `initialized`: no device sync per sample()
-        self._domain: InputDomain | None = None  # last domain seen, for save_grid
         #: How many times the init was fitted (:meth:`fit`) or restored from a checkpoint: a
         #: :class:`~jem_plugin.extensions.FitInitFromBatches` collecting batches stops when someone
         #: else fits it.
@@ -316,7 +314,6 @@ class ReplayBuffer(nn.Module):
             self.data.copy_(self._init_draw(self.capacity, domain, generator, y))
             self.initialized.fill_(True)
         self._is_init = True
-        self._domain = domain
 
     def reset(self) -> None:
         """Forget the stored chains; the next :meth:`sample` draws them afresh from the init distribution."""
@@ -357,7 +354,6 @@ class ReplayBuffer(nn.Module):
         with torch.inference_mode(False):
             if not self._is_init:
                 self.initialize(domain, generator)
-            self._domain = domain
             dev = self.data.device
             if y is None:
                 idx = draw(lambda size, **kw: torch.randint(0, self.capacity, size, **kw), (n,), generator, dev)
@@ -481,17 +477,6 @@ class ReplayBuffer(nn.Module):
             return self.data[lo:hi].clone()
         idx = torch.linspace(lo, hi - 1, n, device=self.data.device).round().long()
         return self.data[idx].clone()
-
-    def save_grid(self, path: str | os.PathLike, n: int = 64, nrow: int = 8, domain: InputDomain | None = None) -> str:
-        """Save ``n`` stored samples as a PNG grid (mapped to pixels through the domain); returns the
-        path. Drawn by :func:`jem_plugin.viz.save_samples` (torchvision is imported only then)."""
-        if len(self.sample_shape) != 3 or self.sample_shape[0] not in (1, 3):
-            raise InvalidInputError(
-                f"save_grid needs image samples of shape (1 or 3, H, W), this buffer holds {self.sample_shape}"
-            )
-        from .viz import save_samples
-
-        return save_samples(self.samples(n), path, domain=domain or self._domain, nrow=nrow)
 
     # ------------------------------------------------------------------ state
     def config(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from .buffer import ReplayBuffer
 from .checkpoint import CORRUPT, MISMATCH, MISSING, load_checkpoint
 from .errors import CheckpointError, JEMError
 from .model import JEM, wrap
+from .nets import build_model
 from .sampling import SGLD
 
 __all__ = ["load", "load_sampler"]
@@ -165,11 +166,6 @@ def _read_spec(path: str | Path) -> dict[str, Any]:
 
 
 def _build_network(spec: dict[str, Any], path: str | Path):
-    # The networks `jem train --model` names (the built-ins of jem_plugin/app/nets.py, timm names,
-    # module:factory) are built by the app layer, which sits on the library. Imported here, when a
-    # file is loaded, so that no library module imports the app at module level.
-    from .app.model_files import build_model
-
     model = spec["model"]
     try:
         return build_model(model, spec["num_classes"], spec["sample_shape"][0], spec.get("model_options"))

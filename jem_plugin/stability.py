@@ -56,7 +56,6 @@ import torch
 from torch import Tensor, nn
 
 from .errors import DivergenceError
-from .integrations.mixin import GenerativeLossMixin
 from .losses import LossOutput
 from .sampling import SGLD
 from .schedules import Constant, Poly, as_schedule
@@ -403,11 +402,12 @@ class DivergenceGuard:
 
     # ------------------------------------------------------------------ remedies
     def _loss(self) -> _Tunable | None:
-        """The JEM loss whose settings the remedies change: ``loss_fn``, or the one a
-        :class:`~jem_plugin.integrations.mixin.GenerativeLossMixin` model carries."""
+        """The JEM loss whose settings the remedies change: ``loss_fn``, or the model's ``jem_loss``
+        submodule (where :class:`~jem_plugin.integrations.mixin.GenerativeLossMixin` keeps it; read
+        by name, so the core needs no integration)."""
         loss_fn = self.loss_fn
-        if loss_fn is None and isinstance(self.model, GenerativeLossMixin) and "jem_loss" in self.model._modules:
-            loss_fn = self.model.jem_loss
+        if loss_fn is None:
+            loss_fn = self.model._modules.get("jem_loss")
         return loss_fn if isinstance(loss_fn, _Tunable) else None
 
     def _apply_remedies(self) -> list[str]:

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ._train_state import History
 from .adapter import InputDomain
+from .errors import InvalidInputError
 from .ood import OODTable
 
 if TYPE_CHECKING:
@@ -342,11 +343,14 @@ def plot_density_2d(
 def save_samples(x: Tensor, path: str | os.PathLike, *, domain: InputDomain | None = None, nrow: int = 8) -> str:
     """Write images ``x [B, C, H, W]`` (C = 1 or 3) as a bare PNG grid, one pixel per pixel.
 
-    ``domain`` maps them to pixels; without one each grid is min-max normalised. What
-    :meth:`~jem_plugin.buffer.ReplayBuffer.save_grid` writes. Returns ``path`` as a string.
+    ``domain`` maps them to pixels; without one each grid is min-max normalised. A replay
+    buffer's chains: ``save_samples(buffer.samples(64), "buffer.png", domain=jm.domain)``.
+    Returns ``path`` as a string.
     """
     from torchvision.utils import save_image
 
+    if x.ndim != 4 or x.shape[1] not in (1, 3):
+        raise InvalidInputError(f"save_samples needs images of shape [B, 1 or 3, H, W], got {tuple(x.shape)}")
     x = x.detach().float().cpu()
     path = str(_to_path(path))
     if domain is not None:

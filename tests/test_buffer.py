@@ -365,15 +365,17 @@ def test_mismatched_checkpoints_raise_checkpoint_error():
 
 
 # ---------------------------------------------------------------- looking at it
-def test_save_grid_writes_a_nontrivial_png(tmp_path):
+def test_a_grid_of_the_buffers_chains_is_a_nontrivial_png(tmp_path):
     import matplotlib.image as mpimg
+
+    from jem_plugin.viz import save_samples
 
     buf = ReplayBuffer(100, SHAPE, num_classes=10)
     buf.sample(domain=DOMAIN, y=torch.arange(10), generator=gen())
     # stripes whose brightness is the class index: a visibly structured grid
     buf.data.copy_(torch.linspace(-1, 1, 10).repeat_interleave(10).view(100, 1, 1, 1).expand_as(buf.data))
     buf.data[:, :, ::2] *= -1
-    path = buf.save_grid(tmp_path / "grid" / "buffer.png", n=64, nrow=8)
+    path = save_samples(buf.samples(64), tmp_path / "grid" / "buffer.png", domain=DOMAIN, nrow=8)
     img = mpimg.imread(path)
     assert img.shape[:2] == (8 * 10 + 2, 8 * 10 + 2)  # 8x8 tiles of 8 px plus 2 px padding
     assert np.std(img) > 0.1 and len(np.unique(img)) >= 8

@@ -522,8 +522,7 @@ def test_wrn_on_cuda_samples_with_the_graph():
 
 # --------------------------------------------------------------------------- the paper's network
 def test_wrn_spec_builds_the_papers_network_and_runs_a_forward():
-    from jem_plugin.app.model_files import build_model
-    from jem_plugin.app.nets import WideResNet
+    from jem_plugin.nets import WideResNet, build_model
 
     model = build_model("wrn-10-1", num_classes=10, in_chans=3)
     assert isinstance(model, WideResNet) and (model.depth, model.widen_factor) == (10, 1)
@@ -540,11 +539,11 @@ def test_wrn_spec_builds_the_papers_network_and_runs_a_forward():
     assert any(isinstance(m, nn.BatchNorm2d) for m in bn.modules()) and bn(_x(2, (1, 32, 32))).shape == (2, 5)
 
 
-def test_wrn_spec_with_an_impossible_depth_is_a_cli_error():
-    from jem_plugin.app import CLIError
-    from jem_plugin.app.model_files import build_model
+def test_wrn_spec_with_an_impossible_depth_is_an_error_naming_the_rule():
+    from jem_plugin.errors import UnknownNameError
+    from jem_plugin.nets import build_model
 
-    with pytest.raises(CLIError, match="6n \\+ 4"):
+    with pytest.raises(UnknownNameError, match="6n \\+ 4"):
         build_model("wrn-12-2", num_classes=10, in_chans=3)
 
 

@@ -11,8 +11,9 @@ import torch
 import jem_plugin as jem
 from jem_plugin.app import data as D
 from jem_plugin.app.cli import main
-from jem_plugin.app.model_files import build_model, model_spec, save_model_checkpoint, wrap_for_data
+from jem_plugin.app.model_files import model_spec, save_model_checkpoint, wrap_for_data
 from jem_plugin.checkpoint import load_checkpoint, save_checkpoint
+from jem_plugin.nets import build_model
 
 
 def _digits(n: int = 64) -> torch.Tensor:

@@ -254,3 +254,26 @@ def test_rollback_of_a_mixin_module_restores_its_buffer_and_keeps_remedies_in_st
     guard2 = DivergenceGuard(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), policy="rollback")
     guard2.load_state_dict(state)
     assert guard2.rollbacks == 1 and fresh.jem_loss.l2_weight == 0.1
+
+
+class OwnLoop(nn.Module):
+    """A model of the user's own loop holding its JEM loss as ``jem_loss``, without the mixin."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 4))
+        self.jem = jem.wrap(self.net, num_classes=4)
+        self.jem_loss = JEMLoss(SGLD(steps=1), ReplayBuffer(32, (1, 8, 8)))
+
+
+def test_the_remedies_reach_a_jem_loss_submodule_of_a_model_without_the_mixin():
+    torch.manual_seed(0)
+    model = OwnLoop()
+    guard = DivergenceGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="rollback")
+    x, y = torch.rand(8, 1, 8, 8) * 2 - 1, torch.randint(0, 4, (8,))
+    with guard:
+        guard.check(model.jem_loss(model.jem, x, y))
+    blow_up(model.net)
+    with pytest.warns(RuntimeWarning):
+        assert guard.step(model.jem_loss(model.jem, x, y)) is False
+    assert model.jem_loss.l2_weight == 0.1

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from jem_plugin import viz
-from jem_plugin.errors import InvalidScoresError
+from jem_plugin.errors import InvalidInputError, InvalidScoresError
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -67,6 +67,13 @@ def test_robust_accuracy_plot_one_or_several_results(tmp_path):
     _png(viz.plot_robust_accuracy(base, str(tmp_path / "single.png")))
     with pytest.raises(ValueError, match="empty"):
         viz.plot_robust_accuracy({}, str(tmp_path / "x.png"))
+
+
+def test_save_samples_refuses_what_is_not_a_batch_of_images(tmp_path):
+    for shape in ((8, 2), (8, 2, 8, 8), (1, 8, 8)):  # 2D points, two channels, one unbatched image
+        with pytest.raises(InvalidInputError, match=r"\[B, 1 or 3, H, W\]"):
+            viz.save_samples(torch.zeros(shape), tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_plot_functions_left_the_science_modules():
@@ -125,7 +132,7 @@ def test_viz_never_changes_the_backend_nor_uses_pyplot(tmp_path):
         viz.plot_density_2d(out + "/d.png", true=lambda x: -(x ** 2).sum(1), n=20)
         buf = ReplayBuffer(16, (1, 8, 8))
         buf.sample(8, domain=InputDomain())
-        buf.save_grid(out + "/b.png", n=8)
+        viz.save_samples(buf.samples(8), out + "/b.png", domain=InputDomain())
         print(json.dumps({{"pyplot": "matplotlib.pyplot" in sys.modules, "backend": matplotlib.get_backend()}}))
     """)
     assert res == {"pyplot": False, "backend": "svg"}

@@ -4,16 +4,12 @@ A model file is a code-free checkpoint (``weights_only``) holding the spec neede
 network (``--model``/``--data`` specs, classes, input shape and domain, a built-in net's options)
 and its weights. ``--data`` specs are read here too, since a spec names its data. Reading a model
 file back is the library's (:mod:`jem_plugin.loading`, ``jem.load``): one copy, which the commands
-use, and which builds the network with :func:`build_model` from here.
+use; the network a ``--model`` spec names is built by :func:`jem_plugin.nets.build_model`.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
-import os
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,12 +24,9 @@ from ..checkpoint import save_checkpoint
 from ..loading import CKPT_FORMAT, SAMPLER_FORMAT, SAMPLER_NOT_REUSED, read_model_file, sampler_file
 from ..loading import load_run_sampler as load_run_sampler
 from ..loading import wrap_for_data as wrap_for_data
-from . import CLIError, nets
+from ..nets import WRN_SPEC
+from . import CLIError
 from . import data as D
-
-# Model specs understood by --model: built-in nets, any timm name, or module:factory.
-BUILTIN_NETS = ("digits-cnn", "toy-mlp", "wrn28-10", "wrn-D-K")
-_WRN = re.compile(r"wrn-?(\d+)-(\d+)")  # wrn28-10, wrn-16-8: WideResNet(depth, widen_factor)
 
 
 def load_data(
@@ -103,57 +96,6 @@ DEFAULT_IMAGE_MODEL = "resnet10t"
 def default_model_for(data: str) -> str:
     """The ``--model`` ``jem train`` uses for ``--data`` ``data`` when none is given."""
     return DEFAULT_MODELS.get(data.partition(":")[0], DEFAULT_IMAGE_MODEL)
-
-
-def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, Any] | None = None):
-    """An ``nn.Module`` for a ``--model`` spec: a built-in net, a timm name, or ``module:factory``.
-
-    ``options``: constructor keywords of a built-in net (e.g. ``{"width": 16}`` for digits-cnn).
-    ``wrn28-10`` / ``wrn-D-K``: the JEM paper's Wide-ResNet (depth D, widen factor K, no normalisation).
-    ``module:factory`` is called as ``factory(num_classes=K)`` and must return an ``nn.Module``
-    whose output is ``[batch, K]`` logits; modules in the current directory are found.
-    """
-    if spec == "digits-cnn":
-        return nets.DigitsCNN(num_classes=num_classes, **(options or {}))
-    if spec == "toy-mlp":
-        return nets.ToyMLP(num_classes=num_classes, **(options or {}))
-    wrn = _WRN.fullmatch(spec)
-    if wrn:
-        try:
-            return nets.WideResNet(int(wrn[1]), int(wrn[2]), num_classes, in_channels=in_chans, **(options or {}))
-        except ValueError as exc:
-            raise CLIError(f"--model {spec}: {exc}") from exc
-    if ":" in spec:
-        return _from_factory(spec, num_classes, options)
-    import timm
-
-    if not timm.is_model(spec):
-        raise CLIError(
-            f"unknown --model {spec!r}: not a built-in ({', '.join(BUILTIN_NETS)}), not a timm "
-            "model name (see timm.list_models()), and not a module:factory path"
-        )
-    return timm.create_model(spec, pretrained=False, num_classes=num_classes, in_chans=in_chans)
-
-
-def _from_factory(spec: str, num_classes: int, options: dict[str, Any] | None):
-    if os.getcwd() not in sys.path:  # `jem train --model mynet:build` run next to mynet.py
-        sys.path.insert(0, os.getcwd())
-    modname, _, attr = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(modname), attr)
-    except (ImportError, AttributeError) as exc:
-        raise CLIError(
-            f"cannot load --model {spec!r}: {exc} (run jem from the directory holding "
-            f"{modname.replace('.', '/')}.py, or put it on PYTHONPATH)"
-        ) from exc
-    usage = f"def {attr}(num_classes, **options): return an nn.Module giving [batch, num_classes] logits"
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        params = None
-    if params is not None and "num_classes" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        raise CLIError(f"--model {spec!r}: {attr}() takes no num_classes argument; write it as `{usage}`")
-    return factory(num_classes=num_classes, **(options or {}))
 
 
 def model_spec(
@@ -295,7 +237,7 @@ def check_inputs(jm, x, spec: dict[str, Any], data: str) -> None:
                 f"{model} is made for --data {made_for[model]}; for other images use a timm model, "
                 f"e.g. --model {DEFAULT_IMAGE_MODEL}"
             )
-        elif ":" in model or _WRN.fullmatch(model):  # a factory's net, or the paper's Wide-ResNet
+        elif ":" in model or WRN_SPEC.fullmatch(model):  # a factory's net, or the paper's Wide-ResNet
             hint = "make the model accept this input size, or change --image-size"
         else:
             size = (getattr(jm.model, "pretrained_cfg", None) or {}).get("input_size", (0, 224))[-1]

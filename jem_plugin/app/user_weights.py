@@ -21,8 +21,9 @@ from torch import Tensor
 
 from .. import wrap
 from ..adapter import InputDomain
+from ..nets import build_model
 from . import CLIError
-from .model_files import build_model, model_spec
+from .model_files import model_spec
 from .openood import BENCHMARKS
 
 #: Where a training script's checkpoint keeps the weights when the file is not the state dict

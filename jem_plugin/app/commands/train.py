@@ -15,6 +15,7 @@ from ... import distributed as jdist
 from ... import training
 from ...extensions import Decision, RecomputeBatchNorm, held_out_logits
 from ...inits import Uniform
+from ...nets import build_model
 from ...recipes import (
     DEFAULT_PX_WEIGHT,
     DEFAULT_RECIPE,
@@ -33,7 +34,6 @@ from .. import CLIError, post_training
 from ..experiments import dataset_sample_quality
 from ..model_files import (
     DEFAULT_IMAGE_MODEL,
-    build_model,
     check_classes,
     check_inputs,
     check_resume,
