@@ -43,7 +43,11 @@ SEES: dict[str, frozenset[str]] = {
     "integrations": frozenset({"core"}),
     "app": frozenset({"core", "public names", "figures", "built-in plugins", "integrations"}),
 }
-ROOTS = (Path(jem_plugin.__file__).parent, Path(jem_adapters.__file__).parent)
+#: Each scanned package by its import name: the folder ``adapters/`` is installed as ``jem_adapters``.
+ROOTS: dict[str, Path] = {
+    "jem_plugin": Path(jem_plugin.__file__).parent,
+    "jem_adapters": Path(jem_adapters.__file__).parent,
+}
 
 
 @dataclass(frozen=True)
@@ -60,12 +64,12 @@ class Import:
     where: str  # "module level", "TYPE_CHECKING" or "in NAME()"
 
 
-def read_sources(roots: Iterable[Path] = ROOTS) -> dict[str, Source]:
+def read_sources(roots: Mapping[str, Path] = ROOTS) -> dict[str, Source]:
     """Every module under ``roots`` (package folders), by its dotted name."""
     found: dict[str, Source] = {}
-    for root in roots:
+    for name, root in roots.items():
         for path in sorted(root.rglob("*.py")):
-            parts = (root.name, *path.relative_to(root).with_suffix("").parts)
+            parts = (name, *path.relative_to(root).with_suffix("").parts)
             is_package = parts[-1] == "__init__"
             found[".".join(parts[:-1] if is_package else parts)] = Source(path.read_text(), is_package)
     return found
