@@ -35,7 +35,7 @@ from .errors import InvalidInputError, UnknownNameError
 from .extensions import Extension, RecomputeBatchNorm, SharpnessAware
 from .inits import INIT_SPECS, Gaussian, InitSpec, Uniform
 from .losses import JEMLoss
-from .sampling import SGLD
+from .sampling import BATCHNORM_MODES, COLOURS, SGLD
 from .schedules import Poly
 
 __all__ = [
@@ -51,7 +51,6 @@ __all__ = [
     "SMALL_DATA_RECIPE",
     "SMALL_DATA_PER_CLASS",
     "DEFAULT_PX_WEIGHT",
-    "SMALL_DATA_PX_WEIGHT",
     "NO_NORMALISATION_L2_WEIGHT",
     "DefaultChoice",
     "default_choice",
@@ -124,6 +123,11 @@ class SamplerConfig:
             self.grad_clamp is None or (_number(self.grad_clamp) and self.grad_clamp > 0),
             f"sampler grad_clamp must be a number > 0 or None, got {self.grad_clamp!r}",
         )
+        _check(
+            self.batchnorm in BATCHNORM_MODES,
+            f"sampler batchnorm must be one of {BATCHNORM_MODES}, got {self.batchnorm!r}",
+        )
+        _check(self.colours in COLOURS, f"sampler colours must be one of {COLOURS}, got {self.colours!r}")
 
     def build(self, generator: torch.Generator | None = None) -> SGLD:
         """The :class:`~jem_plugin.SGLD` these settings describe."""
@@ -352,7 +356,7 @@ class Recipe:
         """A copy with settings changed by flat name, e.g. ``replace(sgld_steps=10, init="gaussian",
         init_covariance="lowrank", init_rank=8)``. A kind (``init``, ``init_covariance``) is set
         before the settings inside it; a setting the current kind lacks is refused."""
-        return _TREE.replace(self, _translate_old_names(changes, stacklevel=3), f"recipe {self.name!r}")
+        return _TREE.replace(self, changes, f"recipe {self.name!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """The recipe as plain data (JSON, ``weights_only`` checkpoints); :meth:`from_dict` reads it back."""
@@ -426,7 +430,7 @@ class Recipe:
             num_classes = int(y.max()) + 1
         if not isinstance(recipe.buffer.init, Uniform) and y is None:
             raise InvalidInputError(f"recipe {self.name!r} fits a per-class init: give build() labelled data (x, y)")
-        loss = recipe._loss_for(sample_shape, num_classes, x, y, device, generator, total_iters, batch_size, 3)
+        loss = recipe._loss_for(sample_shape, num_classes, x, y, device, generator, total_iters, batch_size)
         optimizer = recipe.optim.build(core.parameters())
         extensions: list[Extension] = []
         if recipe.sam.rho is not None:
@@ -458,7 +462,6 @@ class Recipe:
         generator: torch.Generator | None,
         total_iters: int | None,
         batch_size: int | None,
-        stacklevel: int,
     ) -> JEMLoss:
         """The sampler, buffer (sized for the run, its init fitted on ``x``/``y``) and loss."""
         if self.buffer.visits is not None and not total_iters:
@@ -467,7 +470,7 @@ class Recipe:
                 f"capacity {self.buffer.capacity} (in a short run, chains drawn only a few times stay near "
                 "their init)",
                 RuntimeWarning,
-                stacklevel=stacklevel,
+                stacklevel=3,  # the caller of Recipe.build
             )
         buffer = ReplayBuffer(
             self.buffer.capacity_for(total_iters, self.loss.n_samples or batch_size),
@@ -482,83 +485,6 @@ class Recipe:
         sampler = self.sampler.build(generator)  # steps in the data's colours read them from the buffer
         loss = self.loss.build(sampler, buffer, generator)
         return loss.to(device) if device is not None else loss
-
-    # ------------------------------------------------------------------ the old flat spelling
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names the tree lacks: the flat fields of the recipe before the tree.
-        table = _TREE.table()
-        new = DEPRECATED_NAMES.get(name, name)
-        if name.startswith("_") or new not in table:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        path = ".".join(table[new][0])
-        warnings.warn(
-            f"recipe.{name} is deprecated; read recipe.{path} (or recipe.flat()[{new!r}])",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.flat().get(new)
-
-    def build_loss(
-        self,
-        *,
-        sample_shape: Sequence[int],
-        num_classes: int | None = None,
-        x_fit: Tensor | None = None,
-        y_fit: Tensor | None = None,
-        device: torch.device | str | None = None,
-        generator: torch.Generator | None = None,
-        total_iters: int | None = None,
-        batch_size: int | None = None,
-        **overrides: Any,
-    ) -> JEMLoss:
-        """Deprecated: :meth:`build` returns the loss with the sampler, buffer, optimiser and extensions."""
-        warnings.warn(
-            "Recipe.build_loss(...) is deprecated; use recipe.build(jm, data, total_iters=...).loss",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        loss = self._loss_for(
-            tuple(sample_shape), num_classes, x_fit, y_fit, device, generator, total_iters, batch_size, 3
-        )
-        for key, value in overrides.items():
-            setattr(loss, key, value)
-        return loss
-
-    def build_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        """Deprecated: ``recipe.optim.build(params)``."""
-        warnings.warn(
-            "Recipe.build_optimizer(...) is deprecated; use recipe.optim.build(params)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.optim.build(params)
-
-    def build_sam(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Deprecated: the :class:`~jem_plugin.extensions.SharpnessAware` extension of :meth:`build`."""
-        warnings.warn(
-            "Recipe.build_sam(...) is deprecated; recipe.build(...) lists SharpnessAware among its extensions",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from .sam import SAM
-
-        return None if self.sam.rho is None else SAM(optimizer, rho=self.sam.rho, adaptive=self.sam.adaptive)
-
-    def warmup_for(self, total_iters: int) -> int:
-        """Deprecated: ``recipe.optim.warmup_for(total_iters)``."""
-        warnings.warn(
-            "Recipe.warmup_for(...) is deprecated; use recipe.optim.warmup_for(...)", DeprecationWarning, stacklevel=2
-        )
-        return self.optim.warmup_for(total_iters)
-
-    def buffer_size_for(self, total_iters: int | None, batch_size: int | None = None) -> int:
-        """Deprecated: ``recipe.buffer.capacity_for(total_iters, chains)``."""
-        warnings.warn(
-            "Recipe.buffer_size_for(...) is deprecated; use recipe.buffer.capacity_for(total_iters, chains)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.buffer.capacity_for(total_iters, self.loss.n_samples or batch_size)
 
 
 def _examples(data: Any, limit: int) -> tuple[Tensor, Tensor | None]:
@@ -603,42 +529,12 @@ _TREE = ConfigTree(
     tagged=(Poly,),
     skip=("name", "summary"),
 )
-# Old flat names: still accepted for one release, with a DeprecationWarning naming the new one.
-# jem train's flags of the same names are translated with this table too.
-DEPRECATED_NAMES = {
-    "step_size": "sgld_step_size",
-    "noise": "sgld_noise",
-    "grad_clip": "sgld_grad_clamp",
-    "buffer_size": "buffer_capacity",
-    "reinit_freq": "buffer_reinit_freq",
-    "batchnorm": "sgld_batchnorm",
-}
-DEPRECATED_BATCHNORM = {"eval": "joint", "batch": "separate"}
 
 
 def flat_names() -> dict[str, dict[str, Any]]:
     """Every recipe setting by flat name: ``{name: {"help", "path", "type", "choices", "optional"}}``,
     read from the tree's fields (``jem train`` derives its flags from this)."""
     return _TREE.describe()
-
-
-def _translate_old_names(changes: Mapping[str, Any], stacklevel: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, value in changes.items():
-        new = DEPRECATED_NAMES.get(name, name)
-        if new != name:
-            warnings.warn(
-                f"recipe setting {name!r} is deprecated; use {new!r}", DeprecationWarning, stacklevel=stacklevel
-            )
-        if new == "sgld_batchnorm" and value in DEPRECATED_BATCHNORM:
-            warnings.warn(
-                f"sgld_batchnorm={value!r} is deprecated; use {DEPRECATED_BATCHNORM[value]!r}",
-                DeprecationWarning,
-                stacklevel=stacklevel,
-            )
-            value = DEPRECATED_BATCHNORM[value]
-        out[new] = value
-    return out
 
 
 # ---------------------------------------------------------------------------- the presets
@@ -727,7 +623,6 @@ RAISED_LR_FACTOR = 3.0
 # normalisation) lost 2-22 points, until its energy L2 went too (below). Its buffer stays near its init's Fréchet distance, except
 # on resnet10t above 50 per class: mostly a classifier with a weak energy term.
 DEFAULT_PX_WEIGHT = 0.03
-SMALL_DATA_PX_WEIGHT = DEFAULT_PX_WEIGHT  # its name while it applied to small data alone
 
 # ... and on a network without normalisation layers, its energy L2 at this weight instead of 0.1.
 # With the L2, wrn10-1 (the matrix's one such network) lost 2-22 points at 0.03 at every size.

@@ -199,18 +199,16 @@ def test_replace_sets_kinds_before_their_settings_and_refuses_settings_the_kind_
         get_recipe("paper").replace(buffer_visits=0)
 
 
-def test_old_flat_spellings_warn_and_still_work():
+def test_each_setting_has_one_name():
+    """The spellings before the tree are gone: replace refuses them and a recipe reads by section."""
     r = get_recipe("fast")
-    with pytest.warns(DeprecationWarning, match="'buffer_capacity'"):
-        assert r.replace(buffer_size=30).buffer.capacity == 30
-    with pytest.warns(DeprecationWarning, match="'sgld_grad_clamp'"):
-        assert r.replace(grad_clip=0.5).sampler.grad_clamp == 0.5
-    with pytest.warns(DeprecationWarning, match="'joint'"):
-        assert r.replace(sgld_batchnorm="eval").sampler.batchnorm == "joint"
-    with pytest.warns(DeprecationWarning, match="recipe.sampler.steps"):
-        assert r.sgld_steps == 5
-    with pytest.warns(DeprecationWarning, match="recipe.optim.warmup_for"):
-        assert r.warmup_for(1000) == 100
+    for old in ("step_size", "noise", "grad_clip", "buffer_size", "reinit_freq", "batchnorm"):
+        with pytest.raises(jem.InvalidInputError, match="unknown setting"):
+            r.replace(**{old: 1})
+    with pytest.raises(jem.InvalidInputError, match="batchnorm must be one of"):
+        r.replace(sgld_batchnorm="eval")
+    for gone in ("sgld_steps", "lr", "buffer_size", "build_loss", "build_optimizer", "build_sam", "warmup_for"):
+        assert not hasattr(r, gone), gone
 
 
 def test_uniform_recipes_build_without_labels_and_informative_ones_ask_for_them():
@@ -309,26 +307,3 @@ def test_an_extension_given_as_a_callback_runs_at_its_points_in_a_loop_with_your
         warnings.simplefilter("error", DeprecationWarning)  # no legacy auto-fit: the extension fits it
         fit(jm, loader, loss_fn=loss_fn, epochs=1, callbacks=[FitInitFromBatches()], options=FitOptions(progress=False))
     assert buffer.init_dist.fitted and buffer.fit_count >= 1
-
-
-def test_the_old_recipe_methods_warn_and_build_what_build_builds():
-    x, y = _data()
-    r = get_recipe("fast").replace(buffer_capacity=40)
-    new = r.build(_jm(), (x, y), total_iters=100, batch_size=8)
-    with pytest.warns(DeprecationWarning, match=r"recipe.build\(jm, data"):
-        old = r.build_loss(sample_shape=(3, 6, 6), num_classes=3, x_fit=x, y_fit=y, total_iters=100, batch_size=8)
-    assert old.buffer.config() == new.buffer.config() and old.sampler.state_dict() == new.sampler.state_dict()
-    torch.testing.assert_close(old.buffer.init_dist.mean, new.buffer.init_dist.mean)
-    assert (old.px_weight, old.l2_weight, old.n_samples) == (new.loss.px_weight, new.loss.l2_weight, 32)
-    with pytest.warns(DeprecationWarning, match="recipe.optim.build"):
-        opt = r.build_optimizer(_jm().parameters())
-    assert type(opt) is type(new.optimizer) and opt.param_groups[0]["lr"] == new.optimizer.param_groups[0]["lr"]
-    with pytest.warns(DeprecationWarning, match="SharpnessAware"):
-        assert r.build_sam(opt) is None
-    with pytest.warns(DeprecationWarning, match="SharpnessAware"):
-        sam = get_recipe("sadajem").build_sam(opt)
-    assert (sam.rho, sam.adaptive) == (2.0, True)
-    with pytest.warns(DeprecationWarning, match="capacity_for"):
-        assert get_recipe("generative").buffer_size_for(1380) == 1104
-    with pytest.raises(AttributeError):
-        r.no_such_setting  # noqa: B018  (an attribute the tree never had is not a deprecated name)
