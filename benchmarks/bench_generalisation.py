@@ -79,6 +79,7 @@ from benchmarks import bench_generative as G
 from benchmarks.common import machine_info, md_table, target_mark, write_json
 from jem_plugin import recipes as R
 from jem_plugin.app import data as D
+from jem_plugin.app import default_recipe as policy
 from jem_plugin.app.model_files import load_data
 from jem_plugin.sample_quality import Judge, JudgeNet, reference_points, train_judge
 
@@ -143,18 +144,20 @@ def _read_json(path: str, default: Any = None) -> Any:
 
 def default_recipe(per_class: int | None = None, net: str | None = None) -> str:
     """What ``jem train`` uses with no recipe flag for ``per_class`` training images per class on
-    the network ``net`` (:func:`jem_plugin.recipes.default_recipe_for`); with neither, the general
-    default (:data:`jem_plugin.recipes.DEFAULT_RECIPE`)."""
+    the network ``net`` (:func:`jem_plugin.app.default_recipe.default_recipe_for`); with neither, the general
+    default (:data:`jem_plugin.app.default_recipe.DEFAULT_RECIPE`)."""
     if per_class is None or net is None:
-        return R.DEFAULT_RECIPE
-    return R.default_recipe_for(per_class, batchnorm="BN" in NORMS.get(net, ""), lr=NETWORK_LR.get(net))
+        return policy.DEFAULT_RECIPE
+    return policy.default_recipe_for(per_class, batchnorm="BN" in NORMS.get(net, ""), lr=NETWORK_LR.get(net))
 
 
 def default_settings(per_class: int, net: str) -> dict[str, float]:
     """The settings ``jem train`` changes in :func:`default_recipe`'s recipe for the cell
-    (:func:`jem_plugin.recipes.default_settings_for`)."""
+    (:func:`jem_plugin.app.default_recipe.default_settings_for`)."""
     norm = NORMS.get(net, "")
-    return R.default_settings_for(per_class, batchnorm="BN" in norm, lr=NETWORK_LR.get(net), normalised=norm != "none")
+    return policy.default_settings_for(
+        per_class, batchnorm="BN" in norm, lr=NETWORK_LR.get(net), normalised=norm != "none"
+    )
 
 
 def defaults_for(per_class: int, net: str) -> list[tuple[str, dict[str, float]]]:

@@ -2,7 +2,7 @@
 
 With no flags `jem train` trains `digits-cnn` (no normalisation layers) on scikit-learn's 8x8
 digits (about 144 training images per class), so its rule picks `generative` with the p(x) weight
-0.03 and no energy L2 (`jem_plugin.recipes.default_choice`). That network is not in the
+0.03 and no energy L2 (`jem_plugin.app.default_recipe.default_choice`). That network is not in the
 generalisation matrix, so this script judges the rule on it: for each seed, `jem train` with no
 recipe flag, `jem train --baseline` and `jem train --recipe generative` (the recipe as it is), each
 at its default epochs, through the command line; held-out accuracy on scikit-learn's test digits

@@ -10,7 +10,7 @@ its scores; compare with ``results/posthoc.md``.
     python -m benchmarks.check_jem_twin_epochs --recipe generative --epochs 12   # ~8 CPU minutes
 
 ``--default-choice`` trains the twin with what ``jem train`` chooses for these data and this
-network (:func:`jem_plugin.recipes.default_choice_for`) instead of ``--recipe``; ``--candidate
+network (:func:`jem_plugin.app.default_recipe.default_choice_for`) instead of ``--recipe``; ``--candidate
 NAME`` with one of :mod:`benchmarks.tune_jem_twin`'s candidates (the one its tuning selected is
 judged here, once).
 """

@@ -15,7 +15,7 @@ without choosing on the judge. This script is the tuning half:
 - **Networks**: ``resnet10t`` (BatchNorm) and ``convnext_atto`` (LayerNorm), at the benchmark's
   learning rate and epochs.
 - **Candidates** (:data:`CANDIDATES`, fixed before any run): ``jem train``'s choice for these
-  networks and data (:func:`jem_plugin.recipes.default_choice_for`) and four changes to it, each
+  networks and data (:func:`jem_plugin.app.default_recipe.default_choice_for`) and four changes to it, each
   motivated by the weak set (unseen classes): chains drawn per class (``class_conditional_px``),
   a p(x|y) term beside p(x) or instead of it (each class's logit trained as an unnormalised
   class density, which is what a class-conditional Gaussian gives the feature detectors), and a
@@ -53,7 +53,8 @@ from benchmarks import common
 from benchmarks.bench_generative import to32
 from jem_plugin import ood
 from jem_plugin.app.data import digits_tensors
-from jem_plugin.recipes import Recipe, default_choice_for, get_recipe
+from jem_plugin.app.default_recipe import default_choice_for
+from jem_plugin.recipes import Recipe, get_recipe
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 FOLDS = ((0, 1), (5, 6))

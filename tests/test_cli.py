@@ -324,7 +324,8 @@ def test_train_defaults_to_the_generative_recipe_with_warmup_capped(captured_fit
     """With no --recipe, the digits (over 50 per class) train generative with its p(x) term at
     DEFAULT_PX_WEIGHT and, the default digits-cnn having no normalisation layer, no energy L2;
     every other setting the recipe's."""
-    from jem_plugin.recipes import DEFAULT_PX_WEIGHT, NO_NORMALISATION_L2_WEIGHT, get_recipe
+    from jem_plugin.app.default_recipe import DEFAULT_PX_WEIGHT, NO_NORMALISATION_L2_WEIGHT
+    from jem_plugin.recipes import get_recipe
 
     assert main(["train", "--out", str(tmp_path), "--quiet"]) == 0
     call = captured_fit[0]
@@ -725,7 +726,7 @@ def test_show_recipe_without_a_recipe_says_that_jem_train_picks_by_the_data(caps
     """With no --recipe, the recipe jem train trains depends on the data and the network (fast on
     small BatchNorm data, else generative at DEFAULT_PX_WEIGHT): --show-recipe, which reads no data,
     says so under the general default it prints, rather than passing that off as what will run."""
-    from jem_plugin.recipes import DEFAULT_PX_WEIGHT
+    from jem_plugin.app.default_recipe import DEFAULT_PX_WEIGHT
 
     assert main(["train", "--show-recipe"]) == 0
     out = capsys.readouterr().out

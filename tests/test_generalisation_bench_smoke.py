@@ -129,7 +129,7 @@ def test_each_cell_runs_jem_trains_choice_and_the_general_default_beside_it():
     assert B.default_recipe(40, "resnet10t") == "fast" != B.default_recipe()
     assert {"baseline", "fast", B.default_recipe()} <= runs[(40, "resnet10t")]
     # LayerNorm at 40 per class: the general default at the small-data p(x) weight, the plain one beside it
-    px = B.R.DEFAULT_PX_WEIGHT
+    px = B.policy.DEFAULT_PX_WEIGHT
     assert B.defaults_for(40, "convnext_atto") == [(B.default_recipe(), {"px_weight": px}), (B.default_recipe(), {})]
     assert {"baseline", f"{B.default_recipe()}[px_weight={px:g}]", B.default_recipe()} <= runs[(40, "convnext_atto")]
     assert B.default_label(40, "convnext_atto") == f"{B.default_recipe()}[px_weight={px:g}]"

@@ -158,7 +158,8 @@ def test_jem_train_picks_the_recipe_that_held_accuracy_at_the_datas_size(
     term at DEFAULT_PX_WEIGHT held it far better, as it did above 50 per class on every network
     (benchmarks/README.md). With no --recipe jem train picks one of these, the console says which
     and why, and a --recipe or --px-weight the user gives wins."""
-    from jem_plugin.recipes import SMALL_DATA_PER_CLASS, get_recipe
+    from jem_plugin.app.default_recipe import SMALL_DATA_PER_CLASS
+    from jem_plugin.recipes import get_recipe
 
     (tmp_path / "nobn.py").write_text(  # LayerNorm-like normalisation, no BatchNorm
         "import torch.nn as nn\n"
@@ -211,7 +212,7 @@ def test_a_learning_rate_far_above_the_recipes_is_warned_about(tmp_path, capsys,
     """The recipes lost far more accuracy at learning rates tuned for cross-entropy (lcnet_050 at
     1e-2 in the generalisation matrix) than at their own: jem train says so when --lr is raised
     more than RAISED_LR_FACTOR-fold, and not for a rate near the recipe's."""
-    from jem_plugin.recipes import RAISED_LR_FACTOR
+    from jem_plugin.app.default_recipe import RAISED_LR_FACTOR
 
     (tmp_path / "tiny.py").write_text(
         "import torch.nn as nn\n"
@@ -234,7 +235,7 @@ def test_a_learning_rate_far_above_the_recipes_is_warned_about(tmp_path, capsys,
 def test_the_small_data_choice_holds_only_near_the_recipes_learning_rate():
     """At 40 per class on lcnet_050 (BatchNorm) at the 1e-2 its baseline needed, fast lost more
     than generative on all three data sets: the small-data recipe is chosen at the recipes' rate."""
-    from jem_plugin.recipes import DEFAULT_RECIPE, SMALL_DATA_RECIPE, default_recipe_for
+    from jem_plugin.app.default_recipe import DEFAULT_RECIPE, SMALL_DATA_RECIPE, default_recipe_for
 
     assert default_recipe_for(40, True) == SMALL_DATA_RECIPE
     assert default_recipe_for(40, True, lr=3e-4) == SMALL_DATA_RECIPE
@@ -245,7 +246,7 @@ def test_the_small_data_choice_holds_only_near_the_recipes_learning_rate():
 def test_the_default_choice_says_why_in_the_terms_of_the_rule_that_made_it():
     """jem train prints the rule's own reason: the one case that only the learning rate decides
     names the rate, and each other case the kind of network and data that decided it."""
-    from jem_plugin.recipes import default_choice
+    from jem_plugin.app.default_recipe import default_choice
 
     raised = default_choice(40, True, lr=1e-2)
     assert raised.recipe == "generative" and raised.reason.startswith("a BatchNorm network at --lr 0.01")
@@ -261,7 +262,7 @@ def test_the_choice_for_a_model_reads_its_normalisation_from_its_modules():
     from torch import nn
 
     from jem_plugin import wrap
-    from jem_plugin.recipes import default_choice_for
+    from jem_plugin.app.default_recipe import default_choice_for
 
     class RmsNorm(nn.Module):  # not a torch normalisation class: recognised by its name
         def forward(self, x):
@@ -281,7 +282,7 @@ def test_wherever_jem_train_picks_generative_it_lowers_its_p_x_weight_and_change
     the choice (no BatchNorm, or BatchNorm at a raised learning rate) and 0.6-37 above 50 per class
     on every network; DEFAULT_PX_WEIGHT, chosen on the tune set, lost far less on the matrix. Where
     jem train picks `fast` it changes none of its settings."""
-    from jem_plugin.recipes import DEFAULT_PX_WEIGHT, default_settings_for
+    from jem_plugin.app.default_recipe import DEFAULT_PX_WEIGHT, default_settings_for
 
     lowered = {"px_weight": DEFAULT_PX_WEIGHT}
     assert default_settings_for(40, False) == default_settings_for(40, True, lr=1e-2) == lowered
@@ -294,7 +295,7 @@ def test_wherever_jem_train_picks_generative_it_lowers_its_p_x_weight_and_change
 def test_a_network_without_normalisation_layers_also_loses_the_energy_l2():
     """On wrn10-1 (no normalisation) the energy L2 cost 2-22 points at every size where dropping it
     held accuracy; on normalised networks it stays (test_vit lost 22 without it on the tune set)."""
-    from jem_plugin.recipes import DEFAULT_PX_WEIGHT, NO_NORMALISATION_L2_WEIGHT, default_settings_for
+    from jem_plugin.app.default_recipe import DEFAULT_PX_WEIGHT, NO_NORMALISATION_L2_WEIGHT, default_settings_for
 
     bare = {"px_weight": DEFAULT_PX_WEIGHT, "l2_weight": NO_NORMALISATION_L2_WEIGHT}
     assert (

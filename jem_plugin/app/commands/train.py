@@ -16,21 +16,18 @@ from ... import training
 from ...extensions import Decision, RecomputeBatchNorm, held_out_logits
 from ...inits import Uniform
 from ...nets import build_model
-from ...recipes import (
+from ...recipes import RECIPES, Recipe, flat_names, get_recipe
+from .. import CLIError, post_training
+from ..default_recipe import (
     DEFAULT_PX_WEIGHT,
     DEFAULT_RECIPE,
     NO_NORMALISATION_L2_WEIGHT,
     RAISED_LR_FACTOR,
-    RECIPES,
     SMALL_DATA_PER_CLASS,
     SMALL_DATA_RECIPE,
-    Recipe,
     default_choice_for,
-    flat_names,
-    get_recipe,
     lr_raised,
 )
-from .. import CLIError, post_training
 from ..experiments import dataset_sample_quality
 from ..model_files import (
     DEFAULT_IMAGE_MODEL,

@@ -1,19 +1,6 @@
-"""Named JEM training recipes: one typed tree of small frozen settings that builds every piece.
-
-A :class:`Recipe` is the whole configuration of a JEM run, said once: the sampler
-(:class:`SamplerConfig`), the replay buffer and its init distribution (:class:`BufferConfig`), the
-loss weights (:class:`LossConfig`), the optimiser and its warm-up (:class:`OptimConfig`),
-sharpness-aware minimisation (:class:`SAMConfig`) and the BatchNorm statistics recomputed from the
-data. It prints, round-trips through plain data (:meth:`Recipe.to_dict`, :meth:`Recipe.from_dict`,
-``spec.json``), and :meth:`Recipe.build` turns it into explicit objects (:class:`JEMSetup`): the
-sampler, buffer, loss, optimiser and extensions. :func:`jem_plugin.training.fit` runs any recipe in
-full; ``jem train``'s flags and ``--config`` keys are this tree's flat names (:func:`flat_names`).
-
->>> import jem_plugin.recipes as R
->>> print(R.get_recipe("fast"))
->>> mine = R.get_recipe("fast").replace(sgld_steps=10, lr=1e-4)     # flat names, as jem train's flags
->>> setup = mine.build(jm, train_set, total_iters=epochs * len(loader))
-"""
+"""The recipe tree: the frozen settings of one JEM run (:class:`Recipe` and its sections), what
+:meth:`Recipe.build` returns (:class:`JEMSetup`), and the tree's flat names (:func:`flat_names`).
+Public through :mod:`jem_plugin.recipes`."""
 
 from __future__ import annotations
 
@@ -27,42 +14,16 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from ._checks import unpack_batch
-from ._config_tree import ConfigTree
-from .buffer import ReplayBuffer
-from .covariance import COVARIANCE_KINDS, Full, Stationary
-from .errors import InvalidInputError, UnknownNameError
-from .extensions import Extension, RecomputeBatchNorm, SharpnessAware
-from .inits import INIT_SPECS, Gaussian, InitSpec, Uniform
-from .losses import JEMLoss
-from .sampling import BATCHNORM_MODES, COLOURS, SGLD
-from .schedules import Poly
-
-__all__ = [
-    "SamplerConfig",
-    "BufferConfig",
-    "LossConfig",
-    "OptimConfig",
-    "SAMConfig",
-    "Recipe",
-    "JEMSetup",
-    "RECIPES",
-    "DEFAULT_RECIPE",
-    "SMALL_DATA_RECIPE",
-    "SMALL_DATA_PER_CLASS",
-    "DEFAULT_PX_WEIGHT",
-    "NO_NORMALISATION_L2_WEIGHT",
-    "DefaultChoice",
-    "default_choice",
-    "default_choice_for",
-    "default_recipe_for",
-    "default_settings_for",
-    "RAISED_LR_FACTOR",
-    "lr_raised",
-    "get_recipe",
-    "list_recipes",
-    "flat_names",
-]
+from .._checks import unpack_batch
+from .._config_tree import ConfigTree
+from ..buffer import ReplayBuffer
+from ..covariance import COVARIANCE_KINDS, Stationary
+from ..errors import InvalidInputError, UnknownNameError
+from ..extensions import Extension, RecomputeBatchNorm, SharpnessAware
+from ..inits import INIT_SPECS, Gaussian, InitSpec, Uniform
+from ..losses import JEMLoss
+from ..sampling import BATCHNORM_MODES, COLOURS, SGLD
+from ..schedules import Poly
 
 
 def _meta(help: str, flag: str | None = None) -> dict[str, Any]:
@@ -413,7 +374,7 @@ class Recipe:
         warning). ``generator`` seeds the chains and the data noise. Nothing is built later behind
         the loss's back: the objects returned are all there is.
         """
-        from .model import as_jem
+        from ..model import as_jem
 
         core = as_jem(jm, "Recipe.build")
         x, y = _examples(data, fit_examples)
@@ -535,201 +496,3 @@ def flat_names() -> dict[str, dict[str, Any]]:
     """Every recipe setting by flat name: ``{name: {"help", "path", "type", "choices", "optional"}}``,
     read from the tree's fields (``jem train`` derives its flags from this)."""
     return _TREE.describe()
-
-
-# ---------------------------------------------------------------------------- the presets
-_FAST_OPTIM = OptimConfig(lr=3e-4, warmup_iters=200)
-_CLAMPED: dict[str, Any] = dict(noise=0.0, grad_clamp=0.03)  # JEM++'s noise-free clamped steps
-
-RECIPES: dict[str, Recipe] = {
-    "paper": Recipe(
-        "paper",
-        "Grathwohl et al. 2019: 20 SGLD steps from uniform noise, Adam 1e-4, 1000 warm-up iterations",
-    ),
-    "fast": Recipe(
-        "fast",
-        "5 SGLD steps on 32 chains from a per-class Gaussian fitted from the data, energy L2 0.1, "
-        "Adam 3e-4; samples pass BatchNorm on their own (batch statistics, running ones from data only). "
-        "About 3-4x the cross-entropy cost; within a point of its accuracy on a BatchNorm ResNet at this "
-        "learning rate, not on every network (benchmarks/README.md)",
-        sampler=SamplerConfig(steps=5, batchnorm="separate"),
-        buffer=BufferConfig(init=Gaussian()),
-        loss=LossConfig(n_samples=32, l2_weight=0.1),
-        optim=_FAST_OPTIM,
-    ),
-    "jempp": Recipe(
-        "jempp",
-        "JEM++ (Yang & Ji 2021) sampling: 10 noise-free gradient-clamped steps from a per-class "
-        "Gaussian (full covariance) fitted from the data, BatchNorm kept; the fast preset's optimiser "
-        "(the paper's SGD 0.1 is for WRN-28-10 on CIFAR)",
-        sampler=SamplerConfig(steps=10, **_CLAMPED),
-        buffer=BufferConfig(init=Gaussian(covariance=Full())),
-        loss=LossConfig(n_samples=32, l2_weight=0.1),
-        optim=_FAST_OPTIM,
-    ),
-    "sadajem": Recipe(
-        "sadajem",
-        "SADA-JEM (2023): 5 noise-free gradient-clamped steps from a per-class Gaussian, "
-        "adaptive SAM (rho 2) with BatchNorm statistics frozen on the second pass and one sampling per "
-        "iteration, the p(x) term on the un-augmented batch; the fast preset's optimiser",
-        sampler=SamplerConfig(steps=5, **_CLAMPED),
-        buffer=BufferConfig(init=Gaussian()),
-        loss=LossConfig(n_samples=32, l2_weight=0.1, px_clean_data=True),
-        optim=_FAST_OPTIM,
-        sam=SAMConfig(rho=2.0, adaptive=True),
-    ),
-    "generative": Recipe(
-        "generative",
-        "For samples on BatchNorm networks: JEM++'s 10 noise-free gradient-clamped steps from a "
-        "per-class Gaussian with a stationary covariance (each class's power spectrum; images of any size), "
-        "steps confined to the data's colour axes, the p(x) term at weight 0.75 on the un-augmented batch, "
-        "samples in the data's BatchNorm pass, whose running statistics are recomputed from the training "
-        "data after training, a replay buffer of at most 10000 slots, each drawn about 40 times in the run "
-        "and never restarted from the init; the fast preset's optimiser. Its buffer moves towards the data "
-        "where fast's stays put, at a cost in calibration",
-        sampler=SamplerConfig(steps=10, colours="data", **_CLAMPED),
-        buffer=BufferConfig(visits=40, reinit_freq=0.0, init=Gaussian(covariance=Stationary())),
-        loss=LossConfig(n_samples=32, px_weight=0.75, l2_weight=0.1, px_clean_data=True),
-        optim=_FAST_OPTIM,
-        bn_stats_from_data=True,
-    ),
-}
-
-# jem train's default recipe. On its own it lost accuracy against a cross-entropy baseline almost
-# everywhere in the generalisation matrix (benchmarks/README.md, "Generalisation matrix"), so jem
-# train lowers its p(x) weight (DEFAULT_PX_WEIGHT below) wherever it picks it.
-DEFAULT_RECIPE = "generative"
-# ... except on small data with BatchNorm: with at most this many training images in the smallest
-# class, `generative` lost accuracy against the baseline on resnet10t where `fast` held it (40 per
-# class, three data sets, three seeds: benchmarks/README.md, "Generalisation matrix"). On the
-# LayerNorm, ViT and normalisation-free networks both lost (fast as much or more): there it stays.
-SMALL_DATA_RECIPE = "fast"
-SMALL_DATA_PER_CLASS = 50
-
-
-# ... and only at about the recipes' own learning rate: raised more than this many times (to the
-# rate a cross-entropy baseline needed), `fast` lost more accuracy than `generative` on a BatchNorm
-# network at 40 per class (lcnet_050 at 1e-2: on all three data sets), and both lost far more.
-RAISED_LR_FACTOR = 3.0
-
-# Wherever jem train picks `generative`, its p(x) term at this weight instead of its own 0.75. At
-# 0.75 it lost 2-43 points of accuracy at 40 per class on the four networks where `fast` is not the
-# choice, 0.6-37 at 136-150 per class (seed 0), and 1.7-9.9 on resnet10t above 50 per class. The
-# weight was chosen on the tune set alone (the digits' validation split at 40 per class: mean +0.5
-# points against the baseline on those four networks, where 0.1 gave -3.0 and 0.75 -28.5;
-# benchmarks/results/generalisation/px_tuning/). Judged on the test split, 3 seeds, on all three
-# data sets: within a point of the baseline on 6 of 12 cells at 40 per class, 10 of 15 at 136-150
-# and 4 of 5 at 500 (textures), where 0.75 held 3 of the 32 (one seed each); wrn10-1 (no
-# normalisation) lost 2-22 points, until its energy L2 went too (below). Its buffer stays near its init's Fréchet distance, except
-# on resnet10t above 50 per class: mostly a classifier with a weak energy term.
-DEFAULT_PX_WEIGHT = 0.03
-
-# ... and on a network without normalisation layers, its energy L2 at this weight instead of 0.1.
-# With the L2, wrn10-1 (the matrix's one such network) lost 2-22 points at 0.03 at every size.
-# Without it, it held validation accuracy on the tune set (digits, 40 per class, seed 0: +12 points
-# against the L2's; on test_vit -22, which is why it stays elsewhere); judged on the test split,
-# 3 seeds, on all three data sets: -1.5 / +3.3 / +3.1 points at 40 per class, +2.5 / +0.4 / +0.6 at 136-150,
-# -1.6 at 500 (benchmarks/README.md, "Generalisation matrix").
-# Its buffer then drifts from the data (Fréchet distance above its init's): accuracy, not samples.
-NO_NORMALISATION_L2_WEIGHT = 0.0
-
-
-@dataclass(frozen=True)
-class DefaultChoice:
-    """What ``jem train`` trains with when no ``--recipe`` is given (:func:`default_choice`).
-
-    ``recipe``: the registered recipe's name; ``settings``: flat settings changed in it (flags the
-    user gives win); ``reason``: the kind of data and network the rule saw, as a phrase ("a network
-    without BatchNorm"), for the one line that says why."""
-
-    recipe: str
-    settings: dict[str, float]
-    reason: str
-
-
-def default_choice(
-    per_class: int | None, batchnorm: bool, lr: float | None = None, normalised: bool = True
-) -> DefaultChoice:
-    """``jem train``'s recipe and settings for training data whose smallest class has ``per_class``
-    images, on a network with or without BatchNorm (``batchnorm``) and with or without any
-    normalisation layer (``normalised``; BatchNorm is one), at the learning rate ``lr`` (``None``:
-    the recipe's own).
-
-    :data:`SMALL_DATA_RECIPE` as it is for small data on a BatchNorm network at about its own rate;
-    else :data:`DEFAULT_RECIPE` with its p(x) term at :data:`DEFAULT_PX_WEIGHT`, and on a network
-    without normalisation layers its energy L2 at :data:`NO_NORMALISATION_L2_WEIGHT`.
-
-    >>> default_choice(40, batchnorm=True).recipe
-    'fast'
-    >>> default_choice(500, batchnorm=False, normalised=False).settings
-    {'px_weight': 0.03, 'l2_weight': 0.0}
-    """
-    small = per_class is not None and per_class <= SMALL_DATA_PER_CLASS
-    raised = lr is not None and lr_raised(lr, SMALL_DATA_RECIPE)
-    if small and batchnorm and not raised:
-        return DefaultChoice(
-            SMALL_DATA_RECIPE,
-            {},
-            f"a BatchNorm network whose smallest class has {per_class} training images (at most {SMALL_DATA_PER_CLASS})",
-        )
-    settings = {"px_weight": DEFAULT_PX_WEIGHT}
-    if not (normalised or batchnorm):
-        settings["l2_weight"] = NO_NORMALISATION_L2_WEIGHT
-        reason = "a network without normalisation layers"
-    elif not batchnorm:
-        reason = "a network without BatchNorm"
-    elif small:  # where the small-data recipe would be the choice but for the raised learning rate
-        reason = f"a BatchNorm network at --lr {lr:g} (over {RAISED_LR_FACTOR:g}x {SMALL_DATA_RECIPE}'s)"
-    else:
-        reason = (
-            f"a BatchNorm network whose smallest class has {per_class} training images (over {SMALL_DATA_PER_CLASS})"
-            if per_class is not None
-            else "a BatchNorm network"
-        )
-    return DefaultChoice(DEFAULT_RECIPE, settings, reason)
-
-
-# torch's normalisation layers, and any other whose class is named for one (timm's RmsNorm, ...)
-_NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
-
-
-def _is_normalisation(module: nn.Module) -> bool:
-    return isinstance(module, _NORM_TYPES) or type(module).__name__.lower().endswith(("norm", "norm1d", "norm2d"))
-
-
-def default_choice_for(model: nn.Module, per_class: int | None, lr: float | None = None) -> DefaultChoice:
-    """:func:`default_choice` for ``model`` (a classifier or its JEM): whether it has BatchNorm
-    and any normalisation layer is read from its modules, as ``jem train`` reads them."""
-    modules = list(model.modules())
-    batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in modules)
-    return default_choice(per_class, batchnorm, lr=lr, normalised=any(_is_normalisation(m) for m in modules))
-
-
-def default_recipe_for(per_class: int | None, batchnorm: bool, lr: float | None = None) -> str:
-    """:func:`default_choice`'s recipe name (the benchmarks' label for ``jem train``'s choice)."""
-    return default_choice(per_class, batchnorm, lr).recipe
-
-
-def default_settings_for(
-    per_class: int | None, batchnorm: bool, lr: float | None = None, normalised: bool = True
-) -> dict[str, float]:
-    """:func:`default_choice`'s changed settings (empty where the recipe runs as registered)."""
-    return default_choice(per_class, batchnorm, lr, normalised).settings
-
-
-def lr_raised(lr: float, recipe: str) -> bool:
-    """Whether ``lr`` is more than :data:`RAISED_LR_FACTOR` times the registered ``recipe``'s."""
-    return lr > RAISED_LR_FACTOR * get_recipe(recipe).optim.lr
-
-
-def get_recipe(name: str) -> Recipe:
-    """The recipe registered as ``name``; :class:`~jem_plugin.UnknownNameError` lists the choices."""
-    try:
-        return RECIPES[name]
-    except KeyError:
-        raise UnknownNameError(f"unknown recipe {name!r}; available: {', '.join(RECIPES)}") from None
-
-
-def list_recipes() -> list[str]:
-    """The names of the registered recipes."""
-    return list(RECIPES)
