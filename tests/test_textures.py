@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from jem_plugin.app import data as D
+from jem_plugin.app.data._textures import _TEX_HUES
 from jem_plugin.app.model_files import load_data
 
 
@@ -39,7 +40,7 @@ def test_classes_differ_in_colour_statistics():
     x, y = D.textures(20, seed=0)
     hsv = mc.rgb_to_hsv(x.permute(0, 2, 3, 1).numpy())
     vivid = (hsv[..., 1] > 0.45) & (hsv[..., 2] > 0.55)
-    for k, hue in enumerate(D._TEX_HUES):
+    for k, hue in enumerate(_TEX_HUES):
         near = ((np.abs((hsv[..., 0] - hue + 0.5) % 1 - 0.5) < 0.05) & vivid).mean(axis=(1, 2))
         own, other = near[y.numpy() == k].mean(), near[y.numpy() != k].mean()
         assert own > 2 * other, (k, own, other)
