@@ -10,8 +10,8 @@ import torch
 from ..._checks import generator_on, model_device
 from ...sampling import SGLD
 from .. import CLIError
-from ..experiments import samples_against_data
 from ..model_files import held_out_data, load_model_checkpoint, load_run_sampler, sampler_file, training_data
+from ..sample_checks import samples_against_data
 from ._common import SKIP_BAD_HELP, _beside_checkpoint, _device, _out_file, _positive
 
 

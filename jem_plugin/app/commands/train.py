@@ -28,7 +28,6 @@ from ..default_recipe import (
     default_choice_for,
     lr_raised,
 )
-from ..experiments import dataset_sample_quality
 from ..model_files import (
     DEFAULT_IMAGE_MODEL,
     check_classes,
@@ -46,6 +45,7 @@ from ..model_files import (
     wrap_for_data,
 )
 from ..report import QUALITY_HOW_TO_READ
+from ..sample_checks import dataset_sample_quality
 from ._common import SKIP_BAD_HELP, _check_install, _device, _out_dir, _positive
 
 
