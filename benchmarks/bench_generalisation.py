@@ -15,7 +15,7 @@ Data sets (32x32 RGB, 10 classes):
 - ``textures``: :func:`jem_plugin.app.data.textures`, shapes in class-specific hues on procedural
   backgrounds, ImageNet-normalised, the same augmentation;
 - ``folder``: the user's path: the digits written as PNG files with the README's helper
-  (:func:`~jem_plugin.app.data.write_digits_folder`, 32x32) into a temporary directory and read
+  (:func:`benchmarks.folders.write_digits_folder`, 32x32) into a temporary directory and read
   back through ``load_data("folder:PATH")`` as ``jem train --data folder:PATH`` reads them
   ([-1, 1]), trained without augmentation as ``jem train`` trains.
 
@@ -77,6 +77,7 @@ if __package__ in (None, ""):
 import jem_plugin as jem
 from benchmarks import bench_generative as G
 from benchmarks.common import machine_info, md_table, target_mark, write_json
+from benchmarks.folders import write_digits_folder
 from jem_plugin import recipes as R
 from jem_plugin.app import data as D
 from jem_plugin.app import default_recipe as policy
@@ -208,7 +209,7 @@ def _folder_digits() -> tuple[torch.Tensor, torch.Tensor]:
     in scikit-learn's order (the folder holds each class's digits in that order)."""
     root = tempfile.mkdtemp(prefix="jem_gen_folder_")
     atexit.register(shutil.rmtree, root, True)
-    D.write_digits_folder(root, per_class=10_000, size=32)
+    write_digits_folder(root, per_class=10_000, size=32)
     ds, *_ = load_data(f"folder:{root}", train=True, image_size=32)
     x = torch.stack([ds[i][0] for i in range(len(ds))])
     y = torch.tensor(ds.targets)

@@ -415,7 +415,7 @@ def test_factory_from_the_current_directory(captured_fit, tmp_path, monkeypatch)
 def test_train_without_model_picks_a_network_made_for_the_data(data, model, captured_fit, tmp_path, capsys):
     """`jem train --data folder:PATH` with no --model stopped with "digits-cnn fails on inputs of
     shape (3, 32, 32)": the default was the net for the bundled 8x8 digits, whatever the data."""
-    from jem_plugin.app.data import write_digits_folder
+    from benchmarks.folders import write_digits_folder
 
     if data == "folder":
         write_digits_folder(tmp_path / "imgs", classes=(0, 1, 2), per_class=6)
@@ -431,7 +431,7 @@ def test_train_without_model_picks_a_network_made_for_the_data(data, model, capt
 # ----------------------------------------------------------------------------- folders, resume, checkpoints
 @pytest.fixture(scope="module")
 def folder_run(tmp_path_factory):
-    from jem_plugin.app.data import write_digits_folder, write_photo_folder
+    from benchmarks.folders import write_digits_folder, write_photo_folder
 
     root = tmp_path_factory.mktemp("folders")
     write_digits_folder(root / "train", classes=(0, 1, 2), per_class=10)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from benchmarks.folders import write_digits_folder
 from jem_plugin.app.cli import main
-from jem_plugin.app.data import write_digits_folder
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 import jem_plugin as jem
+from benchmarks.folders import write_digits_folder, write_photo_folder
 from jem_plugin import ood
 from jem_plugin.app.cli import main
-from jem_plugin.app.data import image_files, image_folder, write_digits_folder, write_photo_folder
+from jem_plugin.app.data import image_files, image_folder
 
 MEAN, STD = (0.4, 0.45, 0.5), (0.2, 0.25, 0.3)
 NET = (

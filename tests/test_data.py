@@ -192,7 +192,8 @@ def test_reference_nets_shapes_and_no_batchnorm():
 def test_written_folders_load_and_split_stratified_and_seeded(tmp_path):
     from collections import Counter
 
-    from jem_plugin.app.data import image_folder, write_digits_folder, write_photo_folder
+    from benchmarks.folders import write_digits_folder, write_photo_folder
+    from jem_plugin.app.data import image_folder
     from jem_plugin.app.model_files import dataset_labels, split_held_out
 
     write_digits_folder(tmp_path / "d", classes=(3, 5, 7), per_class=10, size=12)

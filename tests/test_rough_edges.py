@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.folders import write_digits_folder, write_photo_folder
 from jem_plugin.app.cli import build_parser, main
-from jem_plugin.app.data import write_digits_folder, write_photo_folder
 
 
 def _truncated_jpeg(path: Path) -> Path:

@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
+from benchmarks.folders import write_digits_folder
 from jem_plugin.app.cli import main
-from jem_plugin.app.data import write_digits_folder
 from jem_plugin.app.model_files import load_run_sampler
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.folders import write_textures_folder
 from jem_plugin.app import data as D
 from jem_plugin.app.data._textures import _TEX_HUES
 from jem_plugin.app.model_files import load_data
@@ -76,7 +77,7 @@ def test_photo_crops_are_colour_images_in_the_unit_range():
 
 @pytest.mark.slow
 def test_folder_round_trip_and_data_spec(tmp_path):
-    root = D.write_textures_folder(tmp_path / "tex", per_class=2, size=32, seed=0)
+    root = write_textures_folder(tmp_path / "tex", per_class=2, size=32, seed=0)
     ds, domain, k, shape = load_data(f"folder:{root}", image_size=32)
     assert k == 10 and shape == (3, 32, 32) and ds.classes == [f"{i}_{c}" for i, c in enumerate(D.TEXTURE_CLASSES)]
     x, y = D.textures(2, seed=0)

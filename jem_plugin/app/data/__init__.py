@@ -11,7 +11,7 @@ carries its domain as ``dataset.domain``.
 """
 
 # One private module per source; this namespace is the public one.
-from ._digits import DIGITS_CLASSES, DIGITS_DOMAIN, digits_tensors, load_digits, write_digits_folder
+from ._digits import DIGITS_CLASSES, DIGITS_DOMAIN, digits_tensors, load_digits
 from ._images import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -30,9 +30,8 @@ from ._ood_sets import (
     photo_patches,
     transposed,
     uniform_noise,
-    write_photo_folder,
 )
-from ._textures import TEXTURE_CLASSES, textures, write_textures_folder
+from ._textures import TEXTURE_CLASSES, textures
 from ._toy2d import TOY2D_NAMES, gaussian_mixture_logpdf, toy2d, toy2d_logpdf
 
 __all__ = [
@@ -58,10 +57,7 @@ __all__ = [
     "cifar10",
     "CIFAR10_MEAN",
     "CIFAR10_STD",
-    "write_digits_folder",
-    "write_photo_folder",
     "photo_crops",
     "TEXTURE_CLASSES",
     "textures",
-    "write_textures_folder",
 ]

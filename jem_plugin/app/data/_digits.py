@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -72,22 +71,3 @@ def digits_tensors(split: str = "train", **kwargs) -> tuple[Tensor, Tensor]:
     """``(x, y)`` tensors of :func:`load_digits` (same arguments)."""
     x, y = load_digits(split, **kwargs).tensors
     return x, y
-
-
-def write_digits_folder(
-    root: str | Path, classes: Iterable[int] = range(10), per_class: int = 20, size: int = 16, offset: int = 0
-) -> Path:
-    """Write bundled digits as an image folder (``root/<digit>/<n>.png``, RGB, ``size`` pixels), to
-    try the folder workflow (``jem train --data folder:ROOT``) without images of one's own.
-    ``offset`` skips that many images of each class (two calls give disjoint folders)."""
-    from PIL import Image
-
-    x, y = _digits_cached()
-    root = Path(root)
-    for c in classes:
-        d = root / str(c)
-        d.mkdir(parents=True, exist_ok=True)
-        for i, j in enumerate(np.flatnonzero(y == c)[offset : offset + per_class]):
-            pix = ((x[j, 0] + 1.0) * 127.5).astype(np.uint8)
-            Image.fromarray(pix).resize((size, size), Image.Resampling.NEAREST).convert("RGB").save(d / f"{i:03d}.png")
-    return root

@@ -4,7 +4,6 @@ photos, blends of two classes, transposed images; the digits experiment's four."
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -109,22 +108,3 @@ def digits_ood_sets(test_x: Tensor, test_y: Tensor, seed: int = 0, n: int | None
         "blends": blends(test_x, test_y, n, seed=seed),
         "transposed": transposed(test_x)[:n],
     }
-
-
-def write_photo_folder(root: str | Path, n: int = 20, size: int = 16, seed: int = 0) -> Path:
-    """Write ``n`` crops of scikit-learn's two bundled photos as ``root/photos/<n>.png`` (RGB): an
-    out-of-distribution folder for ``jem ood --ood folder:ROOT``."""
-    from PIL import Image
-    from sklearn.datasets import load_sample_images
-
-    rng = np.random.default_rng(seed)
-    photos = load_sample_images().images
-    d = Path(root) / "photos"
-    d.mkdir(parents=True, exist_ok=True)
-    for i in range(n):
-        im = photos[rng.integers(len(photos))]
-        r, c = rng.integers(0, im.shape[0] - 64), rng.integers(0, im.shape[1] - 64)
-        Image.fromarray(im[r : r + 64, c : c + 64]).resize((size, size), Image.Resampling.BILINEAR).save(
-            d / f"{i:03d}.png"
-        )
-    return Path(root)

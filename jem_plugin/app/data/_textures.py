@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 from torch import Tensor
@@ -137,22 +135,3 @@ def textures(n_per_class: int, size: int = 32, seed: int = 0, offset: int = 0) -
             x[i * k_count + k] = _texture_image(k, rng, size)
     y = torch.arange(k_count).repeat(n_per_class)
     return torch.from_numpy(x), y
-
-
-def write_textures_folder(
-    root: str | Path, per_class: int = 20, size: int = 32, seed: int = 0, offset: int = 0
-) -> Path:
-    """Write :func:`textures` as an image folder (``root/<k>_<shape>/<n>.png``, RGB) for the folder
-    workflow (``jem train --data folder:ROOT``); ``offset`` as in :func:`textures` (disjoint folders)."""
-    from PIL import Image
-
-    x, y = textures(per_class, size=size, seed=seed, offset=offset)
-    pix = (x.permute(0, 2, 3, 1).numpy() * 255.0).round().clip(0, 255).astype(np.uint8)
-    root = Path(root)
-    counts = [0] * len(TEXTURE_CLASSES)
-    for img, k in zip(pix, y.tolist()):
-        d = root / f"{k}_{TEXTURE_CLASSES[k]}"
-        d.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(img).save(d / f"{counts[k]:03d}.png")
-        counts[k] += 1
-    return root
