@@ -15,13 +15,22 @@ from .. import calibration
 from ..extensions import Decision
 
 # The BatchNorm recompute is the library's (jem_plugin.extensions.RecomputeBatchNorm, run by fit).
-__all__ = ["SMALL_HELD_OUT", "Decision", "title", "choose_temperature", "small_held_out_warning"]
+__all__ = [
+    "SMALL_HELD_OUT",
+    "TITLES",
+    "Decision",
+    "title",
+    "choose_temperature",
+    "small_held_out_warning",
+    "near_chance_warning",
+]
 
 # Below this many held-out images, a difference of one or two images decides: say so.
 SMALL_HELD_OUT = 200
 
 
-_TITLES = {
+#: Each step's title, for the console and the report.
+TITLES = {
     "bn_stats_from_data": "BatchNorm running statistics recomputed from the training data",
     "temperature": "a temperature on the logits",
 }
@@ -29,7 +38,7 @@ _TITLES = {
 
 def title(decision: Decision) -> str:
     """What the step does, for the console."""
-    return _TITLES.get(decision.step, decision.step)
+    return TITLES.get(decision.step, decision.step)
 
 
 def small_held_out_warning(n: int) -> str | None:
@@ -41,6 +50,52 @@ def small_held_out_warning(n: int) -> str | None:
             "give --val-data or a larger --val-fraction"
         )
     return None
+
+
+def near_chance_warning(
+    held_out_accuracy: float,
+    train_accuracy: float | None,
+    held_out_labels: Tensor,
+    *,
+    batchnorm: bool,
+    recomputed: Decision | None,
+    iterations: int,
+) -> str | None:
+    """One line when held-out accuracy is near chance while training accuracy is high, naming the
+    likely cause and the fix; else ``None``.
+
+    Chance is what predicting the commonest held-out class scores. "Near": within a tenth of the
+    way from chance to 1; "high": at least 0.5 above the held-out accuracy. On a short run a
+    BatchNorm network classifies its training batches (batch statistics) and fails on the
+    held-out split (running statistics still far from the trained network's), which the step
+    ``recomputed`` (:func:`~jem_plugin.extensions.recompute_batchnorm`) repairs.
+    """
+    if train_accuracy is None or len(held_out_labels) == 0:
+        return None
+    chance = float(held_out_labels.bincount().max()) / len(held_out_labels)
+    if held_out_accuracy > chance + 0.1 * (1 - chance) or train_accuracy < held_out_accuracy + 0.5:
+        return None
+    head = (
+        f"held-out accuracy {held_out_accuracy:.3f} is near chance ({chance:.3f}, the commonest class's share) "
+        f"while training accuracy is {train_accuracy:.3f}"
+    )
+    if batchnorm and recomputed is None:
+        return (
+            f"{head}. Likely cause: BatchNorm running statistics that lag a short run ({iterations} iterations; "
+            "training normalises each batch by its own statistics, evaluation by running averages still far "
+            "from the trained network's). Fix: --bn-stats-from-data (recomputes them from the training data after "
+            "training, kept only if held-out accuracy is not lower), or more --epochs"
+        )
+    cause = (
+        f"its BatchNorm statistics were recomputed from the training data ({recomputed.reason}), so they are "
+        "not the cause"
+        if batchnorm and recomputed is not None
+        else "the network has no BatchNorm layer, so lagging statistics are not the cause"
+    )
+    return (
+        f"{head}: {cause}. The held-out images may differ from the training images (their size, colours or "
+        "labels: check --val-data), or the model memorised the training set (more images, fewer --epochs)"
+    )
 
 
 def choose_temperature(logits: Tensor, labels: Tensor) -> tuple[Decision, dict[str, float]]:

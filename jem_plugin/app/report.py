@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_report", "flatten_metrics", "summary_sentences", "metric_label"]
+__all__ = ["write_report", "flatten_metrics", "summary_sentences", "metric_label", "post_training_rows"]
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1100px;margin:2em auto;
@@ -356,6 +356,68 @@ def summary_sentences(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
     return out
 
 
+def _steps(run: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """A run's post-training steps (``jem train``'s ``post_training`` list of decisions) by step name."""
+    return {d["step"]: d for d in run.get("post_training", ()) if isinstance(d, Mapping) and "step" in d}
+
+
+def _step_cell(d: Mapping[str, Any] | None) -> str:
+    if d is None:
+        return "not run"
+    numbers = (
+        f" (held-out {d['before']:.3f} -> {d['after']:.3f})"
+        if d.get("before") is not None and d.get("after") is not None
+        else ""
+    )
+    return ("kept" if d.get("kept") else "not kept") + numbers
+
+
+def post_training_rows(runs: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
+    """The runs' post-training steps side by side: ``(step title, one cell per run)`` for every step
+    any run took (``"kept (held-out 0.200 -> 0.975)"``, ``"not kept"``, ``"not run"``)."""
+    from .post_training import TITLES
+
+    per_run = [_steps(r) for r in runs.values()]
+    names: list[str] = []
+    for steps in per_run:
+        names += [n for n in steps if n not in names]
+    return [(TITLES.get(n, n), [_step_cell(steps.get(n)) for steps in per_run]) for n in names]
+
+
+def _post_training_table(runs: Mapping[str, Mapping[str, Any]]) -> str:
+    rows = post_training_rows(runs)
+    if not rows:
+        return ""
+    head = "".join(f"<th>{html.escape(n)}</th>" for n in runs)
+    body = "".join(
+        f"<tr><td class='name'>{html.escape(t)}</td>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
+        for t, cells in rows
+    )
+    return (
+        "<h2>Steps after training</h2><p class='note'>Each step is measured on the held-out split before and "
+        "after, and kept only when the held-out data show it is not worse; the numbers above are the saved "
+        f"models', after these steps.</p><table><tr><th class='name'>step</th>{head}</tr>{body}</table>"
+    )
+
+
+def _unequal_steps(runs: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """A sentence when the runs did not get the same post-training steps (the comparison is then not
+    like for like), else None."""
+    rows = [(t, cells) for t, cells in post_training_rows(runs) if len({c == "not run" for c in cells}) > 1]
+    if not rows:
+        return None
+    names = list(runs)
+    parts = [
+        f"{' and '.join(n for n, c in zip(names, cells) if c != 'not run')} had {title[0].lower() + title[1:]}, "
+        f"{' and '.join(n for n, c in zip(names, cells) if c == 'not run')} did not"
+        for title, cells in rows
+    ]
+    return (
+        f"The runs did not get the same steps after training ({'; '.join(parts)}): the comparison is not like "
+        "for like (jem train --baseline runs the recipe's steps too)."
+    )
+
+
 def cpu_time_ratio(run: Mapping[str, Any], baseline: Mapping[str, Any]) -> float | None:
     """The report's one cost figure: a run's CPU seconds per epoch over the baseline's (per epoch,
     so a run cut short does not look cheaper), or None without both."""
@@ -448,6 +510,9 @@ def write_report(
         if ratio is not None:
             summary["cpu_time_ratio"] = ratio
     sentences = summary_sentences(runs)
+    unequal = _unequal_steps(runs)
+    if unequal:
+        sentences.insert(0, unequal)
     if sentences and result.get("warning"):
         sentences.insert(
             0,
@@ -464,6 +529,7 @@ def write_report(
             "blends of two digits of different classes and transposed digits.</p>"
         )
         parts.append(_table(summaries))
+        parts.append(_post_training_table(runs))
     figures = _figures(out, list(runs))
     if figures:
         parts.append("<h2>Figures</h2>" + figures)

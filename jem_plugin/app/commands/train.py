@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ... import distributed as jdist
 from ... import training
-from ...extensions import Decision, RecomputeBatchNorm, held_out_logits
+from ...extensions import Decision, Extension, RecomputeBatchNorm, SharpnessAware, held_out_logits
 from ...inits import Uniform
 from ...nets import build_model
 from ...recipes import RECIPES, Recipe, flat_names, get_recipe
@@ -192,9 +193,47 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     p.set_defaults(func=run, interrupted=interrupted)
 
 
+# What a cross-entropy baseline takes from the recipe (the rest shapes the generative loss, which it
+# has none of): the optimiser, SAM and the steps after training, so that the two runs compare like for like.
+BASELINE_SETTINGS = ("optim.", "sam.", "bn_stats_from_data")
+
+
+def _generative_only(args) -> list[str]:
+    """The flags (or ``--config`` keys) given that set the generative loss: refused with ``--baseline``."""
+    names = flat_names()
+    flags = [f"--{_dashed(n)}" for n in _given_settings(args) if not names[n]["path"].startswith(BASELINE_SETTINGS)]
+    flags += [
+        f"--{_dashed(old)}"
+        for old, new in OLD_FLAGS.items()
+        if getattr(args, "old_" + old, None) is not None and not names[new]["path"].startswith(BASELINE_SETTINGS)
+    ]
+    if args.checkpoint_buffer == "none":
+        flags.append("--checkpoint-buffer none")
+    return flags
+
+
+def _refuse_for_baseline(args) -> None:
+    """Every ``jem train`` flag applies to ``--baseline`` but those of the generative loss: one line."""
+    flags = _generative_only(args)
+    if flags:
+        one = len(flags) == 1
+        raise CLIError(
+            f"--baseline trains with cross-entropy alone (the recipe's optimiser, SAM and post-training steps): "
+            f"{', '.join(flags)} set{'s' * one} the generative loss or its replay buffer, which a baseline has "
+            f"none of; leave {'it' if one else 'them'} out (flags or --config keys), or drop --baseline"
+        )
+
+
 def run(args) -> int:
+    if args.baseline:
+        _refuse_for_baseline(args)
     if args.show_recipe:
         print(recipe_from_args(args))
+        if args.baseline:
+            print(
+                "(--baseline: only its optimiser settings, SAM and bn_stats_from_data apply; "
+                "the baseline trains with cross-entropy alone)"
+            )
         if args.recipe is None:  # the choice waits for the data and the network
             print(
                 f"(no --recipe: jem train picks by the data and the network: {SMALL_DATA_RECIPE} for a BatchNorm "
@@ -240,6 +279,8 @@ def _train(args, info) -> int:
     check_inputs(jm, x0, spec, args.data)
     recipe = _choose_recipe(args, info, ds, jm)
     recipe, notes = recipe.for_inputs(shape)
+    # The baseline: the recipe's optimiser, SAM and post-training steps, without its generative loss
+    baseline_steps = baseline_extensions(recipe) if args.baseline else []
     for note in notes if info.is_main and not args.baseline else ():
         print(f"jem train: {note}")
     before = check_resume(out, spec, no_resume=args.no_resume)
@@ -287,6 +328,7 @@ def _train(args, info) -> int:
         epochs=epochs,
         optimizer=None if setup is not None else recipe.optim,
         val_data=val_loader,
+        callbacks=baseline_steps,
         options=training.FitOptions(
             eval_every=max(1, epochs // 10),
             checkpoint_dir=out / "checkpoints",
@@ -299,9 +341,22 @@ def _train(args, info) -> int:
             channels_last=args.channels_last,
         ),
     )
-    _report(args, info, jm, setup, history, ds, val, val_loader, spec, out, domain, len(shape) == 3)
+    extensions = setup.extensions if setup is not None else baseline_steps
+    _report(args, info, jm, setup, extensions, history, ds, val, val_loader, spec, out, domain, len(shape) == 3)
     jdist.barrier()  # no rank exits (and tears down the group) before rank 0 has written
     return 0
+
+
+def baseline_extensions(recipe: Recipe) -> list[Extension]:
+    """What the cross-entropy baseline runs of ``recipe`` besides its optimiser: SAM and the BatchNorm
+    statistics recomputed from the data after training (kept only on held-out evidence), as
+    :meth:`~jem_plugin.recipes.Recipe.build` gives the JEM run."""
+    steps: list[Extension] = []
+    if recipe.sam.rho is not None:
+        steps.append(SharpnessAware(rho=recipe.sam.rho, adaptive=recipe.sam.adaptive))
+    if recipe.bn_stats_from_data:
+        steps.append(RecomputeBatchNorm())
+    return steps
 
 
 def _finished(out, epochs: int) -> str | None:
@@ -418,7 +473,10 @@ def _loader(args, ds, jm, info):
 
 def _announce(args, recipe, setup, epochs: int, iters: int, out) -> None:
     warmup = setup.warmup_iters if setup is not None else recipe.optim.warmup_for(epochs * iters)
-    what = "baseline (cross-entropy only)" if setup is None else "recipe " + recipe.name
+    what = "recipe " + recipe.name
+    if setup is None:  # the recipe's optimiser, SAM and post-training steps (baseline_extensions)
+        sam = f", SAM rho {recipe.sam.rho:g}" if recipe.sam.rho is not None else ""
+        what = f"baseline (cross-entropy only, with recipe {recipe.name}'s optimiser{sam})"
     if setup is not None and recipe.name in RECIPES:  # the settings changed from the registered recipe's
         preset = RECIPES[recipe.name].flat()
         changed = [
@@ -444,12 +502,13 @@ def _announce(args, recipe, setup, epochs: int, iters: int, out) -> None:
         )
 
 
-def _report(args, info, jm, setup, history, ds, val, val_loader, spec, out, domain, images: bool) -> None:
-    """After training: the buffer's picture, the sample check, held-out calibration, the files."""
+def _report(args, info, jm, setup, extensions, history, ds, val, val_loader, spec, out, domain, images: bool) -> None:
+    """After training: the buffer's picture, the sample check, held-out calibration, the files.
+    ``extensions``: the run's (the JEM recipe's, or the baseline's :func:`baseline_extensions`)."""
     record = history.to_dict()
     scored = info.is_main and val_loader is not None
     decisions: list[Decision] = [
-        e.decision for e in (setup.extensions if setup else []) if isinstance(e, RecomputeBatchNorm) and e.decision
+        e.decision for e in extensions if isinstance(e, RecomputeBatchNorm) and e.decision is not None
     ]
     small = post_training.small_held_out_warning(len(val)) if scored and val is not None else None
     if small:
@@ -512,6 +571,16 @@ def _report(args, info, jm, setup, history, ds, val, val_loader, spec, out, doma
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     if "held_out" in record:
         print(f"held-out accuracy {record['held_out']['accuracy']:.3f} (the saved model, after the steps above)")
+        chance = post_training.near_chance_warning(
+            record["held_out"]["accuracy"],
+            record["epochs"][-1].get("acc") if record.get("epochs") else None,
+            final_logits[1],
+            batchnorm=any(isinstance(m, _BatchNorm) for m in jm.modules()),
+            recomputed=next((d for d in decisions if d.step == "bn_stats_from_data"), None),
+            iterations=sum(int(e.get("iterations", 0)) for e in record.get("epochs", [])),
+        )
+        if chance:
+            print(f"jem train: warning: {chance}")
     print(f"model: {out / 'model.pt'}  (metrics.json and history.json beside it)")
 
 

@@ -1,0 +1,181 @@
+"""What a newcomer met (issue 48): an unfair baseline, closing lines that disagree, samples at the
+wrong size, and no way from raw images to the model's input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from jem_plugin.app.cli import main, parse_args
+
+# A BatchNorm network whose running statistics cannot keep up with a short run: its activations sit
+# 20 above zero before a BatchNorm that moves its running mean 0.1% a step. Training normalises
+# each batch by its own statistics (and classifies); evaluation by running ones near 0 (chance).
+LAGGING_BN = """
+import torch.nn as nn
+
+
+class Shift(nn.Module):
+    def forward(self, x):
+        return x + 20.0
+
+
+def build(num_classes, **options):
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(64, 64), Shift(), nn.BatchNorm1d(64, momentum=0.001), nn.ReLU(),
+        nn.Linear(64, num_classes),
+    )
+"""
+
+
+@pytest.fixture
+def lagging_bn(tmp_path, monkeypatch):
+    (tmp_path / "lagbn.py").write_text(LAGGING_BN)
+    monkeypatch.chdir(tmp_path)
+    return ["train", "--baseline", "--model", "lagbn:build", "--epochs", "3", "--lr", "3e-3", "--quiet"]
+
+
+# ----------------------------------------------------------------------------- 1. a fair baseline
+def test_the_baseline_gets_the_jem_runs_batchnorm_step_evidence_gated(lagging_bn, tmp_path, capsys):
+    """The reported run: `jem train --baseline` saved a model at chance (0.200) while the JEM run's
+    BatchNorm statistics were recomputed (0.200 -> 0.975). The baseline now gets the same step,
+    kept on the same held-out evidence, and says so in history.json and metrics.json."""
+    assert main([*lagging_bn, "--out", "run"]) == 0
+    out = capsys.readouterr().out
+    assert "BatchNorm running statistics recomputed from the training data, held-out" in out
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    steps = {d["step"]: d for d in metrics["post_training"]}
+    assert set(steps) == {"bn_stats_from_data", "temperature"}
+    bn = steps["bn_stats_from_data"]
+    assert bn["kept"] and bn["before"] < 0.3 and bn["after"] > 0.8
+    assert metrics["held_out"]["accuracy"] == pytest.approx(bn["after"])
+    assert "near chance" not in out
+
+
+def test_a_baseline_near_chance_says_why_and_how_to_fix_it(lagging_bn, tmp_path, capsys):
+    """Without the step (--no-bn-stats-from-data) the held-out split is at chance while training
+    accuracy is high: one warning names the lagging BatchNorm statistics and the flag that fixes it."""
+    assert main([*lagging_bn, "--no-bn-stats-from-data", "--out", "run"]) == 0
+    out = capsys.readouterr().out
+    warning = next(line for line in out.splitlines() if "near chance" in line)
+    assert warning.startswith("jem train: warning: held-out accuracy")
+    assert "BatchNorm running statistics that lag a short run" in warning and "--bn-stats-from-data" in warning
+    steps = [d["step"] for d in json.loads((tmp_path / "run" / "metrics.json").read_text())["post_training"]]
+    assert steps == ["temperature"]
+
+
+def test_near_chance_names_another_cause_where_batchnorm_is_not_it():
+    from jem_plugin.app import post_training
+    from jem_plugin.extensions import Decision
+
+    labels = torch.arange(5).repeat(20)
+    line = post_training.near_chance_warning(0.21, 0.97, labels, batchnorm=False, recomputed=None, iterations=25)
+    assert line is not None and "no BatchNorm layer" in line and "--bn-stats-from-data" not in line
+    kept = Decision("bn_stats_from_data", True, "kept: held-out accuracy is not lower", 0.2, 0.21, 100)
+    line = post_training.near_chance_warning(0.21, 0.97, labels, batchnorm=True, recomputed=kept, iterations=25)
+    assert line is not None and "not the cause" in line
+    assert post_training.near_chance_warning(0.6, 0.97, labels, batchnorm=True, recomputed=None, iterations=25) is None
+    assert post_training.near_chance_warning(0.2, 0.4, labels, batchnorm=True, recomputed=None, iterations=25) is None
+
+
+def _flag_argv(name: str, info: dict) -> list[str]:
+    """A valid command-line spelling of the recipe setting ``name``."""
+    flag = "--" + name.replace("_", "-")
+    if info["type"] is bool:
+        return [flag]
+    if info["choices"]:
+        return [flag, str(info["choices"][0])]
+    return [flag, "2" if info["type"] is int else "0.5"]
+
+
+def test_every_recipe_flag_applies_to_the_baseline_or_is_refused():
+    """`--baseline --bn-stats-from-data` was accepted and ignored. Each recipe flag now either
+    applies to a baseline (the optimiser, SAM, the post-training steps) or is refused."""
+    from jem_plugin.app.commands.train import BASELINE_SETTINGS, _generative_only
+    from jem_plugin.recipes import DEPRECATED_NAMES, flat_names
+
+    names = flat_names()
+    applies = set()
+    for name, info in names.items():
+        args = parse_args(["train", "--baseline", *_flag_argv(name, info)])
+        refused = _generative_only(args)
+        if info["path"].startswith(BASELINE_SETTINGS):
+            applies.add(name)
+            assert refused == [], name
+        else:
+            assert refused == ["--" + name.replace("_", "-")], name
+    assert applies == {n for n in names if n.startswith(("lr", "optimizer", "weight_decay", "warmup", "max_grad"))} | {
+        "sam_rho",
+        "sam_adaptive",
+        "bn_stats_from_data",
+    }
+    for old in DEPRECATED_NAMES:  # the old spellings of generative settings: refused too
+        info = names[DEPRECATED_NAMES[old]]
+        args = parse_args(["train", "--baseline", *_flag_argv(old, info)])
+        assert _generative_only(args) == ["--" + old.replace("_", "-")]
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--sgld-steps", "5"], "--sgld-steps"),
+        (["--px-weight", "0.1", "--buffer-capacity", "100"], "--buffer-capacity, --px-weight"),
+        (["--checkpoint-buffer", "none"], "--checkpoint-buffer none"),
+    ],
+)
+def test_a_generative_flag_with_baseline_is_refused_in_one_line(flags, named, tmp_path, capsys):
+    assert main(["train", "--baseline", *flags, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("jem: error: --baseline") and named in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_baseline_takes_the_recipes_optimiser_sam_and_batchnorm_step(monkeypatch, tmp_path, capsys):
+    """The flags that apply reach the baseline's fit: the learning rate, SAM, the BatchNorm step."""
+    from jem_plugin import training
+    from jem_plugin.extensions import RecomputeBatchNorm, SharpnessAware
+
+    calls = []
+
+    def fake_fit(jm, loader, recipe=None, *, epochs, optimizer=None, callbacks=None, **kw):
+        calls.append(dict(recipe=recipe, optimizer=optimizer, callbacks=list(callbacks or [])))
+        return training.History()
+
+    monkeypatch.setattr(training, "fit", fake_fit)
+    argv = ["train", "--baseline", "--lr", "0.02", "--sam-rho", "0.05", "--bn-stats-from-data", "--quiet"]
+    assert main([*argv, "--recipe", "fast", "--out", str(tmp_path / "run")]) == 0
+    (call,) = calls
+    assert call["recipe"] is None and call["optimizer"].lr == 0.02
+    sam = [c for c in call["callbacks"] if isinstance(c, SharpnessAware)]
+    assert len(sam) == 1 and sam[0].rho == 0.05
+    assert any(isinstance(c, RecomputeBatchNorm) for c in call["callbacks"])
+    assert "SAM rho 0.05" in capsys.readouterr().out
+    # `fast` has no BatchNorm step: its baseline gets none either, as its JEM run
+    assert main(["train", "--baseline", "--recipe", "fast", "--quiet", "--out", str(tmp_path / "fast")]) == 0
+    assert not any(isinstance(c, RecomputeBatchNorm) for c in calls[-1]["callbacks"])
+
+
+def test_the_report_puts_both_runs_post_training_steps_side_by_side(tmp_path):
+    """A reader of the report sees which steps each run got; runs that got different ones are named
+    as not like for like, first."""
+    from jem_plugin.app.report import post_training_rows, write_report
+
+    bn = {"step": "bn_stats_from_data", "kept": True, "reason": "kept", "before": 0.2, "after": 0.975, "n_heldout": 80}
+    temp = {"step": "temperature", "kept": False, "reason": "not kept", "before": 0.05, "after": 0.06, "n_heldout": 80}
+    runs = {
+        "baseline": {"summary": {"accuracy": 0.2}, "post_training": [temp]},
+        "JEM": {"summary": {"accuracy": 0.975}, "post_training": [bn, temp]},
+    }
+    rows = dict(post_training_rows(runs))
+    assert rows["BatchNorm running statistics recomputed from the training data"] == [
+        "not run",
+        "kept (held-out 0.200 -> 0.975)",
+    ]
+    assert rows["a temperature on the logits"] == ["not kept (held-out 0.050 -> 0.060)"] * 2
+    text = write_report(tmp_path, {"runs": runs}, title="t").read_text()
+    assert "Steps after training" in text and "not like for like" in text
+    assert text.index("not like for like") < text.index("Accuracy: JEM")
+    runs["baseline"]["post_training"] = [bn, temp]
+    assert "not like for like" not in write_report(tmp_path, {"runs": runs}, title="t").read_text()
