@@ -200,7 +200,7 @@ def test_demo_smoke_writes_report(tmp_path, capsys, recwarn):
     assert "fd_buffer" not in metrics["runs"]["baseline"]["summary"]  # no buffer, no samples to judge
     assert q["fd_heldout_floor"] < q["fd_init"]
     assert "Sample distance: replay buffer (FD)" in html and "reference: initial distribution (FD)" in html
-    assert "reference: held-out vs held-out (FD)" in html and "Judge accuracy on class samples" in html
+    assert "own held-out FD" in html and "Judge accuracy on class samples" in html
     assert (
         "should fall well below its initial distribution" in html and "fd_buffer" not in html.split("<h2>Settings")[0]
     )

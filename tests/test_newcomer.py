@@ -179,3 +179,74 @@ def test_the_report_puts_both_runs_post_training_steps_side_by_side(tmp_path):
     assert text.index("not like for like") < text.index("Accuracy: JEM")
     runs["baseline"]["post_training"] = [bn, temp]
     assert "not like for like" not in write_report(tmp_path, {"runs": runs}, title="t").read_text()
+
+
+# ----------------------------------------------------------------------------- 6. closing lines that agree
+def test_ece_and_temperature_are_printed_after_the_steps_that_change_the_model(lagging_bn, tmp_path, capsys):
+    """`jem train` printed "ECE 0.268; no temperature fitted" before the BatchNorm line that changed
+    the model. The calibration line now follows every step and is the saved model's; `jem eval` on
+    the same held-out split agrees on whether a temperature was fitted."""
+    assert main([*lagging_bn, "--out", "run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = {
+        key: next(i for i, line in enumerate(lines) if key in line) for key in ("BatchNorm", "a temperature on", "ECE")
+    }
+    ece = next(i for i, line in enumerate(lines) if line.startswith("held-out calibration"))
+    assert at["BatchNorm"] < at["a temperature on"] < ece
+    assert "the saved model" in lines[ece]
+    calibration = json.loads((tmp_path / "run" / "metrics.json").read_text())["calibration"]
+    assert calibration["temperature_kept"] == ("after a temperature of" in lines[ece])
+    assert main(["eval", "run/model.pt", "--out", "eval.json"]) == 0
+    evaluated = json.loads((tmp_path / "eval.json").read_text())
+    assert evaluated["temperature_fitted"] == calibration["temperature_fitted"]
+    assert evaluated["accuracy"] == pytest.approx(
+        json.loads((tmp_path / "run" / "metrics.json").read_text())["held_out"]["accuracy"]
+    )
+
+
+def test_train_and_eval_agree_on_a_temperature_where_one_half_is_all_right():
+    """80 held-out images, 2 wrong, both in one half: jem train's cross-fit had no temperature for the
+    other half and said "no temperature fitted"; jem eval fitted one. Both now say fitted; jem
+    train keeps it only where a half it was not fitted on shows it helps (here none can)."""
+    from jem_plugin import calibration
+    from jem_plugin.app import post_training
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 5, (80,), generator=g)
+    logits = torch.nn.functional.one_hot(y, 5).float() * 3 + 0.2 * torch.randn(80, 5, generator=g)
+    for i in (1, 3):  # odd indices: the even half stays all right
+        logits[i] = torch.nn.functional.one_hot((y[i] + 1) % 5, 5).float() * 3
+    decision, report = post_training.choose_temperature(logits, y)
+    evaluated = calibration.calibration_report(logits, y)  # what jem eval reports
+    assert report["temperature_fitted"] is evaluated["temperature_fitted"] is True
+    assert report["temperature"] == pytest.approx(evaluated["temperature"])
+    assert not decision.kept and not report["temperature_kept"] and not report["temperature_cross_fitted"]
+    assert "jem eval fits the same" in decision.reason
+    everything_right = torch.nn.functional.one_hot(y, 5).float() * 3
+    decision, report = post_training.choose_temperature(everything_right, y)
+    assert report["temperature_fitted"] is calibration.calibration_report(everything_right, y)["temperature_fitted"]
+    assert report["temperature_fitted"] is False and "no misclassified image" in decision.reason
+
+
+def test_the_sample_quality_line_names_its_references_and_what_32_images_tell():
+    """ "buffer FD 232 (init 358, held-out floor 571; 32 images)" called a reference above the
+    measured value a floor, and said nothing of what 32 images can tell."""
+    from jem_plugin.app.report import sample_quality_line
+
+    q = {
+        "fd_buffer": 232.0,
+        "fd_init": 358.0,
+        "fd_heldout_floor": 571.0,
+        "fd_n_samples": 32.0,
+        "judge_acc_samples": 0.41,
+        "judge_acc_init": 0.3,
+        "judge_acc_heldout": 0.95,
+    }
+    line = sample_quality_line(q)
+    assert "floor" not in line.replace("not a floor", "")
+    assert "the data's own held-out FD 571 (real images against real ones: a reference, not a floor" in line
+    assert "the chains' init 358" in line and "below its init's, not far" in line
+    assert "32 images tell a buffer that left its init from one that did not; they cannot rank two close models" in line
+    assert "\n" not in line
+    assert "well below its init's" in sample_quality_line(dict(q, fd_buffer=100.0))
+    assert "have not moved" in sample_quality_line(dict(q, fd_buffer=400.0))

@@ -9,6 +9,8 @@ Without a held-out split nothing is changed: there is no evidence to keep a chan
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from .. import calibration
@@ -98,27 +100,41 @@ def near_chance_warning(
     )
 
 
-def choose_temperature(logits: Tensor, labels: Tensor) -> tuple[Decision, dict[str, float]]:
+def choose_temperature(logits: Tensor, labels: Tensor) -> tuple[Decision, dict[str, Any]]:
     """A temperature for the model's logits, kept only if it lowers the held-out ECE.
 
     The ECE after the temperature is cross-fitted (each half of the held-out split scaled by a
     temperature fitted on the other half: :func:`jem_plugin.calibration.cross_fitted_report`), so
     the split that judges a temperature never chose it. Returns the decision and the report; the
     kept temperature is ``report["temperature"]``, the geometric mean of the two halves' ones.
+
+    ``report["temperature_fitted"]`` says what ``jem eval`` says of the same split
+    (:func:`jem_plugin.calibration.calibration_report`): a temperature is fitted wherever the split
+    has a misclassified image. Where only one half has one, no half can judge a temperature: the
+    one fitted on the whole split is reported (``temperature_cross_fitted`` false) and not kept.
+    ``report["temperature_kept"]`` is the decision.
     """
-    report = calibration.cross_fitted_report(logits, labels)
+    report: dict[str, Any] = dict(calibration.cross_fitted_report(logits, labels))
+    report["temperature_cross_fitted"] = bool(report["temperature_fitted"])
     keep = bool(report["temperature_fitted"]) and report["ece_after"] < report["ece_before"]
-    if not report["temperature_fitted"]:
+    if report["temperature_fitted"]:
+        verdict = "kept" if keep else "not kept: it does not lower the held-out ECE"
         reason = (
-            "not fitted: a half of the held-out split has no misclassified image, so no temperature minimises "
-            "its NLL (it keeps falling as the temperature goes to 0); a larger held-out split can tell"
-        )
-    elif keep:
-        reason = (
-            f"kept: ECE {report['ece_before']:.3f} -> {report['ece_after']:.3f} on held-out halves it was not fitted on"
+            f"{verdict} (ECE {report['ece_before']:.3f} -> {report['ece_after']:.3f} on halves it was not fitted on)"
         )
     else:
-        reason = (
-            f"not kept: it does not lower the held-out ECE ({report['ece_before']:.3f} -> {report['ece_after']:.3f})"
-        )
+        whole = calibration.calibration_report(logits, labels)  # what jem eval fits on this split
+        if whole["temperature_fitted"]:
+            report["temperature"], report["temperature_fitted"] = whole["temperature"], True
+            reason = (
+                f"not kept: {whole['temperature']:.2f} fits the whole held-out split (jem eval fits the same), but a "
+                "half of it has no misclassified image, so no half it was not fitted on can show that it helps; "
+                "a larger held-out split can tell"
+            )
+        else:
+            reason = (
+                "not fitted: the held-out split has no misclassified image, so no temperature minimises its NLL "
+                "(it keeps falling as the temperature goes to 0); a larger held-out split can tell"
+            )
+    report["temperature_kept"] = keep
     return Decision("temperature", keep, reason, report["ece_before"], report["ece_after"], int(report["n"])), report

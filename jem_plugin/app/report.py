@@ -20,7 +20,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_report", "flatten_metrics", "summary_sentences", "metric_label", "post_training_rows"]
+__all__ = [
+    "write_report",
+    "flatten_metrics",
+    "summary_sentences",
+    "metric_label",
+    "post_training_rows",
+    "sample_quality_line",
+    "fd_sample_size_note",
+]
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1100px;margin:2em auto;
@@ -68,8 +76,9 @@ METRICS: dict[str, tuple[str, str, bool | None]] = {
         None,
     ),
     "fd_heldout_floor": (
-        "  reference: held-out vs held-out (FD)",
-        "two halves of real held-out images: the best reachable at this sample size",
+        "  reference: the data's own held-out FD",
+        "two halves of real held-out images, as many as above: a reference, not a floor (samples less varied "
+        "than the data can score below it)",
         None,
     ),
     "fd_n_samples": (
@@ -110,9 +119,51 @@ _OTHER_RATIOS = ("cost_vs_baseline", "wall_cost_vs_baseline")
 #: How to read the sample-quality figures (report section title and summary).
 QUALITY_HOW_TO_READ = (
     "Read each figure against its reference: the buffer's distance should fall well below its "
-    "initial distribution's, towards the held-out floor; judge accuracy on samples counts only "
-    "above its init's (a per-class Gaussian init scores high without any learning)."
+    "initial distribution's; the data's own held-out distance (real images against real ones, as many) "
+    "is a reference, not a floor: samples less varied than the data can fall below it. Judge accuracy "
+    "on samples counts only above its init's (a per-class Gaussian init scores high without any learning)."
 )
+
+
+def fd_sample_size_note(n: int) -> str:
+    """What Fréchet distances of ``n`` images can and cannot tell (one sentence)."""
+    return (
+        f"{n} images tell a buffer that left its init from one that did not; they cannot rank two close models "
+        "(at so few images FD is mostly its own small-sample bias), nor compare with published FIDs "
+        "(Inception features, 10 000+ images)."
+    )
+
+
+def _fd_verdict(buffer: float, init: float) -> str:
+    if buffer < 0.5 * init:
+        return "well below its init's: the chains moved towards the data"
+    if buffer < init:
+        return "below its init's, not far: the chains moved a little"
+    return "not below its init's: the chains have not moved towards the data"
+
+
+def sample_quality_line(q: Mapping[str, Any]) -> str:
+    """``jem train``'s sample-quality line: the buffer's Fréchet distance with its references named
+    (the chains' init, the data's own held-out halves), the judge's accuracy with its, and what
+    the number of images can tell."""
+    if "skipped" in q:
+        return f"sample quality: {q['skipped']}"
+    n = int(q["fd_n_samples"])
+    text = (
+        f"sample quality ({n} images per Fréchet distance, in an independent judge CNN's features; lower = "
+        f"closer to real images): replay buffer FD {q['fd_buffer']:.3g}, {_fd_verdict(q['fd_buffer'], q['fd_init'])}. "
+        f"References: the chains' init {q['fd_init']:.3g}; the data's own held-out FD {q['fd_heldout_floor']:.3g} "
+        "(real images against real ones: a reference, not a floor; samples less varied than the data can fall "
+        "below it)."
+    )
+    if "judge_acc_samples" in q:
+        text += (
+            f" Judge accuracy on class samples {q['judge_acc_samples']:.2f}, against its init draws' "
+            f"{q['judge_acc_init']:.2f} (it counts only above that) and real test images' {q['judge_acc_heldout']:.2f}."
+        )
+    return f"{text} {fd_sample_size_note(n)}"
+
+
 SCORES = {
     "logpx": "log p(x)",
     "msp": "max softmax",
@@ -323,9 +374,14 @@ def summary_sentences(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
         text = (
             f"Sample quality (an independent judge CNN): {name}'s replay buffer lies at Fréchet distance "
             f"{_fmt(j['fd_buffer'])} from held-out images, its initial distribution at {_fmt(j['fd_init'])}"
-            + (f", real images at {_fmt(j['fd_heldout_floor'])}" if "fd_heldout_floor" in j else "")
+            + (
+                f", the data's own held-out halves at {_fmt(j['fd_heldout_floor'])} (a reference, not a floor)"
+                if "fd_heldout_floor" in j
+                else ""
+            )
             + (f" ({int(j['fd_n_samples'])} images each)" if "fd_n_samples" in j else "")
             + "."
+            + (f" {fd_sample_size_note(int(j['fd_n_samples']))}" if "fd_n_samples" in j else "")
         )
         if "judge_acc_samples" in j:
             refs = [

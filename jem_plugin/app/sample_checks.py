@@ -33,7 +33,7 @@ def sample_quality_figures(
     Every Fréchet distance compares ``n`` images with the same ``n`` held-out images (one half of
     ``x_heldout``; FD depends on ``n``): ``fd_buffer`` (``n`` buffer samples), ``fd_init`` (``n``
     draws of the buffer's initial distribution: where the chains started) and
-    ``fd_heldout_floor`` (the other held-out half: the best reachable at this ``n``);
+    ``fd_heldout_floor`` (the other held-out half: real against real, a reference, not a floor);
     ``fd_n_samples`` is ``n``. ``judge_acc_heldout``: the judge on real held-out images. With
     class-conditional samples ``x_cond``/``y_cond``: ``judge_acc_samples`` (share the judge puts in
     their class) and ``judge_acc_init`` (the same for per-class draws of the initial distribution,

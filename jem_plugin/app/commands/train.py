@@ -45,7 +45,7 @@ from ..model_files import (
     split_held_out,
     wrap_for_data,
 )
-from ..report import QUALITY_HOW_TO_READ
+from ..report import sample_quality_line
 from ..sample_checks import dataset_sample_quality
 from ._common import SKIP_BAD_HELP, _check_install, _device, _out_dir, _positive
 
@@ -530,29 +530,11 @@ def _report(args, info, jm, setup, extensions, history, ds, val, val_loader, spe
         q = record["sample_quality"] = dataset_sample_quality(
             jm, setup.buffer, ds, val, sampler=setup.recipe.sampler, seed=args.seed
         )
-        print(
-            "sample quality: "
-            + (
-                q["skipped"]
-                if "skipped" in q
-                else f"buffer FD {q['fd_buffer']:.3g} (init {q['fd_init']:.3g}, held-out floor {q['fd_heldout_floor']:.3g}; "
-                f"{int(q['fd_n_samples'])} images), judge accuracy on class samples {q['judge_acc_samples']:.2f} "
-                f"(init {q['judge_acc_init']:.2f}, test images {q['judge_acc_heldout']:.2f}). " + QUALITY_HOW_TO_READ
-            )
-        )
+        print(sample_quality_line(q))
     if scored:
         final_logits = held_out_logits(jm, val_loader)
         temperature, c = post_training.choose_temperature(*final_logits)
         record["calibration"] = c
-        if c["temperature_fitted"]:
-            print(
-                f"held-out calibration ({int(c['n'])} images): ECE {c['ece_before']:.3f}, {c['ece_after']:.3f} "
-                f"after a temperature of {c['temperature']:.2f} (each half of the held-out split scaled by one "
-                "fitted on the other; fit yours with jem.calibration.TemperatureScaler)"
-                + ("; below 1: the model was under-confident, its logits are sharpened" if c["temperature"] < 1 else "")
-            )
-        else:
-            print(f"held-out calibration ({int(c['n'])} images): ECE {c['ece_before']:.3f}; no temperature fitted")
         decisions.append(temperature)
         if temperature.kept:
             spec["temperature"] = c["temperature"]  # calibrated probabilities: softmax(logits / T)
@@ -560,9 +542,14 @@ def _report(args, info, jm, setup, extensions, history, ds, val, val_loader, spe
     if not info.is_main:
         return
     record["post_training"] = [d.as_dict() for d in decisions]
-    for d in decisions:
-        numbers = f", held-out {d.before:.3f} -> {d.after:.3f}" if d.before is not None and d.after is not None else ""
+    for d in decisions:  # the steps, then what they leave: the saved model's calibration and accuracy
+        what = "ECE" if d.step == "temperature" else "accuracy"
+        numbers = (
+            f", held-out {what} {d.before:.3f} -> {d.after:.3f}" if d.before is not None and d.after is not None else ""
+        )
         print(f"jem train: {post_training.title(d)}{numbers}: {d.reason}")
+    if "calibration" in record:
+        print(_calibration_line(record["calibration"]))
     save_model_checkpoint(out / "model.pt", jm, spec)
     if setup is not None and images:
         save_run_sampler(out / "model.pt", setup.loss)  # jem sample draws as the run drew
@@ -582,6 +569,20 @@ def _report(args, info, jm, setup, extensions, history, ds, val, val_loader, spe
         if chance:
             print(f"jem train: warning: {chance}")
     print(f"model: {out / 'model.pt'}  (metrics.json and history.json beside it)")
+
+
+def _calibration_line(c: dict[str, Any]) -> str:
+    """The saved model's held-out calibration: its ECE, and after the temperature it keeps (if any)."""
+    head = f"held-out calibration ({int(c['n'])} images, the saved model): ECE {c['ece_before']:.3f}"
+    if not c["temperature_kept"]:
+        fitted = f"{c['temperature']:.2f} fits the split, see above" if c["temperature_fitted"] else "none fits"
+        return f"{head}; no temperature kept ({fitted})"
+    return (
+        f"{head}, {c['ece_after']:.3f} after a temperature of {c['temperature']:.2f} (each half of the held-out split "
+        "scaled by one fitted on the other; kept in model.pt: jem.load gives jm.temperature, probabilities are "
+        "softmax(logits / T))"
+        + ("; below 1: the model was under-confident, its logits are sharpened" if c["temperature"] < 1 else "")
+    )
 
 
 def _accuracy(z: torch.Tensor, y: torch.Tensor) -> float:
