@@ -7,6 +7,7 @@ Logits ``f(x)`` are reread as energies (Grathwohl et al. 2019): ``E(x, y) = -f(x
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -64,6 +65,10 @@ class JEM(nn.Module):
         # JEM: the adapter is never mutated.
         self._num_classes: int | None = adapter.num_classes
         self._domain: InputDomain = adapter.domain
+        # The shape of the first batch a training step ran on (forward in train mode), what
+        # SGLD.sample draws at; and whether a domain size that disagrees with it was named.
+        self._trained_input_size: tuple[int, ...] | None = None
+        self._size_conflict_told = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -75,6 +80,34 @@ class JEM(nn.Module):
     def num_classes(self) -> int | None:
         """Number of classes (logits); ``None`` only until the first forward when not inferable."""
         return self._num_classes
+
+    @property
+    def trained_input_size(self) -> tuple[int, ...] | None:
+        """The input shape without the batch dimension (``(C, H, W)`` for images) of the first batch
+        the model ran on in train mode: a training step (``JEMLoss``, ``fit``, ``jm(x)`` in your own
+        loop); ``None`` before one. :meth:`~jem_plugin.SGLD.sample` draws at this size when given
+        no ``shape``, and warns once when :attr:`domain`'s ``input_size`` (e.g. the size a timm
+        model's pretrained config names) says otherwise. Not part of ``state_dict()``; a model file
+        of ``jem train`` keeps the size it trained at as its domain's."""
+        return self._trained_input_size
+
+    def sample_shape(self) -> tuple[int, ...] | None:
+        """The input shape to draw samples at when none is given: :attr:`trained_input_size`, else
+        :attr:`domain`'s ``input_size``, else ``None``. Where both are known and differ, the trained
+        size wins and a warning names both (once per model)."""
+        trained, declared = self._trained_input_size, self._domain.input_size
+        if trained is None:
+            return tuple(declared) if declared is not None else None
+        if declared is not None and tuple(declared) != trained and not self._size_conflict_told:
+            self._size_conflict_told = True
+            warnings.warn(
+                f"sampling at {trained}, the input size this model was trained on; its domain says "
+                f"{tuple(declared)} (from the adapter: a pretrained config, wrap(input_size=...)). Pass "
+                "shape=... to sample at another size",
+                UserWarning,
+                stacklevel=3,
+            )
+        return trained
 
     def settle(self, *, num_classes: int | None = None, sample_shape: tuple[int, ...] | None = None) -> None:
         """Record what only a forward could tell: the class count and the input shape.
@@ -99,7 +132,10 @@ class JEM(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: Tensor) -> Tensor:
-        """Logits ``f(x)``, exactly what the model computes."""
+        """Logits ``f(x)``, exactly what the model computes. The first call in train mode records
+        the input's shape (:attr:`trained_input_size`)."""
+        if self._trained_input_size is None and self.training and isinstance(x, Tensor):
+            self._trained_input_size = tuple(int(s) for s in x.shape[1:])
         return self.adapter.logits(self.model(x))
 
     def logits(self, x: Tensor) -> Tensor:

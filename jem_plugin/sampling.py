@@ -550,8 +550,9 @@ class SGLD:
         ``record_energies`` and ``progress`` as in :meth:`run`.
 
         Chains start from ``buffer`` (and the finished chains are written back), or from
-        ``x_init``, or else uniformly over ``jm.domain`` (``shape`` defaults to the domain's
-        ``input_size``).
+        ``x_init``, or else uniformly over ``jm.domain``; ``shape`` defaults to the size the model
+        was trained on (:attr:`~jem_plugin.JEM.trained_input_size`), else the domain's
+        ``input_size`` (:meth:`~jem_plugin.JEM.sample_shape`).
         """
         # A contradiction fails before the buffer is drawn from.
         self._check_recording(return_diagnostics, record_trajectory, record_energies)
@@ -597,9 +598,12 @@ class SGLD:
             out = chain(x0, y)
             buffer.update(idx, out[0] if isinstance(out, tuple) else out)
             return out
-        shape = tuple(shape) if shape is not None else jm.domain.input_size
+        shape = tuple(shape) if shape is not None else jm.sample_shape()  # the trained size, else the domain's
         if shape is None:
-            raise ValueError("the input shape is unknown: pass shape=(C, H, W), x_init=..., or a ReplayBuffer")
+            raise ValueError(
+                "the input shape is unknown: pass shape=(C, H, W), x_init=..., or a ReplayBuffer (or train first: "
+                "the model records the size of its first training batch)"
+            )
         x0 = jm.domain.uniform(n, shape, generator=self.generator, device=device or torch.device("cpu"))
         return chain(x0, y)
 

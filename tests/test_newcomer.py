@@ -250,3 +250,47 @@ def test_the_sample_quality_line_names_its_references_and_what_32_images_tell():
     assert "\n" not in line
     assert "well below its init's" in sample_quality_line(dict(q, fd_buffer=100.0))
     assert "have not moved" in sample_quality_line(dict(q, fd_buffer=400.0))
+
+
+# ----------------------------------------------------------------------------- 2. sampling at the trained size
+def test_the_readme_loop_then_its_sampling_line_runs():
+    """After the README's loop, `jem.SGLD(steps=100).sample(jm, n=64)` raised "the input shape is
+    unknown": neither JEMLoss nor jm(x) recorded the size of the batches. Now the first training
+    batch does."""
+    import jem_plugin as jem
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    jm = jem.wrap(model, data_range=(-1, 1))
+    assert jm.trained_input_size is None and jm.domain.input_size is None
+    loss_fn = jem.JEMLoss(jem.SGLD(steps=2), jem.ReplayBuffer(100, sample_shape=(1, 8, 8)), l2_weight=0.1)
+    loss_fn(jm, torch.rand(16, 1, 8, 8) * 2 - 1, torch.randint(0, 10, (16,))).loss.backward()
+    assert jm.trained_input_size == (1, 8, 8)
+    assert jem.SGLD(steps=3).sample(jm, n=5).shape == (5, 1, 8, 8)
+    # what the model file, jem.load and checkpoints hold is unchanged: the weights alone
+    assert set(jm.state_dict()) == {f"model.{k}" for k in model.state_dict()}
+
+
+def test_a_pretrained_size_is_not_used_silently_where_training_said_otherwise():
+    """A timm resnet10t trained on 32x32 digits: jm.domain.input_size is timm's pretrained
+    (1, 176, 176), and SGLD.sample(jm, y=labels) sampled at 176x176 for over 5 minutes."""
+    import warnings
+
+    import timm
+
+    import jem_plugin as jem
+
+    jm = jem.wrap(timm.create_model("resnet10t", num_classes=10, in_chans=1, pretrained=False))
+    assert jm.domain.input_size == (1, 176, 176)
+    jm.eval()
+    jm(torch.zeros(2, 1, 64, 64))  # evaluation: not a training batch
+    assert jm.trained_input_size is None
+    jm.train()
+    jm(torch.rand(4, 1, 32, 32) * 2 - 1)  # a training step's forward
+    sgld = jem.SGLD(steps=1)
+    with pytest.warns(UserWarning, match=r"sampling at \(1, 32, 32\).*\(1, 176, 176\)") as caught:
+        assert sgld.sample(jm, y=torch.arange(3)).shape == (3, 1, 32, 32)
+    assert caught[0].filename == __file__  # at the user's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per model
+        assert jem.SGLD(steps=1).sample(jm, n=2).shape == (2, 1, 32, 32)
+        assert sgld.sample(jm, n=1, shape=(1, 48, 48)).shape == (1, 1, 48, 48)  # a shape given wins
