@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ._checks import draw, unwrap_model
 from .errors import InvalidInputError, NoFeaturesError, NoLogitsError
 
-__all__ = ["InputDomain", "Adapter", "IMAGENET_MEAN", "IMAGENET_STD", "WRAP_OPTIONS"]
+__all__ = ["InputDomain", "Preprocess", "Adapter", "IMAGENET_MEAN", "IMAGENET_STD", "WRAP_OPTIONS"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -148,6 +148,77 @@ class InputDomain:
         """Map inputs to ``[0, 1]`` pixels for display (undo normalisation, then rescale)."""
         lo, hi = self.bounds(x)
         return ((x - lo) / (hi - lo)).clamp(0, 1)
+
+
+class Preprocess:
+    """Raw images to a model's input, as ``jem train`` reads a folder of images: what
+    :meth:`jem_plugin.JEM.preprocessing` returns (timm's ``resolve_data_config`` +
+    ``create_transform`` in one call).
+
+    Each image (an image file's path, a PIL image, or a ``uint8`` array of ``(H, W)`` or ``(H, W, C)``
+    pixels in 0..255) is converted to the model's channels (``RGB`` for 3, ``L`` for 1), resized to
+    ``size``'s ``(H, W)`` (bilinear, antialiased, no crop), scaled to ``[0, 1]`` and mapped into
+    ``domain``: normalised by its ``mean``/``std`` where it has them, else stretched onto its
+    ``low..high`` range. One image gives ``[C, H, W]`` (a ``Dataset`` transform); a list of
+    images, or a ``uint8`` array ``(B, H, W, C)``, gives ``[B, C, H, W]`` (a batch for ``jm``).
+    """
+
+    def __init__(self, domain: InputDomain, size: Sequence[int]) -> None:
+        size = tuple(int(s) for s in size)
+        if len(size) != 3 or size[0] not in (1, 3):
+            raise InvalidInputError(
+                f"preprocessing reads images into inputs of shape (C, H, W) with 1 or 3 channels; this model's are "
+                f"{size}"
+            )
+        self.domain, self.size = domain, size
+        self.mode = "RGB" if size[0] == 3 else "L"
+
+    def __repr__(self) -> str:
+        return (
+            f"Preprocess(size={self.size}: {self.mode} images resized to {self.size[1]}x{self.size[2]}, "
+            f"then into {self.domain.describe()})"
+        )
+
+    def __call__(self, images: Any) -> Tensor:
+        import numpy as np
+
+        if isinstance(images, (list, tuple)):
+            if not images:
+                raise InvalidInputError("preprocessing got an empty list of images")
+            return torch.stack([self._one(im) for im in images])
+        if isinstance(images, np.ndarray) and images.ndim == 4:
+            return torch.stack([self._one(im) for im in images])
+        return self._one(images)
+
+    def _one(self, image: Any) -> Tensor:
+        import os
+
+        import numpy as np
+        from PIL import Image
+        from torchvision.transforms import functional as TF
+
+        if isinstance(image, (str, os.PathLike)):
+            with Image.open(image) as opened:
+                image = opened.convert(self.mode)
+        elif isinstance(image, np.ndarray):
+            if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] > 4):
+                raise InvalidInputError(
+                    f"preprocessing takes uint8 pixel arrays of shape (H, W) or (H, W, C), got a {image.dtype} array "
+                    f"of shape {image.shape}: convert it to 0..255 uint8 (channels last), or give the model tensors "
+                    f"in its domain {self.domain.describe()} directly"
+                )
+            image = Image.fromarray(image[..., 0] if image.ndim == 3 and image.shape[2] == 1 else image)
+        elif not isinstance(image, Image.Image):
+            raise InvalidInputError(
+                f"preprocessing takes image file paths, PIL images or uint8 arrays, got {type(image).__name__}"
+            )
+        image = TF.resize(image.convert(self.mode), [self.size[1], self.size[2]])
+        x = TF.to_tensor(image)  # [C, H, W] in [0, 1]
+        d = self.domain
+        if d.mean is not None and d.std is not None:
+            return TF.normalize(x, list(d.mean), list(d.std))
+        lo, hi = torch.tensor(d.low).view(-1, 1, 1), torch.tensor(d.high).view(-1, 1, 1)
+        return lo + x * (hi - lo)
 
 
 class Adapter:

@@ -16,8 +16,15 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from ._checks import check_input, check_labels, free_energy, unwrap_model
-from .adapter import Adapter, InputDomain, check_wrap_options, no_layers_error
-from .errors import InferenceModeError, NoFeaturesError, NoLogitsError, NonFiniteLogitsError, NotWrappedError
+from .adapter import Adapter, InputDomain, Preprocess, check_wrap_options, no_layers_error
+from .errors import (
+    InferenceModeError,
+    InvalidInputError,
+    NoFeaturesError,
+    NoLogitsError,
+    NonFiniteLogitsError,
+    NotWrappedError,
+)
 from .plugins import get_plugin_manager
 
 __all__ = ["JEM", "wrap", "as_jem", "input_grad_enabled", "sampling_mode", "frozen_bn_stats"]
@@ -108,6 +115,25 @@ class JEM(nn.Module):
                 stacklevel=3,
             )
         return trained
+
+    def preprocessing(self, size: Sequence[int] | None = None) -> Preprocess:
+        """Raw images to this model's input, as its training read them: a callable
+        (:class:`~jem_plugin.adapter.Preprocess`) taking image file paths, PIL images or ``uint8``
+        arrays ``(H, W[, C])``, one or a list, and returning ``[C, H, W]`` or ``[B, C, H, W]``:
+        resized to the size the model trained on (:attr:`trained_input_size`, else :attr:`domain`'s
+        ``input_size``; ``size=(C, H, W)`` for another), in its channels, scaled and normalised into
+        :attr:`domain`. A model from :func:`jem_plugin.load` knows both from its file.
+
+        >>> x = jm.preprocessing()(["cat.png", "dog.png"])  # [2, C, H, W]
+        >>> probs = jm(x).softmax(1)
+        """
+        shape = tuple(size) if size is not None else self._trained_input_size or self._domain.input_size
+        if shape is None:
+            raise InvalidInputError(
+                "the model's input size is unknown (no training batch seen, no input_size in its domain): "
+                "pass preprocessing(size=(C, H, W))"
+            )
+        return Preprocess(self._domain, shape)
 
     def settle(self, *, num_classes: int | None = None, sample_shape: tuple[int, ...] | None = None) -> None:
         """Record what only a forward could tell: the class count and the input shape.

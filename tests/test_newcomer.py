@@ -294,3 +294,64 @@ def test_a_pretrained_size_is_not_used_silently_where_training_said_otherwise():
         warnings.simplefilter("error")  # once per model
         assert jem.SGLD(steps=1).sample(jm, n=2).shape == (2, 1, 32, 32)
         assert sgld.sample(jm, n=1, shape=(1, 48, 48)).shape == (1, 1, 48, 48)  # a shape given wins
+
+
+# ----------------------------------------------------------------------------- 9. raw images in
+@pytest.fixture(scope="module")
+def folder_model(tmp_path_factory):
+    """A model file from `jem train` on a folder of PNGs (resnet10t at 12x12, one epoch)."""
+    from jem_plugin.app.data import write_digits_folder
+
+    root = tmp_path_factory.mktemp("raw")
+    folder = write_digits_folder(root / "train", classes=(0, 1), per_class=8, size=20)
+    argv = ["train", "--baseline", "--data", f"folder:{folder}", "--image-size", "12", "--epochs", "1"]
+    assert main([*argv, "--batch-size", "4", "--val-fraction", "0.25", "--out", str(root / "run"), "--quiet"]) == 0
+    return folder, root / "run" / "model.pt"
+
+
+def test_a_loaded_model_turns_files_pil_images_and_uint8_arrays_into_its_input(folder_model):
+    """A user of `jem.load` on raw images had to read jm.domain to find the mean and std. The model
+    now gives the preprocessing its training used, and it gives exactly what training fed it."""
+    import numpy as np
+    from PIL import Image
+
+    import jem_plugin as jem
+    from jem_plugin.app.data import image_folder
+
+    folder, model_file = folder_model
+    jm = jem.load(model_file)
+    prep = jm.preprocessing()
+    assert prep.size == (3, 12, 12) and "12x12" in repr(prep)
+    trained = image_folder(folder, image_size=12)  # what jem train read
+    path, _ = trained.samples[3]
+    assert torch.allclose(prep(path), trained[3][0], atol=1e-6)
+    pil = Image.open(path)
+    pixels = np.asarray(pil.convert("RGB"))
+    assert torch.allclose(prep(pil), prep(path)) and torch.allclose(prep(pixels), prep(path))
+    batch = prep([path, pil, pixels])
+    assert batch.shape == (3, 3, 12, 12) and jm(batch).shape == (3, 2)
+    assert prep(pixels[None].repeat(2, 0)).shape == (2, 3, 12, 12)  # a uint8 batch (B, H, W, C)
+    # and the model file's size is what sampling uses (not timm's pretrained 176x176)
+    assert jm.sample_shape() == (3, 12, 12)
+    assert jem.SGLD(steps=1).sample(jm, n=2).shape == (2, 3, 12, 12)
+
+
+def test_wrap_gives_preprocessing_into_its_domain():
+    import numpy as np
+
+    import jem_plugin as jem
+    from jem_plugin.errors import InvalidInputError
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    jm = jem.wrap(model, data_range=(-1, 1), input_size=(1, 8, 8))
+    pixels = np.zeros((16, 16), dtype=np.uint8)
+    pixels[:, 8:] = 255
+    x = jm.preprocessing()(pixels)
+    assert x.shape == (1, 8, 8) and x.min() == -1.0 and x.max() == 1.0  # 0..255 onto the range
+    assert jm.preprocessing()([pixels, pixels]).shape == (2, 1, 8, 8)
+    with pytest.raises(InvalidInputError, match="uint8"):
+        jm.preprocessing()(pixels.astype(np.float32))
+    normalised = jem.wrap(model, mean=(0.5,), std=(0.25,), input_size=(1, 4, 4))
+    assert torch.allclose(normalised.preprocessing()(np.full((4, 4), 255, np.uint8)), torch.full((1, 4, 4), 2.0))
+    with pytest.raises(InvalidInputError, match="input size is unknown"):
+        jem.wrap(model, data_range=(-1, 1)).preprocessing()
