@@ -94,7 +94,7 @@ def test_every_recipe_flag_applies_to_the_baseline_or_is_refused():
     """`--baseline --bn-stats-from-data` was accepted and ignored. Each recipe flag now either
     applies to a baseline (the optimiser, SAM, the post-training steps) or is refused."""
     from jem_plugin.app.commands.train import BASELINE_SETTINGS, _generative_only
-    from jem_plugin.recipes import DEPRECATED_NAMES, flat_names
+    from jem_plugin.recipes import flat_names
 
     names = flat_names()
     applies = set()
@@ -111,10 +111,6 @@ def test_every_recipe_flag_applies_to_the_baseline_or_is_refused():
         "sam_adaptive",
         "bn_stats_from_data",
     }
-    for old in DEPRECATED_NAMES:  # the old spellings of generative settings: refused too
-        info = names[DEPRECATED_NAMES[old]]
-        args = parse_args(["train", "--baseline", *_flag_argv(old, info)])
-        assert _generative_only(args) == ["--" + old.replace("_", "-")]
 
 
 @pytest.mark.parametrize(

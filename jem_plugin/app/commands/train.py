@@ -202,11 +202,6 @@ def _generative_only(args) -> list[str]:
     """The flags (or ``--config`` keys) given that set the generative loss: refused with ``--baseline``."""
     names = flat_names()
     flags = [f"--{_dashed(n)}" for n in _given_settings(args) if not names[n]["path"].startswith(BASELINE_SETTINGS)]
-    flags += [
-        f"--{_dashed(old)}"
-        for old, new in OLD_FLAGS.items()
-        if getattr(args, "old_" + old, None) is not None and not names[new]["path"].startswith(BASELINE_SETTINGS)
-    ]
     if args.checkpoint_buffer == "none":
         flags.append("--checkpoint-buffer none")
     return flags
