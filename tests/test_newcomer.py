@@ -296,7 +296,7 @@ def test_a_pretrained_size_is_not_used_silently_where_training_said_otherwise():
 @pytest.fixture(scope="module")
 def folder_model(tmp_path_factory):
     """A model file from `jem train` on a folder of PNGs (resnet10t at 12x12, one epoch)."""
-    from jem_plugin.app.data import write_digits_folder
+    from benchmarks.folders import write_digits_folder
 
     root = tmp_path_factory.mktemp("raw")
     folder = write_digits_folder(root / "train", classes=(0, 1), per_class=8, size=20)
