@@ -45,6 +45,7 @@ from benchmarks import bench_posthoc as P
 from benchmarks import common
 from benchmarks.tune_jem_twin import OUT_DIR, each_fold, fold_data
 from jem_plugin.builtins import posthoc
+from jem_plugin.builtins.posthoc import gram
 from jem_plugin.ood import evaluate
 
 OUT = os.path.join(OUT_DIR, "gram_held_out.json")
@@ -58,7 +59,7 @@ class BoundsWithoutHeldOut(posthoc.Gram):
         assert self._others is not None
         lo, hi = (b.clone() for b in self._others)
         super()._finish(jm)
-        posthoc._fill_absent(lo, hi)
+        gram._fill_absent(lo, hi)
         self._lo, self._hi = lo, hi
 
 

@@ -107,7 +107,7 @@ def test_the_walk_sees_the_public_api():
         "jem_plugin.ood.score",
         "jem_plugin.stability.DivergenceGuard.__init__",
         "jem_plugin.distributed.wrap_ddp",
-        "jem_plugin.builtins.posthoc.Mahalanobis.__init__",
+        "jem_plugin.builtins.posthoc.gaussian.Mahalanobis.__init__",
     ):
         assert name in counts, name
     assert not any(".app." in name for name in counts)

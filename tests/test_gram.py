@@ -16,6 +16,7 @@ from torch import nn
 import jem_plugin as jem
 from jem_plugin import ood
 from jem_plugin.builtins import posthoc
+from jem_plugin.builtins.posthoc import gram as gram_module
 from jem_plugin.errors import NotFittedError
 
 K = 3
@@ -102,7 +103,7 @@ def test_the_statistic_is_the_row_sums_of_the_papers_gram_matrices_even_where_fl
     naive = (maps**10 @ (maps**10).transpose(1, 2)).sum(dim=2)
     assert not torch.isfinite(naive).all()  # the statistic computed as written, in float32
     powers = [3, 1, 10, 2]  # in any order
-    rows = posthoc._gram_rows(maps, powers)
+    rows = gram_module._gram_rows(maps, powers)
     assert rows.shape == (4, 4, 5) and torch.isfinite(rows).all()
     for i, p in enumerate(powers):
         torch.testing.assert_close(rows[:, i].double(), _paper_rows(maps, p), rtol=1e-5, atol=1e-3)
@@ -110,9 +111,9 @@ def test_the_statistic_is_the_row_sums_of_the_papers_gram_matrices_even_where_fl
 
 def test_the_statistic_is_computed_a_few_images_at_a_time_with_the_same_numbers(monkeypatch):
     maps = torch.randn(10, 6, 20, generator=torch.Generator().manual_seed(2))
-    whole = posthoc._gram_rows(maps, [1, 2, 3])
-    monkeypatch.setattr(posthoc, "_GRAM_CHUNK_ENTRIES", 3 * 6 * 20)  # three images per chunk
-    torch.testing.assert_close(posthoc._gram_rows(maps, [1, 2, 3]), whole, rtol=0, atol=0)
+    whole = gram_module._gram_rows(maps, [1, 2, 3])
+    monkeypatch.setattr(gram_module, "_GRAM_CHUNK_ENTRIES", 3 * 6 * 20)  # three images per chunk
+    torch.testing.assert_close(gram_module._gram_rows(maps, [1, 2, 3]), whole, rtol=0, atol=0)
 
 
 def _deviation(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -202,7 +203,7 @@ def test_by_default_each_layers_typical_deviation_is_the_leave_one_out_mean_over
 def test_two_smallest_per_class_with_ties_and_single_rows():
     stats = torch.tensor([[3.0, 1.0], [1.0, 1.0], [2.0, 5.0], [7.0, 0.0], [4.0, 4.0]])
     y = torch.tensor([0, 0, 0, 2, 0])
-    first, second = posthoc._two_smallest(stats, y, 3)
+    first, second = gram_module._two_smallest(stats, y, 3)
     torch.testing.assert_close(first, torch.tensor([[1.0, 1.0], [math.inf, math.inf], [7.0, 0.0]]))
     torch.testing.assert_close(second, torch.tensor([[2.0, 1.0], [math.inf, math.inf], [math.inf, math.inf]]))
 

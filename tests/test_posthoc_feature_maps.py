@@ -13,7 +13,7 @@ from torch import nn
 import jem_plugin as jem
 from jem_plugin import ood
 from jem_plugin.adapter import Adapter
-from jem_plugin.builtins import posthoc
+from jem_plugin.builtins.posthoc import shaping
 from jem_plugin.errors import NoFeaturesError
 
 timm = pytest.importorskip("timm")
@@ -51,7 +51,7 @@ def test_on_a_timm_cnn_ash_and_scale_equal_pytorch_oods_feature_map_detectors(na
     with torch.no_grad():
         theirs = -ref.predict(x)
     torch.testing.assert_close(ood.score(jm, x, name, percentile=p), theirs, rtol=1e-4, atol=1e-4)
-    flat = _penultimate(jm, x, lambda h: posthoc._ash_s(h, p) if name == "ash" else posthoc._scale_rows(h, p))
+    flat = _penultimate(jm, x, lambda h: shaping._ash_s(h, p) if name == "ash" else shaping._scale_rows(h, p))
     assert (flat - theirs).abs().max() > 1e-3  # the penultimate-feature version is a different score
 
 
@@ -101,14 +101,14 @@ def test_a_user_cnn_gets_maps_only_where_its_head_is_rebuilt_exactly():
     maps, to_logits = plain.feature_maps(x)
     assert maps.shape == (5, 8, 8, 8)
     by_hand = torch.logsumexp(
-        plain.model.fc(plain.model.avgpool(posthoc._ash_s(maps.flatten(1), 90).view_as(maps)).flatten(1)), 1
+        plain.model.fc(plain.model.avgpool(shaping._ash_s(maps.flatten(1), 90).view_as(maps)).flatten(1)), 1
     )
     torch.testing.assert_close(ood.score(plain, x, "ash"), by_hand)
 
     scaled = jem.wrap(_PoolThenScaled().eval(), data_range=(0.0, 1.0))
     assert scaled.feature_maps(x) is None
     torch.testing.assert_close(
-        ood.score(scaled, x, "scale"), _penultimate(scaled, x, lambda h: posthoc._scale_rows(h, 85))
+        ood.score(scaled, x, "scale"), _penultimate(scaled, x, lambda h: shaping._scale_rows(h, 85))
     )
 
 
@@ -126,7 +126,7 @@ def test_a_vit_is_shaped_on_its_penultimate_features_in_one_forward():
     calls = []
     handle = model.patch_embed.register_forward_hook(lambda *_: calls.append(1))
     try:
-        for name, shape in (("ash", lambda h: posthoc._ash_s(h, 90)), ("scale", lambda h: posthoc._scale_rows(h, 85))):
+        for name, shape in (("ash", lambda h: shaping._ash_s(h, 90)), ("scale", lambda h: shaping._scale_rows(h, 85))):
             calls.clear()
             score = ood.score(jm, x, name)
             assert len(calls) == 1, f"{name} ran the model {len(calls)} times"
@@ -169,7 +169,7 @@ def test_an_adapter_from_the_plugin_hook_can_provide_the_feature_maps():
         assert jm.adapter.name == "trunked"
         x = torch.rand(4, 3, 9, 9)
         m = model.trunk(x)
-        s2 = torch.topk(m.flatten(1), posthoc._kept(m[0].numel(), 85), dim=1).values.sum(1)
+        s2 = torch.topk(m.flatten(1), shaping._kept(m[0].numel(), 85), dim=1).values.sum(1)
         by_hand = torch.logsumexp(model.fc((m * torch.exp(m.flatten(1).sum(1) / s2).view(-1, 1, 1, 1)).mean((2, 3))), 1)
         torch.testing.assert_close(ood.score(jm, x, "scale"), by_hand)
     finally:

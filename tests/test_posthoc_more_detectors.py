@@ -16,6 +16,7 @@ from torch import nn
 import jem_plugin as jem
 from jem_plugin import ood
 from jem_plugin.builtins import posthoc
+from jem_plugin.builtins.posthoc import openmax as openmax_module
 from jem_plugin.errors import InvalidInputError, NoFeaturesError, NotFittedError
 
 NEW = ("gmm", "mahalanobis_odin", "openmax")
@@ -247,15 +248,15 @@ def test_weibull_fit_is_maximum_likelihood_as_scipy():
     stats = pytest.importorskip("scipy.stats")
     rng = np.random.default_rng(0)
     rows = [stats.weibull_min.rvs(c, scale=s, size=60, random_state=rng) for c, s in ((1.5, 2.0), (3.0, 0.5))]
-    shape, scale = posthoc._weibull_fit(torch.tensor(np.stack(rows)), torch.ones(2, 60, dtype=torch.bool))
+    shape, scale = openmax_module._weibull_fit(torch.tensor(np.stack(rows)), torch.ones(2, 60, dtype=torch.bool))
     for i, row in enumerate(rows):
         c, _, s = stats.weibull_min.fit(row, floc=0)
         assert shape[i].item() == pytest.approx(c, rel=1e-3) and scale[i].item() == pytest.approx(s, rel=1e-3)
     tails = [np.sort(rng.gamma(2.0, 1.0 + i, size=200))[-25:] for i in range(3)]
-    shifted = np.stack([t + posthoc._WEIBULL_SHIFT - t.min() for t in tails])
+    shifted = np.stack([t + openmax_module._WEIBULL_SHIFT - t.min() for t in tails])
     valid = torch.ones(3, 25, dtype=torch.bool)
     valid[2, :5] = False  # a class with a shorter tail
-    shape, scale = posthoc._weibull_fit(torch.tensor(shifted), valid)
+    shape, scale = openmax_module._weibull_fit(torch.tensor(shifted), valid)
     for i in range(3):
         x = shifted[i][valid[i].numpy()]
         c, s = _weibull_mle(x)

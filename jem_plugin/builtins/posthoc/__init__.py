@@ -1,0 +1,195 @@
+"""The field's post-hoc OOD detectors, registered through the ``jem_register_ood_scores`` hook.
+
+A built-in plugin like :mod:`jem_plugin.builtins.ood_scores`: :mod:`jem_plugin.plugins` registers
+it at start-up and :func:`jem_plugin.ood.score` finds these by name. Same convention as every
+score of the library: **higher = more in-distribution** (pytorch-ood's detectors return outlier
+scores, the negatives of ours up to the scale noted per detector).
+
+Logit and feature scores that need no training data are functions ``fn(jm, x, **options)``:
+
+=======  ===================================================================  ===========
+name     score                                                                input grad
+=======  ===================================================================  ===========
+odin     ``max softmax(f(x') / T)`` at ``x' = x - eps * sign(-d log S_y/dx)``  yes
+         (Liang et al. 2018; ``eps`` in [0, 1]-pixel units)
+gen      ``-sum_j p_j^g (1 - p_j)^g`` over the ``M`` largest probabilities    no
+         (generalized entropy, Liu et al. 2023; ``gamma = 0.1``,
+         ``M = min(K, 100)``)
+ash      energy of the logits from ASH-S activations: the top ``100 - p`` %    no
+         kept and scaled by ``exp(sum / kept sum)`` (Djurisic et al. 2023;
+         ``percentile = 90``); on the last feature maps where the adapter
+         gives them, else the penultimate features
+scale    energy of the logits from ``h * exp(sum h / top sum h)`` (SCALE,      no
+         Xu et al. 2024; ``percentile = 85``); the same activations as ash
+=======  ===================================================================  ===========
+
+Feature detectors fitted on in-distribution training data are classes (registered with
+``needs_fit=True``): ``Detector(**options).fit(jm, data).score(jm, x)``. ``fit`` *streams* over
+``data`` (a DataLoader, any iterable of batches, a tensor, or an ``(x, y)`` pair of tensors): it
+keeps running sums, never the whole set, except KNN's bank of normalised features (``max_fit=``
+keeps a uniform subsample) and a bounded uniform subsample where a statistic needs the data
+itself (ReAct's percentile, ViM's alpha). OpenMax streams twice (class means, then the distances
+to them), so its data must be iterable twice (not a one-shot generator).
+
+====================  ==============================================================  ==========
+name                  score                                                           fit keeps
+====================  ==============================================================  ==========
+mahalanobis           ``-min_c (z - mu_c)^T S^+ (z - mu_c)``, class means and shared   ``D x D``
+                      covariance (Lee et al. 2018, no input preprocessing)
+relative_mahalanobis  mahalanobis minus the distance under one Gaussian of all data     ``D x D``
+                      (Ren et al. 2021)
+vim                   ``logsumexp f - alpha ||P_res (z - u)||`` (Wang et al. 2022)      ``D x D``
+knn                   ``-||z/|z| - n_k||``, distance to the k-th nearest normalised    ``N x D``
+                      training feature (Sun et al. 2022; ``k = 50``)
+react                 energy of the head on features clipped at the ``p``-th            a sample
+                      percentile of training activations (Sun et al. 2021; ``p = 90``)
+mahalanobis_odin      mahalanobis at ``x' = x - eps sign(d/dx min_c d_c(x))``, Lee      ``D x D``
+                      et al.'s input preprocessing (input gradient; ``eps = 0.002``)
+gmm                   ``log sum_c pi_c N(z | mu_c, S_c + reg I)``, one covariance       ``K x D x D``
+                      per class, ``pi_c`` the class frequencies (``reg = 1e-6``)
+openmax               ``-P(unknown)`` once the top ``alpha`` logits are revised by      ``K x K``
+                      per-class Weibull fits of their distances to the class mean
+                      logits (Bendale & Boult 2016; ``tailsize = 25``, ``alpha = 10``)
+multi_mahalanobis     ``-sum_l w_l min_c`` Mahalanobis distance of layer ``l``'s         ``C_l x C_l``
+                      pooled output, Lee et al.'s feature ensemble (``weights="dof"``:    per layer
+                      ``w_l = 1 / sqrt(2 rank_l)``)
+gram                  ``-sum_l delta_l / E_l``, how far the Gram-matrix row sums of       ``K x sum C_l``
+                      layer ``l``'s maps fall outside the per-class training range       per power
+                      (Sastry & Oore 2020; ``powers = 10``)
+====================  ==============================================================  ==========
+
+Features are :meth:`jem_plugin.JEM.features` (penultimate, ``[B, D]``), or for
+``multi_mahalanobis`` :meth:`jem_plugin.JEM.layer_features` (several layers, pooled), for ``gram``
+:meth:`jem_plugin.JEM.layer_maps` (the same layers, unpooled); the "head" is
+:meth:`jem_plugin.JEM.head`, the layer that maps them to the logits. Feature maps are
+:meth:`jem_plugin.JEM.feature_maps` (``[B, C, H, W]`` before the classifier's pooling).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ...plugins import hookimpl
+from .gaussian import Mahalanobis, MahalanobisODIN, MultiMahalanobis, RelativeMahalanobis
+from .gmm import GMM
+from .gram import Gram
+from .knn import KNN
+from .openmax import OpenMax
+from .shaping import ReAct, ash, scale
+from .softmax import gen, odin
+from .vim import ViM
+
+__all__ = [
+    "odin",
+    "gen",
+    "ash",
+    "scale",
+    "Mahalanobis",
+    "RelativeMahalanobis",
+    "MahalanobisODIN",
+    "MultiMahalanobis",
+    "Gram",
+    "GMM",
+    "ViM",
+    "KNN",
+    "ReAct",
+    "OpenMax",
+]
+
+
+@hookimpl
+def jem_register_ood_scores(register: Callable[..., None]) -> None:
+    register(
+        "odin",
+        odin,
+        needs_grad=True,
+        description="ODIN: max softmax at temperature T after an eps input step (temperature=1000, eps=0.0014)",
+    )
+    register(
+        "gen",
+        gen,
+        needs_grad=False,
+        description="GEN generalized entropy of the top-M probabilities (gamma=, M=, clamp=)",
+    )
+    register(
+        "ash",
+        ash,
+        needs_grad=False,
+        description="ASH-S: energy of pruned, rescaled feature maps (penultimate features without maps; percentile=90)",
+    )
+    register(
+        "scale",
+        scale,
+        needs_grad=False,
+        description="SCALE: energy of rescaled feature maps (penultimate features without maps; percentile=85)",
+    )
+    register(
+        "mahalanobis",
+        Mahalanobis,
+        needs_grad=False,
+        needs_fit=True,
+        description="class-conditional Mahalanobis distance, shared covariance (fit; labels=)",
+    )
+    register(
+        "relative_mahalanobis",
+        RelativeMahalanobis,
+        needs_grad=False,
+        needs_fit=True,
+        description="Mahalanobis minus the distance under one Gaussian of all data (fit; labels=)",
+    )
+    register(
+        "mahalanobis_odin",
+        MahalanobisODIN,
+        needs_grad=True,
+        needs_fit=True,
+        description="Mahalanobis after an eps input step towards the closest class mean (fit; eps=0.002, labels=)",
+    )
+    register(
+        "multi_mahalanobis",
+        MultiMahalanobis,
+        needs_grad=False,
+        needs_fit=True,
+        description="Mahalanobis summed over several depths, Lee et al.'s feature ensemble (fit; layers=, weights='dof', labels=)",
+    )
+    register(
+        "gram",
+        Gram,
+        needs_grad=False,
+        needs_fit=True,
+        description="Gram matrices of several depths against per-class training bounds (fit; layers=, powers=10, held_out=0.1)",
+    )
+    register(
+        "gmm",
+        GMM,
+        needs_grad=False,
+        needs_fit=True,
+        description="log-likelihood under class-conditional Gaussians, one covariance per class (fit; reg=1e-6, labels=)",
+    )
+    register(
+        "vim",
+        ViM,
+        needs_grad=False,
+        needs_fit=True,
+        description="ViM: energy minus the scaled residual norm (fit; dim=, max_alpha=)",
+    )
+    register(
+        "knn",
+        KNN,
+        needs_grad=False,
+        needs_fit=True,
+        description="minus the distance to the k-th nearest normalised training feature (fit; k=50, max_fit=)",
+    )
+    register(
+        "react",
+        ReAct,
+        needs_grad=False,
+        needs_fit=True,
+        description="ReAct: energy of features clipped at a training percentile (fit; percentile=90)",
+    )
+    register(
+        "openmax",
+        OpenMax,
+        needs_grad=False,
+        needs_fit=True,
+        description="OpenMax: minus the unknown class's probability from Weibull fits of logit distances (fit; tailsize=25, alpha=10)",
+    )

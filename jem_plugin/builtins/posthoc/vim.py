@@ -1,0 +1,80 @@
+"""Virtual-logit matching (ViM, Wang et al. 2022)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...errors import NoFeaturesError
+from ._base import (
+    _FittedDetector,
+    _head,
+    _Sample,
+)
+
+
+class ViM(_FittedDetector):
+    """Virtual-logit matching (Wang et al. 2022): ``score = logsumexp f(x) - alpha * ||(z - u) R||``
+    with ``u = -pinv(W) b`` the origin the head ``f = W z + b`` defines, ``R`` the eigenvectors of
+    ``(z - u)^T (z - u) / N`` outside the ``dim`` principal ones, and ``alpha`` the mean training
+    max-logit over the mean training residual norm.
+
+    ``fit`` streams the ``D x D`` moment (float64) and the max-logit sum; the residual norms need
+    ``R``, known only at the end, so they are measured on a uniform subsample of at most
+    ``max_alpha`` training features (all of them when there are fewer; ``None``: always all).
+    ``dim`` defaults to the paper's choices: 1000 for ``D >= 2048``, 512 for ``D >= 768``, else
+    ``D // 2``. The head must be linear (``weight``, optional ``bias``).
+    """
+
+    name = "vim"
+
+    def __init__(self, dim: int | None = None, max_alpha: int | None = 10_000, seed: int = 0) -> None:
+        super().__init__()
+        if dim is not None and (not isinstance(dim, int) or dim < 1):
+            raise ValueError(f"dim must be a positive integer or None, got {dim!r}")
+        self.dim, self.max_alpha, self.seed = dim, max_alpha, seed
+
+    def _options(self) -> dict[str, Any]:
+        return {"dim": self.dim, "max_alpha": self.max_alpha}
+
+    def _begin(self, jm: Any) -> None:
+        head = _head(jm, "vim")
+        weight = getattr(head, "weight", None)  # the user's classifier head: nn.Linear or anything alike
+        if not isinstance(weight, Tensor) or weight.dim() != 2:
+            raise NoFeaturesError(f"vim needs a linear head (a weight matrix), got {type(head).__name__}")
+        bias = getattr(head, "bias", None)
+        w = weight.detach().double()
+        b = bias.detach().double() if isinstance(bias, Tensor) else w.new_zeros(w.shape[0])
+        self._u = -(torch.linalg.pinv(w) @ b)
+        self._moment = w.new_zeros(w.shape[1], w.shape[1])
+        self._n = 0
+        self._max_logit_sum = w.new_zeros(())
+        self._sample = _Sample(self.max_alpha, self.seed)
+
+    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+        x = feats.double() - self._u.to(feats.device)
+        self._moment = self._moment.to(feats.device).addmm_(x.T, x)
+        self._n += feats.shape[0]
+        self._max_logit_sum = self._max_logit_sum.to(feats.device) + logits.max(dim=1).values.double().sum()
+        self._sample.add(feats)
+
+    def _finish(self, jm: Any) -> None:
+        d_all = self._moment.shape[0]
+        dim = self.dim if self.dim is not None else (1000 if d_all >= 2048 else 512 if d_all >= 768 else d_all // 2)
+        if not 1 <= dim < d_all:
+            raise ValueError(f"vim's principal dimension must be in [1, {d_all}) for {d_all}-d features, got {dim}")
+        _, evecs = torch.linalg.eigh(self._moment / self._n)
+        residual = evecs[:, : d_all - dim]  # eigh sorts ascending: the smallest D - dim directions
+        sample = self._sample.values().double() - self._u.to(self._moment.device)
+        alpha = (self._max_logit_sum / self._n) / (sample @ residual).norm(dim=1).mean()
+        self.principal_dim = dim
+        self.alpha = float(alpha.item())
+        self._residual = residual.float()
+        self._origin = self._u.float().to(residual.device)
+        del self._moment, self._sample
+
+    def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
+        vlogit = ((feats - self._origin.to(feats.device)) @ self._residual.to(feats.device)).norm(dim=1)
+        return torch.logsumexp(logits, dim=1) - self.alpha * vlogit
