@@ -77,6 +77,20 @@ def test_registered_through_the_ood_score_hook_with_what_they_need():
     assert "jem_plugin.builtins.posthoc" in jem.plugins.BUILTIN_PLUGINS
 
 
+def test_each_detector_is_registered_from_what_its_class_or_function_says_of_it():
+    """Issue 47: the name, needs_grad, needs_fit, description and paper live on the detector
+    (its class, or a function score itself), and registration reads them there."""
+    entries = jem.plugins.collect("jem_register_ood_scores")
+    assert len(posthoc.DETECTORS) == 14
+    for d in posthoc.DETECTORS:
+        entry = entries[d.name]
+        assert entry["item"] is d
+        assert bool(entry["needs_grad"]) == d.needs_grad and bool(entry["needs_fit"]) == d.needs_fit
+        assert entry["description"] == d.description and d.description
+        assert entry["paper"] == d.paper and d.paper
+        assert d.needs_fit == isinstance(d, type)  # the fitted ones are classes
+
+
 def test_detector_builds_unfitted_objects_and_checks_options(setup):
     jm, *_ = setup
     det = ood.detector("knn", k=7)

@@ -68,6 +68,7 @@ Features are :meth:`jem_plugin.JEM.features` (penultimate, ``[B, D]``), or for
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from ...plugins import hookimpl
 from .gaussian import Mahalanobis, MahalanobisODIN, MultiMahalanobis, RelativeMahalanobis
@@ -97,99 +98,34 @@ __all__ = [
 ]
 
 
+#: Every detector of the package, in the order registered. Each keeps what the registry says of
+#: it: a fitted detector on its class, a function score on itself (:func:`._base.describe`).
+DETECTORS: tuple[Any, ...] = (
+    odin,
+    gen,
+    ash,
+    scale,
+    Mahalanobis,
+    RelativeMahalanobis,
+    MahalanobisODIN,
+    MultiMahalanobis,
+    Gram,
+    GMM,
+    ViM,
+    KNN,
+    ReAct,
+    OpenMax,
+)
+
+
 @hookimpl
 def jem_register_ood_scores(register: Callable[..., None]) -> None:
-    register(
-        "odin",
-        odin,
-        needs_grad=True,
-        description="ODIN: max softmax at temperature T after an eps input step (temperature=1000, eps=0.0014)",
-    )
-    register(
-        "gen",
-        gen,
-        needs_grad=False,
-        description="GEN generalized entropy of the top-M probabilities (gamma=, M=, clamp=)",
-    )
-    register(
-        "ash",
-        ash,
-        needs_grad=False,
-        description="ASH-S: energy of pruned, rescaled feature maps (penultimate features without maps; percentile=90)",
-    )
-    register(
-        "scale",
-        scale,
-        needs_grad=False,
-        description="SCALE: energy of rescaled feature maps (penultimate features without maps; percentile=85)",
-    )
-    register(
-        "mahalanobis",
-        Mahalanobis,
-        needs_grad=False,
-        needs_fit=True,
-        description="class-conditional Mahalanobis distance, shared covariance (fit; labels=)",
-    )
-    register(
-        "relative_mahalanobis",
-        RelativeMahalanobis,
-        needs_grad=False,
-        needs_fit=True,
-        description="Mahalanobis minus the distance under one Gaussian of all data (fit; labels=)",
-    )
-    register(
-        "mahalanobis_odin",
-        MahalanobisODIN,
-        needs_grad=True,
-        needs_fit=True,
-        description="Mahalanobis after an eps input step towards the closest class mean (fit; eps=0.002, labels=)",
-    )
-    register(
-        "multi_mahalanobis",
-        MultiMahalanobis,
-        needs_grad=False,
-        needs_fit=True,
-        description="Mahalanobis summed over several depths, Lee et al.'s feature ensemble (fit; layers=, weights='dof', labels=)",
-    )
-    register(
-        "gram",
-        Gram,
-        needs_grad=False,
-        needs_fit=True,
-        description="Gram matrices of several depths against per-class training bounds (fit; layers=, powers=10, held_out=0.1)",
-    )
-    register(
-        "gmm",
-        GMM,
-        needs_grad=False,
-        needs_fit=True,
-        description="log-likelihood under class-conditional Gaussians, one covariance per class (fit; reg=1e-6, labels=)",
-    )
-    register(
-        "vim",
-        ViM,
-        needs_grad=False,
-        needs_fit=True,
-        description="ViM: energy minus the scaled residual norm (fit; dim=, max_alpha=)",
-    )
-    register(
-        "knn",
-        KNN,
-        needs_grad=False,
-        needs_fit=True,
-        description="minus the distance to the k-th nearest normalised training feature (fit; k=50, max_fit=)",
-    )
-    register(
-        "react",
-        ReAct,
-        needs_grad=False,
-        needs_fit=True,
-        description="ReAct: energy of features clipped at a training percentile (fit; percentile=90)",
-    )
-    register(
-        "openmax",
-        OpenMax,
-        needs_grad=False,
-        needs_fit=True,
-        description="OpenMax: minus the unknown class's probability from Weibull fits of logit distances (fit; tailsize=25, alpha=10)",
-    )
+    for d in DETECTORS:
+        register(
+            d.name,
+            d,
+            needs_grad=d.needs_grad,
+            needs_fit=d.needs_fit,
+            description=d.description,
+            paper=d.paper,
+        )

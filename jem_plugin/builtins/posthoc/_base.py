@@ -8,7 +8,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -27,6 +27,27 @@ from ..._checks import (
 )
 from ...errors import InvalidInputError, InvalidLabelError, NoFeaturesError, NotFittedError
 from ...model import as_jem, sampling_mode
+
+F_ = TypeVar("F_", bound=Callable[..., Any])
+
+
+def describe(*, name: str, description: str, paper: str, needs_grad: bool = False) -> Callable[[F_], F_]:
+    """A function score's registry entry, kept on the function as a fitted detector keeps its on
+    its class: ``name``, ``needs_grad``, ``needs_fit`` (False), ``description`` and ``paper``,
+    which registration reads."""
+
+    def mark(fn: F_) -> F_:
+        for key, value in (
+            ("name", name),
+            ("needs_grad", needs_grad),
+            ("needs_fit", False),
+            ("description", description),
+            ("paper", paper),
+        ):
+            setattr(fn, key, value)
+        return fn
+
+    return mark
 
 
 def _head(jm: Any, what: str) -> nn.Module:
@@ -185,8 +206,13 @@ class _FittedDetector:
     (features of each batch handed to :meth:`_add`), :meth:`_finish` turns the running sums
     into the fitted state, ``score`` maps a batch to ``[B]`` scores, higher = in-distribution."""
 
+    #: What the registry says of the detector (registration reads these, :mod:`.`): its score
+    #: name, whether it takes input gradients or a fit, a one-line description and its paper.
     name = "detector"
     needs_grad = False
+    needs_fit = True
+    description = ""
+    paper = ""
     #: False for a detector of the logits alone: it then never asks the adapter for features, so
     #: it works on models whose penultimate layer cannot be found (a convolutional head).
     uses_features = True

@@ -52,6 +52,8 @@ class Mahalanobis(_GaussianDetector):
     """
 
     name = "mahalanobis"
+    description = "class-conditional Mahalanobis distance, shared covariance (fit; labels=)"
+    paper = "Lee et al. 2018, A Simple Unified Framework for Detecting Out-of-Distribution Samples and Adversarial Attacks (NeurIPS)"
     #: warn when the fit features do not vary within their classes or the fit has fewer images
     #: than features (:class:`MultiMahalanobis` turns it off for its per-layer parts and warns once
     #: for all layers)
@@ -98,6 +100,8 @@ class RelativeMahalanobis(Mahalanobis):
     deviations, not covariances: its outlier score is ``-score / N``."""
 
     name = "relative_mahalanobis"
+    description = "Mahalanobis minus the distance under one Gaussian of all data (fit; labels=)"
+    paper = "Ren et al. 2021, A Simple Fix to Mahalanobis Distance for Improving Near-OOD Detection (arXiv:2106.09022)"
 
     def _finish(self, jm: Any) -> None:
         outer = self._moments.outer  # the finish below lets go of the running sums
@@ -136,6 +140,8 @@ class MahalanobisODIN(Mahalanobis):
     """
 
     name = "mahalanobis_odin"
+    description = "Mahalanobis after an eps input step towards the closest class mean (fit; eps=0.002, labels=)"
+    paper = "Lee et al. 2018, A Simple Unified Framework for Detecting Out-of-Distribution Samples and Adversarial Attacks (NeurIPS)"
     needs_grad = True
 
     def __init__(self, eps: float = 0.002, labels: str = "true") -> None:
@@ -212,6 +218,10 @@ class MultiMahalanobis(_ClassConditional):
     """
 
     name = "multi_mahalanobis"
+    description = (
+        "Mahalanobis summed over several depths, Lee et al.'s feature ensemble (fit; layers=, weights='dof', labels=)"
+    )
+    paper = "Lee et al. 2018, A Simple Unified Framework for Detecting Out-of-Distribution Samples and Adversarial Attacks (NeurIPS)"
 
     def __init__(
         self,

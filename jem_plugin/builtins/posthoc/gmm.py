@@ -32,6 +32,8 @@ class GMM(_GaussianDetector):
     """
 
     name = "gmm"
+    description = "log-likelihood under class-conditional Gaussians, one covariance per class (fit; reg=1e-6, labels=)"
+    paper = "class-conditional Gaussian discriminant analysis, as pytorch-ood's GMM (no single paper)"
     per_class_covariance = True
 
     def __init__(self, reg: float = 1e-6, labels: str = "true", chunk_classes: int | None = None) -> None:

@@ -141,6 +141,10 @@ class Gram(_ClassConditional):
     """
 
     name = "gram"
+    description = (
+        "Gram matrices of several depths against per-class training bounds (fit; layers=, powers=10, held_out=0.1)"
+    )
+    paper = "Sastry & Oore 2020, Detecting Out-of-Distribution Examples with In-distribution Examples and Gram Matrices (ICML)"
 
     def __init__(
         self,

@@ -23,6 +23,8 @@ class KNN(_FittedDetector):
     chosen neighbour is then computed directly (not from the dot product)."""
 
     name = "knn"
+    description = "minus the distance to the k-th nearest normalised training feature (fit; k=50, max_fit=)"
+    paper = "Sun et al. 2022, Out-of-Distribution Detection with Deep Nearest Neighbors (ICML)"
 
     def __init__(self, k: int = 50, max_fit: int | None = None, seed: int = 0, chunk: int = 65536) -> None:
         super().__init__()

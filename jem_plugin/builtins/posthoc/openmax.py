@@ -89,6 +89,8 @@ class OpenMax(_ClassConditional):
     """
 
     name = "openmax"
+    description = "OpenMax: minus the unknown class's probability from Weibull fits of logit distances (fit; tailsize=25, alpha=10)"
+    paper = "Bendale & Boult 2016, Towards Open Set Deep Networks (CVPR)"
     uses_features = False  # the logits alone: any classifier, whatever its head
 
     def __init__(self, tailsize: int = 25, alpha: int = 10, euclid_weight: float = 1.0, labels: str = "true") -> None:

@@ -18,6 +18,7 @@ from ._base import (
     _FittedDetector,
     _head,
     _Sample,
+    describe,
 )
 
 
@@ -67,6 +68,11 @@ def _shaped_energy(jm: Any, x: Tensor, what: str, shape: Callable[[Tensor], Tens
     return _energy(head, shape(h))
 
 
+@describe(
+    name="ash",
+    description="ASH-S: energy of pruned, rescaled feature maps (penultimate features without maps; percentile=90)",
+    paper="Djurisic et al. 2023, Extremely Simple Activation Shaping for Out-of-Distribution Detection (ICLR)",
+)
 def ash(jm: Any, x: Tensor, percentile: float = 90.0) -> Tensor:
     """ASH-S (Djurisic et al. 2023): the largest ``100 - percentile`` % of each input's activations
     kept, the rest zeroed, the kept ones scaled by ``exp(sum / kept sum)``; the score is the
@@ -78,6 +84,11 @@ def ash(jm: Any, x: Tensor, percentile: float = 90.0) -> Tensor:
     return _shaped_energy(jm, x, "ash", lambda h: _ash_s(h, p))
 
 
+@describe(
+    name="scale",
+    description="SCALE: energy of rescaled feature maps (penultimate features without maps; percentile=85)",
+    paper="Xu et al. 2024, Scaling for Training Time and Post-hoc Out-of-distribution Detection Enhancement (ICLR)",
+)
 def scale(jm: Any, x: Tensor, percentile: float = 85.0) -> Tensor:
     """SCALE (Xu et al. 2024): each input's activations scaled by ``exp(sum / sum of the top
     100 - percentile %)``, nothing pruned; the score is the energy of the logits computed from
@@ -98,6 +109,8 @@ class ReAct(_FittedDetector):
     """
 
     name = "react"
+    description = "ReAct: energy of features clipped at a training percentile (fit; percentile=90)"
+    paper = "Sun et al. 2021, ReAct: Out-of-distribution Detection With Rectified Activations (NeurIPS)"
 
     def __init__(self, percentile: float = 90.0, max_values: int | None = 1_000_000, seed: int = 0) -> None:
         super().__init__()

@@ -12,9 +12,16 @@ from torch import Tensor
 from ...model import as_jem, input_grad_enabled, sampling_mode
 from ._base import (
     _input_step,
+    describe,
 )
 
 
+@describe(
+    name="odin",
+    needs_grad=True,
+    description="ODIN: max softmax at temperature T after an eps input step (temperature=1000, eps=0.0014)",
+    paper="Liang et al. 2018, Enhancing The Reliability of Out-of-distribution Image Detection in Neural Networks (ICLR)",
+)
 def odin(jm: Any, x: Tensor, temperature: float = 1000.0, eps: float = 0.0014) -> Tensor:
     """ODIN (Liang et al. 2018): the maximum softmax probability at temperature ``T`` of the input
     moved by ``eps`` against the gradient sign of ``-log S_yhat(x; T)``.
@@ -37,6 +44,11 @@ def odin(jm: Any, x: Tensor, temperature: float = 1000.0, eps: float = 0.0014) -
         return torch.softmax(core.logits(x_hat) / t, dim=1).max(dim=1).values
 
 
+@describe(
+    name="gen",
+    description="GEN generalized entropy of the top-M probabilities (gamma=, M=, clamp=)",
+    paper="Liu et al. 2023, GEN: Pushing the Limits of Softmax-Based Out-of-Distribution Detection (CVPR)",
+)
 def gen(jm: Any, x: Tensor, gamma: float = 0.1, M: int | None = None, clamp: float = 1e-7) -> Tensor:
     """GEN (Liu et al. 2023): ``-sum_{j <= M} p_j^gamma (1 - p_j)^gamma`` over the ``M`` largest
     softmax probabilities (``M = min(K, 100)`` by default), a sum as the authors' code computes it.
