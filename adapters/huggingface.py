@@ -29,7 +29,6 @@ from jem_plugin.adapter import (
     built_by,
     domain_from_options,
     last_linear,
-    pooled_maps,
     refuse_removed_classifier,
     with_channels,
 )
@@ -48,17 +47,18 @@ class HuggingFaceAdapter(Adapter):
                 return found
         return super().head(model)
 
-    def feature_maps(self, model: Any, x: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]] | None:
-        """A CNN whose base model pools with an ``nn.AdaptiveAvgPool2d`` named ``pooler`` (ResNet):
-        the pooler's input and ``classifier(pooler(maps))``, given only where that reproduces the
-        logits. Others (ViT's class token, ConvNeXt's normalised mean) have none."""
+    def _pool_and_head(self, model: Any) -> tuple[nn.Module, Callable[[Tensor], Tensor]] | None:
+        """Feature maps (:meth:`~jem_plugin.adapter.Adapter.feature_maps`) of a CNN whose base
+        model pools with an ``nn.AdaptiveAvgPool2d`` named ``pooler`` (ResNet): the pooler's input
+        and ``classifier(pooler(maps))``, given only where that reproduces the logits. Others
+        (ViT's class token, ConvNeXt's normalised mean) have none."""
         core = unwrap_model(model)
         base = getattr(core, getattr(core, "base_model_prefix", "") or "", None)
         pool = getattr(base, "pooler", None)
         classifier = getattr(core, "classifier", None)
         if self.features_spec is not None or not isinstance(pool, nn.AdaptiveAvgPool2d) or classifier is None:
             return None
-        return pooled_maps(model, x, pool, lambda m: classifier(pool(m)), self.logits)
+        return pool, lambda m: classifier(pool(m))
 
     def feature_layers(self, model: Any) -> list[str] | None:
         """The blocks of the encoder: the elements of the first ``nn.ModuleList`` named

@@ -16,7 +16,7 @@ features as ``1 x 1`` maps.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -30,7 +30,11 @@ from jem_plugin.adapter import (
     built_by,
     domain_from_options,
     first_conv_channels,
+    kind_or_error,
+    layer_modules,
+    layer_outputs,
     refuse_removed_classifier,
+    watched_call,
     with_channels,
 )
 from jem_plugin.plugins import hookimpl
@@ -79,6 +83,50 @@ class TimmAdapter(Adapter):
         if not isinstance(feats, Tensor) or feats.dim() != 2:
             return None
         return feats[:, :, None, None], lambda m: self.logits(classifier(m.flatten(1)))
+
+    def outputs(
+        self,
+        model: Any,
+        x: Tensor,
+        *,
+        features: bool = False,
+        feature_maps: bool = False,
+        layers: Sequence[str] = (),
+    ) -> dict[str, Any]:
+        """:meth:`features` and :meth:`feature_maps` from one ``forward_features`` and
+        ``forward_head``, the layers caught by forward hooks during them (see
+        :meth:`jem_plugin.adapter.Adapter.outputs`); the generic reading for a model that is not
+        timm's or where neither is asked."""
+        parts = self._parts(model)
+        if parts is None or not (features or feature_maps):
+            return super().outputs(model, x, features=features, feature_maps=feature_maps, layers=layers)
+        core, classifier = parts
+        modules = kind_or_error(lambda: layer_modules(model, layers)) if layers else []
+        watch = modules if isinstance(modules, list) else []
+
+        def forward() -> tuple[Any, Any, Any]:
+            maps = core.forward_features(x)
+            feats = core.forward_head(maps, pre_logits=True)
+            return maps, feats, classifier(feats)
+
+        seen, (maps, feats, out) = watched_call(watch, forward)
+        result: dict[str, Any] = {"logits": self.logits(out)}
+        if features:
+            result["features"] = feats.flatten(1) if feats.dim() != 2 else feats
+        if feature_maps:
+            if isinstance(maps, Tensor) and maps.dim() == 4:
+                result["feature_maps"] = (maps, lambda m: self.logits(core.forward_head(m)))
+            elif isinstance(feats, Tensor) and feats.dim() == 2:
+                result["feature_maps"] = (feats[:, :, None, None], lambda m: self.logits(classifier(m.flatten(1))))
+            else:
+                result["feature_maps"] = None
+        if layers:
+            result["layers"] = (
+                kind_or_error(lambda: layer_outputs(model, layers, watch, seen))
+                if isinstance(modules, list)
+                else modules
+            )
+        return result
 
 
 def is_timm_model(model) -> bool:

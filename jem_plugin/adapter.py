@@ -324,10 +324,18 @@ class Adapter:
         left as it is. Raises :class:`~jem_plugin.errors.NoFeaturesError` when no layer is found
         or the hooked layer's output is not the logits' shape (it is then not the classifier).
         """
-        spec = self.features_spec
-        if callable(spec) and not isinstance(spec, (str, nn.Module)):
-            feats, out = spec(model, x)
+        if self._features_callable():
+            feats, out = self.features_spec(model, x)
             return _flat(feats), self.logits(out)
+        return hooked_features(self._feature_layer(model), model, x, self.logits)
+
+    def _features_callable(self) -> bool:
+        """Whether ``features=`` is a callable doing its own forward (not a name or a module)."""
+        spec = self.features_spec
+        return callable(spec) and not isinstance(spec, (str, nn.Module))
+
+    def _feature_layer(self, model: Any) -> nn.Module:
+        """:meth:`head`, whose input the features are; raises where there is none."""
         layer = self.head(model)
         if layer is None:
             raise NoFeaturesError(
@@ -335,7 +343,7 @@ class Adapter:
                 "jem-plugin where they are: wrap(model, features='name.of.classifier') (its input is "
                 "taken) or wrap(model, features=lambda model, x: (features, model_output))"
             )
-        return hooked_features(layer, model, x, self.logits)
+        return layer
 
     def feature_maps(self, model: Any, x: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]] | None:
         """``(maps [B, C, H, W], to_logits)``: the model's last feature maps of ``x`` before its
@@ -349,12 +357,19 @@ class Adapter:
         only where it gives back the model's own logits on this batch. ``None`` when
         ``wrap(model, features=...)`` points elsewhere.
         """
+        found = self._pool_and_head(model)
+        return None if found is None else pooled_maps(model, x, *found, self.logits)
+
+    def _pool_and_head(self, model: Any) -> tuple[nn.Module, Callable[[Tensor], Tensor]] | None:
+        """``(pool, to_logits)`` for :meth:`feature_maps`: the layer whose input the maps are and
+        the function from maps to logits, or ``None`` where the adapter knows none. Adapters that
+        pool elsewhere override this one (the Hugging Face adapter's ``pooler``)."""
         core = unwrap_model(model)
         pool = getattr(core, "avgpool", None)
         head = getattr(core, "fc", None) or getattr(core, "classifier", None)
         if self.features_spec is not None or not isinstance(pool, nn.Module) or not isinstance(head, nn.Module):
             return None
-        return pooled_maps(model, x, pool, lambda m: head(torch.flatten(pool(m), 1)), self.logits)
+        return pool, lambda m: head(torch.flatten(pool(m), 1))
 
     def feature_layers(self, model: Any) -> list[str] | None:
         """Dotted names of the submodules whose outputs are the model's intermediate features,
@@ -403,27 +418,10 @@ class Adapter:
         Raises :class:`~jem_plugin.errors.NoFeaturesError` for a name that is no submodule, a layer
         that did not run, or an output that is not a tensor of 2 to 4 dimensions.
         """
-        core = unwrap_model(model)
-        if not isinstance(core, nn.Module):
-            raise NoFeaturesError(f"{type(core).__name__} is not an nn.Module: it has no layers to read features from")
-        modules = [_named_submodule(core, name) for name in layers]
-        seen: dict[int, Any] = {}
-        handles = [
-            m.register_forward_hook(lambda _m, _a, out, i=i: seen.__setitem__(i, out)) for i, m in enumerate(modules)
-        ]
-        try:
-            logits = self.logits(model(x))
-        finally:
-            for h in handles:
-                h.remove()
-        channels = dict(_feature_info(core))
-        last = getattr(core, "output_fmt", None) == "NHWC"  # timm's channels-last models (Swin, MambaOut)
-        maps = []
-        for i, (name, module) in enumerate(zip(layers, modules)):
-            if i not in seen:
-                raise NoFeaturesError(f"the layer {name!r} did not run in the model's forward, so it gives no features")
-            maps.append(_channels_first(seen[i], name, channels.get(name) or _out_channels(module), last))
-        return maps, logits
+        modules = layer_modules(model, layers)
+        seen, out = watched_call(modules, lambda: model(x))
+        logits = self.logits(out)
+        return layer_outputs(model, layers, modules, seen), logits
 
     def layer_features(self, model: Any, x: Tensor, layers: Sequence[str]) -> tuple[list[Tensor], Tensor]:
         """``([B, C_i] per layer, logits [B, K])``: :meth:`layer_maps` averaged over each layer's
@@ -431,6 +429,79 @@ class Adapter:
         (``multi_mahalanobis``)."""
         maps, logits = self.layer_maps(model, x, layers)
         return [m.mean(dim=2) for m in maps], logits
+
+    def outputs(
+        self,
+        model: Any,
+        x: Tensor,
+        *,
+        features: bool = False,
+        feature_maps: bool = False,
+        layers: Sequence[str] = (),
+    ) -> dict[str, Any]:
+        """Several of the outputs above from ONE forward of ``model``, for the post-hoc detectors
+        that share it (:func:`jem_plugin.ood.outputs`): ``{"logits": [B, K]}``, with
+        ``"features"`` (as :meth:`features`) when ``features``, ``"feature_maps"`` (as
+        :meth:`feature_maps`: ``(maps, to_logits)`` or ``None``) when ``feature_maps``, and
+        ``"layers"`` (as :meth:`layer_maps`, one per name) when ``layers`` names some.
+
+        A kind that cannot be read (:class:`~jem_plugin.errors.NoFeaturesError`) is given as that
+        error, not raised, so that the others still serve: a detector reading it raises it.
+        Default: forward hooks on :meth:`head`, on the pool :meth:`feature_maps` reads and on the
+        layers, all in one ``model(x)``. A kind this adapter's subclass reads its own way (an
+        override of :meth:`features` or :meth:`feature_maps`, or a callable ``features=``) is read
+        by that method, with its own forward; an adapter that overrides them overrides this too
+        (the timm adapter does).
+        """
+        own_features = type(self).features is not Adapter.features or self._features_callable()
+        own_maps = type(self).feature_maps is not Adapter.feature_maps
+        result: dict[str, Any] = {}
+        pool = self._pool_and_head(model) if feature_maps and not own_maps else None
+        if features and own_features and not layers and pool is None:
+            # the adapter's own features are the only forward needed: its logits with them
+            got = kind_or_error(lambda: self.features(model, x))
+            result["features"], result["logits"] = (
+                (got, self.logits(model(x))) if isinstance(got, NoFeaturesError) else got
+            )
+            if feature_maps:
+                result["feature_maps"] = kind_or_error(lambda: self.feature_maps(model, x)) if own_maps else None
+            return result
+        watch: list[nn.Module] = []
+        head: Any = None
+        if features and not own_features:
+            head = kind_or_error(lambda: self._feature_layer(model))
+            if isinstance(head, nn.Module):
+                watch.append(head)
+        if pool is not None:
+            watch.append(pool[0])
+        modules: Any = kind_or_error(lambda: layer_modules(model, layers)) if layers else []
+        watch += modules if isinstance(modules, list) else []
+        seen, out = watched_call(watch, lambda: model(x))
+        logits = result["logits"] = self.logits(out)
+        calls = dict(zip(map(id, watch), seen))
+        if features:
+            if own_features:
+                result["features"] = kind_or_error(lambda: self.features(model, x)[0])
+            elif isinstance(head, nn.Module):
+                feats, head_out = calls[id(head)] or (None, None)
+                result["features"] = kind_or_error(lambda: checked_head_input(model, head, feats, head_out, logits))
+            else:
+                result["features"] = head
+        if feature_maps:
+            if own_maps:
+                result["feature_maps"] = kind_or_error(lambda: self.feature_maps(model, x))
+            elif pool is not None:
+                maps = (calls[id(pool[0])] or (None, None))[0]
+                result["feature_maps"] = checked_maps(maps, pool[1], logits)
+            else:
+                result["feature_maps"] = None
+        if layers:
+            result["layers"] = (
+                kind_or_error(lambda: layer_outputs(model, layers, modules, [calls[id(m)] for m in modules]))
+                if isinstance(modules, list)
+                else modules
+            )
+        return result
 
 
 def pooled_maps(
@@ -441,6 +512,14 @@ def pooled_maps(
     own logits on this batch (a head that does more than the adapter knows: dropout in train
     mode, a normalisation, a rescaling in ``forward``)."""
     maps, _, logits = _last_call(pool, model, x, read_logits)
+    return checked_maps(maps, to_logits, logits)
+
+
+def checked_maps(
+    maps: Any, to_logits: Callable[[Tensor], Tensor], logits: Tensor
+) -> tuple[Tensor, Callable[[Tensor], Tensor]] | None:
+    """``(maps, to_logits)`` where ``maps`` are ``[B, C, H, W]`` and ``to_logits(maps)`` gives back
+    the model's ``logits``; else ``None`` (see :func:`pooled_maps`)."""
     if not isinstance(maps, Tensor) or maps.dim() != 4:
         return None
     try:
@@ -448,6 +527,57 @@ def pooled_maps(
     except (RuntimeError, TypeError, ValueError):
         return None
     return (maps, to_logits) if same else None
+
+
+def kind_or_error(read: Callable[[], Any]) -> Any:
+    """``read()``, or the :class:`~jem_plugin.errors.NoFeaturesError` it raised (see
+    :meth:`Adapter.outputs`: a kind that cannot be read is handed on as its error)."""
+    try:
+        return read()
+    except NoFeaturesError as exc:
+        return exc
+
+
+def watched_call(modules: Sequence[nn.Module], run: Callable[[], Any]) -> tuple[list[tuple[Any, Any] | None], Any]:
+    """``(calls, run())``: for each of ``modules``, its first input and its output in its last call
+    while ``run()`` ran (``None`` when it did not run), caught by forward hooks removed after."""
+    seen: list[tuple[Any, Any] | None] = [None] * len(modules)
+
+    def hook(i: int) -> Callable[..., None]:
+        def record(_module: nn.Module, args: tuple, output: Any) -> None:
+            seen[i] = (args[0] if args else None, output)
+
+        return record
+
+    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(modules)]
+    try:
+        out = run()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen, out
+
+
+def layer_modules(model: Any, layers: Sequence[str]) -> list[nn.Module]:
+    core = unwrap_model(model)
+    if not isinstance(core, nn.Module):
+        raise NoFeaturesError(f"{type(core).__name__} is not an nn.Module: it has no layers to read features from")
+    return [_named_submodule(core, name) for name in layers]
+
+
+def layer_outputs(
+    model: Any, layers: Sequence[str], modules: Sequence[nn.Module], seen: Sequence[tuple[Any, Any] | None]
+) -> list[Tensor]:
+    """The ``[B, C, P]`` maps of :meth:`Adapter.layer_maps` from the layers' calls (:func:`watched_call`)."""
+    core = unwrap_model(model)
+    channels = dict(_feature_info(core))
+    last = getattr(core, "output_fmt", None) == "NHWC"  # timm's channels-last models (Swin, MambaOut)
+    maps = []
+    for name, module, call in zip(layers, modules, seen):
+        if call is None:
+            raise NoFeaturesError(f"the layer {name!r} did not run in the model's forward, so it gives no features")
+        maps.append(_channels_first(call[1], name, channels.get(name) or _out_channels(module), last))
+    return maps
 
 
 def _feature_info(core: Any) -> list[tuple[str, int | None]]:
@@ -610,17 +740,8 @@ def _last_call(layer: nn.Module, model: Any, x: Tensor, read_logits: Any) -> tup
     """``(input, output, logits)``: ``layer``'s first input and its output in its last call during
     one ``model(x)`` (``None`` for both when it did not run), caught by a forward hook, and
     ``read_logits(model output)``."""
-    seen: list[tuple[Any, Any]] = []
-
-    def hook(_module: nn.Module, args: tuple, output: Any) -> None:
-        seen.append((args[0] if args else None, output))
-
-    handle = layer.register_forward_hook(hook)
-    try:
-        out = model(x)
-    finally:
-        handle.remove()
-    inp, outp = seen[-1] if seen else (None, None)
+    (call,), out = watched_call([layer], lambda: model(x))
+    inp, outp = call or (None, None)
     return inp, outp, read_logits(out)
 
 
@@ -628,6 +749,12 @@ def hooked_features(layer: nn.Module, model: Any, x: Tensor, read_logits: Any) -
     """``(input of layer, logits)`` from one ``model(x)``: a forward hook on ``layer`` records
     its last call's input and output; ``read_logits(output)`` extracts the logits."""
     feats, head_out, logits = _last_call(layer, model, x, read_logits)
+    return checked_head_input(model, layer, feats, head_out, logits), logits
+
+
+def checked_head_input(model: Any, layer: nn.Module, feats: Any, head_out: Any, logits: Tensor) -> Tensor:
+    """The features ``[B, D]``: ``layer``'s input ``feats`` in the forward that gave ``logits``,
+    checked to be a tensor and ``layer`` the classifier (its output ``head_out`` the logits)."""
     if not isinstance(feats, Tensor):
         raise NoFeaturesError(
             f"the layer {hookable_name(model, layer)!r} did not run (or got no tensor input) in the model's "
@@ -641,7 +768,7 @@ def hooked_features(layer: nn.Module, model: Any, x: Tensor, read_logits: Any) -
             "classifier. Name the classifier with wrap(model, features='name.of.classifier'), or pass "
             "features=lambda model, x: (features, model_output)"
         )
-    return _flat(feats), logits
+    return _flat(feats)
 
 
 def _describe(obj: Any) -> str:

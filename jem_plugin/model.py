@@ -187,14 +187,16 @@ class JEM(nn.Module):
         x = self._check_input(x)
         feats, out = self.adapter.features(self.model, x)
         logits = self._checked_logits(x, out)
+        return self._checked_features(x, feats), logits
+
+    def _checked_features(self, x: Tensor, feats: Tensor) -> Tensor:
+        """The adapter's features of ``x`` checked to be ``[B, D]``, in fp32 where they were half."""
         if feats.dim() != 2 or feats.shape[0] != x.shape[0]:
             raise NoFeaturesError(
                 f"expected features of shape [B={x.shape[0]}, D], the adapter returned shape "
                 f"{tuple(feats.shape)}; point wrap(model, features=...) at the classifier layer"
             )
-        if feats.dtype in (torch.float16, torch.bfloat16):
-            feats = feats.float()
-        return feats, logits
+        return feats.float() if feats.dtype in (torch.float16, torch.bfloat16) else feats
 
     def feature_maps(self, x: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]] | None:
         """``(maps [B, C, H, W], to_logits)`` in one forward: the model's last feature maps before
@@ -206,7 +208,12 @@ class JEM(nn.Module):
         ``forward_head``, a timm ViT's pre-logits features as ``1 x 1`` maps; the input of an
         ``avgpool`` layer followed by ``fc``/``classifier``)."""
         x = self._check_input(x)
-        found = self.adapter.feature_maps(self.model, x)
+        return self._checked_maps(x, self.adapter.feature_maps(self.model, x))
+
+    def _checked_maps(
+        self, x: Tensor, found: tuple[Tensor, Callable[[Tensor], Tensor]] | None
+    ) -> tuple[Tensor, Callable[[Tensor], Tensor]] | None:
+        """The adapter's feature maps of ``x`` (or ``None``) checked to be ``[B, C, H, W]``."""
         if found is None:
             return None
         maps, to_logits = found

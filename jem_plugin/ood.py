@@ -24,6 +24,14 @@ Detectors that need training data are registered with ``needs_fit=True``; give t
     det = jem.ood.detector("knn", k=50).fit(jm, train_loader)
     s_in, s_out = jem.ood.score(jm, test_loader, det), jem.ood.score(jm, svhn_loader, det)
 
+One forward for many detectors: :func:`outputs` computes a batch's logits, penultimate
+features, last feature maps and layer outputs (only the kinds asked for) in one forward, and
+detectors fit from and score them, as pytorch-ood's ``fit_features``/``predict_features`` do;
+:func:`evaluate_all` does so for every score without an input gradient::
+
+    out = jem.ood.outputs(jm, x, reads=det.reads, layers=det.layers_read)
+    s = jem.ood.score_outputs(jm, out, det)          # or a name: score_outputs(jm, out, "msp")
+
 Metrics (:func:`evaluate`) come from scikit-learn, the maintained reference, not hand-written
 curves; ``fpr95`` follows pytorch-ood's ``fpr_at_tpr`` exactly (first ROC point whose TPR is
 at least 95%, no interpolation).
@@ -33,7 +41,8 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -42,11 +51,24 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ._checks import INPUT_KEYS, DomainCheck, check_input, model_device, same_device, unpack_batch
+from ._outputs import KINDS, Outputs, fit_inputs, forward_outputs, outputs
 from .errors import InvalidInputError, InvalidScoresError, NotFittedError
 from .model import as_jem, sampling_mode
 from .plugins import collect, lookup
 
-__all__ = ["score", "available_scores", "score_info", "detector", "Detector", "evaluate", "evaluate_all"]
+__all__ = [
+    "score",
+    "available_scores",
+    "score_info",
+    "detector",
+    "Detector",
+    "evaluate",
+    "evaluate_all",
+    "Outputs",
+    "outputs",
+    "score_outputs",
+    "KINDS",
+]
 
 _HOOK = "jem_register_ood_scores"
 
@@ -59,14 +81,18 @@ def available_scores() -> dict[str, str]:
 
 def score_info(name: str) -> dict[str, Any]:
     """What the registered score ``name`` needs: ``{"needs_grad", "needs_fit", "description",
-    "assumes_jem"}`` (``assumes_jem``: it reads ``log p(x)`` as a trained density and warns on a
-    model not trained as a JEM). Unknown names raise :class:`~jem_plugin.errors.UnknownNameError`."""
+    "assumes_jem", "reads"}`` (``assumes_jem``: it reads ``log p(x)`` as a trained density and
+    warns on a model not trained as a JEM; ``reads``: the kinds of output, :data:`KINDS`, it
+    scores from, what :func:`outputs` computes for it, or ``None`` where it reads the inputs
+    themselves). Unknown names raise :class:`~jem_plugin.errors.UnknownNameError`."""
     entry = lookup(_HOOK, name, "OOD score")
+    reads = entry.get("reads", getattr(entry["item"], "reads", None) if entry.get("needs_fit") else None)
     return {
         "needs_grad": bool(entry.get("needs_grad", False)),
         "needs_fit": bool(entry.get("needs_fit", False)),
         "description": str(entry.get("description", "")),
         "assumes_jem": bool(entry.get("assumes_jem", False)),
+        "reads": None if reads is None or entry.get("needs_grad") else frozenset(reads),
     }
 
 
@@ -78,6 +104,18 @@ class Detector(Protocol):
     Optional class attributes: ``name`` (shown in progress bars and tables) and ``needs_grad``
     (``True`` when ``score`` takes input gradients). Detectors that need fitting also have
     ``fit(jm, data, *, batch_size, progress, input_key)``.
+
+    A detector that works from outputs already computed (:class:`Outputs`; every built-in one
+    without an input gradient) also has, so that :func:`evaluate_all` runs the network once per
+    batch for all of them:
+
+    - ``reads``: the kinds of output it reads (:data:`KINDS`), and ``layers_read``: the layer
+      names for ``"layers"`` (known once its fit began);
+    - ``shares_forward``: ``True`` where it needs nothing but outputs;
+    - ``score_outputs(jm, outputs)``: its ``[B]`` scores of a batch's outputs;
+    - to be fitted: ``begin_fit(jm)``, ``add_outputs(outputs, labels)`` per batch, and
+      ``end_fit(jm)``, ``True`` once fitted (``False``: stream the same data again); and
+      ``fit_outputs(jm, data)`` doing all three over ``(outputs, labels)`` batches.
     """
 
     def score(self, jm: Any, x: Tensor) -> Tensor:
@@ -247,17 +285,68 @@ def score(
             else:
                 with torch.no_grad():
                     s = fn(jm, x, **kwargs)
-            if not isinstance(s, Tensor) or s.shape != (x.shape[0],):
-                raise InvalidScoresError(
-                    f"OOD score {method!r} returned "
-                    f"{tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__} for a "
-                    f"batch of {x.shape[0]} inputs; a score function must return a [B] tensor"
-                )
+            _check_batch_scores(s, x.shape[0], method)
             results.append(s.detach().to(out_device, torch.float32))
             bar.update(1)
     if not results:
         raise InvalidInputError("no inputs to score: the data is empty")
     return torch.cat(results)
+
+
+def score_outputs(jm: Any, outputs: Outputs, method: Any = "logpx", **kwargs: Any) -> Tensor:
+    """OOD scores of a batch's outputs already computed, ``[B]``, higher = more in-distribution:
+    what :func:`score` gives for the inputs they came from, without running the network again
+    (pytorch-ood's ``predict_features``).
+
+    ``outputs``: an :class:`Outputs` holding what the score reads (:func:`outputs` computes
+    them; or build one from the logits and features you keep). ``method``: a registered score
+    that reads outputs (:func:`score_info`; every built-in one without an input gradient), or a
+    detector object with ``score_outputs`` (a fitted :func:`detector`: fit it with
+    ``.fit_outputs(jm, (outputs, labels))`` or ``.fit(jm, data)``). ``jm``: the network they came
+    from (the head of the scores that recompute logits). ``**kwargs``: the score's options.
+    """
+    if not isinstance(outputs, Outputs):
+        raise TypeError(f"outputs must be a jem.ood.Outputs (jem.ood.outputs(jm, x)), got {type(outputs).__name__}")
+    jm = as_jem(jm, "ood.score_outputs")
+    if isinstance(method, str):
+        entry = lookup(_HOOK, method, "OOD score")
+        if entry.get("needs_fit", False):
+            raise NotFittedError(
+                f"OOD score {method!r} is fitted on in-distribution data: fit "
+                f"jem.ood.detector({method!r}).fit_outputs(jm, (train_outputs, labels)) and pass it as method"
+            )
+        fn = entry.get("score_outputs")
+        if fn is None:
+            raise ValueError(
+                f"OOD score {method!r} reads the inputs themselves (an input gradient, or a plugin's "
+                "score without an outputs form): score inputs with jem.ood.score(jm, x, ...)"
+            )
+        _check_kwargs(method, entry["item"], kwargs)
+        with torch.no_grad():
+            s = fn(jm, outputs, **kwargs)
+    elif callable(getattr(method, "score_outputs", None)):
+        if kwargs:
+            raise TypeError(
+                f"options {', '.join(sorted(kwargs))} were given with a detector object; build it with them"
+            )
+        s = method.score_outputs(jm, outputs)
+        method = getattr(method, "name", type(method).__name__)
+    else:
+        raise TypeError(
+            f"method must be a registered score name or a detector with .score_outputs(jm, outputs), "
+            f"got {type(method).__name__}"
+        )
+    _check_batch_scores(s, len(outputs), method)
+    return s
+
+
+def _check_batch_scores(s: Any, n: int, method: Any) -> None:
+    if not isinstance(s, Tensor) or s.shape != (n,):
+        raise InvalidScoresError(
+            f"OOD score {method!r} returned "
+            f"{tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__} for a "
+            f"batch of {n} inputs; a score function must return a [B] tensor"
+        )
 
 
 # ---------------------------------------------------------------------- metrics
@@ -527,8 +616,6 @@ def _run_method(
     and every OOD set: ``(scores, fit seconds, scoring seconds)``. A detector that needs fitting
     (a fit-able name is built here) is fitted once, first, with the model in
     :func:`~jem_plugin.model.sampling_mode` as for scoring."""
-    import time
-
     fit_s, options = 0.0, kw
     if needs_fit:
         t0 = time.perf_counter()
@@ -548,6 +635,158 @@ def _run_method(
     for name, data in [("in", data_in), *data_out.items()]:
         s[str(name)] = score(jm, data, method, batch_size=batch_size, progress=progress, input_key=input_key, **options)
     return s, fit_s, time.perf_counter() - t0
+
+
+class _Shared:
+    """A score run from the outputs of a forward shared with others: how it scores a batch's
+    outputs, the detector to fit first (if any), and what came of it."""
+
+    def __init__(self, label: str, reads: Any, score: Any, det: Any = None) -> None:
+        self.label, self.reads, self.score, self.det = label, frozenset(reads), score, det
+        self.error: BaseException | None = None
+        self.fit_s = self.score_s = 0.0
+        self.scores: dict[str, list[Tensor]] = {}
+
+    @property
+    def layers(self) -> list[str]:
+        return list(getattr(self.det, "layers_read", None) or []) if "layers" in self.reads else []
+
+    def run(self, elapsed: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, its time added to ``elapsed`` (``"fit_s"``/``"score_s"``); an error is kept
+        as this score's failure (``None`` returned), except bad data, which is the user's to see."""
+        from .errors import NotWrappedError
+
+        if self.error is not None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        except (InvalidInputError, NotWrappedError):
+            raise
+        except Exception as exc:  # a broken detector is a row of the table, not the end of it
+            self.error = exc
+            return None
+        finally:
+            setattr(self, elapsed, getattr(self, elapsed) + time.perf_counter() - t0)
+
+
+def _shared(label: str, method: Any, entry: Mapping[str, Any] | None, kw: dict, needs_fit: bool) -> _Shared | None:
+    """``method`` as a score run from shared outputs, or ``None`` where it keeps its own passes
+    (an input gradient, or a plugin's score or detector without an outputs form)."""
+    if isinstance(method, str):
+        assert entry is not None
+        if entry.get("needs_grad", False):
+            return None
+        if not needs_fit:
+            fn = entry.get("score_outputs")
+            reads = entry.get("reads")
+            return None if fn is None or reads is None else _Shared(label, reads, lambda jm, out: fn(jm, out, **kw))
+        method = detector(label, **kw)
+    if getattr(method, "needs_grad", False) or not getattr(method, "shares_forward", False):
+        return None
+    needed = ("score_outputs", *(("begin_fit", "add_outputs", "end_fit") if needs_fit else ()))
+    if not all(callable(getattr(method, a, None)) for a in needed) or getattr(method, "reads", None) is None:
+        return None
+    return _Shared(label, method.reads, method.score_outputs, method if needs_fit else None)
+
+
+def _union(items: Sequence[_Shared]) -> tuple[frozenset[str], list[str]]:
+    """The kinds and layers some of ``items`` read: what one forward computes for all of them."""
+    reads = frozenset().union(*(i.reads for i in items))
+    return reads, list(dict.fromkeys(n for i in items for n in i.layers))
+
+
+def _fit_shared(jm: Any, items: Sequence[_Shared], fit_data: Any, batch_size: int, progress, input_key) -> None:
+    """Fit the detectors of ``items`` on ``fit_data``, one forward per batch for all of them (a
+    detector asking for another pass gets it, with the others that ask)."""
+    todo = [i for i in items if i.det is not None]
+    for i in todo:
+        i.run("fit_s", i.det.begin_fit, jm)
+    passes = 0
+    while todo := [i for i in todo if i.error is None]:
+        if passes and isinstance(fit_data, Iterator):
+            for i in todo:
+                i.error = InvalidInputError(
+                    f"{i.label} streams over the fit data {passes + 1} times and fit_data is a one-shot "
+                    f"iterator ({type(fit_data).__name__}): pass a DataLoader, a list of batches or tensors"
+                )
+            return
+        forward = 0.0
+        desc = f"fit {', '.join(i.label for i in todo)}"
+        for x, y in fit_inputs(
+            jm, fit_data, batch_size=batch_size, progress=progress, input_key=input_key, desc=desc[:60], stacklevel=4
+        ):
+            t0 = time.perf_counter()
+            out = _outputs_for(todo, jm, x)
+            forward += time.perf_counter() - t0
+            for i in todo:
+                i.run("fit_s", i.det.add_outputs, out, y)
+        for i in todo:
+            i.fit_s += forward
+        todo = [i for i in todo if i.run("fit_s", i.det.end_fit, jm) is False]
+        passes += 1
+
+
+def _outputs_for(items: Sequence[_Shared], jm: Any, x: Tensor) -> Outputs | None:
+    """The outputs of ``x`` that ``items`` read, from one forward; where it fails (not a kind the
+    network lacks: those are kept in the outputs), every item fails with it."""
+    from .errors import NotWrappedError
+
+    live = [i for i in items if i.error is None]
+    reads, layers = _union(live)
+    try:
+        return forward_outputs(jm, x, reads, layers)
+    except (InvalidInputError, NotWrappedError):
+        raise
+    except Exception as exc:
+        for i in live:
+            i.error = exc
+        return None
+
+
+def _score_shared(
+    jm: Any, items: Sequence[_Shared], sets: Sequence[tuple[str, Any]], batch_size: int, progress, input_key
+) -> None:
+    """Score every set with the scores of ``items``, one forward per batch for all of them."""
+    for name, data in sets:
+        live = [i for i in items if i.error is None]
+        if not live:
+            return
+        batches, n_batches, was_tensor = _batches(data, batch_size, input_key)
+        if progress is None:
+            progress = not was_tensor and sys.stderr.isatty()
+        out_device = data.device if was_tensor else torch.device("cpu")
+        device, dtype, domain_check = model_device(jm), jm.param_dtype(), DomainCheck(batches=1)
+        seen = 0
+        desc = f"ood scores ({len(live)} sharing a forward) {name}"
+        with (
+            sampling_mode(jm),
+            torch.no_grad(),
+            tqdm(total=n_batches, desc=desc, unit="batch", disable=not progress, leave=False) as bar,
+        ):
+            for x in batches:
+                if device is not None and not same_device(x.device, device):
+                    x = x.to(device, non_blocking=True)
+                x = check_input(x, dtype=dtype, domain=jm.domain)
+                domain_check(x, jm.domain, "ood.evaluate_all", stacklevel=3)
+                seen += x.shape[0]
+                t0 = time.perf_counter()
+                out = _outputs_for(live, jm, x)
+                forward = time.perf_counter() - t0
+                for i in live:
+                    s = i.run("score_s", _batch_scores, i, jm, out, x.shape[0])
+                    i.score_s += forward
+                    if s is not None:
+                        i.scores.setdefault(name, []).append(s.detach().to(out_device, torch.float32))
+                bar.update(1)
+        if not seen:
+            raise InvalidInputError("no inputs to score: the data is empty")
+
+
+def _batch_scores(item: _Shared, jm: Any, out: Outputs, n: int) -> Tensor:
+    s = item.score(jm, out)
+    _check_batch_scores(s, n, item.label)
+    return s
 
 
 def _methods_to_run(methods: Any) -> dict[str, Any]:
@@ -610,8 +849,15 @@ def evaluate_all(
     - A score that raises, or gives NaN/inf scores, is reported in its rows (``failed`` /
       ``non-finite`` with a one-line reason) and the comparison goes on. Bad data
       (:class:`~jem_plugin.errors.InvalidInputError`) still raises.
+    - One forward per batch: every score without an input gradient (all but ``odin``,
+      ``mahalanobis_odin`` and the JEM gradient scores) fits and scores from the outputs of one
+      forward of each batch (:func:`outputs`: the kinds some of them read, computed once), and
+      ``openmax`` streams the fit data a second time; the gradient scores, and a plugin's score
+      or detector without an outputs form (:class:`Detector`), keep their own passes.
+      ``seconds_per_1000`` of a score that shares the forward counts its own work and the
+      forward's whole time (what it would cost alone).
     - ``data_in`` and each value of ``data_out`` are anything :func:`score` takes; the
-      in-distribution data is scored once per method. ``method_kwargs`` gives per-method
+      in-distribution data is scored once per method (once for all the scores that share it). ``method_kwargs`` gives per-method
       options, e.g. ``{"msp": {"temperature": 1000.0}}`` (a detector's go to its constructor).
     - ``table.scores[method] = {"in": Tensor, name: Tensor, ...}``: the scores themselves, ready
       for :func:`jem_plugin.viz.plot_histograms` / ``plot_roc``.
@@ -664,26 +910,63 @@ def evaluate_all(
             score(jm, data_in[:batch_size], "logpx", batch_size=batch_size, progress=False)
         except Exception:  # a failure here is reported by the scores themselves, below
             pass
+    # Every score without an input gradient runs from the outputs of one forward per batch,
+    # shared by all of them (fit and scoring); the others keep their own passes.
+    plan: dict[str, tuple[Any, dict[str, Any], bool]] = {}
+    shared: dict[str, _Shared] = {}
+    failed: dict[str, BaseException] = {}
     for m in names:
         method, kw = to_run[m], dict(method_kwargs.get(m, {}))
         if isinstance(method, str):
             needs_fit = bool(entries[m].get("needs_fit", False))
         else:  # a detector object: fitted here only where it says it is not fitted yet
             needs_fit = callable(getattr(method, "fit", None)) and getattr(method, "fitted", True) is False
+        plan[m] = (method, kw, needs_fit)
+        if needs_fit and fit_data is None:
+            continue
+        try:
+            item = _shared(m, method, entries.get(m) if isinstance(method, str) else None, kw, needs_fit)
+        except (InvalidInputError, NotWrappedError):
+            raise
+        except Exception as exc:  # a detector that cannot be built: its rows say why
+            failed[m] = exc
+            continue
+        if item is not None:
+            shared[m] = item
+    if shared:
+        items = list(shared.values())
+        if fit_data is not None:
+            _fit_shared(jm, items, fit_data, batch_size, progress, input_key)
+        _score_shared(
+            jm, items, [("in", data_in), *((str(k), v) for k, v in data_out.items())], batch_size, progress, input_key
+        )
+    for m in names:
+        method, kw, needs_fit = plan[m]
         if needs_fit and fit_data is None:
             for name in sets:
                 add(m, name, "skipped", "needs fit_data (in-distribution training data) to be fitted")
             continue
-        try:
-            s, fit_s, elapsed = _run_method(
-                jm, method, needs_fit, kw, data_in, data_out, fit_data, batch_size, progress, input_key
-            )
-        except (InvalidInputError, NotWrappedError):
-            raise
-        except Exception as exc:  # a broken detector is a row of the table, not the end of it
+        error = shared[m].error if m in shared else None
+        if error is not None:
+            failed[m] = error
+        if m in failed:
             for name in sets:
-                add(m, name, "failed", _one_line(exc))
+                add(m, name, "failed", _one_line(failed[m]))
             continue
+        if m in shared:
+            s = {name: torch.cat(v) for name, v in shared[m].scores.items()}
+            fit_s, elapsed = shared[m].fit_s, shared[m].score_s
+        else:
+            try:
+                s, fit_s, elapsed = _run_method(
+                    jm, method, needs_fit, kw, data_in, data_out, fit_data, batch_size, progress, input_key
+                )
+            except (InvalidInputError, NotWrappedError):
+                raise
+            except Exception as exc:  # a broken detector is a row of the table, not the end of it
+                for name in sets:
+                    add(m, name, "failed", _one_line(exc))
+                continue
         n_images = sum(len(v) for v in s.values())
         timing[m] = {"seconds_per_1000": 1000.0 * elapsed / n_images, "fit_seconds": fit_s, "n_images": n_images}
         scores[m] = s

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from .._checks import free_energy, unwrap_model
+from .._outputs import Outputs
 from ..errors import UntrainedDensityWarning
 from ..model import JEM, input_grad_enabled, sampling_mode
 from ..plugins import collect, hookimpl
@@ -104,22 +105,39 @@ def _first_frame_outside_the_library() -> int:
 
 
 # ---------------------------------------------------------------------- logit-only scores
+def _logpx(jm, out: Outputs, temperature: float = 1.0) -> Tensor:
+    """:func:`logpx` of a batch's outputs (its logits)."""
+    t = _check_temperature(temperature)
+    return -free_energy(out.logits, t)
+
+
+def _msp(jm, out: Outputs, temperature: float = 1.0) -> Tensor:
+    """:func:`msp` of a batch's outputs (its logits)."""
+    t = _check_temperature(temperature)
+    logits = out.logits
+    return torch.softmax(logits / t if t != 1.0 else logits, dim=1).max(dim=1).values
+
+
+def _max_logit(jm, out: Outputs) -> Tensor:
+    """:func:`max_logit` of a batch's outputs (its logits)."""
+    return out.logits.max(dim=1).values
+
+
 def logpx(jm, x: Tensor, temperature: float = 1.0) -> Tensor:
     """Negative free energy ``T * logsumexp(f(x) / T)``; JEM's unnormalised ``log p(x)`` at ``T = 1``."""
-    t = _check_temperature(temperature)
-    return -free_energy(jm.logits(x), t)
+    _check_temperature(temperature)
+    return _logpx(jm, Outputs(jm.logits(x)), temperature)
 
 
 def msp(jm, x: Tensor, temperature: float = 1.0) -> Tensor:
     """Maximum softmax probability of ``f(x) / T``."""
-    t = _check_temperature(temperature)
-    logits = jm.logits(x)
-    return torch.softmax(logits / t if t != 1.0 else logits, dim=1).max(dim=1).values
+    _check_temperature(temperature)
+    return _msp(jm, Outputs(jm.logits(x)), temperature)
 
 
 def max_logit(jm, x: Tensor) -> Tensor:
     """Largest logit ``max_y f(x)[y]``."""
-    return jm.logits(x).max(dim=1).values
+    return _max_logit(jm, Outputs(jm.logits(x)))
 
 
 # ---------------------------------------------------------------------- gradient scores
@@ -194,14 +212,23 @@ def msp_sgld(
 
 @hookimpl
 def jem_register_ood_scores(register: Callable[..., None]) -> None:
+    # the logit scores also score outputs already computed (jem.ood.score_outputs, evaluate_all)
+    logit_only: dict[str, Any] = {"needs_grad": False, "reads": frozenset({"logits"})}
     register(
         "logpx",
         logpx,
-        needs_grad=False,
+        **logit_only,
+        score_outputs=_logpx,
         description="negative free energy T*logsumexp(f/T) = unnormalised log p(x) (temperature=)",
     )
-    register("msp", msp, needs_grad=False, description="maximum softmax probability of f/T (temperature=)")
-    register("max_logit", max_logit, needs_grad=False, description="largest logit")
+    register(
+        "msp",
+        msp,
+        **logit_only,
+        score_outputs=_msp,
+        description="maximum softmax probability of f/T (temperature=)",
+    )
+    register("max_logit", max_logit, **logit_only, score_outputs=_max_logit, description="largest logit")
     register(
         "grad_norm",
         grad_norm,

@@ -128,4 +128,6 @@ def jem_register_ood_scores(register: Callable[..., None]) -> None:
             needs_fit=d.needs_fit,
             description=d.description,
             paper=d.paper,
+            # a function score of outputs already computed: what it reads and the score of them
+            **({"reads": d.reads, "score_outputs": d.score_outputs} if getattr(d, "score_outputs", None) else {}),
         )

@@ -4,37 +4,38 @@ gradient detectors."""
 
 from __future__ import annotations
 
-import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from ..._checks import (
-    INPUT_KEYS,
-    DomainCheck,
-    check_input,
     check_label_range,
-    model_device,
-    same_device,
-    unpack_batch,
     unwrap_model,
 )
+from ..._outputs import Outputs, fit_inputs, forward_outputs
 from ...errors import InvalidInputError, InvalidLabelError, NoFeaturesError, NotFittedError
-from ...model import as_jem, sampling_mode
+from ...model import as_jem
 
 F_ = TypeVar("F_", bound=Callable[..., Any])
 
 
-def describe(*, name: str, description: str, paper: str, needs_grad: bool = False) -> Callable[[F_], F_]:
+def describe(
+    *,
+    name: str,
+    description: str,
+    paper: str,
+    needs_grad: bool = False,
+    reads: Collection[str] = (),
+    score_outputs: Callable[..., Tensor] | None = None,
+) -> Callable[[F_], F_]:
     """A function score's registry entry, kept on the function as a fitted detector keeps its on
     its class: ``name``, ``needs_grad``, ``needs_fit`` (False), ``description`` and ``paper``,
-    which registration reads."""
+    which registration reads; for a score of outputs already computed (no input gradient), the
+    kinds it ``reads`` and ``score_outputs(jm, outputs, **options)``, the same score from them."""
 
     def mark(fn: F_) -> F_:
         for key, value in (
@@ -43,6 +44,8 @@ def describe(*, name: str, description: str, paper: str, needs_grad: bool = Fals
             ("needs_fit", False),
             ("description", description),
             ("paper", paper),
+            ("reads", frozenset(reads)),
+            ("score_outputs", score_outputs),
         ):
             setattr(fn, key, value)
         return fn
@@ -107,84 +110,6 @@ class _Sample:
         return torch.cat(self.rows) if self.rows else torch.empty(0)
 
 
-def _labelled_batches(data: Any, batch_size: int, input_key: str | None) -> tuple[Iterator, int | None, bool]:
-    """``(iterator of (x, y or None), number of batches or None, data was in memory)``."""
-    if isinstance(data, np.ndarray):
-        data = torch.from_numpy(data)
-    if (
-        isinstance(data, (tuple, list))
-        and len(data) == 2
-        and all(isinstance(t, Tensor) for t in data)
-        and data[1].dim() == 1
-        and data[0].dim() >= 2
-        and data[0].shape[0] == data[1].shape[0]
-    ):
-        x_all, y_all = data
-        return zip(x_all.split(batch_size), y_all.split(batch_size)), -(-x_all.shape[0] // batch_size), True
-    if isinstance(data, Tensor):
-        if data.dim() < 2:
-            raise InvalidInputError(f"expected a batch of inputs [N, ...], got a tensor of shape {tuple(data.shape)}")
-        return ((x, None) for x in data.split(batch_size)), -(-data.shape[0] // batch_size), True
-    if not hasattr(data, "__iter__"):
-        raise InvalidInputError(
-            "fit data must be a tensor, an (x, y) pair of tensors or an iterable of batches (e.g. a "
-            f"DataLoader), got {type(data).__name__}"
-        )
-    try:
-        n: int | None = len(data)
-    except TypeError:
-        n = None
-    keys = INPUT_KEYS if input_key is None else input_key
-    return (unpack_batch(item, input_key=keys) for item in data), n, False
-
-
-def _features_of(
-    jm: Any,
-    data: Any,
-    *,
-    batch_size: int,
-    progress: bool | None,
-    input_key: str | None,
-    desc: str,
-    read: Callable[[Any, Tensor], tuple[Tensor, Tensor]],
-) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:
-    """``(features fp32, logits fp32, labels or None)`` of every batch of ``data``, the first two
-    from ``read(jm, x)`` (a detector's :meth:`_FittedDetector._read`): the model in
-    :func:`~jem_plugin.model.sampling_mode` (eval, frozen), no autograd graph, batches moved to
-    the model's device."""
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    batches, n, in_memory = _labelled_batches(data, batch_size, input_key)
-    if progress is None:
-        progress = not in_memory and sys.stderr.isatty()
-    device, dtype, domain_check = model_device(jm), jm.param_dtype(), DomainCheck(batches=1)
-    seen = 0
-    with (
-        sampling_mode(jm),
-        torch.no_grad(),
-        tqdm(total=n, desc=desc, unit="batch", disable=not progress, leave=False) as bar,
-    ):
-        for x, y in batches:
-            if device is not None and not same_device(x.device, device):
-                x = x.to(device, non_blocking=True)
-            x = check_input(x, dtype=dtype, domain=jm.domain)
-            domain_check(x, jm.domain, desc, stacklevel=4)
-            feats, logits = read(jm, x)
-            seen += x.shape[0]
-            yield feats.float(), logits.float(), None if y is None else y.to(feats.device)
-            bar.update(1)
-    if not seen:
-        raise InvalidInputError(f"{desc}: no inputs to fit on, the data is empty")
-
-
-def _features_and_logits(jm: Any, x: Tensor, features: bool) -> tuple[Tensor, Tensor]:
-    """``jm.features(x)``, or ``(logits, logits)`` for a detector that reads the logits alone."""
-    if features:
-        return jm.features(x)
-    logits = jm(x)
-    return logits, logits
-
-
 def _input_step(core: Any, x: Tensor, g: Tensor, eps: float) -> Tensor:
     """``x - eps * sign(g) * (high - low)``: ODIN's input step against the gradient ``g`` of a loss,
     ``eps`` in units of the ``[0, 1]`` pixel range (``eps / std`` for normalised images, as the
@@ -202,9 +127,12 @@ def _checked_layers(layers: Sequence[str] | None) -> list[str] | None:
 
 
 class _FittedDetector:
-    """Base of the detectors fitted on in-distribution data: ``fit`` streams over the data
-    (features of each batch handed to :meth:`_add`), :meth:`_finish` turns the running sums
-    into the fitted state, ``score`` maps a batch to ``[B]`` scores, higher = in-distribution."""
+    """Base of the detectors fitted on in-distribution data. The fit streams: :meth:`begin_fit`,
+    then :meth:`add_outputs` with each batch's outputs (:class:`jem_plugin.ood.Outputs`: what
+    :meth:`_take` reads of them handed to :meth:`_add`), then :meth:`end_fit`, where
+    :meth:`_finish` turns the running sums into the fitted state; :meth:`score_outputs` maps a
+    batch's outputs to ``[B]`` scores, higher = in-distribution. :meth:`fit` and :meth:`score`
+    compute the outputs of inputs (one forward per batch) and do the same."""
 
     #: What the registry says of the detector (registration reads these, :mod:`.`): its score
     #: name, whether it takes input gradients or a fit, a one-line description and its paper.
@@ -213,9 +141,10 @@ class _FittedDetector:
     needs_fit = True
     description = ""
     paper = ""
-    #: False for a detector of the logits alone: it then never asks the adapter for features, so
-    #: it works on models whose penultimate layer cannot be found (a convolutional head).
-    uses_features = True
+    #: The kinds of output it reads (:data:`jem_plugin.ood.KINDS`): what :func:`jem_plugin.ood.outputs`
+    #: computes for it. The logits alone for a detector of the logits: it then never asks the
+    #: adapter for features, so it works on models whose penultimate layer cannot be found.
+    reads: frozenset[str] = frozenset({"logits", "features"})
 
     def __init__(self) -> None:
         self.fitted = False
@@ -226,6 +155,20 @@ class _FittedDetector:
 
     def _options(self) -> dict[str, Any]:
         return {}
+
+    @property
+    def layers_read(self) -> list[str]:
+        """The layers whose outputs it reads (``"layers"`` in :attr:`reads`), known once
+        :meth:`begin_fit` has run; ``[]`` for the others."""
+        return []
+
+    @property
+    def shares_forward(self) -> bool:
+        """Whether it fits and scores from outputs alone (:meth:`add_outputs`,
+        :meth:`score_outputs`), so that :func:`jem_plugin.ood.evaluate_all` hands it the
+        outputs of a forward shared with other detectors; False where it needs the inputs
+        themselves (an input gradient)."""
+        return not self.needs_grad
 
     def fit(
         self,
@@ -243,34 +186,64 @@ class _FittedDetector:
         ``progress``: a tqdm bar over batches (default: only for an iterable on a terminal).
         """
         core = as_jem(jm, f"{self.name}.fit")
-        self._begin(core)
-        self._stream(core, data, self._add, batch_size=batch_size, progress=progress, input_key=input_key)
+        self._check_reiterable(data)
+        self.begin_fit(core)
+        while True:
+            for x, y in fit_inputs(
+                core, data, batch_size=batch_size, progress=progress, input_key=input_key, desc=self._fit_desc()
+            ):
+                self._saw_inputs(x)
+                self.add_outputs(forward_outputs(core, x, self.reads, self.layers_read), y)
+            if self.end_fit(core):
+                return self
+
+    def fit_outputs(self, jm: Any, data: Any) -> _FittedDetector:
+        """Fit from outputs already computed (pytorch-ood's ``fit_features``): ``data`` is one
+        ``(outputs, labels)`` pair for the whole set (:class:`~jem_plugin.ood.Outputs`, labels
+        ``[N]`` or ``None``), a lone :class:`~jem_plugin.ood.Outputs`, or an iterable of such
+        batches (iterable twice for ``openmax``); returns ``self``. ``jm``: the network they came
+        from (the head of ``react`` and ``vim``, the default layers of the multi-layer ones).
+        The outputs hold what :attr:`reads` names (:func:`jem_plugin.ood.outputs` computes them)."""
+        core = as_jem(jm, f"{self.name}.fit_outputs")
+        if not self.shares_forward:
+            raise ValueError(
+                f"{self.name} fits from the inputs themselves (an input gradient), not from outputs: "
+                "fit it with .fit(jm, data)"
+            )
+        if isinstance(data, Outputs) or (isinstance(data, tuple) and data and isinstance(data[0], Outputs)):
+            data = [data]
+        self._check_reiterable(data)
+        self.begin_fit(core)
+        while True:
+            seen = 0
+            for item in data:
+                out, y = (item, None) if isinstance(item, Outputs) else item
+                self.add_outputs(out, y)
+                seen += 1
+            if not seen:
+                raise InvalidInputError(f"{self.name}.fit_outputs: no outputs to fit on, the data is empty")
+            if self.end_fit(core):
+                return self
+
+    def begin_fit(self, jm: Any) -> None:
+        """Start a streaming fit on the network ``jm`` (its running sums emptied)."""
+        self._begin(as_jem(jm, f"{self.name}.fit"))
+
+    def add_outputs(self, outputs: Outputs, y: Tensor | None = None) -> None:
+        """Add one batch of in-distribution outputs (and its labels, ``[B]`` or ``None``) to the fit."""
+        with torch.no_grad():
+            feats, logits = self._take(outputs)
+            self._add(feats.float(), logits.float(), y)
+
+    def end_fit(self, jm: Any) -> bool:
+        """End a pass over the fit data: ``True`` once fitted, ``False`` where the detector needs
+        the same data streamed again (``openmax``: class means, then the distances to them)."""
+        core = as_jem(jm, f"{self.name}.fit")
+        if self._another_pass(core):
+            return False
         self._finish(core)
         self._fitted_now(core)
-        return self
-
-    def _stream(
-        self,
-        core: Any,
-        data: Any,
-        add: Callable[[Tensor, Tensor, Tensor | None], None],
-        *,
-        batch_size: int,
-        progress: bool | None,
-        input_key: str | None,
-        desc: str | None = None,
-    ) -> None:
-        """One pass over ``data``: ``add(features, logits, labels or None)`` per batch."""
-        for feats, logits, y in _features_of(
-            core,
-            data,
-            batch_size=batch_size,
-            progress=progress,
-            input_key=input_key,
-            desc=desc or f"fit {self.name}",
-            read=self._read,
-        ):
-            add(feats, logits, y)
+        return True
 
     def _check_fitted(self, core: Any = None) -> None:
         """Raise where the detector is not fitted; warn once where ``core`` wraps another network
@@ -306,19 +279,51 @@ class _FittedDetector:
         self._fitted_on = weakref.ref(unwrap_model(core.model))
 
     def score(self, jm: Any, x: Tensor) -> Tensor:
-        """``[B]`` scores of the batch ``x``, higher = more in-distribution (no autograd graph).
-        The model runs in the mode it is in; :func:`jem_plugin.ood.score` puts it in eval mode."""
+        """``[B]`` scores of the batch ``x``, higher = more in-distribution (no autograd graph):
+        one forward for the outputs it reads, then :meth:`score_outputs`. The model runs in the
+        mode it is in; :func:`jem_plugin.ood.score` puts it in eval mode."""
         core = as_jem(jm, f"{self.name}.score")
         self._check_fitted(core)
         with torch.no_grad():
-            feats, logits = self._read(core, x)
-            return self._score(core, feats.float(), logits.float())
+            return self._score_outputs(core, forward_outputs(core, x, self.reads, self.layers_read))
+
+    def score_outputs(self, jm: Any, outputs: Outputs) -> Tensor:
+        """``[B]`` scores of a batch's outputs already computed (pytorch-ood's
+        ``predict_features``), higher = more in-distribution: what :meth:`score` gives for the
+        inputs they came from. ``jm``: the network they came from."""
+        core = as_jem(jm, f"{self.name}.score_outputs")
+        self._check_fitted(core)
+        with torch.no_grad():
+            return self._score_outputs(core, outputs)
+
+    def _score_outputs(self, core: Any, out: Outputs) -> Tensor:
+        feats, logits = self._take(out)
+        return self._score(core, feats.float(), logits.float())
 
     def _read(self, jm: Any, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``(features, logits)`` of a batch, what :meth:`_add` and :meth:`_score` get: the
-        penultimate features, or the logits in both places for a detector of the logits alone
-        (it then works on a model whose features cannot be read)."""
-        return _features_and_logits(jm, x, self.uses_features)
+        """:meth:`_take` of the outputs of the batch ``x`` (one forward)."""
+        return self._take(forward_outputs(jm, x, self.reads, self.layers_read))
+
+    def _take(self, out: Outputs) -> tuple[Tensor, Tensor]:
+        """``(features, logits)`` of a batch's outputs, what :meth:`_add` and :meth:`_score` get:
+        the penultimate features, or the logits in both places for a detector of the logits alone."""
+        if "features" in self.reads:
+            return out.need("features", self.name), out.logits
+        return out.logits, out.logits
+
+    def _fit_desc(self) -> str:
+        """The progress bar's text for the pass :meth:`fit` is about to stream."""
+        return f"fit {self.name}"
+
+    def _check_reiterable(self, data: Any) -> None:
+        """Raise where the fit needs ``data`` more than once and it is a one-shot iterator."""
+
+    def _saw_inputs(self, x: Tensor) -> None:
+        """The inputs of a fit batch, before its outputs (for a fit that needs the images)."""
+
+    def _another_pass(self, jm: Any) -> bool:
+        """At the end of a pass over the fit data: prepare another and say so (``True``), or not."""
+        return False
 
     # subclasses
     def _begin(self, jm: Any) -> None: ...

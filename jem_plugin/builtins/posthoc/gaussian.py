@@ -17,6 +17,7 @@ from torch import Tensor
 from ..._checks import (
     model_device,
 )
+from ..._outputs import Outputs
 from ...model import as_jem, input_grad_enabled, sampling_mode
 from ._base import (
     _checked_layers,
@@ -174,6 +175,16 @@ class MahalanobisODIN(Mahalanobis):
         self._check_fitted()
         return super().score(jm, self.perturb(jm, x) if self.eps > 0 else x)
 
+    def score_outputs(self, jm: Any, outputs: Outputs) -> Tensor:
+        """:class:`Mahalanobis`'s score of outputs where ``eps=0``; otherwise the step needs the
+        inputs themselves (their gradient): raises, score inputs with :meth:`score`."""
+        if self.eps > 0:
+            raise ValueError(
+                f"{self.name} moves the inputs along their gradient before scoring them: score inputs "
+                "with .score(jm, x), or outputs with eps=0 (plain mahalanobis)"
+            )
+        return super().score_outputs(jm, outputs)
+
 
 class MultiMahalanobis(_ClassConditional):
     """Lee et al.'s feature ensemble (2018): :class:`Mahalanobis` at several depths of the network,
@@ -218,6 +229,7 @@ class MultiMahalanobis(_ClassConditional):
     """
 
     name = "multi_mahalanobis"
+    reads = frozenset({"logits", "layers"})
     description = (
         "Mahalanobis summed over several depths, Lee et al.'s feature ensemble (fit; layers=, weights='dof', labels=)"
     )
@@ -268,20 +280,32 @@ class MultiMahalanobis(_ClassConditional):
         for m in self._per_layer:
             m.warn_fit = False
             m._begin(jm)
-        # the first fit images and labels, for the adversarial weights (filled by _read and _add)
+        # the first fit images and labels, for the adversarial weights (filled by _saw_inputs and _add)
         self._kept = [] if self.weights == "adversarial" else None
         self._kept_labels = []
 
-    def _read(self, jm: Any, x: Tensor) -> tuple[Tensor, Tensor]:
-        """The layers' pooled features side by side (``[B, sum C_l]``) and the logits."""
-        feats, logits = jm.layer_features(x, self.layer_names)
-        self._dims = [f.shape[1] for f in feats]
-        if self._kept is not None:
+    @property
+    def layers_read(self) -> list[str]:
+        return list(self.__dict__.get("layer_names", []))
+
+    @property
+    def shares_forward(self) -> bool:
+        # the adversarial weights need the fit images themselves (their input gradients)
+        return self.weights != "adversarial"
+
+    def _saw_inputs(self, x: Tensor) -> None:
+        if self._kept is not None:  # the first fit images, for the adversarial weights
             room = self.adversarial_images - sum(len(k) for k in self._kept)
             self._kept.append(x[:room].detach().cpu())
+
+    def _take(self, out: Outputs) -> tuple[Tensor, Tensor]:
+        """The layers' pooled features side by side (``[B, sum C_l]``: each layer's outputs
+        averaged over its positions, :meth:`~jem_plugin.JEM.layer_features`) and the logits."""
+        feats = [out.layer(name, self.name).mean(dim=2) for name in self.layer_names]
+        self._dims = [f.shape[1] for f in feats]
         # in the layers' own dtype (bfloat16 under autocast): the fit's rounding floor depends on it
         dtype = functools.reduce(torch.promote_types, [f.dtype for f in feats])
-        return torch.cat([f.to(dtype) for f in feats], dim=1), logits
+        return torch.cat([f.to(dtype) for f in feats], dim=1), out.logits
 
     def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
         y = self._labels(feats, logits, y)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..._outputs import Outputs
 from ...model import as_jem
 from ._base import (
     _checked_layers,
@@ -141,6 +142,7 @@ class Gram(_ClassConditional):
     """
 
     name = "gram"
+    reads = frozenset({"logits", "layers"})
     description = (
         "Gram matrices of several depths against per-class training bounds (fit; layers=, powers=10, held_out=0.1)"
     )
@@ -200,12 +202,15 @@ class Gram(_ClassConditional):
         self._draw = torch.Generator().manual_seed(self.seed)  # on the CPU: the same draw on any device
         self._seen = 0
 
-    def _read(self, jm: Any, x: Tensor) -> tuple[Tensor, Tensor]:
+    @property
+    def layers_read(self) -> list[str]:
+        return list(self.__dict__.get("layer_names", []))
+
+    def _take(self, out: Outputs) -> tuple[Tensor, Tensor]:
         """The Gram statistics of every layer and power side by side (``[B, sum_l P C_l]``) and the logits."""
-        maps, logits = jm.layer_maps(x, self.layer_names)
-        rows = [_gram_rows(m, self.powers).flatten(1) for m in maps]
+        rows = [_gram_rows(out.layer(name, self.name), self.powers).flatten(1) for name in self.layer_names]
         self._dims = [r.shape[1] for r in rows]
-        return torch.cat(rows, dim=1), logits
+        return torch.cat(rows, dim=1), out.logits
 
     def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
         y = self._labels(feats, logits, y)

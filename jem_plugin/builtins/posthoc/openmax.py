@@ -10,7 +10,6 @@ import torch
 from torch import Tensor
 
 from ...errors import InvalidInputError
-from ...model import as_jem
 from ._base import (
     _ClassConditional,
 )
@@ -91,7 +90,7 @@ class OpenMax(_ClassConditional):
     name = "openmax"
     description = "OpenMax: minus the unknown class's probability from Weibull fits of logit distances (fit; tailsize=25, alpha=10)"
     paper = "Bendale & Boult 2016, Towards Open Set Deep Networks (CVPR)"
-    uses_features = False  # the logits alone: any classifier, whatever its head
+    reads = frozenset({"logits"})  # the logits alone: any classifier, whatever its head
 
     def __init__(self, tailsize: int = 25, alpha: int = 10, euclid_weight: float = 1.0, labels: str = "true") -> None:
         super().__init__()
@@ -112,38 +111,25 @@ class OpenMax(_ClassConditional):
             **super()._options(),
         }
 
-    def fit(
-        self,
-        jm: Any,
-        data: Any,
-        *,
-        batch_size: int = 256,
-        progress: bool | None = None,
-        input_key: str | None = None,
-    ) -> OpenMax:
-        """Fit on in-distribution ``data``, streaming over it twice (class means, then the
-        distance tails); returns ``self``. ``data``: a DataLoader or another iterable that can be
-        iterated twice, a tensor, or an ``(x, y)`` pair of tensors."""
+    def _check_reiterable(self, data: Any) -> None:
         if isinstance(data, Iterator):
             raise InvalidInputError(
                 "openmax streams over the fit data twice (class means, then the distances to them) and "
                 f"got a one-shot iterator ({type(data).__name__}): pass a DataLoader, a list of batches or tensors"
             )
-        core = as_jem(jm, f"{self.name}.fit")
-        options: dict[str, Any] = {"batch_size": batch_size, "progress": progress, "input_key": input_key}
-        self._begin(core)
-        self._stream(core, data, self._add, **options, desc="fit openmax (1/2: class means)")
-        self._set_centres()
-        self._stream(core, data, self._add_tail, **options, desc="fit openmax (2/2: distance tails)")
-        self._finish(core)
-        self._fitted_now(core)
-        return self
+
+    def _fit_desc(self) -> str:
+        return f"fit openmax ({'1/2: class means' if self._tails is None else '2/2: distance tails'})"
 
     def _begin(self, jm: Any) -> None:
         self._sums: Tensor | None = None
         self._counts: Tensor | None = None
+        self._tails: Tensor | None = None  # the second pass's: set once the class means are
 
     def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+        if self._tails is not None:
+            self._add_tail(logits, y)
+            return
         k = logits.shape[1]
         y = self._labels(logits, logits, y)
         v = logits.double()
@@ -152,6 +138,13 @@ class OpenMax(_ClassConditional):
         assert self._counts is not None
         self._sums.index_add_(0, y, v)
         self._counts += torch.bincount(y, minlength=k).to(v.dtype)
+
+    def _another_pass(self, jm: Any) -> bool:
+        """After the first pass (class means), a second one for the distance tails."""
+        if self._tails is None:
+            self._set_centres()
+            return True
+        return False
 
     def _set_centres(self) -> None:
         assert self._sums is not None and self._counts is not None
@@ -171,7 +164,8 @@ class OpenMax(_ClassConditional):
         assert out is not None
         return out
 
-    def _add_tail(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+    def _add_tail(self, logits: Tensor, y: Tensor | None) -> None:
+        assert self._tails is not None
         y = self._labels(logits, logits, y)
         v = logits.double()
         d = self._distance(v, self._centres[y])
@@ -180,12 +174,12 @@ class OpenMax(_ClassConditional):
         self._tails = torch.cat([self._tails, by_class], dim=1).topk(self.tailsize, dim=1).values
 
     def _finish(self, jm: Any) -> None:
-        valid = self._tails > -math.inf
-        lowest = self._tails.masked_fill(~valid, math.inf).amin(dim=1)
+        tails = self._tails
+        assert tails is not None, "the second pass set the tails"
+        valid = tails > -math.inf
+        lowest = tails.masked_fill(~valid, math.inf).amin(dim=1)
         present = self._present
-        shape, scale = _weibull_fit(
-            self._tails[present] + _WEIBULL_SHIFT - lowest[present].unsqueeze(1), valid[present]
-        )
+        shape, scale = _weibull_fit(tails[present] + _WEIBULL_SHIFT - lowest[present].unsqueeze(1), valid[present])
         nan = torch.full_like(lowest, math.nan)
         self.classes = present.nonzero().squeeze(1)
         self.n_fit = int(self._counts.sum().item())  # type: ignore[union-attr]  # set by _add

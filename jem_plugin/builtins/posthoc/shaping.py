@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..._outputs import Outputs, forward_outputs
 from ...errors import NotFittedError
 from ...model import as_jem
 from ._base import (
@@ -53,25 +54,40 @@ def _scale_rows(h: Tensor, percentile: float) -> Tensor:
     return h * torch.exp(_ratio(h.sum(dim=1), s2)).unsqueeze(1)
 
 
-def _shaped_energy(jm: Any, x: Tensor, what: str, shape: Callable[[Tensor], Tensor]) -> Tensor:
+#: What the activation-shaping scores read: the last feature maps, else the penultimate features.
+_SHAPED = frozenset({"logits", "feature_maps", "features"})
+
+
+def _shaped_energy(jm: Any, out: Outputs, what: str, shape: Callable[[Tensor], Tensor]) -> Tensor:
     """The energy ``logsumexp`` of the logits once ``shape`` has reshaped each input's activations:
-    its last feature maps, flattened over ``C x H x W``, where the adapter gives them
+    its last feature maps, flattened over ``C x H x W``, where the outputs hold them
     (:meth:`jem_plugin.JEM.feature_maps`, the layer the ASH and SCALE papers shape); else its
     penultimate features, through the head."""
-    core = as_jem(jm, what)
-    found = core.feature_maps(x)
-    if found is not None:
-        maps, to_logits = found
-        return torch.logsumexp(to_logits(shape(maps.flatten(1)).view_as(maps)).float(), dim=1)
+    maps = out.feature_maps
+    if maps is not None and out.to_logits is not None:
+        return torch.logsumexp(out.to_logits(shape(maps.flatten(1)).view_as(maps)).float(), dim=1)
     head = _head(jm, what)
-    h, _ = core.features(x)
-    return _energy(head, shape(h))
+    return _energy(head, shape(out.need("features", what)))
+
+
+def _ash(jm: Any, out: Outputs, percentile: float = 90.0) -> Tensor:
+    """:func:`ash` of a batch's outputs."""
+    p = _check_percentile(percentile)
+    return _shaped_energy(jm, out, "ash", lambda h: _ash_s(h, p))
+
+
+def _scale(jm: Any, out: Outputs, percentile: float = 85.0) -> Tensor:
+    """:func:`scale` of a batch's outputs."""
+    p = _check_percentile(percentile)
+    return _shaped_energy(jm, out, "scale", lambda h: _scale_rows(h, p))
 
 
 @describe(
     name="ash",
     description="ASH-S: energy of pruned, rescaled feature maps (penultimate features without maps; percentile=90)",
     paper="Djurisic et al. 2023, Extremely Simple Activation Shaping for Out-of-Distribution Detection (ICLR)",
+    reads=_SHAPED,
+    score_outputs=_ash,
 )
 def ash(jm: Any, x: Tensor, percentile: float = 90.0) -> Tensor:
     """ASH-S (Djurisic et al. 2023): the largest ``100 - percentile`` % of each input's activations
@@ -80,21 +96,23 @@ def ash(jm: Any, x: Tensor, percentile: float = 90.0) -> Tensor:
     maps (``C x H x W`` per input, as the paper and pytorch-ood shape them) where the adapter
     gives them (:meth:`jem_plugin.JEM.feature_maps`: timm CNNs, torchvision ResNets), else the
     penultimate features (ViTs). Designed for non-negative (post-ReLU) activations."""
-    p = _check_percentile(percentile)
-    return _shaped_energy(jm, x, "ash", lambda h: _ash_s(h, p))
+    _check_percentile(percentile)
+    return _ash(jm, forward_outputs(as_jem(jm, "ash"), x, _SHAPED), percentile)
 
 
 @describe(
     name="scale",
     description="SCALE: energy of rescaled feature maps (penultimate features without maps; percentile=85)",
     paper="Xu et al. 2024, Scaling for Training Time and Post-hoc Out-of-distribution Detection Enhancement (ICLR)",
+    reads=_SHAPED,
+    score_outputs=_scale,
 )
 def scale(jm: Any, x: Tensor, percentile: float = 85.0) -> Tensor:
     """SCALE (Xu et al. 2024): each input's activations scaled by ``exp(sum / sum of the top
     100 - percentile %)``, nothing pruned; the score is the energy of the logits computed from
     them. The activations are the feature maps where the adapter gives them, as for :func:`ash`."""
-    p = _check_percentile(percentile)
-    return _shaped_energy(jm, x, "scale", lambda h: _scale_rows(h, p))
+    _check_percentile(percentile)
+    return _scale(jm, forward_outputs(as_jem(jm, "scale"), x, _SHAPED), percentile)
 
 
 class ReAct(_FittedDetector):

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..._outputs import Outputs
 from ...model import as_jem, input_grad_enabled, sampling_mode
 from ._base import (
     _input_step,
@@ -44,27 +45,13 @@ def odin(jm: Any, x: Tensor, temperature: float = 1000.0, eps: float = 0.0014) -
         return torch.softmax(core.logits(x_hat) / t, dim=1).max(dim=1).values
 
 
-@describe(
-    name="gen",
-    description="GEN generalized entropy of the top-M probabilities (gamma=, M=, clamp=)",
-    paper="Liu et al. 2023, GEN: Pushing the Limits of Softmax-Based Out-of-Distribution Detection (CVPR)",
-)
-def gen(jm: Any, x: Tensor, gamma: float = 0.1, M: int | None = None, clamp: float = 1e-7) -> Tensor:
-    """GEN (Liu et al. 2023): ``-sum_{j <= M} p_j^gamma (1 - p_j)^gamma`` over the ``M`` largest
-    softmax probabilities (``M = min(K, 100)`` by default), a sum as the authors' code computes it.
-
-    ``p`` is clamped to ``[clamp, 1 - clamp]`` as pytorch-ood does (its scores are then ours
-    divided by ``M``): the power transform would otherwise let the far tail of tiny probabilities
-    decide; on the four networks of ``benchmarks/bench_posthoc.py`` the clamp was never worse and
-    on one better (mean AUROC 0.896 against 0.889 on resnet10t). ``clamp=0`` gives the formula
-    exactly. Computed from the logits in log space, in float64, so ``1 - p`` of a top probability
-    that rounds to 1 in float32 is the others' probability mass, not 0.
-    """
+def _gen(jm: Any, out: Outputs, gamma: float = 0.1, M: int | None = None, clamp: float = 1e-7) -> Tensor:
+    """:func:`gen` of a batch's outputs (its logits)."""
     if not float(gamma) > 0:
         raise ValueError(f"gamma must be positive, got {gamma!r}")
     if not 0.0 <= float(clamp) < 0.5:
         raise ValueError(f"clamp must be in [0, 0.5), got {clamp!r}")
-    logp = torch.log_softmax(jm.logits(x).double(), dim=1)
+    logp = torch.log_softmax(out.logits.double(), dim=1)
     k = logp.shape[1]
     m = min(k, 100) if M is None else int(M)
     if not 1 <= m <= k:
@@ -79,3 +66,24 @@ def gen(jm: Any, x: Tensor, gamma: float = 0.1, M: int | None = None, clamp: flo
         lo, hi = math.log(clamp), math.log1p(-clamp)
         top, log_rest = top.clamp(lo, hi), log_rest.clamp(lo, hi)
     return -torch.exp(gamma * (top + log_rest)).sum(dim=1).float()
+
+
+@describe(
+    name="gen",
+    description="GEN generalized entropy of the top-M probabilities (gamma=, M=, clamp=)",
+    paper="Liu et al. 2023, GEN: Pushing the Limits of Softmax-Based Out-of-Distribution Detection (CVPR)",
+    reads=("logits",),
+    score_outputs=_gen,
+)
+def gen(jm: Any, x: Tensor, gamma: float = 0.1, M: int | None = None, clamp: float = 1e-7) -> Tensor:
+    """GEN (Liu et al. 2023): ``-sum_{j <= M} p_j^gamma (1 - p_j)^gamma`` over the ``M`` largest
+    softmax probabilities (``M = min(K, 100)`` by default), a sum as the authors' code computes it.
+
+    ``p`` is clamped to ``[clamp, 1 - clamp]`` as pytorch-ood does (its scores are then ours
+    divided by ``M``): the power transform would otherwise let the far tail of tiny probabilities
+    decide; on the four networks of ``benchmarks/bench_posthoc.py`` the clamp was never worse and
+    on one better (mean AUROC 0.896 against 0.889 on resnet10t). ``clamp=0`` gives the formula
+    exactly. Computed from the logits in log space, in float64, so ``1 - p`` of a top probability
+    that rounds to 1 in float32 is the others' probability mass, not 0.
+    """
+    return _gen(jm, Outputs(jm.logits(x)), gamma, M, clamp)
