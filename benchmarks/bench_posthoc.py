@@ -38,6 +38,17 @@ same 512 images (interleaved rounds, median of paired ratios). Targets of issue 
 
     python -m benchmarks.bench_posthoc            # ~35 CPU minutes on one thread
     python -m benchmarks.bench_posthoc --quick    # a few minutes: 2 networks, short training
+
+**One forward** (issue 46, ``--one-forward``): on each of the four networks (trained as above,
+0-9 model only), ``evaluate_all`` over every score without an input gradient (one forward per
+batch shared by all of them) beside the loop it replaced (:func:`per_detector_loop`: each
+detector fitted by its own pass over the training digits, then each set scored by its own
+passes), both on the test digits and the five far sets, interleaved rounds; ratio = median of
+paired loop / shared times (target: 3x). Also counts the network's forwards each way and checks
+that both give the same scores. Written to ``results/posthoc_one_forward.{json,md}``.
+
+    python -m benchmarks.bench_posthoc --one-forward             # four networks, 3 rounds
+    python -m benchmarks.bench_posthoc --one-forward --quick     # 2 networks, 1 epoch, 1 round
 """
 
 from __future__ import annotations
@@ -898,6 +909,154 @@ def targets(net: dict[str, Any], twins: dict[str, dict[str, Any]] | None = None)
     return out
 
 
+# ---------------------------------------------------------------------------- one forward (issue 46)
+ONE_FORWARD = "posthoc_one_forward"
+ONE_FORWARD_TARGET = 3.0  # evaluate_all over the gradient-free scores: at least this much faster than the loop
+
+
+def gradient_free_scores() -> list[str]:
+    """Every registered score without an input gradient: what shares one forward in ``evaluate_all``."""
+    return [m for m in ood.available_scores() if not ood.score_info(m)["needs_grad"]]
+
+
+def per_detector_loop(
+    jm: Any, x_in: Tensor, sets: dict[str, Tensor], methods: Sequence[str], fit: DataLoader
+) -> dict[str, dict[str, Tensor]]:
+    """``evaluate_all``'s loop before issue 46: each score on its own, a fitted one fitted by its
+    own pass over ``fit`` (two for openmax), then the in-distribution data and every set scored
+    by its own passes (one forward per score, set and batch), and the metrics per set."""
+    out: dict[str, dict[str, Tensor]] = {}
+    for m in methods:
+        method: Any = ood.detector(m).fit(jm, fit, batch_size=BATCH) if ood.score_info(m)["needs_fit"] else m
+        s = {name: ood.score(jm, x, method, batch_size=BATCH) for name, x in [("in", x_in), *sets.items()]}
+        for name in sets:
+            ood.evaluate(s["in"], s[name])
+        out[m] = s
+    return out
+
+
+def _forward_counter(model: nn.Module) -> list[int]:
+    """``[n]``: the passes through ``model`` so far (a pre-hook on its first layer with weights)."""
+    first = next(m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear)))
+    n = [0]
+    first.register_forward_pre_hook(lambda *_: n.__setitem__(0, n[0] + 1))
+    return n
+
+
+def time_one_forward(name: str, D: dict[str, Any], epochs: int | None, repeats: int) -> dict[str, Any]:
+    """One network: ``evaluate_all`` over :func:`gradient_free_scores` against
+    :func:`per_detector_loop`, ``repeats`` interleaved rounds (the order alternating), the same
+    model, images and batches."""
+    _, spec, lr, default_epochs = NETWORKS[name]
+    model, cost = train(spec, D["x"], D["y"], 10, epochs or default_epochs, lr=lr, clip=CLIP_GRAD_NORM.get(name))
+    jm = jem.wrap(model, **_wrap_kw(10))
+    methods, fit = gradient_free_scores(), _loader(D["x"], D["y"])
+    forwards = _forward_counter(model)
+    times: dict[str, list[float]] = {"shared": [], "loop": []}
+    counts: dict[str, int] = {}
+    shared: ood.OODTable | None = None
+    loop: dict[str, dict[str, Tensor]] = {}
+    _log(f"{name}: accuracy {accuracy(model, D['xt'], D['yt']):.3f}; {len(methods)} scores, {repeats} round(s)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the Gaussian detectors' few-images warning at small sizes
+        for r in range(repeats):
+            for way in ("shared", "loop") if r % 2 == 0 else ("loop", "shared"):
+                before, t0 = forwards[0], time.perf_counter()
+                if way == "shared":
+                    shared = ood.evaluate_all(
+                        jm, D["xt"], D["sets"], methods, fit_data=fit, batch_size=BATCH, progress=False
+                    )
+                else:
+                    loop = per_detector_loop(jm, D["xt"], D["sets"], methods, fit)
+                times[way].append(time.perf_counter() - t0)
+                counts[way] = forwards[0] - before
+    assert shared is not None
+    ratios = [lp / sh for lp, sh in zip(times["loop"], times["shared"])]
+    diff = max(
+        float((shared.scores[m][k] - loop[m][k]).abs().max()) / max(1.0, float(loop[m][k].abs().max()))
+        for m in shared.scores
+        for k in loop[m]
+    )
+    res = {
+        "spec": spec,
+        "epochs": epochs or default_epochs,
+        "cost": cost,
+        "methods": methods,
+        "failures": shared.failures(),
+        "shared_s": times["shared"],
+        "loop_s": times["loop"],
+        "ratio": statistics.median(ratios),
+        "ratios": ratios,
+        "forwards": counts,
+        "max_rel_score_diff": diff,
+    }
+    _log(f"{name}: shared {min(times['shared']):.2f} s, loop {min(times['loop']):.2f} s, ratio {res['ratio']:.2f}x")
+    return res
+
+
+def run_one_forward(
+    networks: Sequence[str] | None = None,
+    epochs: int | None = None,
+    repeats: int = 3,
+    n_train: int | None = None,
+    n_eval: int | None = None,
+    n_ood: int | None = N_OOD,
+) -> dict[str, Any]:
+    """:func:`time_one_forward` on each network (default: the four), the same data for all."""
+    D = load_data(n_train, n_eval, n_ood)
+    res: dict[str, Any] = {
+        "_machine": common.machine_info(),
+        "settings": {
+            "networks": list(networks or NETWORKS),
+            "n_train": len(D["x"]),
+            "n_test": len(D["xt"]),
+            "n_ood": len(D["sets"]["uniform"]),
+            "sets": list(D["sets"]),
+            "batch_size": BATCH,
+            "repeats": repeats,
+            "target": ONE_FORWARD_TARGET,
+        },
+        "networks": {},
+    }
+    for name in res["settings"]["networks"]:
+        res["networks"][name] = time_one_forward(name, D, epochs, repeats)
+    res["target_met"] = all(n["ratio"] >= ONE_FORWARD_TARGET for n in res["networks"].values())
+    return res
+
+
+def one_forward_markdown(res: dict[str, Any]) -> str:
+    s = res["settings"]
+    rows = [
+        [
+            name,
+            f"{min(n['loop_s']):.2f}",
+            f"{min(n['shared_s']):.2f}",
+            f"**{n['ratio']:.2f}x**" if n["ratio"] >= ONE_FORWARD_TARGET else f"{n['ratio']:.2f}x",
+            f"{n['forwards']['loop']} / {n['forwards']['shared']}",
+            f"{n['max_rel_score_diff']:.1e}",
+        ]
+        for name, n in res["networks"].items()
+    ]
+    head = ["network", "loop (s)", "shared (s)", "ratio", "forwards loop / shared", "max rel. score diff"]
+    return (
+        f"`evaluate_all` over the {len(next(iter(res['networks'].values()))['methods'])} gradient-free scores, "
+        f"one forward per batch shared by all, against the per-detector loop it replaced; {s['n_train']} fit "
+        f"images, {s['n_test']} test images and {len(s['sets'])} sets of {s['n_ood']}, batch {s['batch_size']}; "
+        f"fastest of {s['repeats']} interleaved round(s), ratio the median of paired ratios (target "
+        f"{s['target']:g}x: {'met' if res['target_met'] else 'not met'}).\n\n" + common.md_table(head, rows)
+    )
+
+
+def write_one_forward(res: dict[str, Any], out_dir: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    machine = res.get("_machine") or common.machine_info()
+    common.write_json(os.path.join(out_dir, f"{ONE_FORWARD}.json"), {"machine": machine, ONE_FORWARD: _strip(res)})
+    md = one_forward_markdown(res)
+    with open(os.path.join(out_dir, f"{ONE_FORWARD}.md"), "w") as f:
+        f.write(f"# {ONE_FORWARD}\n\n{common.machine_markdown(machine)}\n\n{md}\n")
+    return md
+
+
 # ---------------------------------------------------------------------------- run
 def run(
     quick: bool = False,
@@ -1175,7 +1334,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=OUT)
     p.add_argument("--render", action="store_true", help="rewrite the Markdown and figures from --out's posthoc.json")
+    p.add_argument(
+        "--one-forward",
+        action="store_true",
+        help="time evaluate_all over the gradient-free scores (one shared forward) against the per-detector loop",
+    )
+    p.add_argument("--repeats", type=int, default=None, help="--one-forward's interleaved rounds (default 3; quick 1)")
     args = p.parse_args(argv)
+    if args.one_forward:
+        common.set_threads(args.threads)
+        res = run_one_forward(
+            networks=args.networks or (["lcnet_050", "test_vit"] if args.quick else None),
+            epochs=args.epochs or (1 if args.quick else None),
+            repeats=args.repeats or (1 if args.quick else 3),
+            n_train=400 if args.quick else None,
+            n_eval=120 if args.quick else None,
+        )
+        md = write_one_forward(res, args.out)
+        print(md)
+        return res
     if args.render:
         with open(os.path.join(args.out, f"{NAME}.json")) as f:
             saved = json.load(f)

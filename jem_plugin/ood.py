@@ -696,35 +696,63 @@ def _union(items: Sequence[_Shared]) -> tuple[frozenset[str], list[str]]:
     return reads, list(dict.fromkeys(n for i in items for n in i.layers))
 
 
+#: The logits of the fit data kept from the first pass for a detector that streams it again and
+#: reads nothing else (openmax), up to this many bytes: that pass then runs no forward.
+_REPLAY_BYTES = 1 << 28
+
+
 def _fit_shared(jm: Any, items: Sequence[_Shared], fit_data: Any, batch_size: int, progress, input_key) -> None:
-    """Fit the detectors of ``items`` on ``fit_data``, one forward per batch for all of them (a
-    detector asking for another pass gets it, with the others that ask)."""
+    """Fit the detectors of ``items`` on ``fit_data``, one forward per batch for all of them. A
+    detector asking for another pass gets it, with the others that ask; where they read the
+    logits alone, from the first pass's logits when those were small enough to keep."""
     todo = [i for i in items if i.det is not None]
     for i in todo:
         i.run("fit_s", i.det.begin_fit, jm)
-    passes = 0
+    kept: list[tuple[Outputs | None, Tensor | None]] | None = []
+    held, passes = 0, 0
     while todo := [i for i in todo if i.error is None]:
-        if passes and isinstance(fit_data, Iterator):
+        replay = passes > 0 and kept is not None and all(i.reads <= {"logits"} for i in todo)
+        if passes and not replay and isinstance(fit_data, Iterator):
             for i in todo:
                 i.error = InvalidInputError(
                     f"{i.label} streams over the fit data {passes + 1} times and fit_data is a one-shot "
                     f"iterator ({type(fit_data).__name__}): pass a DataLoader, a list of batches or tensors"
                 )
             return
-        forward = 0.0
-        desc = f"fit {', '.join(i.label for i in todo)}"
-        for x, y in fit_inputs(
-            jm, fit_data, batch_size=batch_size, progress=progress, input_key=input_key, desc=desc[:60], stacklevel=4
-        ):
-            t0 = time.perf_counter()
-            out = _outputs_for(todo, jm, x)
-            forward += time.perf_counter() - t0
+        clock = [0.0]
+        batches = (
+            kept
+            if replay and kept is not None
+            else _fit_batches(todo, jm, fit_data, batch_size, progress, input_key, clock)
+        )
+        for out, y in batches:
+            if passes == 0 and kept is not None and out is not None:
+                held += out.logits.numel() * out.logits.element_size()
+                if held <= _REPLAY_BYTES:
+                    kept.append((Outputs(out.logits), y))
+                else:
+                    kept = None
             for i in todo:
                 i.run("fit_s", i.det.add_outputs, out, y)
         for i in todo:
-            i.fit_s += forward
+            i.fit_s += clock[0]
         todo = [i for i in todo if i.run("fit_s", i.det.end_fit, jm) is False]
         passes += 1
+
+
+def _fit_batches(
+    items: Sequence[_Shared], jm: Any, fit_data: Any, batch_size: int, progress, input_key, clock: list[float]
+) -> Iterator[tuple[Outputs | None, Tensor | None]]:
+    """``(outputs, labels)`` of every batch of ``fit_data``: one forward for all of ``items``, its
+    time added to ``clock[0]``."""
+    desc = f"fit {', '.join(i.label for i in items)}"
+    for x, y in fit_inputs(
+        jm, fit_data, batch_size=batch_size, progress=progress, input_key=input_key, desc=desc[:60], stacklevel=5
+    ):
+        t0 = time.perf_counter()
+        out = _outputs_for(items, jm, x)
+        clock[0] += time.perf_counter() - t0
+        yield out, y
 
 
 def _outputs_for(items: Sequence[_Shared], jm: Any, x: Tensor) -> Outputs | None:

@@ -335,3 +335,21 @@ def test_grams_scoring_bounds_are_compared_on_the_tuning_split(tmp_path, monkeyp
     torch.testing.assert_close(every.layer_norm, without.layer_norm)  # the same draw, the same E_l
     assert (without.score(jm, x) <= every.score(jm, x) + 1e-6).all()  # narrower bounds: larger deviations
     assert (without.score(jm, x) < every.score(jm, x) - 1e-6).any()
+
+
+@pytest.mark.slow
+def test_one_forward_mode_times_the_shared_forward_beside_the_per_detector_loop(tmp_path):
+    """``--one-forward`` (issue 46): every gradient-free score, one forward per batch against the
+    loop of one pass per detector, on the same model; same scores both ways."""
+    res = B.run_one_forward(networks=["lcnet_050"], epochs=1, repeats=1, n_train=64, n_eval=16, n_ood=16)
+    net = res["networks"]["lcnet_050"]
+    assert net["methods"] == B.gradient_free_scores() and len(net["methods"]) == 15
+    assert not net["failures"] and net["max_rel_score_diff"] < 1e-5
+    batches = {"fit": 1, "scored": 6}  # 64 fit images and 6 sets of 16, all under one batch of 256
+    assert net["forwards"]["shared"] == 1 + batches["fit"] + batches["scored"]  # and a warm-up batch
+    assert net["forwards"]["loop"] > 10 * net["forwards"]["shared"]
+    assert net["ratio"] > 0 and len(net["shared_s"]) == len(net["loop_s"]) == 1
+    md = B.write_one_forward(res, str(tmp_path))
+    assert "lcnet_050" in md and "ratio" in md
+    saved = json.loads((tmp_path / "posthoc_one_forward.json").read_text())["posthoc_one_forward"]
+    assert saved["networks"]["lcnet_050"]["forwards"] == net["forwards"]
