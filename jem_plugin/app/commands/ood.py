@@ -30,8 +30,8 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     p.add_argument(
         "--scores",
         default="logpx,msp,grad_norm",
-        help="comma-separated score names, or all (every registered score; see jem plugins). "
-        "Prints the JSON result on stdout and a table marking the best score per set on "
+        help="comma-separated score names, or all (every registered score; see jem plugins); the "
+        "scores without an input gradient share one forward per batch. Prints the JSON result on stdout and a table marking the best score per set on "
         "stderr, and writes it as CSV and a PNG heat map next to --out (default: next to the "
         "checkpoint)",
     )
