@@ -81,7 +81,7 @@ def test_each_detector_is_registered_from_what_its_class_or_function_says_of_it(
     """Issue 47: the name, needs_grad, needs_fit, description and paper live on the detector
     (its class, or a function score itself), and registration reads them there."""
     entries = jem.plugins.collect("jem_register_ood_scores")
-    assert len(posthoc.DETECTORS) == 14
+    assert len(posthoc.DETECTORS) == 29
     for d in posthoc.DETECTORS:
         entry = entries[d.name]
         assert entry["item"] is d

@@ -71,14 +71,20 @@ from collections.abc import Callable
 from typing import Any
 
 from ...plugins import hookimpl
+from .activation import VRA, AdaSCALE, lts, rankfeat
+from .dropout import mcd
+from .feature_space import FDBD, NCI, PNML, SHE, NNGuide
 from .gaussian import Mahalanobis, MahalanobisODIN, MultiMahalanobis, RelativeMahalanobis
 from .gmm import GMM
 from .gram import Gram
 from .knn import KNN
+from .logit import KLMatching, entropy, weighted_ebo
 from .openmax import OpenMax
 from .shaping import ReAct, ash, scale
 from .softmax import gen, odin
+from .sparsification import DICE
 from .vim import ViM
+from .weiper import WeiPer
 
 __all__ = [
     "odin",
@@ -95,6 +101,21 @@ __all__ = [
     "KNN",
     "ReAct",
     "OpenMax",
+    "entropy",
+    "weighted_ebo",
+    "lts",
+    "rankfeat",
+    "mcd",
+    "KLMatching",
+    "DICE",
+    "SHE",
+    "NNGuide",
+    "FDBD",
+    "NCI",
+    "PNML",
+    "VRA",
+    "AdaSCALE",
+    "WeiPer",
 ]
 
 
@@ -115,6 +136,21 @@ DETECTORS: tuple[Any, ...] = (
     KNN,
     ReAct,
     OpenMax,
+    entropy,
+    weighted_ebo,
+    lts,
+    rankfeat,
+    mcd,
+    KLMatching,
+    DICE,
+    SHE,
+    NNGuide,
+    FDBD,
+    NCI,
+    PNML,
+    VRA,
+    AdaSCALE,
+    WeiPer,
 )
 
 
