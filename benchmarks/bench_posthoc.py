@@ -121,6 +121,16 @@ SHARED = {
     "openmax": "OpenMax",
     "multi_mahalanobis": "MultiMahalanobis",
     "gram": "Gram",
+    "entropy": "Entropy",
+    "kl_matching": "KLMatching",
+    "dice": "DICE",
+    "she": "SHE",
+    "nnguide": "NNGuide",
+    "fdbd": "fDBD",
+    "nci": "NCI",
+    "pnml": "PNML",
+    "lts": "LTS",
+    "rankfeat": "RankFeat",
 }
 TARGET_MARGIN = 0.005  # best of ours >= best of pytorch-ood - this, per set
 EQUAL_TOL = 1e-4  # shared detectors: max |ours - theirs| <= EQUAL_TOL * max(1, max |ours|)

@@ -249,6 +249,22 @@ def test_feature_scores_equal_pytorch_ood(setup):
         _close(ood.score(jm, x_test, "nnguide", fit_data=fit, k=3, chunk=50), nnguide)
 
 
+def test_pnml_drops_directions_below_float32_resolution_as_pytorch_ood():
+    """A feature direction whose second moment is 1e-10 of the others' is the features' rounding: a
+    float64 pseudo-inverse kept it (x^T P x 1e9 times too large along it, and pNML 0.4 away from
+    pytorch-ood's on timm's resnet10t in bench_posthoc); dropped, as pytorch-ood's float32 one."""
+    g = torch.Generator().manual_seed(4)
+    d = 12
+    z_fit = torch.randn(300, d, generator=g) + 2.0
+    z_fit[:, -1] = 3e-5 * torch.randn(300, generator=g)  # all but 0: a second moment of 1e-10
+    z = torch.randn(30, d, generator=g) + 2.0
+    net = nn.Sequential(nn.Identity(), nn.Linear(d, K)).eval()
+    jm = jem.wrap(net, data_range=(-50.0, 50.0))
+    theirs = _po().PNML(None, net[1]).fit_features(z_fit, torch.zeros(300)).predict_features(z)
+    with torch.no_grad():
+        _close(ood.score(jm, z, "pnml", fit_data=z_fit), theirs)
+
+
 def test_map_scores_equal_pytorch_ood(setup):
     """RankFeat on the last feature maps (``avgpool``'s input, ``fc`` after it); VRA per unit on
     the penultimate features handed to pytorch-ood as 1x1 maps, at its default percentiles."""

@@ -58,6 +58,37 @@ gram                  ``-sum_l delta_l / E_l``, how far the Gram-matrix row sums
                       (Sastry & Oore 2020; ``powers = 10``)
 ====================  ==============================================================  ==========
 
+The rest of the field (issue 46), each equal to pytorch-ood's detector of the same name at matched
+settings where it has one (AdaSCALE and WeiPer: to their authors' formulas):
+
+============  ====================================================================  ==============
+name          score                                                                 reads
+============  ====================================================================  ==============
+entropy       ``sum_j p_j log p_j``, minus the softmax entropy                      logits
+weighted_ebo  ``log sum_j relu(w_j) exp f_j``, VOS's weighted energy                logits
+kl_matching   ``-min_k KL(p || d_k)``, ``d_k`` the mean posterior of the fit        logits, fit
+              inputs predicted as ``k`` (Hendrycks et al. 2022)
+mcd           ``-mean_j var_s p_sj`` over 30 passes with dropout on (Gal &          logits x 30
+              Ghahramani 2016); refuses a network without dropout
+dice          energy of the head with its 90 % least contributing weights masked    features, fit
+              (Sun & Li 2022)
+she           ``<z, S_yhat>``, ``S_c`` the mean correctly classified features       features, fit
+nnguide       energy times the mean similarity to the ``k = 10`` nearest            features, fit
+              energy-scaled training features (Park et al. 2023)
+fdbd          mean distance to the decision boundaries over ``|z - mu|``            features, fit
+nci           alignment of ``z - mu`` with the predicted class's weights            features, fit
+              (+ ``alpha |z|_1``, ``alpha = 0``)
+pnml          minus the pNML regret (Bibas et al. 2021)                             features, fit
+lts           energy of ``S^2 f``, ``S = sum relu z / top-5 % sum``                 features
+vra           energy of the features clipped at the 10th and 90th training          features, fit
+              percentiles (Xu et al. 2023)
+adascale      SCALE at a percentile set by how far a small input step moves the     features, fit,
+              features (Regmi et al. 2025)                                          input grad
+rankfeat      energy of the last feature maps minus their rank-1 part               feature maps
+weiper        WeiPer+KLD: histograms of the features and of perturbed logits        features, fit
+              against the training ones, plus their MSP (Granz et al. 2024)
+============  ====================================================================  ==============
+
 Features are :meth:`jem_plugin.JEM.features` (penultimate, ``[B, D]``), or for
 ``multi_mahalanobis`` :meth:`jem_plugin.JEM.layer_features` (several layers, pooled), for ``gram``
 :meth:`jem_plugin.JEM.layer_maps` (the same layers, unpooled); the "head" is

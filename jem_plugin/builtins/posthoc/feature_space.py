@@ -228,7 +228,9 @@ class PNML(_FittedDetector):
     ``score = -log(sum_j p_j / (p_j + (1 - p_j) p_j^g)) / log K``.
 
     Low where the training features span the input's direction and the classifier is sure.
-    ``fit`` streams ``X^T X`` (``D x D``, float64). The probabilities are clamped to
+    ``fit`` streams ``X^T X`` (``D x D``, float64); its pseudo-inverse drops the directions whose
+    eigenvalue is below ``D`` float32 epsilons of the largest (the features' rounding, as a
+    float32 pseudo-inverse does). The probabilities are clamped to
     ``[eps, 1 - eps]``. As pytorch-ood's ``PNML`` (whose outlier score is minus ours); the
     authors' code also appends a constant 1 to the features before normalising and takes the
     larger of ``g`` and the input's energy outside the training span, which is 0 once the fit set
@@ -256,7 +258,11 @@ class PNML(_FittedDetector):
 
     def _finish(self, jm: Any) -> None:
         assert self._moment is not None
-        self.projector = torch.linalg.pinv(self._moment, hermitian=True)
+        # directions below D * eps of the largest (eps: float32's, the features' precision here)
+        # are the features' rounding, not their spread: dropped, as a float32 pseudo-inverse drops
+        # them (pytorch-ood's); kept, they would dominate x^T P x
+        rtol = self._moment.shape[0] * torch.finfo(torch.float32).eps
+        self.projector = torch.linalg.pinv(self._moment, hermitian=True, rtol=rtol)
         del self._moment
 
     def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
