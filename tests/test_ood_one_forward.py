@@ -57,7 +57,9 @@ def _data(size: int = 16) -> dict:
 
 
 def _gradient_free() -> list[str]:
-    return [m for m in ood.available_scores() if not ood.score_info(m)["needs_grad"]]
+    """The scores that share the forward: every one without an input gradient but mcd (its own
+    dropout passes)."""
+    return [m for m in ood.available_scores() if ood.score_info(m)["reads"] is not None]
 
 
 class Counter:
@@ -96,7 +98,8 @@ def test_evaluate_all_runs_the_network_once_per_batch_for_every_gradient_free_sc
     fit data (openmax's second pass, for the distances to its class means, reads the logits kept
     from the first)."""
     _, _, table, calls = run
-    assert not table.failures(), table.failures()
+    # rankfeat reads feature maps, which a ViT has none of: refused in its row
+    assert all(m == "rankfeat" and "feature maps" in r for m, r in table.failures().items()), table.failures()
     assert calls == 3 * _batches(N_SET) + _batches(N_FIT) + WARM_UP, calls
 
 
@@ -105,7 +108,7 @@ def test_the_shared_forward_gives_each_detector_its_own_scores(run):
     """Every score from the shared outputs equals the score of that detector fitted and scored
     on its own, batch for batch."""
     jm, D, table, _ = run
-    for m in _gradient_free():
+    for m in [m for m in _gradient_free() if m not in table.failures()]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if ood.score_info(m)["needs_fit"]:

@@ -163,15 +163,40 @@ def test_bad_input_is_refused_in_one_line(setup):
     with pytest.raises(InvalidInputError, match="every class weight") as e:
         ood.score(jm, x_test, "weighted_ebo", weights=-torch.ones(K))
     errors.append(e)
-    y_missing = y_fit.clone()
-    y_missing[y_missing == 3] = 2  # no correctly classified input of class 3
-    with pytest.raises(ValueError, match=r"class\(es\) \[3\]") as e:
-        ood.detector("she").fit(jm, (x_fit, y_missing))
+    with pytest.raises(ValueError, match="no fit input is classified correctly") as e:
+        ood.detector("she").fit(jm, (x_fit, (model(x_fit).argmax(1) + 1) % K))
+    errors.append(e)
+    out = ood.outputs(jm, x_test, ("logits", "features"))
+    with pytest.raises(ValueError, match="inputs along their gradient") as e:  # AdaSCALE needs the inputs
+        ood.detector("adascale").fit(jm, (x_fit, y_fit)).score_outputs(jm, out)
+    errors.append(e)
+    with pytest.raises(ValueError, match="input gradient") as e:
+        ood.detector("adascale").fit_outputs(jm, (out, None))
     errors.append(e)
     with pytest.raises(ValueError, match="at least k=500") as e:
         ood.detector("nnguide", k=500).fit(jm, (x_fit, y_fit))
     errors.append(e)
     assert all("\n" not in str(err.value) for err in errors)
+
+
+def test_she_scores_a_class_without_pattern_against_the_closest_other(setup):
+    """pytorch-ood refuses the fit; ours warns, naming the class, and scores an input predicted as
+    it by the stored pattern it matches best (so evaluate_all on a barely trained network works)."""
+    jm, model, x_fit, y_fit, x_test = setup
+    y_missing = y_fit.clone()
+    y_missing[y_missing == 3] = 2  # no correctly classified input of class 3
+    with pytest.warns(RuntimeWarning, match=r"class\(es\) \[3\].*closest") as record:
+        det = ood.detector("she").fit(jm, (x_fit, y_missing))
+    assert len(record) == 1 and "\n" not in str(record[0].message)
+    with torch.no_grad():
+        z, pred = model.encode(x_test), model(x_test).argmax(1)
+    full = ood.detector("she").fit(jm, (x_fit, y_fit))
+    scores, full_scores = det.score(jm, x_test), full.score(jm, x_test)
+    assert (pred == 3).any() and (pred != 3).any()
+    same = (pred != 3) & (pred != 2)  # class 2 gained the relabelled inputs the model predicts as 2
+    torch.testing.assert_close(scores[same], full_scores[same])
+    others = det.patterns[[0, 1, 2, 4]]
+    torch.testing.assert_close(scores[pred == 3], (z[pred == 3] @ others.T).max(1).values)
 
 
 @pytest.mark.parametrize("name", FITTED)

@@ -11,17 +11,32 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..._outputs import Outputs, forward_outputs
 from ...errors import NoFeaturesError
 from ...model import as_jem, input_grad_enabled
 from ._base import _energy, _FittedDetector, _head, _Sample, describe
 from .shaping import _check_percentile, _kept, _ratio
 from .sparsification import _quantile
 
+_FEATURES = frozenset({"logits", "features"})
+_MAPS = frozenset({"logits", "feature_maps"})
+
+
+def _lts(jm: Any, out: Outputs, percentile: float = 95.0) -> Tensor:
+    """:func:`lts` of a batch's outputs (its features and logits)."""
+    p = _check_percentile(percentile)
+    h = out.need("features", "lts").float().relu()
+    top = torch.topk(h, _kept(h.shape[1], p), dim=1).values.sum(dim=1)
+    s = torch.where(top == 0, torch.ones_like(top), _ratio(h.sum(dim=1), top))
+    return torch.logsumexp(out.logits.float() * s.square().unsqueeze(1), dim=1)
+
 
 @describe(
     name="lts",
     description="LTS: energy of the logits scaled by (sum / top-sum of the ReLU features)^2 (percentile=95)",
     paper="Djurisic et al. 2025, Logit Scaling for Out-of-Distribution Detection",
+    reads=_FEATURES,
+    score_outputs=_lts,
 )
 def lts(jm: Any, x: Tensor, percentile: float = 95.0) -> Tensor:
     """Logit scaling (LTS): ``logsumexp(S * f(x))`` with ``S = (sum_j h_j / sum_top h_j)^2``,
@@ -33,13 +48,8 @@ def lts(jm: Any, x: Tensor, percentile: float = 95.0) -> Tensor:
     features that can be negative. A row of non-positive features is left unscaled where
     pytorch-ood's ``LTS`` gives NaN; its outlier score is minus ours.
     """
-    p = _check_percentile(percentile)
-    z, logits = as_jem(jm, "lts").features(x)
-    h = z.float().relu()
-    top = torch.topk(h, _kept(h.shape[1], p), dim=1).values.sum(dim=1)
-    s = _ratio(h.sum(dim=1), top)
-    s = torch.where(top == 0, torch.ones_like(s), s)
-    return torch.logsumexp(logits.float() * s.square().unsqueeze(1), dim=1)
+    _check_percentile(percentile)
+    return _lts(jm, forward_outputs(as_jem(jm, "lts"), x, _FEATURES), percentile)
 
 
 def _without_rank1(maps: Tensor) -> Tensor:
@@ -51,10 +61,23 @@ def _without_rank1(maps: Tensor) -> Tensor:
     return (m - rank1).to(maps.dtype).view_as(maps)
 
 
+def _rankfeat(jm: Any, out: Outputs) -> Tensor:
+    """:func:`rankfeat` of a batch's outputs (its feature maps)."""
+    maps = out.feature_maps
+    if maps is None or out.to_logits is None:
+        raise NoFeaturesError(
+            "rankfeat removes the rank-1 part of the last feature maps, and this model's adapter gives none "
+            "(a ViT, or wrap(model, features=...)); use a CNN, or an adapter that defines feature_maps"
+        )
+    return torch.logsumexp(out.to_logits(_without_rank1(maps)).float(), dim=1)
+
+
 @describe(
     name="rankfeat",
     description="RankFeat: energy of the logits from the last feature maps minus their rank-1 part (needs feature maps)",
     paper="Song et al. 2022, RankFeat: Rank-1 Feature Removal for Out-of-distribution Detection (NeurIPS)",
+    reads=_MAPS,
+    score_outputs=_rankfeat,
 )
 def rankfeat(jm: Any, x: Tensor) -> Tensor:
     """RankFeat (Song et al. 2022): each input's last feature maps, as a ``C x HW`` matrix, lose
@@ -67,15 +90,7 @@ def rankfeat(jm: Any, x: Tensor) -> Tensor:
     also averages the logits of the same removal at the block before (OpenOOD's default), which
     needs that block's maps and the layers after it; not done here.
     """
-    core = as_jem(jm, "rankfeat")
-    found = core.feature_maps(x)
-    if found is None:
-        raise NoFeaturesError(
-            "rankfeat removes the rank-1 part of the last feature maps, and this model's adapter gives none "
-            "(a ViT, or wrap(model, features=...)); use a CNN, or an adapter that defines feature_maps"
-        )
-    maps, to_logits = found
-    return torch.logsumexp(to_logits(_without_rank1(maps)).float(), dim=1)
+    return _rankfeat(jm, forward_outputs(as_jem(jm, "rankfeat"), x, _MAPS))
 
 
 class VRA(_FittedDetector):
@@ -183,6 +198,7 @@ class AdaSCALE(_FittedDetector):
 
     name = "adascale"
     needs_grad = True
+    reads = frozenset({"logits"})  # the fit's own forward: the statistic comes from _saw_inputs
     description = "AdaSCALE: SCALE at a percentile set by how far a small input step moves the features (fit; input grad; variant='a')"
     paper = "Regmi et al. 2025, AdaSCALE: Adaptive Scaling for OOD Detection"
 
@@ -230,9 +246,8 @@ class AdaSCALE(_FittedDetector):
             "variant": self.variant,
         }
 
-    def _read(self, jm: Any, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``([z, z'], logits)``: the features of the batch and of its moved copy side by side."""
-        core = as_jem(jm, self.name)
+    def _moved(self, core: Any, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(z, z', logits)``: the features of the batch and of its moved copy, and its logits."""
         with input_grad_enabled(x) as xg:
             z, logits = core.features(xg)
             (g,) = torch.autograd.grad(logits.max(dim=1).values.sum(), xg)
@@ -243,7 +258,7 @@ class AdaSCALE(_FittedDetector):
         moved = x.detach() + self.eps * g.sign() * mask * (hi - lo)
         with torch.no_grad():
             z_moved, _ = core.features(moved)
-        return torch.cat([z.detach(), z_moved], dim=1), logits.detach()
+        return z.detach().float(), z_moved.float(), logits.detach().float()
 
     def _q(self, z: Tensor, z_moved: Tensor) -> Tensor:
         d = z.shape[1]
@@ -255,18 +270,21 @@ class AdaSCALE(_FittedDetector):
     def _begin(self, jm: Any) -> None:
         if self.variant == "a":
             _head(jm, self.name)
+        self._core = jm  # the fit's network, for the input step of each batch (_saw_inputs)
         self._qs: list[Tensor] = []
 
-    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
-        z, z_moved = feats.chunk(2, dim=1)
+    def _saw_inputs(self, x: Tensor) -> None:
+        z, z_moved, _ = self._moved(self._core, x)
         self._qs.append(self._q(z, z_moved))
+
+    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+        """Nothing: each fit batch's statistic needs its inputs (:meth:`_saw_inputs`)."""
 
     def _finish(self, jm: Any) -> None:
         self.q_fit = torch.cat(self._qs).sort().values
-        del self._qs
+        del self._qs, self._core
 
-    def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
-        z, z_moved = feats.chunk(2, dim=1)
+    def _scores(self, jm: Any, z: Tensor, z_moved: Tensor, logits: Tensor) -> Tensor:
         q = self._q(z, z_moved)
         ref = self.q_fit.to(q.device)
         cdf = torch.searchsorted(ref, q, right=True).double() / ref.shape[0]
@@ -281,6 +299,12 @@ class AdaSCALE(_FittedDetector):
         taken under ``no_grad`` and ``inference_mode`` too; no autograd graph is returned)."""
         core = as_jem(jm, f"{self.name}.score")
         self._check_fitted(core)
-        feats, logits = self._read(core, x)
+        z, z_moved, logits = self._moved(core, x)
         with torch.no_grad():
-            return self._score(core, feats.float(), logits.float())
+            return self._scores(core, z, z_moved, logits)
+
+    def score_outputs(self, jm: Any, outputs: Outputs) -> Tensor:
+        """Raises: the score needs the inputs themselves (their gradient); score inputs with :meth:`score`."""
+        raise ValueError(
+            f"{self.name} moves the inputs along their gradient before scoring them: score inputs with .score(jm, x)"
+        )

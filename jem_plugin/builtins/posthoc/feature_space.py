@@ -6,12 +6,14 @@ maximum likelihood learner)."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..._checks import user_stacklevel
 from ...errors import NoFeaturesError
 from ._base import _ClassConditional, _FittedDetector, _head, _Sample
 
@@ -51,9 +53,11 @@ class SHE(_ClassConditional):
 
     ``labels="true"`` (default) reads the labels of ``(x, y)`` fit batches, as the paper;
     ``labels="predicted"`` takes every fit input as classified correctly (unlabelled data). A
-    class with no correctly classified fit input has no pattern: the fit refuses, naming it, as
-    pytorch-ood's ``SHE`` does. ``fit`` streams the per-class sums (``K x D``, float64).
-    pytorch-ood's outlier score is minus ours.
+    class with no correctly classified fit input has no pattern: the fit warns in one line,
+    naming it, and an input predicted as it is scored against the stored pattern it matches best
+    (the memory a Hopfield network would retrieve), where pytorch-ood's ``SHE`` refuses the fit; a
+    fit with no correctly classified input at all is refused. ``fit`` streams the per-class sums
+    (``K x D``, float64). pytorch-ood's outlier score is minus ours.
     """
 
     name = "she"
@@ -80,17 +84,32 @@ class SHE(_ClassConditional):
 
     def _finish(self, jm: Any) -> None:
         assert self._sums is not None and self._counts is not None
-        missing = (self._counts == 0).nonzero().squeeze(1).tolist()
-        if missing:
+        self.has_pattern = self._counts > 0
+        missing = (~self.has_pattern).nonzero().squeeze(1).tolist()
+        if len(missing) == len(self._counts):
             raise ValueError(
-                f"she: no fit input of class(es) {missing[:10]}{' ...' if len(missing) > 10 else ''} is classified "
-                "correctly, so they have no pattern; fit on more data of every class (or labels='predicted')"
+                "she: no fit input is classified correctly, so no class has a pattern; fit on labelled data "
+                "the model classifies (or labels='predicted')"
             )
-        self.patterns = (self._sums / self._counts.unsqueeze(1)).float()
+        if missing:
+            warnings.warn(
+                f"she: no fit input of class(es) {missing[:10]}{' ...' if len(missing) > 10 else ''} is classified "
+                "correctly, so they have no pattern; inputs predicted as them are scored against the closest "
+                "pattern of the others. Fit on more data of every class",
+                RuntimeWarning,
+                stacklevel=user_stacklevel(),
+            )
+        self.patterns = (self._sums / self._counts.clamp_min(1.0).unsqueeze(1)).float()
         del self._sums, self._counts
 
     def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
-        return (feats * self.patterns.to(feats.device)[logits.argmax(dim=1)]).sum(dim=1)
+        has = self.has_pattern.to(feats.device)
+        pred = logits.argmax(dim=1)
+        own = (feats * self.patterns.to(feats.device)[pred]).sum(dim=1)
+        if bool(has.all()):
+            return own
+        best = (feats @ self.patterns.to(feats.device)[has].T).max(dim=1).values
+        return torch.where(has[pred], own, best)
 
 
 class NNGuide(_FittedDetector):

@@ -9,15 +9,24 @@ import torch
 from torch import Tensor, nn
 
 from ..._checks import unwrap_model
+from ..._outputs import Outputs
 from ...errors import InvalidInputError
 from ...model import as_jem
 from ._base import _FittedDetector, describe
+
+
+def _entropy(jm: Any, out: Outputs) -> Tensor:
+    """:func:`entropy` of a batch's outputs (its logits)."""
+    logp = torch.log_softmax(out.logits.double(), dim=1)
+    return (logp.exp() * logp).sum(dim=1).float()
 
 
 @describe(
     name="entropy",
     description="minus the entropy of the softmax probabilities, sum_j p_j log p_j",
     paper="Chan et al. 2021, Entropy Maximization and Meta Classification for Out-of-Distribution Detection in Semantic Segmentation (ICCV)",
+    reads=("logits",),
+    score_outputs=_entropy,
 )
 def entropy(jm: Any, x: Tensor) -> Tensor:
     """Minus the Shannon entropy of the softmax probabilities, ``sum_j p_j log p_j`` (Chan et al.
@@ -27,8 +36,7 @@ def entropy(jm: Any, x: Tensor) -> Tensor:
     probabilities at ``1e-7`` before the log, which moves the score by less than ``K * 1e-6``
     (``K`` classes): ours = -theirs to that accuracy.
     """
-    logp = torch.log_softmax(as_jem(jm, "entropy").logits(x).double(), dim=1)
-    return (logp.exp() * logp).sum(dim=1).float()
+    return _entropy(jm, Outputs(as_jem(jm, "entropy").logits(x)))
 
 
 def _class_weights(jm: Any, weights: Any, k: int) -> Tensor:
@@ -51,10 +59,21 @@ def _class_weights(jm: Any, weights: Any, k: int) -> Tensor:
     return weights.detach().reshape(-1)
 
 
+def _weighted_ebo(jm: Any, out: Outputs, weights: Any = None) -> Tensor:
+    """:func:`weighted_ebo` of a batch's outputs (its logits)."""
+    logits = out.logits.float()
+    w = _class_weights(jm, weights, logits.shape[1]).to(logits.device, torch.float32).relu()
+    if not bool((w > 0).any()):
+        raise InvalidInputError("weighted_ebo: every class weight is 0 or negative, so the weighted energy is -inf")
+    return torch.logsumexp(logits + w.log(), dim=1)
+
+
 @describe(
     name="weighted_ebo",
     description="VOS's weighted energy log sum_j relu(w_j) exp f_j (weights=; default the model's weight_energy, else ones)",
     paper="Du et al. 2022, VOS: Learning What You Don't Know by Virtual Outlier Synthesis (ICLR)",
+    reads=("logits",),
+    score_outputs=_weighted_ebo,
 )
 def weighted_ebo(jm: Any, x: Tensor, weights: Any = None) -> Tensor:
     """VOS's weighted energy (Du et al. 2022): ``log sum_j relu(w_j) exp f_j(x)``, the energy of
@@ -67,11 +86,7 @@ def weighted_ebo(jm: Any, x: Tensor, weights: Any = None) -> Tensor:
     overflow where pytorch-ood's ``WeightedEBO`` (``log sum w exp f``, outlier score = -ours)
     returns ``inf``.
     """
-    logits = as_jem(jm, "weighted_ebo").logits(x).float()
-    w = _class_weights(jm, weights, logits.shape[1]).to(logits.device, torch.float32).relu()
-    if not bool((w > 0).any()):
-        raise InvalidInputError("weighted_ebo: every class weight is 0 or negative, so the weighted energy is -inf")
-    return torch.logsumexp(logits + w.log(), dim=1)
+    return _weighted_ebo(jm, Outputs(as_jem(jm, "weighted_ebo").logits(x)), weights)
 
 
 class KLMatching(_FittedDetector):
@@ -87,7 +102,7 @@ class KLMatching(_FittedDetector):
     name = "kl_matching"
     description = "minus the KL divergence of the posterior to the mean posterior of its predicted class (fit)"
     paper = "Hendrycks et al. 2022, Scaling Out-of-Distribution Detection for Real-World Settings (ICML)"
-    uses_features = False
+    reads = frozenset({"logits"})  # the logits alone: any classifier, whatever its head
 
     def _begin(self, jm: Any) -> None:
         self._sums: Tensor | None = None
