@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import cuda
 from torch import nn
 
 import jem_plugin as jem
@@ -499,3 +500,22 @@ def test_evaluate_all_by_name(setup):
     assert {r["score"] for r in table.records} == set(NEW)
     assert all(r["status"] == "ok" for r in table.records), [r for r in table.records if r["status"] != "ok"]
     assert all(math.isfinite(table[n]["far"]["auroc"]) for n in NEW)
+
+
+@cuda
+def test_every_new_detector_runs_on_cuda_as_on_the_cpu(setup):
+    """Fitted and scored on the GPU, each gives the CPU's scores (MCD: its own masks there, so
+    only finite and on the device)."""
+    import copy
+
+    jm, model, x_fit, y_fit, x_test = setup
+    gpu = copy.deepcopy(model).cuda()
+    jm_gpu = jem.wrap(gpu, mean=MEAN, std=STD)
+    fit_gpu = (x_fit.cuda(), y_fit.cuda())
+    for name in NEW:
+        kw = {"fit_data": fit_gpu} if name in FITTED else {}
+        s = ood.score(jm_gpu, x_test.cuda(), name, **kw)
+        assert s.device.type == "cuda" and torch.isfinite(s).all(), name
+        if name != "mcd":
+            ref = ood.score(jm, x_test, name, **({"fit_data": (x_fit, y_fit)} if name in FITTED else {}))
+            torch.testing.assert_close(s.cpu(), ref, rtol=1e-3, atol=1e-3 * max(1.0, float(ref.abs().max())), msg=name)
