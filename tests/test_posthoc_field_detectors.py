@@ -152,9 +152,11 @@ def test_bad_input_is_refused_in_one_line(setup):
     net = nn.Sequential(nn.Flatten(), nn.Linear(192, 12), nn.ReLU(), nn.Linear(12, K)).eval()
     plain = jem.wrap(net, mean=MEAN, std=STD)
     errors = []
-    with pytest.raises(InvalidInputError, match="no dropout layer") as e:  # a network without dropout
+    with pytest.raises(TypeError, match="no dropout layer") as e:  # a network without dropout
         ood.score(plain, x_test, "mcd")
     errors.append(e)
+    table = ood.evaluate_all(plain, x_test[:20], {"far": x_test[40:]}, ["mcd", "rankfeat", "msp"])
+    assert set(table.failures()) == {"mcd", "rankfeat"}  # refused in their rows, the others go on
     with pytest.raises(NoFeaturesError, match="feature maps") as e:  # no maps to remove a rank from
         ood.score(plain, x_test, "rankfeat")
     errors.append(e)

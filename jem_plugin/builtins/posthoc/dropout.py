@@ -10,7 +10,6 @@ import torch
 from torch import Tensor, nn
 
 from ..._checks import unwrap_model
-from ...errors import InvalidInputError
 from ...model import as_jem
 from ._base import describe
 
@@ -24,8 +23,8 @@ def _dropout_on(model: nn.Module) -> Iterator[None]:
     """Every dropout layer of ``model`` with ``p > 0`` in training mode, the rest as it is (so
     BatchNorm keeps its running statistics); the modes restored after."""
     layers = [m for m in model.modules() if isinstance(m, DROPOUT) and float(m.p) > 0]
-    if not layers:
-        raise InvalidInputError(
+    if not layers:  # the network's kind, not bad data: evaluate_all reports it in mcd's row
+        raise TypeError(
             f"mcd samples the network with its dropout on, and {type(model).__name__} has no dropout layer "
             "(nn.Dropout with p > 0): use a score of one forward pass (msp, logpx)"
         )
