@@ -168,7 +168,7 @@ def _ada_scale(h: Tensor, percentiles: Tensor) -> Tensor:
     """``sum h / sum of its top k`` per row, ``k = D - round(D * percentile / 100)`` (at least
     1) from each row's own percentile, rounded half to even as OpenOOD's ``torch.round``."""
     d = h.shape[1]
-    ks = (d - torch.round(d * percentiles / 100.0)).long().clamp(1, d)
+    ks = (d - torch.round(d * percentiles.double() / 100.0)).long().clamp(1, d)
     top = torch.topk(h, int(ks.max()), dim=1).values
     kept = torch.arange(top.shape[1], device=h.device).unsqueeze(0) < ks.unsqueeze(1)
     return _ratio(h.sum(dim=1), (top * kept).sum(dim=1))
@@ -289,7 +289,7 @@ class AdaSCALE(_FittedDetector):
         ref = self.q_fit.to(q.device)
         cdf = torch.searchsorted(ref, q, right=True).double() / ref.shape[0]
         lo, hi = self.percentiles
-        scale = _ada_scale(z.relu(), (lo + (1.0 - cdf) * (hi - lo)).to(z.dtype))
+        scale = _ada_scale(z.relu(), lo + (1.0 - cdf) * (hi - lo))
         if self.variant == "a":
             return _energy(_head(jm, self.name), z * torch.exp(scale).unsqueeze(1))
         return torch.logsumexp(logits * scale.square().unsqueeze(1), dim=1)
