@@ -454,14 +454,13 @@ def _weiper_reference(w, b, z_fit, z, repeats, delta, bins, s1, s2, eps1, eps2, 
             "bins": 12,
             "smoothing": 1,
             "smoothing_perturbed": 3,
-            "lambda_1": 2.0,
-            "lambda_2": 0.5,
+            "lambdas": (2.0, 0.5),
         },
     ],
 )
 def test_weiper_is_the_authors_kld_score(setup, options):
     jm, model, x_fit, y_fit, x_test = setup
-    full = {"delta": 2.1, "eps": 0.01, "eps_perturbed": 0.025, "lambda_1": 1.0, "lambda_2": 1.0, "seed": 0, **options}
+    full = {"delta": 2.1, "eps": 0.01, "eps_perturbed": 0.025, "lambdas": (1.0, 1.0), "seed": 0, **options}
     det = posthoc.WeiPer(**full).fit(jm, (x_fit, y_fit))
     with torch.no_grad():
         z_fit, z = model.encode(x_fit), model.encode(x_test)
@@ -478,8 +477,7 @@ def test_weiper_is_the_authors_kld_score(setup, options):
         full["smoothing_perturbed"],
         full["eps"],
         full["eps_perturbed"],
-        full["lambda_1"],
-        full["lambda_2"],
+        *full["lambdas"],
         full["seed"],
     )
     torch.testing.assert_close(det.score(jm, x_test).double(), expected, rtol=1e-4, atol=1e-4)

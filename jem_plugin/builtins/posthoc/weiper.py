@@ -51,13 +51,13 @@ class WeiPer(_FittedDetector):
     bins between the smallest and the largest training value), smoothed by a moving average, and
     compared with the mean training histogram by a symmetric KL divergence; then
 
-    ``score = lambda_2 * MSP_v - KL_z - lambda_1 * KL_v``,
+    ``score = lambda_2 * MSP_v - KL_z - lambda_1 * KL_v``, with ``lambdas = (lambda_1, lambda_2)``,
 
     ``MSP_v`` the maximum softmax probability of each perturbed head, averaged over the repeats.
 
     Defaults are the authors' code's (``repeats=100``, ``delta=2.1``, ``bins=100``, smoothing 20
-    bins on both, ``eps=0.01`` and ``eps_perturbed=0.025`` added before the KL, ``lambda_1 =
-    lambda_2 = 1``); the paper tunes them per benchmark; not tuned here. ``fit`` streams the
+    bins on both, ``eps=0.01`` and ``eps_perturbed=0.025`` added before the KL, ``lambdas=(1, 1)``);
+    the paper tunes them per benchmark; not tuned here. ``fit`` streams the
     ranges and keeps a uniform sample of at most ``max_fit`` training features (all when there are
     fewer) for the mean histograms, as the authors' code fits on a sample. The perturbed head
     holds ``repeats * K * D`` floats (800 MB for ResNet-50 on ImageNet at 100 repeats). The head
@@ -77,12 +77,14 @@ class WeiPer(_FittedDetector):
         smoothing_perturbed: int = 20,
         eps: float = 0.01,
         eps_perturbed: float = 0.025,
-        lambda_1: float = 1.0,
-        lambda_2: float = 1.0,
+        lambdas: tuple[float, float] = (1.0, 1.0),
         max_fit: int | None = 10_000,
         seed: int = 0,
     ) -> None:
         super().__init__()
+        if not (isinstance(lambdas, (tuple, list)) and len(lambdas) == 2):
+            raise ValueError(f"lambdas must be a pair (lambda_1, lambda_2), got {lambdas!r}")
+        lambda_1, lambda_2 = lambdas
         for name, v in (
             ("repeats", repeats),
             ("bins", bins),
