@@ -31,6 +31,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "jem_plugin.builtins.ood_scores",
     "jem_plugin.builtins.posthoc",
     "jem_plugin.builtins.energy_bounded",
+    "jem_plugin.builtins.pgd_negatives",
 )
 
 _pm: pluggy.PluginManager | None = None

@@ -1,4 +1,4 @@
-"""Built-in plugins: OOD scores, SGLD initial distributions and loss terms.
+"""Built-in plugins: OOD scores, SGLD initial distributions, loss terms and PGD negatives (DAT).
 
 Each module here is an ordinary pluggy plugin, registered by :mod:`jem_plugin.plugins` through
 the same hooks a third-party plugin implements (the built-in adapters live in the top-level

@@ -1,0 +1,570 @@
+"""PGD-made negatives and a logistic contrast of data against them, after DAT.
+
+DAT ("Dual Adversarial Training": Yin, Zhang, Steele, Shavit and Wang, ICLR 2026, arXiv
+2510.13872; code at github.com/xuwangyin/DAT) trains the energy half of a JEM without Langevin
+dynamics. Its negatives are made by projected gradient ascent on ``log p(x)`` (descent on the
+energy) from fresh starts, without noise, and the energy is trained as a binary classifier of
+data against those negatives, the logit being ``-E(x) = logsumexp_y f(x)[y]``::
+
+    L_gen = BCE(-E(x_data), 1) + BCE(-E(x_neg), 0)
+          = mean softplus(E(x_data)) + mean softplus(-E(x_neg))
+
+Once a negative is clearly told apart from the data its gradient vanishes (the sigmoid
+saturates), where the contrastive-divergence term ``mean E(x_data) - mean E(x_neg)`` of JEM keeps
+pushing every energy at the same rate: that is the stability the paper reports. Its code
+(``rebm/training/metrics.py`` and ``rebm/attacks/adv_attacks.py``) sets:
+
+- the steps: each one moves a start along its gradient normalised to unit L2 length per sample,
+  ``x <- x + step_size * g / ||g||_2``, then clamps to the data range (``eps = inf``: no ball
+  around the start). ``step_size`` 0.1 on ``[0, 1]`` pixels at 32x32 (CIFAR), 2.0 on ImageNet;
+- the starts: an auxiliary data set (80M Tiny Images, OpenImages), fresh at every iteration;
+- the number of steps: a curriculum, from 0 up to 40-65, one more whenever the running AUC of data
+  against negatives (by the logit) reaches a threshold (0.8 on CIFAR-10, 0.7 on ImageNet);
+- the logit of the BCE: ``logsumexp`` (the PGD ascends the class logit of the data batch's labels);
+- no offset on the logit (a constant added to every logit leaves cross-entropy unchanged, so the
+  network can learn its own); the BCE averaged over data and negatives together;
+- the classifier half trained adversarially (PGD on cross-entropy, L2 ``eps = 0.5``), a robust
+  pre-trained classifier as the start and no BatchNorm: not part of this module.
+
+Here the sampler is :class:`PGDNegatives`, with the interface :class:`~jem_plugin.losses.JEMLoss`
+calls on a sampler (``sample(jm, n, buffer=, y=, x_init=, ...)`` and ``run(jm, x, y, ...)``,
+returning the same :class:`~jem_plugin.sampling.SGLDDiagnostics`). Its starts come from the replay
+buffer as SGLD's do: ``ReplayBuffer(..., reinit_freq=1.0)`` gives DAT's fresh starts at every draw
+(from the buffer's init distribution: uniform noise, or a per-class Gaussian fitted from the
+data), a smaller ``reinit_freq`` persistent chains. The loss is the ``logistic_contrast`` term
+(:class:`LogisticContrastTerm`), registered through the ``jem_register_loss_terms`` hook::
+
+    sampler = PGDNegatives(steps=20)
+    loss_fn = jem.JEMLoss(sampler, jem.ReplayBuffer(1000, (1, 8, 8), reinit_freq=1.0), px_weight=0.0)
+    loss_fn.add_term("logistic_contrast")
+
+:func:`dat_setup` builds those pieces for a model and its data, as a recipe's ``build`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .._checks import (
+    DomainCheck,
+    autocast_cache_off,
+    check_input,
+    check_label_range,
+    check_labels,
+    follow,
+    model_device,
+    restore_generator,
+    same_device,
+)
+from ..errors import DivergenceError, InvalidInputError
+from ..model import as_jem, input_grad_enabled, sampling_mode
+from ..plugins import hookimpl
+from ..sampling import SGLDDiagnostics
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..model import JEM
+    from ..recipes import JEMSetup
+
+__all__ = [
+    "PGDNegatives",
+    "LogisticContrastTerm",
+    "logistic_contrast",
+    "dat_setup",
+    "NORMS",
+    "TERM_NAME",
+    "jem_register_loss_terms",
+]
+
+#: PGDNegatives(norm=...): the step follows the L2-normalised gradient (DAT) or its sign.
+NORMS = ("l2", "linf")
+#: The loss term's name in the ``jem_register_loss_terms`` registry.
+TERM_NAME = "logistic_contrast"
+#: PGDNegatives(step_size=None): DAT's CIFAR step, 0.1 on [0, 1] pixels, as a share of the range.
+DAT_STEP_SHARE = 0.1
+PGD_REMEDIES: tuple[str, ...] = (
+    "a smaller step size or fewer steps, PGDNegatives(step_size=..., steps=...)",
+    "the energy L2 regulariser, JEMLoss(l2_weight=...)",
+    "restart training from the last good checkpoint",
+)
+# Every constructor setting a checkpoint carries (the generator travels as its state).
+_SETTINGS = (
+    "steps",
+    "step_size",
+    "eps",
+    "norm",
+    "clamp",
+    "batchnorm",
+    "start_steps",
+    "auc_threshold",
+    "auc_window",
+)
+
+
+def _count(name: str, v: Any, low: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+    return v
+
+
+def _positive(name: str, v: Any, allow_inf: bool = False) -> float:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {type(v).__name__}") from None
+    if math.isnan(f) or f <= 0 or (math.isinf(f) and not allow_inf):
+        raise ValueError(f"{name} must be > 0{'' if allow_inf else ' and finite'}, got {v!r}")
+    return f
+
+
+class PGDNegatives:
+    """Negatives made by projected gradient ascent on ``log p(x)`` (DAT), with SGLD's interface.
+
+    Each step moves every chain along the input gradient of its unnormalised log density
+    (``logsumexp_y f(x)[y]``; ``f(x)[y]`` for chains drawn for labels ``y``), normalised per chain
+    (``norm="l2"``: ``g / ||g||_2``, DAT's; ``"linf"``: ``sign(g)``), times ``step_size``; then
+    projects onto the ``eps`` ball around the chain's start (in the same norm) and clamps to the
+    model's input domain. No noise: a step costs one forward and one input-gradient backward, as
+    an SGLD step does.
+
+    Parameters
+    ----------
+    steps: steps per chain (with a curriculum, the most it reaches).
+    step_size: the length of each step in the model's input units (L2 length per chain for
+        ``"l2"``, per-pixel change for ``"linf"``). ``None``: DAT's CIFAR value, 0.1 of the
+        input domain's width (0.1 on ``[0, 1]`` pixels, 0.2 on ``[-1, 1]``).
+    eps: radius of the ball around each start the chain stays in; ``inf`` (DAT's) for none.
+    norm: one of :data:`NORMS`.
+    clamp: clamp the chains to the model's input domain after every step (DAT's data range). Also
+        tells :class:`~jem_plugin.losses.JEMLoss` to keep its data noise inside the domain.
+    batchnorm: as :class:`~jem_plugin.sampling.SGLD`'s: ``"joint"`` (chains normalised with the
+        running statistics; in the loss the negatives share BatchNorm with the data) or
+        ``"separate"`` (chains and the loss's pass over them normalised by their own batch
+        statistics, the running statistics left to the data).
+    start_steps: ``None`` (default): always ``steps`` steps. A number turns on DAT's curriculum:
+        the chains start with ``start_steps`` steps (DAT: 0) and take one more, up to ``steps``,
+        whenever the mean of the last ``auc_window`` AUCs given to :meth:`observe_auc` reaches
+        ``auc_threshold``. The ``logistic_contrast`` term reports them when built with
+        ``curriculum=`` this sampler.
+    auc_threshold, auc_window: the curriculum's rule (DAT: 0.8 on CIFAR-10 over 1,000 images, 8
+        batches of 128).
+    generator: a ``torch.Generator`` for the buffer's draws and the uniform starts.
+
+    The model's train/eval flags, ``requires_grad`` flags, BatchNorm statistics and ``.grad`` are
+    left as they were, as SGLD leaves them.
+    """
+
+    def __init__(
+        self,
+        steps: int = 20,
+        step_size: float | None = None,
+        *,
+        eps: float = math.inf,
+        norm: Literal["l2", "linf"] = "l2",
+        clamp: bool = True,
+        batchnorm: Literal["joint", "separate"] = "joint",
+        start_steps: int | None = None,
+        auc_threshold: float = 0.8,
+        auc_window: int = 8,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.steps = _count("steps", steps, 0)
+        self.step_size = None if step_size is None else _positive("step_size", step_size)
+        self.eps = _positive("eps", eps, allow_inf=True)
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+        self.norm: str = norm
+        self.clamp = bool(clamp)
+        if batchnorm not in ("joint", "separate"):
+            raise ValueError(f"batchnorm must be 'joint' or 'separate', got {batchnorm!r}")
+        self.batchnorm: str = batchnorm
+        if start_steps is not None and _count("start_steps", start_steps, 0) > steps:
+            raise ValueError(f"start_steps ({start_steps}) must be at most steps ({steps})")
+        self.start_steps = start_steps
+        if not 0.5 <= float(auc_threshold) <= 1.0:
+            raise ValueError(f"auc_threshold must be in [0.5, 1], got {auc_threshold!r}")
+        self.auc_threshold = float(auc_threshold)
+        self.auc_window = _count("auc_window", auc_window, 1)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        self.generator = generator
+        #: The steps the next chains take (``steps`` without a curriculum).
+        self.current_steps: int = steps if start_steps is None else start_steps
+        self._aucs: list[float] = []
+
+    def __repr__(self) -> str:
+        size = "0.1 of the domain" if self.step_size is None else f"{self.step_size:g}"
+        extra = "" if math.isinf(self.eps) else f", eps={self.eps:g}"
+        if self.norm != "l2":
+            extra += f", norm={self.norm!r}"
+        if self.batchnorm != "joint":
+            extra += f", batchnorm={self.batchnorm!r}"
+        if self.start_steps is not None:
+            extra += f", curriculum {self.start_steps}..{self.steps} at AUC {self.auc_threshold:g} (now {self.current_steps})"
+        return f"PGDNegatives(steps={self.steps}, step_size={size}{extra}, clamp={self.clamp})"
+
+    # ------------------------------------------------------------------ the curriculum
+    def observe_auc(self, auc: float) -> bool:
+        """Report one batch's AUC of data against negatives (higher: told apart better); returns
+        whether the chains take one more step from now on. Does nothing without a curriculum."""
+        if self.start_steps is None or self.current_steps >= self.steps:
+            return False
+        self._aucs.append(float(auc))
+        del self._aucs[: -self.auc_window]
+        if len(self._aucs) < self.auc_window or sum(self._aucs) / len(self._aucs) < self.auc_threshold:
+            return False
+        self.current_steps += 1
+        self._aucs.clear()  # DAT starts a new window at every step count
+        return True
+
+    # ------------------------------------------------------------------ chains
+    def step_length(self, jm: JEM) -> float:
+        """The step size for ``jm``'s input domain (``step_size``, or 0.1 of the domain's mean width)."""
+        if self.step_size is not None:
+            return self.step_size
+        domain = as_jem(jm, "PGDNegatives.step_length").domain
+        widths = [hi - lo for lo, hi in zip(domain.low, domain.high)]
+        return DAT_STEP_SHARE * sum(widths) / len(widths)
+
+    def run(
+        self,
+        jm: JEM,
+        x: Tensor,
+        y: Tensor | None = None,
+        *,
+        return_diagnostics: bool = False,
+        record_trajectory: bool = False,
+        record_energies: bool = False,
+        progress: bool = False,
+    ) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
+        """Run :attr:`current_steps` PGD steps from ``x``; returns a new detached fp32 tensor, or
+        ``(x, SGLDDiagnostics)`` with ``return_diagnostics=True`` (``record_trajectory``,
+        ``record_energies`` and ``progress`` as in :meth:`SGLD.run <jem_plugin.sampling.SGLD.run>`).
+
+        ``x`` itself is not modified. Works inside ``torch.no_grad()`` and ``torch.inference_mode()``.
+        Raises :class:`~jem_plugin.errors.DivergenceError` if the final energies are not finite.
+        """
+        for name, asked in (("record_trajectory", record_trajectory), ("record_energies", record_energies)):
+            if asked and not return_diagnostics:
+                raise ValueError(f"{name}=True records into the diagnostics: pass return_diagnostics=True too")
+        jm = as_jem(jm, "PGDNegatives.run")
+        x = check_input(x, domain=jm.domain, what="chain start")
+        if y is not None:
+            y = self._check_y(jm, y, x.shape[0], x.device)
+        steps, size = self.current_steps, self.step_length(jm)
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        model, read_logits, domain = jm.model, jm.adapter.logits, jm.domain
+        trajectory: list[Tensor] = []
+        energies: list[Tensor] = []
+        last_score: Tensor | None = None
+        with (
+            sampling_mode(model, "eval" if self.batchnorm == "joint" else "batch"),
+            autocast_cache_off(x.device.type),
+            input_grad_enabled(x.detach().to(dtype)) as xg,
+        ):
+            xd = xg.detach()  # alias of the leaf: in-place steps without autograd bookkeeping
+            start = xd.clone() if math.isfinite(self.eps) else None
+            clamps = domain.clamp_plan(xd) if self.clamp else ()
+            flat = (-1,) + (1,) * (xd.dim() - 1)  # per-chain scalars broadcast over the chain
+            if record_trajectory:
+                trajectory.append(xd.clone())
+            check_k = y is not None and jm.num_classes is None
+            ones = None
+            steps_iter: Iterable[int] = range(steps)
+            if progress:
+                steps_iter = tqdm(steps_iter, desc="PGD", leave=False)
+            for _ in steps_iter:
+                out = read_logits(model(xg))
+                if y is None:
+                    score = torch.logsumexp(out, 1)
+                else:
+                    if check_k:
+                        check_label_range(y, out.shape[1], what="y (one class per chain)")
+                        check_k = False
+                    score = out.gather(1, y.view(-1, 1)).squeeze(1)
+                if ones is None:
+                    ones = torch.ones_like(score)
+                (g,) = torch.autograd.grad(score, xg, ones)
+                g = g.to(dtype)
+                if self.norm == "l2":
+                    xd.addcdiv_(g, g.flatten(1).norm(dim=1).clamp_min(1e-12).view(flat), value=size)
+                else:
+                    xd.add_(g.sign(), alpha=size)
+                if start is not None:
+                    self._project(xd, start, flat)
+                for view, lo, hi in clamps:
+                    view.clamp_(lo, hi)
+                if record_energies:
+                    energies.append(-score.detach().reshape(-1).to(dtype))
+                if record_trajectory:
+                    trajectory.append(xd.clone())
+                last_score = score.detach()
+            if record_energies:
+                with torch.no_grad():
+                    out = read_logits(model(xd))
+                    final = torch.logsumexp(out, 1) if y is None else out.gather(1, y.view(-1, 1)).squeeze(1)
+                last_score = final.reshape(-1)
+                energies.append(-last_score.to(dtype))
+        if last_score is not None:
+            self._check_finite(xd, last_score)
+        if not return_diagnostics:
+            return xd
+        return xd, SGLDDiagnostics(
+            steps=steps,
+            final_step_size=size if steps else None,
+            trajectory=trajectory if record_trajectory else None,
+            energies=torch.stack(energies) if record_energies else None,
+        )
+
+    def _project(self, x: Tensor, start: Tensor, flat: tuple[int, ...]) -> None:
+        """Pull ``x`` back onto the ``eps`` ball around ``start`` (in place)."""
+        delta = x - start
+        if self.norm == "l2":
+            norms = delta.flatten(1).norm(dim=1).clamp_min(1e-12)
+            delta.mul_((self.eps / norms).clamp(max=1.0).view(flat))
+        else:
+            delta.clamp_(-self.eps, self.eps)
+        x.copy_(start + delta)
+
+    @staticmethod
+    def _check_y(jm: JEM, y: Any, batch: int, device: Any) -> Tensor:
+        y = check_labels(y, batch, num_classes=jm.num_classes, device=device, what="y (one class per chain)")
+        if y.is_inference():  # labels made under inference_mode cannot be saved for backward
+            with torch.inference_mode(False):
+                y = y.clone()
+        return y
+
+    def _check_finite(self, x: Tensor, score: Tensor) -> None:
+        # One host sync per chain run, never per step.
+        if bool(torch.isfinite(x.sum() + score.sum())):
+            return
+        bad = int((~torch.isfinite(score)).sum())
+        raise DivergenceError(
+            f"PGD negatives diverged: {bad} of {score.numel()} chains have non-finite energies after "
+            f"{self.current_steps} steps ({self!r})",
+            remedies=PGD_REMEDIES,
+            energy=math.nan,
+        )
+
+    def sample(
+        self,
+        jm: JEM,
+        n: int | None = None,
+        *,
+        buffer: Any = None,
+        y: Tensor | None = None,
+        x_init: Tensor | None = None,
+        shape: Sequence[int] | None = None,
+        return_diagnostics: bool = False,
+        record_trajectory: bool = False,
+        record_energies: bool = False,
+        progress: bool = False,
+    ) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
+        """Draw ``n`` negatives (class-conditional when ``y`` is given), as
+        :meth:`SGLD.sample <jem_plugin.sampling.SGLD.sample>` does: from ``buffer`` (whose
+        ``reinit_freq`` of the starts come fresh from its init distribution; the finished chains
+        are written back), or from ``x_init``, or else uniformly over ``jm.domain``."""
+
+        def chain(x0: Tensor, labels: Tensor | None) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
+            return self.run(
+                jm,
+                x0,
+                labels,
+                return_diagnostics=return_diagnostics,
+                record_trajectory=record_trajectory,
+                record_energies=record_energies,
+                progress=progress,
+            )
+
+        jm = as_jem(jm, "PGDNegatives.sample")
+        if buffer is not None and x_init is not None:
+            raise ValueError("pass either buffer= (chain starts from the buffer) or x_init= (chain starts), not both")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"n must be a positive int, got {n!r}")
+        if y is not None:
+            y = check_labels(y, what="y")
+            if n is not None and n != y.shape[0]:
+                raise ValueError(f"n={n} conflicts with y of {y.shape[0]} labels; pass one of them")
+            n = y.shape[0]
+        if x_init is not None:
+            x_init = check_input(x_init, domain=jm.domain, what="x_init")
+            self.__dict__.setdefault("_x_init_check", DomainCheck())(
+                x_init, jm.domain, "PGDNegatives.sample(x_init=...)"
+            )
+            if n is not None and n != x_init.shape[0]:
+                raise ValueError(f"n={n} conflicts with x_init of batch size {x_init.shape[0]}")
+            return chain(x_init, y)
+        if n is None:
+            raise ValueError("say how many negatives: sample(jm, n=64, ...) (or pass y= or x_init=)")
+        device = model_device(jm)
+        if buffer is not None:
+            follow(buffer, device)
+            x0, idx = buffer.sample(n, domain=jm.domain, y=y, generator=self.generator)
+            if device is not None and not same_device(x0.device, device):
+                x0 = x0.to(device)
+            out = chain(x0, y)
+            buffer.update(idx, out[0] if isinstance(out, tuple) else out)
+            return out
+        shape = tuple(shape) if shape is not None else jm.domain.input_size
+        if shape is None:
+            raise ValueError("the input shape is unknown: pass shape=(C, H, W), x_init=..., or a ReplayBuffer")
+        x0 = jm.domain.uniform(n, shape, generator=self.generator, device=device or torch.device("cpu"))
+        return chain(x0, y)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Every setting, the curriculum's place and the generator's state (plain values)."""
+        state: dict[str, Any] = {name: getattr(self, name) for name in _SETTINGS}
+        state["current_steps"] = self.current_steps
+        state["aucs"] = list(self._aucs)
+        gen = self.generator
+        state["generator_state"] = gen.get_state() if gen is not None else None
+        state["generator_device"] = str(gen.device) if gen is not None else None
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (the settings checked together, as the constructor does)."""
+        settings = {name: state.get(name, getattr(self, name)) for name in _SETTINGS}
+        checked = PGDNegatives(**settings)
+        for name in _SETTINGS:
+            setattr(self, name, getattr(checked, name))
+        self.current_steps = min(int(state.get("current_steps", checked.current_steps)), self.steps)
+        self._aucs = [float(a) for a in state.get("aucs", [])]
+        if state.get("generator_state") is not None:
+            self.generator = restore_generator(
+                self.generator, state["generator_state"], state.get("generator_device"), "PGDNegatives"
+            )
+
+
+# ---------------------------------------------------------------------------- the loss term
+def logistic_contrast(energy_data: Tensor, energy_neg: Tensor, offset: float = 0.0) -> Tensor:
+    """DAT's logistic contrast, ``(BCE(offset - E_data, 1) + BCE(offset - E_neg, 0)) / 2``, each
+    BCE a mean over its rows: ``(mean softplus(E_data - offset) + mean softplus(offset - E_neg)) / 2``.
+
+    With as many negatives as data this is DAT's ``BCEWithLogitsLoss`` over the concatenated
+    batch; otherwise data and negatives still count half each. Usable from any training loop.
+    """
+    return 0.5 * (F.softplus(energy_data - offset).mean() + F.softplus(offset - energy_neg).mean())
+
+
+def _auc(energy_data: Tensor, energy_neg: Tensor) -> Tensor:
+    """P(E_data < E_neg) + P(tie) / 2: how well the energy tells data from negatives (0-d tensor)."""
+    d, n = energy_data.detach().reshape(-1, 1), energy_neg.detach().reshape(1, -1)
+    return (d < n).float().mean() + 0.5 * (d == n).float().mean()
+
+
+class LogisticContrastTerm:
+    """The ``logistic_contrast`` loss term: ``weight * logistic_contrast(E(x_data), E(x_neg), offset)``.
+
+    The negatives are the loss's samples (its p(x) chains, and its p(x|y) chains if any, each
+    scored by its marginal energy ``E(x) = -logsumexp f(x)``, as DAT scores them); the term asks
+    :class:`~jem_plugin.losses.JEMLoss` to draw them even with ``px_weight=0``, which is how it is
+    meant to be used: ``JEMLoss(PGDNegatives(...), buffer, px_weight=0.0)`` then
+    ``loss_fn.add_term("logistic_contrast")``. With SGLD as the sampler it is the same contrast on
+    SGLD samples.
+
+    Parameters
+    ----------
+    weight: multiplies the term (DAT: 1, beside the classifier's cross-entropy).
+    offset: a constant added to every logit ``-E(x)`` (DAT: 0; the network can learn its own).
+    curriculum: a :class:`PGDNegatives` with a curriculum (``start_steps=``): each training call
+        (gradients on) reports its AUC to ``curriculum.observe_auc``.
+
+    Metrics: ``auc`` (data against negatives by energy), ``data`` and ``negatives`` (the two BCE
+    means), ``steps`` (the curriculum's current steps, when given one).
+    """
+
+    needs_samples = True
+
+    def __init__(self, weight: float = 1.0, offset: float = 0.0, *, curriculum: PGDNegatives | None = None) -> None:
+        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+        if not (isinstance(offset, (int, float)) and math.isfinite(offset)):
+            raise ValueError(f"offset must be a finite number, got {offset!r}")
+        if curriculum is not None and not callable(getattr(curriculum, "observe_auc", None)):
+            raise TypeError(f"curriculum must have observe_auc(auc) (a PGDNegatives), got {type(curriculum).__name__}")
+        self.weight, self.offset, self.curriculum = float(weight), float(offset), curriculum
+
+    def __repr__(self) -> str:
+        return f"LogisticContrastTerm(weight={self.weight}, offset={self.offset})"
+
+    def __call__(self, jm: Any, batch: Any) -> tuple[Tensor, dict[str, Tensor | float]]:
+        e_data, e_neg = batch.energy_data, batch.sample_energies
+        if e_neg is None:
+            raise InvalidInputError(
+                "the logistic_contrast term needs negatives: JEMLoss draws them for a term that asks, "
+                "unless its p(x|y) term is on without chains for p(x); keep pxy_weight=0 or px_weight>0"
+            )
+        pos = F.softplus(e_data - self.offset).mean()
+        neg = F.softplus(self.offset - e_neg).mean()
+        auc = _auc(e_data, e_neg)
+        metrics: dict[str, Tensor | float] = {"auc": auc, "data": pos.detach(), "negatives": neg.detach()}
+        training = torch.is_grad_enabled()  # validation runs without gradients
+        if training and self.weight > 0 and hasattr(jm, "trained_px"):
+            jm.trained_px = True  # log p(x) is trained: the scores that read it need not warn
+        curriculum = self.curriculum
+        if curriculum is not None:
+            if training:
+                curriculum.observe_auc(float(auc))
+            metrics["steps"] = float(getattr(curriculum, "current_steps", math.nan))
+        return self.weight * 0.5 * (pos + neg), metrics
+
+
+@hookimpl
+def jem_register_loss_terms(register: Callable[..., None]) -> None:
+    register(
+        TERM_NAME,
+        LogisticContrastTerm,
+        description="DAT's logistic (BCE) contrast of data against the loss's negatives, logit -E(x)",
+    )
+
+
+# ---------------------------------------------------------------------------- the pieces together
+def dat_setup(
+    jm: nn.Module,
+    data: Any,
+    *,
+    steps: int = 20,
+    step_size: float | None = None,
+    curriculum: bool = False,
+    weight: float = 1.0,
+    n_samples: int = 32,
+    total_iters: int | None = None,
+    batch_size: int | None = None,
+    generator: torch.Generator | None = None,
+) -> JEMSetup:
+    """The pieces of a DAT-style run for ``jm``: the ``fast`` recipe's (per-class Gaussian init
+    fitted on ``data``, 32 negatives per iteration, Adam 3e-4 with 200 warm-up iterations, the
+    energy L2 at 0.1, negatives through BatchNorm on their own) with its SGLD replaced by
+    :class:`PGDNegatives` (``steps``, ``step_size``; with ``curriculum=True`` DAT's curriculum from
+    0 steps), fresh starts at every draw (``reinit_freq=1.0``), the p(x) term off and the
+    ``logistic_contrast`` term at ``weight`` in its place.
+
+    Returns the :class:`~jem_plugin.recipes.JEMSetup` that :func:`jem_plugin.training.fit` runs
+    (its ``recipe`` is ``fast``'s, with ``reinit_freq`` 1 and ``px_weight`` 0: the sampler and
+    the term are not recipe settings). ``data``, ``total_iters``, ``batch_size`` and
+    ``generator`` as :meth:`Recipe.build <jem_plugin.recipes.Recipe.build>` takes them.
+    """
+    from ..recipes import get_recipe
+
+    recipe = get_recipe("fast").replace(reinit_freq=1.0, px_weight=0.0, n_samples=n_samples)
+    setup = recipe.build(jm, data, total_iters=total_iters, batch_size=batch_size, generator=generator)
+    sampler = PGDNegatives(
+        steps,
+        step_size,
+        batchnorm=recipe.sampler.batchnorm,
+        start_steps=0 if curriculum else None,
+        generator=generator,
+    )
+    loss = setup.loss
+    loss.sampler = sampler
+    loss.add_term(TERM_NAME, weight=weight, **({"curriculum": sampler} if curriculum else {}))
+    setup.sampler = sampler  # type: ignore[assignment]  # JEMSetup names SGLD; the loss takes any sampler
+    setup.notes.append(f"DAT: {sampler!r} and the logistic_contrast term (weight {weight:g}) in place of SGLD and p(x)")
+    return setup
