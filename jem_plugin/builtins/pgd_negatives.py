@@ -553,7 +553,7 @@ def dat_setup(
     """
     from ..recipes import get_recipe
 
-    recipe = get_recipe("fast").replace(reinit_freq=1.0, px_weight=0.0, n_samples=n_samples)
+    recipe = get_recipe("fast").replace(buffer_reinit_freq=1.0, px_weight=0.0, n_samples=n_samples)
     setup = recipe.build(jm, data, total_iters=total_iters, batch_size=batch_size, generator=generator)
     sampler = PGDNegatives(
         steps,
