@@ -83,7 +83,9 @@ def main() -> None:
         [name, common.fmt_ms(s["median_s"]), f"{s['spread']:.1%}", common.fmt_ratio(s["ratio"])]
         for name, s in stats.items()
     ]
-    print(f"{args.model}, batch {args.batch}, {args.repeats} interleaved rounds, torch threads {torch.get_num_threads()}")
+    print(
+        f"{args.model}, batch {args.batch}, {args.repeats} interleaved rounds, torch threads {torch.get_num_threads()}"
+    )
     print(common.md_table(["step", "median ms", "spread", "x cross-entropy step"], rows))
 
 
