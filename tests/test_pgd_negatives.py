@@ -308,3 +308,12 @@ def test_a_short_training_on_digits_raises_log_px_auroc_against_noise():
     assert auroc() > untrained + 0.15
     assert out.metrics[f"{TERM_NAME}/auc"] > 0.8  # the energy tells data from its own negatives
     assert out.metrics["acc"] > 0.8
+
+
+def test_the_cost_check_builds_and_runs_its_contenders():
+    from benchmarks.check_pgd_negatives_cost import build_contenders
+
+    contenders = build_contenders("digits_cnn", batch=8, dat_steps=(1,), per_class=150)
+    assert set(contenders) == {"ce", "default", "fast", "dat_1"}
+    for contender in contenders.values():
+        contender.fn()
