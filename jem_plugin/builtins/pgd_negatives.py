@@ -474,7 +474,10 @@ class LogisticContrastTerm:
     weight: multiplies the term (DAT: 1, beside the classifier's cross-entropy).
     offset: a constant added to every logit ``-E(x)`` (DAT: 0; the network can learn its own).
     curriculum: a :class:`PGDNegatives` with a curriculum (``start_steps=``): each training call
-        (gradients on) reports its AUC to ``curriculum.observe_auc``.
+        (gradients on) reports its AUC to ``curriculum.observe_auc``. A term built with one is not
+        rebuilt from a checkpoint by a loss that lacks it (a sampler is not plain data): add it
+        again before loading, as :func:`dat_setup` does; the curriculum's place travels with the
+        sampler's state.
 
     Metrics: ``auc`` (data against negatives by energy), ``data`` and ``negatives`` (the two BCE
     means), ``steps`` (the curriculum's current steps, when given one).
