@@ -17,6 +17,7 @@ from jem_plugin.builtins.pgd_negatives import (
     dat_setup,
     logistic_contrast,
 )
+from jem_plugin.extensions import RecomputeBatchNorm
 from jem_plugin.losses import LOSS_TERMS_HOOK, LossBatch
 
 SHAPE = (1, 8, 8)
@@ -273,6 +274,9 @@ def test_dat_setup_builds_the_pieces():
     assert setup.sampler.current_steps == 0 and setup.sampler.steps == 4
     assert loss.px_weight == 0.0 and loss.n_samples == 32 and setup.buffer.reinit_freq == 1.0
     assert TERM_NAME in loss._term_kwargs
+    # Negatives through BatchNorm with the data, running statistics recomputed from the data after.
+    assert setup.sampler.batchnorm == "joint"
+    assert any(isinstance(e, RecomputeBatchNorm) for e in setup.extensions)
     out = loss(jm, x[:32], y[:32])
     out.loss.backward()
     assert math.isfinite(out.metrics["loss"])
