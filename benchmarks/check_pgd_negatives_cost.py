@@ -5,7 +5,7 @@ model at 32x32, batch 64, in train mode, Adam:
 
 - ``ce``: one cross-entropy forward/backward/step.
 - ``default``: ``jem train``'s choice for 150 images per class on this network
-  (``recipes.default_choice``), built by ``Recipe.build``: loss, backward, step.
+  (``jem_plugin.app.default_recipe.default_choice``), built by ``Recipe.build``: loss, backward, step.
 - ``fast``: the ``fast`` recipe (5 SGLD steps on 32 chains).
 - ``dat_{k}``: ``dat_setup(steps=k)``: ``fast``'s pieces with ``k`` PGD steps on 32 fresh
   negatives and the logistic contrast in place of SGLD and the p(x) term.
@@ -30,8 +30,9 @@ from benchmarks.common import Contender, make_model, uniform_batch
 
 def build_contenders(model_name: str, batch: int, dat_steps: tuple[int, ...], per_class: int) -> dict[str, Contender]:
     from benchmarks.contenders import plain_ce_step
+    from jem_plugin.app.default_recipe import default_choice
     from jem_plugin.builtins.pgd_negatives import dat_setup
-    from jem_plugin.recipes import default_choice, get_recipe
+    from jem_plugin.recipes import get_recipe
 
     model, jm, shape = make_model(model_name)
     model.train()
