@@ -62,7 +62,8 @@ def load_data(
     if kind == "folder":
         if not arg:
             raise CLIError("--data folder:PATH needs a path, e.g. folder:data/train")
-        ds = D.image_folder(arg, image_size=image_size, mean=mean, std=std, skip_bad=skip_bad)
+        # channels=3: the models jem builds and scores read RGB; a grey or RGBA image is converted
+        ds = D.image_folder(arg, image_size=image_size, mean=mean, std=std, skip_bad=skip_bad, channels=3)
         _say_skipped(ds, spec)
         return ds, ds.domain, len(ds.classes), (3, image_size, image_size)
     if kind == "textures":  # generated colour shapes on textures (data.textures): train 0.., test 1000000..
@@ -83,9 +84,9 @@ def load_data(
 
 
 def _say_skipped(ds, where: str) -> None:
-    note = D.skipped_note(ds, where)
-    if note:
-        print(f"jem: {note}", file=sys.stderr)  # stderr: eval and ood print their JSON on stdout
+    for note in (D.skipped_note(ds, where), D.conversion_note(ds, where)):
+        if note:
+            print(f"jem: {note}", file=sys.stderr)  # stderr: eval and ood print their JSON on stdout
 
 
 #: --model when none is given: the built-in net made for the bundled data, else a small timm CNN.

@@ -3,7 +3,9 @@ local copy. Nothing is downloaded."""
 
 from __future__ import annotations
 
+import functools
 import os
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,46 +58,98 @@ class UnreadableImageError(JEMError, ValueError):
     """An image file of a folder data set that PIL cannot read (not an image, or truncated)."""
 
 
-def _image_problem(path: str | Path) -> str | None:
-    """Why ``path`` is not a readable image, or None. Cheap: the header is parsed and PIL's
-    ``verify`` run (a PNG's chunks are checked); a JPEG must end with its end-of-image marker
-    (a truncated JPEG passes ``verify`` and fails only when decoded)."""
+def _image_problem(path: str | Path) -> tuple[str | None, str]:
+    """``(why path is not a readable image or None, its PIL mode)``. Cheap: the header is parsed
+    and PIL's ``verify`` run (a PNG's chunks are checked); a JPEG must end with its end-of-image
+    marker (a truncated JPEG passes ``verify`` and fails only when decoded)."""
     from PIL import Image, UnidentifiedImageError
 
+    mode = ""
     try:
         with Image.open(path) as im:
-            fmt = im.format
+            fmt, mode = im.format, im.mode
             im.verify()
     except UnidentifiedImageError:
-        return "not an image file PIL can identify"
+        return "not an image file PIL can identify", mode
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        return str(exc) or type(exc).__name__
+        return str(exc) or type(exc).__name__, mode
     if fmt == "JPEG":
         with open(path, "rb") as f:
             f.seek(max(0, Path(path).stat().st_size - 4096))
             if b"\xff\xd9" not in f.read():
-                return "image file is truncated: no JPEG end-of-image marker"
-    return None
+                return "image file is truncated: no JPEG end-of-image marker", mode
+    return None, mode
 
 
-def _load_rgb(path: str):
-    """An image file as an RGB PIL image; an unreadable file names itself (the error of a file that
-    passed the up-front check but fails to decode, e.g. in the middle of training)."""
+#: PIL modes with one channel of grey (16/32-bit integer and float ones included).
+_GREY_MODES = frozenset({"1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
+
+
+def _as_mode(im, target: str):
+    """``im`` as ``target`` ("L" or "RGB"), keeping what a viewer shows: 16-bit and 32-bit grey
+    scaled to 8 bits (PIL's own ``convert`` clips them, so most pixels turn white) and
+    transparency composited on black (PIL's ``convert`` drops alpha, showing whatever colour
+    the transparent pixels happen to store)."""
+    import numpy as np
+    from PIL import Image
+
+    if im.mode == target:
+        return im
+    if im.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
+        a = np.asarray(im, dtype=np.float64)
+        a = a * (255.0 / 65535.0) if im.mode != "F" else a  # integer modes hold 16-bit PNG/TIFF values
+        im = Image.fromarray(a.clip(0, 255).round().astype(np.uint8), "L")
+    elif im.mode in ("RGBA", "LA", "La", "RGBa", "PA") or (im.mode == "P" and "transparency" in im.info):
+        rgba = im.convert("RGBA")
+        im = Image.alpha_composite(Image.new("RGBA", rgba.size, (0, 0, 0, 255)), rgba)
+    return im.convert(target)
+
+
+def _load_as(path: str, mode: str = "RGB"):
+    """An image file as a PIL image of ``mode`` (see :func:`_as_mode`); an unreadable file names
+    itself (the error of a file that passed the up-front check but fails to decode, e.g. in the
+    middle of training)."""
     from PIL import Image
 
     try:
         with open(path, "rb") as f:
-            return Image.open(f).convert("RGB")
+            im = Image.open(f)
+            im.load()  # decoded while the file is open: an image already in ``mode`` is returned as is
+        return _as_mode(im, mode)
     except (OSError, SyntaxError, ValueError) as exc:
         raise UnreadableImageError(
             f"{path}: not a readable image ({str(exc) or type(exc).__name__}); remove or replace it"
         ) from exc
 
 
-def _readable(paths: Sequence[str], where: str, skip_bad: bool) -> tuple[list[bool], list[str]]:
-    """``(keep mask, skipped paths)``: every file checked up front; an unreadable one ends the
-    load in one line naming it, unless ``skip_bad``."""
-    problems = [(p, _image_problem(p)) for p in paths]
+def _target_mode(modes: Sequence[str], channels: int | None) -> str:
+    """The one mode a folder's images are read in: the model's ``channels`` (1 -> "L", 3 ->
+    "RGB"), else the majority's (grey or colour; a tie keeps colour, which loses nothing)."""
+    if channels is not None:
+        if channels not in (1, 3):
+            raise ValueError(f"channels must be 1 (grey) or 3 (RGB), not {channels}")
+        return "L" if channels == 1 else "RGB"
+    grey = sum(m in _GREY_MODES for m in modes)
+    return "L" if grey > len(modes) - grey else "RGB"
+
+
+def conversion_note(ds, where: str) -> str | None:
+    """One line saying how many of ``ds``'s images were read in a mode other than their own, and
+    from which modes (``ds.converted``, set by :func:`image_folder`), or None when none was."""
+    converted: dict[str, int] = getattr(ds, "converted", {})
+    n = sum(converted.values())
+    if not n:
+        return None
+    total = n + getattr(ds, "unconverted", 0)
+    modes = ", ".join(f"{c} {m}" for m, c in sorted(converted.items(), key=lambda mc: (-mc[1], mc[0])))
+    return f"converted {n} of the {total} images of {where} to {ds.mode} ({modes}); every image is read as {ds.mode}"
+
+
+def _readable(paths: Sequence[str], where: str, skip_bad: bool) -> tuple[list[bool], list[str], list[str]]:
+    """``(keep mask, skipped paths, modes of the kept files)``: every file checked up front; an
+    unreadable one ends the load in one line naming it, unless ``skip_bad``."""
+    checked = [(p, *_image_problem(p)) for p in paths]
+    problems = [(p, why) for p, why, _ in checked]
     bad = [(p, why) for p, why in problems if why is not None]
     if bad and not skip_bad:
         p, why = bad[0]
@@ -108,7 +162,15 @@ def _readable(paths: Sequence[str], where: str, skip_bad: bool) -> tuple[list[bo
         raise UnreadableImageError(
             f"{where}: none of its {len(paths)} images is readable (e.g. {bad[0][0]}: {bad[0][1]})"
         )
-    return [why is None for _, why in problems], [p for p, _ in bad]
+    keep = [why is None for _, why in problems]
+    return keep, [p for p, _ in bad], [m for (_, _, m), k in zip(checked, keep) if k]
+
+
+def _count_conversions(ds, modes: Sequence[str], target: str) -> None:
+    """Record on ``ds`` the mode it is read in and how many images of each other mode it converts."""
+    ds.mode = target
+    ds.converted = dict(Counter(m for m in modes if m != target))
+    ds.unconverted = sum(m == target for m in modes)
 
 
 def skipped_note(ds, where: str) -> str | None:
@@ -128,12 +190,19 @@ def image_folder(
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
     skip_bad: bool = False,
+    channels: int | None = None,
 ) -> ImageFolder:
     """A ``torchvision.datasets.ImageFolder`` (``path/<class>/<image>``) resized to
     ``image_size``, normalised by ``mean``/``std`` (default: ``[-1, 1]``); ``.domain`` is set.
 
     Every file is checked up front: an unreadable one (not an image, a truncated file) raises
     :class:`UnreadableImageError` naming it, or with ``skip_bad`` is left out (listed in ``.skipped``).
+
+    Every image is read in one mode (``.mode``): ``"L"`` for ``channels=1``, ``"RGB"`` for
+    ``channels=3`` (the model's input channels), or by default the majority's (a tie reads RGB);
+    ``mean``/``std`` of one or three values also fix it. 16-bit grey is scaled to 8 bits and
+    transparency composited on black. ``.converted`` counts the images read in another mode than
+    their own, by their own mode; :func:`conversion_note` says it in one line.
     """
     from torchvision.datasets import ImageFolder
 
@@ -143,33 +212,37 @@ def image_folder(
             f"image folder {str(p)!r} does not exist. Point it at a directory with one "
             "sub-directory per class, e.g. data/train/cat/001.png, data/train/dog/002.png."
         )
-    transform, domain = normalize_transform(mean, std, image_size)
     try:
-        ds = ImageFolder(str(p), transform=transform, loader=_load_rgb)
+        ds = ImageFolder(str(p), loader=_load_as)
     except (FileNotFoundError, RuntimeError) as exc:
         raise DatasetNotFoundError(
             f"no images found under {str(p)!r} ({exc}). Expected one sub-directory per class "
             "holding .png/.jpg files, e.g. data/train/cat/001.png."
         ) from exc
-    keep, skipped = _readable([s for s, _ in ds.samples], f"image folder {str(p)!r}", skip_bad)
+    keep, skipped, modes = _readable([s for s, _ in ds.samples], f"image folder {str(p)!r}", skip_bad)
     if skipped:
         ds.samples = [s for s, k in zip(ds.samples, keep) if k]
         ds.imgs, ds.targets = ds.samples, [t for _, t in ds.samples]
     ds.skipped = skipped
+    target = _target_mode(modes, channels if mean is None else len(tuple(mean)))
+    _count_conversions(ds, modes, target)
+    ds.loader = functools.partial(_load_as, mode=target)  # a partial, not a lambda: DataLoader workers pickle it
+    transform, domain = normalize_transform(mean, std, image_size, channels=1 if target == "L" else 3)
+    ds.transform = transform
     return _with_domain(ds, domain, ds.classes)
 
 
 class _ImageFiles(Dataset):
     """Image files without labels (every label 0): an OOD set."""
 
-    def __init__(self, root: str | Path, paths: Sequence[str], transform) -> None:
-        self.root, self.paths, self.transform = str(root), list(paths), transform
+    def __init__(self, root: str | Path, paths: Sequence[str], transform, mode: str = "RGB") -> None:
+        self.root, self.paths, self.transform, self.mode = str(root), list(paths), transform, mode
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, i: int):
-        return self.transform(_load_rgb(self.paths[i])), 0
+        return self.transform(_load_as(self.paths[i], self.mode)), 0
 
 
 def image_files(
@@ -192,10 +265,12 @@ def image_files(
         raise DatasetNotFoundError(
             f"no images found under {str(p)!r} (looked for {', '.join(IMG_EXTENSIONS)} files, sub-folders included)"
         )
-    keep, skipped = _readable(files, f"image folder {str(p)!r}", skip_bad)
+    keep, skipped, modes = _readable(files, f"image folder {str(p)!r}", skip_bad)
     transform, domain = normalize_transform(mean, std, image_size)
+    # RGB: the models it is scored by read 3 channels
     ds = _ImageFiles(p, [f for f, k in zip(files, keep) if k], transform)
     ds.skipped = skipped  # type: ignore[attr-defined]  # the unreadable files travel with the dataset
+    _count_conversions(ds, modes, ds.mode)
     return _with_domain(ds, domain)
 
 
