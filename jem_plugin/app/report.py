@@ -537,6 +537,19 @@ def _figures(out: Path, runs: list[str]) -> str:
     return "\n".join(parts)
 
 
+def headline(result: Mapping[str, Any]) -> str | None:
+    """The sentence a report (and ``jem demo``) leads with when its runs were cut short by the
+    time budget (``result["truncated"]``), in place of numbers that would compare half-trained
+    models; None when the runs finished."""
+    if not result.get("truncated"):
+        return None
+    return (
+        "The comparison is not meaningful yet: the time budget stopped training early ("
+        + str(result.get("warning") or "runs cut short")
+        + "). The numbers below show that the pipeline runs, not what JEM does."
+    )
+
+
 def write_report(
     out_dir: str | Path, result: Mapping[str, Any] | None = None, title: str = "jem-plugin report"
 ) -> Path:
@@ -555,7 +568,10 @@ def write_report(
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"
     ]
-    if result.get("warning"):
+    lead = headline(result)
+    if lead:
+        parts.append(f"<p class='warning'><b>{html.escape(lead)}</b></p>")
+    elif result.get("warning"):
         parts.append(f"<p class='warning'>Warning: {html.escape(str(result['warning']))}.</p>")
     if result.get("description"):
         parts.append(f"<p>{html.escape(str(result['description']))}</p>")
@@ -569,15 +585,10 @@ def write_report(
     unequal = _unequal_steps(runs)
     if unequal:
         sentences.insert(0, unequal)
-    if sentences and result.get("warning"):
-        sentences.insert(
-            0,
-            "These runs were cut short (see the warning above): read the numbers as a check "
-            "that the pipeline runs, not as what JEM does.",
-        )
     if sentences:
         items = "".join(f"<li>{html.escape(s)}</li>" for s in sentences)
-        parts.append(f"<h2>Summary</h2><ul class='summary'>{items}</ul>")
+        heading = "Summary of the cut-short runs (a check that the pipeline runs)" if lead else "Summary"
+        parts.append(f"<h2>{heading}</h2><ul class='summary'>{items}</ul>")
     if runs:
         parts.append(
             "<h2>Results</h2><p class='note'>Best value per row in bold. OOD scores rank inputs by "

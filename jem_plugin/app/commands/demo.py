@@ -7,7 +7,7 @@ from typing import Any
 
 from .. import CLIError
 from ..experiments import run_digits_demo
-from ..report import metric_label, write_report
+from ..report import headline, metric_label, write_report
 from ._common import _check_install, _device, _out_dir
 
 # `jem demo --smoke`: the whole pipeline in seconds (tests, a first look); not a meaningful result.
@@ -48,13 +48,18 @@ def run(args) -> int:
     runs = result.get("runs", {})
     first: dict[str, Any] = next(iter(runs.values()), {})
     keys = [k for k in first.get("summary", {}) if k.startswith(("acc", "ece", "auroc_logpx"))]
+    lead = headline(result)
+    if lead:  # a cut-short comparison leads with what it is, not with its numbers
+        print(f"\n{lead}")
+    elif args.smoke:
+        print("\n--smoke: a check that the pipeline runs in seconds, not a comparison of the two models.")
     print(f"\n{'':<34}" + "".join(f"{n:>12}" for n in runs))
     for k in keys:
         vals = [runs[n]["summary"].get(k) for n in runs]
         print(
             f"{metric_label(k)[0]:<34}" + "".join(f"{v:>12.3f}" if isinstance(v, float) else f"{'':>12}" for v in vals)
         )
-    if result.get("warning"):
+    if result.get("warning") and not lead:
         print(f"\nWARNING: {result['warning']}")
     print(f"\nreport: {report}  (metrics.json, model_baseline.pt and model_JEM.pt are next to it)")
     return 0
