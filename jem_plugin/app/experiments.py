@@ -111,10 +111,14 @@ FAST_RECIPE: dict[str, Any] = {
 }
 #: Seconds kept aside from the demo's budget for evaluation and figures.
 DEMO_EVAL_SECONDS = 30.0
-#: `jem demo`: the fast recipe itself (150 epochs). Measured: baseline + JEM + evaluation in about
-#: 2 minutes of wall time on 2 idle cores; ``budget_seconds`` stops training early on a slower machine,
-#: and the result then says so (``truncated``, ``warning``).
-DEMO_RECIPE: dict[str, Any] = dict(FAST_RECIPE)
+#: `jem demo`: the fast recipe for 40 epochs (its former 150 took ~5.6 CPU-minutes, and under load
+#: the budget cut both runs to 4 epochs: JEM 0.29 vs baseline 0.60). Chosen on a validation split
+#: carved from the training split, never the test split (issue 48): 40 epochs at width 32 gave JEM
+#: 0.948 vs baseline 0.979, log p(x) AUROC 1.0 on noise, patches and transposed digits, 0.86 on
+#: blends, class samples all judged in class; 60 epochs at width 16 gave 0.924 vs 0.962 for 18%
+#: less CPU time. ``budget_seconds`` stops training early on a slower machine, and the result and
+#: the report's headline then say so (``truncated``, ``warning``).
+DEMO_RECIPE: dict[str, Any] = {**FAST_RECIPE, "epochs": 40}
 
 
 # ---------------------------------------------------------------------------- pieces
