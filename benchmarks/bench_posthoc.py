@@ -925,8 +925,9 @@ ONE_FORWARD_TARGET = 3.0  # evaluate_all over the gradient-free scores: at least
 
 
 def gradient_free_scores() -> list[str]:
-    """Every registered score without an input gradient: what shares one forward in ``evaluate_all``."""
-    return [m for m in ood.available_scores() if not ood.score_info(m)["needs_grad"]]
+    """Every registered score that reads outputs of one plain forward (no input gradient, and not
+    mcd, whose dropout samples are passes of their own): what shares one forward in ``evaluate_all``."""
+    return [m for m in ood.available_scores() if ood.score_info(m)["reads"] is not None]
 
 
 def per_detector_loop(
@@ -937,8 +938,11 @@ def per_detector_loop(
     by its own passes (one forward per score, set and batch), and the metrics per set."""
     out: dict[str, dict[str, Tensor]] = {}
     for m in methods:
-        method: Any = ood.detector(m).fit(jm, fit, batch_size=BATCH) if ood.score_info(m)["needs_fit"] else m
-        s = {name: ood.score(jm, x, method, batch_size=BATCH) for name, x in [("in", x_in), *sets.items()]}
+        try:
+            method: Any = ood.detector(m).fit(jm, fit, batch_size=BATCH) if ood.score_info(m)["needs_fit"] else m
+            s = {name: ood.score(jm, x, method, batch_size=BATCH) for name, x in [("in", x_in), *sets.items()]}
+        except TypeError:  # the network's kind refused (rankfeat, no maps): evaluate_all skips it too
+            continue
         for name in sets:
             ood.evaluate(s["in"], s[name])
         out[m] = s
@@ -985,6 +989,7 @@ def time_one_forward(name: str, D: dict[str, Any], epochs: int | None, repeats: 
     diff = max(
         float((shared.scores[m][k] - loop[m][k]).abs().max()) / max(1.0, float(loop[m][k].abs().max()))
         for m in shared.scores
+        if m in loop
         for k in loop[m]
     )
     res = {
