@@ -54,7 +54,10 @@ evaluation point 2-12 CPU seconds. At ~3,000 iterations and 10 points per cell t
 into ``OUT/speed.json``): seed 0 of the baseline and the choice on all four networks and both data
 sets (4.6 h), seed 1 of both on textures/resnet10t (0.6 h; the only cell with two seeds), and
 ``generative`` on textures everywhere and on digits/resnet10t (2.6 h). Each cell's JSON records its
-own CPU seconds, so the table's cost column replaces the projection as cells finish.
+own CPU seconds, so the table's cost column replaces the projection as cells finish. CPU seconds
+grow with the machine's load: at a load average of 7 on the 2 cores, the first cells ran at 0.52
+(baseline) and 2.5 (choice) CPU seconds per iteration on resnet10t, 3-5x the figures above, as
+``profile_iteration`` measured beside them; the plan is sized on the lighter-load figures.
 
     python -m benchmarks.bench_long_row --probe              # time a few iterations of each (net, run)
     python -m benchmarks.bench_long_row --plan               # the plan, in order, with its projected CPU time
