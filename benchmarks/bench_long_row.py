@@ -660,7 +660,13 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
             ys = [p[key] for p in e["points"] if p[key] is not None]
             if xs:
                 ax.plot(xs, ys, styles.get(e["role"], ":"), color=colours.get(e["net"], "k"), marker="o", ms=3, lw=1.5)
-        if target is not None:
+        if key == "acc_gap":
+            lo = min((p[key] for e in mine for p in e["points"]), default=-5)
+            ax.set_ylim(max(lo - 1, -40), None)
+        if target is not None:  # always in view, whatever the points' range
+            lo, hi = ax.get_ylim()
+            pad = 0.1 * max(hi - lo, abs(target) * 0.2, 0.02)
+            ax.set_ylim(min(lo, target - pad), max(hi, target + pad))
             ax.axhline(target, color="0.3", ls=":", lw=1)
             ax.annotate(
                 f"target: {tlabel}",
@@ -677,9 +683,7 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
                 ax.annotate(
                     "the init's draws", (0.01, init), xycoords=("axes fraction", "data"), fontsize=7, color="0.4"
                 )
-        if key == "acc_gap":
-            lo = min((p[key] for e in mine for p in e["points"]), default=-5)
-            ax.set_ylim(max(lo - 1, -40), None)
+        ax.set_xlim(0, 1.02 * max(e["iterations"] for e in mine))  # the whole run: how far it has got
         ax.set_ylabel(label, fontsize=9)
         ax.grid(alpha=0.3)
     for ax in axes[2:]:
