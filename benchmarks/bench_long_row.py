@@ -382,12 +382,12 @@ def run(
                 for f in finished:
                     f.result()
                 if report_each:
-                    report(out_dir, readme=None, docs=None)
+                    report(out_dir, readme=None, docs=None, planned=len(cells))
     else:
         for j in jobs:
             _run_cell_job(j)
             if report_each:
-                report(out_dir, readme=None, docs=None)
+                report(out_dir, readme=None, docs=None, planned=len(cells))
     runs_path = os.path.join(out_dir, "runs.json")
     write_json(
         runs_path,
@@ -710,10 +710,17 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
 
 
 def to_markdown(
-    entries: Sequence[dict[str, Any]], refs: dict[str, Any], n_cells: int, n_done: int, cpu_h: float
+    entries: Sequence[dict[str, Any]],
+    refs: dict[str, Any],
+    n_cells: int,
+    n_done: int,
+    cpu_h: float,
+    planned: int | None = None,
 ) -> str:
+    of = f" of the plan's {planned}" if planned else ""
     lines = [
-        f"{n_done} of {n_cells} cells finished ({cpu_h:.1f} CPU hours so far; "
+        f"{n_cells} cells started{of}, {n_done} finished "
+        f"({cpu_h:.1f} CPU hours so far; "
         f"`benchmarks/results/long_row/cells`). Per cell, the first evaluated iteration at which each target "
         "holds on the mean over its seeds, judged against the baseline of the same data, network and seed at "
         'the same iteration ("not yet (at N)": not met up to iteration N, the last evaluated; ", not at N": '
@@ -731,16 +738,19 @@ def to_markdown(
     return "\n".join(lines) + "\n"
 
 
-def report(out_dir: str = RESULTS, readme: str | None = GB.README, docs: str | None = DOCS_IMG) -> str:
+def report(
+    out_dir: str = RESULTS, readme: str | None = GB.README, docs: str | None = DOCS_IMG, planned: int | None = None
+) -> str:
     """Curves (``OUT/long-row-<data>.png``, copied to ``docs``), ``OUT/summary.md`` and
-    ``summary.json``, and the table in ``readme``; from whatever cells exist."""
+    ``summary.json``, and the table in ``readme``; from whatever cells exist (``planned``: how many
+    the plan has, for the first line)."""
     rows = load_rows(out_dir)
     entries = curves(rows)
     refs = GB._read_json(os.path.join(out_dir, "datasets.json"), {})
     cpu_h = sum(
         (r["points"][-1]["train_cpu_s"] + sum(p["eval_cpu_s"] for p in r["points"])) for r in rows if r["points"]
     )
-    md = to_markdown(entries, refs, len(rows), sum(bool(r.get("done")) for r in rows), cpu_h / 3600)
+    md = to_markdown(entries, refs, len(rows), sum(bool(r.get("done")) for r in rows), cpu_h / 3600, planned)
     for d in DATASETS:
         png = curves_figure(entries, d, os.path.join(out_dir, f"long-row-{d}.png"))
         if png and docs:
@@ -777,7 +787,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(plan_table(cells, GB._read_json(os.path.join(out_dir, "speed.json")) or speed_from_matrix()))
         return
     if a.report:
-        print(report(out_dir))
+        print(report(out_dir, planned=len(cells)))
         return
     run(cells, out_dir, workers=a.workers, retry_failed=a.retry_failed)
     print(report(out_dir, readme=None, docs=None))
