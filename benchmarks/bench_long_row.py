@@ -95,6 +95,7 @@ from benchmarks import bench_generalisation as GB
 from benchmarks import bench_generative as G
 from benchmarks.common import machine_info, md_table, write_json
 from jem_plugin.checkpoint import get_rng_state, load_checkpoint, save_checkpoint, set_rng_state
+from jem_plugin.errors import CheckpointError
 from jem_plugin.recipes import default_choice_for  # jem train's policy: a move of it changes this line only
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -266,15 +267,35 @@ def run_cell(
     baseline = c["run"] == "baseline"
     n_batches = math.ceil(len(S["x"]) / BATCH)
     overrides = {**({"lr": c["lr"]} if "lr" in c else {}), **(c.get("set") or {})}
-    ctx = G.start_run(
-        S,
-        c["run"],
-        c["epochs"] * n_batches,
-        seed=c["seed"],
-        batch_size=BATCH,
-        overrides=overrides or None,
-        fit_init="train",
-    )
+
+    def start() -> dict[str, Any]:
+        return G.start_run(
+            S,
+            c["run"],
+            c["epochs"] * n_batches,
+            seed=c["seed"],
+            batch_size=BATCH,
+            overrides=overrides or None,
+            fit_init="train",
+        )
+
+    ctx = start()
+    meta: dict[str, Any] = {"epoch": 0, "train_cpu_s": 0.0, "metrics": {}}
+    if os.path.exists(ckpt_path):
+        try:
+            extra = load_checkpoint(ckpt_path, **_state(ctx))
+            meta = {k: extra[k] for k in meta}
+        except CheckpointError as exc:
+            if exc.reason not in ("mismatch", "corrupt"):
+                raise
+            # written by other code (the library's state changed) or damaged: the cell starts over,
+            # so that no curve mixes two versions; the old files are kept beside, renamed
+            print(f"{GB.cell_name(c)}: starting over ({exc.reason}: {str(exc)[:200]})", flush=True)
+            for path in (ckpt_path, json_path):
+                if os.path.exists(path):
+                    os.replace(path, path + ".stale")
+            row = {**c, "name": GB.cell_name(c), "points": []}
+            ctx = start()
     r = ctx["recipe"]
     row.update(
         n_train=len(S["y"]),
@@ -284,10 +305,6 @@ def run_cell(
         buffer_slots=ctx["loss_fn"].buffer.capacity if ctx["loss_fn"] is not None else None,
         lr_used=ctx["lr"],
     )
-    meta: dict[str, Any] = {"epoch": 0, "train_cpu_s": 0.0, "metrics": {}}
-    if os.path.exists(ckpt_path):
-        extra = load_checkpoint(ckpt_path, **_state(ctx))
-        meta = {k: extra[k] for k in meta}
     evals = eval_epochs(c["epochs"], c.get("evals", EVALS))
     done_points = {p["epoch"] for p in row["points"]}
     made = 0

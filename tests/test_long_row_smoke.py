@@ -139,3 +139,19 @@ def test_jem_trains_choice_at_the_rows_size_is_generative_at_a_low_px_weight():
     assert d[0] == "generative" and dict(d[1]).get("px_weight", 0.75) < 0.75
     assert dict(L.jem_train_choice(150, "wrn10-1")[1]).get("l2_weight") == 0.0  # no normalisation: no energy L2
     assert L.cell("textures", "resnet10t", "generative", 0, 1, tiny=True).get("set") is None  # as it is
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_does_not_fit_starts_the_cell_over_and_is_kept_aside(tmp_path, one_thread):
+    base = _cells()[0]
+    L.run([base], str(tmp_path / "whole"), workers=1, report_each=False)
+    out = tmp_path / "other_code"
+    L.run([], str(out), workers=1, report_each=False)
+    json_path, ckpt_path = L._paths(str(out), base)
+    os.makedirs(os.path.dirname(ckpt_path))
+    L.save_checkpoint(ckpt_path, model=torch.nn.Linear(2, 2), epoch=2, train_cpu_s=1.0, metrics={})
+    os.makedirs(os.path.dirname(json_path))
+    open(json_path, "w").write(json.dumps({**base, "points": [{"epoch": 2, "stale": True}]}))
+    L.run([base], str(out), workers=1, report_each=False)
+    assert _points(out, base) == _points(tmp_path / "whole", base)  # from the start, nothing of the old run
+    assert os.path.exists(ckpt_path + ".stale") and os.path.exists(json_path + ".stale")
