@@ -94,9 +94,9 @@ import jem_plugin as jem
 from benchmarks import bench_generalisation as GB
 from benchmarks import bench_generative as G
 from benchmarks.common import machine_info, md_table, write_json
+from jem_plugin.app.default_recipe import default_choice_for  # jem train's policy: a move of it changes this line only
 from jem_plugin.checkpoint import get_rng_state, load_checkpoint, save_checkpoint, set_rng_state
 from jem_plugin.errors import CheckpointError
-from jem_plugin.recipes import default_choice_for  # jem train's policy: a move of it changes this line only
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "long_row")
