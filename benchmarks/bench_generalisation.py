@@ -951,16 +951,16 @@ START, END = "<!-- generalisation:start -->", "<!-- generalisation:end -->"
 HEADING = "## Generalisation matrix (bench_generalisation)"
 
 
-def write_readme(md: str, path: str = README) -> None:
-    """Put ``md`` between the section's markers in ``path`` (the section and markers are appended
-    when missing); nothing else in the file changes."""
+def write_readme(md: str, path: str = README, start: str = START, end: str = END, heading: str = HEADING) -> None:
+    """Put ``md`` between the section's markers (``start``, ``end``) in ``path`` (the section,
+    ``heading`` and markers are appended when missing); nothing else in the file changes."""
     with open(path) as f:
         text = f.read()
-    block = f"{START}\n{md.rstrip()}\n{END}"
-    if START in text and END in text:
-        text = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, text, count=1, flags=re.S)
+    block = f"{start}\n{md.rstrip()}\n{end}"
+    if start in text and end in text:
+        text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, count=1, flags=re.S)
     else:
-        text = text.rstrip() + f"\n\n{HEADING}\n\n{block}\n"
+        text = text.rstrip() + f"\n\n{heading}\n\n{block}\n"
     with open(path, "w") as f:
         f.write(text)
 

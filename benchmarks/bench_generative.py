@@ -275,6 +275,90 @@ def recipe_for(run: str, quick: bool, bn_mode: str | None = None, overrides: dic
     return r.replace(**overrides)
 
 
+def start_run(
+    S: dict,
+    run: str,
+    total: int,
+    seed: int = 0,
+    bn_mode: str | None = None,
+    quick: bool = False,
+    batch_size: int = 64,
+    overrides: dict | None = None,
+    fit_init: str = "loop",
+) -> dict[str, Any]:
+    """Everything a run of ``total`` iterations trains with, before its first step: the model (in
+    train mode), its JEM, the recipe (``None``: the baseline), optimiser, warm-up schedule, SAM,
+    loss (buffer sized for ``total``) and the generator ``g`` that shuffles, augments and drives
+    the chains. :func:`train_step` takes one step of it; :func:`train_run` is the whole run."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    model = make_model(S["model"])
+    net = SamplesInEvalMode(model) if bn_mode == "eval" else model
+    jm = jem.wrap(net, **S["wrap_kw"])
+    r = recipe_for(run, quick, bn_mode, overrides)
+    # the baseline trains with the fast preset's optimiser, and the same optimiser overrides
+    base = r or get_recipe("fast").replace(**{k: v for k, v in (overrides or {}).items() if k in OPTIM_NAMES})
+    opt = base.optim.build(model.parameters())
+    warm = base.optim.warmup_for(total)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warm) if warm else 1.0)
+    sam = SAM(opt, rho=r.sam.rho, adaptive=r.sam.adaptive) if r is not None and r.sam.rho is not None else None
+    # fit_init "train": the informative init fitted on the clean training set, as `jem train` does;
+    # "loop": fitted from the first batches (the p(x) term's data, else the augmented batch), as in
+    # a user's own loop.
+    loss_fn = build_loss(r, S, total, batch_size, g, fit_init, bn_mode) if r is not None else None
+    fit_from_batches = FitInitFromBatches(loss_fn.buffer) if loss_fn is not None and fit_init == "loop" else None
+    model.train()
+    return dict(
+        model=model,
+        net=net,
+        jm=jm,
+        recipe=r,
+        lr=base.optim.lr,
+        opt=opt,
+        sched=sched,
+        sam=sam,
+        loss_fn=loss_fn,
+        fit_from_batches=fit_from_batches,
+        g=g,
+        shift=S["shift"],
+        total=total,
+    )
+
+
+def train_step(ctx: dict[str, Any], x_clean: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """One training iteration of :func:`start_run`'s run on the clean batch ``x_clean, y``
+    (augmented here with ``ctx["g"]``); returns its metrics."""
+    r, model, opt, loss_fn, jm = ctx["recipe"], ctx["model"], ctx["opt"], ctx["loss_fn"], ctx["jm"]
+    x = shift_augment(x_clean, ctx["shift"], ctx["g"])
+    if r is None:
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        metrics = {"loss": loss.item()}
+    else:
+        px = x_clean if r.loss.px_clean_data else None
+        if ctx["fit_from_batches"] is not None:
+            ctx["fit_from_batches"].on_batch(None, x if px is None else px, y)
+        if isinstance(ctx["net"], SamplesInEvalMode):
+            ctx["net"].n_data = x.shape[0] * (2 if px is not None else 1)
+
+        def closure():
+            out = loss_fn(jm, x, y, px_data=px)
+            out.loss.backward()
+            return out
+
+        if ctx["sam"] is not None:
+            out = ctx["sam"].step(closure, model=model, loss_fn=loss_fn)
+        else:
+            opt.zero_grad(set_to_none=True)
+            out = closure()
+            opt.step()
+        metrics = out.metrics
+    ctx["sched"].step()
+    return metrics
+
+
 def train_run(
     S: dict,
     run: str,
@@ -286,70 +370,26 @@ def train_run(
     overrides: dict | None = None,
     fit_init: str = "loop",
 ) -> dict[str, Any]:
-    torch.manual_seed(seed)
-    g = torch.Generator().manual_seed(seed)
-    model = make_model(S["model"])
-    net = SamplesInEvalMode(model) if bn_mode == "eval" else model
-    jm = jem.wrap(net, **S["wrap_kw"])
-    r = recipe_for(run, quick, bn_mode, overrides)
-    # the baseline trains with the fast preset's optimiser, and the same optimiser overrides
-    base = r or get_recipe("fast").replace(**{k: v for k, v in (overrides or {}).items() if k in OPTIM_NAMES})
-    n_batches = math.ceil(len(S["x"]) / batch_size)
-    total = epochs * n_batches
-    opt = base.optim.build(model.parameters())
-    warm = base.optim.warmup_for(total)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warm) if warm else 1.0)
-    sam = SAM(opt, rho=r.sam.rho, adaptive=r.sam.adaptive) if r is not None and r.sam.rho is not None else None
-    # fit_init "train": the informative init fitted on the clean training set, as `jem train` does;
-    # "loop": fitted from the first batches (the p(x) term's data, else the augmented batch), as in
-    # a user's own loop.
-    loss_fn = build_loss(r, S, total, batch_size, g, fit_init, bn_mode) if r is not None else None
-    fit_from_batches = FitInitFromBatches(loss_fn.buffer) if loss_fn is not None and fit_init == "loop" else None
-    model.train()
+    total = epochs * math.ceil(len(S["x"]) / batch_size)
+    ctx = start_run(S, run, total, seed, bn_mode, quick, batch_size, overrides, fit_init)
+    model, g = ctx["model"], ctx["g"]
     t_cpu, t_wall = time.process_time(), time.perf_counter()
     history = []
     for _ in range(epochs):
         perm = torch.randperm(len(S["x"]), generator=g)
         for idx in perm.split(batch_size):
-            x_clean, y = S["x"][idx], S["y"][idx]
-            x = shift_augment(x_clean, S["shift"], g)
-            if r is None:
-                loss = F.cross_entropy(model(x), y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                metrics = {"loss": loss.item()}
-            else:
-                px = x_clean if r.loss.px_clean_data else None
-                if fit_from_batches is not None:
-                    fit_from_batches.on_batch(None, x if px is None else px, y)
-                if isinstance(net, SamplesInEvalMode):
-                    net.n_data = x.shape[0] * (2 if px is not None else 1)
-
-                def closure():
-                    out = loss_fn(jm, x, y, px_data=px)
-                    out.loss.backward()
-                    return out
-
-                if sam is not None:
-                    out = sam.step(closure, model=model, loss_fn=loss_fn)
-                else:
-                    opt.zero_grad(set_to_none=True)
-                    out = closure()
-                    opt.step()
-                metrics = out.metrics
-            sched.step()
+            metrics = train_step(ctx, S["x"][idx], S["y"][idx])
         history.append({k: round(v, 4) for k, v in metrics.items()})
     cost = {
         "train_cpu_s": time.process_time() - t_cpu,
         "train_wall_s": time.perf_counter() - t_wall,
         "iterations": total,
-        "buffer_slots": loss_fn.buffer.capacity if loss_fn is not None else None,
-        "lr": base.optim.lr,
+        "buffer_slots": ctx["loss_fn"].buffer.capacity if ctx["loss_fn"] is not None else None,
+        "lr": ctx["lr"],
     }
     model.eval()
     jm_eval = jem.wrap(model, **S["wrap_kw"])  # evaluation on the bare model
-    return dict(model=model, jm=jm_eval, loss_fn=loss_fn, recipe=r, cost=cost, history=history)
+    return dict(model=model, jm=jm_eval, loss_fn=ctx["loss_fn"], recipe=ctx["recipe"], cost=cost, history=history)
 
 
 def init_draws(S: dict, r, loss_fn, jm, n: int, y=None, seed: int = 3) -> torch.Tensor:

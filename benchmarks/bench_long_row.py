@@ -1,0 +1,814 @@
+"""Learning curves: the long row (issue 45, deliverable 1).
+
+Every cell of the generalisation matrix ran at most 474 iterations; a user who adds ``JEMLoss`` to a
+real pipeline runs tens of thousands. This benchmark trains the matrix's ~150-per-class row for
+3,000+ iterations and evaluates it about every tenth of the run, so the curves say whether, after how
+many iterations and at what cost the generative half starts paying.
+
+It is a sibling of :mod:`benchmarks.bench_generalisation` and reuses its data sets, splits, judges,
+reference distances, BatchNorm-statistics selection and evaluation (which are ``bench_generative``'s:
+:func:`~benchmarks.bench_generative.start_run`, :func:`~benchmarks.bench_generative.train_step`,
+:func:`~benchmarks.bench_generative.evaluate_run`); this module adds the long loop, its evaluation
+points, the checkpoints that make it resumable, the curves and the targets table.
+
+- **Data:** ``textures`` (judged on) and ``digits32`` (tuned on), the matrix's 150-per-class row
+  (textures: 150 of the 500-per-class pool, chosen by the seed; digits: the whole pool of 1337,
+  134 per class at most), batch 64.
+- **Networks:** resnet10t (BatchNorm), convnext_atto (LayerNorm), wrn10-1 (no normalisation) and
+  lcnet_050 (depthwise BatchNorm; cheaper than test_vit per iteration), each at its matrix learning
+  rate (wrn10-1 3e-3, lcnet_050 1e-2, the others 3e-4).
+- **Runs:** the cross-entropy ``baseline``; ``default``, ``jem train``'s choice for the row
+  (:func:`jem_train_choice`: ``generative`` with p(x) weight 0.03, without the energy L2 on wrn10-1);
+  ``generative`` as it is. Each recipe is judged against the baseline of the same data, network and
+  seed at the same iteration.
+- **Length:** ``ceil(3000 / batches per epoch)`` epochs (textures 125 epochs = 3,000 iterations;
+  digits 143 = 3,003); the recipe's buffer and warm-up are sized for the whole run, as ``jem train``
+  sizes them.
+- **Evaluation** at the end of the epochs nearest each tenth of the run (10 points): the matrix's
+  (test accuracy; ECE before and after a temperature fitted on the validation split; log p(x) AUROC on
+  the four OOD sets, the baseline's being its energy score; the buffer's Fréchet distance in the
+  judge's features and its init's; the judge on 100 class-conditional samples, 40 steps of the
+  recipe's sampler from its init) on a copy of the model, so that the evaluation (a recipe with
+  ``bn_stats_from_data`` recomputes its BatchNorm statistics, as ``jem train`` does at the end) never
+  touches the run; the global and the run's random states are restored after it.
+- **Resumable:** at each evaluation point the training state (model, optimiser, LR schedule, loss
+  with its replay buffer and sampler, the run's generator, the global RNGs, epoch, CPU seconds) is
+  checkpointed atomically (:mod:`jem_plugin.checkpoint`) under ``OUT/checkpoints/`` *before* the
+  point is evaluated, and the cell's JSON (``OUT/cells/<cell>.json``) is rewritten as soon as the
+  point exists. A killed run resumes from its last checkpoint (evaluating that point first if its
+  JSON lacks it) and continues bit for bit as the uninterrupted run would; a finished cell
+  (``"done": true``) is skipped and its checkpoint deleted.
+- **Order:** :func:`plan` lists the most informative cells first (:data:`TIERS`: textures on
+  resnet10t, baseline and ``default``; then digits32; then ``generative`` there, the other networks,
+  the second seed), and two worker processes take them in that order, so partial results already
+  answer something.
+
+Budget (issue 45: at most 8 CPU-hours on 2 cores). CPU seconds per iteration (one thread, batch 64,
+32x32 textures at 150 per class) from the generalisation matrix's cells of that row
+(:func:`speed_from_matrix`: the same loop, 288 iterations per cell, medians over seeds, measured on
+the shared machine, so rather upper bounds), baseline / ``jem train``'s choice / ``generative``:
+resnet10t 0.17 / 0.50 / 0.90, convnext_atto 0.10 / 0.51 / 0.87, wrn10-1 0.09 / 0.46 / 0.81,
+lcnet_050 0.05 / 0.30 / 0.42, test_vit 0.12 / 0.78 / 1.13 (so lcnet_050 is the fourth network); an
+evaluation point 2-12 CPU seconds. At ~3,000 iterations and 10 points per cell the 23 cells of
+:func:`plan` project to **7.8 CPU-hours** (``--plan`` prints the table; ``--probe`` measures afresh
+into ``OUT/speed.json``): seed 0 of the baseline and the choice on all four networks and both data
+sets (4.6 h), seed 1 of both on textures/resnet10t (0.6 h; the only cell with two seeds), and
+``generative`` on textures everywhere and on digits/resnet10t (2.6 h). Each cell's JSON records its
+own CPU seconds, so the table's cost column replaces the projection as cells finish. CPU seconds
+grow with the machine's load: at a load average of 7 on the 2 cores, the first cells ran at 0.52
+(baseline) and 2.5 (choice) CPU seconds per iteration on resnet10t, 3-5x the figures above, as
+``profile_iteration`` measured beside them; the plan is sized on the lighter-load figures.
+
+    python -m benchmarks.bench_long_row --probe              # time a few iterations of each (net, run)
+    python -m benchmarks.bench_long_row --plan               # the plan, in order, with its projected CPU time
+    nohup nice -n 19 python -m benchmarks.bench_long_row > run.log 2>&1 &   # run (resumes; skips done cells)
+    python -m benchmarks.bench_long_row --report             # curves + table (partial results too)
+
+``--report`` writes ``OUT/long-row-<data>.png`` (copied to ``docs/img/``), ``OUT/summary.md`` and the
+table into ``benchmarks/README.md``; a run writes ``OUT/summary.md`` and the PNGs after each cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import glob
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jem_plugin as jem
+from benchmarks import bench_generalisation as GB
+from benchmarks import bench_generative as G
+from benchmarks.common import machine_info, md_table, write_json
+from jem_plugin.app.default_recipe import default_choice_for  # jem train's policy: a move of it changes this line only
+from jem_plugin.checkpoint import get_rng_state, load_checkpoint, save_checkpoint, set_rng_state
+from jem_plugin.errors import CheckpointError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "long_row")
+DOCS_IMG = os.path.join(os.path.dirname(HERE), "docs", "img")
+DATASETS = ("textures", "digits32")  # judged on first
+NETWORKS = ("resnet10t", "convnext_atto", "wrn10-1", "lcnet_050")
+ROLES = ("baseline", "default", "generative")
+SIZE = "150"
+ITERATIONS = 3000
+EVALS = 10
+CHECKPOINT_EVERY_S = 600.0
+BATCH = GB.BATCH
+OOD_NAMES = GB.OOD_NAMES
+START, END = "<!-- long_row:start -->", "<!-- long_row:end -->"
+HEADING = "## Long row: learning curves (bench_long_row)"
+
+
+# ---------------------------------------------------------------------------- the plan
+@functools.cache
+def jem_train_choice(per_class: int, net: str) -> tuple[str, tuple[tuple[str, float], ...]]:
+    """``jem train``'s recipe and changed settings for ``per_class`` training images per class on the
+    network ``net`` at its matrix learning rate, read from the network's modules as ``jem train``
+    reads them (the one place this module asks the policy)."""
+    choice = default_choice_for(G.make_model(GB.NETWORKS.get(net, net)), per_class, lr=GB.NETWORK_LR.get(net))
+    return choice.recipe, tuple(sorted(choice.settings.items()))
+
+
+def batches_per_epoch(dataset: str, tiny: bool = False) -> int:
+    """Batches of 64 in an epoch of the row's training set (the same for every seed)."""
+    ds = GB.dataset(dataset, tiny)
+    return math.ceil(len(GB.training_subset(ds, GB.per_class_for(dataset, SIZE, tiny), 0)[1]) / BATCH)
+
+
+def epochs_for(dataset: str, iterations: int = ITERATIONS, tiny: bool = False) -> int:
+    """Epochs of the row's size on ``dataset`` that make at least ``iterations`` iterations."""
+    return math.ceil(iterations / batches_per_epoch(dataset, tiny))
+
+
+def eval_epochs(epochs: int, evals: int = EVALS) -> list[int]:
+    """The epochs after which a cell is evaluated: the ends of the epochs nearest each of ``evals``
+    equal parts of the run (the last epoch always)."""
+    return sorted({max(1, round(epochs * k / evals)) for k in range(1, evals + 1)})
+
+
+def cell(dataset: str, net: str, role: str, seed: int, epochs: int, tiny: bool = False) -> dict[str, Any]:
+    """One cell: the matrix's keys (so :func:`bench_generalisation.cell_name` names it) and its role."""
+    per_class = GB.per_class_for(dataset, SIZE, tiny)
+    c: dict[str, Any] = dict(dataset=dataset, per_class=per_class, net=net, run="baseline", seed=seed, epochs=epochs)
+    if role == "default":
+        run, settings = jem_train_choice(per_class, net)
+        c["run"] = run
+        if settings:
+            c["set"] = dict(settings)
+    elif role == "generative":
+        c["run"] = "generative"
+    if net in GB.NETWORK_LR:
+        c["lr"] = GB.NETWORK_LR[net]
+    c["role"] = role
+    if tiny:
+        c["tiny"] = True
+    return c
+
+
+#: the plan's tiers, most informative first: (data sets, networks, roles, seed); "first" and "rest":
+#: the first network of NETWORKS and the others. Sized to the 8 CPU-hours (module docstring).
+TIERS: tuple[tuple[str, str, tuple[str, ...], int], ...] = (
+    ("judged", "first", ("baseline", "default"), 0),
+    ("tuned", "first", ("baseline", "default"), 0),
+    ("judged", "first", ("generative",), 0),
+    ("judged", "rest", ("baseline", "default"), 0),
+    ("tuned", "rest", ("baseline", "default"), 0),
+    ("judged", "first", ("baseline", "default"), 1),
+    ("judged", "rest", ("generative",), 0),
+    ("tuned", "first", ("generative",), 0),
+)
+
+
+def plan(
+    datasets: Sequence[str] = DATASETS,
+    networks: Sequence[str] = NETWORKS,
+    iterations: int = ITERATIONS,
+    tiers: Sequence[tuple[str, str, tuple[str, ...], int]] = TIERS,
+    tiny: bool = False,
+) -> list[dict[str, Any]]:
+    """The cells in :data:`TIERS`' order: textures (judged on) on resnet10t, baseline and
+    ``default``; the same on digits32 (tuned on); ``generative`` on textures/resnet10t; baseline and
+    ``default`` on the other networks, textures then digits; seed 1 of textures/resnet10t;
+    ``generative`` on the other networks (textures) and on digits/resnet10t."""
+    datasets = [d for d in DATASETS if d in datasets]
+    networks = [n for n in NETWORKS if n in networks]
+    sets = {"judged": [d for d in datasets if d == "textures"], "tuned": [d for d in datasets if d != "textures"]}
+    nets = {"first": networks[:1], "rest": networks[1:]}
+    ep = {d: epochs_for(d, iterations, tiny) for d in datasets}
+    cells: dict[str, dict[str, Any]] = {}
+    for which, group, roles, seed in tiers:
+        for d in sets[which]:
+            for n in nets[group]:
+                for r in roles:
+                    c = cell(d, n, r, seed, ep[d], tiny)
+                    cells.setdefault(GB.cell_name(c), c)  # where the choice is generative as it is, one cell
+    return list(cells.values())
+
+
+# ---------------------------------------------------------------------------- one cell
+def _paths(out_dir: str, c: dict[str, Any]) -> tuple[str, str]:
+    name = GB.cell_name(c)
+    return os.path.join(out_dir, "cells", name + ".json"), os.path.join(out_dir, "checkpoints", name + ".pt")
+
+
+def _state(ctx: dict[str, Any]) -> dict[str, Any]:
+    """The objects whose state a checkpoint holds."""
+    if ctx["sam"] is not None:
+        raise NotImplementedError("the long row does not checkpoint SAM recipes (sadajem)")
+    objs = dict(model=ctx["model"], optimizer=ctx["opt"], scheduler=ctx["sched"], generator=ctx["g"])
+    if ctx["loss_fn"] is not None:
+        objs["loss"] = ctx["loss_fn"]  # its replay buffer and sampler
+    return objs
+
+
+def evaluate_point(S: dict[str, Any], ctx: dict[str, Any], judge, baseline: bool, tiny: bool) -> dict[str, Any]:
+    """The matrix's evaluation of the run as it stands, on a copy of its model (a recipe with
+    ``bn_stats_from_data`` recomputes the copy's BatchNorm statistics, kept only when the
+    validation accuracy is not worse); the run's and the global random states are left as they were."""
+    rng, g_state, c0 = get_rng_state(), ctx["g"].get_state(), time.process_time()
+    model = copy.deepcopy(ctx["model"]).eval()
+    res = {"model": model, "jm": jem.wrap(model, **S["wrap_kw"]), "loss_fn": ctx["loss_fn"], "recipe": ctx["recipe"]}
+    try:
+        selection = GB.keep_better_bn_statistics(S, res)
+        ev = G.evaluate_run(
+            S,
+            res,
+            judge,
+            False,
+            ood_methods=("logpx",),
+            trace_rounds=(),
+            cond_steps=2 if tiny else GB.COND_STEPS,
+            cond_per_class=0 if baseline else (1 if tiny else GB.COND_PER_CLASS),  # the baseline's: no target
+            init_like_buffer=True,
+        )
+    finally:
+        set_rng_state(rng)
+        ctx["g"].set_state(g_state)
+    for k in ("buffer_samples", "cond_samples", "cond_labels"):
+        ev.pop(k, None)
+    ev["bn_selection"] = selection
+    ev["eval_cpu_s"] = time.process_time() - c0
+    return ev
+
+
+def run_cell(
+    c: dict[str, Any], out_dir: str, stop_after: int | None = None, checkpoint_every_s: float = CHECKPOINT_EVERY_S
+) -> dict[str, Any]:
+    """Train one cell to its last epoch, evaluating and checkpointing at :func:`eval_epochs`,
+    resuming from its checkpoint; ``stop_after``: return after that many evaluation points of this
+    call (a kill, for tests). The cell's JSON is rewritten after every point. Between points the
+    state is also checkpointed at the end of the first epoch ``checkpoint_every_s`` seconds (wall)
+    after the last checkpoint: a session that ends mid-cell loses at most that much."""
+    torch.set_num_threads(1)
+    tiny = bool(c.get("tiny"))
+    json_path, ckpt_path = _paths(out_dir, c)
+    row = GB._read_json(json_path) or {**c, "name": GB.cell_name(c), "points": []}
+    if row.get("done"):
+        return row
+    row.pop("error", None)  # retried
+    ds = GB.dataset(c["dataset"], tiny)
+    S = GB.setting(ds, c["net"], c["per_class"], c["seed"])
+    judge = GB.judge_for(c["dataset"], tiny, out_dir)
+    baseline = c["run"] == "baseline"
+    n_batches = math.ceil(len(S["x"]) / BATCH)
+    overrides = {**({"lr": c["lr"]} if "lr" in c else {}), **(c.get("set") or {})}
+
+    def start() -> dict[str, Any]:
+        return G.start_run(
+            S,
+            c["run"],
+            c["epochs"] * n_batches,
+            seed=c["seed"],
+            batch_size=BATCH,
+            overrides=overrides or None,
+            fit_init="train",
+        )
+
+    ctx = start()
+    meta: dict[str, Any] = {"epoch": 0, "train_cpu_s": 0.0, "metrics": {}}
+    if os.path.exists(ckpt_path):
+        try:
+            extra = load_checkpoint(ckpt_path, **_state(ctx))
+            meta = {k: extra[k] for k in meta}
+        except CheckpointError as exc:
+            if exc.reason not in ("mismatch", "corrupt"):
+                raise
+            # written by other code (the library's state changed) or damaged: the cell starts over,
+            # so that no curve mixes two versions; the old files are kept beside, renamed
+            print(f"{GB.cell_name(c)}: starting over ({exc.reason}: {str(exc)[:200]})", flush=True)
+            for path in (ckpt_path, json_path):
+                if os.path.exists(path):
+                    os.replace(path, path + ".stale")
+            row = {**c, "name": GB.cell_name(c), "points": []}
+            ctx = start()
+    r = ctx["recipe"]
+    row.update(
+        n_train=len(S["y"]),
+        network=GB.NETWORKS.get(c["net"], c["net"]),
+        iterations=c["epochs"] * n_batches,
+        recipe_settings=str(r) if r is not None else "cross-entropy only",
+        buffer_slots=ctx["loss_fn"].buffer.capacity if ctx["loss_fn"] is not None else None,
+        lr_used=ctx["lr"],
+    )
+    evals = eval_epochs(c["epochs"], c.get("evals", EVALS))
+    done_points = {p["epoch"] for p in row["points"]}
+    made = 0
+
+    def add_point(epoch: int) -> None:
+        nonlocal made
+        point = {
+            "epoch": epoch,
+            "iteration": epoch * n_batches,
+            "train_cpu_s": meta["train_cpu_s"],
+            "metrics": meta["metrics"],
+            **evaluate_point(S, ctx, judge, baseline, tiny),
+        }
+        row["points"] = sorted([p for p in row["points"] if p["epoch"] != epoch] + [point], key=lambda p: p["epoch"])
+        write_json(json_path, row)
+        made += 1
+
+    if meta["epoch"] in evals and meta["epoch"] not in done_points:  # killed between checkpoint and JSON
+        add_point(meta["epoch"])
+    saved_at = time.perf_counter()
+    for epoch in range(meta["epoch"] + 1, c["epochs"] + 1):
+        if stop_after is not None and made >= stop_after:
+            return row
+        t = time.process_time()
+        perm = torch.randperm(len(S["x"]), generator=ctx["g"])
+        for idx in perm.split(BATCH):
+            metrics = G.train_step(ctx, S["x"][idx], S["y"][idx])
+        meta["train_cpu_s"] += time.process_time() - t
+        if epoch in evals or time.perf_counter() - saved_at >= checkpoint_every_s:
+            meta.update(epoch=epoch, metrics={k: round(float(v), 4) for k, v in metrics.items()})
+            save_checkpoint(ckpt_path, **_state(ctx), **meta)
+            saved_at = time.perf_counter()
+        if epoch in evals:
+            add_point(epoch)
+    row["done"] = True
+    write_json(json_path, row)
+    if os.path.exists(ckpt_path):
+        os.remove(ckpt_path)
+    return row
+
+
+def _run_cell_job(args: tuple) -> str:
+    c, out_dir = args
+    t = time.perf_counter()
+    name = GB.cell_name(c)
+    try:
+        row = run_cell(c, out_dir)
+        last = row["points"][-1] if row["points"] else {}
+        msg = f"acc {last.get('accuracy', float('nan')):.3f} at {last.get('iteration')}"
+    except Exception as exc:  # a diverged run is a result of the row, not the end of it
+        json_path, _ = _paths(out_dir, c)
+        row = GB._read_json(json_path) or {**c, "name": name, "points": []}
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        row["error"] = f"{type(exc).__name__}: {first}"
+        write_json(json_path, row)
+        msg = row["error"]
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: {msg}, {time.perf_counter() - t:.0f} s", flush=True)
+    return name
+
+
+def run(
+    cells: Sequence[dict[str, Any]],
+    out_dir: str,
+    workers: int = 2,
+    retry_failed: bool = False,
+    report_each: bool = True,
+) -> None:
+    """Run the cells not done under ``out_dir`` in order (``retry_failed``: also those that failed),
+    ``workers`` at a time; the summary and curves are rewritten as each cell finishes."""
+    todo = []
+    for c in cells:
+        row = GB._read_json(_paths(out_dir, c)[0], {})
+        if row.get("done") or ("error" in row and not retry_failed):
+            continue
+        todo.append(c)
+    t0 = time.perf_counter()
+    refs_path = os.path.join(out_dir, "datasets.json")
+    refs = GB._read_json(refs_path, {})
+    for name, tiny in sorted({(c["dataset"], bool(c.get("tiny"))) for c in cells}):
+        if name not in refs:  # the data and judges, once, before the workers fork
+            refs[name] = GB.references(name, tiny, out_dir)
+        else:
+            GB.dataset(name, tiny), GB.judge_for(name, tiny, out_dir)
+    write_json(refs_path, refs)
+    print(f"{len(cells) - len(todo)} of {len(cells)} cells done before; running {len(todo)}", flush=True)
+    jobs = [(c, out_dir) for c in todo]
+    if workers > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(workers) as ex:
+            pending = {ex.submit(_run_cell_job, j) for j in jobs}
+            while pending:
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    f.result()
+                if report_each:
+                    report(out_dir, readme=None, docs=None, planned=len(cells))
+    else:
+        for j in jobs:
+            _run_cell_job(j)
+            if report_each:
+                report(out_dir, readme=None, docs=None, planned=len(cells))
+    runs_path = os.path.join(out_dir, "runs.json")
+    write_json(
+        runs_path,
+        GB._read_json(runs_path, [])
+        + [{"machine": machine_info(), "workers": workers, "cells_run": len(todo), "wall_s": time.perf_counter() - t0}],
+    )
+
+
+# ---------------------------------------------------------------------------- time
+def probe_speed(networks: Sequence[str] = NETWORKS, iters: int = 6, out_dir: str = RESULTS) -> dict[str, Any]:
+    """CPU seconds per training iteration of each network and role (``iters`` iterations after one
+    not timed, batch 64, textures at the row's size) and per evaluation point (once, untrained)."""
+    torch.set_num_threads(1)
+    ds = GB.dataset("textures")
+    judge = GB.judge_for("textures", False, out_dir)
+    out: dict[str, Any] = {"iteration": {}, "evaluation": {}}
+    for net in networks:
+        for role in ROLES:
+            c = cell("textures", net, role, 0, 1)
+            S = GB.setting(ds, net, c["per_class"], 0)
+            overrides = {**({"lr": c["lr"]} if "lr" in c else {}), **(c.get("set") or {})}
+            ctx = G.start_run(S, c["run"], ITERATIONS, batch_size=BATCH, overrides=overrides or None, fit_init="train")
+            batches = torch.randperm(len(S["x"]), generator=ctx["g"]).split(BATCH)[: iters + 1]
+            G.train_step(ctx, S["x"][batches[0]], S["y"][batches[0]])
+            t = time.process_time()
+            for idx in batches[1:]:
+                G.train_step(ctx, S["x"][idx], S["y"][idx])
+            key = f"{net}/{role}"
+            out["iteration"][key] = (time.process_time() - t) / iters
+            if role != "generative":  # the default's evaluation costs what generative's does
+                ev = evaluate_point(S, ctx, judge, role == "baseline", False)
+                out["evaluation"][key] = ev["eval_cpu_s"]
+            print(
+                f"{key}: {out['iteration'][key]:.3f} CPU s per iteration"
+                + (f", {out['evaluation'][key]:.0f} per evaluation" if key in out["evaluation"] else ""),
+                flush=True,
+            )
+    out["machine"] = machine_info()
+    out["load_average"] = os.getloadavg()
+    return out
+
+
+def speed_from_matrix(cells_dir: str = os.path.join(GB.RESULTS, "full", "cells")) -> dict[str, Any]:
+    """:func:`probe_speed`'s figures from the generalisation matrix's textures cells at 150 per class
+    (the same loop, 288 iterations each, medians over seeds): CPU seconds per iteration, and per
+    evaluation (the cell's CPU seconds less its training's; the same evaluation as one point here)."""
+    out: dict[str, Any] = {"iteration": {}, "evaluation": {}, "source": os.path.relpath(cells_dir, HERE)}
+    rows = [GB._read_json(p) for p in glob.glob(os.path.join(cells_dir, "textures_150_*.json"))]
+    for net in NETWORKS:
+        for role in ROLES:
+            label = GB.run_label(cell("textures", net, role, 0, 1))
+            mine = [r for r in rows if r["net"] == net and GB.run_label(r) == label and "error" not in r]
+            if mine:
+                key = f"{net}/{role}"
+                out["iteration"][key] = statistics.median(r["train_cpu_s"] / r["iterations"] for r in mine)
+                out["evaluation"][key] = statistics.median(GB._cpu(r) - r["train_cpu_s"] for r in mine)
+    return out
+
+
+def projected_cpu_s(c: dict[str, Any], speed: dict[str, Any]) -> float | None:
+    """A cell's CPU seconds from the probe: its iterations at its network and role's speed, plus
+    its evaluation points (``generative``'s as ``default``'s)."""
+    key = f"{c['net']}/{c['role']}"
+    it = speed["iteration"].get(key)
+    ev = speed["evaluation"].get(key) or speed["evaluation"].get(key.replace("/generative", "/default"))
+    if it is None or ev is None:
+        return None
+    iterations = c["epochs"] * batches_per_epoch(c["dataset"], bool(c.get("tiny")))
+    return iterations * it + len(eval_epochs(c["epochs"], c.get("evals", EVALS))) * ev
+
+
+def plan_table(cells: Sequence[dict[str, Any]], speed: dict[str, Any] | None) -> str:
+    """The plan in order with each cell's projected CPU hours and the running total."""
+    rows, total = [], 0.0
+    for i, c in enumerate(cells, 1):
+        s = projected_cpu_s(c, speed) if speed else None
+        total += s or 0.0
+        rows.append(
+            [
+                str(i),
+                c["dataset"],
+                c["net"],
+                c["role"],
+                GB.run_label(c),
+                str(c["seed"]),
+                str(c["epochs"]),
+                "-" if s is None else f"{s / 3600:.2f}",
+                f"{total / 3600:.2f}",
+            ]
+        )
+    return md_table(["#", "data", "network", "role", "run", "seed", "epochs", "CPU h", "total CPU h"], rows)
+
+
+# ---------------------------------------------------------------------------- curves and targets
+def load_rows(out_dir: str) -> list[dict[str, Any]]:
+    rows = []
+    for path in sorted(glob.glob(os.path.join(out_dir, "cells", "*.json"))):
+        with open(path) as f:
+            rows.append(json.load(f))
+    return rows
+
+
+def _gaps(p: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
+    """One point against its baseline's at the same iteration."""
+    fd = p.get("buffer", {}).get("fd")
+    return {
+        "acc_gap": 100 * (p["accuracy"] - b["accuracy"]),
+        "auroc_gap": min(p["auroc"]["logpx"][s] - b["auroc"]["logpx"][s] for s in OOD_NAMES),
+        "fd_ratio": None if fd is None else fd / p["init_fd"],
+        "judge_acc": p.get("cond", {}).get("judge_acc"),
+        "judge_acc_init": p.get("cond", {}).get("judge_acc_init"),
+        "ece": p["ece"],
+        "ece_ts": p["ece_ts"],
+        "base_ece": b["ece"],
+        "base_ece_ts": b["ece_ts"],
+    }
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+def curves(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (data set, network, recipe): at each iteration evaluated for both the recipe and its
+    baseline (same data, network, seed), the gaps averaged over the seeds that have both."""
+    base = {(r["dataset"], r["net"], r["seed"]): r for r in rows if r["run"] == "baseline"}
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["run"] != "baseline":
+            groups.setdefault((r["dataset"], r["net"], GB.run_label(r), r.get("role", "")), []).append(r)
+    out = []
+    for (dataset, net, label, role), rs in groups.items():
+        per_iter: dict[int, list[dict[str, Any]]] = {}
+        seeds, cost = set(), []
+        for r in rs:
+            b = base.get((dataset, net, r["seed"]))
+            if b is None:
+                continue
+            b_points = {p["iteration"]: p for p in b["points"]}
+            for p in r["points"]:
+                if p["iteration"] in b_points:
+                    per_iter.setdefault(p["iteration"], []).append(_gaps(p, b_points[p["iteration"]]))
+                    seeds.add(r["seed"])
+            if r["points"] and b["points"]:
+                pr, pb = r["points"][-1], b["points"][-1]
+                cost.append((pr["train_cpu_s"] / pr["iteration"]) / max(pb["train_cpu_s"] / pb["iteration"], 1e-9))
+        points = [
+            {"iteration": it, "seeds": len(gs), **{k: _mean([g[k] for g in gs]) for k in gs[0]}}
+            for it, gs in sorted(per_iter.items())
+        ]
+        errors = [r["error"] for r in rs if "error" in r]
+        out.append(
+            dict(
+                dataset=dataset,
+                net=net,
+                run=label,
+                role=role,
+                seeds=sorted(seeds),
+                points=points,
+                iterations=max((r.get("iterations", 0) for r in rs), default=0),
+                done=all(r.get("done") for r in rs),
+                cost=_mean(cost),
+                errors=errors,
+            )
+        )
+    order = {n: i for i, n in enumerate(NETWORKS)}
+    roles = {n: i for i, n in enumerate(ROLES)}
+    out.sort(key=lambda e: (DATASETS.index(e["dataset"]), order.get(e["net"], 99), roles.get(e["role"], 99)))
+    return out
+
+
+TARGETS = {
+    "accuracy": lambda p: p["acc_gap"] >= -1.0,
+    "auroc": lambda p: p["auroc_gap"] >= 0.0,
+    "fd": lambda p: p["fd_ratio"] is not None and p["fd_ratio"] <= 0.5,
+}
+
+
+def first_met(points: Sequence[dict[str, Any]], target: str) -> str:
+    """The first evaluated iteration at which ``target`` is met ("+ not at N" when the last point
+    N misses it again), else "not yet (at N)"."""
+    if not points:
+        return "-"
+    ok = (
+        [p for p in points if TARGETS[target](p)]
+        if target != "all"
+        else [p for p in points if all(t(p) for t in TARGETS.values())]
+    )
+    last = points[-1]
+    if not ok:
+        return f"not yet (at {last['iteration']})"
+    lost = ok[-1] is not last
+    return f"{ok[0]['iteration']}" + (f", not at {last['iteration']}" if lost else "")
+
+
+def targets_table(entries: Sequence[dict[str, Any]]) -> str:
+    header = [
+        "data",
+        "network",
+        "recipe",
+        "seeds",
+        "evaluated to (of)",
+        "acc within 1 pt",
+        "log p(x) AUROC >= baseline energy",
+        "buffer FD <= half init",
+        "all three",
+        "last: acc gap (pt)",
+        "AUROC gap (min)",
+        "FD / init",
+        "ECE / after T (baseline)",
+        "judge acc (init)",
+        "cost x",
+    ]
+    rows = []
+    for e in entries:
+        pts = e["points"]
+        last = pts[-1] if pts else None
+        recipe = f"**{e['run']}**" if e["role"] == "default" else e["run"]
+        seeds = ",".join(map(str, e["seeds"])) or "-"
+        if e["errors"]:
+            seeds += f" (failed: {e['errors'][0][:60]})"
+        of = f"{last['iteration']} ({e['iterations']})" if last else f"- ({e['iterations']})"
+        cells = [e["dataset"], e["net"], recipe, seeds, of]
+        cells += [first_met(pts, t) for t in ("accuracy", "auroc", "fd", "all")]
+        if last:
+            cells += [
+                f"{last['acc_gap']:+.1f}",
+                f"{last['auroc_gap']:+.3f}",
+                GB._f(last["fd_ratio"], "{:.2f}"),
+                f"{last['ece']:.3f} / {last['ece_ts']:.3f} ({last['base_ece']:.3f} / {last['base_ece_ts']:.3f})",
+                f"{GB._f(last['judge_acc'], '{:.2f}')} ({GB._f(last['judge_acc_init'], '{:.2f}')})",
+                GB._f(e["cost"], "{:.1f}"),
+            ]
+        else:
+            cells += ["-"] * 6
+        rows.append(cells)
+    return md_table(header, rows)
+
+
+def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) -> str:
+    """The curves of one data set: accuracy gap, AUROC gap, FD ratio and the judge on class samples
+    against iterations, a colour per network, a line style per recipe; targets dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    mine = [e for e in entries if e["dataset"] == dataset and e["points"]]
+    if not mine:  # a figure all the same, so that the docs can always show it
+        fig = Figure(figsize=(11, 2))
+        fig.text(0.5, 0.5, f"{dataset}: no point of the long row evaluated yet", ha="center", va="center")
+        fig.savefig(path, dpi=110)
+        return path
+    nets = [n for n in NETWORKS if any(e["net"] == n for e in mine)]
+    colours = dict(zip(NETWORKS, ("tab:blue", "tab:orange", "tab:green", "tab:purple")))
+    styles = {"default": "-", "generative": "--"}
+    panels = [
+        ("acc_gap", "test accuracy - baseline's (points)", -1.0, "within 1 point"),
+        ("auroc_gap", "log p(x) AUROC - baseline energy's\n(worst of the 4 OOD sets)", 0.0, ">= baseline on all"),
+        ("fd_ratio", "buffer Fréchet distance / its init's", 0.5, "half the init's"),
+        ("judge_acc", "judge accuracy on class samples", None, None),
+    ]
+    fig = Figure(figsize=(11, 7.6))
+    axes = fig.subplots(2, 2, sharex=True).ravel()
+    for ax, (key, label, target, tlabel) in zip(axes, panels):
+        for e in mine:
+            xs = [p["iteration"] for p in e["points"] if p[key] is not None]
+            ys = [p[key] for p in e["points"] if p[key] is not None]
+            if xs:
+                ax.plot(xs, ys, styles.get(e["role"], ":"), color=colours.get(e["net"], "k"), marker="o", ms=3, lw=1.5)
+        if key == "acc_gap":
+            lo = min((p[key] for e in mine for p in e["points"]), default=-5)
+            ax.set_ylim(max(lo - 1, -40), None)
+        if target is not None:  # always in view, whatever the points' range
+            lo, hi = ax.get_ylim()
+            pad = 0.1 * max(hi - lo, abs(target) * 0.2, 0.02)
+            ax.set_ylim(min(lo, target - pad), max(hi, target + pad))
+            ax.axhline(target, color="0.3", ls=":", lw=1)
+            ax.annotate(
+                f"target: {tlabel}",
+                (0.01, target),
+                xycoords=("axes fraction", "data"),
+                fontsize=7,
+                color="0.3",
+                va="bottom",
+            )
+        if key == "judge_acc":
+            init = _mean([p["judge_acc_init"] for e in mine for p in e["points"]])
+            if init is not None:
+                ax.axhline(init, color="0.6", ls="-.", lw=1)
+                ax.annotate(
+                    "the init's draws", (0.01, init), xycoords=("axes fraction", "data"), fontsize=7, color="0.4"
+                )
+        ax.set_xlim(0, 1.02 * max(e["iterations"] for e in mine))  # the whole run: how far it has got
+        ax.set_ylabel(label, fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in axes[2:]:
+        ax.set_xlabel("training iterations (batch 64)", fontsize=9)
+    handles = [Line2D([], [], color=colours[n], lw=2, label=f"{n} ({GB.NORMS.get(n, '?')})") for n in nets]
+    roles = sorted({e["role"] for e in mine}, key=lambda r: ROLES.index(r) if r in ROLES else 9)
+    handles += [
+        Line2D([], [], color="k", ls=styles.get(r, ":"), label=("jem train's choice" if r == "default" else r))
+        for r in roles
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    seeds = sorted({s for e in mine for s in e["seeds"]})
+    choices = sorted({e["run"] for e in mine if e["role"] == "default"})
+    role_note = f"solid: jem train's choice, {' or '.join(choices)}" if choices else "no choice cell yet"
+    fig.suptitle(
+        f"{dataset} ({'tuned on' if dataset == 'digits32' else 'judged on'}), ~150 per class: each recipe against the "
+        f"cross-entropy baseline at the same iteration\n(mean over seeds {','.join(map(str, seeds))} where both ran; "
+        f"{role_note})",
+        fontsize=9,
+    )
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def to_markdown(
+    entries: Sequence[dict[str, Any]],
+    refs: dict[str, Any],
+    n_cells: int,
+    n_done: int,
+    cpu_h: float,
+    planned: int | None = None,
+) -> str:
+    of = f" of the plan's {planned}" if planned else ""
+    lines = [
+        f"{n_cells} cells started{of}, {n_done} finished "
+        f"({cpu_h:.1f} CPU hours so far; "
+        f"`benchmarks/results/long_row/cells`). Per cell, the first evaluated iteration at which each target "
+        "holds on the mean over its seeds, judged against the baseline of the same data, network and seed at "
+        'the same iteration ("not yet (at N)": not met up to iteration N, the last evaluated; ", not at N": '
+        "met earlier and missed at the last point); then the last point's values. **Bold**: `jem train`'s "
+        "choice. Cost: CPU seconds per iteration against the baseline's.",
+        "",
+    ]
+    for name, ref in refs.items():
+        lines.append(
+            f"- `{name}`: judge test accuracy {ref['judge_test_accuracy']:.3f}; judge FD of test halves "
+            f"(held-out floor) {ref['fd_heldout_floor']:.1f}, training pool {ref['fd_train']:.1f}, uniform noise "
+            f"{ref['fd_uniform']:.1f}"
+        )
+    lines += ["", targets_table(entries) if entries else "(no recipe cell evaluated beside its baseline yet)"]
+    return "\n".join(lines) + "\n"
+
+
+def report(
+    out_dir: str = RESULTS, readme: str | None = GB.README, docs: str | None = DOCS_IMG, planned: int | None = None
+) -> str:
+    """Curves (``OUT/long-row-<data>.png``, copied to ``docs``), ``OUT/summary.md`` and
+    ``summary.json``, and the table in ``readme``; from whatever cells exist (``planned``: how many
+    the plan has, for the first line)."""
+    rows = load_rows(out_dir)
+    entries = curves(rows)
+    refs = GB._read_json(os.path.join(out_dir, "datasets.json"), {})
+    cpu_h = sum(
+        (r["points"][-1]["train_cpu_s"] + sum(p["eval_cpu_s"] for p in r["points"])) for r in rows if r["points"]
+    )
+    md = to_markdown(entries, refs, len(rows), sum(bool(r.get("done")) for r in rows), cpu_h / 3600, planned)
+    for d in DATASETS:
+        png = curves_figure(entries, d, os.path.join(out_dir, f"long-row-{d}.png"))
+        if png and docs:
+            os.makedirs(docs, exist_ok=True)
+            shutil.copy(png, os.path.join(docs, os.path.basename(png)))
+    write_json(os.path.join(out_dir, "summary.json"), {"entries": entries, "references": refs})
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(md)
+    if readme:
+        GB.write_readme(md, readme, START, END, HEADING)
+    return md
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--datasets", nargs="*", default=list(DATASETS), choices=list(DATASETS))
+    p.add_argument("--networks", nargs="*", default=list(NETWORKS), choices=list(NETWORKS))
+    p.add_argument("--iterations", type=int, default=ITERATIONS, help="at least this many per cell")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--retry-failed", action="store_true")
+    p.add_argument("--probe", action="store_true", help="time each (network, run) and stop (OUT/speed.json)")
+    p.add_argument("--plan", action="store_true", help="print the plan with its projected CPU time and stop")
+    p.add_argument("--report", action="store_true", help="no training: curves, table, README section and docs figure")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    out_dir = os.path.abspath(a.out)
+    os.makedirs(out_dir, exist_ok=True)
+    if a.probe:
+        write_json(os.path.join(out_dir, "speed.json"), probe_speed(a.networks, out_dir=out_dir))
+        return
+    cells = plan(a.datasets, a.networks, a.iterations)
+    if a.plan:
+        print(plan_table(cells, GB._read_json(os.path.join(out_dir, "speed.json")) or speed_from_matrix()))
+        return
+    if a.report:
+        print(report(out_dir, planned=len(cells)))
+        return
+    run(cells, out_dir, workers=a.workers, retry_failed=a.retry_failed)
+    print(report(out_dir, readme=None, docs=None))
+
+
+if __name__ == "__main__":
+    main()
