@@ -110,6 +110,24 @@ class _Sample:
         return torch.cat(self.rows) if self.rows else torch.empty(0)
 
 
+class _RunningMean:
+    """The mean of the rows streamed through :meth:`add`, summed in float64 (fdbd, nci and dice
+    read the mean training features)."""
+
+    def __init__(self) -> None:
+        self._sum: Tensor | None = None
+        self._n = 0
+
+    def add(self, rows: Tensor) -> None:
+        s = rows.double().sum(dim=0)
+        self._sum = s if self._sum is None else self._sum + s
+        self._n += rows.shape[0]
+
+    def mean(self) -> Tensor:
+        assert self._sum is not None
+        return (self._sum / self._n).float()
+
+
 def _input_step(core: Any, x: Tensor, g: Tensor, eps: float) -> Tensor:
     """``x - eps * sign(g) * (high - low)``: ODIN's input step against the gradient ``g`` of a loss,
     ``eps`` in units of the ``[0, 1]`` pixel range (``eps / std`` for normalised images, as the

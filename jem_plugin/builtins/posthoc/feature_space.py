@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..._checks import user_stacklevel
 from ...errors import NoFeaturesError
-from ._base import _ClassConditional, _FittedDetector, _head, _Sample
+from ._base import _ClassConditional, _FittedDetector, _head, _RunningMean, _Sample
 
 
 def _linear_head(jm: Any, what: str) -> tuple[Tensor, Tensor]:
@@ -171,18 +171,14 @@ class FDBD(_FittedDetector):
         w, _ = _linear_head(jm, self.name)
         gaps = (w.float().unsqueeze(1) - w.float().unsqueeze(0)).norm(dim=2)
         self._gaps = gaps.fill_diagonal_(1.0)  # the predicted class's own term is 0 / 1
-        self._sum: Tensor | None = None
-        self._n = 0
+        self._running = _RunningMean()
 
     def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
-        s = feats.double().sum(dim=0)
-        self._sum = s if self._sum is None else self._sum + s
-        self._n += feats.shape[0]
+        self._running.add(feats)
 
     def _finish(self, jm: Any) -> None:
-        assert self._sum is not None
-        self.train_mean = (self._sum / self._n).float()
-        del self._sum
+        self.train_mean = self._running.mean()
+        del self._running
 
     def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
         top, pred = logits.max(dim=1)
@@ -219,18 +215,14 @@ class NCI(_FittedDetector):
 
     def _begin(self, jm: Any) -> None:
         self._weight = _linear_head(jm, self.name)[0].float()
-        self._sum: Tensor | None = None
-        self._n = 0
+        self._running = _RunningMean()
 
     def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
-        s = feats.double().sum(dim=0)
-        self._sum = s if self._sum is None else self._sum + s
-        self._n += feats.shape[0]
+        self._running.add(feats)
 
     def _finish(self, jm: Any) -> None:
-        assert self._sum is not None
-        self.train_mean = (self._sum / self._n).float()
-        del self._sum
+        self.train_mean = self._running.mean()
+        del self._running
 
     def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
         centred = feats - self.train_mean.to(feats.device)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import _FittedDetector
+from ._base import _FittedDetector, _RunningMean
 from .feature_space import _linear_head
 from .shaping import _check_percentile
 
@@ -50,19 +50,15 @@ class DICE(_FittedDetector):
     def _begin(self, jm: Any) -> None:
         w, b = _linear_head(jm, self.name)
         self._weight, self._bias = w.float(), b.float()
-        self._sum: Tensor | None = None
-        self._n = 0
+        self._running = _RunningMean()
 
     def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
-        s = feats.double().sum(dim=0)
-        self._sum = s if self._sum is None else self._sum + s
-        self._n += feats.shape[0]
+        self._running.add(feats)
 
     def _finish(self, jm: Any) -> None:
-        assert self._sum is not None
-        self.mean_activation = (self._sum / self._n).float().to(self._weight.device)
+        self.mean_activation = self._running.mean().to(self._weight.device)
         self._masked: tuple[float, Tensor] | None = None
-        del self._sum
+        del self._running
 
     @property
     def masked_weight(self) -> Tensor:
