@@ -398,6 +398,23 @@ def _accuracy(model, x: torch.Tensor, y: torch.Tensor) -> float:
         return float((model(x).argmax(1) == y).float().mean())
 
 
+def evaluate_cell(S: dict[str, Any], res: dict[str, Any], judge: Any, tiny: bool, baseline: bool) -> dict[str, Any]:
+    """``bench_generative.evaluate_run`` with the matrix's settings (log p(x) on the OOD sets, the
+    judge on class-conditional samples from an init drawn like the buffer's; none for the
+    baseline, which has no target there); the long row evaluates its points with it too."""
+    return G.evaluate_run(
+        S,
+        res,
+        judge,
+        False,
+        ood_methods=("logpx",),
+        trace_rounds=(),
+        cond_steps=2 if tiny else COND_STEPS,
+        cond_per_class=0 if baseline else (1 if tiny else COND_PER_CLASS),
+        init_like_buffer=True,
+    )
+
+
 def keep_better_bn_statistics(S: dict[str, Any], res: dict[str, Any]) -> dict[str, Any] | None:
     """For a recipe with ``bn_stats_from_data`` on a BatchNorm network: recompute the running
     statistics from the clean training set, keep them only when the validation accuracy is not
@@ -440,17 +457,7 @@ def run_cell(c: dict[str, Any], out_dir: str, grids: bool = False) -> dict[str, 
         stage = "evaluation"
         row["bn_selection"] = keep_better_bn_statistics(S, res)
         t1 = time.perf_counter()
-        ev = G.evaluate_run(
-            S,
-            res,
-            judge,
-            False,
-            ood_methods=("logpx",),
-            trace_rounds=(),
-            cond_steps=2 if tiny else COND_STEPS,
-            cond_per_class=0 if baseline else (1 if tiny else COND_PER_CLASS),  # the baseline's: no target
-            init_like_buffer=True,
-        )
+        ev = evaluate_cell(S, res, judge, tiny, baseline)
     except Exception as exc:  # a diverged run is a result of the matrix, not the end of it
         msg = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         row.update(error=f"{stage}: {type(exc).__name__}: {msg}", wall_s=time.perf_counter() - t0)

@@ -225,17 +225,7 @@ def evaluate_point(S: dict[str, Any], ctx: dict[str, Any], judge, baseline: bool
     res = {"model": model, "jm": jem.wrap(model, **S["wrap_kw"]), "loss_fn": ctx["loss_fn"], "recipe": ctx["recipe"]}
     try:
         selection = GB.keep_better_bn_statistics(S, res)
-        ev = G.evaluate_run(
-            S,
-            res,
-            judge,
-            False,
-            ood_methods=("logpx",),
-            trace_rounds=(),
-            cond_steps=2 if tiny else GB.COND_STEPS,
-            cond_per_class=0 if baseline else (1 if tiny else GB.COND_PER_CLASS),  # the baseline's: no target
-            init_like_buffer=True,
-        )
+        ev = GB.evaluate_cell(S, res, judge, tiny, baseline)
     finally:
         set_rng_state(rng)
         ctx["g"].set_state(g_state)
