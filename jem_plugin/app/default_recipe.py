@@ -5,11 +5,15 @@ does not."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
 
 from torch import nn
 
-from ..recipes import get_recipe
+from ..recipes import RECIPES, get_recipe
 
 __all__ = [
     "DEFAULT_RECIPE",
@@ -23,7 +27,10 @@ __all__ = [
     "default_choice_for",
     "default_recipe_for",
     "default_settings_for",
+    "generative_half",
     "lr_raised",
+    "network_kind",
+    "LONG_ROW_TARGETS",
 ]
 
 # jem train's default recipe. On its own it lost accuracy against a cross-entropy baseline almost
@@ -128,12 +135,19 @@ def _is_normalisation(module: nn.Module) -> bool:
     return isinstance(module, _NORM_TYPES) or type(module).__name__.lower().endswith(("norm", "norm1d", "norm2d"))
 
 
-def default_choice_for(model: nn.Module, per_class: int | None, lr: float | None = None) -> DefaultChoice:
-    """:func:`default_choice` for ``model`` (a classifier or its JEM): whether it has BatchNorm
-    and any normalisation layer is read from its modules, as ``jem train`` reads them."""
+def network_kind(model: nn.Module) -> tuple[bool, bool]:
+    """``(batchnorm, normalised)``: whether ``model`` has a BatchNorm layer, and any normalisation
+    layer (BatchNorm is one), read from its modules as ``jem train`` reads them."""
     modules = list(model.modules())
     batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in modules)
-    return default_choice(per_class, batchnorm, lr=lr, normalised=any(_is_normalisation(m) for m in modules))
+    return batchnorm, any(_is_normalisation(m) for m in modules)
+
+
+def default_choice_for(model: nn.Module, per_class: int | None, lr: float | None = None) -> DefaultChoice:
+    """:func:`default_choice` for ``model`` (a classifier or its JEM), its kind read by
+    :func:`network_kind`."""
+    batchnorm, normalised = network_kind(model)
+    return default_choice(per_class, batchnorm, lr=lr, normalised=normalised)
 
 
 def default_recipe_for(per_class: int | None, batchnorm: bool, lr: float | None = None) -> str:
@@ -151,3 +165,98 @@ def default_settings_for(
 def lr_raised(lr: float, recipe: str) -> bool:
     """Whether ``lr`` is more than :data:`RAISED_LR_FACTOR` times the registered ``recipe``'s."""
     return lr > RAISED_LR_FACTOR * get_recipe(recipe).optim.lr
+
+
+# ---------------------------------------------------------------------------- the long row's evidence
+#: The long row's targets table (benchmarks/bench_long_row.py writes it with its report): per cell,
+#: the first evaluated iteration at which each target held. jem train reads it to say when the
+#: generative half starts paying, and to switch to a recipe that met every target on data it was not
+#: tuned on, once the user's run is at least that long.
+LONG_ROW_TARGETS = Path(__file__).with_name("long_row_targets.json")
+_TARGETS_PHRASE = (
+    "accuracy within a point of cross-entropy, log p(x) AUROC at least the baseline energy's on every OOD set, "
+    "buffer FD at most half its init's"
+)
+
+
+@cache
+def _long_row(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # a build without the table says nothing rather than fail a run
+        return {}
+
+
+def _kind(batchnorm: bool, normalised: bool) -> str:
+    """The long row's network kinds: "BN" (BatchNorm anywhere), "other" (another normalisation), "none"."""
+    return "BN" if batchnorm else ("other" if normalised else "none")
+
+
+def _registered(cell: dict[str, Any]) -> bool:
+    return cell.get("recipe") in RECIPES
+
+
+def generative_half(
+    choice: DefaultChoice,
+    iterations: int,
+    batchnorm: bool,
+    normalised: bool = True,
+    table: dict[str, Any] | None = None,
+) -> tuple[DefaultChoice, str | None]:
+    """What the long row says about the generative half of a run of ``iterations`` iterations with
+    ``choice`` on a network of this kind (``batchnorm``, ``normalised`` as :func:`default_choice`
+    takes them): ``(the choice, one line)``.
+
+    Only cells of the data the recipes were not tuned on (``table["judged_on"]``) and of the same
+    kind of network count. Where a registered recipe met all three targets there after N iterations
+    (and still met them at its last evaluation), and this run has at least N, that recipe is the
+    choice; where the run is shorter, the line says how many iterations the generative half needs.
+    Where no recipe met them, the line says how far the measurements go and what to expect.
+    ``table``: the targets table (default: :data:`LONG_ROW_TARGETS`); the line is None without one.
+
+    >>> table = {"judged_on": ["textures"], "cells": [dict(dataset="textures", net="resnet10t", kind="BN",
+    ...     recipe="fast", settings={}, run="fast", evaluated_to=3000, first={"all": 1200}, met_at_last=True)]}
+    >>> choice, line = generative_half(default_choice(500, True), 5000, True, table=table)
+    >>> choice.recipe
+    'fast'
+    """
+    table = _long_row(LONG_ROW_TARGETS) if table is None else table
+    kind = _kind(batchnorm, normalised)
+    cells = [
+        c for c in table.get("cells", []) if c.get("dataset") in table.get("judged_on", ()) and c.get("kind") == kind
+    ]
+    if not cells:
+        return choice, None
+    where = f"on {cells[0]['dataset']} at ~150 images per class"
+    ready = sorted(
+        (c for c in cells if _registered(c) and c["first"].get("all") is not None and c.get("met_at_last")),
+        key=lambda c: c["first"]["all"],
+    )
+    if ready:
+        best = ready[0]
+        n = int(best["first"]["all"])
+        if iterations >= n:
+            same = best["recipe"] == choice.recipe and dict(best.get("settings") or {}) == choice.settings
+            if not same:
+                choice = DefaultChoice(
+                    best["recipe"],
+                    dict(best.get("settings") or {}),
+                    f"a run of {iterations} iterations, past the {n} after which {best['run']} met every target "
+                    f"of the long row {where} with {best['net']}",
+                )
+            return choice, (
+                f"the generative half: on the long row (benchmarks/README.md) {best['run']} met all three targets "
+                f"({_TARGETS_PHRASE}) after {n} iterations {where} with {best['net']}; this run has {iterations}"
+            )
+        return choice, (
+            f"log p(x) and samples need about {n} iterations at this size ({best['run']} with {best['net']} {where}, "
+            f"the long row in benchmarks/README.md); this run has {iterations}: until then, expect a classifier "
+            "with a weak energy term"
+        )
+    measured = max(int(c.get("evaluated_to") or 0) for c in cells)
+    nets = ", ".join(sorted({c["net"] for c in cells}))
+    return choice, (
+        f"the generative half: on the long row (benchmarks/README.md) no recipe met all three targets "
+        f"({_TARGETS_PHRASE}) within the {measured} iterations measured {where} on {nets}; this run has "
+        f"{iterations}: expect a classifier with a weak energy term, and samples near their init"
+    )
