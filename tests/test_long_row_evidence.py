@@ -89,9 +89,9 @@ def test_the_shipped_table_is_the_long_rows_report_of_the_committed_cells():
 
 
 def test_jem_train_prints_what_the_long_row_says_for_its_run(tmp_path, capsys, monkeypatch):
+    from benchmarks.folders import write_digits_folder
     from jem_plugin.app import default_recipe
     from jem_plugin.app.cli import main
-    from benchmarks.folders import write_digits_folder
 
     table = tmp_path / "targets.json"
     table.write_text(json.dumps(_table(_cell(kind="none", all_at=10**6))))
