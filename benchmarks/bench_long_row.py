@@ -106,7 +106,11 @@ RESULTS = os.path.join(HERE, "results", "long_row")
 DOCS_IMG = os.path.join(os.path.dirname(HERE), "docs", "img")
 DATASETS = ("textures", "digits32")  # judged on first
 NETWORKS = ("resnet10t", "convnext_atto", "wrn10-1", "lcnet_050")
-ROLES = ("baseline", "default", "generative")
+ROLES = ("baseline", "default", "generative", "dat")
+#: GPU-only networks (issue 45 item 5), not in the CPU plan; resnet18 at the recipes' 3e-4 as resnet10t
+#: (BatchNorm, the matrix trains it at 3e-4 too), so no ``lr`` entry
+GPU_NETWORKS = ("resnet18",)
+GPU_ITERATIONS = 10000
 SIZE = "150"
 ITERATIONS = 3000
 EVALS = 10
@@ -148,11 +152,13 @@ def cell(dataset: str, net: str, role: str, seed: int, epochs: int, tiny: bool =
     """One cell: the matrix's keys (so :func:`bench_generalisation.cell_name` names it) and its role."""
     per_class = GB.per_class_for(dataset, SIZE, tiny)
     c: dict[str, Any] = dict(dataset=dataset, per_class=per_class, net=net, run="baseline", seed=seed, epochs=epochs)
-    if role == "default":
+    if role in ("default", "dat"):
         run, settings = jem_train_choice(per_class, net)
         c["run"] = run
         if settings:
             c["set"] = dict(settings)
+        if role == "dat":  # DAT's PGD negatives in place of the choice's SGLD (bench_generative.start_run)
+            c["negatives"] = "dat"
     elif role == "generative":
         c["run"] = "generative"
     if net in GB.NETWORK_LR:
@@ -203,6 +209,28 @@ def plan(
     return list(cells.values())
 
 
+def gpu_plan(
+    done_dir: str | None = os.path.join(RESULTS, "cells"),
+    iterations: int = ITERATIONS,
+    gpu_iterations: int = GPU_ITERATIONS,
+    tiny: bool = False,
+) -> list[dict[str, Any]]:
+    """The GPU's order: resnet18 on textures, baseline and ``jem train``'s choice, ``gpu_iterations``
+    (issue 45 item 5); ``dat`` on textures/resnet10t and digits32/resnet10t, seed 0 (item 4); then
+    every cell of :func:`plan` not done in ``done_dir`` (the CPU's results), in plan order."""
+    cells = [
+        cell("textures", n, r, 0, epochs_for("textures", gpu_iterations, tiny), tiny)
+        for n in GPU_NETWORKS
+        for r in ("baseline", "default")
+    ]
+    cells += [cell(d, NETWORKS[0], "dat", 0, epochs_for(d, iterations, tiny), tiny) for d in DATASETS]
+    for c in plan(iterations=iterations, tiny=tiny):
+        row = GB._read_json(os.path.join(done_dir, GB.cell_name(c) + ".json"), {}) if done_dir else {}
+        if not row.get("done"):
+            cells.append(c)
+    return cells
+
+
 # ---------------------------------------------------------------------------- one cell
 def _paths(out_dir: str, c: dict[str, Any]) -> tuple[str, str]:
     name = GB.cell_name(c)
@@ -219,13 +247,45 @@ def _state(ctx: dict[str, Any]) -> dict[str, Any]:
     return objs
 
 
+def _sync(device: str | torch.device | None) -> None:
+    """Wait for the device's queued work, so that wall seconds measure it."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cpu_copy_of_loss(loss_fn: jem.JEMLoss, seed: int) -> jem.JEMLoss:
+    """A copy of ``loss_fn`` (buffer, init, sampler, terms) on the CPU, for the CPU evaluation of a
+    run trained on another device: its generators (the loss's and the sampler's, which live on the
+    training device) are replaced by CPU generators seeded with ``seed``; the run's are untouched."""
+    owners = [o for o in (loss_fn, loss_fn.sampler) if getattr(o, "generator", None) is not None]
+    held = [o.generator for o in owners]
+    for o in owners:  # not copied: a device generator, and the copy draws on the CPU anyway
+        o.generator = None
+    try:
+        out = copy.deepcopy(loss_fn)
+    finally:
+        for o, gen in zip(owners, held):
+            o.generator = gen
+    out.to("cpu")
+    for o in (out, out.sampler):
+        if hasattr(o, "generator"):
+            o.generator = torch.Generator().manual_seed(seed)
+    return out
+
+
 def evaluate_point(S: dict[str, Any], ctx: dict[str, Any], judge, baseline: bool, tiny: bool) -> dict[str, Any]:
     """The matrix's evaluation of the run as it stands, on a copy of its model (a recipe with
     ``bn_stats_from_data`` recomputes the copy's BatchNorm statistics, kept only when the
-    validation accuracy is not worse); the run's and the global random states are left as they were."""
+    validation accuracy is not worse); the run's and the global random states are left as they were.
+    A run trained on a device (``ctx["device"]``) is evaluated on the CPU, as the others are: on
+    copies of its model and loss moved there (:func:`cpu_copy_of_loss`)."""
     rng, g_state, c0 = get_rng_state(), ctx["g"].get_state(), time.process_time()
     model = copy.deepcopy(ctx["model"]).eval()
-    res = {"model": model, "jm": jem.wrap(model, **S["wrap_kw"]), "loss_fn": ctx["loss_fn"], "recipe": ctx["recipe"]}
+    loss_fn = ctx["loss_fn"]
+    if ctx.get("device") is not None:
+        model.to("cpu")
+        loss_fn = None if loss_fn is None else cpu_copy_of_loss(loss_fn, ctx["seed"])
+    res = {"model": model, "jm": jem.wrap(model, **S["wrap_kw"]), "loss_fn": loss_fn, "recipe": ctx["recipe"]}
     try:
         selection = GB.keep_better_bn_statistics(S, res)
         ev = GB.evaluate_cell(S, res, judge, tiny, baseline)
@@ -240,14 +300,27 @@ def evaluate_point(S: dict[str, Any], ctx: dict[str, Any], judge, baseline: bool
 
 
 def run_cell(
-    c: dict[str, Any], out_dir: str, stop_after: int | None = None, checkpoint_every_s: float = CHECKPOINT_EVERY_S
+    c: dict[str, Any],
+    out_dir: str,
+    stop_after: int | None = None,
+    checkpoint_every_s: float = CHECKPOINT_EVERY_S,
+    device: str | None = None,
+    deadline: float | None = None,
+    threads: int = 1,
 ) -> dict[str, Any]:
     """Train one cell to its last epoch, evaluating and checkpointing at :func:`eval_epochs`,
     resuming from its checkpoint; ``stop_after``: return after that many evaluation points of this
     call (a kill, for tests). The cell's JSON is rewritten after every point. Between points the
     state is also checkpointed at the end of the first epoch ``checkpoint_every_s`` seconds (wall)
-    after the last checkpoint: a session that ends mid-cell loses at most that much."""
-    torch.set_num_threads(1)
+    after the last checkpoint: a session that ends mid-cell loses at most that much.
+
+    ``device``: where the model and loss train (``None``: the CPU, bit for bit as before; the points
+    are evaluated on the CPU either way, :func:`evaluate_point`); the row records it, and each point
+    its training wall seconds (``train_wall_s``, the device synchronised) beside the CPU seconds.
+    ``deadline`` (``time.time()``): the cell stops at its first evaluation point after it, its JSON
+    saying ``"stopped": "deadline"`` (not done; a later call resumes it from its checkpoint).
+    ``threads``: ``torch.set_num_threads``."""
+    torch.set_num_threads(threads)
     tiny = bool(c.get("tiny"))
     json_path, ckpt_path = _paths(out_dir, c)
     row = GB._read_json(json_path) or {**c, "name": GB.cell_name(c), "points": []}
@@ -270,14 +343,16 @@ def run_cell(
             batch_size=BATCH,
             overrides=overrides or None,
             fit_init="train",
+            device=device,
+            negatives=c.get("negatives"),
         )
 
     ctx = start()
-    meta: dict[str, Any] = {"epoch": 0, "train_cpu_s": 0.0, "metrics": {}}
+    meta: dict[str, Any] = {"epoch": 0, "train_cpu_s": 0.0, "metrics": {}, "train_wall_s": 0.0}
     if os.path.exists(ckpt_path):
         try:
             extra = load_checkpoint(ckpt_path, **_state(ctx))
-            meta = {k: extra[k] for k in meta}
+            meta = {k: extra.get(k, v) for k, v in meta.items()}  # train_wall_s: not in older checkpoints
         except CheckpointError as exc:
             if exc.reason not in ("mismatch", "corrupt"):
                 raise
@@ -297,7 +372,9 @@ def run_cell(
         recipe_settings=str(r) if r is not None else "cross-entropy only",
         buffer_slots=ctx["loss_fn"].buffer.capacity if ctx["loss_fn"] is not None else None,
         lr_used=ctx["lr"],
+        device=str(device or "cpu"),
     )
+    row.pop("stopped", None)
     evals = eval_epochs(c["epochs"], c.get("evals", EVALS))
     done_points = {p["epoch"] for p in row["points"]}
     made = 0
@@ -308,6 +385,7 @@ def run_cell(
             "epoch": epoch,
             "iteration": epoch * n_batches,
             "train_cpu_s": meta["train_cpu_s"],
+            "train_wall_s": meta["train_wall_s"],
             "metrics": meta["metrics"],
             **evaluate_point(S, ctx, judge, baseline, tiny),
         }
@@ -321,17 +399,23 @@ def run_cell(
     for epoch in range(meta["epoch"] + 1, c["epochs"] + 1):
         if stop_after is not None and made >= stop_after:
             return row
-        t = time.process_time()
+        t, t_wall = time.process_time(), time.perf_counter()
         perm = torch.randperm(len(S["x"]), generator=ctx["g"])
         for idx in perm.split(BATCH):
             metrics = G.train_step(ctx, S["x"][idx], S["y"][idx])
+        _sync(device)
         meta["train_cpu_s"] += time.process_time() - t
+        meta["train_wall_s"] += time.perf_counter() - t_wall
         if epoch in evals or time.perf_counter() - saved_at >= checkpoint_every_s:
             meta.update(epoch=epoch, metrics={k: round(float(v), 4) for k, v in metrics.items()})
             save_checkpoint(ckpt_path, **_state(ctx), **meta)
             saved_at = time.perf_counter()
         if epoch in evals:
             add_point(epoch)
+            if deadline is not None and time.time() >= deadline and epoch < c["epochs"]:
+                row["stopped"] = "deadline"
+                write_json(json_path, row)
+                return row
     row["done"] = True
     write_json(json_path, row)
     if os.path.exists(ckpt_path):
@@ -340,13 +424,18 @@ def run_cell(
 
 
 def _run_cell_job(args: tuple) -> str:
-    c, out_dir = args
+    c, out_dir, opts = args
     t = time.perf_counter()
     name = GB.cell_name(c)
+    if opts.get("deadline") is not None and time.time() >= opts["deadline"]:
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: not started (deadline)", flush=True)
+        return name
     try:
-        row = run_cell(c, out_dir)
+        row = run_cell(c, out_dir, **opts)
         last = row["points"][-1] if row["points"] else {}
         msg = f"acc {last.get('accuracy', float('nan')):.3f} at {last.get('iteration')}"
+        if row.get("stopped"):
+            msg += f" of {row['iterations']} (stopped: {row['stopped']})"
     except Exception as exc:  # a diverged run is a result of the row, not the end of it
         json_path, _ = _paths(out_dir, c)
         row = GB._read_json(json_path) or {**c, "name": name, "points": []}
@@ -364,13 +453,20 @@ def run(
     workers: int = 2,
     retry_failed: bool = False,
     report_each: bool = True,
+    device: str | None = None,
+    deadline: float | None = None,
+    threads: int = 1,
 ) -> None:
     """Run the cells not done under ``out_dir`` in order (``retry_failed``: also those that failed),
-    ``workers`` at a time; the summary and curves are rewritten as each cell finishes."""
+    ``workers`` at a time; the summary and curves are rewritten as each cell finishes. ``device``,
+    ``deadline``, ``threads``: :func:`run_cell`'s (no cell starts after the deadline)."""
     todo = []
     for c in cells:
         row = GB._read_json(_paths(out_dir, c)[0], {})
         if row.get("done") or ("error" in row and not retry_failed):
+            continue
+        if row and row.get("device", "cpu") != str(device or "cpu"):  # merged from another device: its curve
+            print(f"{GB.cell_name(c)}: left to {row.get('device')}, which started it", flush=True)
             continue
         todo.append(c)
     t0 = time.perf_counter()
@@ -383,7 +479,8 @@ def run(
             GB.dataset(name, tiny), GB.judge_for(name, tiny, out_dir)
     write_json(refs_path, refs)
     print(f"{len(cells) - len(todo)} of {len(cells)} cells done before; running {len(todo)}", flush=True)
-    jobs = [(c, out_dir) for c in todo]
+    opts = dict(device=device, deadline=deadline, threads=threads)
+    jobs = [(c, out_dir, opts) for c in todo]
     if workers > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(workers) as ex:
             pending = {ex.submit(_run_cell_job, j) for j in jobs}
@@ -402,7 +499,16 @@ def run(
     write_json(
         runs_path,
         GB._read_json(runs_path, [])
-        + [{"machine": machine_info(), "workers": workers, "cells_run": len(todo), "wall_s": time.perf_counter() - t0}],
+        + [
+            {
+                "machine": machine_info(),
+                "workers": workers,
+                "threads": threads,
+                "device": device or "cpu",
+                "cells_run": len(todo),
+                "wall_s": time.perf_counter() - t0,
+            }
+        ],
     )
 
 
@@ -817,6 +923,49 @@ def report(
     return md
 
 
+def merge_from(archive: str, out_dir: str = RESULTS) -> list[str]:
+    """Unpack a ``run_gpu_long_row.sh`` archive's cells into ``out_dir/cells``: a cell done here is
+    never overwritten; one not done here (or absent) takes the archive's, when that is done or has
+    more points (the replaced cell's checkpoint is set aside as ``.stale``, so that no run resumes
+    it into a curve of two devices; :func:`run` leaves a cell another device started to that device).
+    Its ``runs.json`` entries are appended to ``out_dir/runs.json`` and its log kept as
+    ``out_dir/gpu-<archive>.log``. Returns a line per cell. Stop a CPU run before merging: it
+    rewrites the JSON of the cell it is training."""
+    import tarfile
+    import tempfile
+
+    lines = []
+    os.makedirs(os.path.join(out_dir, "cells"), exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp, filter="data")
+        for path in sorted(glob.glob(os.path.join(tmp, "**", "cells", "*.json"), recursive=True)):
+            new = GB._read_json(path)
+            dest = os.path.join(out_dir, "cells", os.path.basename(path))
+            old = GB._read_json(dest, {})
+            state = "done" if new.get("done") else f"{len(new.get('points', []))} points"
+            if old.get("done"):
+                lines.append(f"kept (done here): {os.path.basename(path)}")
+            elif old and not new.get("done") and len(old.get("points", [])) >= len(new.get("points", [])):
+                lines.append(f"kept (as many points here): {os.path.basename(path)}")
+            else:
+                shutil.copy(path, dest)
+                ckpt = os.path.join(out_dir, "checkpoints", os.path.basename(path)[: -len(".json")] + ".pt")
+                if os.path.exists(ckpt):
+                    os.replace(ckpt, ckpt + ".stale")
+                lines.append(
+                    f"{'replaced' if old else 'added'} ({new.get('device', 'cpu')}, {state}): {os.path.basename(path)}"
+                )
+        base = os.path.basename(archive).split(".")[0]
+        for path in glob.glob(os.path.join(tmp, "**", "runs.json"), recursive=True):
+            runs_path = os.path.join(out_dir, "runs.json")
+            added = [{**r, "merged_from": os.path.basename(archive)} for r in GB._read_json(path, [])]
+            write_json(runs_path, GB._read_json(runs_path, []) + added)
+        for path in glob.glob(os.path.join(tmp, "**", "*.log"), recursive=True):
+            shutil.copy(path, os.path.join(out_dir, f"gpu-{base}.log"))
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=RESULTS)
@@ -828,14 +977,37 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--probe", action="store_true", help="time each (network, run) and stop (OUT/speed.json)")
     p.add_argument("--plan", action="store_true", help="print the plan with its projected CPU time and stop")
     p.add_argument("--report", action="store_true", help="no training: curves, table, README section and docs figure")
+    p.add_argument("--device", default=None, help="train on this device (e.g. cuda); evaluation stays on the CPU")
+    p.add_argument(
+        "--deadline-s", type=float, default=None, help="no cell starts, and each stops at its next point, after S s"
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument(
+        "--gpu-plan", action="store_true", help="the GPU's order (gpu_plan): resnet18, dat, the CPU plan's rest"
+    )
+    p.add_argument("--gpu-iterations", type=int, default=GPU_ITERATIONS, help="the resnet18 cells' iterations")
+    p.add_argument("--done-dir", default=os.path.join(RESULTS, "cells"), help="--gpu-plan skips the cells done here")
+    p.add_argument("--tiny", action="store_true", help="the tiny data sets (a smoke test of the plumbing)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N cells of the plan")
+    p.add_argument("--no-report", action="store_true", help="no summary or curves after the run")
+    p.add_argument("--merge-from", default=None, help="a run_gpu_long_row.sh tar.gz: its cells into OUT/cells")
     a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    deadline = None if a.deadline_s is None else time.time() + a.deadline_s
+    torch.set_num_threads(a.threads)
     out_dir = os.path.abspath(a.out)
     os.makedirs(out_dir, exist_ok=True)
+    if a.merge_from:
+        for line in merge_from(a.merge_from, out_dir):
+            print(line)
+        return
     if a.probe:
         write_json(os.path.join(out_dir, "speed.json"), probe_speed(a.networks, out_dir=out_dir))
         return
-    cells = plan(a.datasets, a.networks, a.iterations)
+    if a.gpu_plan:
+        cells = gpu_plan(a.done_dir, a.iterations, a.gpu_iterations, a.tiny)
+    else:
+        cells = plan(a.datasets, a.networks, a.iterations, tiny=a.tiny)
+    cells = cells[: a.limit] if a.limit is not None else cells
     if a.plan:
         print(plan_table(cells, GB._read_json(os.path.join(out_dir, "speed.json")) or speed_from_matrix()))
         return
@@ -843,8 +1015,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         of_record = out_dir == os.path.abspath(RESULTS)  # only the committed results speak for jem train
         print(report(out_dir, planned=len(cells), targets=str(LONG_ROW_TARGETS) if of_record else None))
         return
-    run(cells, out_dir, workers=a.workers, retry_failed=a.retry_failed)
-    print(report(out_dir, readme=None, docs=None))
+    run(
+        cells,
+        out_dir,
+        workers=a.workers,
+        retry_failed=a.retry_failed,
+        report_each=not a.no_report,
+        device=a.device,
+        deadline=deadline,
+        threads=a.threads,
+    )
+    if not a.no_report:
+        print(report(out_dir, readme=None, docs=None))
 
 
 if __name__ == "__main__":
