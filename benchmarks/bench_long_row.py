@@ -610,6 +610,7 @@ def _gaps(p: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
     """One point against its baseline's at the same iteration."""
     fd = p.get("buffer", {}).get("fd")
     return {
+        "wall_s": p.get("train_wall_s"),
         "acc_gap": 100 * (p["accuracy"] - b["accuracy"]),
         "auroc_gap": min(p["auroc"]["logpx"][s] - b["auroc"]["logpx"][s] for s in OOD_NAMES),
         "fd_ratio": None if fd is None else fd / p["init_fd"],
@@ -620,6 +621,12 @@ def _gaps(p: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
         "base_ece": b["ece"],
         "base_ece_ts": b["ece_ts"],
     }
+
+
+def _device_pair(r: dict[str, Any], b: dict[str, Any]) -> str:
+    """Where a recipe cell and its baseline trained: ``cuda``, or ``cuda (baseline cpu)``."""
+    d, db = r.get("device", "cpu"), b.get("device", "cpu")
+    return d if d == db else f"{d} (baseline {db})"
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -638,11 +645,12 @@ def curves(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for (dataset, net, label, role), rs in groups.items():
         per_iter: dict[int, list[dict[str, Any]]] = {}
-        seeds, cost = set(), []
+        seeds, cost, devices = set(), [], set()
         for r in rs:
             b = base.get((dataset, net, r["seed"]))
             if b is None:
                 continue
+            devices.add(_device_pair(r, b))
             b_points = {p["iteration"]: p for p in b["points"]}
             for p in r["points"]:
                 if p["iteration"] in b_points:
@@ -650,7 +658,11 @@ def curves(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     seeds.add(r["seed"])
             if r["points"] and b["points"]:
                 pr, pb = r["points"][-1], b["points"][-1]
-                cost.append((pr["train_cpu_s"] / pr["iteration"]) / max(pb["train_cpu_s"] / pb["iteration"], 1e-9))
+                # seconds per iteration against the baseline's on the same device: CPU seconds on the
+                # CPU, wall seconds on a GPU (its cost); none across devices
+                key = {"cpu": "train_cpu_s"}.get(r.get("device", "cpu"), "train_wall_s")
+                if r.get("device", "cpu") == b.get("device", "cpu") and pr.get(key) and pb.get(key):
+                    cost.append((pr[key] / pr["iteration"]) / max(pb[key] / pb["iteration"], 1e-9))
         points = [
             {"iteration": it, "seeds": len(gs), **{k: _mean([g[k] for g in gs]) for k in gs[0]}}
             for it, gs in sorted(per_iter.items())
@@ -668,6 +680,7 @@ def curves(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 done=all(r.get("done") for r in rs),
                 cost=_mean(cost),
                 errors=errors,
+                device=", ".join(sorted(devices)),
             )
         )
     order = {n: i for i, n in enumerate(NETWORKS)}
@@ -753,6 +766,7 @@ def targets_table(entries: Sequence[dict[str, Any]]) -> str:
         "ECE / after T (baseline)",
         "judge acc (init)",
         "cost x",
+        "device",
     ]
     rows = []
     for e in entries:
@@ -776,6 +790,7 @@ def targets_table(entries: Sequence[dict[str, Any]]) -> str:
             ]
         else:
             cells += ["-"] * 6
+        cells.append(e.get("device") or "cpu")
         rows.append(cells)
     return md_table(header, rows)
 
@@ -795,9 +810,9 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
         fig.text(0.5, 0.5, f"{dataset}: no point of the long row evaluated yet", ha="center", va="center")
         fig.savefig(path, dpi=110)
         return path
-    nets = [n for n in NETWORKS if any(e["net"] == n for e in mine)]
-    colours = dict(zip(NETWORKS, ("tab:blue", "tab:orange", "tab:green", "tab:purple")))
-    styles = {"default": "-", "generative": "--"}
+    nets = [n for n in NETWORKS + GPU_NETWORKS if any(e["net"] == n for e in mine)]
+    colours = dict(zip(NETWORKS + GPU_NETWORKS, ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red")))
+    styles = {"default": "-", "generative": "--", "dat": "-."}
     panels = [
         ("acc_gap", "test accuracy - baseline's (points)", -1.0, "within 1 point"),
         ("auroc_gap", "log p(x) AUROC - baseline energy's\n(worst of the 4 OOD sets)", 0.0, ">= baseline on all"),
@@ -811,7 +826,10 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
             xs = [p["iteration"] for p in e["points"] if p[key] is not None]
             ys = [p[key] for p in e["points"] if p[key] is not None]
             if xs:
-                ax.plot(xs, ys, styles.get(e["role"], ":"), color=colours.get(e["net"], "k"), marker="o", ms=3, lw=1.5)
+                marker = "s" if "cuda" in e.get("device", "") else "o"  # squares: trained on a GPU
+                ax.plot(
+                    xs, ys, styles.get(e["role"], ":"), color=colours.get(e["net"], "k"), marker=marker, ms=3, lw=1.5
+                )
         if key == "acc_gap":
             lo = min((p[key] for e in mine for p in e["points"]), default=-5)
             ax.set_ylim(max(lo - 1, -40), None)
@@ -846,6 +864,8 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
         Line2D([], [], color="k", ls=styles.get(r, ":"), label=("jem train's choice" if r == "default" else r))
         for r in roles
     ]
+    if any("cuda" in e.get("device", "") for e in mine):
+        handles.append(Line2D([], [], color="k", ls="", marker="s", ms=4, label="trained on a GPU"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     seeds = sorted({s for e in mine for s in e["seeds"]})
     choices = sorted({e["run"] for e in mine if e["role"] == "default"})
@@ -857,6 +877,54 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
         fontsize=9,
     )
     fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def dat_wall_figure(entries: Sequence[dict[str, Any]], path: str) -> str | None:
+    """DAT's PGD negatives against SGLD (``jem train``'s choice) at the same training wall time
+    (issue 45 item 4): accuracy gap, AUROC gap and FD ratio against wall seconds, a row per data
+    set, for each network with a ``dat`` curve; only curves trained on the ``dat`` one's device.
+    ``None`` when no ``dat`` cell has a point yet."""
+    dats = [e for e in entries if e["role"] == "dat" and e["points"]]
+    if not dats:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    keys = [
+        ("acc_gap", "accuracy - baseline's (pt)"),
+        ("auroc_gap", "AUROC gap (worst OOD set)"),
+        ("fd_ratio", "FD / init's"),
+    ]
+    fig = Figure(figsize=(11, 3.2 * len(dats)))
+    axes = fig.subplots(len(dats), 3, squeeze=False)
+    for row, d in zip(axes, dats):
+        pair = [d] + [
+            e
+            for e in entries
+            if e["role"] == "default" and (e["dataset"], e["net"], e["device"]) == (d["dataset"], d["net"], d["device"])
+        ]
+        for ax, (key, label) in zip(row, keys):
+            for e in pair:
+                pts = [p for p in e["points"] if p[key] is not None and p.get("wall_s") is not None]
+                name = "DAT (PGD)" if e["role"] == "dat" else f"SGLD ({e['run']})"
+                ax.plot(
+                    [p["wall_s"] for p in pts],
+                    [p[key] for p in pts],
+                    "-." if e["role"] == "dat" else "-",
+                    marker="o",
+                    ms=3,
+                    label=name,
+                )
+            ax.set_title(f"{d['dataset']} / {d['net']} on {d['device']}", fontsize=8)
+            ax.set_xlabel("training wall seconds", fontsize=8)
+            ax.set_ylabel(label, fontsize=8)
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=7)
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
 
@@ -877,7 +945,9 @@ def to_markdown(
         "holds on the mean over its seeds, judged against the baseline of the same data, network and seed at "
         'the same iteration ("not yet (at N)": not met up to iteration N, the last evaluated; ", not at N": '
         "met earlier and missed at the last point); then the last point's values. **Bold**: `jem train`'s "
-        "choice. Cost: CPU seconds per iteration against the baseline's.",
+        "choice. Cost: seconds per iteration against the baseline's on the same device (CPU seconds on the "
+        "CPU, wall seconds on a GPU, whose points are evaluated on the CPU all the same); device: where "
+        "the recipe and its baseline trained.",
         "",
     ]
     for name, ref in refs.items():
@@ -913,6 +983,9 @@ def report(
         if png and docs:
             os.makedirs(docs, exist_ok=True)
             shutil.copy(png, os.path.join(docs, os.path.basename(png)))
+    wall = dat_wall_figure(entries, os.path.join(out_dir, "long-row-dat-wall.png"))
+    if wall and docs:
+        shutil.copy(wall, os.path.join(docs, os.path.basename(wall)))
     write_json(os.path.join(out_dir, "summary.json"), {"entries": entries, "references": refs})
     if targets:
         write_json(targets, targets_evidence(rows, entries))
