@@ -392,6 +392,11 @@ def run_cell(
         row["points"] = sorted([p for p in row["points"] if p["epoch"] != epoch] + [point], key=lambda p: p["epoch"])
         write_json(json_path, row)
         made += 1
+        print(
+            f"[{time.strftime('%H:%M:%S')}] {row['name']}: point {point['iteration']}/{row['iterations']}, "
+            f"acc {point['accuracy']:.3f}, train {point['train_wall_s']:.0f} s wall, eval {point['eval_cpu_s']:.0f} CPU s",
+            flush=True,
+        )
 
     if meta["epoch"] in evals and meta["epoch"] not in done_points:  # killed between checkpoint and JSON
         add_point(meta["epoch"])

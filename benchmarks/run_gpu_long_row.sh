@@ -11,7 +11,7 @@
 # SECONDS - 40 is killed, and OUT/long_row_gpu.tar.gz gets every cell's JSON (the points made),
 # runs.json and the log. Merge it afterwards with
 #   python -m benchmarks.bench_long_row --merge-from OUT/long_row_gpu.tar.gz && python -m benchmarks.bench_long_row --report
-# Environment: DEVICE (cuda; cpu for a smoke test of the plumbing), WORKERS, THREADS, MARGIN, WORK
+# Environment: INSTALL (1; 0 skips the pip install), DEVICE (cuda; cpu for a smoke test of the plumbing), WORKERS, THREADS, MARGIN, WORK
 # (the work dir, default /tmp/long_row_gpu), EXTRA (more bench_long_row arguments, e.g. "--tiny --limit 3").
 # The judges are trained in the parent unless benchmarks/results/long_row/judges/ is there (carry it).
 set -u
@@ -24,7 +24,9 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${THREADS:-2}
 work=${WORK:-/tmp/long_row_gpu}
 mkdir -p "$work/cells"
 log=$work/run.log
-python3 -m pip install -q --no-deps --no-build-isolation . >/tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
+if [ "${INSTALL:-1}" = 1 ]; then  # INSTALL=0: use the package as installed (a shared machine's editable install)
+  python3 -m pip install -q --no-deps --no-build-isolation . >/tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
+fi
 nvidia-smi -L 2>/dev/null
 src=benchmarks/results/long_row
 [ -d "$src/judges" ] && cp -r "$src/judges" "$work/"
