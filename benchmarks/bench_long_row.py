@@ -64,6 +64,25 @@ grow with the machine's load: at a load average of 7 on the 2 cores, the first c
     nohup nice -n 19 python -m benchmarks.bench_long_row > run.log 2>&1 &   # run (resumes; skips done cells)
     python -m benchmarks.bench_long_row --report             # curves + table (partial results too)
 
+**On a GPU** (``--device cuda``; issue 45 items 4 and 5): the model, the loss (buffer, init) and the
+chains train on the device, the chains and the loss drawing from their own device generator seeded
+with the cell's seed (shuffling and augmentation stay on the CPU generator); each point is evaluated
+by the same CPU code on copies of the model and loss moved to the CPU (:func:`cpu_copy_of_loss`), and
+records the training wall seconds (``train_wall_s``, the device synchronised) beside the CPU seconds:
+a GPU's cost is wall time, and the table's cost column uses it for GPU cells. ``--gpu-plan``
+(:func:`gpu_plan`) orders resnet18 on textures at 10,000 iterations (baseline and ``jem train``'s
+choice; the recipes' 3e-4, as resnet10t), the ``dat`` role (the choice's recipe with DAT's PGD
+negatives and logistic contrast in place of SGLD and p(x): ``bench_generative.start_run(negatives=
+"dat")``) on textures/ and digits32/resnet10t, then every cell of the CPU plan not done here.
+``--workers N --threads T`` share the GPU between N processes; ``--deadline-s S``: no cell starts
+after S seconds, and a running one stops at its next point (``"stopped": "deadline"``).
+``benchmarks/run_gpu_long_row.sh OUT [SECONDS]`` is the whole GPU part in one command, ending in
+``OUT/long_row_gpu.tar.gz``; ``--merge-from`` brings its cells into ``OUT/cells`` (never over a done
+cell) and ``--report`` then shows each cell's device.
+
+    bash benchmarks/run_gpu_long_row.sh /tmp/out 480                          # on the GPU machine
+    python -m benchmarks.bench_long_row --merge-from /tmp/out/long_row_gpu.tar.gz && python -m benchmarks.bench_long_row --report
+
 ``--report`` writes ``OUT/long-row-<data>.png`` (copied to ``docs/img/``), ``OUT/summary.md`` and the
 table into ``benchmarks/README.md``; a run writes ``OUT/summary.md`` and the PNGs after each cell.
 """
@@ -1071,7 +1090,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--merge-from", default=None, help="a run_gpu_long_row.sh tar.gz: its cells into OUT/cells")
     a = p.parse_args(argv)
     deadline = None if a.deadline_s is None else time.time() + a.deadline_s
-    torch.set_num_threads(a.threads)
+    torch.set_num_threads(1)  # the parent: no OpenMP pool for the forked workers (each sets its --threads) to inherit
     out_dir = os.path.abspath(a.out)
     os.makedirs(out_dir, exist_ok=True)
     if a.merge_from:
