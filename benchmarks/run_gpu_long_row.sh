@@ -31,6 +31,14 @@ nvidia-smi -L 2>/dev/null
 src=benchmarks/results/long_row
 [ -d "$src/judges" ] && cp -r "$src/judges" "$work/"
 [ -f "$work/datasets.json" ] || cp "$src/datasets.json" "$work/" 2>/dev/null
+if [ ! -d "$work/judges" ]; then  # not carried: trained here on all cores, in a process of its own
+  # (the run's parent stays on one thread, for the workers it forks); the CPU's judges used one thread
+  case " ${EXTRA:-} " in *" --tiny "*) tiny=True ;; *) tiny=False ;; esac
+  echo "[$(date +%H:%M:%S)] training the judges (none carried)"
+  python3 -c "import os, sys, torch; torch.set_num_threads(os.cpu_count() or 1)
+from benchmarks import bench_generalisation as GB
+for name in ('textures', 'digits32'): GB.judge_for(name, $tiny, sys.argv[1])" "$work"
+fi
 now=$(date +%s)
 kill_at=$((start + total - 40))
 deadline=$((kill_at - now - ${MARGIN:-60}))
