@@ -342,8 +342,9 @@ def run_cell(
     torch.set_num_threads(threads)
     tiny = bool(c.get("tiny"))
     json_path, ckpt_path = _paths(out_dir, c)
-    row = GB._read_json(json_path) or {**c, "name": GB.cell_name(c), "points": []}
-    if row.get("done"):
+    stored = GB._read_json(json_path)
+    row = stored or {**c, "name": GB.cell_name(c), "points": []}
+    if row.get("done") or (stored and stored.get("device", "cpu") != str(device or "cpu")):  # another device's curve
         return row
     row.pop("error", None)  # retried
     ds = GB.dataset(c["dataset"], tiny)

@@ -178,8 +178,9 @@ def test_a_cpu_run_leaves_a_cell_another_device_started_to_it(tmp_path, monkeypa
     json_path, _ = L._paths(str(tmp_path), c)
     os.makedirs(os.path.dirname(json_path))
     open(json_path, "w").write(json.dumps({**c, "points": [], "device": "cuda", "stopped": "deadline"}))
-    monkeypatch.setattr(L, "_run_cell_job", lambda job: pytest.fail(f"ran {job[0]}"))
+    monkeypatch.setattr(L.G, "start_run", lambda *a, **k: pytest.fail("a cell of another device trained here"))
     L.run([c], str(tmp_path), workers=1, report_each=False)
+    assert L.run_cell(c, str(tmp_path))["device"] == "cuda"
 
 
 def test_the_table_says_where_a_cell_trained_and_its_wall_cost_on_a_gpu():
