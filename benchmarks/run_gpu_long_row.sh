@@ -35,7 +35,7 @@ if [ ! -d "$work/judges" ]; then  # not carried: trained here on all cores, in a
   # (the run's parent stays on one thread, for the workers it forks); the CPU's judges used one thread
   case " ${EXTRA:-} " in *" --tiny "*) tiny=True ;; *) tiny=False ;; esac
   echo "[$(date +%H:%M:%S)] training the judges (none carried)"
-  python3 -c "import os, sys, torch; torch.set_num_threads(os.cpu_count() or 1)
+  python3 -c "import os, sys, torch; torch.set_num_threads(len(os.sched_getaffinity(0)))
 from benchmarks import bench_generalisation as GB
 for name in ('textures', 'digits32'): GB.judge_for(name, $tiny, sys.argv[1])" "$work"
 fi
