@@ -101,6 +101,7 @@ NORMS = {
     "convnext_atto": "LN",
     "vit": "ViT, LN",
     "wrn10-1": "none",
+    "resnet18": "BN",  # the long row's GPU cell
 }
 #: Adam's learning rate for the networks that learn nothing in a row's iterations at the recipes'
 #: 3e-4 (the baseline and every recipe of the cell use it, as ``jem train --lr``). Chosen by

@@ -743,7 +743,14 @@ def targets_evidence(rows: Sequence[dict[str, Any]], entries: Sequence[dict[str,
     recipe cell, its network's kind, recipe and settings, how far it was evaluated and the first
     iteration at which each target held (None: not yet), and whether all three still held at its
     last point."""
-    settings = {(r["dataset"], r["net"], GB.run_label(r)): (r["run"], r.get("set") or {}) for r in rows}
+    # a DAT cell's recipe is no registered recipe ("generative+dat"): jem train cannot switch to it
+    settings = {
+        (r["dataset"], r["net"], GB.run_label(r)): (
+            r["run"] + (f"+{r['negatives']}" if r.get("negatives") else ""),
+            r.get("set") or {},
+        )
+        for r in rows
+    }
     kinds = {"BN": "BN", "depthwise BN": "BN", "none": "none"}
     cells = []
     for e in entries:

@@ -43,6 +43,7 @@ now=$(date +%s)
 kill_at=$((start + total - 40))
 deadline=$((kill_at - now - ${MARGIN:-60}))
 echo "[$(date +%H:%M:%S)] long row on ${DEVICE:-cuda}: ${WORKERS:-6} workers x ${THREADS:-2} threads, deadline in ${deadline} s, kill in $((kill_at - now)) s"
+: >"$log"  # there before tail follows it
 # shellcheck disable=SC2086  # EXTRA: several arguments
 setsid python3 -m benchmarks.bench_long_row --gpu-plan --device "${DEVICE:-cuda}" --workers "${WORKERS:-6}" \
   --threads "${THREADS:-2}" --deadline-s "$deadline" --out "$work" --no-report ${EXTRA:-} >"$log" 2>&1 &
@@ -54,6 +55,7 @@ if kill -0 "$pid" 2>/dev/null; then
   kill -TERM -- -"$pid" 2>/dev/null; sleep 3; kill -KILL -- -"$pid" 2>/dev/null
 fi
 wait "$pid" 2>/dev/null; echo "run exit: $?"
+grep -v "point " "$log" | tail -15  # the cells' lines and any error, again
 files=(cells run.log)
 [ -f "$work/runs.json" ] && files+=(runs.json)
 tar czf "$out/long_row_gpu.tar.gz" -C "$work" "${files[@]}"

@@ -16,6 +16,7 @@ import torch
 from benchmarks import bench_generalisation as GB
 from benchmarks import bench_long_row as L
 from jem_plugin.builtins.pgd_negatives import PGDNegatives
+from jem_plugin.recipes import RECIPES
 
 
 @pytest.fixture
@@ -213,3 +214,22 @@ def test_the_table_says_where_a_cell_trained_and_its_wall_cost_on_a_gpu():
     (e,) = L.curves(rows)
     assert e["device"] == "cuda (baseline cpu)" and e["cost"] is None  # no cost across devices
     assert "| cuda (baseline cpu) |" in L.targets_table([e])
+
+
+def test_jem_train_never_reads_a_dat_cell_as_its_recipe():
+    base = {"dataset": "textures", "net": "resnet10t", "seed": 0, "run": "baseline", "role": "baseline"}
+    point = {
+        "iteration": 10,
+        "accuracy": 0.5,
+        "auroc": {"logpx": dict.fromkeys(L.OOD_NAMES, 0.9)},
+        "ece": 0.1,
+        "ece_ts": 0.05,
+        "init_fd": 10.0,
+        "buffer": {"fd": 1.0},
+        "train_cpu_s": 1.0,
+    }
+    dat = {**base, "run": "generative", "set": {"px_weight": 0.03}, "negatives": "dat", "role": "dat"}
+    rows = [{**base, "points": [point]}, {**dat, "points": [point]}]
+    (cell,) = L.targets_evidence(rows, L.curves(rows))["cells"]
+    assert cell["role"] == "dat" and cell["recipe"] == "generative+dat" and cell["met_at_last"]
+    assert cell["recipe"] not in RECIPES  # so jem train never switches to it
