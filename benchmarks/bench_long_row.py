@@ -1086,6 +1086,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--deadline-s", type=float, default=None, help="no cell starts, and each stops at its next point, after S s"
     )
+    p.add_argument("--deadline-at", type=float, default=None, help="the same, at this time.time() (a script's clock)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument(
         "--gpu-plan", action="store_true", help="the GPU's order (gpu_plan): resnet18, dat, the CPU plan's rest"
@@ -1097,7 +1098,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--no-report", action="store_true", help="no summary or curves after the run")
     p.add_argument("--merge-from", default=None, help="a run_gpu_long_row.sh tar.gz: its cells into OUT/cells")
     a = p.parse_args(argv)
-    deadline = None if a.deadline_s is None else time.time() + a.deadline_s
+    deadline = a.deadline_at if a.deadline_s is None else time.time() + a.deadline_s
     torch.set_num_threads(1)  # the parent: no OpenMP pool for the forked workers (each sets its --threads) to inherit
     out_dir = os.path.abspath(a.out)
     os.makedirs(out_dir, exist_ok=True)

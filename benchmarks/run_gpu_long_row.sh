@@ -41,12 +41,12 @@ for name in ('textures', 'digits32'): GB.judge_for(name, $tiny, sys.argv[1])" "$
 fi
 now=$(date +%s)
 kill_at=$((start + total - 40))
-deadline=$((kill_at - now - ${MARGIN:-60}))
-echo "[$(date +%H:%M:%S)] long row on ${DEVICE:-cuda}: ${WORKERS:-6} workers x ${THREADS:-2} threads, deadline in ${deadline} s, kill in $((kill_at - now)) s"
+deadline=$((kill_at - ${MARGIN:-60}))  # an absolute time: python's imports do not move it
+echo "[$(date +%H:%M:%S)] long row on ${DEVICE:-cuda}: ${WORKERS:-6} workers x ${THREADS:-2} threads, deadline in $((deadline - now)) s, kill in $((kill_at - now)) s"
 : >"$log"  # there before tail follows it
 # shellcheck disable=SC2086  # EXTRA: several arguments
 setsid python3 -m benchmarks.bench_long_row --gpu-plan --device "${DEVICE:-cuda}" --workers "${WORKERS:-6}" \
-  --threads "${THREADS:-2}" --deadline-s "$deadline" --out "$work" --no-report ${EXTRA:-} >"$log" 2>&1 &
+  --threads "${THREADS:-2}" --deadline-at "$deadline" --out "$work" --no-report ${EXTRA:-} >"$log" 2>&1 &
 pid=$!  # setsid: python leads its own process group, which the kill below ends with its workers
 tail -n +1 -f --pid="$pid" "$log" &
 while kill -0 "$pid" 2>/dev/null && [ "$(date +%s)" -lt "$kill_at" ]; do sleep 1; done
