@@ -31,14 +31,13 @@ nvidia-smi -L 2>/dev/null
 src=benchmarks/results/long_row
 [ -d "$src/judges" ] && cp -r "$src/judges" "$work/"
 [ -f "$work/datasets.json" ] || cp "$src/datasets.json" "$work/" 2>/dev/null
-if [ ! -d "$work/judges" ]; then  # not carried: trained here on all cores, in a process of its own
-  # (the run's parent stays on one thread, for the workers it forks); the CPU's judges used one thread
-  case " ${EXTRA:-} " in *" --tiny "*) tiny=True ;; *) tiny=False ;; esac
-  echo "[$(date +%H:%M:%S)] training the judges (none carried)"
-  python3 -c "import os, sys, torch; torch.set_num_threads(len(os.sched_getaffinity(0)))
+# The judges not carried are trained here on all cores, in a process of its own (the run's parent
+# stays on one thread, for the workers it forks); the CPU's judges were trained on one thread.
+case " ${EXTRA:-} " in *" --tiny "*) tiny=True ;; *) tiny=False ;; esac
+echo "[$(date +%H:%M:%S)] judges carried: $(ls "$work/judges" 2>/dev/null | tr '\n' ' ')"
+python3 -c "import os, sys, torch; torch.set_num_threads(len(os.sched_getaffinity(0)))
 from benchmarks import bench_generalisation as GB
 for name in ('textures', 'digits32'): GB.judge_for(name, $tiny, sys.argv[1])" "$work"
-fi
 now=$(date +%s)
 kill_at=$((start + total - 40))
 deadline=$((kill_at - ${MARGIN:-60}))  # an absolute time: python's imports do not move it
