@@ -101,6 +101,7 @@ NORMS = {
     "convnext_atto": "LN",
     "vit": "ViT, LN",
     "wrn10-1": "none",
+    "resnet18": "BN",  # the long row's GPU cell
 }
 #: Adam's learning rate for the networks that learn nothing in a row's iterations at the recipes'
 #: 3e-4 (the baseline and every recipe of the cell use it, as ``jem train --lr``). Chosen by
@@ -383,7 +384,8 @@ def references(name: str, tiny: bool = False, cache_dir: str | None = None) -> d
 def run_label(c: dict[str, Any]) -> str:
     """The run's name with the recipe settings it changed (``--set``), e.g. ``generative[px_weight=0.1]``."""
     changed = c.get("set") or {}
-    return c["run"] + ("[" + ",".join(f"{k}={v:g}" for k, v in sorted(changed.items())) + "]" if changed else "")
+    run = c["run"] + (f"+{c['negatives']}" if c.get("negatives") else "")  # the long row's DAT cells
+    return run + ("[" + ",".join(f"{k}={v:g}" for k, v in sorted(changed.items())) + "]" if changed else "")
 
 
 def cell_name(c: dict[str, Any]) -> str:

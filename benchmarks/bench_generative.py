@@ -64,6 +64,8 @@ if __package__ in (None, ""):
 
 import jem_plugin as jem
 from jem_plugin.app.data import digits_tensors, photo_patches, transposed, uniform_noise
+from jem_plugin.builtins.pgd_negatives import TERM_NAME as DAT_TERM
+from jem_plugin.builtins.pgd_negatives import PGDNegatives
 from jem_plugin.extensions import FitInitFromBatches
 from jem_plugin.inits import Uniform
 from jem_plugin.recipes import OptimConfig, Recipe, get_recipe
@@ -79,6 +81,14 @@ RECIPE_RUNS = ("baseline", "fast", "fast_uniform", "jempp", "sadajem", "generati
 OOD_METHODS = ("logpx", "grad_norm", "grad_norm_projected")
 OOD_SETS = ("noise", "patches", "transposed")
 BUFFER_SIZE = 1000
+#: ``start_run(negatives="dat")``: what :func:`~jem_plugin.builtins.pgd_negatives.dat_setup` changes
+#: in a recipe (fresh starts at every draw, no p(x) term, negatives in the data's BatchNorm pass,
+#: running statistics recomputed from the data), applied to the run's own recipe instead of ``fast``
+DAT_CHANGES: dict[str, Any] = dict(
+    buffer_reinit_freq=1.0, px_weight=0.0, sgld_batchnorm="joint", bn_stats_from_data=True
+)
+#: dat_setup's defaults: PGD steps (step size 0.1 of the domain) and the logistic contrast's weight
+DAT_STEPS, DAT_WEIGHT = 20, 1.0
 COND_STEPS, COND_PER_CLASS = 40, 10
 TRACE_ROUNDS = (0, 4, 20)  # the buffer's chains continued for this many more rounds of the recipe's sampler
 
@@ -275,6 +285,16 @@ def recipe_for(run: str, quick: bool, bn_mode: str | None = None, overrides: dic
     return r.replace(**overrides)
 
 
+def use_dat_negatives(loss_fn: jem.JEMLoss, r: Recipe, generator: torch.Generator | None) -> PGDNegatives:
+    """Swap ``loss_fn``'s SGLD for DAT's PGD negatives and add the ``logistic_contrast`` term, as
+    :func:`~jem_plugin.builtins.pgd_negatives.dat_setup` does to ``fast``'s loss (``r``: the recipe
+    with :data:`DAT_CHANGES`)."""
+    sampler = PGDNegatives(DAT_STEPS, batchnorm=r.sampler.batchnorm, generator=generator)
+    loss_fn.sampler = sampler
+    loss_fn.add_term(DAT_TERM, weight=DAT_WEIGHT)
+    return sampler
+
+
 def start_run(
     S: dict,
     run: str,
@@ -285,17 +305,33 @@ def start_run(
     batch_size: int = 64,
     overrides: dict | None = None,
     fit_init: str = "loop",
+    device: str | torch.device | None = None,
+    negatives: str | None = None,
 ) -> dict[str, Any]:
     """Everything a run of ``total`` iterations trains with, before its first step: the model (in
     train mode), its JEM, the recipe (``None``: the baseline), optimiser, warm-up schedule, SAM,
     loss (buffer sized for ``total``) and the generator ``g`` that shuffles, augments and drives
-    the chains. :func:`train_step` takes one step of it; :func:`train_run` is the whole run."""
+    the chains. :func:`train_step` takes one step of it; :func:`train_run` is the whole run.
+
+    ``device``: ``None`` (the CPU, as always), or where the model and loss train; the chains and
+    the loss then draw from their own generator on that device, seeded with ``seed`` (SGLD wants
+    its generator where its chains are), while ``g`` stays on the CPU and shuffles and augments;
+    :func:`train_step` moves each batch there. ``negatives="dat"``: the recipe with
+    :data:`DAT_CHANGES` and :func:`use_dat_negatives` (PGD negatives, logistic contrast)."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     model = make_model(S["model"])
+    if device is not None:  # before the optimiser is built: its state follows the parameters
+        model.to(device)
     net = SamplesInEvalMode(model) if bn_mode == "eval" else model
     jm = jem.wrap(net, **S["wrap_kw"])
     r = recipe_for(run, quick, bn_mode, overrides)
+    if negatives not in (None, "dat"):
+        raise ValueError(f"negatives must be None or 'dat', got {negatives!r}")
+    if negatives == "dat":
+        if r is None:
+            raise ValueError("negatives='dat' needs a recipe (the baseline has no negatives)")
+        r = r.replace(**DAT_CHANGES)
     # the baseline trains with the fast preset's optimiser, and the same optimiser overrides
     base = r or get_recipe("fast").replace(**{k: v for k, v in (overrides or {}).items() if k in OPTIM_NAMES})
     opt = base.optim.build(model.parameters())
@@ -305,7 +341,12 @@ def start_run(
     # fit_init "train": the informative init fitted on the clean training set, as `jem train` does;
     # "loop": fitted from the first batches (the p(x) term's data, else the augmented batch), as in
     # a user's own loop.
-    loss_fn = build_loss(r, S, total, batch_size, g, fit_init, bn_mode) if r is not None else None
+    g_chains = g if device is None else torch.Generator(device=device).manual_seed(seed)
+    loss_fn = build_loss(r, S, total, batch_size, g_chains, fit_init, bn_mode) if r is not None else None
+    if loss_fn is not None and negatives == "dat":
+        use_dat_negatives(loss_fn, r, g_chains)
+    if loss_fn is not None and device is not None:
+        loss_fn.to(device)  # its buffer and init with it
     fit_from_batches = FitInitFromBatches(loss_fn.buffer) if loss_fn is not None and fit_init == "loop" else None
     model.train()
     return dict(
@@ -322,6 +363,8 @@ def start_run(
         g=g,
         shift=S["shift"],
         total=total,
+        device=device,
+        seed=seed,
     )
 
 
@@ -330,6 +373,9 @@ def train_step(ctx: dict[str, Any], x_clean: torch.Tensor, y: torch.Tensor) -> d
     (augmented here with ``ctx["g"]``); returns its metrics."""
     r, model, opt, loss_fn, jm = ctx["recipe"], ctx["model"], ctx["opt"], ctx["loss_fn"], ctx["jm"]
     x = shift_augment(x_clean, ctx["shift"], ctx["g"])
+    device = ctx.get("device")
+    if device is not None:  # shuffled and augmented on the CPU with the run's generator, trained there
+        x, y, x_clean = x.to(device), y.to(device), x_clean.to(device)
     if r is None:
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)

@@ -64,6 +64,25 @@ grow with the machine's load: at a load average of 7 on the 2 cores, the first c
     nohup nice -n 19 python -m benchmarks.bench_long_row > run.log 2>&1 &   # run (resumes; skips done cells)
     python -m benchmarks.bench_long_row --report             # curves + table (partial results too)
 
+**On a GPU** (``--device cuda``; issue 45 items 4 and 5): the model, the loss (buffer, init) and the
+chains train on the device, the chains and the loss drawing from their own device generator seeded
+with the cell's seed (shuffling and augmentation stay on the CPU generator); each point is evaluated
+by the same CPU code on copies of the model and loss moved to the CPU (:func:`cpu_copy_of_loss`), and
+records the training wall seconds (``train_wall_s``, the device synchronised) beside the CPU seconds:
+a GPU's cost is wall time, and the table's cost column uses it for GPU cells. ``--gpu-plan``
+(:func:`gpu_plan`) orders resnet18 on textures at 10,000 iterations (baseline and ``jem train``'s
+choice; the recipes' 3e-4, as resnet10t), the ``dat`` role (the choice's recipe with DAT's PGD
+negatives and logistic contrast in place of SGLD and p(x): ``bench_generative.start_run(negatives=
+"dat")``) on textures/ and digits32/resnet10t, then every cell of the CPU plan not done here.
+``--workers N --threads T`` share the GPU between N processes; ``--deadline-s S``: no cell starts
+after S seconds, and a running one stops at its next point (``"stopped": "deadline"``).
+``benchmarks/run_gpu_long_row.sh OUT [SECONDS]`` is the whole GPU part in one command, ending in
+``OUT/long_row_gpu.tar.gz``; ``--merge-from`` brings its cells into ``OUT/cells`` (never over a done
+cell) and ``--report`` then shows each cell's device.
+
+    bash benchmarks/run_gpu_long_row.sh /tmp/out 480                          # on the GPU machine
+    python -m benchmarks.bench_long_row --merge-from /tmp/out/long_row_gpu.tar.gz && python -m benchmarks.bench_long_row --report
+
 ``--report`` writes ``OUT/long-row-<data>.png`` (copied to ``docs/img/``), ``OUT/summary.md`` and the
 table into ``benchmarks/README.md``; a run writes ``OUT/summary.md`` and the PNGs after each cell.
 """
@@ -106,7 +125,11 @@ RESULTS = os.path.join(HERE, "results", "long_row")
 DOCS_IMG = os.path.join(os.path.dirname(HERE), "docs", "img")
 DATASETS = ("textures", "digits32")  # judged on first
 NETWORKS = ("resnet10t", "convnext_atto", "wrn10-1", "lcnet_050")
-ROLES = ("baseline", "default", "generative")
+ROLES = ("baseline", "default", "generative", "dat")
+#: GPU-only networks (issue 45 item 5), not in the CPU plan; resnet18 at the recipes' 3e-4 as resnet10t
+#: (BatchNorm, the matrix trains it at 3e-4 too), so no ``lr`` entry
+GPU_NETWORKS = ("resnet18",)
+GPU_ITERATIONS = 10000
 SIZE = "150"
 ITERATIONS = 3000
 EVALS = 10
@@ -148,11 +171,13 @@ def cell(dataset: str, net: str, role: str, seed: int, epochs: int, tiny: bool =
     """One cell: the matrix's keys (so :func:`bench_generalisation.cell_name` names it) and its role."""
     per_class = GB.per_class_for(dataset, SIZE, tiny)
     c: dict[str, Any] = dict(dataset=dataset, per_class=per_class, net=net, run="baseline", seed=seed, epochs=epochs)
-    if role == "default":
+    if role in ("default", "dat"):
         run, settings = jem_train_choice(per_class, net)
         c["run"] = run
         if settings:
             c["set"] = dict(settings)
+        if role == "dat":  # DAT's PGD negatives in place of the choice's SGLD (bench_generative.start_run)
+            c["negatives"] = "dat"
     elif role == "generative":
         c["run"] = "generative"
     if net in GB.NETWORK_LR:
@@ -203,6 +228,28 @@ def plan(
     return list(cells.values())
 
 
+def gpu_plan(
+    done_dir: str | None = os.path.join(RESULTS, "cells"),
+    iterations: int = ITERATIONS,
+    gpu_iterations: int = GPU_ITERATIONS,
+    tiny: bool = False,
+) -> list[dict[str, Any]]:
+    """The GPU's order: resnet18 on textures, baseline and ``jem train``'s choice, ``gpu_iterations``
+    (issue 45 item 5); ``dat`` on textures/resnet10t and digits32/resnet10t, seed 0 (item 4); then
+    every cell of :func:`plan` not done in ``done_dir`` (the CPU's results), in plan order."""
+    cells = [
+        cell("textures", n, r, 0, epochs_for("textures", gpu_iterations, tiny), tiny)
+        for n in GPU_NETWORKS
+        for r in ("baseline", "default")
+    ]
+    cells += [cell(d, NETWORKS[0], "dat", 0, epochs_for(d, iterations, tiny), tiny) for d in DATASETS]
+    for c in plan(iterations=iterations, tiny=tiny):
+        row = GB._read_json(os.path.join(done_dir, GB.cell_name(c) + ".json"), {}) if done_dir else {}
+        if not row.get("done"):
+            cells.append(c)
+    return cells
+
+
 # ---------------------------------------------------------------------------- one cell
 def _paths(out_dir: str, c: dict[str, Any]) -> tuple[str, str]:
     name = GB.cell_name(c)
@@ -219,13 +266,45 @@ def _state(ctx: dict[str, Any]) -> dict[str, Any]:
     return objs
 
 
+def _sync(device: str | torch.device | None) -> None:
+    """Wait for the device's queued work, so that wall seconds measure it."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cpu_copy_of_loss(loss_fn: jem.JEMLoss, seed: int) -> jem.JEMLoss:
+    """A copy of ``loss_fn`` (buffer, init, sampler, terms) on the CPU, for the CPU evaluation of a
+    run trained on another device: its generators (the loss's and the sampler's, which live on the
+    training device) are replaced by CPU generators seeded with ``seed``; the run's are untouched."""
+    owners = [o for o in (loss_fn, loss_fn.sampler) if getattr(o, "generator", None) is not None]
+    held = [o.generator for o in owners]
+    for o in owners:  # not copied: a device generator, and the copy draws on the CPU anyway
+        o.generator = None
+    try:
+        out = copy.deepcopy(loss_fn)
+    finally:
+        for o, gen in zip(owners, held):
+            o.generator = gen
+    out.to("cpu")
+    for o in (out, out.sampler):
+        if hasattr(o, "generator"):
+            o.generator = torch.Generator().manual_seed(seed)
+    return out
+
+
 def evaluate_point(S: dict[str, Any], ctx: dict[str, Any], judge, baseline: bool, tiny: bool) -> dict[str, Any]:
     """The matrix's evaluation of the run as it stands, on a copy of its model (a recipe with
     ``bn_stats_from_data`` recomputes the copy's BatchNorm statistics, kept only when the
-    validation accuracy is not worse); the run's and the global random states are left as they were."""
+    validation accuracy is not worse); the run's and the global random states are left as they were.
+    A run trained on a device (``ctx["device"]``) is evaluated on the CPU, as the others are: on
+    copies of its model and loss moved there (:func:`cpu_copy_of_loss`)."""
     rng, g_state, c0 = get_rng_state(), ctx["g"].get_state(), time.process_time()
     model = copy.deepcopy(ctx["model"]).eval()
-    res = {"model": model, "jm": jem.wrap(model, **S["wrap_kw"]), "loss_fn": ctx["loss_fn"], "recipe": ctx["recipe"]}
+    loss_fn = ctx["loss_fn"]
+    if ctx.get("device") is not None:
+        model.to("cpu")
+        loss_fn = None if loss_fn is None else cpu_copy_of_loss(loss_fn, ctx["seed"])
+    res = {"model": model, "jm": jem.wrap(model, **S["wrap_kw"]), "loss_fn": loss_fn, "recipe": ctx["recipe"]}
     try:
         selection = GB.keep_better_bn_statistics(S, res)
         ev = GB.evaluate_cell(S, res, judge, tiny, baseline)
@@ -240,18 +319,32 @@ def evaluate_point(S: dict[str, Any], ctx: dict[str, Any], judge, baseline: bool
 
 
 def run_cell(
-    c: dict[str, Any], out_dir: str, stop_after: int | None = None, checkpoint_every_s: float = CHECKPOINT_EVERY_S
+    c: dict[str, Any],
+    out_dir: str,
+    stop_after: int | None = None,
+    checkpoint_every_s: float = CHECKPOINT_EVERY_S,
+    device: str | None = None,
+    deadline: float | None = None,
+    threads: int = 1,
 ) -> dict[str, Any]:
     """Train one cell to its last epoch, evaluating and checkpointing at :func:`eval_epochs`,
     resuming from its checkpoint; ``stop_after``: return after that many evaluation points of this
     call (a kill, for tests). The cell's JSON is rewritten after every point. Between points the
     state is also checkpointed at the end of the first epoch ``checkpoint_every_s`` seconds (wall)
-    after the last checkpoint: a session that ends mid-cell loses at most that much."""
-    torch.set_num_threads(1)
+    after the last checkpoint: a session that ends mid-cell loses at most that much.
+
+    ``device``: where the model and loss train (``None``: the CPU, bit for bit as before; the points
+    are evaluated on the CPU either way, :func:`evaluate_point`); the row records it, and each point
+    its training wall seconds (``train_wall_s``, the device synchronised) beside the CPU seconds.
+    ``deadline`` (``time.time()``): the cell stops at its first evaluation point after it, its JSON
+    saying ``"stopped": "deadline"`` (not done; a later call resumes it from its checkpoint).
+    ``threads``: ``torch.set_num_threads``."""
+    torch.set_num_threads(threads)
     tiny = bool(c.get("tiny"))
     json_path, ckpt_path = _paths(out_dir, c)
-    row = GB._read_json(json_path) or {**c, "name": GB.cell_name(c), "points": []}
-    if row.get("done"):
+    stored = GB._read_json(json_path)
+    row = stored or {**c, "name": GB.cell_name(c), "points": []}
+    if row.get("done") or (stored and stored.get("device", "cpu") != str(device or "cpu")):  # another device's curve
         return row
     row.pop("error", None)  # retried
     ds = GB.dataset(c["dataset"], tiny)
@@ -270,14 +363,16 @@ def run_cell(
             batch_size=BATCH,
             overrides=overrides or None,
             fit_init="train",
+            device=device,
+            negatives=c.get("negatives"),
         )
 
     ctx = start()
-    meta: dict[str, Any] = {"epoch": 0, "train_cpu_s": 0.0, "metrics": {}}
+    meta: dict[str, Any] = {"epoch": 0, "train_cpu_s": 0.0, "metrics": {}, "train_wall_s": 0.0}
     if os.path.exists(ckpt_path):
         try:
             extra = load_checkpoint(ckpt_path, **_state(ctx))
-            meta = {k: extra[k] for k in meta}
+            meta = {k: extra.get(k, v) for k, v in meta.items()}  # train_wall_s: not in older checkpoints
         except CheckpointError as exc:
             if exc.reason not in ("mismatch", "corrupt"):
                 raise
@@ -297,7 +392,9 @@ def run_cell(
         recipe_settings=str(r) if r is not None else "cross-entropy only",
         buffer_slots=ctx["loss_fn"].buffer.capacity if ctx["loss_fn"] is not None else None,
         lr_used=ctx["lr"],
+        device=str(device or "cpu"),
     )
+    row.pop("stopped", None)
     evals = eval_epochs(c["epochs"], c.get("evals", EVALS))
     done_points = {p["epoch"] for p in row["points"]}
     made = 0
@@ -308,12 +405,18 @@ def run_cell(
             "epoch": epoch,
             "iteration": epoch * n_batches,
             "train_cpu_s": meta["train_cpu_s"],
+            "train_wall_s": meta["train_wall_s"],
             "metrics": meta["metrics"],
             **evaluate_point(S, ctx, judge, baseline, tiny),
         }
         row["points"] = sorted([p for p in row["points"] if p["epoch"] != epoch] + [point], key=lambda p: p["epoch"])
         write_json(json_path, row)
         made += 1
+        print(
+            f"[{time.strftime('%H:%M:%S')}] {row['name']}: point {point['iteration']}/{row['iterations']}, "
+            f"acc {point['accuracy']:.3f}, train {point['train_wall_s']:.0f} s wall, eval {point['eval_cpu_s']:.0f} CPU s",
+            flush=True,
+        )
 
     if meta["epoch"] in evals and meta["epoch"] not in done_points:  # killed between checkpoint and JSON
         add_point(meta["epoch"])
@@ -321,17 +424,23 @@ def run_cell(
     for epoch in range(meta["epoch"] + 1, c["epochs"] + 1):
         if stop_after is not None and made >= stop_after:
             return row
-        t = time.process_time()
+        t, t_wall = time.process_time(), time.perf_counter()
         perm = torch.randperm(len(S["x"]), generator=ctx["g"])
         for idx in perm.split(BATCH):
             metrics = G.train_step(ctx, S["x"][idx], S["y"][idx])
+        _sync(device)
         meta["train_cpu_s"] += time.process_time() - t
+        meta["train_wall_s"] += time.perf_counter() - t_wall
         if epoch in evals or time.perf_counter() - saved_at >= checkpoint_every_s:
             meta.update(epoch=epoch, metrics={k: round(float(v), 4) for k, v in metrics.items()})
             save_checkpoint(ckpt_path, **_state(ctx), **meta)
             saved_at = time.perf_counter()
         if epoch in evals:
             add_point(epoch)
+            if deadline is not None and time.time() >= deadline and epoch < c["epochs"]:
+                row["stopped"] = "deadline"
+                write_json(json_path, row)
+                return row
     row["done"] = True
     write_json(json_path, row)
     if os.path.exists(ckpt_path):
@@ -340,13 +449,18 @@ def run_cell(
 
 
 def _run_cell_job(args: tuple) -> str:
-    c, out_dir = args
+    c, out_dir, opts = args
     t = time.perf_counter()
     name = GB.cell_name(c)
+    if opts.get("deadline") is not None and time.time() >= opts["deadline"]:
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: not started (deadline)", flush=True)
+        return name
     try:
-        row = run_cell(c, out_dir)
+        row = run_cell(c, out_dir, **opts)
         last = row["points"][-1] if row["points"] else {}
         msg = f"acc {last.get('accuracy', float('nan')):.3f} at {last.get('iteration')}"
+        if row.get("stopped"):
+            msg += f" of {row['iterations']} (stopped: {row['stopped']})"
     except Exception as exc:  # a diverged run is a result of the row, not the end of it
         json_path, _ = _paths(out_dir, c)
         row = GB._read_json(json_path) or {**c, "name": name, "points": []}
@@ -364,13 +478,20 @@ def run(
     workers: int = 2,
     retry_failed: bool = False,
     report_each: bool = True,
+    device: str | None = None,
+    deadline: float | None = None,
+    threads: int = 1,
 ) -> None:
     """Run the cells not done under ``out_dir`` in order (``retry_failed``: also those that failed),
-    ``workers`` at a time; the summary and curves are rewritten as each cell finishes."""
+    ``workers`` at a time; the summary and curves are rewritten as each cell finishes. ``device``,
+    ``deadline``, ``threads``: :func:`run_cell`'s (no cell starts after the deadline)."""
     todo = []
     for c in cells:
         row = GB._read_json(_paths(out_dir, c)[0], {})
         if row.get("done") or ("error" in row and not retry_failed):
+            continue
+        if row and row.get("device", "cpu") != str(device or "cpu"):  # merged from another device: its curve
+            print(f"{GB.cell_name(c)}: left to {row.get('device')}, which started it", flush=True)
             continue
         todo.append(c)
     t0 = time.perf_counter()
@@ -383,7 +504,8 @@ def run(
             GB.dataset(name, tiny), GB.judge_for(name, tiny, out_dir)
     write_json(refs_path, refs)
     print(f"{len(cells) - len(todo)} of {len(cells)} cells done before; running {len(todo)}", flush=True)
-    jobs = [(c, out_dir) for c in todo]
+    opts = dict(device=device, deadline=deadline, threads=threads)
+    jobs = [(c, out_dir, opts) for c in todo]
     if workers > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(workers) as ex:
             pending = {ex.submit(_run_cell_job, j) for j in jobs}
@@ -402,7 +524,16 @@ def run(
     write_json(
         runs_path,
         GB._read_json(runs_path, [])
-        + [{"machine": machine_info(), "workers": workers, "cells_run": len(todo), "wall_s": time.perf_counter() - t0}],
+        + [
+            {
+                "machine": machine_info(),
+                "workers": workers,
+                "threads": threads,
+                "device": device or "cpu",
+                "cells_run": len(todo),
+                "wall_s": time.perf_counter() - t0,
+            }
+        ],
     )
 
 
@@ -504,6 +635,7 @@ def _gaps(p: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
     """One point against its baseline's at the same iteration."""
     fd = p.get("buffer", {}).get("fd")
     return {
+        "wall_s": p.get("train_wall_s"),
         "acc_gap": 100 * (p["accuracy"] - b["accuracy"]),
         "auroc_gap": min(p["auroc"]["logpx"][s] - b["auroc"]["logpx"][s] for s in OOD_NAMES),
         "fd_ratio": None if fd is None else fd / p["init_fd"],
@@ -514,6 +646,12 @@ def _gaps(p: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
         "base_ece": b["ece"],
         "base_ece_ts": b["ece_ts"],
     }
+
+
+def _device_pair(r: dict[str, Any], b: dict[str, Any]) -> str:
+    """Where a recipe cell and its baseline trained: ``cuda``, or ``cuda (baseline cpu)``."""
+    d, db = r.get("device", "cpu"), b.get("device", "cpu")
+    return d if d == db else f"{d} (baseline {db})"
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -532,11 +670,12 @@ def curves(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for (dataset, net, label, role), rs in groups.items():
         per_iter: dict[int, list[dict[str, Any]]] = {}
-        seeds, cost = set(), []
+        seeds, cost, devices = set(), [], set()
         for r in rs:
             b = base.get((dataset, net, r["seed"]))
             if b is None:
                 continue
+            devices.add(_device_pair(r, b))
             b_points = {p["iteration"]: p for p in b["points"]}
             for p in r["points"]:
                 if p["iteration"] in b_points:
@@ -544,7 +683,11 @@ def curves(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     seeds.add(r["seed"])
             if r["points"] and b["points"]:
                 pr, pb = r["points"][-1], b["points"][-1]
-                cost.append((pr["train_cpu_s"] / pr["iteration"]) / max(pb["train_cpu_s"] / pb["iteration"], 1e-9))
+                # seconds per iteration against the baseline's on the same device: CPU seconds on the
+                # CPU, wall seconds on a GPU (its cost); none across devices
+                key = {"cpu": "train_cpu_s"}.get(r.get("device", "cpu"), "train_wall_s")
+                if r.get("device", "cpu") == b.get("device", "cpu") and pr.get(key) and pb.get(key):
+                    cost.append((pr[key] / pr["iteration"]) / max(pb[key] / pb["iteration"], 1e-9))
         points = [
             {"iteration": it, "seeds": len(gs), **{k: _mean([g[k] for g in gs]) for k in gs[0]}}
             for it, gs in sorted(per_iter.items())
@@ -562,6 +705,7 @@ def curves(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 done=all(r.get("done") for r in rs),
                 cost=_mean(cost),
                 errors=errors,
+                device=", ".join(sorted(devices)),
             )
         )
     order = {n: i for i, n in enumerate(NETWORKS)}
@@ -599,7 +743,14 @@ def targets_evidence(rows: Sequence[dict[str, Any]], entries: Sequence[dict[str,
     recipe cell, its network's kind, recipe and settings, how far it was evaluated and the first
     iteration at which each target held (None: not yet), and whether all three still held at its
     last point."""
-    settings = {(r["dataset"], r["net"], GB.run_label(r)): (r["run"], r.get("set") or {}) for r in rows}
+    # a DAT cell's recipe is no registered recipe ("generative+dat"): jem train cannot switch to it
+    settings = {
+        (r["dataset"], r["net"], GB.run_label(r)): (
+            r["run"] + (f"+{r['negatives']}" if r.get("negatives") else ""),
+            r.get("set") or {},
+        )
+        for r in rows
+    }
     kinds = {"BN": "BN", "depthwise BN": "BN", "none": "none"}
     cells = []
     for e in entries:
@@ -647,6 +798,7 @@ def targets_table(entries: Sequence[dict[str, Any]]) -> str:
         "ECE / after T (baseline)",
         "judge acc (init)",
         "cost x",
+        "device",
     ]
     rows = []
     for e in entries:
@@ -670,6 +822,7 @@ def targets_table(entries: Sequence[dict[str, Any]]) -> str:
             ]
         else:
             cells += ["-"] * 6
+        cells.append(e.get("device") or "cpu")
         rows.append(cells)
     return md_table(header, rows)
 
@@ -689,9 +842,9 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
         fig.text(0.5, 0.5, f"{dataset}: no point of the long row evaluated yet", ha="center", va="center")
         fig.savefig(path, dpi=110)
         return path
-    nets = [n for n in NETWORKS if any(e["net"] == n for e in mine)]
-    colours = dict(zip(NETWORKS, ("tab:blue", "tab:orange", "tab:green", "tab:purple")))
-    styles = {"default": "-", "generative": "--"}
+    nets = [n for n in NETWORKS + GPU_NETWORKS if any(e["net"] == n for e in mine)]
+    colours = dict(zip(NETWORKS + GPU_NETWORKS, ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red")))
+    styles = {"default": "-", "generative": "--", "dat": "-."}
     panels = [
         ("acc_gap", "test accuracy - baseline's (points)", -1.0, "within 1 point"),
         ("auroc_gap", "log p(x) AUROC - baseline energy's\n(worst of the 4 OOD sets)", 0.0, ">= baseline on all"),
@@ -705,7 +858,10 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
             xs = [p["iteration"] for p in e["points"] if p[key] is not None]
             ys = [p[key] for p in e["points"] if p[key] is not None]
             if xs:
-                ax.plot(xs, ys, styles.get(e["role"], ":"), color=colours.get(e["net"], "k"), marker="o", ms=3, lw=1.5)
+                marker = "s" if "cuda" in e.get("device", "") else "o"  # squares: trained on a GPU
+                ax.plot(
+                    xs, ys, styles.get(e["role"], ":"), color=colours.get(e["net"], "k"), marker=marker, ms=3, lw=1.5
+                )
         if key == "acc_gap":
             lo = min((p[key] for e in mine for p in e["points"]), default=-5)
             ax.set_ylim(max(lo - 1, -40), None)
@@ -740,6 +896,8 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
         Line2D([], [], color="k", ls=styles.get(r, ":"), label=("jem train's choice" if r == "default" else r))
         for r in roles
     ]
+    if any("cuda" in e.get("device", "") for e in mine):
+        handles.append(Line2D([], [], color="k", ls="", marker="s", ms=4, label="trained on a GPU"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     seeds = sorted({s for e in mine for s in e["seeds"]})
     choices = sorted({e["run"] for e in mine if e["role"] == "default"})
@@ -751,6 +909,54 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
         fontsize=9,
     )
     fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def dat_wall_figure(entries: Sequence[dict[str, Any]], path: str) -> str | None:
+    """DAT's PGD negatives against SGLD (``jem train``'s choice) at the same training wall time
+    (issue 45 item 4): accuracy gap, AUROC gap and FD ratio against wall seconds, a row per data
+    set, for each network with a ``dat`` curve; only curves trained on the ``dat`` one's device.
+    ``None`` when no ``dat`` cell has a point yet."""
+    dats = [e for e in entries if e["role"] == "dat" and e["points"]]
+    if not dats:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    keys = [
+        ("acc_gap", "accuracy - baseline's (pt)"),
+        ("auroc_gap", "AUROC gap (worst OOD set)"),
+        ("fd_ratio", "FD / init's"),
+    ]
+    fig = Figure(figsize=(11, 3.2 * len(dats)))
+    axes = fig.subplots(len(dats), 3, squeeze=False)
+    for row, d in zip(axes, dats):
+        pair = [d] + [
+            e
+            for e in entries
+            if e["role"] == "default" and (e["dataset"], e["net"], e["device"]) == (d["dataset"], d["net"], d["device"])
+        ]
+        for ax, (key, label) in zip(row, keys):
+            for e in pair:
+                pts = [p for p in e["points"] if p[key] is not None and p.get("wall_s") is not None]
+                name = "DAT (PGD)" if e["role"] == "dat" else f"SGLD ({e['run']})"
+                ax.plot(
+                    [p["wall_s"] for p in pts],
+                    [p[key] for p in pts],
+                    "-." if e["role"] == "dat" else "-",
+                    marker="o",
+                    ms=3,
+                    label=name,
+                )
+            ax.set_title(f"{d['dataset']} / {d['net']} on {d['device']}", fontsize=8)
+            ax.set_xlabel("training wall seconds", fontsize=8)
+            ax.set_ylabel(label, fontsize=8)
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=7)
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
 
@@ -771,7 +977,9 @@ def to_markdown(
         "holds on the mean over its seeds, judged against the baseline of the same data, network and seed at "
         'the same iteration ("not yet (at N)": not met up to iteration N, the last evaluated; ", not at N": '
         "met earlier and missed at the last point); then the last point's values. **Bold**: `jem train`'s "
-        "choice. Cost: CPU seconds per iteration against the baseline's.",
+        "choice. Cost: seconds per iteration against the baseline's on the same device (CPU seconds on the "
+        "CPU, wall seconds on a GPU, whose points are evaluated on the CPU all the same); device: where "
+        "the recipe and its baseline trained.",
         "",
     ]
     for name, ref in refs.items():
@@ -807,6 +1015,9 @@ def report(
         if png and docs:
             os.makedirs(docs, exist_ok=True)
             shutil.copy(png, os.path.join(docs, os.path.basename(png)))
+    wall = dat_wall_figure(entries, os.path.join(out_dir, "long-row-dat-wall.png"))
+    if wall and docs:
+        shutil.copy(wall, os.path.join(docs, os.path.basename(wall)))
     write_json(os.path.join(out_dir, "summary.json"), {"entries": entries, "references": refs})
     if targets:
         write_json(targets, targets_evidence(rows, entries))
@@ -815,6 +1026,49 @@ def report(
     if readme:
         GB.write_readme(md, readme, START, END, HEADING)
     return md
+
+
+def merge_from(archive: str, out_dir: str = RESULTS) -> list[str]:
+    """Unpack a ``run_gpu_long_row.sh`` archive's cells into ``out_dir/cells``: a cell done here is
+    never overwritten; one not done here (or absent) takes the archive's, when that is done or has
+    more points (the replaced cell's checkpoint is set aside as ``.stale``, so that no run resumes
+    it into a curve of two devices; :func:`run` leaves a cell another device started to that device).
+    Its ``runs.json`` entries are appended to ``out_dir/runs.json`` and its log kept as
+    ``out_dir/gpu-<archive>.log``. Returns a line per cell. Stop a CPU run before merging: it
+    rewrites the JSON of the cell it is training."""
+    import tarfile
+    import tempfile
+
+    lines = []
+    os.makedirs(os.path.join(out_dir, "cells"), exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp, filter="data")
+        for path in sorted(glob.glob(os.path.join(tmp, "**", "cells", "*.json"), recursive=True)):
+            new = GB._read_json(path)
+            dest = os.path.join(out_dir, "cells", os.path.basename(path))
+            old = GB._read_json(dest, {})
+            state = "done" if new.get("done") else f"{len(new.get('points', []))} points"
+            if old.get("done"):
+                lines.append(f"kept (done here): {os.path.basename(path)}")
+            elif old and not new.get("done") and len(old.get("points", [])) >= len(new.get("points", [])):
+                lines.append(f"kept (as many points here): {os.path.basename(path)}")
+            else:
+                shutil.copy(path, dest)
+                ckpt = os.path.join(out_dir, "checkpoints", os.path.basename(path)[: -len(".json")] + ".pt")
+                if os.path.exists(ckpt):
+                    os.replace(ckpt, ckpt + ".stale")
+                lines.append(
+                    f"{'replaced' if old else 'added'} ({new.get('device', 'cpu')}, {state}): {os.path.basename(path)}"
+                )
+        base = os.path.basename(archive).split(".")[0]
+        for path in glob.glob(os.path.join(tmp, "**", "runs.json"), recursive=True):
+            runs_path = os.path.join(out_dir, "runs.json")
+            added = [{**r, "merged_from": os.path.basename(archive)} for r in GB._read_json(path, [])]
+            write_json(runs_path, GB._read_json(runs_path, []) + added)
+        for path in glob.glob(os.path.join(tmp, "**", "*.log"), recursive=True):
+            shutil.copy(path, os.path.join(out_dir, f"gpu-{base}.log"))
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -828,14 +1082,38 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--probe", action="store_true", help="time each (network, run) and stop (OUT/speed.json)")
     p.add_argument("--plan", action="store_true", help="print the plan with its projected CPU time and stop")
     p.add_argument("--report", action="store_true", help="no training: curves, table, README section and docs figure")
+    p.add_argument("--device", default=None, help="train on this device (e.g. cuda); evaluation stays on the CPU")
+    p.add_argument(
+        "--deadline-s", type=float, default=None, help="no cell starts, and each stops at its next point, after S s"
+    )
+    p.add_argument("--deadline-at", type=float, default=None, help="the same, at this time.time() (a script's clock)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument(
+        "--gpu-plan", action="store_true", help="the GPU's order (gpu_plan): resnet18, dat, the CPU plan's rest"
+    )
+    p.add_argument("--gpu-iterations", type=int, default=GPU_ITERATIONS, help="the resnet18 cells' iterations")
+    p.add_argument("--done-dir", default=os.path.join(RESULTS, "cells"), help="--gpu-plan skips the cells done here")
+    p.add_argument("--tiny", action="store_true", help="the tiny data sets (a smoke test of the plumbing)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N cells of the plan")
+    p.add_argument("--no-report", action="store_true", help="no summary or curves after the run")
+    p.add_argument("--merge-from", default=None, help="a run_gpu_long_row.sh tar.gz: its cells into OUT/cells")
     a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    deadline = a.deadline_at if a.deadline_s is None else time.time() + a.deadline_s
+    torch.set_num_threads(1)  # the parent: no OpenMP pool for the forked workers (each sets its --threads) to inherit
     out_dir = os.path.abspath(a.out)
     os.makedirs(out_dir, exist_ok=True)
+    if a.merge_from:
+        for line in merge_from(a.merge_from, out_dir):
+            print(line)
+        return
     if a.probe:
         write_json(os.path.join(out_dir, "speed.json"), probe_speed(a.networks, out_dir=out_dir))
         return
-    cells = plan(a.datasets, a.networks, a.iterations)
+    if a.gpu_plan:
+        cells = gpu_plan(a.done_dir, a.iterations, a.gpu_iterations, a.tiny)
+    else:
+        cells = plan(a.datasets, a.networks, a.iterations, tiny=a.tiny)
+    cells = cells[: a.limit] if a.limit is not None else cells
     if a.plan:
         print(plan_table(cells, GB._read_json(os.path.join(out_dir, "speed.json")) or speed_from_matrix()))
         return
@@ -843,8 +1121,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         of_record = out_dir == os.path.abspath(RESULTS)  # only the committed results speak for jem train
         print(report(out_dir, planned=len(cells), targets=str(LONG_ROW_TARGETS) if of_record else None))
         return
-    run(cells, out_dir, workers=a.workers, retry_failed=a.retry_failed)
-    print(report(out_dir, readme=None, docs=None))
+    run(
+        cells,
+        out_dir,
+        workers=a.workers,
+        retry_failed=a.retry_failed,
+        report_each=not a.no_report,
+        device=a.device,
+        deadline=deadline,
+        threads=a.threads,
+    )
+    if not a.no_report:
+        print(report(out_dir, readme=None, docs=None))
 
 
 if __name__ == "__main__":
