@@ -233,21 +233,26 @@ def gpu_plan(
     iterations: int = ITERATIONS,
     gpu_iterations: int = GPU_ITERATIONS,
     tiny: bool = False,
+    skip_started: bool = False,
 ) -> list[dict[str, Any]]:
     """The GPU's order: resnet18 on textures, baseline and ``jem train``'s choice, ``gpu_iterations``
     (issue 45 item 5); ``dat`` on textures/resnet10t and digits32/resnet10t, seed 0 (item 4); then
-    every cell of :func:`plan` not done in ``done_dir`` (the CPU's results), in plan order."""
+    every cell of :func:`plan` not done in ``done_dir`` (the CPU's results), in plan order.
+    ``skip_started``: also leave out every cell with a point in ``done_dir`` (a second GPU call, whose
+    checkpoints from the first stayed on that machine, adds cells rather than restarting them)."""
     cells = [
         cell("textures", n, r, 0, epochs_for("textures", gpu_iterations, tiny), tiny)
         for n in GPU_NETWORKS
         for r in ("baseline", "default")
     ]
     cells += [cell(d, NETWORKS[0], "dat", 0, epochs_for(d, iterations, tiny), tiny) for d in DATASETS]
-    for c in plan(iterations=iterations, tiny=tiny):
+    cells += plan(iterations=iterations, tiny=tiny)
+    kept = []
+    for c in cells:
         row = GB._read_json(os.path.join(done_dir, GB.cell_name(c) + ".json"), {}) if done_dir else {}
-        if not row.get("done"):
-            cells.append(c)
-    return cells
+        if not (row.get("done") or (skip_started and row.get("points"))):
+            kept.append(c)
+    return kept
 
 
 # ---------------------------------------------------------------------------- one cell
@@ -898,7 +903,8 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
     ]
     if any("cuda" in e.get("device", "") for e in mine):
         handles.append(Line2D([], [], color="k", ls="", marker="s", ms=4, label="trained on a GPU"))
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    ncol = min(len(handles), 5)  # rows of at most five, so that the legend fits the figure's width
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
     seeds = sorted({s for e in mine for s in e["seeds"]})
     choices = sorted({e["run"] for e in mine if e["role"] == "default"})
     role_note = f"solid: jem train's choice, {' or '.join(choices)}" if choices else "no choice cell yet"
@@ -908,7 +914,7 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
         f"{role_note})",
         fontsize=9,
     )
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.tight_layout(rect=(0, 0.025 * math.ceil(len(handles) / ncol) + 0.015, 1, 1))
     fig.savefig(path, dpi=110)
     return path
 
@@ -931,13 +937,19 @@ def dat_wall_figure(entries: Sequence[dict[str, Any]], path: str) -> str | None:
         ("auroc_gap", "AUROC gap (worst OOD set)"),
         ("fd_ratio", "FD / init's"),
     ]
+
+    def trained_on(e: dict[str, Any]) -> set[str]:  # "cuda, cuda (baseline cpu)": the recipe's own devices
+        return {part.split(" (")[0] for part in e["device"].split(", ")}
+
     fig = Figure(figsize=(11, 3.2 * len(dats)))
     axes = fig.subplots(len(dats), 3, squeeze=False)
     for row, d in zip(axes, dats):
         pair = [d] + [
             e
             for e in entries
-            if e["role"] == "default" and (e["dataset"], e["net"], e["device"]) == (d["dataset"], d["net"], d["device"])
+            if e["role"] == "default"
+            and (e["dataset"], e["net"]) == (d["dataset"], d["net"])
+            and trained_on(e) == trained_on(d)
         ]
         for ax, (key, label) in zip(row, keys):
             for e in pair:
@@ -1093,6 +1105,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--gpu-iterations", type=int, default=GPU_ITERATIONS, help="the resnet18 cells' iterations")
     p.add_argument("--done-dir", default=os.path.join(RESULTS, "cells"), help="--gpu-plan skips the cells done here")
+    p.add_argument("--skip-started", action="store_true", help="--gpu-plan: also skip cells with points in --done-dir")
     p.add_argument("--tiny", action="store_true", help="the tiny data sets (a smoke test of the plumbing)")
     p.add_argument("--limit", type=int, default=None, help="only the first N cells of the plan")
     p.add_argument("--no-report", action="store_true", help="no summary or curves after the run")
@@ -1110,7 +1123,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         write_json(os.path.join(out_dir, "speed.json"), probe_speed(a.networks, out_dir=out_dir))
         return
     if a.gpu_plan:
-        cells = gpu_plan(a.done_dir, a.iterations, a.gpu_iterations, a.tiny)
+        cells = gpu_plan(a.done_dir, a.iterations, a.gpu_iterations, a.tiny, a.skip_started)
     else:
         cells = plan(a.datasets, a.networks, a.iterations, tiny=a.tiny)
     cells = cells[: a.limit] if a.limit is not None else cells

@@ -129,7 +129,11 @@ def test_a_timm_network_trains_under_bf16_and_channels_last_and_is_scored_by_eve
     table = json.loads(out.read_text())
     scores = {key.split("/")[0] for key in table}
     assert scores >= {"logpx", "ash", "scale", "gmm", "vim", "knn", "mahalanobis_odin"}, scores
-    assert all(0.0 <= row["auroc"] <= 1.0 for row in table.values()), table  # every score ran to a number
+    # every score ran to a number, but mcd, which says in its row that this network has no dropout
+    failed = {key for key, row in table.items() if "auroc" not in row}
+    assert {key.split("/")[0] for key in failed} <= {"mcd"}, {key: table[key] for key in failed}
+    assert all("no dropout layer" in table[key]["reason"] for key in failed), failed
+    assert all(0.0 <= row["auroc"] <= 1.0 for key, row in table.items() if key not in failed), table
     assert (tmp_path / "all.csv").is_file() and (tmp_path / "all.png").is_file()
 
 
