@@ -164,6 +164,14 @@ def _worker(out_dir: str) -> None:  # pragma: no cover - runs in the torchrun ch
         "rows_of_union": bool((nearest.values < 1e-6).all()),
         "ranks_in_bank": sorted({int(i >= SIZES[0]) for i in nearest.indices}),
     }
+    # gram with a fraction held out: the bounds are the union's; E_l comes from each rank's own draw
+    from jem_plugin.builtins.posthoc import Gram
+
+    held = Gram(layers=["stem", "stage2"], powers=2, held_out=0.3).fit(jm, shard, batch_size=32)
+    held_union = Gram(layers=["stem", "stage2"], powers=2, held_out=0.3).fit(jm, (x, y), distributed=False)
+    gaps = {}
+    _state_gaps(held, held_union, "gram", gaps)
+    res["gram_held_out"] = {"gaps": sorted(gaps), "scores": held.score(jm, x_test).tolist()}
     # opting out: each rank its own shard
     alone = KNN(k=3).fit(jm, shard, distributed=False)
     res["opt_out_rows"] = alone.bank.shape[0]
@@ -205,6 +213,13 @@ def test_a_capped_sample_is_one_uniform_sample_of_the_union_on_every_rank(ranks)
     assert a == b  # the same bank on both ranks
     assert a["rows"] == 20 and a["rows_of_union"]
     assert a["ranks_in_bank"] == [0, 1]  # drawn from both shards
+
+
+@pytest.mark.slow
+def test_gram_with_a_held_out_fraction_has_the_unions_bounds_on_every_rank(ranks):
+    a, b = ranks[0]["gram_held_out"], ranks[1]["gram_held_out"]
+    assert a == b
+    assert set(a["gaps"]) <= {"gram.layer_norm"}  # E_l: from the held-out draw, each rank its own
 
 
 @pytest.mark.slow
