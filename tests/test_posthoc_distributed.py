@@ -230,6 +230,7 @@ def test_distributed_false_fits_each_rank_alone(ranks):
 def test_every_fitted_detector_says_how_it_combines_across_ranks():
     """A fitted detector added without saying what its fit accumulates would fit each rank
     alone under torchrun: each says it, in the ways :mod:`._distributed` knows."""
+    import jem_plugin as jem
     from jem_plugin.builtins.posthoc import DETECTORS
     from jem_plugin.builtins.posthoc._base import _FittedDetector
     from jem_plugin.builtins.posthoc._distributed import KINDS
@@ -240,6 +241,12 @@ def test_every_fitted_detector_says_how_it_combines_across_ranks():
         dynamic = d._rank_statistics is not _FittedDetector._rank_statistics
         assert d._rank_stats is not None or dynamic, d.name
         assert all(how in KINDS for _, how in d._rank_stats or ()), d.name
+        # what score_info says: rows gathered where the fit keeps rows of the data
+        keeps_rows = any(how in ("sample", "gather") for _, how in d._rank_stats or ())
+        assert jem.ood.score_info(d.name)["across_ranks"] == ("gather" if keeps_rows else "reduce"), d.name
+    assert jem.ood.score_info("knn")["across_ranks"] == "gather"
+    assert jem.ood.score_info("mahalanobis")["across_ranks"] == "reduce"
+    assert jem.ood.score_info("msp")["across_ranks"] is None
 
 
 def test_without_a_process_group_a_fit_imports_nothing_more():

@@ -170,6 +170,11 @@ class _FittedDetector:
     #: ``how`` one of ``"sum"``, ``"min"``, ``"max"``, ``"moments"``, ``"sample"``, ``"gather"``,
     #: ``"top"``, ``"low2"``, ``"high2"``; ``None``: not said (such a fit runs with ``distributed=False``).
     _rank_stats: tuple[tuple[str | tuple[str, str], str], ...] | None = None
+    #: What :func:`jem_plugin.ood.score_info` says of a fit across ranks: ``"reduce"`` where the
+    #: fit keeps statistics of a fixed size (sums, moments, bounds, the largest distances),
+    #: reduced across the ranks; ``"gather"`` where it keeps rows of the fit data (a bank, or a
+    #: sample bounded by a cap where it has one), gathered from every rank onto every rank.
+    across_ranks = "reduce"
 
     def __init__(self) -> None:
         self.fitted = False

@@ -117,6 +117,7 @@ class VRA(_FittedDetector):
     )
     paper = "Xu et al. 2023, VRA: Variational Rectified Activation for Out-of-distribution Detection (NeurIPS)"
     _rank_stats = (("_sample", "sample"),)
+    across_ranks = "gather"
 
     def __init__(
         self,
@@ -203,6 +204,7 @@ class AdaSCALE(_FittedDetector):
     description = "AdaSCALE: SCALE at a percentile set by how far a small input step moves the features (fit; input grad; variant='a')"
     paper = "Regmi et al. 2025, AdaSCALE: Adaptive Scaling for OOD Detection"
     _rank_stats = (("_qs", "gather"),)  # one float per fit input
+    across_ranks = "gather"
 
     def __init__(
         self,

@@ -129,6 +129,7 @@ class NNGuide(_FittedDetector):
     description = "NNGuide: energy times the mean similarity to the k nearest energy-scaled training features (fit; k=10, max_fit=)"
     paper = "Park et al. 2023, Nearest Neighbor Guidance for Out-of-Distribution Detection (ICCV)"
     _rank_stats = (("_sample", "sample"),)  # across ranks: the bank gathered, every rank holds it all
+    across_ranks = "gather"
 
     def __init__(self, k: int = 10, max_fit: int | None = None, seed: int = 0, chunk: int = 65536) -> None:
         super().__init__()
