@@ -172,6 +172,20 @@ def _worker(out_dir: str) -> None:  # pragma: no cover - runs in the torchrun ch
     gaps = {}
     _state_gaps(held, held_union, "gram", gaps)
     res["gram_held_out"] = {"gaps": sorted(gaps), "scores": held.score(jm, x_test).tolist()}
+    # a rank without fit data: the same one-line error on every rank, not a hang
+    import jem_plugin as jem
+    from jem_plugin.builtins.posthoc import Mahalanobis
+    from jem_plugin.errors import InvalidInputError
+
+    lonely = Mahalanobis()
+    lonely.begin_fit(jm)
+    if rank == 0:
+        lonely.add_outputs(jem.ood.outputs(jm, x[:20], lonely.reads), y[:20])
+    try:
+        lonely.end_fit(jm)
+        res["empty_rank"] = "fitted"
+    except InvalidInputError as exc:
+        res["empty_rank"] = str(exc)
     # opting out: each rank its own shard
     alone = KNN(k=3).fit(jm, shard, distributed=False)
     res["opt_out_rows"] = alone.bank.shape[0]
@@ -220,6 +234,12 @@ def test_gram_with_a_held_out_fraction_has_the_unions_bounds_on_every_rank(ranks
     a, b = ranks[0]["gram_held_out"], ranks[1]["gram_held_out"]
     assert a == b
     assert set(a["gaps"]) <= {"gram.layer_norm"}  # E_l: from the held-out draw, each rank its own
+
+
+@pytest.mark.slow
+def test_a_rank_without_fit_data_raises_on_every_rank(ranks):
+    assert ranks[0]["empty_rank"] == ranks[1]["empty_rank"]
+    assert "rank(s) [1] saw no fit data" in ranks[0]["empty_rank"]
 
 
 @pytest.mark.slow

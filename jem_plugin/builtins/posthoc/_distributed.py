@@ -173,8 +173,10 @@ def _describe(det: Any, stats: Sequence[RankStat]) -> list[Any]:
     and kind, and ``None`` where the rank has nothing (it saw no data)."""
     out = []
     for path, how in stats:
-        paths = path if isinstance(path, tuple) else (path,)
-        values = [_get(det, p) for p in paths]
+        try:
+            values = [_get(det, p) for p in (path if isinstance(path, tuple) else (path,))]
+        except (AttributeError, IndexError, TypeError):  # inside a statistic never started (None)
+            values = [None]
         missing = any(v is None for v in values) or (how == "moments" and values[0].shift is None)
         out.append((path, how, None if missing else "ok"))
     return out
