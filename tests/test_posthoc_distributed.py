@@ -172,11 +172,25 @@ def _worker(out_dir: str) -> None:  # pragma: no cover - runs in the torchrun ch
     gaps = {}
     _state_gaps(held, held_union, "gram", gaps)
     res["gram_held_out"] = {"gaps": sorted(gaps), "scores": held.score(jm, x_test).tolist()}
-    # a rank without fit data: the same one-line error on every rank, not a hang
     import jem_plugin as jem
     from jem_plugin.builtins.posthoc import Mahalanobis
     from jem_plugin.errors import InvalidInputError
 
+    # from outputs already computed (the one-forward path of evaluate_all): combined alike
+    res["from_outputs"] = {}
+    for label in ("openmax", "gmm", "knn"):
+        cls, kw = _cases()[label]
+        det, union = cls(**kw), cls(**kw)
+        # in batches of 32, so that the union's first batch (its moments' centre) is rank 0's
+        det.fit_outputs(jm, [(jem.ood.outputs(jm, a, det.reads), b) for a, b in zip(*(t.split(32) for t in shard))])
+        union.fit_outputs(
+            jm, [(jem.ood.outputs(jm, a, det.reads), b) for a, b in zip(x.split(32), y.split(32))], distributed=False
+        )
+        gaps = {}
+        _state_gaps(det, union, label, gaps)
+        res["from_outputs"][label] = sorted(gaps)
+
+    # a rank without fit data: the same one-line error on every rank, not a hang
     lonely = Mahalanobis()
     lonely.begin_fit(jm)
     if rank == 0:
@@ -234,6 +248,12 @@ def test_gram_with_a_held_out_fraction_has_the_unions_bounds_on_every_rank(ranks
     a, b = ranks[0]["gram_held_out"], ranks[1]["gram_held_out"]
     assert a == b
     assert set(a["gaps"]) <= {"gram.layer_norm"}  # E_l: from the held-out draw, each rank its own
+
+
+@pytest.mark.slow
+def test_fits_from_outputs_combine_across_ranks_too(ranks):
+    for r in ranks:
+        assert r["from_outputs"] == {"openmax": [], "gmm": [], "knn": []}
 
 
 @pytest.mark.slow
