@@ -70,7 +70,9 @@ def _comm_device() -> torch.device:
 
 
 def _all_reduce(t: Tensor, how: str) -> Tensor:
-    out = t.to(_comm_device()).clone()
+    """``t`` reduced over the ranks; in place where it lives on the collective's device (a
+    ``K x D x D`` moment is not copied)."""
+    out = t.to(_comm_device()).contiguous()
     dist.all_reduce(out, op=_OPS[how])
     return out.to(t.device)
 
