@@ -81,10 +81,13 @@ def available_scores() -> dict[str, str]:
 
 def score_info(name: str) -> dict[str, Any]:
     """What the registered score ``name`` needs: ``{"needs_grad", "needs_fit", "description",
-    "assumes_jem", "reads"}`` (``assumes_jem``: it reads ``log p(x)`` as a trained density and
-    warns on a model not trained as a JEM; ``reads``: the kinds of output, :data:`KINDS`, it
+    "assumes_jem", "reads", "across_ranks"}`` (``assumes_jem``: it reads ``log p(x)`` as a trained
+    density and warns on a model not trained as a JEM; ``reads``: the kinds of output, :data:`KINDS`, it
     scores from, what :func:`outputs` computes for it, or ``None`` where it reads the inputs
-    themselves). Unknown names raise :class:`~jem_plugin.errors.UnknownNameError`."""
+    themselves; ``across_ranks``: for a detector fitted under ``torchrun``, ``"reduce"`` where its
+    fit keeps statistics of a fixed size, reduced across the ranks, ``"gather"`` where it keeps
+    rows of the fit data, gathered onto every rank, ``None`` where it says nothing). Unknown names
+    raise :class:`~jem_plugin.errors.UnknownNameError`."""
     entry = lookup(_HOOK, name, "OOD score")
     reads = entry.get("reads", getattr(entry["item"], "reads", None) if entry.get("needs_fit") else None)
     return {
@@ -93,6 +96,7 @@ def score_info(name: str) -> dict[str, Any]:
         "description": str(entry.get("description", "")),
         "assumes_jem": bool(entry.get("assumes_jem", False)),
         "reads": None if reads is None or entry.get("needs_grad") else frozenset(reads),
+        "across_ranks": getattr(entry["item"], "across_ranks", None) if entry.get("needs_fit") else None,
     }
 
 

@@ -17,6 +17,7 @@ from ..._checks import (
     unwrap_model,
 )
 from ..._outputs import Outputs, fit_inputs, forward_outputs
+from ...distributed import get_world_size, rank_seed
 from ...errors import InvalidInputError, InvalidLabelError, NoFeaturesError, NotFittedError
 from ...model import as_jem
 
@@ -92,7 +93,8 @@ class _Sample:
         if self.capacity is None:
             return
         if self.gen is None:
-            self.gen = torch.Generator(device=rows.device).manual_seed(self.seed)
+            # each rank its own keys: a sample combined across ranks is then uniform over them all
+            self.gen = torch.Generator(device=rows.device).manual_seed(rank_seed(self.seed))
         self.keys.append(torch.rand(rows.shape[0], generator=self.gen, device=rows.device))
         if self.held > 2 * self.capacity:
             self._compact()
@@ -163,6 +165,16 @@ class _FittedDetector:
     #: computes for it. The logits alone for a detector of the logits: it then never asks the
     #: adapter for features, so it works on models whose penultimate layer cannot be found.
     reads: frozenset[str] = frozenset({"logits", "features"})
+    #: What the fit accumulates and how each rank's combines with the others' when it runs in a
+    #: process group of several ranks (:mod:`._distributed`): ``(attribute path, how)`` pairs,
+    #: ``how`` one of ``"sum"``, ``"min"``, ``"max"``, ``"moments"``, ``"sample"``, ``"gather"``,
+    #: ``"top"``, ``"low2"``, ``"high2"``; ``None``: not said (such a fit runs with ``distributed=False``).
+    _rank_stats: tuple[tuple[str | tuple[str, str], str], ...] | None = None
+    #: What :func:`jem_plugin.ood.score_info` says of a fit across ranks: ``"reduce"`` where the
+    #: fit keeps statistics of a fixed size (sums, moments, bounds, the largest distances),
+    #: reduced across the ranks; ``"gather"`` where it keeps rows of the fit data (a bank, or a
+    #: sample bounded by a cap where it has one), gathered from every rank onto every rank.
+    across_ranks = "reduce"
 
     def __init__(self) -> None:
         self.fitted = False
@@ -196,16 +208,21 @@ class _FittedDetector:
         batch_size: int = 256,
         progress: bool | None = None,
         input_key: str | None = None,
+        distributed: bool = True,
     ) -> _FittedDetector:
         """Fit on in-distribution ``data`` (a DataLoader or iterable of batches, a tensor, or an
         ``(x, y)`` pair of tensors), streaming batch by batch; returns ``self``.
 
         The model runs in eval mode with frozen parameters (restored after), without autograd.
         ``progress``: a tqdm bar over batches (default: only for an iterable on a terminal).
+        ``distributed``: under ``torchrun`` (an initialised ``torch.distributed`` process group of
+        several ranks), ``data`` is this rank's shard and the ranks' statistics are combined
+        before the fit finishes, so that every rank holds the fit of the union (see
+        :meth:`begin_fit`); ``False``: each rank fits its own data alone.
         """
         core = as_jem(jm, f"{self.name}.fit")
         self._check_reiterable(data)
-        self.begin_fit(core)
+        self.begin_fit(core, distributed=distributed)
         while True:
             for x, y in fit_inputs(
                 core, data, batch_size=batch_size, progress=progress, input_key=input_key, desc=self._fit_desc()
@@ -215,13 +232,14 @@ class _FittedDetector:
             if self.end_fit(core):
                 return self
 
-    def fit_outputs(self, jm: Any, data: Any) -> _FittedDetector:
+    def fit_outputs(self, jm: Any, data: Any, *, distributed: bool = True) -> _FittedDetector:
         """Fit from outputs already computed (pytorch-ood's ``fit_features``): ``data`` is one
         ``(outputs, labels)`` pair for the whole set (:class:`~jem_plugin.ood.Outputs`, labels
         ``[N]`` or ``None``), a lone :class:`~jem_plugin.ood.Outputs`, or an iterable of such
         batches (iterable twice for ``openmax``); returns ``self``. ``jm``: the network they came
         from (the head of ``react`` and ``vim``, the default layers of the multi-layer ones).
-        The outputs hold what :attr:`reads` names (:func:`jem_plugin.ood.outputs` computes them)."""
+        The outputs hold what :attr:`reads` names (:func:`jem_plugin.ood.outputs` computes them).
+        ``distributed``: as for :meth:`fit` (``data``: this rank's outputs)."""
         core = as_jem(jm, f"{self.name}.fit_outputs")
         if not self.shares_forward:
             raise ValueError(
@@ -231,7 +249,7 @@ class _FittedDetector:
         if isinstance(data, Outputs) or (isinstance(data, tuple) and data and isinstance(data[0], Outputs)):
             data = [data]
         self._check_reiterable(data)
-        self.begin_fit(core)
+        self.begin_fit(core, distributed=distributed)
         while True:
             seen = 0
             for item in data:
@@ -243,8 +261,16 @@ class _FittedDetector:
             if self.end_fit(core):
                 return self
 
-    def begin_fit(self, jm: Any) -> None:
-        """Start a streaming fit on the network ``jm`` (its running sums emptied)."""
+    def begin_fit(self, jm: Any, *, distributed: bool = True) -> None:
+        """Start a streaming fit on the network ``jm`` (its running sums emptied).
+
+        ``distributed`` (default): where a ``torch.distributed`` process group of several ranks
+        is initialised (``torchrun``), each rank streams its own shard and :meth:`end_fit`
+        combines the ranks' statistics before the fit finishes (sums and moments all-reduced,
+        bounds min/max-reduced, banks and samples gathered): a collective, so every rank must
+        fit the same detectors in the same order, and each must have data. ``False``: this
+        rank's data alone."""
+        self._fit_across_ranks = bool(distributed) and get_world_size() > 1
         self._begin(as_jem(jm, f"{self.name}.fit"))
 
     def add_outputs(self, outputs: Outputs, y: Tensor | None = None) -> None:
@@ -257,8 +283,13 @@ class _FittedDetector:
         """End a pass over the fit data: ``True`` once fitted, ``False`` where the detector needs
         the same data streamed again (``openmax``: class means, then the distances to them)."""
         core = as_jem(jm, f"{self.name}.fit")
+        if self.__dict__.get("_fit_across_ranks"):
+            from ._distributed import combine_ranks  # only under a process group of several ranks
+
+            combine_ranks(self)
         if self._another_pass(core):
             return False
+        self.__dict__.pop("_fit_across_ranks", None)
         self._finish(core)
         self._fitted_now(core)
         return True
@@ -342,6 +373,11 @@ class _FittedDetector:
     def _another_pass(self, jm: Any) -> bool:
         """At the end of a pass over the fit data: prepare another and say so (``True``), or not."""
         return False
+
+    def _rank_statistics(self) -> tuple[tuple[str | tuple[str, str], str], ...] | None:
+        """What this pass of the fit combines across ranks (:attr:`_rank_stats`; a detector whose
+        statistics depend on the pass or its options says so here)."""
+        return self._rank_stats
 
     # subclasses
     def _begin(self, jm: Any) -> None: ...

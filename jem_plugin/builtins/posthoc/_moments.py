@@ -110,6 +110,7 @@ class _GaussianDetector(_ClassConditional):
     """A class-conditional detector fitted from the running class moments of the features."""
 
     per_class_covariance = False
+    _rank_stats = (("_moments", "moments"),)
 
     def _begin(self, jm: Any) -> None:
         self._moments = _ClassMoments(per_class_outer=self.per_class_covariance)

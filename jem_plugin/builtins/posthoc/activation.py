@@ -116,6 +116,8 @@ class VRA(_FittedDetector):
         "VRA: energy of the features clipped between two training percentiles (fit; lower=10, upper=90, per_unit=False)"
     )
     paper = "Xu et al. 2023, VRA: Variational Rectified Activation for Out-of-distribution Detection (NeurIPS)"
+    _rank_stats = (("_sample", "sample"),)
+    across_ranks = "gather"
 
     def __init__(
         self,
@@ -201,6 +203,8 @@ class AdaSCALE(_FittedDetector):
     reads = frozenset({"logits"})  # the fit's own forward: the statistic comes from _saw_inputs
     description = "AdaSCALE: SCALE at a percentile set by how far a small input step moves the features (fit; input grad; variant='a')"
     paper = "Regmi et al. 2025, AdaSCALE: Adaptive Scaling for OOD Detection"
+    _rank_stats = (("_qs", "gather"),)  # one float per fit input
+    across_ranks = "gather"
 
     def __init__(
         self,

@@ -63,6 +63,7 @@ class SHE(_ClassConditional):
     name = "she"
     description = "SHE: inner product of the features with the mean correctly-classified features of the predicted class (fit; labels=)"
     paper = "Zhang et al. 2023, Out-of-Distribution Detection based on In-Distribution Data Patterns Memorization with Modern Hopfield Energy (ICLR)"
+    _rank_stats = (("_sums", "sum"), ("_counts", "sum"))
 
     def __init__(self, labels: str = "true") -> None:
         super().__init__()
@@ -127,6 +128,8 @@ class NNGuide(_FittedDetector):
     name = "nnguide"
     description = "NNGuide: energy times the mean similarity to the k nearest energy-scaled training features (fit; k=10, max_fit=)"
     paper = "Park et al. 2023, Nearest Neighbor Guidance for Out-of-Distribution Detection (ICCV)"
+    _rank_stats = (("_sample", "sample"),)  # across ranks: the bank gathered, every rank holds it all
+    across_ranks = "gather"
 
     def __init__(self, k: int = 10, max_fit: int | None = None, seed: int = 0, chunk: int = 65536) -> None:
         super().__init__()
@@ -166,6 +169,7 @@ class FDBD(_FittedDetector):
     name = "fdbd"
     description = "fDBD: mean distance to the decision boundaries over the distance to the training mean (fit)"
     paper = "Liu & Qin 2024, Fast Decision Boundary based Out-of-Distribution Detector (ICML)"
+    _rank_stats = (("_running._sum", "sum"), ("_running._n", "sum"))
 
     def _begin(self, jm: Any) -> None:
         w, _ = _linear_head(jm, self.name)
@@ -202,6 +206,7 @@ class NCI(_FittedDetector):
     name = "nci"
     description = "NCI: alignment of the centred features with the predicted class's weights, plus alpha times their L1 norm (fit; alpha=0)"
     paper = "Liu & Qin 2025, Detecting Out-of-distribution through the Lens of Neural Collapse (CVPR)"
+    _rank_stats = (("_running._sum", "sum"), ("_running._n", "sum"))
 
     def __init__(self, alpha: float = 0.0) -> None:
         super().__init__()
@@ -251,6 +256,7 @@ class PNML(_FittedDetector):
     name = "pnml"
     description = "minus the pNML regret of the head on the normalised features (fit)"
     paper = "Bibas et al. 2021, Single Layer Predictive Normalized Maximum Likelihood for Out-of-Distribution Detection (NeurIPS)"
+    _rank_stats = (("_moment", "sum"),)
 
     def __init__(self, eps: float = 1e-12) -> None:
         super().__init__()

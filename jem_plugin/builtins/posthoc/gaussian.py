@@ -293,6 +293,11 @@ class MultiMahalanobis(_ClassConditional):
         # the adversarial weights need the fit images themselves (their input gradients)
         return self.weights != "adversarial"
 
+    def _rank_statistics(self) -> tuple[tuple[str | tuple[str, str], str], ...]:
+        """Each layer's class moments; the first fit images too, for the adversarial weights."""
+        kept = (("_kept", "gather"), ("_kept_labels", "gather")) if self._kept is not None else ()
+        return (*((f"_per_layer.{i}._moments", "moments") for i in range(len(self._per_layer))), *kept)
+
     def _saw_inputs(self, x: Tensor) -> None:
         if self._kept is not None:  # the first fit images, for the adversarial weights
             room = self.adversarial_images - sum(len(k) for k in self._kept)
@@ -358,7 +363,8 @@ class MultiMahalanobis(_ClassConditional):
         from sklearn.linear_model import LogisticRegression
 
         assert self._kept is not None
-        x, y = torch.cat(self._kept), torch.cat(self._kept_labels)
+        n = self.adversarial_images  # the first images of the union where the ranks' were gathered
+        x, y = torch.cat(self._kept)[:n], torch.cat(self._kept_labels)[:n]
         self._kept, self._kept_labels = None, []  # the images are not kept past the fit
         device = model_device(core)
         clean, perturbed = [], []

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..._outputs import Outputs
+from ...distributed import rank_seed
 from ...model import as_jem
 from ._base import (
     _checked_layers,
@@ -199,12 +200,27 @@ class Gram(_ClassConditional):
         self._runners_up: tuple[Tensor, Tensor] | None = None
         self._others: tuple[Tensor, Tensor] | None = None
         self._held = _Sample(self.max_held_out, self.seed)
-        self._draw = torch.Generator().manual_seed(self.seed)  # on the CPU: the same draw on any device
+        # on the CPU: the same draw on any device; each rank its own (rank_seed: the seed itself on one)
+        self._draw = torch.Generator().manual_seed(rank_seed(self.seed))
         self._seen = 0
 
     @property
     def layers_read(self) -> list[str]:
         return list(self.__dict__.get("layer_names", []))
+
+    def _rank_statistics(self) -> tuple[tuple[str | tuple[str, str], str], ...]:
+        """Bounds min/max-reduced with their runners-up (leave-one-out), or with the bounds
+        without the held-out images and the held-out sample (a fraction held out)."""
+        if self.held_out is None:
+            return ((("_lo", "_runners_up.0"), "low2"), (("_hi", "_runners_up.1"), "high2"), ("_seen", "sum"))
+        return (
+            ("_lo", "min"),
+            ("_hi", "max"),
+            ("_others.0", "min"),
+            ("_others.1", "max"),
+            ("_held", "sample"),
+            ("_seen", "sum"),
+        )
 
     def _take(self, out: Outputs) -> tuple[Tensor, Tensor]:
         """The Gram statistics of every layer and power side by side (``[B, sum_l P C_l]``) and the logits."""

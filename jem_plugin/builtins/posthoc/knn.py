@@ -25,6 +25,8 @@ class KNN(_FittedDetector):
     name = "knn"
     description = "minus the distance to the k-th nearest normalised training feature (fit; k=50, max_fit=)"
     paper = "Sun et al. 2022, Out-of-Distribution Detection with Deep Nearest Neighbors (ICML)"
+    _rank_stats = (("_sample", "sample"),)  # across ranks: the bank gathered, every rank holds it all
+    across_ranks = "gather"
 
     def __init__(self, k: int = 50, max_fit: int | None = None, seed: int = 0, chunk: int = 65536) -> None:
         super().__init__()

@@ -103,6 +103,7 @@ class KLMatching(_FittedDetector):
     description = "minus the KL divergence of the posterior to the mean posterior of its predicted class (fit)"
     paper = "Hendrycks et al. 2022, Scaling Out-of-Distribution Detection for Real-World Settings (ICML)"
     reads = frozenset({"logits"})  # the logits alone: any classifier, whatever its head
+    _rank_stats = (("_sums", "sum"), ("_counts", "sum"))
 
     def _begin(self, jm: Any) -> None:
         self._sums: Tensor | None = None

@@ -146,6 +146,10 @@ class OpenMax(_ClassConditional):
             return True
         return False
 
+    def _rank_statistics(self) -> tuple[tuple[str | tuple[str, str], str], ...]:
+        """The class sums in the first pass; the distance tails (the largest of every rank's) in the second."""
+        return (("_sums", "sum"), ("_counts", "sum")) if self._tails is None else (("_tails", "top"),)
+
     def _set_centres(self) -> None:
         assert self._sums is not None and self._counts is not None
         self._present = self._counts > 0

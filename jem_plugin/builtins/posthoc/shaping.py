@@ -129,6 +129,8 @@ class ReAct(_FittedDetector):
     name = "react"
     description = "ReAct: energy of features clipped at a training percentile (fit; percentile=90)"
     paper = "Sun et al. 2021, ReAct: Out-of-distribution Detection With Rectified Activations (NeurIPS)"
+    _rank_stats = (("_sample", "sample"),)
+    across_ranks = "gather"
 
     def __init__(self, percentile: float = 90.0, max_values: int | None = 1_000_000, seed: int = 0) -> None:
         super().__init__()

@@ -39,6 +39,7 @@ class DICE(_FittedDetector):
     name = "dice"
     description = "DICE: energy of the logits from the head with its p% least contributing weights masked (fit; p=90)"
     paper = "Sun & Li 2022, DICE: Leveraging Sparsification for Out-of-Distribution Detection (ECCV)"
+    _rank_stats = (("_running._sum", "sum"), ("_running._n", "sum"))
 
     def __init__(self, p: float = 90.0) -> None:
         super().__init__()

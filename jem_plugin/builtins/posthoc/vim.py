@@ -31,6 +31,8 @@ class ViM(_FittedDetector):
     name = "vim"
     description = "ViM: energy minus the scaled residual norm (fit; dim=, max_alpha=)"
     paper = "Wang et al. 2022, ViM: Out-Of-Distribution with Virtual-logit Matching (CVPR)"
+    _rank_stats = (("_moment", "sum"), ("_n", "sum"), ("_max_logit_sum", "sum"), ("_sample", "sample"))
+    across_ranks = "gather"
 
     def __init__(self, dim: int | None = None, max_alpha: int | None = 10_000, seed: int = 0) -> None:
         super().__init__()

@@ -67,6 +67,8 @@ class WeiPer(_FittedDetector):
     name = "weiper"
     description = "WeiPer+KLD: histograms of the features and of randomly perturbed logits against the training ones, plus their MSP (fit)"
     paper = "Granz et al. 2024, WeiPer: OOD Detection using Weight Perturbations of Class Projections (NeurIPS)"
+    _rank_stats = (("_low", "min"), ("_high", "max"), ("_sample", "sample"))
+    across_ranks = "gather"
 
     def __init__(
         self,
