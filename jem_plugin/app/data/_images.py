@@ -251,10 +251,13 @@ def image_files(
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
     skip_bad: bool = False,
+    channels: int | None = None,
 ) -> _ImageFiles:
     """Every image under ``path`` (directly in it or in sub-folders of any depth), unlabelled
     (label 0), resized and normalised as :func:`image_folder`: an out-of-distribution set, which
-    has no classes. ``.domain`` and ``.skipped`` are set as there."""
+    has no classes. ``.domain``, ``.skipped``, ``.mode`` and ``.converted`` are set as there, and
+    the images are read in one mode as there: the scoring model's ``channels``, else ``mean``'s,
+    else the majority's."""
     from torchvision.datasets.folder import IMG_EXTENSIONS
 
     p = Path(path).expanduser()
@@ -266,11 +269,11 @@ def image_files(
             f"no images found under {str(p)!r} (looked for {', '.join(IMG_EXTENSIONS)} files, sub-folders included)"
         )
     keep, skipped, modes = _readable(files, f"image folder {str(p)!r}", skip_bad)
-    transform, domain = normalize_transform(mean, std, image_size)
-    # RGB: the models it is scored by read 3 channels
-    ds = _ImageFiles(p, [f for f, k in zip(files, keep) if k], transform)
+    target = _target_mode(modes, channels if mean is None else len(tuple(mean)))
+    transform, domain = normalize_transform(mean, std, image_size, channels=1 if target == "L" else 3)
+    ds = _ImageFiles(p, [f for f, k in zip(files, keep) if k], transform, mode=target)
     ds.skipped = skipped  # type: ignore[attr-defined]  # the unreadable files travel with the dataset
-    _count_conversions(ds, modes, ds.mode)
+    _count_conversions(ds, modes, target)
     return _with_domain(ds, domain)
 
 
