@@ -161,3 +161,19 @@ def test_an_ood_folder_is_read_in_the_models_channels_and_says_what_it_converted
     assert main(["ood", str(run / "model.pt"), "--ood", ood, "--scores", "msp", "--out", str(tmp_path / "o.json")]) == 0
     (line,) = _conversion_lines(capsys.readouterr().err)
     assert f"of {ood} to L (" in line and "20 RGB" in line and "20 RGBA" in line and "20 I;16" in line
+
+
+def test_preprocessing_reads_an_image_file_as_training_read_it(folders):
+    """jm.preprocessing() read a file with PIL's convert: a transparent background came out white
+    where training saw black, and 16-bit grey came out clipped."""
+    from PIL import Image
+
+    import jem_plugin as jem
+
+    jm = jem.wrap(torch.nn.Flatten(), data_range=(-1, 1), input_size=(3, 8, 8))
+    trained = image_folder(folders["mixed", "train"], image_size=8, channels=3)
+    prep = jm.preprocessing()
+    for i in range(4):  # RGB, L, 16-bit L, RGBA, as _write stores them in turn
+        path, _ = trained.samples[i]
+        assert torch.allclose(prep(path), trained[i][0], atol=1e-6), Image.open(path).mode
+        assert torch.allclose(prep(Image.open(path)), trained[i][0], atol=1e-6), Image.open(path).mode

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from torch.utils.data import Dataset
 
 from ...adapter import InputDomain
+from ...adapter import image_as_mode as _as_mode  # one copy: jm.preprocessing() reads files as training did
 from ...errors import DatasetNotFoundError, JEMError
 from ._common import _with_domain
 
@@ -83,26 +84,6 @@ def _image_problem(path: str | Path) -> tuple[str | None, str]:
 
 #: PIL modes with one channel of grey (16/32-bit integer and float ones included).
 _GREY_MODES = frozenset({"1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
-
-
-def _as_mode(im, target: str):
-    """``im`` as ``target`` ("L" or "RGB"), keeping what a viewer shows: 16-bit and 32-bit grey
-    scaled to 8 bits (PIL's own ``convert`` clips them, so most pixels turn white) and
-    transparency composited on black (PIL's ``convert`` drops alpha, showing whatever colour
-    the transparent pixels happen to store)."""
-    import numpy as np
-    from PIL import Image
-
-    if im.mode == target:
-        return im
-    if im.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
-        a = np.asarray(im, dtype=np.float64)
-        a = a * (255.0 / 65535.0) if im.mode != "F" else a  # integer modes hold 16-bit PNG/TIFF values
-        im = Image.fromarray(a.clip(0, 255).round().astype(np.uint8), "L")
-    elif im.mode in ("RGBA", "LA", "La", "RGBa", "PA") or (im.mode == "P" and "transparency" in im.info):
-        rgba = im.convert("RGBA")
-        im = Image.alpha_composite(Image.new("RGBA", rgba.size, (0, 0, 0, 255)), rgba)
-    return im.convert(target)
 
 
 def _load_as(path: str, mode: str = "RGB"):
