@@ -43,7 +43,7 @@ def run(args) -> int:
     as_saved = logits / temperature if temperature is not None else logits
     result = {
         "data": where,
-        "accuracy": float((logits.argmax(1) == y).float().mean()),
+        "accuracy": float((logits.argmax(1) == y).double().mean()),  # as jem train computes it
         "n": len(y),
         **model_calibration(as_saved, y, temperature),
         "refit": calibration.calibration_report(logits, y),
