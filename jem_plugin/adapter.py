@@ -150,6 +150,27 @@ class InputDomain:
         return ((x - lo) / (hi - lo)).clamp(0, 1)
 
 
+def image_as_mode(im, target: str):
+    """The PIL image ``im`` as ``target`` ("L" or "RGB"), keeping what a viewer shows: 16-bit and 32-bit grey
+    scaled to 8 bits (PIL's own ``convert`` clips them, so most pixels turn white) and
+    transparency composited on black (PIL's ``convert`` drops alpha, showing whatever colour
+    the transparent pixels happen to store). How ``jem train`` reads a folder's images and
+    :class:`Preprocess` reads yours, so that both give the same input."""
+    import numpy as np
+    from PIL import Image
+
+    if im.mode == target:
+        return im
+    if im.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
+        a = np.asarray(im, dtype=np.float64)
+        a = a * (255.0 / 65535.0) if im.mode != "F" else a  # integer modes hold 16-bit PNG/TIFF values
+        im = Image.fromarray(a.clip(0, 255).round().astype(np.uint8), "L")
+    elif im.mode in ("RGBA", "LA", "La", "RGBa", "PA") or (im.mode == "P" and "transparency" in im.info):
+        rgba = im.convert("RGBA")
+        im = Image.alpha_composite(Image.new("RGBA", rgba.size, (0, 0, 0, 255)), rgba)
+    return im.convert(target)
+
+
 class Preprocess:
     """Raw images to a model's input, as ``jem train`` reads a folder of images: what
     :meth:`jem_plugin.JEM.preprocessing` returns (timm's ``resolve_data_config`` +
@@ -199,7 +220,8 @@ class Preprocess:
 
         if isinstance(image, (str, os.PathLike)):
             with Image.open(image) as opened:
-                image = opened.convert(self.mode)
+                opened.load()  # decoded while open: an image already in the mode comes back as it is
+                image = image_as_mode(opened, self.mode)
         elif isinstance(image, np.ndarray):
             if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] > 4):
                 raise InvalidInputError(
@@ -212,7 +234,7 @@ class Preprocess:
             raise InvalidInputError(
                 f"preprocessing takes image file paths, PIL images or uint8 arrays, got {type(image).__name__}"
             )
-        image = TF.resize(image.convert(self.mode), [self.size[1], self.size[2]])
+        image = TF.resize(image_as_mode(image, self.mode), [self.size[1], self.size[2]])
         x = TF.to_tensor(image)  # [C, H, W] in [0, 1]
         d = self.domain
         if d.mean is not None and d.std is not None:

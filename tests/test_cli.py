@@ -95,7 +95,7 @@ def test_eval(trained_run, capsys, tmp_path):
     out = tmp_path / "eval.json"
     assert main(["eval", str(trained_run / "model.pt"), "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert 0.0 <= result["accuracy"] <= 1.0 and "ece_before" in result and "ece_after" in result
+    assert 0.0 <= result["accuracy"] <= 1.0 and "ece" in result and "ece_after" in result["refit"]
     # the reliability diagram beside the JSON, named on stderr (stdout stays the JSON)
     assert (tmp_path / "eval.png").stat().st_size > 10_000
     assert f"figure: {tmp_path / 'eval.png'}" in capsys.readouterr().err

@@ -56,6 +56,7 @@ CASES = [
     (["train", "--device", "mps"], "use --device cpu"),
     (["sample", "{root}/digits_run/model.pt", "--n", "0"], "must be at least 1"),
     (["sample", "{root}/digits_run/model.pt", "--n", "-4"], "must be at least 1"),
+    (["sample", "{root}/digits_run/model.pt", "--out", "{root}/samples.json"], "give a name ending .png"),
     (["eval", "{root}/digits_run/model.pt", "--data", "folder:{root}/three"], "--data digits"),
     (["eval", "{root}/digits_run/model.pt", "--data", "toy2d"], "--data digits"),
     (["ood", "{root}/digits_run/model.pt", "--data", "toy2d"], "--data digits"),

@@ -122,7 +122,7 @@ def test_jem_eval_gives_the_accuracy_and_calibration_of_weights_trained_elsewher
     x, y = torch.stack([test[i][0] for i in range(len(test))]), torch.tensor(test.targets)
     with torch.no_grad():
         assert result["accuracy"] == pytest.approx((model(x).argmax(1) == y).float().mean().item())
-    assert result["n"] == len(y) and "brier_before" in result
+    assert result["n"] == len(y) and "brier" in result and result["temperature"] is None
     assert (root / "checkpoint_eval" / "folder_test_reliability.png").exists()  # eval's own folder
     assert main(argv) == 2  # --mean without --std
     assert "give both --mean and --std" in capsys.readouterr().err

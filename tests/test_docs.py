@@ -112,6 +112,24 @@ def test_python_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
         torch.set_num_threads(threads)
 
 
+def test_load_examples_run_on_a_model_file_they_make() -> None:
+    """A block that loads a model file (``jem.load``, ``jem.load_sampler``) runs here, making the file
+    with ``jem train`` itself: a user copies it whole (issue 48: skip-marked load snippets used names
+    nothing defined)."""
+    loads = [
+        (page, b)
+        for page in _pages()
+        for b in blocks(page)
+        if b.language in ("python", "py") and re.search(r"\bjem\.load(_sampler)?\(", b.code)
+    ]
+    assert loads
+    for page, b in loads:
+        where = f"{_name(page)}:{b.line}"
+        assert b.skip is None, f"{where}: a jem.load example runs in the docs test; make its model file in it"
+        made = b.code.find('"jem", "train"')
+        assert 0 <= made < b.code.find("jem.load"), f"{where}: make the model file (jem train) before loading it"
+
+
 def test_skip_markers_name_a_reason() -> None:
     for page in _pages():
         text = page.read_text(encoding="utf-8")

@@ -111,3 +111,69 @@ def test_jem_reports_the_conversion_in_one_line(folders, capsys):
     load_data(f"folder:{folders['mixed', 'test']}", image_size=8)
     lines = [ln for ln in capsys.readouterr().err.splitlines() if "converted" in ln]
     assert len(lines) == 1 and "to RGB" in lines[0] and "20 L" in lines[0], lines
+
+
+@pytest.fixture(scope="module")
+def mixed_run(folders, tmp_path_factory):
+    """A baseline trained by `jem train` on the mixed folder (resnet10t at 12x12, one epoch)."""
+    from jem_plugin.app.cli import main
+
+    out = tmp_path_factory.mktemp("mixed_run") / "run"
+    argv = ["train", "--baseline", "--data", f"folder:{folders['mixed', 'train']}", "--image-size", "12"]
+    assert main([*argv, "--epochs", "1", "--batch-size", "16", "--out", str(out), "--quiet"]) == 0
+    return out / "model.pt"
+
+
+def _conversion_lines(err: str) -> list[str]:
+    return [ln for ln in err.splitlines() if "converted" in ln]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["ood", "--scores", "msp,knn"],  # the run's folder: its held-out split, then its training part for knn
+        ["sample", "--n", "4", "--sgld-steps", "1"],  # the check reads both parts too
+        ["eval"],
+    ],
+    ids=lambda c: c[0],
+)
+def test_a_command_reading_a_folder_twice_says_the_conversion_once(mixed_run, command, tmp_path, capsys):
+    """`jem ood` and `jem sample` read the run's folder for its held-out split and again for its
+    training part: the line said twice the same thing."""
+    from jem_plugin.app.cli import main
+
+    capsys.readouterr()
+    out = tmp_path / ("samples.png" if command[0] == "sample" else "result.json")
+    assert main([command[0], str(mixed_run), *command[1:], "--out", str(out)]) == 0
+    lines = _conversion_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and "to RGB (" in lines[0], lines
+
+
+def test_an_ood_folder_is_read_in_the_models_channels_and_says_what_it_converted(folders, tmp_path, capsys):
+    """A grey model (digits) scored on a folder of RGB, RGBA and 16-bit grey images: `jem ood`
+    read every OOD image as RGB whatever the model took, and stopped at the shape check."""
+    from jem_plugin.app.cli import main
+
+    run = tmp_path / "digits"
+    assert main(["train", "--baseline", "--epochs", "1", "--out", str(run), "--quiet"]) == 0
+    capsys.readouterr()
+    ood = f"folder:{folders['mixed', 'test']}"
+    assert main(["ood", str(run / "model.pt"), "--ood", ood, "--scores", "msp", "--out", str(tmp_path / "o.json")]) == 0
+    (line,) = _conversion_lines(capsys.readouterr().err)
+    assert f"of {ood} to L (" in line and "20 RGB" in line and "20 RGBA" in line and "20 I;16" in line
+
+
+def test_preprocessing_reads_an_image_file_as_training_read_it(folders):
+    """jm.preprocessing() read a file with PIL's convert: a transparent background came out white
+    where training saw black, and 16-bit grey came out clipped."""
+    from PIL import Image
+
+    import jem_plugin as jem
+
+    jm = jem.wrap(torch.nn.Flatten(), data_range=(-1, 1), input_size=(3, 8, 8))
+    trained = image_folder(folders["mixed", "train"], image_size=8, channels=3)
+    prep = jm.preprocessing()
+    for i in range(4):  # RGB, L, 16-bit L, RGBA, as _write stores them in turn
+        path, _ = trained.samples[i]
+        assert torch.allclose(prep(path), trained[i][0], atol=1e-6), Image.open(path).mode
+        assert torch.allclose(prep(Image.open(path)), trained[i][0], atol=1e-6), Image.open(path).mode

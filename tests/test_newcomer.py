@@ -194,10 +194,43 @@ def test_ece_and_temperature_are_printed_after_the_steps_that_change_the_model(l
     assert calibration["temperature_kept"] == ("after a temperature of" in lines[ece])
     assert main(["eval", "run/model.pt", "--out", "eval.json"]) == 0
     evaluated = json.loads((tmp_path / "eval.json").read_text())
-    assert evaluated["temperature_fitted"] == calibration["temperature_fitted"]
+    assert evaluated["refit"]["temperature_fitted"] == calibration["temperature_fitted"]
+    assert evaluated["temperature_kept"] == calibration["temperature_kept"]
     assert evaluated["accuracy"] == pytest.approx(
         json.loads((tmp_path / "run" / "metrics.json").read_text())["held_out"]["accuracy"]
     )
+
+
+@pytest.fixture(scope="module")
+def digits_baseline(tmp_path_factory):
+    """One epoch of a digits baseline (seconds): under-confident, so jem train keeps a temperature."""
+    out = tmp_path_factory.mktemp("tempered") / "run"
+    assert main(["train", "--baseline", "--epochs", "1", "--out", str(out), "--quiet"]) == 0
+    return out
+
+
+def test_jem_eval_reports_the_model_files_temperature_and_its_refit_apart(digits_baseline, capsys):
+    """`jem eval` reported its own temperature, fitted on the data it scored, as "temperature",
+    beside jem train's kept one in model.pt (which jem.load applies): two values under one name.
+    Now "temperature" is the model file's, its ECE the saved model's (as jem train's closing line
+    gives it), and eval's own fit is under "refit", said apart on stderr."""
+    import jem_plugin as jem
+
+    calibration = json.loads((digits_baseline / "metrics.json").read_text())["calibration"]
+    assert calibration["temperature_kept"]  # the premise: jem train kept one
+    capsys.readouterr()
+    assert main(["eval", str(digits_baseline / "model.pt")]) == 0
+    captured = capsys.readouterr()
+    evaluated = json.loads(captured.out)
+    assert evaluated["temperature"] == pytest.approx(jem.load(digits_baseline / "model.pt").temperature)
+    assert evaluated["temperature"] == pytest.approx(calibration["temperature"]) and evaluated["temperature_kept"]
+    assert evaluated["ece"] == pytest.approx(calibration["ece_saved"], abs=1e-6)
+    refit = evaluated["refit"]
+    assert refit["temperature_fitted"] is calibration["temperature_fitted"] is True
+    assert refit["temperature"] != pytest.approx(evaluated["temperature"])  # fitted on all of it, not the halves
+    (line,) = [ln for ln in captured.err.splitlines() if ln.startswith("jem eval:")]
+    assert f"the model's temperature {evaluated['temperature']:.2f} (kept in the model file)" in line
+    assert f"refitted on this data itself, {refit['temperature']:.2f}" in line and "not saved" in line
 
 
 def test_train_and_eval_agree_on_a_temperature_where_one_half_is_all_right():

@@ -20,6 +20,7 @@ from ..errors import JEMError
 from . import CLIError
 from .commands import demo, doctor, evaluate, ood, plugins, sample, train
 from .commands._common import DEFAULT_DEVICE, _positive
+from .model_files import notes_once
 
 # In the order of `jem --help`.
 COMMANDS = (demo, train, evaluate, ood, sample, plugins, doctor)
@@ -158,7 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args: argparse.Namespace | None = None
     try:
         args = parse_args(argv)
-        return args.func(args)
+        with notes_once():
+            return args.func(args)
     except (JEMError, FileNotFoundError, ValueError) as exc:
         print(f"jem: error: {exc}", file=sys.stderr)
         return 2

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -83,10 +85,28 @@ def load_data(
     raise CLIError(f"unknown --data {spec!r}; use digits, toy2d[:NAME], textures[:N], folder:PATH or cifar10:PATH")
 
 
+# The notes a command said already: a command reading one folder twice (jem ood and jem sample read
+# a run's folder for its held-out split and again for its training part) says each once.
+_SAID: ContextVar[set[str] | None] = ContextVar("_SAID", default=None)
+
+
+@contextmanager
+def notes_once() -> Iterator[None]:
+    """Within it (one ``jem`` command), each note on a folder's images is said once."""
+    token = _SAID.set(set())
+    try:
+        yield
+    finally:
+        _SAID.reset(token)
+
+
 def _say_skipped(ds, where: str) -> None:
+    said = _SAID.get()
     for note in (D.skipped_note(ds, where), D.conversion_note(ds, where)):
-        if note:
+        if note and (said is None or note not in said):
             print(f"jem: {note}", file=sys.stderr)  # stderr: eval and ood print their JSON on stdout
+            if said is not None:
+                said.add(note)
 
 
 #: --model when none is given: the built-in net made for the bundled data, else a small timm CNN.
@@ -389,6 +409,7 @@ def ood_sets(
             mean=spec.get("mean"),
             std=spec.get("std"),
             skip_bad=skip_bad,
+            channels=int(spec["sample_shape"][0]),  # the model's: a grey model scores grey images
         )
         _say_skipped(ds, item)
         name = Path(item[len("folder:") :]).name or item

@@ -112,7 +112,9 @@ def choose_temperature(logits: Tensor, labels: Tensor) -> tuple[Decision, dict[s
     (:func:`jem_plugin.calibration.calibration_report`): a temperature is fitted wherever the split
     has a misclassified image. Where only one half has one, no half can judge a temperature: the
     one fitted on the whole split is reported (``temperature_cross_fitted`` false) and not kept.
-    ``report["temperature_kept"]`` is the decision.
+    ``report["temperature_kept"]`` is the decision, and ``report["ece_saved"]`` the ECE on the whole
+    split of the model as saved (its logits divided by the kept temperature, else as they are):
+    what ``jem eval`` reports as ``"ece"`` on this split.
     """
     report: dict[str, Any] = dict(calibration.cross_fitted_report(logits, labels))
     report["temperature_cross_fitted"] = bool(report["temperature_fitted"])
@@ -137,4 +139,7 @@ def choose_temperature(logits: Tensor, labels: Tensor) -> tuple[Decision, dict[s
                 "(it keeps falling as the temperature goes to 0); a larger held-out split can tell"
             )
     report["temperature_kept"] = keep
+    # The model as saved, on this split: what `jem eval` reports as its "ece" (the model file's temperature)
+    saved = logits / report["temperature"] if keep else logits
+    report["ece_saved"] = calibration.ece(saved, labels, from_logits=True)
     return Decision("temperature", keep, reason, report["ece_before"], report["ece_after"], int(report["n"])), report

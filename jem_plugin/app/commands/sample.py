@@ -44,7 +44,7 @@ def run(args) -> int:
     jm, spec = load_model_checkpoint(args.checkpoint, dev)
     if len(spec["sample_shape"]) != 3:
         raise CLIError(f"jem sample draws images; this model's inputs have shape {tuple(spec['sample_shape'])}")
-    out = _out_file(args.out) if args.out else _beside_checkpoint(args.checkpoint, "_samples.png")
+    out = _image_file(args.out) if args.out else _beside_checkpoint(args.checkpoint, "_samples.png")
     g = torch.Generator().manual_seed(args.seed)
     k, classes = spec["num_classes"], spec.get("classes") or [str(i) for i in range(spec["num_classes"])]
     per = max(1, args.n // k) if args.per_class else args.n
@@ -93,6 +93,20 @@ def run(args) -> int:
     if not args.no_check:
         _print_sample_check(x, x0.cpu(), y, spec, args.seed, args.skip_bad_images)
     return 0
+
+
+def _image_file(path: str):
+    """``--out``: a picture's file name, checked before any sampling (``samples.json`` ended the
+    command after the chains, in matplotlib's words)."""
+    from matplotlib.figure import Figure  # lazy: matplotlib
+
+    out = _out_file(path)
+    formats = Figure().canvas.get_supported_filetypes()
+    if out.suffix.lower().lstrip(".") not in formats:
+        raise CLIError(
+            f"--out {path}: jem sample writes a picture; give a name ending .png (or {', '.join(sorted(formats))})"
+        )
+    return out
 
 
 def _print_sample_check(

@@ -581,12 +581,14 @@ def _calibration_line(c: dict[str, Any]) -> str:
     """The saved model's held-out calibration: its ECE, and after the temperature it keeps (if any)."""
     head = f"held-out calibration ({int(c['n'])} images, the saved model): ECE {c['ece_before']:.3f}"
     if not c["temperature_kept"]:
-        fitted = f"{c['temperature']:.2f} fits the split, see above" if c["temperature_fitted"] else "none fits"
-        return f"{head}; no temperature kept ({fitted})"
+        tried = (
+            f"the candidate {c['temperature']:.2f} was not kept, see above" if c["temperature_fitted"] else "none fits"
+        )
+        return f"{head}; no temperature kept ({tried}): model.pt holds none, jem.load's jm.temperature is None"
     return (
         f"{head}, {c['ece_after']:.3f} after a temperature of {c['temperature']:.2f} (each half of the held-out split "
-        "scaled by one fitted on the other; kept in model.pt: jem.load gives jm.temperature, probabilities are "
-        "softmax(logits / T))"
+        f"scaled by one fitted on the other; {c['ece_saved']:.3f} with {c['temperature']:.2f} on the whole split, as "
+        "jem eval reports it; kept in model.pt: jem.load gives jm.temperature, probabilities are softmax(logits / T))"
         + ("; below 1: the model was under-confident, its logits are sharpened" if c["temperature"] < 1 else "")
     )
 

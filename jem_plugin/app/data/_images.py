@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from torch.utils.data import Dataset
 
 from ...adapter import InputDomain
+from ...adapter import image_as_mode as _as_mode  # one copy: jm.preprocessing() reads files as training did
 from ...errors import DatasetNotFoundError, JEMError
 from ._common import _with_domain
 
@@ -83,26 +84,6 @@ def _image_problem(path: str | Path) -> tuple[str | None, str]:
 
 #: PIL modes with one channel of grey (16/32-bit integer and float ones included).
 _GREY_MODES = frozenset({"1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
-
-
-def _as_mode(im, target: str):
-    """``im`` as ``target`` ("L" or "RGB"), keeping what a viewer shows: 16-bit and 32-bit grey
-    scaled to 8 bits (PIL's own ``convert`` clips them, so most pixels turn white) and
-    transparency composited on black (PIL's ``convert`` drops alpha, showing whatever colour
-    the transparent pixels happen to store)."""
-    import numpy as np
-    from PIL import Image
-
-    if im.mode == target:
-        return im
-    if im.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
-        a = np.asarray(im, dtype=np.float64)
-        a = a * (255.0 / 65535.0) if im.mode != "F" else a  # integer modes hold 16-bit PNG/TIFF values
-        im = Image.fromarray(a.clip(0, 255).round().astype(np.uint8), "L")
-    elif im.mode in ("RGBA", "LA", "La", "RGBa", "PA") or (im.mode == "P" and "transparency" in im.info):
-        rgba = im.convert("RGBA")
-        im = Image.alpha_composite(Image.new("RGBA", rgba.size, (0, 0, 0, 255)), rgba)
-    return im.convert(target)
 
 
 def _load_as(path: str, mode: str = "RGB"):
@@ -251,10 +232,13 @@ def image_files(
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
     skip_bad: bool = False,
+    channels: int | None = None,
 ) -> _ImageFiles:
     """Every image under ``path`` (directly in it or in sub-folders of any depth), unlabelled
     (label 0), resized and normalised as :func:`image_folder`: an out-of-distribution set, which
-    has no classes. ``.domain`` and ``.skipped`` are set as there."""
+    has no classes. ``.domain``, ``.skipped``, ``.mode`` and ``.converted`` are set as there, and
+    the images are read in one mode as there: the scoring model's ``channels``, else ``mean``'s,
+    else the majority's."""
     from torchvision.datasets.folder import IMG_EXTENSIONS
 
     p = Path(path).expanduser()
@@ -266,11 +250,11 @@ def image_files(
             f"no images found under {str(p)!r} (looked for {', '.join(IMG_EXTENSIONS)} files, sub-folders included)"
         )
     keep, skipped, modes = _readable(files, f"image folder {str(p)!r}", skip_bad)
-    transform, domain = normalize_transform(mean, std, image_size)
-    # RGB: the models it is scored by read 3 channels
-    ds = _ImageFiles(p, [f for f, k in zip(files, keep) if k], transform)
+    target = _target_mode(modes, channels if mean is None else len(tuple(mean)))
+    transform, domain = normalize_transform(mean, std, image_size, channels=1 if target == "L" else 3)
+    ds = _ImageFiles(p, [f for f, k in zip(files, keep) if k], transform, mode=target)
     ds.skipped = skipped  # type: ignore[attr-defined]  # the unreadable files travel with the dataset
-    _count_conversions(ds, modes, ds.mode)
+    _count_conversions(ds, modes, target)
     return _with_domain(ds, domain)
 
 
