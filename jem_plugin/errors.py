@@ -26,6 +26,7 @@ __all__ = [
     "OutOfDomainWarning",
     "NoFeaturesError",
     "NotFittedError",
+    "MemoryLimitError",
     "UntrainedDensityWarning",
     "DeviceChangeWarning",
 ]
@@ -47,6 +48,11 @@ class NoFeaturesError(JEMError, TypeError):
 class NotFittedError(JEMError, ValueError):
     """A post-hoc OOD detector that needs training data was used before ``fit``, or
     :func:`jem_plugin.ood.score` was asked for one without ``fit_data=``."""
+
+
+class MemoryLimitError(JEMError, MemoryError):
+    """A post-hoc detector's fit would need more memory than its ``memory_limit``: refused before
+    it allocates, in one line naming the setting that makes it fit."""
 
 
 class InvalidInputError(JEMError, ValueError):

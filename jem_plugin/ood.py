@@ -127,11 +127,17 @@ class Detector(Protocol):
         ...
 
 
-def detector(name: str, **kwargs: Any) -> Any:
+def detector(name: str, *, memory_limit: Any = "default", **kwargs: Any) -> Any:
     """A new, unfitted detector of the registered score ``name`` that needs fitting
     (``needs_fit=True``: ``"mahalanobis"``, ``"relative_mahalanobis"``, ``"mahalanobis_odin"``,
     ``"gmm"``, ``"vim"``, ``"knn"``, ``"react"``, ``"openmax"``, ...), built with ``kwargs``. Fit it with ``.fit(jm, train_loader)``, then pass
-    it to :func:`score` as ``method`` or call ``.score(jm, x)`` on batches."""
+    it to :func:`score` as ``method`` or call ``.score(jm, x)`` on batches.
+
+    ``memory_limit``: the most memory its fit may take, in bytes (``None``: no limit); a fit
+    whose estimate is over it is refused before it allocates
+    (:class:`~jem_plugin.errors.MemoryLimitError`, one line naming the setting that fits).
+    Default: the ``JEM_OOD_MEMORY_LIMIT`` environment variable, else 2 GiB (see the post-hoc
+    guide's "Large data")."""
     entry = lookup(_HOOK, name, "OOD score")
     if not entry.get("needs_fit", False):
         raise ValueError(
@@ -140,7 +146,12 @@ def detector(name: str, **kwargs: Any) -> Any:
         )
     cls = entry["item"]
     _check_kwargs(name, cls, kwargs, skip=0)
-    return cls(**kwargs)
+    det = cls(**kwargs)
+    if memory_limit != "default":
+        from .builtins.posthoc._memory import set_limit
+
+        set_limit(det, memory_limit)
+    return det
 
 
 def _batches(data: Any, batch_size: int, input_key: str | None = None) -> tuple[Iterable[Tensor], int | None, bool]:

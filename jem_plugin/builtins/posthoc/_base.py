@@ -20,6 +20,7 @@ from ..._outputs import Outputs, fit_inputs, forward_outputs
 from ...distributed import get_world_size, rank_seed
 from ...errors import InvalidInputError, InvalidLabelError, NoFeaturesError, NotFittedError
 from ...model import as_jem
+from . import _memory
 
 F_ = TypeVar("F_", bound=Callable[..., Any])
 
@@ -222,7 +223,7 @@ class _FittedDetector:
         """
         core = as_jem(jm, f"{self.name}.fit")
         self._check_reiterable(data)
-        self.begin_fit(core, distributed=distributed)
+        self.begin_fit(core, rows=_memory.rows_of(data), distributed=distributed)
         while True:
             for x, y in fit_inputs(
                 core, data, batch_size=batch_size, progress=progress, input_key=input_key, desc=self._fit_desc()
@@ -249,7 +250,7 @@ class _FittedDetector:
         if isinstance(data, Outputs) or (isinstance(data, tuple) and data and isinstance(data[0], Outputs)):
             data = [data]
         self._check_reiterable(data)
-        self.begin_fit(core, distributed=distributed)
+        self.begin_fit(core, rows=_memory.rows_of(data), distributed=distributed)
         while True:
             seen = 0
             for item in data:
@@ -261,20 +262,26 @@ class _FittedDetector:
             if self.end_fit(core):
                 return self
 
-    def begin_fit(self, jm: Any, *, distributed: bool = True) -> None:
+    def begin_fit(self, jm: Any, *, rows: int | None = None, distributed: bool = True) -> None:
         """Start a streaming fit on the network ``jm`` (its running sums emptied).
 
+        ``rows``: how many fit rows will come, where known (for the memory check of a detector
+        whose statistics grow with the data: :mod:`._memory`, which refuses a fit over the
+        detector's ``memory_limit`` here or on the first batch, before it allocates).
         ``distributed`` (default): where a ``torch.distributed`` process group of several ranks
         is initialised (``torchrun``), each rank streams its own shard and :meth:`end_fit`
         combines the ranks' statistics before the fit finishes (sums and moments all-reduced,
         bounds min/max-reduced, banks and samples gathered): a collective, so every rank must
         fit the same detectors in the same order, and each must have data. ``False``: this
         rank's data alone."""
+        core = as_jem(jm, f"{self.name}.fit")
+        _memory.check_fit(self, core, rows)
         self._fit_across_ranks = bool(distributed) and get_world_size() > 1
-        self._begin(as_jem(jm, f"{self.name}.fit"))
+        self._begin(core)
 
     def add_outputs(self, outputs: Outputs, y: Tensor | None = None) -> None:
         """Add one batch of in-distribution outputs (and its labels, ``[B]`` or ``None``) to the fit."""
+        _memory.check_batch(self, outputs)
         with torch.no_grad():
             feats, logits = self._take(outputs)
             self._add(feats.float(), logits.float(), y)

@@ -60,8 +60,9 @@ class _ClassMoments:
     ``D x D`` sum, or one per class), in float64 around the first batch's mean: what the Gaussian
     detectors fit, in memory that does not grow with the data."""
 
-    def __init__(self, per_class_outer: bool) -> None:
+    def __init__(self, per_class_outer: bool, diagonal: bool = False) -> None:
         self.per_class_outer = per_class_outer
+        self.diagonal = diagonal  # per-class sums of squares (K x D) instead of outer products
         self.shift: Tensor | None = None
         self.sums = self.counts = self.outer = torch.empty(0)
         self.eps = 0.0  # the coarsest machine epsilon of the features seen, for the rounding floor
@@ -73,11 +74,14 @@ class _ClassMoments:
             d = z.shape[1]
             self.shift = z.mean(dim=0)
             self.sums, self.counts = z.new_zeros(k, d), z.new_zeros(k)
-            self.outer = z.new_zeros((k, d, d) if self.per_class_outer else (d, d))
+            self.outer = z.new_zeros((k, d) if self.diagonal else (k, d, d) if self.per_class_outer else (d, d))
         z = z - self.shift
         self.sums.index_add_(0, y, z)
         counts = torch.bincount(y, minlength=k)
         self.counts += counts.to(z.dtype)
+        if self.diagonal:
+            self.outer.index_add_(0, y, z * z)
+            return
         if not self.per_class_outer:
             self.outer.addmm_(z.T, z)
             return

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..._checks import user_stacklevel
 from ...errors import NoFeaturesError
+from . import _memory
 from ._base import _ClassConditional, _FittedDetector, _head, _RunningMean, _Sample
 
 
@@ -142,6 +143,8 @@ class NNGuide(_FittedDetector):
         self._sample = _Sample(self.max_fit, self.seed)
 
     def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+        if self.max_fit is None:  # a bank of data of unknown length: refused before it outgrows the limit
+            _memory.check_growth(self, self._sample.held + feats.shape[0])
         self._sample.add(F.normalize(feats, dim=1) * torch.logsumexp(logits, dim=1, keepdim=True))
 
     def _finish(self, jm: Any) -> None:
@@ -173,7 +176,10 @@ class FDBD(_FittedDetector):
 
     def _begin(self, jm: Any) -> None:
         w, _ = _linear_head(jm, self.name)
-        gaps = (w.float().unsqueeze(1) - w.float().unsqueeze(0)).norm(dim=2)
+        # |w_i - w_j| for every pair, one row block at a time: K x K floats, never the K x K x D
+        # differences (8 GB for ImageNet's 1000 classes of 2048 features)
+        wf = w.float()
+        gaps = torch.cat([(block.unsqueeze(1) - wf.unsqueeze(0)).norm(dim=2) for block in wf.split(16)])
         self._gaps = gaps.fill_diagonal_(1.0)  # the predicted class's own term is 0 / 1
         self._running = _RunningMean()
 
