@@ -79,7 +79,7 @@ DETECTORS: list[tuple[str, str, dict[str, Any]]] = [
     ("gmm (covariance='diag')", "gmm", {"covariance": "diag"}),
     ("vim", "vim", {}),
     ("knn", "knn", {}),
-    ("knn (max_fit=12811, 1%)", "knn", {"max_fit": 12811}),
+    ("knn (max_fit=12811: 1%)", "knn", {"max_fit": 12811}),
     ("knn (max_fit=58982)", "knn", {"max_fit": 58982}),
     ("react", "react", {}),
     ("openmax", "openmax", {}),
@@ -87,13 +87,14 @@ DETECTORS: list[tuple[str, str, dict[str, Any]]] = [
     ("dice", "dice", {}),
     ("she", "she", {}),
     ("nnguide", "nnguide", {}),
-    ("nnguide (max_fit=12811, 1%)", "nnguide", {"max_fit": 12811}),
+    ("nnguide (max_fit=12811: 1%)", "nnguide", {"max_fit": 12811}),
     ("fdbd", "fdbd", {}),
     ("nci", "nci", {}),
     ("pnml", "pnml", {}),
     ("vra", "vra", {}),
     ("adascale", "adascale", {}),
     ("weiper", "weiper", {}),
+    ("weiper (batches of 256)", "weiper", {"_batch": 256}),
 ]
 
 
@@ -288,8 +289,8 @@ def knn_study(args: argparse.Namespace) -> dict[str, Any]:
     """KNN's trade on ``args.rows`` fit rows: exact chunked search over the whole bank (the
     reference), faiss's exact index over it, and subsampled banks (``max_fit``): memory, fit and
     search time, recall@k of the neighbours against the reference (same bank), and for the
-    subsamples the rank correlation of their scores with the reference and the AUROC against a
-    shifted set."""
+    subsamples the rank correlation of their scores with the reference's and the AUROC against
+    a set of unseen classes (new random class means)."""
     import jem_plugin as jem
     from jem_plugin.builtins.posthoc.knn import _faiss
 
@@ -298,9 +299,10 @@ def knn_study(args: argparse.Namespace) -> dict[str, Any]:
     jm = jem.wrap(stream.net, features="fc", data_range=(-50.0, 50.0))
     q_in = Stream(args.score_rows, args.score_batch, "cpu", 1, seed=1, **size)
     q_out = Stream(args.score_rows, args.score_batch, "cpu", 1, seed=2, **size)
-    q_in.means = q_out.means = stream.means
+    q_in.means = stream.means
+    q_out.means = torch.rand(args.classes, args.dim, generator=torch.Generator().manual_seed(3)) * 2.0  # unseen classes
     queries = torch.cat([z for z, _, _ in q_in.batches()])
-    far = torch.cat([z for z, _, _ in q_out.batches(shift=0.3)])
+    far = torch.cat([z for z, _, _ in q_out.batches()])
     k = 50
     results: dict[str, Any] = {"rows": args.rows, "queries": queries.shape[0], "k": k, "faiss": _faiss() is not None}
 
@@ -318,6 +320,10 @@ def knn_study(args: argparse.Namespace) -> dict[str, Any]:
         det.search = how
         z = torch.nn.functional.normalize(queries, dim=1)
         base = _reset_peak()
+        if how == "faiss":
+            t0 = time.perf_counter()
+            det._faiss_index()
+            results["faiss_index_build_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         if how == "faiss":
             _, idx = det._faiss_index().search(z.numpy(), k)
@@ -453,9 +459,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--limit", type=float, default=float(2 << 30), help="memory_limit in bytes (default 2 GiB)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--detectors", default="", help="comma-separated labels or names (default: all)")
+    p.add_argument("--skip", default="", help="comma-separated names not to run")
     p.add_argument("--out", default=str(RESULTS), help="folder of posthoc_scale.{json,md}")
     p.add_argument("--tag", default="", help="suffix of the result files (posthoc_scale<tag>.json)")
     p.add_argument("--time-limit", type=float, default=math.inf, help="skip the detectors left after this many s")
+    p.add_argument("--in-process", action="store_true", help="every detector in this process (as --device cuda)")
     p.add_argument("--knn-study", action="store_true", help="KNN: exact, faiss and max_fit on --rows rows")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -471,7 +479,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(res, indent=1))
         return
     wanted = [w.strip() for w in args.detectors.split(",") if w.strip()]
-    todo = [d for d in DETECTORS if not wanted or d[0] in wanted or d[1] in wanted]
+    skip = {w.strip() for w in args.skip.split(",") if w.strip()}
+    todo = [d for d in DETECTORS if (not wanted or d[0] in wanted or d[1] in wanted) and d[1] not in skip]
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
@@ -482,12 +491,13 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"detector": label, "status": "skipped", "reason": "--time-limit reached"})
             continue
         t0 = time.perf_counter()
-        if cuda:  # one process: a CUDA start per detector would cost more than its fit
+        if cuda or args.in_process:  # one process: a CUDA start per detector would cost more than its fit
             try:
                 row = run_one(label, name, options, args)
             except Exception as exc:  # a failure is a row of the table
                 row = {"detector": label, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
-            torch.cuda.empty_cache()
+            if cuda:
+                torch.cuda.empty_cache()
         else:
             row = _spawn(["--child", label], args)
         row["wall_s"] = time.perf_counter() - t0

@@ -197,7 +197,8 @@ def _check_method_kwargs(method_kwargs: Mapping[str, Mapping[str, Any]], entries
     constructor): ``TypeError`` in one line naming the ones it takes."""
     for m, kwargs in method_kwargs.items():
         fit_able = entries[m].get("needs_fit", False)
-        _check_kwargs(m, entries[m]["item"], dict(kwargs), skip=0 if fit_able else 2)
+        options = {k: v for k, v in kwargs.items() if not (fit_able and k == "memory_limit")}  # detector()'s own
+        _check_kwargs(m, entries[m]["item"], options, skip=0 if fit_able else 2)
 
 
 def score(

@@ -241,13 +241,18 @@ def _sample_bytes(cap: int | None, rows_values: int | None, width: int) -> float
     return held * (width * _F4 + _F4) * 2 * 2 + held * _I8
 
 
+def _at_most(cap: int | None, n: int | None) -> int:
+    """How many a sample of capacity ``cap`` keeps of ``n`` (either unknown: ``None``)."""
+    return min(c for c in (cap, n) if c is not None) if (cap, n) != (None, None) else 0
+
+
 def _react(det: Any, s: FitShape) -> Estimate | None:
     if s.dim is None:
         return None
     values = None if s.rows is None else s.rows * s.dim
     sample = _sample_bytes(det.max_values, values, 1)
     return Estimate(
-        sample + (det.max_values or values or 0) * (_F4 + _I8),
+        sample + _at_most(det.max_values, values) * (_F4 + _I8),
         "a sample of training activations",
         "pass a smaller max_values",
     )
@@ -259,11 +264,11 @@ def _vra(det: Any, s: FitShape) -> Estimate | None:
     if det.per_unit:
         cap = None if det.max_values is None else max(1, det.max_values // s.dim)
         sample = _sample_bytes(cap, s.rows, s.dim)
-        kept = (cap or s.rows or 0) * s.dim
+        kept = _at_most(cap, s.rows) * s.dim
     else:
         values = None if s.rows is None else s.rows * s.dim
         sample = _sample_bytes(det.max_values, values, 1)
-        kept = det.max_values or values or 0
+        kept = _at_most(det.max_values, values)
     return Estimate(sample + kept * (_F4 + _I8), "a sample of training activations", "pass a smaller max_values")
 
 
@@ -271,7 +276,7 @@ def _vim(det: Any, s: FitShape) -> Estimate | None:
     if s.dim is None or s.classes is None:
         return None
     d, k = s.dim, s.classes
-    sample = _sample_bytes(det.max_alpha, s.rows, d) + (det.max_alpha or s.rows or 0) * d * _F8
+    sample = _sample_bytes(det.max_alpha, s.rows, d) + _at_most(det.max_alpha, s.rows) * d * _F8
     return Estimate(
         d * d * _F8 * 5 + k * d * _F8 * 4 + sample + _b(s) * d * _F8 * 2,
         f"one {d}x{d} moment (float64) and a sample of {det.max_alpha} features",
