@@ -138,7 +138,7 @@ class Stream:
     def batches(self, layers: bool = False, shift: float = 0.0, start: int = 0) -> Any:
         """``(features, labels, layers or None)`` of each batch; ``shift``: a far set's offset."""
         for lo in range(start, start + self.rows, self.batch):
-            t0 = time.perf_counter()
+            t0 = _clock()
             n = min(self.batch, start + self.rows - lo)
             g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + lo + 1)
             y = torch.randint(0, self.classes, (n,), generator=g, device=self.device)
@@ -150,8 +150,17 @@ class Stream:
                 for name, c in _layers(self.dim).items():
                     eps = torch.randn(n, c, self.positions, generator=g, device=self.device) * 0.5
                     maps[name] = (z[:, :c].unsqueeze(2) + eps).relu_()
-            self.draw_s += time.perf_counter() - t0
+            self.draw_s += _clock() - t0
             yield z, y, maps
+
+
+def _clock() -> float:
+    """Seconds of this process's CPU time (one thread: the time on an idle core, whatever the
+    machine's load), or of the wall clock where a GPU computes."""
+    return time.perf_counter() if _CUDA else time.process_time()
+
+
+_CUDA = False
 
 
 def _vm(key: str) -> int:
@@ -196,7 +205,8 @@ class Peak:
 
 
 def _outputs(jem: Any, stream: Stream, z: Tensor, maps: Any) -> Any:
-    return jem.ood.Outputs(stream.net(z), features=z, layers=maps)
+    with torch.no_grad():  # the stand-in's logits, no autograd graph
+        return jem.ood.Outputs(stream.net(z), features=z, layers=maps)
 
 
 def run_one(label: str, name: str, options: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -237,32 +247,32 @@ def run_one(label: str, name: str, options: dict[str, Any], args: argparse.Names
         break
     stream.draw_s = 0.0
     peak.start()
-    t_fit = 0.0
+    t_fit = t_end = 0.0  # the streaming calls; the ends of the passes (solves, sorts: not per row)
     try:
         if det.shares_forward:
-            t0 = time.perf_counter()
+            t0 = _clock()
             det.begin_fit(jm, rows=args.full_rows)
-            t_fit += time.perf_counter() - t0
+            t_fit += _clock() - t0
             done = False
             while not done:
                 for z, y, maps in stream.batches(layers):
                     out = _outputs(jem, stream, z, maps)
-                    t0 = time.perf_counter()
+                    t0 = _clock()
                     det.add_outputs(out, y)
-                    t_fit += time.perf_counter() - t0
-                t0 = time.perf_counter()
+                    t_fit += _clock() - t0
+                t0 = _clock()
                 done = det.end_fit(jm)
-                t_fit += time.perf_counter() - t0
+                t_end += _clock() - t0
         else:  # an input gradient: fitted through the stand-in as a network (x = the features)
             data = [(z, y) for z, y, _ in stream.batches()] if args.rows <= 50_000 else None
-            t0 = time.perf_counter()
+            t0 = _clock()
             det.fit(jm, data if data is not None else ((z, y) for z, y, _ in stream.batches()), batch_size=args.batch)
-            t_fit = time.perf_counter() - t0 - (0.0 if data is not None else stream.draw_s)
+            t_fit = _clock() - t0 - (0.0 if data is not None else stream.draw_s)
             del data
     except MemoryLimitError as exc:
-        row.update(status="refused", reason=str(exc), fit_peak_mb=peak.above() / 2**20, fit_s=t_fit)
+        row.update(status="refused", reason=str(exc), fit_peak_mb=peak.above() / 2**20, fit_s=t_fit + t_end)
         return row
-    row.update(status="fitted", fit_peak_mb=peak.above() / 2**20, fit_s=t_fit)
+    row.update(status="fitted", fit_peak_mb=peak.above() / 2**20, fit_s=t_fit + t_end, fit_end_s=t_end)
     # scoring: a fresh peak above the fitted state
     peak.start()
     scored, t_score = 0, 0.0
@@ -272,14 +282,14 @@ def run_one(label: str, name: str, options: dict[str, Any], args: argparse.Names
     score_stream.means, score_stream.net = stream.means, stream.net
     for z, _, maps in score_stream.batches(layers):
         out = _outputs(jem, stream, z, maps)
-        t0 = time.perf_counter()
+        t0 = _clock()
         s = det.score_outputs(jm, out) if det.shares_forward else det.score(jm, z)
         if s.is_cuda:
             torch.cuda.synchronize()
-        t_score += time.perf_counter() - t0
+        t_score += _clock() - t0
         scored += s.shape[0]
     row.update(score_peak_mb=peak.above() / 2**20, score_rows_per_s=scored / t_score)
-    row["fit_s_full"] = row["fit_s"] * args.full_rows / args.rows
+    row["fit_s_full"] = t_fit * args.full_rows / args.rows + t_end  # the streaming part grows with the rows
     if est_n is not None and est_full is not None:
         row["fit_peak_full_mb"] = row["fit_peak_mb"] + (est_full.bytes - est_n.bytes) / 2**20
     return row
@@ -309,29 +319,29 @@ def knn_study(args: argparse.Namespace) -> dict[str, Any]:
     def fit(max_fit: int | None) -> Any:
         det = jem.ood.detector("knn", k=k, max_fit=max_fit, memory_limit=None, search="torch")
         base = _reset_peak()
-        t0 = time.perf_counter()
+        t0 = _clock()
         det.begin_fit(jm, rows=args.rows)
         for z, y, _ in stream.batches():
             det.add_outputs(jem.ood.Outputs(stream.net(z), features=z), y)
         det.end_fit(jm)
-        return det, time.perf_counter() - t0, (_vm("VmHWM") - base) / 2**20
+        return det, _clock() - t0, (_vm("VmHWM") - base) / 2**20
 
     def search(det: Any, how: str) -> tuple[Tensor, Tensor, float, float]:
         det.search = how
         z = torch.nn.functional.normalize(queries, dim=1)
         base = _reset_peak()
         if how == "faiss":
-            t0 = time.perf_counter()
+            t0 = _clock()
             det._faiss_index()
-            results["faiss_index_build_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
+            results["faiss_index_build_s"] = _clock() - t0
+        t0 = _clock()
         if how == "faiss":
             _, idx = det._faiss_index().search(z.numpy(), k)
             idx = torch.from_numpy(idx)
         else:
             sims = torch.cat([(zb @ det.bank.T).topk(k, dim=1).indices for zb in z.split(args.score_batch)])
             idx = sims
-        dt = time.perf_counter() - t0
+        dt = _clock() - t0
         scores = torch.cat([det.score_outputs(jm, jem.ood.Outputs(stream.net(x), features=x)) for x in (queries, far)])
         return idx, scores, dt, (_vm("VmHWM") - base) / 2**20
 
@@ -386,6 +396,8 @@ def knn_study(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _child(args: argparse.Namespace) -> None:
+    global _CUDA
+    _CUDA = args.device.startswith("cuda")
     if args.knn_study:
         print(json.dumps(knn_study(args)))
         return
@@ -402,7 +414,7 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace, cuda: bool) -> 
     what = "GPU memory (max_memory_allocated)" if cuda else "resident memory (VmHWM)"
     lines = [
         f"| detector | status | fit peak MB ({'measured' if args.rows == args.full_rows else f'{args.rows:,} rows'}) "
-        "| full-size fit peak MB | estimate at full size MB | score peak MB | fit s "
+        "| full-size fit peak MB | estimate at full size MB | score peak MB | fit s (of which the end) "
         f"| fit s at {args.full_rows:,} rows | score rows/s |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -422,7 +434,7 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace, cuda: bool) -> 
         lines.append(
             f"| {r['detector']} | fitted | {_mb(r['fit_peak_mb'])} | "
             f"{_mb(full)}{'' if args.rows == args.full_rows else ' (extrapolated)'} | {_mb(r.get('estimate_full_mb'))} | "
-            f"{_mb(r['score_peak_mb'])} | {r['fit_s']:.1f} | {r['fit_s_full']:,.0f}"
+            f"{_mb(r['score_peak_mb'])} | {r['fit_s']:.1f} ({r.get('fit_end_s', 0.0):.1f}) | {r['fit_s_full']:,.0f}"
             f"{'' if args.rows == args.full_rows else ' (extrapolated)'} | {r['score_rows_per_s']:,.0f} |"
         )
     refusals = [f"- `{r['detector']}`: {r['reason']}" for r in rows if r.get("status") == "refused"]
@@ -434,7 +446,16 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace, cuda: bool) -> 
             f"rows (batches of {args.batch}), told the full size; scoring {args.score_rows:,} rows in batches "
             f"of {args.score_batch}; layers at {args.positions} position(s). Device {args.device}; "
             f"{platform.processor() or platform.machine()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; "
-            f"load average at the start {args.load}.",
+            f"load average at the start {args.load}. Times: "
+            + (
+                "wall seconds (the GPU computes)."
+                if cuda
+                else "CPU seconds of the process's one thread (process_time: "
+                "what an idle core would take, whatever the load)."
+            )
+            + " Extrapolated fit time: the streaming calls' time x full rows / rows, plus the ends of the passes "
+            "(solves, sorts; not per row). Extrapolated memory: measured plus the estimate's growth from "
+            f"{args.rows:,} rows to full size (banks, samples not yet full).",
             "",
             *lines,
             "",
@@ -481,7 +502,8 @@ def main(argv: list[str] | None = None) -> None:
     wanted = [w.strip() for w in args.detectors.split(",") if w.strip()]
     skip = {w.strip() for w in args.skip.split(",") if w.strip()}
     todo = [d for d in DETECTORS if (not wanted or d[0] in wanted or d[1] in wanted) and d[1] not in skip]
-    cuda = args.device.startswith("cuda")
+    global _CUDA
+    cuda = _CUDA = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
     rows: list[dict[str, Any]] = []
