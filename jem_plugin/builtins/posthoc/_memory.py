@@ -344,14 +344,15 @@ def _weiper(det: Any, s: FitShape) -> Estimate | None:
     if s.dim is None or s.classes is None:
         return None
     d, k, r, b = s.dim, s.classes, det.repeats, _b(s)
-    perturbed = r * k * d * _F4
-    sample = _sample_bytes(det.max_fit, s.rows, d)
-    # a batch's perturbed logits; the end's histograms of 256-row chunks (logits, float64, indices)
-    batch = b * r * k * _F4 * 2 + 256 * r * k * (_F4 + _F8 + _I8)
+    # per repeat: its copy of the head, a batch's perturbed logits (and their softmax), the end's
+    # histograms of 256-row chunks (logits, float64, indices); then the head and the sample
+    per_repeat = k * d * _F4 + b * k * _F4 * 2 + 256 * k * (_F4 + _F8 + _I8)
+    rest = k * d * _F4 * 3 + _sample_bytes(det.max_fit, s.rows, d)
+    fits = max(1, int(((limit_hint(det) or DEFAULT_LIMIT) - rest) // per_repeat))
     return Estimate(
-        perturbed + k * d * _F4 * 3 + sample + batch,
-        f"{r} perturbed copies of the {k}x{d} head (float32)",
-        f"use fewer repeats (repeats={max(1, int(r * 0.4 * (limit_hint(det) or DEFAULT_LIMIT) / max(perturbed, 1)))})",
+        r * per_repeat + rest,
+        f"{r} perturbed copies of the {k}x{d} head (float32) and their logits for a batch of {b}",
+        f"use fewer repeats (repeats={fits}) or fit in smaller batches",
     )
 
 

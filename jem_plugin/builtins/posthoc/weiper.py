@@ -119,7 +119,13 @@ class WeiPer(_FittedDetector):
 
     def _begin(self, jm: Any) -> None:
         w, b = _linear_head(jm, self.name)
-        w, b = w.float(), b.float()
+        self._head = (w.float(), b.float())  # perturbed on the first batch, once its memory is checked
+        self._low: Tensor | None = None  # the smallest feature and perturbed logit seen
+        self._high: Tensor | None = None
+        self._sample = _Sample(self.max_fit, self.seed)
+
+    def _perturb_head(self) -> None:
+        w, b = self._head
         k, d = w.shape
         g = torch.Generator(device="cpu").manual_seed(self.seed)
         # built in place: one repeats x K x D copy at its peak, not four (3.3 GB for ImageNet's
@@ -128,14 +134,14 @@ class WeiPer(_FittedDetector):
         noise = noise.div_(noise.norm(dim=2, keepdim=True).clamp_min(1e-12)).to(w.device)
         self.weight = noise.mul_(self.delta * w.norm(dim=1, keepdim=True)).add_(w).reshape(self.repeats * k, d)
         self.bias = b.repeat(self.repeats)
-        self._low: Tensor | None = None  # the smallest feature and perturbed logit seen
-        self._high: Tensor | None = None
-        self._sample = _Sample(self.max_fit, self.seed)
+        del self._head
 
     def _perturbed(self, feats: Tensor) -> Tensor:
         return feats @ self.weight.to(feats.device).T + self.bias.to(feats.device)
 
     def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+        if "_head" in self.__dict__:
+            self._perturb_head()
         v = self._perturbed(feats)
         lows = torch.stack([feats.min(), v.min()])
         highs = torch.stack([feats.max(), v.max()])
@@ -144,7 +150,7 @@ class WeiPer(_FittedDetector):
         self._sample.add(feats)
 
     def _finish(self, jm: Any) -> None:
-        assert self._low is not None and self._high is not None
+        assert self._low is not None and self._high is not None, "fit saw no data"
         (z_low, v_low), (z_high, v_high) = self._low.tolist(), self._high.tolist()
         self.feature_range, self.perturbed_range = (z_low, z_high), (v_low, v_high)
         z = self._sample.values()
