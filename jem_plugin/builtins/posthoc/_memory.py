@@ -167,14 +167,15 @@ def _gram(det: Any, s: FitShape) -> Estimate | None:
     stats = sum(c for c, _ in s.layers) * len(det.powers)
     k, b = s.classes, _b(s)
     # bounds and runners-up (or bounds of the others), K x stats float32 each, and the update's
-    # temporaries (about six more); a batch's statistics (five copies), indices and masks; the Gram rows of
+    # temporaries of a block of statistics; a batch's statistics, indices and masks; the Gram rows of
     # the widest layer's maps, float64, in chunks of at most 2^25 entries, three copies live
-    from .gram import _GRAM_CHUNK_ENTRIES
+    from .gram import _GRAM_CHUNK_ENTRIES, _WIDEN_BLOCK
 
     maps = min(b * max(c * p for c, p in s.layers), _GRAM_CHUNK_ENTRIES) * _F8 * 3
     held = det.max_held_out * stats * _F4 * 3 if det.held_out is not None else 0
+    block = min(stats, _WIDEN_BLOCK)  # the update's temporaries: K x block and batch x block
     return Estimate(
-        k * stats * _F4 * 10 + b * stats * (_F4 * 5 + _I8 + 1) + maps + held,
+        k * stats * _F4 * 4 + k * block * _F4 * 8 + b * stats * _F4 * 2 + b * block * (_F4 * 5 + _I8 + 1) + maps + held,
         f"per-class bounds of {stats} statistics for {k} classes (float32, with their runners-up) and a batch of {b}",
         "read fewer layers (layers=[...]) or powers (powers=...), or fit in smaller batches",
     )

@@ -24,6 +24,10 @@ from ._base import (
 #: 256 ResNet-50 ``layer1`` maps at 224x224 (205M entries) is done in 7 chunks, not at once.
 _GRAM_CHUNK_ENTRIES = 1 << 25
 
+#: Statistics per block of the running bounds' update (:func:`_widen_two`'s temporaries are
+#: classes x block).
+_WIDEN_BLOCK = 4096
+
 
 def _gram_rows(maps: Tensor, powers: Sequence[int]) -> Tensor:
     """``[B, len(powers), C]``: for each power ``p``, the row sums of the ``p``-th order Gram
@@ -241,7 +245,11 @@ class Gram(_ClassConditional):
         self._seen += len(y)
         if self._runners_up is not None:  # before the bounds move: it reads them
             lo2, hi2 = self._runners_up
-            _widen_two((self._lo, lo2), (self._hi, hi2), feats, y)
+            # a block of statistics at a time: the update's K x block temporaries, not K x all of
+            # them (ImageNet's 1000 classes x 38400 statistics: 150 MB per temporary, not 6x that)
+            for start in range(0, feats.shape[1], _WIDEN_BLOCK):
+                c = slice(start, start + _WIDEN_BLOCK)
+                _widen_two((self._lo[:, c], lo2[:, c]), (self._hi[:, c], hi2[:, c]), feats[:, c], y)
             return
         assert self._others is not None and self.held_out is not None
         _widen(self._lo, self._hi, feats, y)
