@@ -173,9 +173,12 @@ def _gram(det: Any, s: FitShape) -> Estimate | None:
 
     maps = min(b * max(c * p for c, p in s.layers), _GRAM_CHUNK_ENTRIES) * _F8 * 3
     held = det.max_held_out * stats * _F4 * 3 if det.held_out is not None else 0
-    block = min(stats, _WIDEN_BLOCK)  # the update's temporaries: K x block and batch x block
+    # the four bounds, then the larger of a batch's update (K x block and batch x block
+    # temporaries) and the end's leave-one-out gaps (about six K x stats temporaries)
+    block = min(stats, _WIDEN_BLOCK)
+    update = k * block * _F4 * 8 + b * stats * _F4 * 2 + b * block * (_F4 * 5 + _I8 + 1) + maps
     return Estimate(
-        k * stats * _F4 * 4 + k * block * _F4 * 8 + b * stats * _F4 * 2 + b * block * (_F4 * 5 + _I8 + 1) + maps + held,
+        k * stats * _F4 * 4 + max(update, k * stats * _F4 * 6) + held,
         f"per-class bounds of {stats} statistics for {k} classes (float32, with their runners-up) and a batch of {b}",
         "read fewer layers (layers=[...]) or powers (powers=...), or fit in smaller batches",
     )
