@@ -247,12 +247,12 @@ def run_one(label: str, name: str, options: dict[str, Any], args: argparse.Names
         break
     stream.draw_s = 0.0
     peak.start()
-    t_fit = t_end = 0.0  # the streaming calls; the ends of the passes (solves, sorts: not per row)
+    t_fit = t_end = 0.0  # the streaming calls; the start and the ends of the passes (not per row)
     try:
         if det.shares_forward:
             t0 = _clock()
             det.begin_fit(jm, rows=args.full_rows)
-            t_fit += _clock() - t0
+            t_end += _clock() - t0  # not per row: counted with the ends
             done = False
             while not done:
                 for z, y, maps in stream.batches(layers):
@@ -453,8 +453,9 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace, cuda: bool) -> 
                 else "CPU seconds of the process's one thread (process_time: "
                 "what an idle core would take, whatever the load)."
             )
-            + " Extrapolated fit time: the streaming calls' time x full rows / rows, plus the ends of the passes "
-            "(solves, sorts; not per row). Extrapolated memory: measured plus the estimate's growth from "
+            + " Extrapolated fit time: the streaming calls' time x full rows / rows, plus the start and the ends "
+            "of the passes (solves, sorts; not per row; the detectors with an input gradient fit through .fit, whose "
+            "end is scaled with the rows: an overestimate). Extrapolated memory: measured plus the estimate's growth from "
             f"{args.rows:,} rows to full size (banks, samples not yet full).",
             "",
             *lines,
