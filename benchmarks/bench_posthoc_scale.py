@@ -431,11 +431,13 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace, cuda: bool) -> 
             )
             continue
         full = r.get("fit_peak_full_mb")
+        own = "" if r.get("rows", args.rows) == args.rows else f" ({r['rows']:,} rows, batches of {r.get('batch')})"
+        extra = "" if r.get("rows", args.rows) == args.full_rows else " (extrapolated)"
         lines.append(
-            f"| {r['detector']} | fitted | {_mb(r['fit_peak_mb'])} | "
-            f"{_mb(full)}{'' if args.rows == args.full_rows else ' (extrapolated)'} | {_mb(r.get('estimate_full_mb'))} | "
+            f"| {r['detector']} | fitted | {_mb(r['fit_peak_mb'])}{own} | "
+            f"{_mb(full)}{extra} | {_mb(r.get('estimate_full_mb'))} | "
             f"{_mb(r['score_peak_mb'])} | {r['fit_s']:.1f} ({r.get('fit_end_s', 0.0):.1f}) | {r['fit_s_full']:,.0f}"
-            f"{'' if args.rows == args.full_rows else ' (extrapolated)'} | {r['score_rows_per_s']:,.0f} |"
+            f"{extra} | {r['score_rows_per_s']:,.0f} |"
         )
     refusals = [f"- `{r['detector']}`: {r['reason']}" for r in rows if r.get("status") == "refused"]
     return "\n".join(
@@ -487,8 +489,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--time-limit", type=float, default=math.inf, help="skip the detectors left after this many s")
     p.add_argument("--in-process", action="store_true", help="every detector in this process (as --device cuda)")
     p.add_argument("--knn-study", action="store_true", help="KNN: exact, faiss and max_fit on --rows rows")
+    p.add_argument(
+        "--merge", nargs="+", default=None, help="result JSONs of partial runs: later rows replace earlier ones"
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.merge:
+        merge(args.merge, Path(args.out), args.tag)
+        return
     args.load = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
     if args.child is not None or (args.knn_study and args.device == "cpu" and os.environ.get("_BENCH_CHILD")):
         _child(args)
@@ -528,6 +536,25 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(row), flush=True)
         _write(out, rows, args, cuda)
     _write(out, rows, args, cuda)
+
+
+def merge(paths: list[str], out: Path, tag: str = "") -> None:
+    """One table of several runs' JSONs (reruns of some detectors replacing their rows), in the
+    order of :data:`DETECTORS`, written as ``posthoc_scale<tag>.{json,md}``; the rows keep the
+    settings of the run that measured them (rows, batch), and the table's header the first's."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    rows: dict[str, dict[str, Any]] = {}
+    for path, run in zip(paths, runs):
+        for row in run["rows"]:
+            rows[row["detector"]] = {**row, "run": Path(path).name}
+    order = [d[0] for d in DETECTORS]
+    merged = sorted(rows.values(), key=lambda r: order.index(r["detector"]) if r["detector"] in order else len(order))
+    args = argparse.Namespace(**runs[0]["settings"])
+    out.mkdir(parents=True, exist_ok=True)
+    _write(out, merged, argparse.Namespace(**{**vars(args), "tag": tag}), args.device.startswith("cuda"))
+    meta = json.loads((out / f"posthoc_scale{tag}.json").read_text())
+    meta["merged_from"] = [Path(p).name for p in paths]
+    (out / f"posthoc_scale{tag}.json").write_text(json.dumps(meta, indent=1))
 
 
 def _spawn(extra: list[str], args: argparse.Namespace) -> dict[str, Any]:
