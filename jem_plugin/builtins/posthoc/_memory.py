@@ -322,7 +322,7 @@ def _head_sized(det: Any, s: FitShape) -> Estimate | None:
 def _fdbd(det: Any, s: FitShape) -> Estimate | None:
     if s.dim is None or s.classes is None:
         return None
-    # the distances computed 16 head rows at a time: 16 x K x D differences and their squares
+    # the distances computed 16 head rows at a time: 16 x K x D differences
     return Estimate(
         s.classes * s.classes * _F4 * 3
         + s.classes * s.dim * _F4 * 2
