@@ -326,7 +326,7 @@ def _fdbd(det: Any, s: FitShape) -> Estimate | None:
     return Estimate(
         s.classes * s.classes * _F4 * 3
         + s.classes * s.dim * _F4 * 2
-        + 16 * s.classes * s.dim * _F4 * 2
+        + 16 * s.classes * s.dim * _F4
         + _b(s) * s.dim * _F8,
         f"the {s.classes}x{s.classes} distances between the head's rows",
         "use fewer classes",
