@@ -16,8 +16,8 @@ The limit, in bytes (``None``: none): the detector's ``memory_limit`` attribute
 (``jem.ood.detector(name, memory_limit=...)``), else the ``JEM_OOD_MEMORY_LIMIT`` environment
 variable, else :data:`DEFAULT_LIMIT`, 2 GiB: a fixed number, so that whether a fit is refused
 does not depend on the machine it runs on, and the budget of issue 46 (every detector fits an
-ImageNet-size fit in it, or names the setting that does). Everything the package fits on the
-data sets users bring below ImageNet's size stays far under it.
+ImageNet-size fit in it, or names the setting that does). Most fits stay far under it; short
+of ImageNet, ``gmm``'s full per-class covariances of wide features are the exception.
 """
 
 from __future__ import annotations
