@@ -81,6 +81,7 @@ DETECTORS: list[tuple[str, str, dict[str, Any]]] = [
     ("knn", "knn", {}),
     ("knn (max_fit=12811: 1%)", "knn", {"max_fit": 12811}),
     ("knn (max_fit=58982)", "knn", {"max_fit": 58982}),
+    ("knn (max_fit=74274)", "knn", {"max_fit": 74274}),
     ("react", "react", {}),
     ("openmax", "openmax", {}),
     ("kl_matching", "kl_matching", {}),

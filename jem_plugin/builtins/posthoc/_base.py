@@ -101,16 +101,34 @@ class _Sample:
             self._compact()
 
     def _compact(self) -> None:
-        rows, keys = torch.cat(self.rows), torch.cat(self.keys)
-        if self.capacity is not None and rows.shape[0] > self.capacity:
+        keys = torch.cat(self.keys)
+        if self.capacity is not None and keys.shape[0] > self.capacity:
             idx = torch.topk(keys, self.capacity, largest=False, sorted=False).indices
-            rows, keys = rows[idx], keys[idx]
+            rows, keys = self._gather(idx), keys[idx]
+        else:
+            rows = self.rows[0] if len(self.rows) == 1 else torch.cat(self.rows)
         self.rows, self.keys, self.held = [rows], [keys], rows.shape[0]
+
+    def _gather(self, idx: Tensor) -> Tensor:
+        """``torch.cat(self.rows)[idx]`` without concatenating the rows: the kept rows copied
+        chunk by chunk, so compacting holds the rows and the sample, not the rows twice."""
+        order = idx.argsort()
+        ends = torch.tensor([r.shape[0] for r in self.rows], device=idx.device).cumsum(0)
+        cuts = torch.searchsorted(idx[order], ends).tolist()  # the kept rows of each chunk, in order
+        out = self.rows[0].new_empty((idx.shape[0], *self.rows[0].shape[1:]))
+        lo, start = 0, 0
+        for chunk, hi in zip(self.rows, cuts):
+            where = order[lo:hi]
+            out[where] = chunk[idx[where] - start]
+            lo, start = hi, start + chunk.shape[0]
+        return out
 
     def values(self) -> Tensor:
         if self.capacity is not None and self.rows:
             self._compact()
-        return torch.cat(self.rows) if self.rows else torch.empty(0)
+        if not self.rows:
+            return torch.empty(0)
+        return self.rows[0] if len(self.rows) == 1 else torch.cat(self.rows)
 
 
 class _RunningMean:

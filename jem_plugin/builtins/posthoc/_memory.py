@@ -211,13 +211,14 @@ def _bank(det: Any, s: FitShape, row_bytes: int, what: str) -> Estimate | None:
         return Estimate(0.0, what, "", {"grows": True})
     b = _b(s)
     # a sample of at most max_fit rows holds up to twice that (and their keys) before it compacts,
-    # and the compaction copies what it holds; all rows: the batches, then their concatenation
-    held = rows * 2 + b if cap is not None and s.rows is not None and s.rows > cap else rows
-    total = held * s.dim * row_bytes * 2 + held * (_F4 + _I8) + b * s.dim * _F4 * 2
+    # then copies the rows it keeps; all rows: the batches, then their concatenation
+    sampled = cap is not None and s.rows is not None and s.rows > cap
+    held = rows * 2 + b if sampled else rows
+    total = (held + rows) * s.dim * row_bytes + held * (_F4 + _I8) + b * s.dim * _F4 * 2
     return Estimate(
         total,
         f"a bank of {rows} x {s.dim} {what} (float32)",
-        f"pass max_fit={max(det.k, int(0.9 * (limit_hint(det) or DEFAULT_LIMIT) / (s.dim * row_bytes * 4)))} "
+        f"pass max_fit={max(det.k, int(0.85 * (limit_hint(det) or DEFAULT_LIMIT) / (s.dim * row_bytes * 3)))} "
         "(a uniform subsample; the paper banks 1% of ImageNet)",
     )
 
@@ -242,7 +243,7 @@ def _sample_bytes(cap: int | None, rows_values: int | None, width: int) -> float
     """A bounded uniform sample of ``cap`` rows of ``width`` float32 values: up to twice the
     capacity held with its keys, and the compaction's copies; ``rows_values``: rows in the data."""
     held = (rows_values or 0) if cap is None else cap if rows_values is None else min(cap, rows_values)
-    return held * (width * _F4 + _F4) * 2 * 2 + held * _I8
+    return held * (width * _F4 + _F4) * 3 + held * _I8
 
 
 def _at_most(cap: int | None, n: int | None) -> int:
