@@ -197,3 +197,31 @@ def test_the_estimate_is_near_the_measured_peak(label, dim, classes, rows):
     assert row["status"] == "fitted"
     assert row["estimate_mb"] > 50
     assert row["estimate_mb"] / 3 < row["fit_peak_mb"] < row["estimate_mb"] * 3, row
+
+
+@pytest.mark.parametrize("capacity", [5, 37, None])
+def test_a_sample_compacts_to_the_rows_a_concatenation_would_keep(capacity):
+    """The bounded sample gathers its kept rows chunk by chunk (never the held rows twice):
+    the same rows, in the same order, as concatenating them and indexing."""
+    from jem_plugin.builtins.posthoc._base import _Sample
+
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(int(n), 4, generator=g) for n in torch.randint(1, 20, (23,), generator=g)]
+    sample = _Sample(capacity, seed=3)
+    for b in batches:
+        sample.add(b)
+    got = sample.values()
+    keys_gen, rows, keys = torch.Generator().manual_seed(3), [], []
+    for b in batches:  # the same draw of keys, compacted by concatenation at the same points
+        rows.append(b)
+        if capacity is None:
+            continue
+        keys.append(torch.rand(b.shape[0], generator=keys_gen))
+        if sum(r.shape[0] for r in rows) > 2 * capacity:
+            r, k = torch.cat(rows), torch.cat(keys)
+            i = torch.topk(k, capacity, largest=False, sorted=False).indices
+            rows, keys = [r[i]], [k[i]]
+    r = torch.cat(rows)
+    if capacity is not None and r.shape[0] > capacity:
+        r = r[torch.topk(torch.cat(keys), capacity, largest=False, sorted=False).indices]
+    assert torch.equal(got, r)
