@@ -87,6 +87,8 @@ def _cases() -> dict[str, Any]:
         {"layers": layers, "weights": "adversarial", "adversarial_images": 40},
     )
     cases["vra_per_unit"] = (by_name["vra"], {"per_unit": True})
+    cases["gmm_tied"] = (by_name["gmm"], {"covariance": "tied"})
+    cases["gmm_diag"] = (by_name["gmm"], {"covariance": "diag"})
     return cases
 
 

@@ -151,13 +151,16 @@ def _merge_sample(sample: Any) -> None:
 def _merge_moments(m: Any) -> None:
     """:class:`._moments._ClassMoments` of every rank's data: each rank's sums moved to rank 0's
     shift ``s`` (``delta = s_r - s``: ``sum (z - s) = S + n delta`` and ``sum (z - s)(z - s)^T =
-    O + S delta^T + delta S^T + n delta delta^T``, per class where the outer sums are), then summed."""
+    O + S delta^T + delta S^T + n delta delta^T``, per class where the outer sums are; their
+    diagonal alone for gmm's ``covariance="diag"``), then summed."""
     shift = m.shift.to(_comm_device()).clone()
     dist.broadcast(shift, src=0)
     shift = shift.to(m.shift.device)
     delta = m.shift - shift
     if bool(delta.any()):
-        if m.per_class_outer:
+        if m.diagonal:  # per-class sums of squares: Q + 2 S delta + n delta^2, elementwise
+            m.outer += 2.0 * m.sums * delta + m.counts.unsqueeze(1) * delta.square()
+        elif m.per_class_outer:
             for c in m.counts.nonzero().squeeze(1).tolist():  # one D x D update at a time: no K x D x D scratch
                 s_c = m.sums[c]
                 m.outer[c].addr_(s_c, delta).addr_(delta, s_c).addr_(delta, delta, alpha=float(m.counts[c]))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Callable, Sized
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -406,6 +407,14 @@ def _refuse(det: Any, est: Estimate, limit: float, shape: FitShape) -> MemoryLim
     )
 
 
+#: What a fit in progress still has to check (kept beside the detectors, not on them: a fitted
+#: detector's state is its statistics alone, the same on every rank and in a pickle): the limit
+#: and shape the first batch checks again, and for a bank of unknown length its limit and shape.
+_PENDING: weakref.WeakKeyDictionary[Any, tuple[float | None, FitShape]] = weakref.WeakKeyDictionary()
+_GROWTH: weakref.WeakKeyDictionary[Any, float | None] = weakref.WeakKeyDictionary()
+_SHAPE: weakref.WeakKeyDictionary[Any, FitShape] = weakref.WeakKeyDictionary()
+
+
 def _head_shape(core: Any) -> tuple[int | None, int | None]:
     """``(D, K)`` of the network's head where it is a linear layer, else ``(None, None)``."""
     try:
@@ -423,17 +432,17 @@ def check_fit(det: Any, core: Any, rows: int | None = None) -> None:
     raise :class:`~jem_plugin.errors.MemoryLimitError` where its estimate is over its limit;
     where a width it needs is known only from the outputs, check on the first batch instead."""
     limit = limit_of(det)
-    det.__dict__.pop("_memory_growth", None)
+    _GROWTH.pop(det, None)
     d, k = _head_shape(core) if "features" in det.reads or "logits" in det.reads else (None, None)
     shape = FitShape(rows=rows, dim=d, classes=k)
-    det._memory_pending = (limit, shape)  # the first batch checks again, with its own shapes
+    _PENDING[det] = (limit, shape)  # the first batch checks again, with its own shapes
     _check(det, limit, shape)
 
 
 def check_batch(det: Any, outputs: Any) -> None:
     """On a fit's first batch (a no-op after it): the check of :func:`check_fit` again, with the
     widths and batch size of the outputs themselves, before the detector keeps anything of them."""
-    pending = det.__dict__.pop("_memory_pending", None)
+    pending = _PENDING.pop(det, None)
     if pending is None:
         return
     limit, shape = pending
@@ -450,7 +459,7 @@ def check_batch(det: Any, outputs: Any) -> None:
         batch=int(logits.shape[0]),
         on="GPU memory" if logits.is_cuda else "memory",
     )
-    det._memory_shape = shape
+    _SHAPE[det] = shape
     _check(det, limit, shape)
 
 
@@ -459,18 +468,17 @@ def _check(det: Any, limit: float | None, shape: FitShape) -> None:
     if est is None:
         return
     if est.extra.get("grows"):
-        det._memory_growth = limit
+        _GROWTH[det] = limit
         return
     if limit is not None and est.bytes > limit:
-        det.__dict__.pop("_memory_pending", None)
+        _PENDING.pop(det, None)
         raise _refuse(det, est, limit, shape)
 
 
 def check_growth(det: Any, held_rows: int) -> None:
     """For a bank of data of unknown length: refuse once holding ``held_rows`` rows (and
     concatenating them at the end) would exceed the limit, before the bank grows past it."""
-    limit = det.__dict__.get("_memory_growth")
-    shape = det.__dict__.get("_memory_shape")
+    limit, shape = _GROWTH.get(det), _SHAPE.get(det)
     if limit is None or shape is None:
         return
     est = estimate(det, replace(shape, rows=held_rows))
