@@ -148,9 +148,11 @@ def detector(name: str, *, memory_limit: Any = "default", **kwargs: Any) -> Any:
     _check_kwargs(name, cls, kwargs, skip=0)
     det = cls(**kwargs)
     if memory_limit != "default":
-        from .builtins.posthoc._memory import set_limit
-
-        set_limit(det, memory_limit)
+        # the detector's own setter (the built-ins' base class has one): core does not reach into a plugin
+        setter = getattr(det, "set_memory_limit", None)
+        if setter is None:
+            raise InvalidInputError(f"OOD score {name!r} takes no memory_limit (its detector has no set_memory_limit)")
+        setter(memory_limit)
     return det
 
 

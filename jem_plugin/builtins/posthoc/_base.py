@@ -198,6 +198,12 @@ class _FittedDetector:
     def __init__(self) -> None:
         self.fitted = False
 
+    def set_memory_limit(self, limit: Any) -> None:
+        """The most memory this detector's fit may take, in bytes (``None``: no limit); checked
+        now, applied when the fit starts (:mod:`._memory`). :func:`jem_plugin.ood.detector`'s
+        ``memory_limit`` calls it."""
+        _memory.set_limit(self, limit)
+
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self._options().items())
         return f"{type(self).__name__}({options}{', fitted' if self.fitted else ''})"

@@ -170,13 +170,11 @@ def _gram(det: Any, s: FitShape) -> Estimate | None:
     # bounds and runners-up (or bounds of the others), K x stats float32 each, and the update's
     # temporaries of a block of statistics; a batch's statistics, indices and masks; the Gram rows of
     # the widest layer's maps, float64, in chunks of at most 2^25 entries, three copies live
-    from .gram import _GRAM_CHUNK_ENTRIES, _WIDEN_BLOCK
-
-    maps = min(b * max(c * p for c, p in s.layers), _GRAM_CHUNK_ENTRIES) * _F8 * 3
+    maps = min(b * max(c * p for c, p in s.layers), det.chunk_entries) * _F8 * 3
     held = det.max_held_out * stats * _F4 * 3 if det.held_out is not None else 0
     # the four bounds, then the larger of a batch's update (K x block and batch x block
     # temporaries) and the end's leave-one-out gaps (about six K x stats temporaries)
-    block = min(stats, _WIDEN_BLOCK)
+    block = min(stats, det.widen_block)
     update = k * block * _F4 * 8 + b * stats * _F4 * 2 + b * block * (_F4 * 5 + _I8 + 1) + maps
     return Estimate(
         k * stats * _F4 * 4 + max(update, k * stats * _F4 * 6) + held,

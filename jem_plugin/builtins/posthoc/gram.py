@@ -147,6 +147,9 @@ class Gram(_ClassConditional):
     """
 
     name = "gram"
+    # the scratch bounds the memory estimate reads (_memory, which cannot import this module: _base imports it)
+    chunk_entries = _GRAM_CHUNK_ENTRIES
+    widen_block = _WIDEN_BLOCK
     reads = frozenset({"logits", "layers"})
     description = (
         "Gram matrices of several depths against per-class training bounds (fit; layers=, powers=10, held_out=0.1)"
