@@ -10,26 +10,59 @@ Contenders (model in train mode, Adam lr 1e-4, batch 64, one optimizer each on t
   own: drawing the samples (``SGLD.sample`` with the buffer) and one forward/backward/step on the
   concatenated ``[x; x_sample]`` batch with the same loss terms. "Sum of parts" is their sum per
   round; the target is ``jem_20 <= 1.05 x`` that sum.
+
+``--cuts`` (issue 45, deliverable 3: a cheaper iteration) times something else: ``jem train``'s
+choice (:data:`CHOICE`) and each candidate cut (:data:`CUTS`, recipe settings changed on top of
+it) against cross-entropy, each a whole iteration of :func:`benchmarks.bench_generative.train_step`
+(what the generalisation matrix and the long row train with: augmentation, the clean batch for the
+p(x) term, optimiser, schedule) on 32x32 textures at 150 per class, batch 64, one thread,
+interleaved rounds, in CPU seconds (``time.process_time``: on a shared machine wall time counts the
+others' work), ratios paired per round. Writes ``train_step_cuts.{json,md}``.
+
+    OMP_NUM_THREADS=1 nice -n 19 python -m benchmarks.bench_train_step --cuts [--repeats 10]
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import sys
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 if __package__ in (None, ""):
-    import os
-    import sys
-
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common
 from benchmarks.common import Contender, make_model, uniform_batch
+from jem_plugin.app.default_recipe import default_choice
 
 NAME = "train_step"
 TARGET_PARTS = 1.05
+
+CUTS_NAME = "train_step_cuts"
+#: the cost target: a whole iteration of jem train's choice at most this many CE iterations
+TARGET_CE = 3.0
+#: jem train's choice at 150 images per class (the same settings with and without BatchNorm)
+CHOICE: dict[str, Any] = dict(default_choice(150, batchnorm=True).settings)
+#: candidate cuts: recipe settings (flat names, as ``Recipe.replace`` takes them) changed on top of
+#: :data:`CHOICE`. ``shared``: the p(x) term's data energies come from the classification forward
+#: (the augmented, noisy batch), not from a second pass over the clean batch (160 -> 96 images in
+#: the loss's forward and backward). ``steps5``: 5 SGLD steps instead of 10 from the informative init.
+#: ``chains16``: 16 chains per iteration instead of 32 (the buffer, sized for 40 draws per slot,
+#: halves with them).
+CUTS: dict[str, dict[str, Any]] = {
+    "shared": {"px_clean_data": False},
+    "steps5": {"sgld_steps": 5},
+    "steps5_shared": {"sgld_steps": 5, "px_clean_data": False},
+    "chains16_shared": {"n_samples": 16, "px_clean_data": False},
+    "steps5_chains16": {"sgld_steps": 5, "n_samples": 16},
+    "steps5_chains16_shared": {"sgld_steps": 5, "n_samples": 16, "px_clean_data": False},
+}
 
 
 def build_contenders(
@@ -156,7 +189,122 @@ def to_markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------- cheaper iterations
+def cut_contenders(
+    net: str, channels_last: bool = True, iterations: int = 3000, cuts: Sequence[str] | None = None
+) -> dict[str, Contender]:
+    """``ce``, ``choice`` and each of :data:`CUTS` (or those named in ``cuts``) on ``net``: one whole
+    training iteration each, on its own model, optimiser and buffer (sized for a run of
+    ``iterations``, as the long row's), cycling through the same batches. With ``channels_last``: ``ce_cl`` and ``choice_cl``, the same
+    with the model's weights in channels-last memory format (not a recipe setting: a model's)."""
+    from benchmarks import bench_generalisation as GB
+    from benchmarks import bench_generative as G
+
+    S = GB.setting(GB.dataset("textures"), net, GB.per_class_for("textures", "150"), 0)
+    lr = GB.NETWORK_LR.get(net)
+    order = torch.randperm(len(S["x"]), generator=torch.Generator().manual_seed(0))
+    batches = [(S["x"][i], S["y"][i]) for i in order.split(GB.BATCH) if len(i) == GB.BATCH]
+
+    def contender(settings: dict[str, Any] | None, cl: bool = False) -> Contender:
+        run = "baseline" if settings is None else "generative"
+        overrides = {**({"lr": lr} if lr else {}), **(settings or {})}
+        ctx = G.start_run(S, run, iterations, batch_size=GB.BATCH, overrides=overrides or None, fit_init="train")
+        if cl:
+            ctx["model"].to(memory_format=torch.channels_last)
+        feed = itertools.cycle(batches)
+
+        def step() -> None:
+            x, y = next(feed)
+            G.train_step(ctx, x, y)
+
+        return Contender(step)
+
+    out = {"ce": contender(None), "choice": contender(CHOICE)}
+    out.update({name: contender({**CHOICE, **CUTS[name]}) for name in (CUTS if cuts is None else cuts)})
+    if channels_last:
+        out["ce_cl"], out["choice_cl"] = contender(None, cl=True), contender(CHOICE, cl=True)
+    return out
+
+
+def run_cuts(
+    quick: bool = False,
+    repeats: int | None = None,
+    networks: Sequence[str] | None = None,
+    channels_last: bool = True,
+    cuts: Sequence[str] | None = None,
+    **_: Any,
+) -> dict[str, Any]:
+    """Every contender of :func:`cut_contenders` per network, interleaved, in CPU seconds; the
+    load average before and after (the machine is shared: read the ratios, not the times)."""
+    networks = list(networks or ["resnet10t", "convnext_atto"])
+    repeats = repeats or (2 if quick else 10)
+    result: dict[str, Any] = {
+        "choice": CHOICE,
+        "cuts": CUTS,
+        "repeats": repeats,
+        "clock": "process_time (CPU seconds)",
+        "target_ce": TARGET_CE,
+        "networks": {},
+    }
+    for net in networks:
+        load_before = os.getloadavg()
+        times = common.interleaved(
+            cut_contenders(net, channels_last, 40 if quick else 3000, cuts),
+            repeats=repeats,
+            warmup=1 if quick else 2,
+            clock=time.process_time,
+        )
+        stats = common.ratios(times, "ce")
+        if "ce_cl" in stats:  # channels-last against its own cross-entropy step
+            stats["choice_cl"]["ratio_vs_ce_cl"] = common.paired_ratio(times["choice_cl"], times["ce_cl"])
+        result["networks"][net] = {
+            "time": stats,
+            "samples_s": times,
+            "load_before": load_before,
+            "load_after": os.getloadavg(),
+        }
+    return result
+
+
+def cuts_to_markdown(res: dict[str, Any]) -> str:
+    choice = ", ".join(f"{k}={v}" for k, v in res["choice"].items())
+    lines = [
+        f"One whole training iteration (bench_generative.train_step: 32x32 textures, batch 64, one thread) of "
+        f"jem train's choice (generative, {choice}) and of each cut (recipe settings on top of it) against a "
+        f"cross-entropy iteration; {res['repeats']} interleaved rounds, {res['clock']}; ratio = paired median of "
+        f"t / t_ce. Target: at most {res['target_ce']:g}x.",
+        "",
+    ]
+    rows = []
+    for net, entry in res["networks"].items():
+        for name, s in entry["time"].items():
+            settings = res["cuts"].get(name)
+            what = ", ".join(f"{k}={v}" for k, v in settings.items()) if settings else ""
+            ratio = common.fmt_ratio(s["ratio"])
+            if "ratio_vs_ce_cl" in s:
+                ratio += f" ({s['ratio_vs_ce_cl']:.2f}x ce_cl)"
+            meets = "" if name.startswith("ce") else ("yes" if s["ratio"] <= res["target_ce"] else "no")
+            rows.append([net, name, what, common.fmt_ms(s["median_s"]), f"{s['spread']:.1%}", ratio, meets])
+    lines.append(
+        common.md_table(["network", "iteration", "settings", "median CPU ms", "spread", "x CE", "<= target"], rows)
+    )
+    lines.append("")
+    for net, entry in res["networks"].items():
+        b, a = entry["load_before"], entry["load_after"]
+        lines.append(f"- {net}: load average {b[0]:.1f} / {b[1]:.1f} before, {a[0]:.1f} / {a[1]:.1f} after (1 / 5 min)")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
+    if "--cuts" in sys.argv[1:]:
+        sys.argv.remove("--cuts")
+
+        def _cuts_extra(p):
+            p.add_argument("--networks", nargs="*", default=None)
+            p.add_argument("--no-channels-last", dest="channels_last", action="store_false")
+
+        common.standalone_main(CUTS_NAME, run_cuts, cuts_to_markdown, extra_args=_cuts_extra)
+        sys.exit()
 
     def _extra(p):
         p.add_argument("--models", nargs="*", default=None, choices=list(common.MODELS))

@@ -200,11 +200,17 @@ def _as_contender(c: Any) -> Contender:
     return c if isinstance(c, Contender) else Contender(c)
 
 
-def interleaved(contenders: dict[str, Any], repeats: int = 15, warmup: int = 1) -> dict[str, list[float]]:
+def interleaved(
+    contenders: dict[str, Any],
+    repeats: int = 15,
+    warmup: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, list[float]]:
     """Time every contender once per round for ``repeats`` rounds (order rotated per round).
 
     Returns ``{name: [seconds per round]}``. ``warmup`` untimed rounds first (oneDNN primitive
-    caches, allocator growth, lazy imports).
+    caches, allocator growth, lazy imports). ``clock``: wall time by default; ``time.process_time``
+    (CPU seconds) on a machine others load, where wall time counts their work too.
     """
     items = [(k, _as_contender(v)) for k, v in contenders.items()]
     times: dict[str, list[float]] = {k: [] for k, _ in items}
@@ -226,11 +232,11 @@ def interleaved(contenders: dict[str, Any], repeats: int = 15, warmup: int = 1) 
                     c.setup()
                 gc.collect()
                 gc.disable()
-                t0 = time.perf_counter()
+                t0 = clock()
                 try:
                     c.fn()
                 finally:
-                    dt = time.perf_counter() - t0
+                    dt = clock() - t0
                     gc.enable()
                 if c.teardown is not None:
                     c.teardown()
