@@ -152,7 +152,7 @@ def to_markdown(res: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
-        "--cuts", nargs="*", default=["steps5_shared", "chains16_shared", "steps5_chains16"], choices=list(CUTS)
+        "--cuts", nargs="*", default=["steps5_shared", "chains16_shared", "steps5_shared_visits80"], choices=list(CUTS)
     )
     p.add_argument("--seeds", nargs="*", type=int, default=list(SEEDS))
     p.add_argument("--summary-only", action="store_true")
