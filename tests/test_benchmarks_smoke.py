@@ -243,6 +243,5 @@ def test_train_step_cuts_time_each_cut_against_cross_entropy():
     assert set(times) == {"ce", "choice", "steps5_shared", "ce_cl", "choice_cl"}
     assert times["ce"]["ratio"] == pytest.approx(1.0)
     assert all(s["median_s"] > 0 for s in times.values())
-    assert times["choice"]["ratio"] > 1.5  # the chains cost something: the contenders are not no-ops
     md = bench_train_step.cuts_to_markdown(res)
     assert "| resnet10t | steps5_shared | sgld_steps=5, px_clean_data=False |" in md and "load average" in md
