@@ -131,7 +131,13 @@ SHARED = {
     "pnml": "PNML",
     "lts": "LTS",
     "rankfeat": "RankFeat",
+    "vra": "VRA",
+    "weighted_ebo": "WeightedEBO",
+    "mcd": "MCD",
 }
+#: Our score at non-default settings for the equality check, where pytorch-ood cannot take ours
+#: (its VRA clips each unit between its own percentiles: ours with ``per_unit=True``).
+OURS_MATCHED: dict[str, dict[str, Any]] = {"vra": {"lower": 10, "upper": 90, "per_unit": True}}
 TARGET_MARGIN = 0.005  # best of ours >= best of pytorch-ood - this, per set
 EQUAL_TOL = 1e-4  # shared detectors: max |ours - theirs| <= EQUAL_TOL * max(1, max |ours|)
 TARGET_THROUGHPUT = 0.95  # ours / theirs; as bench_scoring, 5% for the timing noise of a shared machine
@@ -392,10 +398,12 @@ def pytorch_ood_detectors(model: nn.Module, feature_dim: int) -> dict[str, tuple
     RankFeat) get a CNN's last feature maps and ``forward_head`` (pooling and classifier), as the
     ASH paper applies it; a ViT, which has no maps, its penultimate features as 1x1 maps. ReAct
     clips the penultimate features (the paper's layer; as 1x1 maps). MultiMahalanobis and Gram
-    read the layers ours read (:class:`LayerMahalanobis`, :class:`LayerGram`). Left out: NACUE
-    (hand-picked layers), Dropout (MCD), text embeddings (MCM)
-    or per-class weights (WeightedEBO), and GradNorm (Huang et al. 2021: per-example parameter
-    gradients, 20x the cost of a forward pass, for this CPU budget)."""
+    read the layers ours read (:class:`LayerMahalanobis`, :class:`LayerGram`). WeightedEBO gets
+    ones as its class weights (a cross-entropy model has no VOS weights; ours defaults to ones
+    then too). MCD samples the network's dropout and fails in its row on a network without an
+    ``nn.Dropout`` (as ours refuses). Left out: NACUE (hand-picked layers), text embeddings
+    (MCM), and GradNorm and GradUncertainty (per-example parameter gradients, 20x the cost of a
+    forward pass, for this CPU budget)."""
     from pytorch_ood import detector as D
 
     enc, head = Backbone(model), model.get_classifier()
@@ -408,6 +416,8 @@ def pytorch_ood_detectors(model: nn.Module, feature_dim: int) -> dict[str, tuple
         "MaxSoftmax": (lambda: D.MaxSoftmax(model), False),
         "MaxLogit": (lambda: D.MaxLogit(model), False),
         "Entropy": (lambda: D.Entropy(model), False),
+        "WeightedEBO": (lambda: D.WeightedEBO(model, torch.ones(head.out_features)), False),
+        "MCD": (lambda: D.MCD(_with_dropout(model)), False),
         "GEN": (lambda: D.GEN(model), False),
         "KLMatching": (lambda: D.KLMatching(model), False),
         "TemperatureScaling": (lambda: D.TemperatureScaling(model), False),
@@ -434,6 +444,15 @@ def pytorch_ood_detectors(model: nn.Module, feature_dim: int) -> dict[str, tuple
         "PNML": (lambda: D.PNML(enc, head), False),
         "fDBD": (lambda: D.fDBD(enc, head), False),
     }
+
+
+def _with_dropout(model: nn.Module) -> nn.Module:
+    """``model`` when it has a dropout layer with ``p > 0`` (what MC dropout samples), else a
+    one-line refusal that becomes MCD's row (with no dropout its samples are all the same)."""
+    drop = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+    if not any(isinstance(m, drop) and float(m.p) > 0 for m in model.modules()):
+        raise TypeError(f"{type(model).__name__} has no dropout layer (nn.Dropout with p > 0)")
+    return model
 
 
 class EveryClassOpenMax:
@@ -561,12 +580,20 @@ def _our_fitted(model: nn.Module, loader: DataLoader, name: str) -> Any:
 #: ViT's penultimate features, as ours); OpenMax on float64 logits with every class predicted in
 #: each batch (:class:`EveryClassOpenMax`); MultiMahalanobis with our layer weights (``alpha``
 #: read off our fit on the same data); Gram at our powers, bounds and typical deviations
-#: (:class:`LayerGram`).
+#: (:class:`LayerGram`); VRA on the penultimate features (ours reads) as 1x1 maps, at our
+#: percentiles, beside ours per unit (:data:`OURS_MATCHED`).
 def matched_detectors(model: nn.Module, fit: DataLoader) -> dict[str, Callable[[], Any]]:
     from pytorch_ood import detector as D
 
     maps, maps_head = _shaped_layer(model)
+    vra = OURS_MATCHED["vra"]
     return {
+        "VRA": lambda: D.VRA(
+            Backbone(model, maps=True),
+            MapHead(model),
+            lower_percentile=vra["lower"] / 100,
+            upper_percentile=vra["upper"] / 100,
+        ),
         "ASH": lambda: D.ASH(maps, maps_head, variant="ash-s", percentile=0.90),
         "SCALE": lambda: D.SCALE(maps, maps_head, percentile=0.85),
         "OpenMax": lambda: EveryClassOpenMax(model),
@@ -712,14 +739,18 @@ def score_network(
         if s_t is None:
             equality[ours_name] = {"pytorch_ood": t, "failed": fail or "not scored"}
             continue
-        a = torch.cat([s_main[ours_name][k] for k in s_t])
+        s_o = s_main[ours_name]
+        if ours_name in OURS_MATCHED:  # ours at the settings pytorch-ood can take
+            det = ood.detector(ours_name, **OURS_MATCHED[ours_name]).fit(jm, _loader(D["x"], D["y"]), progress=False)
+            s_o = {k: ood.score(jm, D["xt"] if k == "in" else main_sets[k], det, batch_size=BATCH, progress=False) for k in s_t}
+        a = torch.cat([s_o[k] for k in s_t])
         b = torch.cat([s_t[k] for k in s_t])
         ok = torch.isfinite(a) & torch.isfinite(b)
         diff = float((a[ok] - b[ok]).abs().max()) if ok.any() else float("nan")
         scale = float(a[ok].abs().max()) if ok.any() else float("nan")
         au_diff = max(
             abs(
-                ood.evaluate(s_main[ours_name]["in"], s_main[ours_name][k])["auroc"]
+                ood.evaluate(s_o["in"], s_o[k])["auroc"]
                 - ood.evaluate(s_t["in"], s_t[k])["auroc"]
             )
             for k in main_sets
@@ -731,6 +762,7 @@ def score_network(
         tol = EQUAL_TOL * max(1.0, scale)
         equality[ours_name] = {
             "pytorch_ood": t + (" (matched settings)" if t in matched else ""),
+            "ours_settings": OURS_MATCHED.get(ours_name, "defaults"),
             "max_abs_diff": diff,
             "max_abs_score": scale,
             "equal": bool(diff <= tol),
