@@ -742,18 +742,17 @@ def score_network(
         s_o = s_main[ours_name]
         if ours_name in OURS_MATCHED:  # ours at the settings pytorch-ood can take
             det = ood.detector(ours_name, **OURS_MATCHED[ours_name]).fit(jm, _loader(D["x"], D["y"]), progress=False)
-            s_o = {k: ood.score(jm, D["xt"] if k == "in" else main_sets[k], det, batch_size=BATCH, progress=False) for k in s_t}
+            s_o = {
+                k: ood.score(jm, D["xt"] if k == "in" else main_sets[k], det, batch_size=BATCH, progress=False)
+                for k in s_t
+            }
         a = torch.cat([s_o[k] for k in s_t])
         b = torch.cat([s_t[k] for k in s_t])
         ok = torch.isfinite(a) & torch.isfinite(b)
         diff = float((a[ok] - b[ok]).abs().max()) if ok.any() else float("nan")
         scale = float(a[ok].abs().max()) if ok.any() else float("nan")
         au_diff = max(
-            abs(
-                ood.evaluate(s_o["in"], s_o[k])["auroc"]
-                - ood.evaluate(s_t["in"], s_t[k])["auroc"]
-            )
-            for k in main_sets
+            abs(ood.evaluate(s_o["in"], s_o[k])["auroc"] - ood.evaluate(s_t["in"], s_t[k])["auroc"]) for k in main_sets
         )
         # Up to a constant factor and offset (a documented scale convention): least squares a * theirs + c.
         A = torch.stack([b[ok].double(), torch.ones_like(b[ok].double())], 1)
