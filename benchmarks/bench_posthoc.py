@@ -199,8 +199,14 @@ def _wrap_kw(num_classes: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- training
 def make_net(spec: str, num_classes: int) -> nn.Module:
+    """A network with random weights: a timm name with ``key=value`` options after a colon
+    (``"test_vit:img_size=32,patch_size=4"``), or ``"torchvision:<name>"``."""
     import timm
 
+    if spec.startswith("torchvision:"):
+        import torchvision
+
+        return torchvision.models.get_model(spec.partition(":")[2], weights=None, num_classes=num_classes)
     name, _, extra = spec.partition(":")
     kwargs: dict[str, Any] = {}
     for kv in filter(None, extra.split(",")):
@@ -222,12 +228,14 @@ def train(
     eval_every: tuple[Tensor, Tensor] | None = None,
     init: nn.Module | None = None,
     clip: float | None = None,
+    device: torch.device | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Cross-entropy (``recipe=None``) or a JEM recipe, both with Adam at ``lr`` (linear warm-up
     over the recipe's capped warm-up, then a cosine decay to 0); returns the model in eval mode
     and its cost (and the test accuracy per epoch with ``eval_every=(x, y)``). ``init``: start
     from that model's weights (a fine-tune) instead of a random initialisation. ``clip``: the
-    gradients' global norm is clipped to it before each step."""
+    gradients' global norm is clipped to it before each step. ``device``: where the model trains
+    (cross-entropy only; the data moves there batch by batch)."""
     from torch.optim.swa_utils import update_bn
 
     torch.manual_seed(seed)
@@ -235,6 +243,10 @@ def train(
     model = make_net(spec, num_classes)
     if init is not None:
         model.load_state_dict(init.state_dict())
+    if device is not None:
+        if recipe is not None:
+            raise ValueError("train(device=...) runs the cross-entropy loop only")
+        model.to(device)
     jm = jem.wrap(model, **_wrap_kw(num_classes))
     r = recipe if isinstance(recipe, Recipe) else get_recipe(recipe) if recipe else None
     base = r or get_recipe("generative")
@@ -264,7 +276,7 @@ def train(
             xb = shift_augment(xb_clean, 4, g)
             opt.zero_grad(set_to_none=True)
             if loss_fn is None:
-                F.cross_entropy(model(xb), yb).backward()
+                F.cross_entropy(model(xb.to(device)), yb.to(device)).backward()
             else:
                 assert r is not None and fit_init is not None
                 px = xb_clean if r.loss.px_clean_data else None
@@ -334,8 +346,10 @@ def train_network(
 
 
 def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
+    """Top-1 accuracy of ``model`` on ``(x, y)``, batches moved to the model's device."""
+    dev = next(model.parameters()).device
     with torch.no_grad():
-        return float((torch.cat([model(b) for b in x.split(BATCH)]).argmax(1) == y).float().mean())
+        return float((torch.cat([model(b.to(dev)).cpu() for b in x.split(BATCH)]).argmax(1) == y).float().mean())
 
 
 # ---------------------------------------------------------------------------- pytorch-ood
@@ -1370,6 +1384,42 @@ def write(res: dict[str, Any], out_dir: str, machine: dict[str, Any] | None = No
     return md
 
 
+def merge(parts: Sequence[str], twins_from: str | None = None, note: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(results, machine)`` of several runs' ``posthoc.json`` (one network or more each, e.g.
+    ``--networks X --no-jem`` runs side by side), in the order given; a network in two parts is
+    taken from the later. ``twins_from``: a ``posthoc.json`` whose JEM-trained twins (and their
+    settings) join the merged results, and whose twin network's targets are judged against them
+    again. The machine is the first part's (its load at the start); CPU and wall times add up."""
+    saved = []
+    for part in parts:
+        path = part if part.endswith(".json") else os.path.join(part, f"{NAME}.json")
+        with open(path) as f:
+            saved.append(json.load(f))
+    res: dict[str, Any] = {"settings": dict(saved[0][NAME]["settings"]), "networks": {}, "cpu_s": 0.0, "wall_s": 0.0}
+    st = res["settings"]
+    st["networks"], st["epochs"], st["lr"] = [], {}, {}
+    for one in saved:
+        r = one[NAME]
+        for name, net in r["networks"].items():
+            res["networks"][name] = net
+            st["epochs"][name], st["lr"][name] = r["settings"]["epochs"][name], r["settings"]["lr"][name]
+        res["cpu_s"] += r["cpu_s"]
+        res["wall_s"] += r["wall_s"]
+    st["networks"] = list(res["networks"])
+    if twins_from:
+        with open(twins_from) as f:
+            old = json.load(f)[NAME]
+        res["jem_twins"] = old["jem_twins"]
+        for k in ("jem_twin", "jem_recipes", "jem_batch_size"):
+            st[k] = old["settings"][k]
+    twin_net = st.get("jem_twin")
+    for name, net in res["networks"].items():
+        net["targets"] = targets(net, res.get("jem_twins") if name == twin_net else None)
+    if note:
+        res["note"] = note
+    return res, saved[0]["machine"]
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description="jem-plugin benchmark: post-hoc OOD against pytorch-ood (issue 29)")
     p.add_argument("--quick", action="store_true", help="2 networks, 3 epochs, 400 training images: minutes")
@@ -1380,6 +1430,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=OUT)
     p.add_argument("--render", action="store_true", help="rewrite the Markdown and figures from --out's posthoc.json")
+    p.add_argument("--merge", nargs="+", default=None, help="merge these runs' posthoc.json (dirs or files) into --out")
+    p.add_argument("--twins-from", default=None, help="--merge: take the JEM-trained twins from this posthoc.json")
+    p.add_argument("--note", default="", help="--merge: a line on where each part comes from, shown in the Markdown")
     p.add_argument(
         "--one-forward",
         action="store_true",
@@ -1399,6 +1452,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         md = write_one_forward(res, args.out)
         print(md)
         return res
+    if args.merge:
+        merged, machine = merge(args.merge, args.twins_from, args.note)
+        os.makedirs(args.out, exist_ok=True)
+        common.write_json(os.path.join(args.out, f"{NAME}.json"), {"machine": machine, NAME: _strip(merged)})
+        md = write(merged, args.out, machine=machine)
+        print(md)
+        return merged
     if args.render:
         with open(os.path.join(args.out, f"{NAME}.json")) as f:
             saved = json.load(f)
