@@ -40,8 +40,19 @@ def test_tiny_run_writes_results_and_judges_targets(tmp_path):
         epochs=1,
         n_train=96,
         n_eval=24,
-        methods=["logpx", "msp", "grad_norm", "mahalanobis", "knn", "ash", "gram"],
-        theirs=["EnergyBased", "MaxSoftmax", "Mahalanobis", "KNN", "ASH", "Entropy", "Gram"],
+        methods=["logpx", "msp", "grad_norm", "mahalanobis", "knn", "ash", "gram", "vra", "weighted_ebo", "mcd"],
+        theirs=[
+            "EnergyBased",
+            "MaxSoftmax",
+            "Mahalanobis",
+            "KNN",
+            "ASH",
+            "Entropy",
+            "Gram",
+            "VRA",
+            "WeightedEBO",
+            "MCD",
+        ],
         timing_n=32,
         timing_repeats=1,
         jem_recipes=["fast"],
@@ -52,7 +63,13 @@ def test_tiny_run_writes_results_and_judges_targets(tmp_path):
     assert net["equality"]["logpx"]["max_abs_diff"] == 0.0 and net["equality"]["logpx"]["equal"]
     assert net["equality"]["msp"]["equal"] and net["equality"]["ash"]["pytorch_ood"] == "ASH (matched settings)"
     assert net["equality"]["gram"]["pytorch_ood"] == "Gram (matched settings)" and net["equality"]["gram"]["equal"]
-    assert set(net["throughput"]) == {"logpx", "msp", "mahalanobis", "knn", "ash", "gram"}
+    # pytorch-ood 0.4's VRA at our percentiles on our features, ours per unit; WeightedEBO at ones
+    assert net["equality"]["vra"]["pytorch_ood"] == "VRA (matched settings)" and net["equality"]["vra"]["equal"]
+    assert net["equality"]["vra"]["ours_settings"] == B.OURS_MATCHED["vra"] and net["equality"]["weighted_ebo"]["equal"]
+    # MC dropout on a network without dropout: both rows say so, neither is a score
+    mcd = {r["score"]: r for r in net["ours"] + net["pytorch_ood"] if r["score"] in ("mcd", "MCD")}
+    assert {r["status"] for r in mcd.values()} == {"failed"} and all("dropout" in r["reason"] for r in mcd.values())
+    assert set(net["throughput"]) == {"logpx", "msp", "mahalanobis", "knn", "ash", "gram", "vra", "weighted_ebo"}
     assert all(v["ratio"] > 0 for v in net["throughput"].values())
     tg = net["targets"]
     assert set(tg["best_per_set"]) == set(B.SETS) and "jem_ok" in tg  # the run's only network has the JEM twin
@@ -89,6 +106,41 @@ def test_targets():
     assert t["jem_ok"] is True and t["jem"]["generative"]["ok"] is False
     assert t["best_posthoc_on_twin"] == ("pytorch-ood EnergyBased", pytest.approx(0.95))
     assert B.targets(_net([0.99] * 6, [0.95] * 6), twins)["jem_ok"] is False
+
+
+def _saved(path, networks, cpu_s, twins=None):
+    settings = {"networks": list(networks), "epochs": {n: 3 for n in networks}, "lr": {n: 1e-3 for n in networks}}
+    settings |= {"sets": list(B.SETS), "n_train": 9, "n_test": 9, "n_ood": 9, "batch_size": 32}
+    settings |= {"jem_twin": None, "jem_recipes": {}, "jem_batch_size": 64}
+    res = {"settings": settings, "networks": networks, "cpu_s": cpu_s, "wall_s": cpu_s}
+    if twins:
+        res["jem_twins"] = twins
+        settings |= {"jem_twin": "b", "jem_recipes": {r: 3 for r in twins}}
+    path.write_text(json.dumps({"machine": {"cpu": "x"}, "posthoc": res}))
+    return str(path)
+
+
+def test_merge_puts_one_network_runs_together_with_earlier_twins(tmp_path):
+    """Runs of one network each (side by side on a shared machine) merge into one result: every
+    network, CPU times added, the JEM twins taken from an earlier run and the twin network's JEM
+    target judged against them again; the Markdown says where the parts come from."""
+    twin = {"network": "b", "epochs": 3, "accuracy": 1.0, "accuracy_0_7": 1.0, "mean_auroc": {"logpx": 0.97}}
+    twin |= {"cost": {"train_cpu_s": 60}, "cost_0_7": {"train_cpu_s": 60}, "scores": []}
+    net = lambda v: {**_net([v] * 6, [0.9] * 6), "kind": "k", "accuracy": 1.0, "accuracy_0_7": 1.0}
+    net_ = lambda v: net(v) | {"cost": {"train_cpu_s": 6}, "cost_0_7": {"train_cpu_s": 6}, "ours_timing": {}}
+    full = lambda v: net_(v) | {"pytorch_ood_timing": {}}
+    a = _saved(tmp_path / "a.json", {"a": full(0.95)}, 10.0)
+    b = _saved(tmp_path / "b.json", {"b": full(0.8)}, 20.0)
+    old = _saved(tmp_path / "old.json", {"b": full(0.5)}, 99.0, twins={"fast": twin})
+    res = B.main(["--merge", a, b, "--twins-from", old, "--note", "parts: a, b", "--out", str(tmp_path / "m")])
+    assert list(res["networks"]) == ["a", "b"] and res["cpu_s"] == 30.0 and res["settings"]["jem_twin"] == "b"
+    assert res["networks"]["a"]["targets"]["best_ok"] and not res["networks"]["b"]["targets"]["best_ok"]
+    assert res["networks"]["b"]["targets"]["jem_ok"] is True and "jem_ok" not in res["networks"]["a"]["targets"]
+    saved = json.loads((tmp_path / "m" / "posthoc.json").read_text())
+    assert saved["machine"] == {"cpu": "x"} and saved["posthoc"]["networks"]["b"]["ours"][0]["auroc"] == 0.8
+    md = (tmp_path / "m" / "posthoc.md").read_text()
+    assert "parts: a, b" in md and "*JEM-trained twin (`fast`): jem logpx*" in md
+    assert (tmp_path / "m" / "posthoc_a.png").is_file() and (tmp_path / "m" / "posthoc_b.png").is_file()
 
 
 @pytest.mark.slow

@@ -1,0 +1,56 @@
+"""Smoke test of benchmarks/bench_posthoc_224.py at a tiny size: one network, every gradient-free
+score through the one shared forward, mcd and the gradient scores, the per-detector loop beside it
+with the same scores, and the CPU cost of each phase written out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("timm")
+pytest.importorskip("torchvision")
+
+from benchmarks import bench_posthoc_224 as B  # noqa: E402 (it imports timm through bench_posthoc: skipped above without it)
+from benchmarks.bench_posthoc import make_net  # noqa: E402 (as the line above)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_tiny_224_run_scores_every_detector_once_and_states_its_cost(tmp_path):
+    # 7 per class x 8 classes = 56 fit images: knn's k = 50 fits
+    res = B.main(["--size", "32", "--per-class", "7", "--per-class-test", "1", "--epochs", "1", "--out", str(tmp_path)])
+    st = res["settings"]
+    assert st["size"] == 32 and st["n_train"] == 56 and set(st["n_ood"]) == set(B.SETS)
+    assert st["n_ood"]["held_out"] == 16 == st["n_ood"]["photo"]  # classes 8-9 of both splits, never trained on
+    scores = {r["score"] for r in res["rows"]}
+    assert scores == {*res["gradient_free"], "mcd", *B.GRADIENT_SCORES} and len(res["gradient_free"]) >= 28
+    assert {r["set"] for r in res["rows"]} == set(B.SETS)
+    mcd = [r for r in res["rows"] if r["score"] == "mcd"]
+    assert all(r["status"] == "ok" for r in mcd)  # mobilenet_v3_small's classifier has its dropout
+    # one shared forward: a handful of passes against one or more per detector, the same scores
+    assert res["forwards_shared"] * 10 < res["forwards_loop"] and res["loop_max_rel_score_diff"] < 1e-5
+    assert all(v["cpu_s"] > 0 and len(v["load_start"]) == 3 for v in res["phases"].values())
+    assert set(res["phases"]) == {"data", "training", "shared", "mcd_and_gradient", "loop"}
+    saved = json.loads((tmp_path / "posthoc_224.json").read_text())["posthoc_224"]
+    assert saved["rows"] == res["rows"] and saved["cpu_s"] == res["cpu_s"]
+    md = (tmp_path / "posthoc_224.md").read_text()
+    assert "CPU minutes" in md and "per-detector loop" in md and "| mcd |" in md
+    assert (tmp_path / "posthoc_224.png").stat().st_size > 5000
+
+
+def test_device_comparison_runs_on_the_cpu(tmp_path):
+    """``--device`` (the GPU command's path) on the CPU: the shared evaluate_all and the fits alone
+    timed on both devices, the same scores on each."""
+    D = B.load_data(32, 7, 1)
+    model = make_net(B.SPEC, B.IN_CLASSES).eval()
+    out = B.compare_devices(model, D, 32, torch.device("cpu"))
+    assert set(out["cpu"]["fit_s"]) == set(B.FIT_ALONE) and out["cpu"]["evaluate_all_s"] > 0
+    assert out["max_rel_score_diff"] == 0.0 and out["threads"] == 1
