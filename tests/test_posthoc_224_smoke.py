@@ -24,19 +24,25 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def test_tiny_224_run_scores_every_detector_once_and_states_its_cost(tmp_path):
+#: A few of the gradient-free scores (each kind of output: logits, features, layers, maps), for time
+FEW = ["logpx", "msp", "gmm", "knn", "vim", "gram", "ash"]
+
+
+def test_tiny_224_run_scores_every_detector_once_and_states_its_cost(tmp_path, monkeypatch):
+    monkeypatch.setattr(B, "gradient_free_scores", lambda: FEW)
+    monkeypatch.setattr(B, "GRADIENT_SCORES", ("odin",))
     # 7 per class x 8 classes = 56 fit images: knn's k = 50 fits
     res = B.main(["--size", "32", "--per-class", "7", "--per-class-test", "1", "--epochs", "1", "--out", str(tmp_path)])
     st = res["settings"]
     assert st["size"] == 32 and st["n_train"] == 56 and set(st["n_ood"]) == set(B.SETS)
     assert st["n_ood"]["held_out"] == 16 == st["n_ood"]["photo"]  # classes 8-9 of both splits, never trained on
     scores = {r["score"] for r in res["rows"]}
-    assert scores == {*res["gradient_free"], "mcd", *B.GRADIENT_SCORES} and len(res["gradient_free"]) >= 28
+    assert scores == {*FEW, "mcd", "odin"} and res["gradient_free"] == FEW
     assert {r["set"] for r in res["rows"]} == set(B.SETS)
     mcd = [r for r in res["rows"] if r["score"] == "mcd"]
     assert all(r["status"] == "ok" for r in mcd)  # mobilenet_v3_small's classifier has its dropout
     # one shared forward: a handful of passes against one or more per detector, the same scores
-    assert res["forwards_shared"] * 10 < res["forwards_loop"] and res["loop_max_rel_score_diff"] < 1e-5
+    assert res["forwards_shared"] * 4 < res["forwards_loop"] and res["loop_max_rel_score_diff"] < 1e-5
     assert all(v["cpu_s"] > 0 and len(v["load_start"]) == 3 for v in res["phases"].values())
     assert set(res["phases"]) == {"data", "training", "shared", "mcd_and_gradient", "loop"}
     saved = json.loads((tmp_path / "posthoc_224.json").read_text())["posthoc_224"]
@@ -46,9 +52,10 @@ def test_tiny_224_run_scores_every_detector_once_and_states_its_cost(tmp_path):
     assert (tmp_path / "posthoc_224.png").stat().st_size > 5000
 
 
-def test_device_comparison_runs_on_the_cpu(tmp_path):
+def test_device_comparison_runs_on_the_cpu(monkeypatch):
     """``--device`` (the GPU command's path) on the CPU: the shared evaluate_all and the fits alone
     timed on both devices, the same scores on each."""
+    monkeypatch.setattr(B, "gradient_free_scores", lambda: FEW)
     D = B.load_data(32, 7, 1)
     model = make_net(B.SPEC, B.IN_CLASSES).eval()
     out = B.compare_devices(model, D, 32, torch.device("cpu"))
