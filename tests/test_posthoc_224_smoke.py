@@ -1,6 +1,7 @@
-"""Smoke test of benchmarks/bench_posthoc_224.py at a tiny size: one network, every gradient-free
-score through the one shared forward, mcd and the gradient scores, the per-detector loop beside it
-with the same scores, and the CPU cost of each phase written out."""
+"""Smoke test of benchmarks/bench_posthoc_224.py at a tiny size: one network, gradient-free scores
+through the one shared forward, mcd and a gradient score, the per-detector loop beside it with the
+same scores, the CPU cost of each phase written out, and the GPU command's device comparison run
+on the CPU."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ pytest.importorskip("timm")
 pytest.importorskip("torchvision")
 
 from benchmarks import bench_posthoc_224 as B  # noqa: E402 (it imports timm through bench_posthoc: skipped above without it)
-from benchmarks.bench_posthoc import make_net  # noqa: E402 (as the line above)
 
 
 @pytest.fixture(autouse=True)
@@ -25,14 +25,16 @@ def _one_thread():
 
 
 #: A few of the gradient-free scores (each kind of output: logits, features, layers, maps), for time
-FEW = ["logpx", "msp", "gmm", "knn", "vim", "gram", "ash"]
+FEW = ["logpx", "msp", "knn", "vim", "gram", "ash"]
 
 
 def test_tiny_224_run_scores_every_detector_once_and_states_its_cost(tmp_path, monkeypatch):
     monkeypatch.setattr(B, "gradient_free_scores", lambda: FEW)
     monkeypatch.setattr(B, "GRADIENT_SCORES", ("odin",))
+    monkeypatch.setattr(B, "FIT_ALONE", ("knn", "vim"))  # the device comparison's fits: the cheap ones
     # 7 per class x 8 classes = 56 fit images: knn's k = 50 fits
-    res = B.main(["--size", "32", "--per-class", "7", "--per-class-test", "1", "--epochs", "1", "--out", str(tmp_path)])
+    args = ["--size", "32", "--per-class", "7", "--per-class-test", "1", "--epochs", "1", "--compare"]
+    res = B.main([*args, "--out", str(tmp_path)])
     st = res["settings"]
     assert st["size"] == 32 and st["n_train"] == 56 and set(st["n_ood"]) == set(B.SETS)
     assert st["n_ood"]["held_out"] == 16 == st["n_ood"]["photo"]  # classes 8-9 of both splits, never trained on
@@ -44,20 +46,13 @@ def test_tiny_224_run_scores_every_detector_once_and_states_its_cost(tmp_path, m
     # one shared forward: a handful of passes against one or more per detector, the same scores
     assert res["forwards_shared"] * 4 < res["forwards_loop"] and res["loop_max_rel_score_diff"] < 1e-5
     assert all(v["cpu_s"] > 0 and len(v["load_start"]) == 3 for v in res["phases"].values())
-    assert set(res["phases"]) == {"data", "training", "shared", "mcd_and_gradient", "loop"}
+    assert set(res["phases"]) == {"data", "training", "shared", "mcd_and_gradient", "loop", "devices"}
+    # the --device cuda comparison's code, on the CPU: the shared path and the fits alone timed
+    dev = res["devices"]
+    assert set(dev["cpu"]["fit_s"]) == set(B.FIT_ALONE) and dev["cpu"]["evaluate_all_s"] > 0
+    assert dev["max_rel_score_diff"] == 0.0 and dev["threads"] == 1
     saved = json.loads((tmp_path / "posthoc_224.json").read_text())["posthoc_224"]
     assert saved["rows"] == res["rows"] and saved["cpu_s"] == res["cpu_s"]
     md = (tmp_path / "posthoc_224.md").read_text()
     assert "CPU minutes" in md and "per-detector loop" in md and "| mcd |" in md
     assert (tmp_path / "posthoc_224.png").stat().st_size > 5000
-
-
-def test_device_comparison_runs_on_the_cpu(monkeypatch):
-    """``--device`` (the GPU command's path) on the CPU: the shared evaluate_all and the fits alone
-    timed on both devices, the same scores on each."""
-    monkeypatch.setattr(B, "gradient_free_scores", lambda: FEW)
-    D = B.load_data(32, 7, 1)
-    model = make_net(B.SPEC, B.IN_CLASSES).eval()
-    out = B.compare_devices(model, D, 32, torch.device("cpu"))
-    assert set(out["cpu"]["fit_s"]) == set(B.FIT_ALONE) and out["cpu"]["evaluate_all_s"] > 0
-    assert out["max_rel_score_diff"] == 0.0 and out["threads"] == 1
