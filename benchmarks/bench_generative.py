@@ -64,8 +64,7 @@ if __package__ in (None, ""):
 
 import jem_plugin as jem
 from jem_plugin.app.data import digits_tensors, photo_patches, transposed, uniform_noise
-from jem_plugin.builtins.pgd_negatives import TERM_NAME as DAT_TERM
-from jem_plugin.builtins.pgd_negatives import PGDNegatives
+from jem_plugin.builtins.pgd_negatives import DAT_RECIPE_CHANGES, PGDNegatives, use_pgd_negatives
 from jem_plugin.extensions import FitInitFromBatches
 from jem_plugin.inits import Uniform
 from jem_plugin.recipes import OptimConfig, Recipe, get_recipe
@@ -82,13 +81,8 @@ OOD_METHODS = ("logpx", "grad_norm", "grad_norm_projected")
 OOD_SETS = ("noise", "patches", "transposed")
 BUFFER_SIZE = 1000
 #: ``start_run(negatives="dat")``: what :func:`~jem_plugin.builtins.pgd_negatives.dat_setup` changes
-#: in a recipe (fresh starts at every draw, no p(x) term, negatives in the data's BatchNorm pass,
-#: running statistics recomputed from the data), applied to the run's own recipe instead of ``fast``
-DAT_CHANGES: dict[str, Any] = dict(
-    buffer_reinit_freq=1.0, px_weight=0.0, sgld_batchnorm="joint", bn_stats_from_data=True
-)
-#: dat_setup's defaults: PGD steps (step size 0.1 of the domain) and the logistic contrast's weight
-DAT_STEPS, DAT_WEIGHT = 20, 1.0
+#: in a recipe, applied to the run's own recipe instead of ``fast``
+DAT_CHANGES = DAT_RECIPE_CHANGES
 COND_STEPS, COND_PER_CLASS = 40, 10
 TRACE_ROUNDS = (0, 4, 20)  # the buffer's chains continued for this many more rounds of the recipe's sampler
 
@@ -289,10 +283,7 @@ def use_dat_negatives(loss_fn: jem.JEMLoss, r: Recipe, generator: torch.Generato
     """Swap ``loss_fn``'s SGLD for DAT's PGD negatives and add the ``logistic_contrast`` term, as
     :func:`~jem_plugin.builtins.pgd_negatives.dat_setup` does to ``fast``'s loss (``r``: the recipe
     with :data:`DAT_CHANGES`)."""
-    sampler = PGDNegatives(DAT_STEPS, batchnorm=r.sampler.batchnorm, generator=generator)
-    loss_fn.sampler = sampler
-    loss_fn.add_term(DAT_TERM, weight=DAT_WEIGHT)
-    return sampler
+    return use_pgd_negatives(loss_fn, r.sampler.batchnorm, generator=generator)  # dat_setup's 20 steps, weight 1
 
 
 def start_run(

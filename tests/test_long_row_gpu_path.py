@@ -15,7 +15,7 @@ import torch
 
 from benchmarks import bench_generalisation as GB
 from benchmarks import bench_long_row as L
-from jem_plugin.builtins.pgd_negatives import PGDNegatives
+from jem_plugin.builtins.pgd_negatives import TERM_NAME, PGDNegatives
 from jem_plugin.recipes import RECIPES
 
 
@@ -73,7 +73,7 @@ def test_dat_negatives_replace_sgld_in_the_choices_recipe(one_thread):
     ctx = L.G.start_run(S, "generative", 10, seed=0, fit_init="train", negatives="dat")
     loss_fn, r = ctx["loss_fn"], ctx["recipe"]
     assert isinstance(loss_fn.sampler, PGDNegatives) and loss_fn.sampler.generator is ctx["g"]
-    assert L.G.DAT_TERM in dict(loss_fn._all_terms()) and loss_fn.px_weight == 0.0
+    assert TERM_NAME in dict(loss_fn._all_terms()) and loss_fn.px_weight == 0.0
     assert r.buffer.reinit_freq == 1.0 and r.bn_stats_from_data
     idx = torch.arange(8)
     metrics = L.G.train_step(ctx, S["x"][idx], S["y"][idx])

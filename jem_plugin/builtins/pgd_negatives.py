@@ -529,6 +529,39 @@ def jem_register_loss_terms(register: Callable[..., None]) -> None:
 
 
 # ---------------------------------------------------------------------------- the pieces together
+#: What DAT changes in a recipe (:func:`dat_setup` applies it to ``fast``'s): fresh starts at every
+#: draw, no p(x) term, the negatives in the data's BatchNorm pass, BatchNorm running statistics
+#: recomputed from the data after training.
+DAT_RECIPE_CHANGES: dict[str, Any] = dict(
+    buffer_reinit_freq=1.0, px_weight=0.0, sgld_batchnorm="joint", bn_stats_from_data=True
+)
+
+
+def use_pgd_negatives(
+    loss: Any,
+    batchnorm: Literal["joint", "separate"],
+    *,
+    steps: int = 20,
+    step_size: float | None = None,
+    curriculum: bool = False,
+    weight: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> PGDNegatives:
+    """Replace ``loss``'s sampler (a :class:`~jem_plugin.losses.JEMLoss`) by :class:`PGDNegatives`
+    (``steps``, ``step_size``, ``batchnorm``; with ``curriculum=True`` DAT's curriculum from 0
+    steps) and add the ``logistic_contrast`` term at ``weight``; returns the sampler."""
+    sampler = PGDNegatives(
+        steps,
+        step_size,
+        batchnorm=batchnorm,
+        start_steps=0 if curriculum else None,
+        generator=generator,
+    )
+    loss.sampler = sampler
+    loss.add_term(TERM_NAME, weight=weight, **({"curriculum": sampler} if curriculum else {}))
+    return sampler
+
+
 def dat_setup(
     jm: nn.Module,
     data: Any,
@@ -563,24 +596,17 @@ def dat_setup(
     """
     from ..recipes import get_recipe
 
-    recipe = get_recipe("fast").replace(
-        buffer_reinit_freq=1.0,
-        px_weight=0.0,
-        n_samples=n_samples,
-        sgld_batchnorm="joint",
-        bn_stats_from_data=True,
-    )
+    recipe = get_recipe("fast").replace(**DAT_RECIPE_CHANGES, n_samples=n_samples)
     setup = recipe.build(jm, data, total_iters=total_iters, batch_size=batch_size, generator=generator)
-    sampler = PGDNegatives(
-        steps,
-        step_size,
-        batchnorm=recipe.sampler.batchnorm,
-        start_steps=0 if curriculum else None,
+    sampler = use_pgd_negatives(
+        setup.loss,
+        recipe.sampler.batchnorm,
+        steps=steps,
+        step_size=step_size,
+        curriculum=curriculum,
+        weight=weight,
         generator=generator,
     )
-    loss = setup.loss
-    loss.sampler = sampler
-    loss.add_term(TERM_NAME, weight=weight, **({"curriculum": sampler} if curriculum else {}))
     setup.sampler = sampler  # type: ignore[assignment]  # JEMSetup names SGLD; the loss takes any sampler
     setup.notes.append(f"DAT: {sampler!r} and the logistic_contrast term (weight {weight:g}) in place of SGLD and p(x)")
     return setup
