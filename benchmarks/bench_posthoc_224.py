@@ -60,6 +60,7 @@ from benchmarks.bench_posthoc import (
     _forward_counter,
     _log,
     _pixels_to_input,
+    _strip,
     accuracy,
     gradient_free_scores,
     per_detector_loop,
@@ -289,14 +290,6 @@ def run(
 
 
 # ---------------------------------------------------------------------------- Markdown
-def _strip(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _strip(v) for k, v in obj.items() if not k.startswith("_")}
-    if isinstance(obj, (list, tuple)):
-        return [_strip(v) for v in obj]
-    return obj
-
-
 def to_markdown(res: dict[str, Any]) -> str:
     st = res["settings"]
     cells: dict[tuple[str, str], float] = {}
