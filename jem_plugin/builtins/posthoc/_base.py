@@ -422,6 +422,38 @@ class _FittedDetector:
         raise NotImplementedError
 
 
+class _RowBank(_FittedDetector):
+    """Base of the detectors whose fit keeps rows of the fit data, a bank (KNN, NNGuide): the rows
+    of every batch, or a uniform subsample of ``max_fit`` of them (``self.max_fit``, ``self.seed``,
+    ``self.k`` set by the subclass). A bank of unknown length is refused before it outgrows the
+    memory limit (:mod:`._memory`)."""
+
+    _rank_stats = (("_sample", "sample"),)  # across ranks: the bank gathered, every rank holds it all
+    across_ranks = "gather"
+    max_fit: int | None
+    seed: int
+    k: int
+
+    def _options(self) -> dict[str, Any]:
+        return {"k": self.k, "max_fit": self.max_fit}
+
+    def _begin(self, jm: Any) -> None:
+        self._sample = _Sample(self.max_fit, self.seed)
+
+    def _bank_add(self, rows: Tensor) -> None:
+        if self.max_fit is None:  # a bank of data of unknown length: refused before it outgrows the limit
+            _memory.check_growth(self, self._sample.held + rows.shape[0])
+        self._sample.add(rows)
+
+    def _take_bank(self) -> Tensor:
+        """The bank, once the fit data is read; at least ``k`` rows."""
+        bank = self._sample.values()
+        if bank.shape[0] < self.k:
+            raise ValueError(f"{self.name} needs at least k={self.k} training inputs, the fit data has {bank.shape[0]}")
+        del self._sample
+        return bank
+
+
 class _ClassConditional(_FittedDetector):
     """A detector fitted per class: labels from the data (``labels="true"``, ``(x, y)`` batches)
     or the model's predictions (``labels="predicted"``, for unlabelled data)."""

@@ -15,8 +15,7 @@ from torch import Tensor
 
 from ..._checks import user_stacklevel
 from ...errors import NoFeaturesError
-from . import _memory
-from ._base import _ClassConditional, _FittedDetector, _head, _RunningMean, _Sample
+from ._base import _ClassConditional, _FittedDetector, _head, _RowBank, _RunningMean
 
 
 def _linear_head(jm: Any, what: str) -> tuple[Tensor, Tensor]:
@@ -114,7 +113,7 @@ class SHE(_ClassConditional):
         return torch.where(has[pred], own, best)
 
 
-class NNGuide(_FittedDetector):
+class NNGuide(_RowBank):
     """Nearest-neighbour guidance (Park et al. 2023): ``score(x) = E(x) * mean_k <z/|z|, b_i>``,
     the energy ``E = logsumexp f(x)`` times the mean of the ``k`` largest inner products of the
     normalised features with a bank ``b_i = E(x_i) z_i/|z_i|`` of training features, each scaled
@@ -129,30 +128,16 @@ class NNGuide(_FittedDetector):
     name = "nnguide"
     description = "NNGuide: energy times the mean similarity to the k nearest energy-scaled training features (fit; k=10, max_fit=)"
     paper = "Park et al. 2023, Nearest Neighbor Guidance for Out-of-Distribution Detection (ICCV)"
-    _rank_stats = (("_sample", "sample"),)  # across ranks: the bank gathered, every rank holds it all
-    across_ranks = "gather"
 
     def __init__(self, k: int = 10, max_fit: int | None = None, seed: int = 0, chunk: int = 65536) -> None:
         super().__init__()
         self.k, self.max_fit, self.seed, self.chunk = _check_k(k), max_fit, seed, int(chunk)
 
-    def _options(self) -> dict[str, Any]:
-        return {"k": self.k, "max_fit": self.max_fit}
-
-    def _begin(self, jm: Any) -> None:
-        self._sample = _Sample(self.max_fit, self.seed)
-
     def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
-        if self.max_fit is None:  # a bank of data of unknown length: refused before it outgrows the limit
-            _memory.check_growth(self, self._sample.held + feats.shape[0])
-        self._sample.add(F.normalize(feats, dim=1) * torch.logsumexp(logits, dim=1, keepdim=True))
+        self._bank_add(F.normalize(feats, dim=1) * torch.logsumexp(logits, dim=1, keepdim=True))
 
     def _finish(self, jm: Any) -> None:
-        bank = self._sample.values()
-        if bank.shape[0] < self.k:
-            raise ValueError(f"nnguide needs at least k={self.k} training inputs, the fit data has {bank.shape[0]}")
-        self.bank = bank
-        del self._sample
+        self.bank = self._take_bank()
 
     def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
         guidance = _top_k_similarities(F.normalize(feats, dim=1), self.bank, self.k, self.chunk).mean(dim=1)

@@ -9,11 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _memory
-from ._base import (
-    _FittedDetector,
-    _Sample,
-)
+from ._base import _RowBank
 
 
 @functools.cache
@@ -26,7 +22,7 @@ def _faiss() -> Any:
     return faiss
 
 
-class KNN(_FittedDetector):
+class KNN(_RowBank):
     """Deep nearest neighbours (Sun et al. 2022): ``score(z) = -||z/|z| - n_k||``, minus the
     Euclidean distance from the normalised features to their ``k``-th nearest normalised training
     feature. ``fit`` keeps the normalised training features (``N x D`` floats), or a uniform
@@ -45,8 +41,6 @@ class KNN(_FittedDetector):
     name = "knn"
     description = "minus the distance to the k-th nearest normalised training feature (fit; k=50, max_fit=)"
     paper = "Sun et al. 2022, Out-of-Distribution Detection with Deep Nearest Neighbors (ICML)"
-    _rank_stats = (("_sample", "sample"),)  # across ranks: the bank gathered, every rank holds it all
-    across_ranks = "gather"
 
     def __init__(
         self, k: int = 50, max_fit: int | None = None, seed: int = 0, chunk: int = 65536, search: str = "auto"
@@ -60,24 +54,12 @@ class KNN(_FittedDetector):
             raise ImportError("knn search='faiss' needs faiss: pip install jem-plugin[knn] (faiss-cpu)")
         self.k, self.max_fit, self.seed, self.chunk, self.search = k, max_fit, seed, int(chunk), search
 
-    def _options(self) -> dict[str, Any]:
-        return {"k": self.k, "max_fit": self.max_fit}
-
-    def _begin(self, jm: Any) -> None:
-        self._sample = _Sample(self.max_fit, self.seed)
-
     def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
-        if self.max_fit is None:  # a bank of data of unknown length: refused before it outgrows the limit
-            _memory.check_growth(self, self._sample.held + feats.shape[0])
-        self._sample.add(F.normalize(feats, dim=1))
+        self._bank_add(F.normalize(feats, dim=1))
 
     def _finish(self, jm: Any) -> None:
-        bank = self._sample.values()
-        if bank.shape[0] < self.k:
-            raise ValueError(f"knn needs at least k={self.k} training inputs, the fit data has {bank.shape[0]}")
-        self.bank = bank
+        self.bank = self._take_bank()
         self._index = None
-        del self._sample
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
