@@ -422,6 +422,26 @@ class _FittedDetector:
         raise NotImplementedError
 
 
+class _FeatureMean(_FittedDetector):
+    """Base of the detectors whose fit is the mean training feature vector, streamed in float64
+    (fDBD, NCI, DICE): a subclass's ``_begin`` calls this one's, its ``_finish`` takes
+    :meth:`_take_mean`."""
+
+    _rank_stats = (("_running._sum", "sum"), ("_running._n", "sum"))
+
+    def _begin(self, jm: Any) -> None:
+        self._running = _RunningMean()
+
+    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
+        self._running.add(feats)
+
+    def _take_mean(self) -> Tensor:
+        """The mean of the fit data's features, once it is read."""
+        mean = self._running.mean()
+        del self._running
+        return mean
+
+
 class _RowBank(_FittedDetector):
     """Base of the detectors whose fit keeps rows of the fit data, a bank (KNN, NNGuide): the rows
     of every batch, or a uniform subsample of ``max_fit`` of them (``self.max_fit``, ``self.seed``,

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..._checks import user_stacklevel
 from ...errors import NoFeaturesError
-from ._base import _ClassConditional, _FittedDetector, _head, _RowBank, _RunningMean
+from ._base import _ClassConditional, _FeatureMean, _FittedDetector, _head, _RowBank
 
 
 def _linear_head(jm: Any, what: str) -> tuple[Tensor, Tensor]:
@@ -144,7 +144,7 @@ class NNGuide(_RowBank):
         return guidance * torch.logsumexp(logits, dim=1)
 
 
-class FDBD(_FittedDetector):
+class FDBD(_FeatureMean):
     """Fast decision-boundary distance (Liu & Qin 2024): the mean, over the classes ``c`` other
     than the predicted ``yhat``, of the distance of the features to the boundary between them,
     ``|f_yhat - f_c| / |w_yhat - w_c|``, divided by the distance ``|z - mu|`` of the features to
@@ -157,23 +157,18 @@ class FDBD(_FittedDetector):
     name = "fdbd"
     description = "fDBD: mean distance to the decision boundaries over the distance to the training mean (fit)"
     paper = "Liu & Qin 2024, Fast Decision Boundary based Out-of-Distribution Detector (ICML)"
-    _rank_stats = (("_running._sum", "sum"), ("_running._n", "sum"))
 
     def _begin(self, jm: Any) -> None:
+        super()._begin(jm)
         w, _ = _linear_head(jm, self.name)
         # |w_i - w_j| for every pair, one row block at a time: K x K floats, never the K x K x D
         # differences (8 GB for ImageNet's 1000 classes of 2048 features)
         wf = w.float()
         gaps = torch.cat([(block.unsqueeze(1) - wf.unsqueeze(0)).norm(dim=2) for block in wf.split(16)])
         self._gaps = gaps.fill_diagonal_(1.0)  # the predicted class's own term is 0 / 1
-        self._running = _RunningMean()
-
-    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
-        self._running.add(feats)
 
     def _finish(self, jm: Any) -> None:
-        self.train_mean = self._running.mean()
-        del self._running
+        self.train_mean = self._take_mean()
 
     def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
         top, pred = logits.max(dim=1)
@@ -183,7 +178,7 @@ class FDBD(_FittedDetector):
         return boundary / ((logits.shape[1] - 1) * dist)
 
 
-class NCI(_FittedDetector):
+class NCI(_FeatureMean):
     """Neural-collapse inspired detector (Liu & Qin 2025): ``score(z) = (z - mu) . w_yhat / |z - mu|
     + alpha |z|_1``, the alignment of the centred features with the head's weight row of the
     predicted class (``mu`` the mean training features), plus ``alpha`` times their L1 norm.
@@ -197,7 +192,6 @@ class NCI(_FittedDetector):
     name = "nci"
     description = "NCI: alignment of the centred features with the predicted class's weights, plus alpha times their L1 norm (fit; alpha=0)"
     paper = "Liu & Qin 2025, Detecting Out-of-distribution through the Lens of Neural Collapse (CVPR)"
-    _rank_stats = (("_running._sum", "sum"), ("_running._n", "sum"))
 
     def __init__(self, alpha: float = 0.0) -> None:
         super().__init__()
@@ -210,15 +204,11 @@ class NCI(_FittedDetector):
         return {"alpha": self.alpha}
 
     def _begin(self, jm: Any) -> None:
+        super()._begin(jm)
         self._weight = _linear_head(jm, self.name)[0].float()
-        self._running = _RunningMean()
-
-    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
-        self._running.add(feats)
 
     def _finish(self, jm: Any) -> None:
-        self.train_mean = self._running.mean()
-        del self._running
+        self.train_mean = self._take_mean()
 
     def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
         centred = feats - self.train_mean.to(feats.device)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import _FittedDetector, _RunningMean
+from ._base import _FeatureMean
 from .feature_space import _linear_head
 from .shaping import _check_percentile
 
@@ -23,7 +23,7 @@ def _quantile(sorted_values: Tensor, q: float) -> Tensor:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-class DICE(_FittedDetector):
+class DICE(_FeatureMean):
     """DICE (Sun & Li 2022): the head's weights sparsified, then the energy of the logits. The
     contribution of weight ``W_cj`` is ``W_cj * m_j``, ``m`` the mean training features; the
     ``p`` % of the ``K x D`` contributions that are smallest are masked out (the ``p``-th
@@ -39,7 +39,6 @@ class DICE(_FittedDetector):
     name = "dice"
     description = "DICE: energy of the logits from the head with its p% least contributing weights masked (fit; p=90)"
     paper = "Sun & Li 2022, DICE: Leveraging Sparsification for Out-of-Distribution Detection (ECCV)"
-    _rank_stats = (("_running._sum", "sum"), ("_running._n", "sum"))
 
     def __init__(self, p: float = 90.0) -> None:
         super().__init__()
@@ -49,17 +48,13 @@ class DICE(_FittedDetector):
         return {"p": self.p}
 
     def _begin(self, jm: Any) -> None:
+        super()._begin(jm)
         w, b = _linear_head(jm, self.name)
         self._weight, self._bias = w.float(), b.float()
-        self._running = _RunningMean()
-
-    def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
-        self._running.add(feats)
 
     def _finish(self, jm: Any) -> None:
-        self.mean_activation = self._running.mean().to(self._weight.device)
+        self.mean_activation = self._take_mean().to(self._weight.device)
         self._masked: tuple[float, Tensor] | None = None
-        del self._running
 
     @property
     def masked_weight(self) -> Tensor:
