@@ -396,16 +396,24 @@ def test_grams_scoring_bounds_are_compared_on_the_tuning_split(tmp_path, monkeyp
 
 @pytest.mark.slow
 def test_one_forward_mode_times_the_shared_forward_beside_the_per_detector_loop(tmp_path):
-    """``--one-forward`` (issue 46): every gradient-free score, one forward per batch against the
-    loop of one pass per detector, on the same model; same scores both ways."""
-    res = B.run_one_forward(networks=["lcnet_050"], epochs=1, repeats=1, n_train=64, n_eval=16, n_ood=16)
+    """``--one-forward`` (issue 46): the gradient-free scores, one forward per batch against the
+    loop of one pass per detector, on the same model; same scores both ways. Four scores, one of
+    each kind of output they read (every score's equality is tests/test_ood_one_forward.py's)."""
+    assert len(B.gradient_free_scores()) == 28  # the 36 scores less mcd and the 7 with an input gradient
+    methods = ["msp", "knn", "ash", "multi_mahalanobis"]  # logits; features; feature maps; layers
+    assert set(methods) <= set(B.gradient_free_scores())
+    res = B.run_one_forward(
+        networks=["lcnet_050"], epochs=1, repeats=1, n_train=64, n_eval=16, n_ood=16, methods=methods
+    )
     net = res["networks"]["lcnet_050"]
-    # the 36 scores less mcd and the 7 with an input gradient
-    assert net["methods"] == B.gradient_free_scores() and len(net["methods"]) == 28
+    assert net["methods"] == methods
     assert not net["failures"] and net["max_rel_score_diff"] < 1e-5
     batches = {"fit": 1, "scored": 6}  # 64 fit images and 6 sets of 16, all under one batch of 256
     assert net["forwards"]["shared"] == 1 + batches["fit"] + batches["scored"]  # and a warm-up batch
-    assert net["forwards"]["loop"] > 10 * net["forwards"]["shared"]
+    # the loop: a pass per fitted detector over the fit data, and one per score and scored set
+    fitted = [m for m in methods if ood.score_info(m)["needs_fit"]]
+    assert len(fitted) == 2
+    assert net["forwards"]["loop"] == len(fitted) * batches["fit"] + len(methods) * batches["scored"]
     assert net["ratio"] > 0 and len(net["shared_s"]) == len(net["loop_s"]) == 1
     # CPU seconds beside wall seconds: the figure a shared machine's load leaves nearly alone
     assert net["cpu_ratio"] > 0 and len(net["shared_cpu_s"]) == len(net["loop_cpu_s"]) == 1
