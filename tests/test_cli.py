@@ -210,6 +210,22 @@ def test_demo_smoke_writes_report(tmp_path, capsys, recwarn):
     assert evaluated["accuracy"] == pytest.approx(metrics["runs"]["JEM"]["summary"]["accuracy"])
     assert main(["ood", str(tmp_path / "model_baseline.pt"), "--scores", "grad_norm_projected", "--quiet"]) == 0
     assert "grad_norm_projected" in capsys.readouterr().out
+    # ... and jem.load rebuilds them (one demo run for both checks: it is among the suite's costliest)
+    import jem_plugin as jem
+    from jem_plugin.app import data as D
+
+    ds = D.load_digits("test", seed=0)
+    x, y = torch.stack([ds[i][0] for i in range(len(ds))]), torch.tensor([ds[i][1] for i in range(len(ds))])
+    for name in ("model_JEM.pt", "model_baseline.pt"):
+        jm = jem.load(tmp_path / name)
+        assert jm.num_classes == 10 and jm.classes == [str(i) for i in range(10)] and jm.temperature is None
+        assert torch.isfinite(jm.log_px(x[:8])).all()
+    with torch.no_grad():  # model_JEM.pt is the model the demo evaluated: the same test accuracy
+        accuracy = metrics["runs"]["JEM"]["summary"]["accuracy"]
+        assert float((jem.load(tmp_path / "model_JEM.pt")(x).argmax(1) == y).float().mean()) == pytest.approx(accuracy)
+    with pytest.raises(jem.CheckpointError, match="no sampler file") as err:
+        jem.load_sampler(tmp_path / "model_JEM.pt")  # the demo keeps no sampler
+    assert err.value.reason == "missing"
 
 
 def test_config_file_sets_defaults_and_flags_win(tmp_path):

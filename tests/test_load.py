@@ -113,24 +113,8 @@ def test_load_sampler_draws_as_jem_sample(run):
     assert x.shape == (6, 1, 8, 8) and torch.isfinite(x).all()
 
 
-# -------------------------------------------------------------- a `jem demo --smoke` model file
-
-
-@pytest.mark.slow
-def test_demo_model_files_load(tmp_path):
-    assert main(["demo", "--smoke", "--quiet", "--out", str(tmp_path)]) == 0
-    accuracy = json.loads((tmp_path / "metrics.json").read_text())["runs"]["JEM"]["summary"]["accuracy"]
-    ds = D.load_digits("test", seed=0)
-    x, y = torch.stack([ds[i][0] for i in range(len(ds))]), torch.tensor([ds[i][1] for i in range(len(ds))])
-    for name in ("model_JEM.pt", "model_baseline.pt"):
-        jm = jem.load(tmp_path / name)
-        assert jm.num_classes == 10 and jm.classes == [str(i) for i in range(10)] and jm.temperature is None
-        assert torch.isfinite(jm.log_px(x[:8])).all()
-    with torch.no_grad():  # model_JEM.pt is the model the demo evaluated: the same test accuracy
-        assert float((jem.load(tmp_path / "model_JEM.pt")(x).argmax(1) == y).float().mean()) == pytest.approx(accuracy)
-    with pytest.raises(jem.CheckpointError, match="no sampler file") as err:
-        jem.load_sampler(tmp_path / "model_JEM.pt")  # the demo keeps no sampler
-    assert err.value.reason == "missing"
+# A `jem demo --smoke` model file: test_cli.py's test_demo_smoke_writes_report loads both of the
+# demo's model files (one demo run checked both ways).
 
 
 # -------------------------------------------------------------- units: files written here
