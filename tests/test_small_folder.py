@@ -196,6 +196,8 @@ def test_jem_train_picks_the_recipe_that_held_accuracy_at_the_datas_size(
     assert f"recipe {expected} ({changed})," in printed, printed  # the run's line names what differs from the recipe
     spec_loss = spec["recipe"]["loss"]
     assert spec_loss["l2_weight"] == (0.0 if model == "nonorm:build" else get_recipe(expected).loss.l2_weight)
+    if model != "nobn:build":
+        return  # what the user gives wins whatever the network: checked once, on the cheapest one
     override = tmp_path / "run2"
     flags = ["--recipe", "generative", "--batch-size", "16", "--sgld-steps", "1", "--out", str(override), "--quiet"]
     assert main([*args, *flags]) == 0
