@@ -210,7 +210,25 @@ def test_demo_smoke_writes_report(tmp_path, capsys, recwarn):
     assert evaluated["accuracy"] == pytest.approx(metrics["runs"]["JEM"]["summary"]["accuracy"])
     assert main(["ood", str(tmp_path / "model_baseline.pt"), "--scores", "grad_norm_projected", "--quiet"]) == 0
     assert "grad_norm_projected" in capsys.readouterr().out
-    # ... and jem.load rebuilds them (one demo run for both checks: it is among the suite's costliest)
+    # Every run's summary and figures (run_digits_demo, the demo's entry point)
+    from jem_plugin.app.experiments import OOD_SCORES
+
+    for run in metrics["runs"].values():
+        s = run["summary"]
+        for key in ("accuracy", "ece", "ece_temp_scaled", "seconds_per_epoch", "train_cpu_seconds"):
+            assert isinstance(s[key], float), key
+        for method in OOD_SCORES:
+            for ood_set in ("noise", "patches", "blends", "transposed"):
+                assert 0.0 <= s[f"auroc_{method}_{ood_set}"] <= 1.0
+    for png in (
+        "samples_buffer.png",
+        "samples_per_class.png",
+        "curves_training.png",
+        "reliability_JEM.png",
+        "roc_logpx_baseline.png",
+    ):
+        assert (tmp_path / png).stat().st_size > 1000, png
+    # ... and jem.load rebuilds them (one demo run for all three checks: it is among the suite's costliest)
     import jem_plugin as jem
     from jem_plugin.app import data as D
 
