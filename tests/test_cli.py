@@ -624,13 +624,15 @@ def test_refused_resume_changes_no_file(folder_run, capsys):
 @pytest.mark.slow
 def test_a_run_cut_short_says_so_in_the_result_and_the_report(tmp_path, monkeypatch, capsys):
     from jem_plugin.app import experiments
+    from jem_plugin.app.commands.demo import SMOKE_DEMO
 
     # The demo's budget, after its evaluation reserve, leaves 0.05 s: both runs stop early.
     monkeypatch.setattr(experiments, "DEMO_EVAL_SECONDS", 0.0)
     monkeypatch.setattr(
         experiments,
         "DEMO_RECIPE",
-        {**experiments.DEMO_RECIPE, "epochs": 4, "buffer_capacity": 200, "class_sample_steps": 1},
+        # the smoke demo's sampler and judge (what the evaluation costs), with 4 epochs to cut short
+        {**experiments.DEMO_RECIPE, **SMOKE_DEMO, "epochs": 4, "buffer_capacity": 200, "class_sample_steps": 1},
     )
     real_run = experiments.run_digits
     monkeypatch.setattr(
