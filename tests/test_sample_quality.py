@@ -165,3 +165,35 @@ def test_chain_trace_rejects_bad_rounds(digits_judge):
     judge, (x, y, xt, yt) = digits_judge
     with pytest.raises(ValueError, match="increasing"):
         chain_trace(_jem(_Tilt(64)), judge, xt[:8], xt, sampler=jem.SGLD(steps=1), rounds=(4, 2))
+
+
+def test_a_process_trains_one_judge_per_data_set_and_seed(monkeypatch):
+    """jem train, jem sample and the demo each train a judge at the end (seconds): the same data and
+    seed give the same judge, so a process that runs them again on one data set trains it once, and
+    any other data or seed gets its own."""
+    from torch.utils.data import TensorDataset
+
+    from jem_plugin.app import sample_checks
+
+    calls = []
+    real = sample_checks.train_judge
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["seed"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sample_checks, "train_judge", counted)
+    monkeypatch.setattr(sample_checks, "_JUDGES", type(sample_checks._JUDGES)())
+    x, y = digits_tensors("train")
+    train, held = TensorDataset(x[:200], y[:200]), TensorDataset(x[200:260], y[200:260])
+    ask = lambda seed, ds=train: sample_checks._judge_for(ds, held, 10, torch.Generator().manual_seed(0), seed, 200, 60)
+    first, xh, _ = ask(0)
+    again, xh2, _ = ask(0)
+    assert again is first and torch.equal(xh, xh2) and calls == [0]
+    assert ask(1)[0] is not first and calls == [0, 1]  # another seed
+    other = TensorDataset(x[:200].flip(-1), y[:200])
+    assert ask(0, other)[0] is not first and calls == [0, 1, 0]  # other images
+    sample_checks._JUDGES.clear()
+    fresh, _, _ = ask(0)  # trained anew: the kept judge is the one training gives
+    assert fresh is not first and calls == [0, 1, 0, 0]
+    assert torch.equal(fresh.features(xh), first.features(xh)) and fresh.test_accuracy == first.test_accuracy

@@ -5,6 +5,8 @@ the numbers)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -64,6 +66,35 @@ def sample_quality_figures(
     return out
 
 
+# Judges trained in this process, by their training inputs: the same data and seed train the same
+# judge (train_judge is deterministic and leaves the global RNG alone), so a process that runs jem
+# train, jem sample or the demo several times on one data set (a notebook, a sweep) trains it once.
+_JUDGES: OrderedDict[tuple, Any] = OrderedDict()
+_JUDGES_KEPT = 4
+
+
+def _content_key(*tensors: torch.Tensor) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _cached_judge(x, y, xh, yh, epochs: int, k: int, seed: int, device):
+    """:func:`train_judge` on these inputs, trained once per process."""
+    key = (_content_key(x, y, xh, yh), epochs, k, seed, str(device))
+    if key in _JUDGES:
+        _JUDGES.move_to_end(key)
+        return _JUDGES[key]
+    judge = train_judge(x, y, test=(xh, yh), epochs=epochs, num_classes=k, seed=seed, device=device)
+    _JUDGES[key] = judge
+    while len(_JUDGES) > _JUDGES_KEPT:
+        _JUDGES.popitem(last=False)
+    return judge
+
+
 def _judge_for(
     train_ds,
     heldout_ds,
@@ -82,8 +113,7 @@ def _judge_for(
     k = num_classes or int(y.max()) + 1
     # ~350 optimiser steps whatever the data size: seconds on a CPU
     epochs = max(2, min(15, 22500 // len(x)))
-    judge = train_judge(x, y, test=(xh, yh), epochs=epochs, num_classes=k, seed=seed, device=device)
-    return judge, xh, k
+    return _cached_judge(x, y, xh, yh, epochs, k, seed, device), xh, k
 
 
 def dataset_sample_quality(
