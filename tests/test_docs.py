@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 # The README's test command: what .ci/run runs, verbatim.
-TEST_COMMAND = 'pip install -e ".[test]" && ruff check . && ruff format --check . && mypy && python -m pytest -q --cov'
+TEST_COMMAND = 'pip install -e ".[test]" && ruff check . && ruff format --check . && mypy && python -m pytest -q -n 2 --dist worksteal --cov'
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 _SKIP = re.compile(r"^\s*<!--\s*skip:\s*(?P<why>.+?)\s*-->\s*$")
