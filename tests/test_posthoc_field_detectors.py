@@ -130,6 +130,8 @@ def test_score_before_fit_raises_not_fitted(setup, name):
     [
         (lambda: posthoc.DICE(p=0.9 * 200), "percentage"),
         (lambda: posthoc.NNGuide(k=0), "k must"),
+        (lambda: posthoc.KNN(k=True), "k must"),  # a bool is no count (it was taken as k=1)
+        (lambda: posthoc.KNN(k=2.0), "k must"),
         (lambda: posthoc.NCI(alpha=-1.0), "alpha"),
         (lambda: posthoc.PNML(eps=0.7), "eps"),
         (lambda: posthoc.VRA(lower=60, upper=40), "upper"),

@@ -454,6 +454,13 @@ class _RowBank(_FittedDetector):
     seed: int
     k: int
 
+    @staticmethod
+    def _checked_k(k: Any) -> int:
+        """``k`` if it is a positive integer (``True`` is not one), else one line saying so."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive integer, got {k!r}")
+        return k
+
     def _options(self) -> dict[str, Any]:
         return {"k": self.k, "max_fit": self.max_fit}
 

@@ -40,12 +40,6 @@ def _top_k_similarities(z: Tensor, bank: Tensor, k: int, chunk: int) -> Tensor:
     return top
 
 
-def _check_k(k: Any) -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive integer, got {k!r}")
-    return k
-
-
 class SHE(_ClassConditional):
     """Simplified Hopfield energy (Zhang et al. 2023): ``score(z) = <z, S_yhat>``, the inner
     product of the penultimate features with the pattern of the predicted class, ``S_c`` the mean
@@ -131,7 +125,7 @@ class NNGuide(_RowBank):
 
     def __init__(self, k: int = 10, max_fit: int | None = None, seed: int = 0, chunk: int = 65536) -> None:
         super().__init__()
-        self.k, self.max_fit, self.seed, self.chunk = _check_k(k), max_fit, seed, int(chunk)
+        self.k, self.max_fit, self.seed, self.chunk = self._checked_k(k), max_fit, seed, int(chunk)
 
     def _add(self, feats: Tensor, logits: Tensor, y: Tensor | None) -> None:
         self._bank_add(F.normalize(feats, dim=1) * torch.logsumexp(logits, dim=1, keepdim=True))

@@ -46,8 +46,7 @@ class KNN(_RowBank):
         self, k: int = 50, max_fit: int | None = None, seed: int = 0, chunk: int = 65536, search: str = "auto"
     ) -> None:
         super().__init__()
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be a positive integer, got {k!r}")
+        k = self._checked_k(k)
         if search not in ("auto", "torch", "faiss"):
             raise ValueError(f"search must be 'auto', 'torch' or 'faiss', got {search!r}")
         if search == "faiss" and _faiss() is None:
