@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("JEM_DISABLE_PLUGINS", "")  # installed third-party plugins stay visible unless a test says so
+# The commands tests start as processes (jem train, examples, torchrun) get one thread too: the
+# suite runs in two processes on CI's two cores, where a second thread per process only contends.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
