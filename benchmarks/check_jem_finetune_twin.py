@@ -38,11 +38,11 @@ from jem_plugin.recipes import get_recipe, list_recipes
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "jem_finetune_twin.json")
 
 
-def _table(jm, jm8, D: dict[str, Any]) -> ood.OODTable:
-    """Every registered score on the cross-entropy pair, fitted on its training digits."""
+def _table(jm, jm8, D: dict[str, Any], scores: str | list[str]) -> ood.OODTable:
+    """``scores`` (``"all"``: every registered one) on the cross-entropy pair, fitted on its training digits."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the JEM scores' warning on a cross-entropy model: expected here
-        return P.score_pair(jm, jm8, D, "all")[0]
+        return P.score_pair(jm, jm8, D, scores)[0]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -53,17 +53,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument("--ce-epochs", type=int, default=None, help="the CE twin's epochs (default: bench_posthoc's)")
     p.add_argument("--network", default=P.JEM_TWIN, choices=list(P.NETWORKS))
+    p.add_argument(
+        "--scores",
+        nargs="+",
+        default="all",
+        help="the scores on both models (default: all; logpx, the target's, always)",
+    )
     p.add_argument("--out", default=OUT)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     D = P.load_data()
     _, spec, lr, ce_epochs = P.NETWORKS[a.network]
     ce_epochs = a.ce_epochs or ce_epochs
+    scores = a.scores if a.scores == "all" else list(dict.fromkeys(["logpx", *a.scores]))
     epochs = max(1, ce_epochs // 2) if a.epochs is None else a.epochs
     P._log(f"{a.network}: the cross-entropy twin, {ce_epochs} epochs (0-9, then 0-7)")
     model, _ = P.train(spec, D["x"], D["y"], 10, ce_epochs, lr=lr)
     model8, _ = P.train(spec, D["x07"], D["y07"], 8, ce_epochs, lr=lr)
-    ce = _table(jem.wrap(model, **P._wrap_kw(10)), jem.wrap(model8, **P._wrap_kw(8)), D)
+    ce = _table(jem.wrap(model, **P._wrap_kw(10)), jem.wrap(model8, **P._wrap_kw(8)), D, scores)
     ce_mean = ce.mean()
     best = max(ce_mean, key=lambda m: ce_mean[m])  # every score is a post-hoc detector on this model
     acc = P.accuracy(model, D["xt"], D["yt"])
@@ -82,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
     }
     if epochs > 0:
-        twin = P._strip(P.score_jem_twin(D, a.network, a.recipe, epochs, "all", init=(model, model8)))
+        twin = P._strip(P.score_jem_twin(D, a.network, a.recipe, epochs, scores, init=(model, model8)))
         logpx = {r["set"]: r["auroc"] for r in twin["scores"] if r["score"] == "logpx"}
         print(
             f"`{a.recipe}` fine-tune, {epochs} epochs: accuracy {twin['accuracy']:.3f}, logpx mean AUROC "
