@@ -96,11 +96,15 @@ def to32(x8: torch.Tensor) -> torch.Tensor:
     return (x - mean) / std
 
 
-def load_setting(name: str, n_train: int | None = None) -> dict[str, Any]:
+def load_setting(name: str, n_train: int | None = None, n_test: int | None = None) -> dict[str, Any]:
+    """A setting's data: the first ``n_train`` training digits (default all), the first ``n_test``
+    test digits (default all; each OOD set as large)."""
     x8, y = digits_tensors("train")
     xt8, yt = digits_tensors("test")
     if n_train is not None:
         x8, y = x8[:n_train], y[:n_train]
+    if n_test is not None:
+        xt8, yt = xt8[:n_test], yt[:n_test]
     n = len(xt8)
     patches8 = photo_patches(n, size=8, seed=1)
     if name.startswith("digits32"):
@@ -579,9 +583,9 @@ def save_grid(
 
 # ---------------------------------------------------------------------------- driver
 def _job(args: tuple) -> list[dict[str, Any]]:
-    setting, run, epochs, bn_mode, quick, out_dir, n_train, overrides, tag, seed, fit_init, bn_from_data = args
+    setting, run, epochs, bn_mode, quick, out_dir, n_train, overrides, tag, seed, fit_init, bn_from_data, n_test = args
     torch.set_num_threads(1)
-    S = load_setting(setting, n_train)
+    S = load_setting(setting, n_train, n_test)
     judge = _judge(S, quick)
     res = train_run(
         S,
@@ -666,9 +670,9 @@ def _judge(S: dict, quick: bool):
     return train_judge(S["x"], S["y"], epochs=2 if quick else 15, test=(S["xt"], S["yt"]), seed=0)
 
 
-def references(setting: str, quick: bool, n_train: int | None) -> dict[str, Any]:
+def references(setting: str, quick: bool, n_train: int | None, n_test: int | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
-    S = load_setting(setting, n_train)
+    S = load_setting(setting, n_train, n_test)
     t = time.process_time()
     judge = _judge(S, quick)
     judge_s = time.process_time() - t
@@ -716,25 +720,27 @@ def run(
     seeds: Sequence[int] = (0,),
     fit_init: str = "loop",
     bn_from_data: bool = False,
+    n_test: int | None = None,
 ) -> dict[str, Any]:
     """``runs`` with each recipe's own BatchNorm settings; then, on the 32x32 setting, each of
     ``bn_runs`` once per BatchNorm mode in ``bn_modes``. ``overrides``: recipe settings (flat names)
     changed in every JEM run (their names get ``_<tag>``). ``bn_from_data``: each JEM run is evaluated
     both with the BatchNorm running statistics of training and with those recomputed from the
     training set (a recipe with ``bn_stats_from_data`` is reported recomputed, as ``jem train``
-    leaves it; the other half of the pair gets ``_bnfromdata`` / ``_bnastrained``)."""
+    leaves it; the other half of the pair gets ``_bnfromdata`` / ``_bnastrained``). ``n_train`` /
+    ``n_test``: the first so many training / test digits (default all; the OOD sets as many as the test's)."""
     os.makedirs(out_dir, exist_ok=True)
     jobs = []
     for s in settings:
         ep = epochs32 if s.startswith("digits32") else epochs8
         jobs += [
-            (s, r, ep, None, quick, out_dir, n_train, overrides, tag, k, fit_init, bn_from_data)
+            (s, r, ep, None, quick, out_dir, n_train, overrides, tag, k, fit_init, bn_from_data, n_test)
             for k in seeds
             for r in runs
         ]
         if s.startswith("digits32"):
             jobs += [
-                (s, r, ep, m, quick, out_dir, n_train, overrides, tag, k, fit_init, bn_from_data)
+                (s, r, ep, m, quick, out_dir, n_train, overrides, tag, k, fit_init, bn_from_data, n_test)
                 for k in seeds
                 for r in bn_runs
                 for m in bn_modes
@@ -742,11 +748,11 @@ def run(
     t0 = time.perf_counter()
     if workers > 1:
         with ProcessPoolExecutor(workers) as ex:
-            refs = {s: ex.submit(references, s, quick, n_train) for s in settings}
+            refs = {s: ex.submit(references, s, quick, n_train, n_test) for s in settings}
             rows = [row for rows in ex.map(_job, jobs) for row in rows]
             refs = {s: f.result() for s, f in refs.items()}
     else:
-        refs = {s: references(s, quick, n_train) for s in settings}
+        refs = {s: references(s, quick, n_train, n_test) for s in settings}
         rows = [row for j in jobs for row in _job(j)]
     for row in rows:
         base = next((b for b in rows if b["setting"] == row["setting"] and b["run"].startswith("baseline")), None)
@@ -761,6 +767,7 @@ def run(
             "epochs8": epochs8,
             "batch_size": 64,
             "n_train": n_train,
+            "n_test": n_test,
             "fit_init": fit_init,
             "bn_from_data": bn_from_data,
         },

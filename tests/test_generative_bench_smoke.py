@@ -82,6 +82,7 @@ def test_bench_generative_quick_run(tmp_path):
             out_dir=str(tmp_path),
             workers=1,
             n_train=128,
+            n_test=100,  # of the 360 test digits (and 100 per OOD set): for time
         )
     finally:
         torch.set_num_threads(threads)
@@ -129,6 +130,7 @@ def test_a_recipe_is_reported_as_jem_train_leaves_it_with_batchnorm_statistics_f
                 0,
                 "loop",
                 both,
+                60,  # test digits (of 360), and as many per OOD set: for time
             )
         )
     ]
