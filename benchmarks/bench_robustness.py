@@ -46,6 +46,8 @@ def run(
     defense: bool = True,
     defense_step_sizes: tuple[float, ...] = (1.0,),
     progress: bool = False,
+    defense_steps: int = 10,  # the defence's SGLD steps and chains averaged: the paper's 10 and 10
+    defense_chains: int = 10,
 ) -> dict:
     run_dir = Path(run_dir)
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -64,7 +66,11 @@ def run(
         )
         for step_size in defense_step_sizes if defense else ():
             d = robustness.SGLDDefense(
-                jm, steps=10, n_chains=10, step_size=step_size, generator=torch.Generator().manual_seed(seed)
+                jm,
+                steps=defense_steps,
+                n_chains=defense_chains,
+                step_size=step_size,
+                generator=torch.Generator().manual_seed(seed),
             )
             results[f"{tag} + SGLD defence (step {step_size:g}, worst case)"] = robustness.robust_accuracy(
                 jm,

@@ -197,19 +197,26 @@ def to_markdown(res: dict) -> str:
 
 # ---------------------------------------------------------------------------- cheaper iterations
 def cut_contenders(
-    net: str, channels_last: bool = True, iterations: int = 3000, cuts: Sequence[str] | None = None
+    net: str,
+    channels_last: bool = True,
+    iterations: int = 3000,
+    cuts: Sequence[str] | None = None,
+    tiny: bool = False,
 ) -> dict[str, Contender]:
     """``ce``, ``choice`` and each of :data:`CUTS` (or those named in ``cuts``) on ``net``: one whole
     training iteration each, on its own model, optimiser and buffer (sized for a run of
     ``iterations``, as the long row's), cycling through the same batches. With ``channels_last``: ``ce_cl`` and ``choice_cl``, the same
-    with the model's weights in channels-last memory format (not a recipe setting: a model's)."""
+    with the model's weights in channels-last memory format (not a recipe setting: a model's).
+    ``tiny``: the generalisation matrix's tiny textures (a smoke test's: one batch of the 60 images
+    its pool holds) instead of its 150-per-class row."""
     from benchmarks import bench_generalisation as GB
     from benchmarks import bench_generative as G
 
-    S = GB.setting(GB.dataset("textures"), net, GB.per_class_for("textures", "150"), 0)
+    S = GB.setting(GB.dataset("textures", tiny), net, GB.per_class_for("textures", "150", tiny), 0)
     lr = GB.NETWORK_LR.get(net)
     order = torch.randperm(len(S["x"]), generator=torch.Generator().manual_seed(0))
-    batches = [(S["x"][i], S["y"][i]) for i in order.split(GB.BATCH) if len(i) == GB.BATCH]
+    batch = min(GB.BATCH, len(order))
+    batches = [(S["x"][i], S["y"][i]) for i in order.split(batch) if len(i) == batch]
 
     def contender(settings: dict[str, Any] | None, cl: bool = False) -> Contender:
         run = "baseline" if settings is None else "generative"
@@ -238,10 +245,13 @@ def run_cuts(
     networks: Sequence[str] | None = None,
     channels_last: bool = True,
     cuts: Sequence[str] | None = None,
+    warmup: int | None = None,
+    tiny: bool = False,
     **_: Any,
 ) -> dict[str, Any]:
     """Every contender of :func:`cut_contenders` per network, interleaved, in CPU seconds; the
-    load average before and after (the machine is shared: read the ratios, not the times)."""
+    load average before and after (the machine is shared: read the ratios, not the times).
+    ``warmup``: untimed rounds first (default 2; quick 1); ``tiny``: :func:`cut_contenders`'."""
     networks = list(networks or ["resnet10t", "convnext_atto"])
     repeats = repeats or (2 if quick else 10)
     result: dict[str, Any] = {
@@ -255,9 +265,9 @@ def run_cuts(
     for net in networks:
         load_before = os.getloadavg()
         times = common.interleaved(
-            cut_contenders(net, channels_last, 40 if quick else 3000, cuts),
+            cut_contenders(net, channels_last, 40 if quick else 3000, cuts, tiny),
             repeats=repeats,
-            warmup=1 if quick else 2,
+            warmup=(1 if quick else 2) if warmup is None else warmup,
             clock=time.process_time,
         )
         stats = common.ratios(times, "ce")

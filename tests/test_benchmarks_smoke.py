@@ -182,8 +182,20 @@ def test_robustness_table_from_a_digits_run(tmp_path):
     from benchmarks import bench_robustness
     from jem_plugin.app.experiments import run_digits
 
-    run_digits(tmp_path, epochs=1, sgld_steps=2, buffer_capacity=200, class_sample_steps=2, progress=False, plots=False)
-    res = bench_robustness.run(tmp_path, n=16, steps=2, defense_step_sizes=(1.0, 0.1))
+    # no sample-quality judge (run_digits' judge_epochs=0), a defence of 2 steps and 2 chains: for time
+    run_digits(
+        tmp_path,
+        epochs=1,
+        sgld_steps=2,
+        buffer_capacity=200,
+        class_sample_steps=2,
+        judge_epochs=0,
+        progress=False,
+        plots=False,
+    )
+    res = bench_robustness.run(
+        tmp_path, n=16, steps=2, defense_step_sizes=(1.0, 0.1), defense_steps=2, defense_chains=2
+    )
     assert set(res["results"]) == {"baseline", "JEM"} | {
         f"{m} + SGLD defence (step {s}, worst case)" for m in ("baseline", "JEM") for s in ("1", "0.1")
     }
@@ -238,7 +250,10 @@ def test_gpu_path_gpu_only_leaves_the_cpu_out():
 def test_train_step_cuts_time_each_cut_against_cross_entropy():
     # issue 45 (3): every cut is a recipe setting on top of jem train's choice, timed in the same
     # run as the cross-entropy iteration; the report says which meet the 3x target.
-    res = bench_train_step.run_cuts(quick=True, repeats=1, networks=["resnet10t"], cuts=["steps5_shared"])
+    # the tiny textures, one timed round and no warm-up: the table's rows, not its timings
+    res = bench_train_step.run_cuts(
+        quick=True, repeats=1, warmup=0, tiny=True, networks=["resnet10t"], cuts=["steps5_shared"]
+    )
     times = res["networks"]["resnet10t"]["time"]
     assert set(times) == {"ce", "choice", "steps5_shared", "ce_cl", "choice_cl"}
     assert times["ce"]["ratio"] == pytest.approx(1.0)
