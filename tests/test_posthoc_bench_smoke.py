@@ -150,23 +150,46 @@ def test_merge_puts_one_network_runs_together_with_earlier_twins(tmp_path):
 
 
 @pytest.mark.slow
-def test_openmax_alpha_is_chosen_on_the_tune_network_alone(tmp_path, monkeypatch):
-    """benchmarks/tune_openmax_alpha.py: every alpha on every network, six sets each, and the
-    choice read from the tune network's mean AUROC only (the others are judged, never read)."""
-    from benchmarks import tune_openmax_alpha as T
+def test_a_detector_option_is_chosen_on_the_tune_network_alone(tmp_path, monkeypatch):
+    """benchmarks/tune_posthoc_option.py: every setting on every network, six sets each, and the
+    choice read from the tune network's mean AUROC only (the others are judged, never read); the
+    default kept unless a setting beats it by more than the study's margin."""
+    from benchmarks import tune_posthoc_option as T
 
-    small = B.load_data(n_train=120, n_eval=60, n_ood=20)
-    monkeypatch.setattr(B, "load_data", lambda *a, **k: small)
     monkeypatch.setitem(B.NETWORKS, "tune_net", ("BatchNorm", "test_resnet", 1e-3, 1))
     monkeypatch.setitem(B.NETWORKS, "judged_net", ("BatchNorm", "test_resnet", 3e-3, 1))
-    out = tmp_path / "alpha.json"
-    res = T.main(["--tune", "tune_net", "--networks", "judged_net", "tune_net", "--out", str(out)])
+    monkeypatch.setattr(B, "MIN_TRAIN_ACCURACY", 0.0)  # one run per model at one epoch
+    nets = ["--tune", "tune_net", "--networks", "judged_net", "tune_net", "--quick"]
+    study = T.STUDIES["vra_percentiles"]
+    out = tmp_path / "vra.json"
+    res = T.main(["--study", "vra_percentiles", *nets, "--out", str(out)])
     assert list(res["auroc"]) == ["tune_net", "judged_net"]  # the tune network first
     for net in res["auroc"].values():
-        assert set(net) == {f"alpha={a}" for a in T.ALPHAS} and all(set(r) == set(B.SETS) for r in net.values())
+        assert list(net) == [T.label(s) for s in study.grid] and all(set(r) == set(B.SETS) for r in net.values())
     means = {k: sum(v.values()) / len(v) for k, v in res["auroc"]["tune_net"].items()}
-    assert means[res["chosen"]] == pytest.approx(max(means.values()), abs=1e-4)
-    assert json.loads(out.read_text())["chosen"] == res["chosen"]
+    best, default = max(means.values()), means["lower=10,upper=90"]
+    assert res["chosen"] == "lower=10,upper=90" if best - default <= 0.002 else means[res["chosen"]] == best
+    assert json.loads(out.read_text())["chosen"] == res["chosen"] and res["fixed"] == {"per_unit": False}
+    # a grid of any detector from the command line; a wide margin keeps the default
+    res = T.main(
+        ["--detector", "openmax", "--grid", "alpha=1", "alpha=10", "--default", "alpha=10"]
+        + ["--margin", "1", *nets[:3], "--quick", "--out", str(tmp_path / "om.json")]
+    )
+    assert res["chosen"] == "alpha=10" and list(res["auroc"]["tune_net"]) == ["alpha=1", "alpha=10"]
+
+
+def test_the_option_choice_keeps_the_default_within_the_margin():
+    """A setting replaces the default only where it beats it on the tune network by more than
+    the study's margin; ties to 4 decimals go to the default."""
+    from benchmarks import tune_posthoc_option as T
+
+    study = T.Study("vra", ({"lower": 1}, {"lower": 10}), {"lower": 10}, margin=0.002)
+    assert T.choose({"lower=1": 0.9515, "lower=10": 0.9500}, study) == "lower=10"  # 0.0015 better: kept
+    assert T.choose({"lower=1": 0.9525, "lower=10": 0.9500}, study) == "lower=1"
+    no_margin = T.Study("vra", study.grid, {"lower": 10})
+    assert T.choose({"lower=1": 0.95004, "lower=10": 0.95001}, no_margin) == "lower=10"  # a tie to 4 decimals
+    assert T.choose({"lower=1": 0.9502, "lower=10": 0.9500}, no_margin) == "lower=1"
+    assert T.parse_setting("lower=1,upper=99.5,per_unit=False") == {"lower": 1, "upper": 99.5, "per_unit": False}
 
 
 @pytest.mark.slow
