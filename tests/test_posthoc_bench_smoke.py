@@ -189,6 +189,9 @@ def test_the_option_choice_keeps_the_default_within_the_margin():
     no_margin = T.Study("vra", study.grid, {"lower": 10})
     assert T.choose({"lower=1": 0.95004, "lower=10": 0.95001}, no_margin) == "lower=10"  # a tie to 4 decimals
     assert T.choose({"lower=1": 0.9502, "lower=10": 0.9500}, no_margin) == "lower=1"
+    # among settings tied to 4 decimals, the one nearest the default (not the grid's first)
+    tied = T.Study("vra", ({"upper": 70}, {"upper": 80}, {"upper": 90}), {"upper": 90})
+    assert T.choose({"upper=70": 0.96001, "upper=80": 0.96002, "upper=90": 0.9}, tied) == "upper=80"
     assert T.parse_setting("lower=1,upper=99.5,per_unit=False") == {"lower": 1, "upper": 99.5, "per_unit": False}
 
 
