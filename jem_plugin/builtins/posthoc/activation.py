@@ -113,7 +113,9 @@ class VRA(_FittedDetector):
     So ours differ from pytorch-ood's: its upper percentile clips too few activations on that
     network to help. Lower percentiles up to 20 tied (its ReLU features are 0 that far). Where the
     ``upper`` percentile is itself 0 (more of the training activations are 0 than that share),
-    every input scores the same: resnet10t at ``upper=50``.
+    every input scores the same: resnet10t at ``upper=50``. Judged on ``bench_posthoc``'s other
+    networks, which the choice did not read, it carries over to convnext_atto but not to
+    lcnet_050 or test_vit, where pytorch-ood's 1/99 does best (``benchmarks/README.md``).
 
     ``fit`` keeps a uniform sample of at most ``max_values`` activations (``per_unit``: of
     ``max_values / D`` training inputs), all when there are fewer, so the percentiles are exact
