@@ -317,18 +317,19 @@ def test_map_scores_equal_pytorch_ood(setup):
 
 def test_vra_default_clips_at_two_percentiles_of_every_activation(setup):
     """The paper's and OpenOOD's VRA: one pair of thresholds over all training activations, at
-    the 10th and 75th percentiles (chosen on bench_posthoc's tune network)."""
+    the 10th and 90th percentiles (OpenOOD's; the tune network's 75th did not carry over to the
+    judged networks: benchmarks/results/vra_percentiles.json)."""
     jm, model, x_fit, y_fit, x_test = setup
     with torch.no_grad():
         acts = model.encode(x_fit).flatten().numpy()
-        lo, hi = np.percentile(acts, 10), np.percentile(acts, 75)
+        lo, hi = np.percentile(acts, 10), np.percentile(acts, 90)
         expected = torch.logsumexp(model.fc(model.encode(x_test).clamp(float(lo), float(hi))), 1)
     det = ood.detector("vra").fit(jm, (x_fit, y_fit))
     assert float(det.low) == pytest.approx(lo, rel=1e-5) and float(det.high) == pytest.approx(hi, rel=1e-5)
     torch.testing.assert_close(det.score(jm, x_test), expected, rtol=1e-5, atol=1e-5)
     # a sample of the activations when they are many: within a few 1e-3 quantiles
     sampled = ood.detector("vra", max_values=3000).fit(jm, (x_fit, y_fit))
-    assert abs(float((torch.from_numpy(acts) <= float(sampled.high)).double().mean()) - 0.75) < 0.02
+    assert abs(float((torch.from_numpy(acts) <= float(sampled.high)).double().mean()) - 0.90) < 0.02
 
 
 def test_mcd_equals_pytorch_ood_and_refuses_without_dropout(setup):
