@@ -112,6 +112,7 @@ if __package__ in (None, ""):
 import jem_plugin as jem
 from benchmarks import bench_generalisation as GB
 from benchmarks import bench_generative as G
+from benchmarks.bench_train_step import CUTS
 from benchmarks.common import machine_info, md_table, write_json
 from jem_plugin.app.default_recipe import (  # jem train's policy: a move of it changes these lines only
     LONG_ROW_TARGETS,
@@ -125,7 +126,14 @@ RESULTS = os.path.join(HERE, "results", "long_row")
 DOCS_IMG = os.path.join(os.path.dirname(HERE), "docs", "img")
 DATASETS = ("textures", "digits32")  # judged on first
 NETWORKS = ("resnet10t", "convnext_atto", "wrn10-1", "lcnet_050")
-ROLES = ("baseline", "default", "generative", "dat")
+ROLES = ("baseline", "default", "generative", "dat", "cheap")
+#: the cut of jem train's choice the ``cheap`` role runs (issue 45 item 3: bench_train_step's
+#: ``steps5_shared``, 5 SGLD steps and the p(x) term's data energies from the classification forward;
+#: ~2.5x a cross-entropy step where the choice is ~4.8x), judged here before it may become the default
+CHEAP_CUT = "steps5_shared"
+#: roles that are candidates, not recipes: shown in the curves and tables, never in jem train's
+#: evidence as a registered recipe it could switch to (:func:`targets_evidence`)
+CANDIDATE_ROLES = ("dat", "cheap")
 #: GPU-only networks (issue 45 item 5), not in the CPU plan; resnet18 at the recipes' 3e-4 as resnet10t
 #: (BatchNorm, the matrix trains it at 3e-4 too), so no ``lr`` entry
 GPU_NETWORKS = ("resnet18",)
@@ -171,9 +179,11 @@ def cell(dataset: str, net: str, role: str, seed: int, epochs: int, tiny: bool =
     """One cell: the matrix's keys (so :func:`bench_generalisation.cell_name` names it) and its role."""
     per_class = GB.per_class_for(dataset, SIZE, tiny)
     c: dict[str, Any] = dict(dataset=dataset, per_class=per_class, net=net, run="baseline", seed=seed, epochs=epochs)
-    if role in ("default", "dat"):
+    if role in ("default", "dat", "cheap"):
         run, settings = jem_train_choice(per_class, net)
         c["run"] = run
+        if role == "cheap":  # the choice with the cut on top: its own name, so both cells coexist
+            settings = tuple(sorted({**dict(settings), **CUTS[CHEAP_CUT]}.items()))
         if settings:
             c["set"] = dict(settings)
         if role == "dat":  # DAT's PGD negatives in place of the choice's SGLD (bench_generative.start_run)
@@ -199,6 +209,13 @@ TIERS: tuple[tuple[str, str, tuple[str, ...], int], ...] = (
     ("judged", "first", ("baseline", "default"), 1),
     ("judged", "rest", ("generative",), 0),
     ("tuned", "first", ("generative",), 0),
+)
+#: ``--cheap``'s tiers: the ``cheap`` role (:data:`CHEAP_CUT`) where the choice and its baseline ran,
+#: judged data first: textures on resnet10t, textures on the other networks, then digits32/resnet10t
+CHEAP_TIERS: tuple[tuple[str, str, tuple[str, ...], int], ...] = (
+    ("judged", "first", ("cheap",), 0),
+    ("judged", "rest", ("cheap",), 0),
+    ("tuned", "first", ("cheap",), 0),
 )
 
 
@@ -675,12 +692,17 @@ def curves(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for (dataset, net, label, role), rs in groups.items():
         per_iter: dict[int, list[dict[str, Any]]] = {}
-        seeds, cost, devices = set(), [], set()
+        seeds, cost, devices, per_it = set(), [], set(), []
         for r in rs:
             b = base.get((dataset, net, r["seed"]))
             if b is None:
                 continue
             devices.add(_device_pair(r, b))
+            if r["points"]:  # its own seconds per iteration: CPU seconds on the CPU, wall seconds on a GPU
+                pr = r["points"][-1]
+                own = pr.get({"cpu": "train_cpu_s"}.get(r.get("device", "cpu"), "train_wall_s"))
+                if own and pr["iteration"]:
+                    per_it.append(own / pr["iteration"])
             b_points = {p["iteration"]: p for p in b["points"]}
             for p in r["points"]:
                 if p["iteration"] in b_points:
@@ -709,6 +731,7 @@ def curves(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 iterations=max((r.get("iterations", 0) for r in rs), default=0),
                 done=all(r.get("done") for r in rs),
                 cost=_mean(cost),
+                s_per_iteration=_mean(per_it),
                 errors=errors,
                 device=", ".join(sorted(devices)),
             )
@@ -743,19 +766,22 @@ def first_met(points: Sequence[dict[str, Any]], target: str) -> str:
     return f"{ok[0]['iteration']}" + (f", not at {last['iteration']}" if lost else "")
 
 
+def _evidence_recipe(r: dict[str, Any]) -> str:
+    """The recipe a cell gives jem train's table: the registered recipe's name, and for a candidate
+    role (:data:`CANDIDATE_ROLES`) a name no recipe has (``generative+dat``, ``generative+cheap``)."""
+    recipe = r["run"] + (f"+{r['negatives']}" if r.get("negatives") else "")
+    role = r.get("role", "")
+    return recipe + (f"+{role}" if role in CANDIDATE_ROLES and not recipe.endswith(f"+{role}") else "")
+
+
 def targets_evidence(rows: Sequence[dict[str, Any]], entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The table ``jem train`` reads (:data:`jem_plugin.app.default_recipe.LONG_ROW_TARGETS`): per
     recipe cell, its network's kind, recipe and settings, how far it was evaluated and the first
     iteration at which each target held (None: not yet), and whether all three still held at its
     last point."""
-    # a DAT cell's recipe is no registered recipe ("generative+dat"): jem train cannot switch to it
-    settings = {
-        (r["dataset"], r["net"], GB.run_label(r)): (
-            r["run"] + (f"+{r['negatives']}" if r.get("negatives") else ""),
-            r.get("set") or {},
-        )
-        for r in rows
-    }
+    # a candidate's recipe (CANDIDATE_ROLES) is no registered recipe ("generative+dat",
+    # "generative+cheap"): shown to jem train, which never switches to it
+    settings = {(r["dataset"], r["net"], GB.run_label(r)): (_evidence_recipe(r), r.get("set") or {}) for r in rows}
     kinds = {"BN": "BN", "depthwise BN": "BN", "none": "none"}
     cells = []
     for e in entries:
@@ -809,7 +835,7 @@ def targets_table(entries: Sequence[dict[str, Any]]) -> str:
     for e in entries:
         pts = e["points"]
         last = pts[-1] if pts else None
-        recipe = f"**{e['run']}**" if e["role"] == "default" else e["run"]
+        recipe = {"default": f"**{e['run']}**", "cheap": f"cheap: {e['run']}"}.get(e["role"], e["run"])
         seeds = ",".join(map(str, e["seeds"])) or "-"
         if e["errors"]:
             seeds += f" (failed: {e['errors'][0][:60]})"
@@ -832,6 +858,12 @@ def targets_table(entries: Sequence[dict[str, Any]]) -> str:
     return md_table(header, rows)
 
 
+#: the legend's name of each role's line style
+ROLE_LEGEND = {"default": "jem train's choice", "cheap": f"cheap: the choice with {CHEAP_CUT}"}
+#: the cheap role's lines: thicker, with triangles, so that they stand apart from the choice's
+CHEAP_LINE: dict[str, Any] = {"lw": 2.2, "marker": "^", "ms": 4}
+
+
 def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) -> str:
     """The curves of one data set: accuracy gap, AUROC gap, FD ratio and the judge on class samples
     against iterations, a colour per network, a line style per recipe; targets dotted."""
@@ -849,7 +881,7 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
         return path
     nets = [n for n in NETWORKS + GPU_NETWORKS if any(e["net"] == n for e in mine)]
     colours = dict(zip(NETWORKS + GPU_NETWORKS, ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red")))
-    styles = {"default": "-", "generative": "--", "dat": "-."}
+    styles: dict[str, Any] = {"default": "-", "generative": "--", "dat": "-.", "cheap": (0, (1, 1.5))}
     panels = [
         ("acc_gap", "test accuracy - baseline's (points)", -1.0, "within 1 point"),
         ("auroc_gap", "log p(x) AUROC - baseline energy's\n(worst of the 4 OOD sets)", 0.0, ">= baseline on all"),
@@ -865,7 +897,11 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
             if xs:
                 marker = "s" if "cuda" in e.get("device", "") else "o"  # squares: trained on a GPU
                 ax.plot(
-                    xs, ys, styles.get(e["role"], ":"), color=colours.get(e["net"], "k"), marker=marker, ms=3, lw=1.5
+                    xs,
+                    ys,
+                    ls=styles.get(e["role"], ":"),
+                    color=colours.get(e["net"], "k"),
+                    **{"marker": marker, "ms": 3, "lw": 1.5, **(CHEAP_LINE if e["role"] == "cheap" else {})},
                 )
         if key == "acc_gap":
             lo = min((p[key] for e in mine for p in e["points"]), default=-5)
@@ -898,7 +934,14 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
     handles = [Line2D([], [], color=colours[n], lw=2, label=f"{n} ({GB.NORMS.get(n, '?')})") for n in nets]
     roles = sorted({e["role"] for e in mine}, key=lambda r: ROLES.index(r) if r in ROLES else 9)
     handles += [
-        Line2D([], [], color="k", ls=styles.get(r, ":"), label=("jem train's choice" if r == "default" else r))
+        Line2D(
+            [],
+            [],
+            color="k",
+            ls=styles.get(r, ":"),
+            label=ROLE_LEGEND.get(r, r),
+            **(CHEAP_LINE if r == "cheap" else {}),
+        )
         for r in roles
     ]
     if any("cuda" in e.get("device", "") for e in mine):
@@ -908,6 +951,8 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
     seeds = sorted({s for e in mine for s in e["seeds"]})
     choices = sorted({e["run"] for e in mine if e["role"] == "default"})
     role_note = f"solid: jem train's choice, {' or '.join(choices)}" if choices else "no choice cell yet"
+    if any(e["role"] == "cheap" for e in mine):
+        role_note += f"; dotted with triangles: the choice with {CHEAP_CUT}"
     fig.suptitle(
         f"{dataset} ({'tuned on' if dataset == 'digits32' else 'judged on'}), ~150 per class: each recipe against the "
         f"cross-entropy baseline at the same iteration\n(mean over seeds {','.join(map(str, seeds))} where both ran; "
@@ -973,6 +1018,122 @@ def dat_wall_figure(entries: Sequence[dict[str, Any]], path: str) -> str | None:
     return path
 
 
+#: bench_train_step's side-by-side timing of the choice and its cuts (CPU, batch 64, 32x32)
+TRAIN_STEP_CUTS = os.path.join(HERE, "results", "train_step_cuts.json")
+
+
+def cheap_against_choice(rows: Sequence[dict[str, Any]], entries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per data set and network with a ``cheap`` curve and a ``default`` one: the two compared at the
+    iterations both were evaluated, on the seeds the cheap one ran (each against its own baseline of
+    that seed). Per target (:data:`TARGETS`): the iterations where the choice meets it, those of them
+    the cheap cut misses, and where only the cheap cut meets it; per gap the worst of cheap's less
+    the choice's over those points (accuracy and AUROC gaps: higher is better; FD ratio: the
+    choice's less cheap's, so that negative is worse throughout); each one's seconds per iteration
+    on its own device, cost against its baseline, and bench_train_step's side-by-side CPU cost
+    (x a cross-entropy iteration) where it timed that network."""
+    side = GB._read_json(TRAIN_STEP_CUTS, {}).get("train_step_cuts", {}).get("networks", {})
+    out = []
+    for ch in entries:
+        if ch["role"] != "cheap" or not ch["seeds"]:
+            continue
+        where = (ch["dataset"], ch["net"])
+        mine = [r for r in rows if (r["dataset"], r["net"]) == where and r["seed"] in ch["seeds"]]
+        d = next((e for e in curves(mine) if e["role"] == "default"), None)
+        if d is None:
+            continue
+        dp = {p["iteration"]: p for p in d["points"]}
+        both = [(dp[p["iteration"]], p) for p in ch["points"] if p["iteration"] in dp]
+        targets = {}
+        for t, met in TARGETS.items():
+            targets[t] = dict(
+                choice=[pd["iteration"] for pd, _ in both if met(pd)],
+                missed=[pd["iteration"] for pd, pc in both if met(pd) and not met(pc)],
+                only_cheap=[pd["iteration"] for pd, pc in both if met(pc) and not met(pd)],
+            )
+        worst: dict[str, float | None] = {}
+        for key, sign in (("acc_gap", 1), ("auroc_gap", 1), ("fd_ratio", -1)):
+            diffs = [sign * (pc[key] - pd[key]) for pd, pc in both if pc[key] is not None and pd[key] is not None]
+            worst[key] = min(diffs) if diffs else None
+        timed = side.get(ch["net"], {}).get("time", {})
+        out.append(
+            dict(
+                dataset=ch["dataset"],
+                net=ch["net"],
+                seeds=ch["seeds"],
+                iterations=[pd["iteration"] for pd, _ in both],
+                points=[
+                    {"iteration": pd["iteration"], **{k: (pd[k], pc[k]) for k in ("acc_gap", "auroc_gap", "fd_ratio")}}
+                    for pd, pc in both
+                ],
+                targets=targets,
+                worst=worst,
+                no_worse=all(v is not None and v >= 0 for v in worst.values()) and bool(both),
+                s_per_iteration={"default": d["s_per_iteration"], "cheap": ch["s_per_iteration"]},
+                device={"default": d["device"], "cheap": ch["device"]},
+                cost={"default": d["cost"], "cheap": ch["cost"]},
+                side_by_side_ce={
+                    "default": timed.get("choice", {}).get("ratio"),
+                    "cheap": timed.get(CHEAP_CUT, {}).get("ratio"),
+                },
+            )
+        )
+    return out
+
+
+def _verdict(t: dict[str, list[int]]) -> str:
+    """Whether the cheap cut meets a target at the iterations the choice does (one table cell)."""
+    if not t["choice"]:
+        text = "choice: never; cheap: " + (", ".join(map(str, t["only_cheap"])) if t["only_cheap"] else "never")
+        return text
+    text = (
+        f"no: misses {', '.join(map(str, t['missed']))} of the choice's {len(t['choice'])}"
+        if t["missed"]
+        else f"yes, all {len(t['choice'])} of the choice's"
+    )
+    return text + (f"; cheap also at {', '.join(map(str, t['only_cheap']))}" if t["only_cheap"] else "")
+
+
+def cheap_table(versus: Sequence[dict[str, Any]]) -> str:
+    """:func:`cheap_against_choice` as a table: per data set and network, whether the cheap cut
+    meets each target at the iterations the choice does, its worst shortfall, and its cost."""
+
+    def clock(device: str) -> str:  # the recipe's own device ("cuda (baseline cpu)": cuda)
+        return "CPU s" if device.split(" (")[0].split(", ")[0] == "cpu" else "wall s"
+
+    rows = []
+    for v in versus:
+        w, sp, dev = v["worst"], v["s_per_iteration"], v["device"]
+        rows.append(
+            [
+                v["dataset"],
+                v["net"],
+                ",".join(map(str, v["seeds"])),
+                f"{v['iterations'][-1]} ({len(v['iterations'])} points)" if v["iterations"] else "-",
+                *(_verdict(v["targets"][t]) for t in TARGETS),
+                f"{GB._f(w['acc_gap'], '{:+.1f}')} / {GB._f(w['auroc_gap'], '{:+.3f}')} / {GB._f(w['fd_ratio'], '{:+.2f}')}",
+                " / ".join(
+                    f"{GB._f(sp[r], '{:.3f}')} {clock(dev[r])} ({dev[r].split(' (')[0]})" for r in ("default", "cheap")
+                ),
+                " / ".join(GB._f(v["cost"][r], "{:.1f}") for r in ("default", "cheap")),
+                " / ".join(GB._f(v["side_by_side_ce"][r], "{:.2f}") for r in ("default", "cheap")),
+            ]
+        )
+    header = [
+        "data",
+        "network",
+        "seeds",
+        "both evaluated to",
+        "acc within 1 pt where the choice is",
+        "AUROC >= baseline energy where the choice is",
+        "FD <= half init where the choice is",
+        "worst cheap - choice: acc pt / AUROC / FD ratio (choice's - cheap's)",
+        "s per iteration: choice / cheap (device)",
+        "cost x baseline: choice / cheap",
+        "CPU x CE side by side (bench_train_step): choice / cheap",
+    ]
+    return md_table(header, rows)
+
+
 def to_markdown(
     entries: Sequence[dict[str, Any]],
     refs: dict[str, Any],
@@ -980,6 +1141,7 @@ def to_markdown(
     n_done: int,
     cpu_h: float,
     planned: int | None = None,
+    versus: Sequence[dict[str, Any]] = (),
 ) -> str:
     of = f" of the plan's {planned}" if planned else ""
     lines = [
@@ -1001,6 +1163,18 @@ def to_markdown(
             f"{ref['fd_uniform']:.1f}"
         )
     lines += ["", targets_table(entries) if entries else "(no recipe cell evaluated beside its baseline yet)"]
+    if versus:
+        lines += [
+            "",
+            f"**The cheap cut against the choice** (issue 45 item 3: `cheap` is `jem train`'s choice with "
+            f"`bench_train_step`'s `{CHEAP_CUT}` ({', '.join(f'{k}={v}' for k, v in CUTS[CHEAP_CUT].items())}); it may become the default only if it is no worse on "
+            "textures). At the iterations both were evaluated, on the cheap cell's seeds: whether it meets each "
+            "target where the choice does; the worst of cheap's gap less the choice's over those points (negative: "
+            "cheap worse); seconds per training iteration on each one's device (CPU and GPU seconds do not compare); "
+            "cost against the baseline on the same device; and the two timed side by side on the CPU.",
+            "",
+            cheap_table(versus),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -1021,7 +1195,8 @@ def report(
     cpu_h = sum(
         (r["points"][-1]["train_cpu_s"] + sum(p["eval_cpu_s"] for p in r["points"])) for r in rows if r["points"]
     )
-    md = to_markdown(entries, refs, len(rows), sum(bool(r.get("done")) for r in rows), cpu_h / 3600, planned)
+    versus = cheap_against_choice(rows, entries)
+    md = to_markdown(entries, refs, len(rows), sum(bool(r.get("done")) for r in rows), cpu_h / 3600, planned, versus)
     for d in DATASETS:
         png = curves_figure(entries, d, os.path.join(out_dir, f"long-row-{d}.png"))
         if png and docs:
@@ -1030,7 +1205,7 @@ def report(
     wall = dat_wall_figure(entries, os.path.join(out_dir, "long-row-dat-wall.png"))
     if wall and docs:
         shutil.copy(wall, os.path.join(docs, os.path.basename(wall)))
-    write_json(os.path.join(out_dir, "summary.json"), {"entries": entries, "references": refs})
+    write_json(os.path.join(out_dir, "summary.json"), {"entries": entries, "references": refs, "cheap": versus})
     if targets:
         write_json(targets, targets_evidence(rows, entries))
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
@@ -1106,6 +1281,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--gpu-iterations", type=int, default=GPU_ITERATIONS, help="the resnet18 cells' iterations")
     p.add_argument("--done-dir", default=os.path.join(RESULTS, "cells"), help="--gpu-plan skips the cells done here")
     p.add_argument("--skip-started", action="store_true", help="--gpu-plan: also skip cells with points in --done-dir")
+    p.add_argument(
+        "--cheap", action="store_true", help=f"the cheap role's plan (CHEAP_TIERS): the choice with {CHEAP_CUT}"
+    )
     p.add_argument("--tiny", action="store_true", help="the tiny data sets (a smoke test of the plumbing)")
     p.add_argument("--limit", type=int, default=None, help="only the first N cells of the plan")
     p.add_argument("--no-report", action="store_true", help="no summary or curves after the run")
@@ -1125,7 +1303,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if a.gpu_plan:
         cells = gpu_plan(a.done_dir, a.iterations, a.gpu_iterations, a.tiny, a.skip_started)
     else:
-        cells = plan(a.datasets, a.networks, a.iterations, tiny=a.tiny)
+        cells = plan(a.datasets, a.networks, a.iterations, CHEAP_TIERS if a.cheap else TIERS, tiny=a.tiny)
     cells = cells[: a.limit] if a.limit is not None else cells
     if a.plan:
         print(plan_table(cells, GB._read_json(os.path.join(out_dir, "speed.json")) or speed_from_matrix()))
