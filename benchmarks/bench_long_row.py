@@ -952,7 +952,9 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
     choices = sorted({e["run"] for e in mine if e["role"] == "default"})
     role_note = f"solid: jem train's choice, {' or '.join(choices)}" if choices else "no choice cell yet"
     if any(e["role"] == "cheap" for e in mine):
-        role_note += f"; dotted with triangles: the choice with {CHEAP_CUT}"
+        role_note += (
+            f";\ndotted with triangles: the choice with {CHEAP_CUT} (5 SGLD steps; p(x) on the classification forward)"
+        )
     fig.suptitle(
         f"{dataset} ({'tuned on' if dataset == 'digits32' else 'judged on'}), ~150 per class: each recipe against the "
         f"cross-entropy baseline at the same iteration\n(mean over seeds {','.join(map(str, seeds))} where both ran; "
@@ -1053,7 +1055,7 @@ def cheap_against_choice(rows: Sequence[dict[str, Any]], entries: Sequence[dict[
         worst: dict[str, float | None] = {}
         for key, sign in (("acc_gap", 1), ("auroc_gap", 1), ("fd_ratio", -1)):
             diffs = [sign * (pc[key] - pd[key]) for pd, pc in both if pc[key] is not None and pd[key] is not None]
-            worst[key] = min(diffs) if diffs else None
+            worst[key] = min(diffs) + 0.0 if diffs else None  # + 0.0: no "-0.00"
         timed = side.get(ch["net"], {}).get("time", {})
         out.append(
             dict(

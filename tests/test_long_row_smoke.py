@@ -11,6 +11,9 @@ import pytest
 import torch
 
 from benchmarks import bench_long_row as L
+from benchmarks.bench_train_step import CUTS
+from jem_plugin.app.default_recipe import default_choice, generative_half
+from jem_plugin.recipes import RECIPES
 
 #: what differs between two runs of the same cell: the clock
 TIMING = {"train_cpu_s", "train_wall_s", "eval_cpu_s"}
@@ -155,3 +158,83 @@ def test_a_checkpoint_that_does_not_fit_starts_the_cell_over_and_is_kept_aside(t
     L.run([base], str(out), workers=1, report_each=False)
     assert _points(out, base) == _points(tmp_path / "whole", base)  # from the start, nothing of the old run
     assert os.path.exists(ckpt_path + ".stale") and os.path.exists(json_path + ".stale")
+
+
+# ---------------------------------------------------------------------------- the cheap cut (issue 45 item 3)
+def test_the_cheap_role_is_jem_trains_choice_with_the_cut_under_a_name_of_its_own():
+    for net in ("resnet10t", "convnext_atto", "wrn10-1"):  # fast on 6 per class; generative; without the L2
+        default, cheap = (L.cell("textures", net, r, 0, 1, tiny=True) for r in ("default", "cheap"))
+        assert cheap["run"] == default["run"] and cheap["role"] == "cheap"
+        assert cheap["set"] == {**default.get("set", {}), **CUTS["steps5_shared"]}
+        assert L.GB.cell_name(cheap) != L.GB.cell_name(default)  # both cells coexist
+    order = [(c["dataset"], c["net"], c["role"]) for c in L.plan(tiers=L.CHEAP_TIERS, tiny=True)]
+    assert order == [("textures", n, "cheap") for n in L.NETWORKS] + [("digits32", "resnet10t", "cheap")]
+
+
+def _row(role: str, acc: float, auroc: float, fd: float, cpu_s: float) -> dict:
+    """A textures/resnet10t cell of ``role`` with two points (300 and 600 iterations)."""
+    c = L.cell("textures", "resnet10t", role, 0, 1)
+    points = [
+        {
+            "iteration": it,
+            "accuracy": acc,
+            "auroc": {"logpx": dict.fromkeys(L.OOD_NAMES, auroc)},
+            "ece": 0.1,
+            "ece_ts": 0.05,
+            "init_fd": 10.0,
+            "buffer": {"fd": fd * 10.0},
+            "cond": {"judge_acc": 0.5, "judge_acc_init": 0.4},
+            "train_cpu_s": cpu_s * it,
+        }
+        for it in (300, 600)
+    ]
+    return {**c, "points": points, "iterations": 600}
+
+
+def _cheap_rows() -> list[dict]:
+    # the choice meets accuracy and AUROC but not FD; the cheap cut meets all three at half the CPU
+    return [
+        _row("baseline", 0.80, 0.60, 1.0, 0.2),
+        _row("default", 0.80, 0.61, 0.9, 1.0),
+        _row("cheap", 0.80, 0.62, 0.4, 0.5),
+    ]
+
+
+def test_the_report_draws_and_tabulates_the_cheap_cut_apart_from_the_choice(tmp_path, monkeypatch):
+    rows = _cheap_rows()
+    entries = L.curves(rows)
+    assert [e["role"] for e in entries] == ["default", "cheap"]
+    table = L.targets_table(entries)
+    assert "| **generative[px_weight=0.03]** |" in table
+    assert "| cheap: generative[px_clean_data=0,px_weight=0.03,sgld_steps=5] |" in table
+
+    (v,) = L.cheap_against_choice(rows, entries)
+    assert all(v["targets"][t]["missed"] == [] for t in L.TARGETS) and v["targets"]["fd"]["only_cheap"] == [300, 600]
+    assert v["cost"] == {"default": pytest.approx(5.0), "cheap": pytest.approx(2.5)} and v["no_worse"]
+    md = L.to_markdown(entries, {}, 3, 0, 0.0, versus=[v])
+    line = next(x for x in md.splitlines() if x.startswith("| textures | resnet10t | 0 | 600 (2 points) |"))
+    assert "yes, all 2 of the choice's" in line and "choice: never; cheap: 300, 600" in line
+    assert "| 5.0 / 2.5 |" in line  # its cost beside the choice's
+
+    drawn = []
+    monkeypatch.setattr(L.shutil, "copy", lambda *a: None)
+    import matplotlib.figure
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
+    L.curves_figure(entries, "textures", str(tmp_path / "t.png"))
+    (fig,) = drawn
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "jem train's choice" in labels and f"cheap: the choice with {L.CHEAP_CUT}" in labels
+    curves = [line for line in fig.axes[0].get_lines() if line.get_marker() not in (None, "None")]  # not targets
+    assert len({(line.get_linestyle(), line.get_marker()) for line in curves}) == 2  # cheap unlike the choice
+
+
+def test_jem_train_never_reads_the_cheap_cut_as_a_recipe_to_switch_to():
+    rows = _cheap_rows()  # the cheap cell spelled out, as a report reads it from its JSON
+    rows[2] = {**rows[2], "run": "generative", "set": {"px_weight": 0.03, **CUTS["steps5_shared"]}, "role": "cheap"}
+    evidence = L.targets_evidence(rows, L.curves(rows))
+    cheap = next(c for c in evidence["cells"] if c["role"] == "cheap")
+    assert cheap["first"]["all"] == 300 and cheap["met_at_last"]  # it met every target...
+    assert cheap["recipe"] not in RECIPES  # ...and is shown, never switched to
+    choice = default_choice(150, batchnorm=True)
+    assert generative_half(choice, 10_000, True, table=evidence)[0] == choice
