@@ -19,7 +19,7 @@ points, the checkpoints that make it resumable, the curves and the targets table
   rate (wrn10-1 3e-3, lcnet_050 1e-2, the others 3e-4).
 - **Runs:** the cross-entropy ``baseline``; ``default``, ``jem train``'s choice for the row
   (:func:`jem_train_choice`: ``generative`` with p(x) weight 0.03, without the energy L2 on wrn10-1);
-  ``generative`` as it is. Each recipe is judged against the baseline of the same data, network and
+  ``generative`` as it is; ``cheap``, the choice with the cheaper iteration (below). Each recipe is judged against the baseline of the same data, network and
   seed at the same iteration.
 - **Length:** ``ceil(3000 / batches per epoch)`` epochs (textures 125 epochs = 3,000 iterations;
   digits 143 = 3,003); the recipe's buffer and warm-up are sized for the whole run, as ``jem train``
@@ -82,6 +82,19 @@ cell) and ``--report`` then shows each cell's device.
 
     bash benchmarks/run_gpu_long_row.sh /tmp/out 480                          # on the GPU machine
     python -m benchmarks.bench_long_row --merge-from /tmp/out/long_row_gpu.tar.gz && python -m benchmarks.bench_long_row --report
+
+**The cheap cut** (``--cheap``; issue 45 item 3): the ``cheap`` role is ``jem train``'s choice with
+:mod:`benchmarks.bench_train_step`'s ``steps5_shared`` cut on top (:data:`CHEAP_CUT`: 5 SGLD steps
+instead of 10, and the p(x) term's data energies from the classification forward; ~2.5x a
+cross-entropy step on the CPU where the choice is ~4.7x). It may become the default only if it costs
+nothing here, so it is judged against the same baseline cells as ``default`` and compared with the
+choice point by point (:func:`cheap_against_choice`: per network, whether it meets each target at the
+iterations the choice does, and its cost). :data:`CHEAP_TIERS` orders textures/resnet10t, textures
+on the other networks, then digits32/resnet10t. Its cells are drawn dotted with triangles and named
+``cheap: ...`` in the table; in ``jem train``'s evidence it is ``generative+cheap``, no recipe it
+could switch to (:data:`CANDIDATE_ROLES`).
+
+    OMP_NUM_THREADS=1 nice -n 19 python -m benchmarks.bench_long_row --cheap --workers 1   # resumes too
 
 ``--report`` writes ``OUT/long-row-<data>.png`` (copied to ``docs/img/``), ``OUT/summary.md`` and the
 table into ``benchmarks/README.md``; a run writes ``OUT/summary.md`` and the PNGs after each cell.
