@@ -19,8 +19,8 @@ points, the checkpoints that make it resumable, the curves and the targets table
   rate (wrn10-1 3e-3, lcnet_050 1e-2, the others 3e-4).
 - **Runs:** the cross-entropy ``baseline``; ``default``, ``jem train``'s choice for the row
   (:func:`jem_train_choice`: ``generative`` with p(x) weight 0.03, without the energy L2 on wrn10-1);
-  ``generative`` as it is; ``cheap``, the choice with the cheaper iteration (below). Each recipe is judged against the baseline of the same data, network and
-  seed at the same iteration.
+  ``generative`` as it is; ``cheap``, the choice with the cheaper iteration (below). Each recipe is
+  judged against the baseline of the same data, network and seed at the same iteration.
 - **Length:** ``ceil(3000 / batches per epoch)`` epochs (textures 125 epochs = 3,000 iterations;
   digits 143 = 3,003); the recipe's buffer and warm-up are sized for the whole run, as ``jem train``
   sizes them.
@@ -1182,8 +1182,8 @@ def to_markdown(
         lines += [
             "",
             f"**The cheap cut against the choice** (issue 45 item 3: `cheap` is `jem train`'s choice with "
-            f"`bench_train_step`'s `{CHEAP_CUT}` ({', '.join(f'{k}={v}' for k, v in CUTS[CHEAP_CUT].items())}); it may become the default only if it is no worse on "
-            "textures). At the iterations both were evaluated, on the cheap cell's seeds: whether it meets each "
+            f"`bench_train_step`'s `{CHEAP_CUT}` ({', '.join(f'{k}={v}' for k, v in CUTS[CHEAP_CUT].items())}); "
+            "it may become the default only if it is no worse on textures). At the iterations both were evaluated, on the cheap cell's seeds: whether it meets each "
             "target where the choice does; the worst of cheap's gap less the choice's over those points (negative: "
             "cheap worse); seconds per training iteration on each one's device (CPU and GPU seconds do not compare); "
             "cost against the baseline on the same device; and the two timed side by side on the CPU.",
