@@ -1036,7 +1036,6 @@ def time_one_forward(
                 counts[way] = forwards[0] - before
     assert shared is not None
     ratios = [lp / sh for lp, sh in zip(times["loop"], times["shared"])]
-    cpu_ratios = [lp / sh for lp, sh in zip(cpu["loop"], cpu["shared"])]
     diff = max(
         float((shared.scores[m][k] - loop[m][k]).abs().max()) / max(1.0, float(loop[m][k].abs().max()))
         for m in shared.scores
@@ -1055,7 +1054,7 @@ def time_one_forward(
         "ratios": ratios,
         "shared_cpu_s": cpu["shared"],
         "loop_cpu_s": cpu["loop"],
-        "cpu_ratio": statistics.median(cpu_ratios),
+        "cpu_ratio": common.paired_ratio(cpu["loop"], cpu["shared"]),
         "forwards": counts,
         "max_rel_score_diff": diff,
     }
@@ -1128,8 +1127,7 @@ def write_one_forward(res: dict[str, Any], out_dir: str) -> str:
     machine = res.get("_machine") or common.machine_info()
     common.write_json(os.path.join(out_dir, f"{ONE_FORWARD}.json"), {"machine": machine, ONE_FORWARD: _strip(res)})
     md = one_forward_markdown(res)
-    with open(os.path.join(out_dir, f"{ONE_FORWARD}.md"), "w") as f:
-        f.write(f"# {ONE_FORWARD}\n\n{common.machine_markdown(machine)}\n\n{md}\n")
+    common.write_markdown(out_dir, ONE_FORWARD, machine, md)
     return md
 
 
@@ -1387,8 +1385,7 @@ def write(res: dict[str, Any], out_dir: str, machine: dict[str, Any] | None = No
         machine = res.get("_machine") or common.machine_info()
         common.write_json(os.path.join(out_dir, f"{NAME}.json"), {"machine": machine, NAME: _strip(res)})
     md = to_markdown(res)
-    with open(os.path.join(out_dir, f"{NAME}.md"), "w") as f:
-        f.write(f"# {NAME}\n\n{common.machine_markdown(machine)}\n\n{md}\n")
+    common.write_markdown(out_dir, NAME, machine, md)
     twin_net = res["settings"].get("jem_twin")
     for name, net in res["networks"].items():
         rows = [{**r, "score": "jem " + r["score"]} for r in net["ours"]]

@@ -359,8 +359,7 @@ def write(res: dict[str, Any], out_dir: str) -> str:
     machine = res.get("_machine") or common.machine_info()
     common.write_json(os.path.join(out_dir, f"{NAME}.json"), {"machine": machine, NAME: _strip(res)})
     md = to_markdown(res)
-    with open(os.path.join(out_dir, f"{NAME}.md"), "w") as f:
-        f.write(f"# {NAME}\n\n{common.machine_markdown(machine)}\n\n{md}\n")
+    common.write_markdown(out_dir, NAME, machine, md)
     st = res["settings"]
     plot_ood_table(
         res["rows"],

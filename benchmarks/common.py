@@ -383,6 +383,12 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
+def write_markdown(out_dir: str, name: str, machine: dict[str, Any], md: str) -> None:
+    """``OUT/<name>.md``: a benchmark's Markdown under its title and the machine it ran on."""
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(f"# {name}\n\n{machine_markdown(machine)}\n\n{md}\n")
+
+
 def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
