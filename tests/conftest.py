@@ -35,6 +35,14 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Every test starts on one thread and leaves it so: a benchmark a test runs sets its own count."""
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(1)
+
+
 class TinyCNN(torch.nn.Module):
     """A small classifier with BatchNorm and Dropout: the layers that break naive JEM code."""
 

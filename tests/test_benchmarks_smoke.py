@@ -23,14 +23,6 @@ from benchmarks.common import floor_chain, frozen, make_model, uniform_batch
 from jem_plugin.sampling import SGLD
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("model_name", ["digits_cnn", "test_resnet"])
 @pytest.mark.parametrize("conditional", [False, True])
 def test_sampler_computes_the_floors_chain_bit_for_bit(model_name, conditional):

@@ -8,21 +8,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 pytest.importorskip("timm")
 pytest.importorskip("torchvision")
 
 from benchmarks import bench_posthoc_224 as B  # noqa: E402 (it imports timm through bench_posthoc: skipped above without it)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 #: A few of the gradient-free scores (each kind of output: logits, features, layers, maps), for time
 FEW = ["logpx", "msp", "knn", "vim", "gram", "ash"]

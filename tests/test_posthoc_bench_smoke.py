@@ -16,14 +16,6 @@ from benchmarks import bench_posthoc as B  # noqa: E402 (it imports pytorch_ood 
 from jem_plugin import ood  # noqa: E402 (after the skips above, with the benchmark)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_ood_sets_are_the_issues_six():
     D = B.load_data(n_train=64, n_eval=20)
     assert set(D["sets"]) | {"held_out"} == set(B.SETS)
