@@ -689,6 +689,12 @@ def _device_pair(r: dict[str, Any], b: dict[str, Any]) -> str:
     return d if d == db else f"{d} (baseline {db})"
 
 
+def _recipe_devices(device: str) -> list[str]:
+    """The recipe's own devices in an entry's device string, which joins its seeds'
+    :func:`_device_pair` s: ``"cuda, cpu (baseline cuda)"`` -> ``["cuda", "cpu"]``."""
+    return [part.split(" (")[0] for part in device.split(", ")]
+
+
 def _mean(values: Sequence[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
     return statistics.fmean(vals) if vals else None
@@ -998,8 +1004,8 @@ def dat_wall_figure(entries: Sequence[dict[str, Any]], path: str) -> str | None:
         ("fd_ratio", "FD / init's"),
     ]
 
-    def trained_on(e: dict[str, Any]) -> set[str]:  # "cuda, cuda (baseline cpu)": the recipe's own devices
-        return {part.split(" (")[0] for part in e["device"].split(", ")}
+    def trained_on(e: dict[str, Any]) -> set[str]:
+        return set(_recipe_devices(e["device"]))
 
     fig = Figure(figsize=(11, 3.2 * len(dats)))
     axes = fig.subplots(len(dats), 3, squeeze=False)
@@ -1112,8 +1118,8 @@ def cheap_table(versus: Sequence[dict[str, Any]]) -> str:
     """:func:`cheap_against_choice` as a table: per data set and network, whether the cheap cut
     meets each target at the iterations the choice does, its worst shortfall, and its cost."""
 
-    def clock(device: str) -> str:  # the recipe's own device ("cuda (baseline cpu)": cuda)
-        return "CPU s" if device.split(" (")[0].split(", ")[0] == "cpu" else "wall s"
+    def clock(device: str) -> str:  # CPU seconds for a recipe trained on the CPU, else wall seconds
+        return "CPU s" if _recipe_devices(device)[0] == "cpu" else "wall s"
 
     rows = []
     for v in versus:
