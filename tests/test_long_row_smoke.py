@@ -238,3 +238,57 @@ def test_jem_train_never_reads_the_cheap_cut_as_a_recipe_to_switch_to():
     assert cheap["recipe"] not in RECIPES  # ...and is shown, never switched to
     choice = default_choice(150, batchnorm=True)
     assert generative_half(choice, 10_000, True, table=evidence)[0] == choice
+
+
+# ---------------------------------------------------------------------------- a heavier p(x) weight (issue 45)
+def test_the_weight_role_is_jem_trains_choice_at_another_px_weight_and_needs_one():
+    for net in ("convnext_atto", "wrn10-1"):  # generative at 0.03; without the L2 on wrn10-1
+        default = L.cell("textures", net, "default", 0, 1)
+        heavier = L.cell("textures", net, "weight", 0, 1, px_weight=0.3)
+        assert heavier["run"] == default["run"] == "generative" and heavier["set"] == {
+            **default["set"],
+            "px_weight": 0.3,
+        }
+        assert L.GB.cell_name(heavier) != L.GB.cell_name(default)
+    with pytest.raises(ValueError, match="px_weight goes with the 'weight' role"):
+        L.cell("textures", "resnet10t", "weight", 0, 1)
+    with pytest.raises(ValueError, match="px_weight goes with the 'weight' role"):
+        L.cell("textures", "resnet10t", "default", 0, 1, px_weight=0.3)
+    cells = L.weight_plan(["digits32", "textures"], ["wrn10-1", "resnet10t"], [0.1, 0.3], seeds=[0, 1], tiny=True)
+    order = [(c["dataset"], c["net"], c["seed"], c["set"]["px_weight"]) for c in cells]
+    assert order[:3] == [
+        ("textures", "resnet10t", 0, 0.1),
+        ("textures", "resnet10t", 0, 0.3),
+        ("textures", "resnet10t", 1, 0.1),
+    ]
+    assert len(order) == 16 and order[-1] == ("digits32", "wrn10-1", 1, 0.3)
+
+
+def _weight_rows() -> list[dict]:
+    # the choice misses FD; the choice at p(x) weight 0.3 meets all three (a registered recipe's settings)
+    heavier = _row("default", 0.80, 0.62, 0.4, 1.0)
+    heavier.update(L.cell("textures", "resnet10t", "weight", 0, 1, px_weight=0.3))
+    return [_row("baseline", 0.80, 0.60, 1.0, 0.2), _row("default", 0.80, 0.61, 0.9, 1.0), heavier]
+
+
+def test_a_heavier_weight_that_met_every_target_is_drawn_apart_and_can_become_jem_trains_choice(tmp_path, monkeypatch):
+    rows = _weight_rows()
+    entries = L.curves(rows)
+    assert [e["role"] for e in entries] == ["default", "weight"]
+    assert "| weight: generative[px_weight=0.3] |" in L.targets_table(entries)
+
+    evidence = L.targets_evidence(rows, entries)
+    heavier = next(c for c in evidence["cells"] if c["role"] == "weight")
+    assert heavier["recipe"] in RECIPES and heavier["settings"] == {"px_weight": 0.3} and heavier["first"]["all"] == 300
+    choice, line = generative_half(default_choice(150, batchnorm=True), 10_000, True, table=evidence)
+    assert (choice.recipe, choice.settings) == ("generative", {"px_weight": 0.3}) and "after 300 iterations" in line
+
+    drawn = []
+    import matplotlib.figure
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
+    L.curves_figure(entries, "textures", str(tmp_path / "t.png"))
+    (fig,) = drawn
+    assert "weight: generative[px_weight=0.3]" in [t.get_text() for t in fig.legends[0].get_texts()]
+    curves = [line for line in fig.axes[0].get_lines() if line.get_marker() not in (None, "None")]
+    assert len({(str(line.get_linestyle()), line.get_marker()) for line in curves}) == 2
