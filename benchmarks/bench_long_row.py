@@ -96,6 +96,17 @@ could switch to (:data:`CANDIDATE_ROLES`).
 
     OMP_NUM_THREADS=1 nice -n 19 python -m benchmarks.bench_long_row --cheap --workers 1   # resumes too
 
+**A heavier p(x) weight** (``--px-weights W ...``; issue 45, the buffer FD target): the ``weight``
+role is ``jem train``'s choice with its p(x) weight set to ``W`` (:data:`WEIGHT_ROLE`). The choice's
+0.03 keeps accuracy but its buffer stays near its init on every textures cell; ``generative``'s 0.75
+moves it past half by ~900 iterations at ~10 points of accuracy. A weight between is a registered
+recipe's settings, so where it meets every target on the judged data, ``jem train``'s evidence can
+switch to it, as to any recipe. Tune on digits32 first, then run only the chosen weight on textures
+(``--datasets``, ``--networks``, ``--seeds`` pick the cells; ``--deadline-at`` stops them at a point,
+to resume later).
+
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_long_row --px-weights 0.3 --datasets digits32 --networks resnet10t
+
 ``--report`` writes ``OUT/long-row-<data>.png`` (copied to ``docs/img/``), ``OUT/summary.md`` and the
 table into ``benchmarks/README.md``; a run writes ``OUT/summary.md`` and the PNGs after each cell.
 """

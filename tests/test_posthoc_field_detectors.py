@@ -523,3 +523,22 @@ def test_every_new_detector_runs_on_cuda_as_on_the_cpu(setup):
         if name != "mcd":
             ref = ood.score(jm, x_test, name, **({"fit_data": (x_fit, y_fit)} if name in FITTED else {}))
             torch.testing.assert_close(s.cpu(), ref, rtol=1e-3, atol=1e-3 * max(1.0, float(ref.abs().max())), msg=name)
+
+
+def test_rankfeat_refuses_one_pixel_maps_whose_scores_would_all_be_equal():
+    """A stride-32 network at 32x32 ends in 1x1 maps: each is a ``C x 1`` matrix, all rank 1, so the
+    removal left zeros and every input scored the same (AUROC 0.5 on every set of bench_posthoc,
+    silently). Refused in one line, in its row of evaluate_all; at 64x64 the same network scores."""
+    from torchvision.models import resnet18
+
+    torch.manual_seed(0)
+    jm = jem.wrap(resnet18(num_classes=K).eval())
+    g = torch.Generator().manual_seed(1)
+    small, large = torch.rand(6, 3, 32, 32, generator=g), torch.rand(6, 3, 64, 64, generator=g)
+    with pytest.raises(NoFeaturesError, match=r"1x1 \(\(512, 1, 1\)\): nothing is left") as e:
+        ood.score(jm, small, "rankfeat")
+    assert "\n" not in str(e.value)
+    table = ood.evaluate_all(jm, small[:3], {"far": small[3:]}, ["rankfeat", "msp"], progress=False)
+    assert set(table.failures()) == {"rankfeat"} and "1x1" in table.failures()["rankfeat"]
+    with torch.no_grad():
+        assert ood.score(jm, large, "rankfeat").std() > 1e-4  # 2x2 maps: something is left

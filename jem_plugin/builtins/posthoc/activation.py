@@ -69,6 +69,12 @@ def _rankfeat(jm: Any, out: Outputs) -> Tensor:
             "rankfeat removes the rank-1 part of the last feature maps, and this model's adapter gives none "
             "(a ViT, or wrap(model, features=...)); use a CNN, or an adapter that defines feature_maps"
         )
+    if maps.dim() >= 3 and maps[0, 0].numel() == 1:  # a C x 1 matrix is all rank 1: nothing would be left
+        raise NoFeaturesError(
+            f"rankfeat removes the rank-1 part of the last feature maps, and at this input size they are "
+            f"{'x'.join(map(str, maps.shape[2:]))} ({tuple(maps.shape[1:])}): nothing is left and every input "
+            "would score the same; feed larger inputs (a stride-32 network needs at least 64x64)"
+        )
     return torch.logsumexp(out.to_logits(_without_rank1(maps)).float(), dim=1)
 
 
@@ -84,7 +90,8 @@ def rankfeat(jm: Any, x: Tensor) -> Tensor:
     their rank-1 part ``s_1 u_1 v_1^T`` (exact SVD), and the score is the energy of the logits the
     rest of the network gives from them (:meth:`jem_plugin.JEM.feature_maps`). Reads the feature
     maps; a network whose adapter gives none (a ViT: its penultimate features are one vector, all
-    rank 1) is refused in one line.
+    rank 1) is refused in one line, and so are maps of one pixel (a stride-32 network at 32x32),
+    from which the removal leaves nothing, so that every input would score the same.
 
     As pytorch-ood's ``RankFeat`` on the same maps (its outlier score is minus ours). The paper
     also averages the logits of the same removal at the block before (OpenOOD's default), which
