@@ -71,7 +71,8 @@ by the same CPU code on copies of the model and loss moved to the CPU (:func:`cp
 records the training wall seconds (``train_wall_s``, the device synchronised) beside the CPU seconds:
 a GPU's cost is wall time, and the table's cost column uses it for GPU cells. ``--gpu-plan``
 (:func:`gpu_plan`) orders resnet18 on textures at 10,000 iterations (baseline and ``jem train``'s
-choice; the recipes' 3e-4, as resnet10t), the ``dat`` role (the choice's recipe with DAT's PGD
+choice; the recipes' 3e-4, as resnet10t), the ``weight`` role at :data:`GPU_PX_WEIGHTS` on every
+network (textures, then digits32), the ``dat`` role (the choice's recipe with DAT's PGD
 negatives and logistic contrast in place of SGLD and p(x): ``bench_generative.start_run(negatives=
 "dat")``) on textures/ and digits32/resnet10t, then every cell of the CPU plan not done here.
 ``--workers N --threads T`` share the GPU between N processes; ``--deadline-s S``: no cell starts
@@ -168,6 +169,9 @@ WEIGHT_ROLE = "weight"
 #: (BatchNorm, the matrix trains it at 3e-4 too), so no ``lr`` entry
 GPU_NETWORKS = ("resnet18",)
 GPU_ITERATIONS = 10000
+#: the weight role's p(x) weights on a GPU (:func:`gpu_plan`; ``--px-weights`` with ``--gpu-plan``
+#: replaces them): the one weight run on the CPU, on the networks the CPU had no time for
+GPU_PX_WEIGHTS: tuple[float, ...] = (0.3,)
 SIZE = "150"
 ITERATIONS = 3000
 EVALS = 10
@@ -314,10 +318,12 @@ def gpu_plan(
     gpu_iterations: int = GPU_ITERATIONS,
     tiny: bool = False,
     skip_started: bool = False,
+    px_weights: Sequence[float] = GPU_PX_WEIGHTS,
 ) -> list[dict[str, Any]]:
     """The GPU's order: resnet18 on textures, baseline and ``jem train``'s choice, ``gpu_iterations``
-    (issue 45 item 5); ``dat`` on textures/resnet10t and digits32/resnet10t, seed 0 (item 4); then
-    every cell of :func:`plan` not done in ``done_dir`` (the CPU's results), in plan order.
+    (issue 45 item 5); the ``weight`` role at ``px_weights`` on every network, textures then digits32,
+    seed 0 (:func:`weight_plan`); ``dat`` on textures/resnet10t and digits32/resnet10t, seed 0 (item
+    4); then every cell of :func:`plan` not done in ``done_dir`` (the CPU's results), in plan order.
     ``skip_started``: also leave out every cell with a point in ``done_dir`` (a second GPU call, whose
     checkpoints from the first stayed on that machine, adds cells rather than restarting them)."""
     cells = [
@@ -325,6 +331,7 @@ def gpu_plan(
         for n in GPU_NETWORKS
         for r in ("baseline", "default")
     ]
+    cells += weight_plan(DATASETS, NETWORKS, px_weights, (0,), iterations, tiny)
     cells += [cell(d, NETWORKS[0], "dat", 0, epochs_for(d, iterations, tiny), tiny) for d in DATASETS]
     cells += plan(iterations=iterations, tiny=tiny)
     kept = []
@@ -1416,7 +1423,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         write_json(os.path.join(out_dir, "speed.json"), probe_speed(a.networks, out_dir=out_dir))
         return
     if a.gpu_plan:
-        cells = gpu_plan(a.done_dir, a.iterations, a.gpu_iterations, a.tiny, a.skip_started)
+        weights = GPU_PX_WEIGHTS if a.px_weights is None else a.px_weights
+        cells = gpu_plan(a.done_dir, a.iterations, a.gpu_iterations, a.tiny, a.skip_started, weights)
     elif a.px_weights:
         cells = weight_plan(a.datasets, a.networks, a.px_weights, a.seeds, a.iterations, a.tiny)
     else:

@@ -2,7 +2,8 @@
 # The long row's GPU part (issue 45 items 1, 4, 5) in one command, for a lent GPU's one call:
 #   bash benchmarks/run_gpu_long_row.sh OUT [SECONDS]
 # Installs the package, then trains bench_long_row's GPU plan (--gpu-plan: resnet18 baseline and
-# jem train's choice at 10,000 iterations, DAT on textures/ and digits32/resnet10t, then every cell
+# jem train's choice at 10,000 iterations, the weight role (the choice at p(x) weight 0.3) on every
+# network, textures then digits32, DAT on textures/ and digits32/resnet10t, then every cell
 # of the CPU plan not done in benchmarks/results/long_row/cells) on the device, each point evaluated
 # on the CPU, WORKERS processes of THREADS torch threads sharing the one GPU (default 6 x 2 on 16
 # cores: six runs keep the GPU busy between each other's small kernels and evaluations, 12 threads

@@ -92,16 +92,25 @@ def test_the_gpu_plan_puts_resnet18_then_dat_first_and_skips_cells_done_on_the_c
     (done / (GB.cell_name(cpu[0]) + ".json")).write_text(json.dumps({"done": True}))
     (done / (GB.cell_name(cpu[1]) + ".json")).write_text(json.dumps({"points": []}))  # unfinished
     cells = L.gpu_plan(str(done), tiny=True)
-    head = [(c["dataset"], c["net"], c["role"]) for c in cells[:4]]
+    weights = [(d, n, "weight") for d in L.DATASETS for n in L.NETWORKS]  # at GPU_PX_WEIGHTS' one weight
+    head = [(c["dataset"], c["net"], c["role"]) for c in cells[: 4 + len(weights)]]
     assert head == [
         ("textures", "resnet18", "baseline"),
         ("textures", "resnet18", "default"),
+        *weights,
         ("textures", "resnet10t", "dat"),
         ("digits32", "resnet10t", "dat"),
     ]
+    assert {c["set"]["px_weight"] for c in cells[2 : 2 + len(weights)]} == set(L.GPU_PX_WEIGHTS)
     assert cells[0]["epochs"] == L.epochs_for("textures", L.GPU_ITERATIONS, tiny=True)
-    names = [GB.cell_name(c) for c in cells[4:]]
+    names = [GB.cell_name(c) for c in cells[4 + len(weights) :]]
     assert names == [GB.cell_name(c) for c in cpu[1:]]  # the rest of the CPU plan, in order
+    (done / (GB.cell_name(cells[2]) + ".json")).write_text(json.dumps({"done": True}))  # a weight cell the CPU ran
+    assert [GB.cell_name(c) for c in L.gpu_plan(str(done), tiny=True, px_weights=(0.1,))][2:4] == [
+        GB.cell_name(L.cell("textures", n, "weight", 0, cells[2]["epochs"], tiny=True, px_weight=0.1))
+        for n in L.NETWORKS[:2]
+    ]
+    assert GB.cell_name(cells[2]) not in [GB.cell_name(c) for c in L.gpu_plan(str(done), tiny=True)]
 
 
 def _tiny(role: str, epochs: int = 3) -> dict:
