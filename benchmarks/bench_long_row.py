@@ -941,9 +941,9 @@ def targets_table(entries: Sequence[dict[str, Any]]) -> str:
 ROLE_LEGEND = {"default": "jem train's choice", "cheap": f"cheap: the choice with {CHEAP_CUT}"}
 #: the cheap role's lines: thicker, with triangles, so that they stand apart from the choice's
 CHEAP_LINE: dict[str, Any] = {"lw": 2.2, "marker": "^", "ms": 4}
-#: the weight role's markers, one per p(x) weight drawn (its lines dash-dotted densely)
+#: the weight role's markers, one per p(x) weight drawn (its lines dash-dot-dotted)
 WEIGHT_MARKERS = ("D", "v", "P", "X")
-WEIGHT_STYLE = (0, (4, 1, 1, 1))
+WEIGHT_STYLE = (0, (7, 2, 1, 2, 1, 2))
 
 
 def _line_kw(e: dict[str, Any], weights: Sequence[str]) -> dict[str, Any]:
@@ -1066,7 +1066,7 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
             f";\ndotted with triangles: the choice with {CHEAP_CUT} (5 SGLD steps; p(x) on the classification forward)"
         )
     if weights:
-        role_note += ";\ndash-dotted: the choice at a heavier p(x) weight (weight: ...)"
+        role_note += ";\ndash-dot-dotted: the choice at a heavier p(x) weight (weight: ...)"
     fig.suptitle(
         f"{dataset} ({'tuned on' if dataset == 'digits32' else 'judged on'}), ~150 per class: each recipe against the "
         f"cross-entropy baseline at the same iteration\n(mean over seeds {','.join(map(str, seeds))} where both ran; "
