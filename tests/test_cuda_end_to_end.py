@@ -83,6 +83,8 @@ def _timm_scores(device: str) -> dict[str, torch.Tensor]:
     maps, to_logits = jm.feature_maps(x)
     assert maps.device.type == torch.device(device).type
     torch.testing.assert_close(to_logits(maps), net(x))
+    # rankfeat on 64x64: at 32x32 this stride-32 net's last maps are 1x1, which rankfeat refuses
+    x64 = torch.rand(12, 3, 64, 64, generator=g).to(device)
     out = {}
     for method in ood.available_scores():
         if method.endswith("_sgld") or method == "mcd":  # mcd: timm's test_resnet has no dropout
@@ -90,7 +92,7 @@ def _timm_scores(device: str) -> dict[str, torch.Tensor]:
         kw: dict = {"fit_data": fit} if ood.score_info(method)["needs_fit"] else {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UntrainedDensityWarning)  # an untrained net, on purpose
-            s = ood.score(jm, x, method, progress=False, **kw)
+            s = ood.score(jm, x64 if method == "rankfeat" else x, method, progress=False, **kw)
         assert s.shape == (12,) and s.device.type == torch.device(device).type and torch.isfinite(s).all(), method
         out[method] = s.cpu()
     return out
