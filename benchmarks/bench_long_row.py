@@ -57,7 +57,10 @@ sets (4.6 h), seed 1 of both on textures/resnet10t (0.6 h; the only cell with tw
 own CPU seconds, so the table's cost column replaces the projection as cells finish. CPU seconds
 grow with the machine's load: at a load average of 7 on the 2 cores, the first cells ran at 0.52
 (baseline) and 2.5 (choice) CPU seconds per iteration on resnet10t, 3-5x the figures above, as
-``profile_iteration`` measured beside them; the plan is sized on the lighter-load figures.
+``profile_iteration`` measured beside them; the plan is sized on the lighter-load figures. Later, with
+only two ``weight`` cells on the 2 cores (load 2), the choice's recipe at p(x) weight 0.3 on resnet10t
+ran at 2.05-2.14 CPU seconds per iteration (each cell's JSON), about 4x the matrix's 0.50: a
+3,000-iteration cell is nearer two hours of a core than half of one on this machine today.
 
     python -m benchmarks.bench_long_row --probe              # time a few iterations of each (net, run)
     python -m benchmarks.bench_long_row --plan               # the plan, in order, with its projected CPU time
