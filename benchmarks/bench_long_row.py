@@ -102,7 +102,8 @@ could switch to (:data:`CANDIDATE_ROLES`).
 
 **A heavier p(x) weight** (``--px-weights W ...``; issue 45, the buffer FD target): the ``weight``
 role is ``jem train``'s choice with its p(x) weight set to ``W`` (:data:`WEIGHT_ROLE`). The choice's
-0.03 keeps accuracy but its buffer stays near its init on every textures cell; ``generative``'s 0.75
+0.03 keeps accuracy but its buffer stays near its init on every textures cell of a normalised
+network (wrn10-1, without, passes half with log p(x) far below); ``generative``'s 0.75
 moves it past half by ~900 iterations at ~10 points of accuracy. A weight between is a registered
 recipe's settings, so where it meets every target on the judged data, ``jem train``'s evidence can
 switch to it, as to any recipe. Tune on digits32 first, then run only the chosen weight on textures
@@ -163,7 +164,7 @@ CHEAP_CUT = "steps5_shared"
 #: evidence as a registered recipe it could switch to (:func:`targets_evidence`)
 CANDIDATE_ROLES = ("dat", "cheap")
 #: ``--px-weights``: the ``weight`` role is jem train's choice with a heavier p(x) term (issue 45: the
-#: buffer FD target, which the choice's 0.03 misses on every textures cell and ``generative``'s 0.75
+#: buffer FD target, which the choice's 0.03 misses on every normalised textures cell and ``generative``'s 0.75
 #: meets at the cost of ~10 points of accuracy). A registered recipe with changed settings, so jem
 #: train's evidence may switch to it where it meets every target on data it was not tuned on. Tuned on
 #: digits32 first; only the weight chosen there runs on textures.
