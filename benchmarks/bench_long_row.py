@@ -169,6 +169,9 @@ CANDIDATE_ROLES = ("dat", "cheap")
 #: train's evidence may switch to it where it meets every target on data it was not tuned on. Tuned on
 #: digits32 first; only the weight chosen there runs on textures.
 WEIGHT_ROLE = "weight"
+#: the roles :func:`probe_speed` times and :func:`speed_from_matrix` reads: the weight role runs the
+#: choice's recipe, at its speed (:func:`projected_cpu_s`)
+TIMED_ROLES = tuple(r for r in ROLES if r != WEIGHT_ROLE)
 #: GPU-only networks (issue 45 item 5), not in the CPU plan; resnet18 at the recipes' 3e-4 as resnet10t
 #: (BatchNorm, the matrix trains it at 3e-4 too), so no ``lr`` entry
 GPU_NETWORKS = ("resnet18",)
@@ -231,10 +234,13 @@ def cell(
     if role in ("default", "dat", "cheap", WEIGHT_ROLE):
         run, settings = jem_train_choice(per_class, net)
         c["run"] = run
-        if role == "cheap":  # the choice with the cut on top: its own name, so both cells coexist
-            settings = tuple(sorted({**dict(settings), **CUTS[CHEAP_CUT]}.items()))
-        if role == WEIGHT_ROLE:  # the choice with a heavier p(x) term, named by its weight
-            settings = tuple(sorted({**dict(settings), "px_weight": float(px_weight)}.items()))  # type: ignore[arg-type]  # checked above
+        # the cut, or a heavier p(x) term, on top of the choice: names of their own, so the cells coexist
+        on_top: dict[str, Any] = {}
+        if role == "cheap":
+            on_top = CUTS[CHEAP_CUT]
+        elif px_weight is not None:  # the weight role (checked above)
+            on_top = {"px_weight": float(px_weight)}
+        settings = tuple(sorted({**dict(settings), **on_top}.items()))
         if settings:
             c["set"] = dict(settings)
         if role == "dat":  # DAT's PGD negatives in place of the choice's SGLD (bench_generative.start_run)
@@ -306,10 +312,10 @@ def weight_plan(
 ) -> list[dict[str, Any]]:
     """``--px-weights``: the ``weight`` role's cells, per data set (judged first), network, seed and
     weight, in that order."""
-    datasets = [d for d in DATASETS if d in datasets]
+    ep = {d: epochs_for(d, iterations, tiny) for d in DATASETS if d in datasets}
     return [
-        cell(d, n, WEIGHT_ROLE, s, epochs_for(d, iterations, tiny), tiny, px_weight=w)
-        for d in datasets
+        cell(d, n, WEIGHT_ROLE, s, ep[d], tiny, px_weight=w)
+        for d in ep
         for n in [n for n in NETWORKS + GPU_NETWORKS if n in networks]
         for s in seeds
         for w in weights
@@ -642,7 +648,7 @@ def probe_speed(networks: Sequence[str] = NETWORKS, iters: int = 6, out_dir: str
     judge = GB.judge_for("textures", False, out_dir)
     out: dict[str, Any] = {"iteration": {}, "evaluation": {}}
     for net in networks:
-        for role in ROLES[: ROLES.index(WEIGHT_ROLE)]:  # the weight role runs at the choice's speed
+        for role in TIMED_ROLES:
             c = cell("textures", net, role, 0, 1)
             S = GB.setting(ds, net, c["per_class"], 0)
             overrides = {**({"lr": c["lr"]} if "lr" in c else {}), **(c.get("set") or {})}
@@ -674,7 +680,7 @@ def speed_from_matrix(cells_dir: str = os.path.join(GB.RESULTS, "full", "cells")
     out: dict[str, Any] = {"iteration": {}, "evaluation": {}, "source": os.path.relpath(cells_dir, HERE)}
     rows = [GB._read_json(p) for p in glob.glob(os.path.join(cells_dir, "textures_150_*.json"))]
     for net in NETWORKS:
-        for role in ROLES[: ROLES.index(WEIGHT_ROLE)]:
+        for role in TIMED_ROLES:
             label = GB.run_label(cell("textures", net, role, 0, 1))
             mine = [r for r in rows if r["net"] == net and GB.run_label(r) == label and "error" not in r]
             if mine:
@@ -1042,7 +1048,7 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
             color="k",
             ls=styles.get(r, ":"),
             label=ROLE_LEGEND.get(r, r),
-            **(CHEAP_LINE if r == "cheap" else {}),
+            **_line_kw({"role": r}, weights),
         )
         for r in roles
         if r != WEIGHT_ROLE
