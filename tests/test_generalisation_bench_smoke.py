@@ -14,15 +14,8 @@ from benchmarks import bench_generalisation as B
 from jem_plugin.app import data as D
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
-def test_one_tiny_cell_runs_resumes_and_is_summarised(tmp_path, monkeypatch, one_thread):
+def test_one_tiny_cell_runs_resumes_and_is_summarised(tmp_path, monkeypatch):
     cells = [
         dict(dataset="textures", per_class=6, net="test_resnet", run=r, seed=0, epochs=1, tiny=True)
         for r in ("baseline", B.default_recipe())

@@ -19,19 +19,12 @@ from jem_plugin.builtins.pgd_negatives import TERM_NAME, PGDNegatives
 from jem_plugin.recipes import RECIPES
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def _setting():
     c = L.cell("textures", "test_resnet", "default", 0, epochs=2, tiny=True)
     return GB.setting(GB.dataset("textures", True), c["net"], c["per_class"], 0)
 
 
-def test_a_run_on_a_device_draws_its_chains_from_its_own_generator_and_the_cpu_run_is_unchanged(one_thread):
+def test_a_run_on_a_device_draws_its_chains_from_its_own_generator_and_the_cpu_run_is_unchanged():
     S = _setting()
     cpu = L.G.start_run(S, "generative", 10, seed=3, fit_init="train")
     assert cpu["loss_fn"].sampler.generator is cpu["g"] and cpu["device"] is None  # as before
@@ -47,7 +40,7 @@ def test_a_run_on_a_device_draws_its_chains_from_its_own_generator_and_the_cpu_r
     assert set(metrics) >= {"loss"}
 
 
-def test_a_point_is_evaluated_on_cpu_copies_that_leave_the_run_as_it_was(one_thread):
+def test_a_point_is_evaluated_on_cpu_copies_that_leave_the_run_as_it_was():
     S = _setting()
     ctx = L.G.start_run(S, "generative", 10, seed=0, fit_init="train", device="cpu")
     idx = torch.arange(16)
@@ -68,7 +61,7 @@ def test_a_point_is_evaluated_on_cpu_copies_that_leave_the_run_as_it_was(one_thr
     assert all(torch.equal(before[k], v) for k, v in ctx["model"].state_dict().items())
 
 
-def test_dat_negatives_replace_sgld_in_the_choices_recipe(one_thread):
+def test_dat_negatives_replace_sgld_in_the_choices_recipe():
     S = _setting()
     ctx = L.G.start_run(S, "generative", 10, seed=0, fit_init="train", negatives="dat")
     loss_fn, r = ctx["loss_fn"], ctx["recipe"]
@@ -118,7 +111,7 @@ def _tiny(role: str, epochs: int = 3) -> dict:
 
 
 @pytest.mark.slow
-def test_a_cell_stops_at_its_first_point_after_the_deadline_and_resumes_later(tmp_path, one_thread):
+def test_a_cell_stops_at_its_first_point_after_the_deadline_and_resumes_later(tmp_path):
     c = _tiny("baseline")
     L.run([], str(tmp_path), workers=1, report_each=False)  # the judges
     row = L.run_cell(c, str(tmp_path), device="cpu", deadline=time.time())

@@ -19,13 +19,6 @@ from jem_plugin.recipes import RECIPES
 TIMING = {"train_cpu_s", "train_wall_s", "eval_cpu_s"}
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def _cells() -> list[dict]:
     # generative holds the most state (a buffer never restarted, the data's colour axes, BatchNorm
     # statistics recomputed at evaluation); on 6 images per class jem train would choose fast.
@@ -58,7 +51,7 @@ def _kill_at_step(monkeypatch, n: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_killed_long_row_resumes_to_the_uninterrupted_evaluations(tmp_path, monkeypatch, one_thread):
+def test_a_killed_long_row_resumes_to_the_uninterrupted_evaluations(tmp_path, monkeypatch):
     cells = _cells()
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     L.run(cells, str(whole), workers=1, report_each=False)
@@ -95,7 +88,7 @@ def test_a_killed_long_row_resumes_to_the_uninterrupted_evaluations(tmp_path, mo
 
 
 @pytest.mark.slow
-def test_the_report_works_on_partial_results(tmp_path, one_thread):
+def test_the_report_works_on_partial_results(tmp_path):
     cells = _cells()
     L.run(cells[:1], str(tmp_path), workers=1, report_each=False)
     L.run_cell(cells[1], str(tmp_path), stop_after=1)  # one point of two
@@ -145,7 +138,7 @@ def test_jem_trains_choice_at_the_rows_size_is_generative_at_a_low_px_weight():
 
 
 @pytest.mark.slow
-def test_a_checkpoint_that_does_not_fit_starts_the_cell_over_and_is_kept_aside(tmp_path, one_thread):
+def test_a_checkpoint_that_does_not_fit_starts_the_cell_over_and_is_kept_aside(tmp_path):
     base = _cells()[0]
     L.run([base], str(tmp_path / "whole"), workers=1, report_each=False)
     out = tmp_path / "other_code"
