@@ -96,9 +96,13 @@ choice point by point (:func:`cheap_against_choice`: per network, whether it mee
 iterations the choice does, and its cost). :data:`CHEAP_TIERS` orders textures/resnet10t, textures
 on the other networks, then digits32/resnet10t. Its cells are drawn dotted with triangles and named
 ``cheap: ...`` in the table; in ``jem train``'s evidence it is ``generative+cheap``, no recipe it
-could switch to (:data:`CANDIDATE_ROLES`).
+could switch to (:data:`CANDIDATE_ROLES`). ``--cheap-cut NAME`` runs another of ``CUTS`` in the same
+role (``chains16_shared``: 16 chains per iteration instead of 32, each with the choice's 10 steps);
+its cells are named by their settings, so that cuts coexist, and each is a triangle of its own in
+the curves and a row of its own in the comparison.
 
     OMP_NUM_THREADS=1 nice -n 19 python -m benchmarks.bench_long_row --cheap --workers 1   # resumes too
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_long_row --cheap --cheap-cut chains16_shared --networks resnet10t --workers 2
 
 **A heavier p(x) weight** (``--px-weights W ...``; issue 45, the buffer FD target): the ``weight``
 role is ``jem train``'s choice with its p(x) weight set to ``W`` (:data:`WEIGHT_ROLE`). The choice's
@@ -224,11 +228,16 @@ def cell(
     epochs: int,
     tiny: bool = False,
     px_weight: float | None = None,
+    cut: str | None = None,
 ) -> dict[str, Any]:
     """One cell: the matrix's keys (so :func:`bench_generalisation.cell_name` names it) and its role;
-    ``px_weight``: the ``weight`` role's p(x) weight (required there, refused elsewhere)."""
+    ``px_weight``: the ``weight`` role's p(x) weight (required there, refused elsewhere); ``cut``:
+    the ``cheap`` role's cut of :data:`bench_train_step.CUTS` (default :data:`CHEAP_CUT`; refused
+    for any other role)."""
     if (role == WEIGHT_ROLE) != (px_weight is not None):
         raise ValueError(f"px_weight goes with the {WEIGHT_ROLE!r} role and only there (role {role!r}, {px_weight})")
+    if cut is not None and (role != "cheap" or cut not in CUTS):
+        raise ValueError(f"cut goes with the 'cheap' role and names one of {sorted(CUTS)} (role {role!r}, {cut!r})")
     per_class = GB.per_class_for(dataset, SIZE, tiny)
     c: dict[str, Any] = dict(dataset=dataset, per_class=per_class, net=net, run="baseline", seed=seed, epochs=epochs)
     if role in ("default", "dat", "cheap", WEIGHT_ROLE):
@@ -237,7 +246,7 @@ def cell(
         # the cut, or a heavier p(x) term, on top of the choice: names of their own, so the cells coexist
         on_top: dict[str, Any] = {}
         if role == "cheap":
-            on_top = CUTS[CHEAP_CUT]
+            on_top = CUTS[cut or CHEAP_CUT]
         elif px_weight is not None:  # the weight role (checked above)
             on_top = {"px_weight": float(px_weight)}
         settings = tuple(sorted({**dict(settings), **on_top}.items()))
@@ -250,9 +259,16 @@ def cell(
     if net in GB.NETWORK_LR:
         c["lr"] = GB.NETWORK_LR[net]
     c["role"] = role
+    if cut not in (None, CHEAP_CUT):  # the first cut's cells, written before cuts were named, have none
+        c["cut"] = cut
     if tiny:
         c["tiny"] = True
     return c
+
+
+def cut_of(r: dict[str, Any]) -> str | None:
+    """The cut of :data:`bench_train_step.CUTS` a ``cheap`` cell (or curve) runs; None for other roles."""
+    return r.get("cut", CHEAP_CUT) if r.get("role") == "cheap" else None
 
 
 #: the plan's tiers, most informative first: (data sets, networks, roles, seed); "first" and "rest":
@@ -282,11 +298,13 @@ def plan(
     iterations: int = ITERATIONS,
     tiers: Sequence[tuple[str, str, tuple[str, ...], int]] = TIERS,
     tiny: bool = False,
+    cut: str | None = None,
 ) -> list[dict[str, Any]]:
     """The cells in :data:`TIERS`' order: textures (judged on) on resnet10t, baseline and
     ``default``; the same on digits32 (tuned on); ``generative`` on textures/resnet10t; baseline and
     ``default`` on the other networks, textures then digits; seed 1 of textures/resnet10t;
-    ``generative`` on the other networks (textures) and on digits/resnet10t."""
+    ``generative`` on the other networks (textures) and on digits/resnet10t. ``cut``: the
+    ``cheap`` role's cut (:func:`cell`)."""
     datasets = [d for d in DATASETS if d in datasets]
     networks = [n for n in NETWORKS if n in networks]
     sets = {"judged": [d for d in datasets if d == "textures"], "tuned": [d for d in datasets if d != "textures"]}
@@ -297,7 +315,7 @@ def plan(
         for d in sets[which]:
             for n in nets[group]:
                 for r in roles:
-                    c = cell(d, n, r, seed, ep[d], tiny)
+                    c = cell(d, n, r, seed, ep[d], tiny, cut=cut if r == "cheap" else None)
                     cells.setdefault(GB.cell_name(c), c)  # where the choice is generative as it is, one cell
     return list(cells.values())
 
@@ -821,6 +839,7 @@ def curves(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 s_per_iteration=_mean(per_it),
                 errors=errors,
                 device=", ".join(sorted(devices)),
+                **({"cut": cut_of(rs[0])} if role == "cheap" else {}),
             )
         )
     order = {n: i for i, n in enumerate(NETWORKS)}
@@ -948,18 +967,23 @@ def targets_table(entries: Sequence[dict[str, Any]]) -> str:
 
 
 #: the legend's name of each role's line style
-ROLE_LEGEND = {"default": "jem train's choice", "cheap": f"cheap: the choice with {CHEAP_CUT}"}
-#: the cheap role's lines: thicker, with triangles, so that they stand apart from the choice's
-CHEAP_LINE: dict[str, Any] = {"lw": 2.2, "marker": "^", "ms": 4}
+ROLE_LEGEND = {"default": "jem train's choice"}
+#: the cheap role's lines: thicker, with a triangle per cut, so that they stand apart from the choice's
+CHEAP_MARKERS = ("^", "<", ">")
 #: the weight role's markers, one per p(x) weight drawn (its lines dash-dot-dotted)
 WEIGHT_MARKERS = ("D", "v", "P", "X")
 WEIGHT_STYLE = (0, (7, 2, 1, 2, 1, 2))
 
 
-def _line_kw(e: dict[str, Any], weights: Sequence[str]) -> dict[str, Any]:
-    """The marker and width of an entry's line: the cheap role's triangles, a weight's own marker."""
+def _cut_text(cut: str) -> str:
+    """A cut and the settings it puts on the choice, for a legend or a caption."""
+    return f"{cut} ({', '.join(f'{k}={v}' for k, v in CUTS[cut].items())})"
+
+
+def _line_kw(e: dict[str, Any], weights: Sequence[str], cuts: Sequence[str] = (CHEAP_CUT,)) -> dict[str, Any]:
+    """The marker and width of an entry's line: a cut's own triangle, a weight's own marker."""
     if e["role"] == "cheap":
-        return CHEAP_LINE
+        return {"lw": 2.2, "marker": CHEAP_MARKERS[cuts.index(cut_of(e) or CHEAP_CUT) % len(CHEAP_MARKERS)], "ms": 4}
     if e["role"] == WEIGHT_ROLE:
         return {"marker": WEIGHT_MARKERS[weights.index(e["run"]) % len(WEIGHT_MARKERS)], "ms": 4}
     return {}
@@ -990,6 +1014,7 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
         WEIGHT_ROLE: WEIGHT_STYLE,
     }
     weights = sorted({e["run"] for e in mine if e["role"] == WEIGHT_ROLE})
+    cuts = sorted({c for e in mine if (c := cut_of(e))}, key=list(CUTS).index)
     panels = [
         ("acc_gap", "test accuracy - baseline's (points)", -1.0, "within 1 point"),
         ("auroc_gap", "log p(x) AUROC - baseline energy's\n(worst of the 4 OOD sets)", 0.0, ">= baseline on all"),
@@ -1009,7 +1034,7 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
                     ys,
                     ls=styles.get(e["role"], ":"),
                     color=colours.get(e["net"], "k"),
-                    **{"marker": marker, "ms": 3, "lw": 1.5, **_line_kw(e, weights)},
+                    **{"marker": marker, "ms": 3, "lw": 1.5, **_line_kw(e, weights, cuts)},
                 )
         if key == "acc_gap":
             lo = min((p[key] for e in mine for p in e["points"]), default=-5)
@@ -1051,7 +1076,18 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
             **_line_kw({"role": r}, weights),
         )
         for r in roles
-        if r != WEIGHT_ROLE
+        if r not in (WEIGHT_ROLE, "cheap")
+    ]
+    handles += [
+        Line2D(
+            [],
+            [],
+            color="k",
+            ls=styles["cheap"],
+            label=f"cheap: the choice with {cut}",
+            **_line_kw({"role": "cheap", "cut": cut}, weights, cuts),
+        )
+        for cut in cuts
     ]
     handles += [
         Line2D(
@@ -1071,10 +1107,8 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
     seeds = sorted({s for e in mine for s in e["seeds"]})
     choices = sorted({e["run"] for e in mine if e["role"] == "default"})
     role_note = f"solid: jem train's choice, {' or '.join(choices)}" if choices else "no choice cell yet"
-    if any(e["role"] == "cheap" for e in mine):
-        role_note += (
-            f";\ndotted with triangles: the choice with {CHEAP_CUT} (5 SGLD steps; p(x) on the classification forward)"
-        )
+    if cuts:
+        role_note += f";\ndotted with triangles: the choice with {', '.join(map(_cut_text, cuts))}"
     if weights:
         role_note += ";\ndash-dot-dotted: the choice at a heavier p(x) weight (weight: ...)"
     fig.suptitle(
@@ -1183,6 +1217,7 @@ def cheap_against_choice(rows: Sequence[dict[str, Any]], entries: Sequence[dict[
             dict(
                 dataset=ch["dataset"],
                 net=ch["net"],
+                cut=cut_of(ch),
                 seeds=ch["seeds"],
                 iterations=[pd["iteration"] for pd, _ in both],
                 points=[
@@ -1197,7 +1232,7 @@ def cheap_against_choice(rows: Sequence[dict[str, Any]], entries: Sequence[dict[
                 cost={"default": d["cost"], "cheap": ch["cost"]},
                 side_by_side_ce={
                     "default": timed.get("choice", {}).get("ratio"),
-                    "cheap": timed.get(CHEAP_CUT, {}).get("ratio"),
+                    "cheap": timed.get(cut_of(ch), {}).get("ratio"),
                 },
             )
         )
@@ -1231,6 +1266,7 @@ def cheap_table(versus: Sequence[dict[str, Any]]) -> str:
             [
                 v["dataset"],
                 v["net"],
+                v.get("cut") or CHEAP_CUT,
                 ",".join(map(str, v["seeds"])),
                 f"{v['iterations'][-1]} ({len(v['iterations'])} points)" if v["iterations"] else "-",
                 *(_verdict(v["targets"][t]) for t in TARGETS),
@@ -1245,6 +1281,7 @@ def cheap_table(versus: Sequence[dict[str, Any]]) -> str:
     header = [
         "data",
         "network",
+        "cut",
         "seeds",
         "both evaluated to",
         "acc within 1 pt where the choice is",
@@ -1290,9 +1327,9 @@ def to_markdown(
     if versus:
         lines += [
             "",
-            f"**The cheap cut against the choice** (issue 45 item 3: `cheap` is `jem train`'s choice with "
-            f"`bench_train_step`'s `{CHEAP_CUT}` ({', '.join(f'{k}={v}' for k, v in CUTS[CHEAP_CUT].items())}); "
-            "it may become the default only if it is no worse on textures). At the iterations both were evaluated, on the cheap cell's seeds: whether it meets each "
+            f"**The cheap cuts against the choice** (issue 45 item 3: `cheap` is `jem train`'s choice with one of "
+            f"`bench_train_step`'s cuts: {'; '.join(sorted({_cut_text(v.get('cut') or CHEAP_CUT) for v in versus}))}; "
+            "a cut may become the default only if it is no worse on textures). At the iterations both were evaluated, on the cheap cell's seeds: whether it meets each "
             "target where the choice does; the worst of cheap's gap less the choice's over those points (negative: "
             "cheap worse); seconds per training iteration on each one's device (CPU and GPU seconds do not compare); "
             "cost against the baseline on the same device; and the two timed side by side on the CPU.",
@@ -1406,7 +1443,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--done-dir", default=os.path.join(RESULTS, "cells"), help="--gpu-plan skips the cells done here")
     p.add_argument("--skip-started", action="store_true", help="--gpu-plan: also skip cells with points in --done-dir")
     p.add_argument(
-        "--cheap", action="store_true", help=f"the cheap role's plan (CHEAP_TIERS): the choice with {CHEAP_CUT}"
+        "--cheap", action="store_true", help="the cheap role's plan (CHEAP_TIERS): the choice with --cheap-cut"
+    )
+    p.add_argument(
+        "--cheap-cut", default=CHEAP_CUT, choices=list(CUTS), help="--cheap: which of bench_train_step's cuts"
     )
     p.add_argument(
         "--px-weights",
@@ -1438,7 +1478,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif a.px_weights:
         cells = weight_plan(a.datasets, a.networks, a.px_weights, a.seeds, a.iterations, a.tiny)
     else:
-        cells = plan(a.datasets, a.networks, a.iterations, CHEAP_TIERS if a.cheap else TIERS, tiny=a.tiny)
+        tiers = CHEAP_TIERS if a.cheap else TIERS
+        cells = plan(a.datasets, a.networks, a.iterations, tiers, tiny=a.tiny, cut=a.cheap_cut if a.cheap else None)
     cells = cells[: a.limit] if a.limit is not None else cells
     if a.plan:
         print(plan_table(cells, GB._read_json(os.path.join(out_dir, "speed.json")) or speed_from_matrix()))

@@ -164,9 +164,9 @@ def test_the_cheap_role_is_jem_trains_choice_with_the_cut_under_a_name_of_its_ow
     assert order == [("textures", n, "cheap") for n in L.NETWORKS] + [("digits32", "resnet10t", "cheap")]
 
 
-def _row(role: str, acc: float, auroc: float, fd: float, cpu_s: float) -> dict:
+def _row(role: str, acc: float, auroc: float, fd: float, cpu_s: float, cut: str | None = None) -> dict:
     """A textures/resnet10t cell of ``role`` with two points (300 and 600 iterations)."""
-    c = L.cell("textures", "resnet10t", role, 0, 1)
+    c = L.cell("textures", "resnet10t", role, 0, 1, cut=cut)
     points = [
         {
             "iteration": it,
@@ -205,7 +205,9 @@ def test_the_report_draws_and_tabulates_the_cheap_cut_apart_from_the_choice(tmp_
     assert all(v["targets"][t]["missed"] == [] for t in L.TARGETS) and v["targets"]["fd"]["only_cheap"] == [300, 600]
     assert v["cost"] == {"default": pytest.approx(5.0), "cheap": pytest.approx(2.5)} and v["no_worse"]
     md = L.to_markdown(entries, {}, 3, 0, 0.0, versus=[v])
-    line = next(x for x in md.splitlines() if x.startswith("| textures | resnet10t | 0 | 600 (2 points) |"))
+    line = next(
+        x for x in md.splitlines() if x.startswith("| textures | resnet10t | steps5_shared | 0 | 600 (2 points) |")
+    )
     assert "yes, all 2 of the choice's" in line and "choice: never; cheap: 300, 600" in line
     assert "| 5.0 / 2.5 |" in line  # its cost beside the choice's
 
@@ -220,6 +222,66 @@ def test_the_report_draws_and_tabulates_the_cheap_cut_apart_from_the_choice(tmp_
     assert "jem train's choice" in labels and f"cheap: the choice with {L.CHEAP_CUT}" in labels
     curves = [line for line in fig.axes[0].get_lines() if line.get_marker() not in (None, "None")]  # not targets
     assert len({(line.get_linestyle(), line.get_marker()) for line in curves}) == 2  # cheap unlike the choice
+
+
+def test_a_second_cut_runs_under_a_name_of_its_own_and_is_judged_apart(tmp_path, monkeypatch):
+    """--cheap-cut: chains16_shared (16 chains, p(x) on the classification forward) beside the first
+    cut on the same cells: its own settings and file, its own row against the choice with its own
+    side-by-side cost, and a triangle of its own in the curves."""
+    first, second = (L.cell("textures", "resnet10t", "cheap", 0, 1, cut=c) for c in (None, "chains16_shared"))
+    assert "cut" not in first  # the first cut's cells keep the names and keys they were written with
+    default = L.cell("textures", "resnet10t", "default", 0, 1)
+    assert second["set"] == {**default.get("set", {}), **CUTS["chains16_shared"]}  # the choice's 10 SGLD steps
+    assert L.GB.cell_name(second) not in (L.GB.cell_name(first), L.GB.cell_name(default))
+    assert [L.cut_of(c) for c in (first, second, default)] == [
+        "steps5_shared",
+        "chains16_shared",
+        None,
+    ]
+    with pytest.raises(ValueError, match="cut goes with the 'cheap' role"):
+        L.cell("textures", "resnet10t", "default", 0, 1, cut="chains16_shared")
+    with pytest.raises(ValueError, match="names one of"):
+        L.cell("textures", "resnet10t", "cheap", 0, 1, cut="steps3")
+    cells = L.plan(["textures"], ["resnet10t"], tiers=L.CHEAP_TIERS, tiny=True, cut="chains16_shared")
+    assert [c.get("cut") for c in cells] == ["chains16_shared"]
+
+    rows = _cheap_rows() + [_row("cheap", 0.75, 0.55, 0.95, 0.6, cut="chains16_shared")]
+    entries = L.curves(rows)
+    assert [L.cut_of(e) for e in entries] == [None, "steps5_shared", "chains16_shared"]
+    side = {
+        "train_step_cuts": {
+            "networks": {
+                "resnet10t": {
+                    "time": {
+                        "choice": {"ratio": 4.7},
+                        "steps5_shared": {"ratio": 2.5},
+                        "chains16_shared": {"ratio": 2.6},
+                    }
+                }
+            }
+        }
+    }
+    (tmp_path / "cuts.json").write_text(json.dumps(side))
+    monkeypatch.setattr(L, "TRAIN_STEP_CUTS", str(tmp_path / "cuts.json"))
+    first_v, second_v = L.cheap_against_choice(rows, entries)
+    assert (first_v["cut"], second_v["cut"]) == ("steps5_shared", "chains16_shared")
+    assert first_v["side_by_side_ce"]["cheap"] == 2.5 and second_v["side_by_side_ce"]["cheap"] == 2.6
+    assert first_v["no_worse"] and not second_v["no_worse"]  # worse accuracy, AUROC and FD than the choice
+    assert second_v["targets"]["accuracy"]["missed"] == second_v["targets"]["auroc"]["missed"] == [300, 600]
+    md = L.to_markdown(entries, {}, 4, 0, 0.0, versus=[first_v, second_v])
+    assert "| textures | resnet10t | chains16_shared | 0 | 600 (2 points) |" in md
+    assert "chains16_shared (n_samples=16, px_clean_data=False)" in md  # the caption says what each cut is
+
+    drawn = []
+    import matplotlib.figure
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
+    L.curves_figure(entries, "textures", str(tmp_path / "t.png"))
+    (fig,) = drawn
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert {"cheap: the choice with steps5_shared", "cheap: the choice with chains16_shared"} <= set(labels)
+    curves = [line for line in fig.axes[0].get_lines() if line.get_marker() not in (None, "None")]
+    assert len({(line.get_linestyle(), line.get_marker()) for line in curves}) == 3  # each cut its own
 
 
 def test_jem_train_never_reads_the_cheap_cut_as_a_recipe_to_switch_to():
