@@ -196,6 +196,8 @@ def test_ece_and_temperature_are_printed_after_the_steps_that_change_the_model(l
     evaluated = json.loads((tmp_path / "eval.json").read_text())
     assert evaluated["refit"]["temperature_fitted"] == calibration["temperature_fitted"]
     assert evaluated["temperature_kept"] == calibration["temperature_kept"]
+    # one name, one meaning in both files: the temperature model.pt keeps, None where it keeps none
+    assert evaluated["temperature"] == pytest.approx(calibration["temperature"])
     assert evaluated["accuracy"] == pytest.approx(
         json.loads((tmp_path / "run" / "metrics.json").read_text())["held_out"]["accuracy"]
     )
@@ -248,8 +250,9 @@ def test_train_and_eval_agree_on_a_temperature_where_one_half_is_all_right():
     decision, report = post_training.choose_temperature(logits, y)
     evaluated = calibration.calibration_report(logits, y)  # what jem eval reports
     assert report["temperature_fitted"] is evaluated["temperature_fitted"] is True
-    assert report["temperature"] == pytest.approx(evaluated["temperature"])
+    assert report["temperature_candidate"] == pytest.approx(evaluated["temperature"])
     assert not decision.kept and not report["temperature_kept"] and not report["temperature_cross_fitted"]
+    assert report["temperature"] is None  # the model's, as jem eval reports a model file that keeps none
     assert "jem eval fits the same" in decision.reason
     everything_right = torch.nn.functional.one_hot(y, 5).float() * 3
     decision, report = post_training.choose_temperature(everything_right, y)

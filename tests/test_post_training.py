@@ -64,10 +64,30 @@ def test_a_temperature_is_kept_only_when_it_lowers_the_held_out_ece():
     pred = torch.where(right, y, (y + 1) % 3)
     overconfident = torch.nn.functional.one_hot(pred, 3).float() * 20
     d, report = post_training.choose_temperature(overconfident, y)
-    assert d.kept and d.after < d.before and report["temperature"] > 1
+    assert d.kept and d.after < d.before and report["temperature"] == report["temperature_candidate"] > 1
     calibrated = torch.nn.functional.one_hot(pred, 3).float() * torch.log(torch.tensor(0.7 / 0.15))
     d, _ = post_training.choose_temperature(calibrated, y)
     assert d.kept == (d.after < d.before)
+
+
+def test_a_temperature_that_was_not_kept_is_the_candidate_not_the_model_s():
+    """metrics.json's calibration.temperature is what model.pt keeps and jem eval reports (None where
+    it keeps none); a candidate that lost has a name of its own. Before, a rejected candidate sat
+    under "temperature", which a reader takes for the saved model's."""
+    from jem_plugin.app.commands.train import _calibration_line
+
+    g = torch.Generator().manual_seed(3)
+    y = torch.randint(0, 3, (600,), generator=g)
+    pred = torch.where(torch.rand(600, generator=g) < 0.7, y, (y + 1) % 3)
+    logits = torch.nn.functional.one_hot(pred, 3).float()
+    logits[0::2] *= 20.0  # the even half over-confident, the odd half under-confident: each half's
+    logits[1::2] *= 0.2  # temperature makes the other half worse, so the cross-fitted ECE rises
+    d, report = post_training.choose_temperature(logits, y)
+    assert not d.kept and report["temperature_fitted"] and not report["temperature_kept"]
+    assert report["temperature"] is None and report["temperature_candidate"] > 0
+    assert f"the candidate {report['temperature_candidate']:.2f} was not kept" in _calibration_line(report)
+    _, report = post_training.choose_temperature(torch.nn.functional.one_hot(y, 3).float() * 2.0, y)  # all right
+    assert report["temperature"] is None and report["temperature_candidate"] is None
 
 
 def test_no_temperature_is_kept_from_a_held_out_split_the_model_gets_all_right():

@@ -106,15 +106,17 @@ def choose_temperature(logits: Tensor, labels: Tensor) -> tuple[Decision, dict[s
     The ECE after the temperature is cross-fitted (each half of the held-out split scaled by a
     temperature fitted on the other half: :func:`jem_plugin.calibration.cross_fitted_report`), so
     the split that judges a temperature never chose it. Returns the decision and the report; the
-    kept temperature is ``report["temperature"]``, the geometric mean of the two halves' ones.
+    candidate is the geometric mean of the two halves' temperatures.
 
     ``report["temperature_fitted"]`` says what ``jem eval`` says of the same split
     (:func:`jem_plugin.calibration.calibration_report`): a temperature is fitted wherever the split
     has a misclassified image. Where only one half has one, no half can judge a temperature: the
-    one fitted on the whole split is reported (``temperature_cross_fitted`` false) and not kept.
-    ``report["temperature_kept"]`` is the decision, and ``report["ece_saved"]`` the ECE on the whole
-    split of the model as saved (its logits divided by the kept temperature, else as they are):
-    what ``jem eval`` reports as ``"ece"`` on this split.
+    one fitted on the whole split is the candidate (``temperature_cross_fitted`` false), never kept.
+    ``report["temperature_candidate"]`` is the temperature fitted and judged (``None`` where none
+    fits); ``report["temperature"]`` the one ``model.pt`` keeps (``None`` where it keeps none, as
+    ``jem eval`` reports it); ``report["temperature_kept"]`` the decision; ``report["ece_saved"]``
+    the ECE on the whole split of the model as saved (its logits divided by the kept temperature,
+    else as they are): what ``jem eval`` reports as ``"ece"`` on this split.
     """
     report: dict[str, Any] = dict(calibration.cross_fitted_report(logits, labels))
     report["temperature_cross_fitted"] = bool(report["temperature_fitted"])
@@ -139,6 +141,10 @@ def choose_temperature(logits: Tensor, labels: Tensor) -> tuple[Decision, dict[s
                 "(it keeps falling as the temperature goes to 0); a larger held-out split can tell"
             )
     report["temperature_kept"] = keep
+    # "temperature" is the model's, as jem eval reports it (None where model.pt keeps none); the one
+    # fitted and judged is the candidate, whether kept or not
+    report["temperature_candidate"] = report["temperature"] if report["temperature_fitted"] else None
+    report["temperature"] = report["temperature_candidate"] if keep else None
     # The model as saved, on this split: what `jem eval` reports as its "ece" (the model file's temperature)
     saved = logits / report["temperature"] if keep else logits
     report["ece_saved"] = calibration.ece(saved, labels, from_logits=True)

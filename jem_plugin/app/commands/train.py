@@ -582,7 +582,9 @@ def _calibration_line(c: dict[str, Any]) -> str:
     head = f"held-out calibration ({int(c['n'])} images, the saved model): ECE {c['ece_before']:.3f}"
     if not c["temperature_kept"]:
         tried = (
-            f"the candidate {c['temperature']:.2f} was not kept, see above" if c["temperature_fitted"] else "none fits"
+            f"the candidate {c['temperature_candidate']:.2f} was not kept, see above"
+            if c["temperature_fitted"]
+            else "none fits"
         )
         return f"{head}; no temperature kept ({tried}): model.pt holds none, jem.load's jm.temperature is None"
     return (
