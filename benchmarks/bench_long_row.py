@@ -60,7 +60,10 @@ grow with the machine's load: at a load average of 7 on the 2 cores, the first c
 ``profile_iteration`` measured beside them; the plan is sized on the lighter-load figures. Later, with
 only two ``weight`` cells on the 2 cores (load 2), the choice's recipe at p(x) weight 0.3 on resnet10t
 ran at 2.05-2.14 CPU seconds per iteration (each cell's JSON), about 4x the matrix's 0.50: a
-3,000-iteration cell is nearer two hours of a core than half of one on this machine today.
+3,000-iteration cell is nearer two hours of a core than half of one on this machine today. So
+``--plan`` projects a run from this row's own CPU cells of it where there are some
+(:func:`speed_on_the_row`), and a ``cheap`` cut from the choice's figure times the two's
+side-by-side ratio in ``bench_train_step``.
 
     python -m benchmarks.bench_long_row --probe              # time a few iterations of each (net, run)
     python -m benchmarks.bench_long_row --plan               # the plan, in order, with its projected CPU time
@@ -708,12 +711,35 @@ def speed_from_matrix(cells_dir: str = os.path.join(GB.RESULTS, "full", "cells")
     return out
 
 
-def projected_cpu_s(c: dict[str, Any], speed: dict[str, Any]) -> float | None:
-    """A cell's CPU seconds from the probe: its iterations at its network and role's speed, plus
-    its evaluation points (``generative``'s as ``default``'s; the ``weight`` role at ``default``'s
-    speed, the same recipe)."""
-    key = f"{c['net']}/{'default' if c['role'] == WEIGHT_ROLE else c['role']}"
+def speed_on_the_row(cells_dir: str = os.path.join(RESULTS, "cells")) -> dict[str, float]:
+    """The long row's own CPU seconds per iteration, per network and run (its label), from the
+    cells trained on the CPU (their last point's clock): the medians over data sets and seeds. The
+    matrix's figures (:func:`speed_from_matrix`) ran 288 iterations under another load; these are
+    what this row's cells took."""
+    rates: dict[str, list[float]] = {}
+    for path in glob.glob(os.path.join(cells_dir, "*.json")):
+        r = GB._read_json(path, {})
+        last = (r.get("points") or [None])[-1]
+        if r.get("device", "cpu") == "cpu" and last and last.get("train_cpu_s") and last.get("iteration"):
+            rates.setdefault(f"{r['net']}/{GB.run_label(r)}", []).append(last["train_cpu_s"] / last["iteration"])
+    return {k: statistics.median(v) for k, v in rates.items()}
+
+
+def projected_cpu_s(c: dict[str, Any], speed: dict[str, Any], row: dict[str, float] | None = None) -> float | None:
+    """A cell's CPU seconds: its iterations at its own run's speed on this row where a cell of it
+    trained on the CPU (``row``: :func:`speed_on_the_row`), else at its network and role's speed
+    from the probe (``generative``'s evaluation as ``default``'s; the ``weight`` role at
+    ``default``'s speed, the same recipe; a ``cheap`` cut at ``default``'s scaled by the two's
+    side-by-side ratio in bench_train_step), plus its evaluation points."""
+    role = "default" if c["role"] in (WEIGHT_ROLE, "cheap") else c["role"]
+    key = f"{c['net']}/{role}"
     it = speed["iteration"].get(key)
+    if c["role"] == "cheap" and it is not None:
+        timed = GB._read_json(TRAIN_STEP_CUTS, {}).get("train_step_cuts", {}).get("networks", {})
+        ratios = timed.get(c["net"], {}).get("time", {})
+        cut, choice = ratios.get(cut_of(c) or CHEAP_CUT, {}).get("ratio"), ratios.get("choice", {}).get("ratio")
+        it = it * cut / choice if cut and choice else None
+    it = (row or {}).get(f"{c['net']}/{GB.run_label(c)}", it)
     ev = speed["evaluation"].get(key) or speed["evaluation"].get(key.replace("/generative", "/default"))
     if it is None or ev is None:
         return None
@@ -721,11 +747,14 @@ def projected_cpu_s(c: dict[str, Any], speed: dict[str, Any]) -> float | None:
     return iterations * it + len(eval_epochs(c["epochs"], c.get("evals", EVALS))) * ev
 
 
-def plan_table(cells: Sequence[dict[str, Any]], speed: dict[str, Any] | None) -> str:
-    """The plan in order with each cell's projected CPU hours and the running total."""
+def plan_table(
+    cells: Sequence[dict[str, Any]], speed: dict[str, Any] | None, row: dict[str, float] | None = None
+) -> str:
+    """The plan in order with each cell's projected CPU hours (:func:`projected_cpu_s`) and the
+    running total."""
     rows, total = [], 0.0
     for i, c in enumerate(cells, 1):
-        s = projected_cpu_s(c, speed) if speed else None
+        s = projected_cpu_s(c, speed, row) if speed else None
         total += s or 0.0
         rows.append(
             [
@@ -1482,7 +1511,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         cells = plan(a.datasets, a.networks, a.iterations, tiers, tiny=a.tiny, cut=a.cheap_cut if a.cheap else None)
     cells = cells[: a.limit] if a.limit is not None else cells
     if a.plan:
-        print(plan_table(cells, GB._read_json(os.path.join(out_dir, "speed.json")) or speed_from_matrix()))
+        speed = GB._read_json(os.path.join(out_dir, "speed.json")) or speed_from_matrix()
+        print(plan_table(cells, speed, speed_on_the_row(os.path.join(out_dir, "cells"))))
         return
     if a.report:
         of_record = out_dir == os.path.abspath(RESULTS)  # only the committed results speak for jem train

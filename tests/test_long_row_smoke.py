@@ -284,6 +284,36 @@ def test_a_second_cut_runs_under_a_name_of_its_own_and_is_judged_apart(tmp_path,
     assert len({(line.get_linestyle(), line.get_marker()) for line in curves}) == 3  # each cut its own
 
 
+def test_the_plan_projects_a_cut_from_the_side_by_side_ratio_and_a_run_from_its_own_cells(tmp_path, monkeypatch):
+    """--plan printed "-" for every cheap cell (no probe figure for the role), and projected the
+    choice from the matrix's short cells while the row's own ran ~4x slower: a cut now costs the
+    choice's time x its side-by-side ratio, and a run with a cell of its own on the CPU its own."""
+    side = {
+        "train_step_cuts": {
+            "networks": {"resnet10t": {"time": {"choice": {"ratio": 4.0}, "chains16_shared": {"ratio": 2.0}}}}
+        }
+    }
+    (tmp_path / "cuts.json").write_text(json.dumps(side))
+    monkeypatch.setattr(L, "TRAIN_STEP_CUTS", str(tmp_path / "cuts.json"))
+    speed = {"iteration": {"resnet10t/default": 1.0}, "evaluation": {"resnet10t/default": 0.0}}
+    cheap = L.cell("textures", "resnet10t", "cheap", 0, 1, cut="chains16_shared")
+    its = L.batches_per_epoch("textures")
+    assert L.projected_cpu_s(cheap, speed) == pytest.approx(0.5 * its)  # half the choice's, as timed side by side
+    assert (
+        L.projected_cpu_s(L.cell("textures", "resnet10t", "cheap", 0, 1), speed) is None
+    )  # steps5_shared: not timed here
+
+    cells = tmp_path / "cells"
+    cells.mkdir()
+    ran = {**cheap, "points": [{"iteration": 300, "train_cpu_s": 900.0}]}  # 3 CPU s per iteration on this row
+    (cells / "a.json").write_text(json.dumps(ran))
+    (cells / "b.json").write_text(json.dumps({**ran, "device": "cuda"}))  # a GPU's clock is not the CPU's
+    row = L.speed_on_the_row(str(cells))
+    assert row == {f"resnet10t/{L.GB.run_label(cheap)}": 3.0}
+    assert L.projected_cpu_s(cheap, speed, row) == pytest.approx(3.0 * its)
+    assert f"| {3.0 * its / 3600:.2f} |" in L.plan_table([cheap], speed, row)
+
+
 def test_jem_train_never_reads_the_cheap_cut_as_a_recipe_to_switch_to():
     rows = _cheap_rows()  # the cheap cell spelled out, as a report reads it from its JSON
     rows[2] = {**rows[2], "run": "generative", "set": {"px_weight": 0.03, **CUTS["steps5_shared"]}, "role": "cheap"}
