@@ -78,6 +78,20 @@ def test_where_no_recipe_met_the_targets_the_line_says_how_far_the_measurements_
     assert generative_half(CHOICE, 10_000, False, normalised=False, table=_table(cell)) == (CHOICE, None)
 
 
+def test_a_run_longer_than_the_measurements_is_told_so_not_told_what_the_short_runs_showed():
+    """A 20,000-iteration run was told to "expect a classifier with a weak energy term, and samples
+    near their init" from cells measured to 3,000: a claim past the data. Now the line says where the
+    measurements end; a run within them keeps the plain line."""
+    cell = _cell(all_at=None)
+    _, longer = generative_half(CHOICE, 20_000, True, table=_table(cell))
+    assert (
+        "this run has 20000, longer than any measured: up to 3000" in longer
+        and "past it nothing was measured" in longer
+    )
+    _, within = generative_half(CHOICE, 3000, True, table=_table(cell))
+    assert "longer than any measured" not in within and within.endswith("samples near their init")
+
+
 def test_the_shipped_table_is_the_long_rows_report_of_the_committed_cells():
     """The package's table cannot go stale against the committed results: it equals what the
     long row's report makes of benchmarks/results/long_row/cells."""
