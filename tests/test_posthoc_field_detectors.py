@@ -332,6 +332,40 @@ def test_vra_default_clips_at_two_percentiles_of_every_activation(setup):
     assert abs(float((torch.from_numpy(acts) <= float(sampled.high)).double().mean()) - 0.90) < 0.02
 
 
+def test_vra_refuses_features_whose_two_percentiles_are_one_value():
+    """A network whose penultimate ReLU units are mostly off (15 of 16 never fire): the 10th and
+    90th percentiles of its activations are both 0, every clipped feature vector is 0 and every
+    input scored the same (AUROC 0.5), silently. Now the fit says so in one line; upper=99 fits."""
+
+    class MostlyOff(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Flatten(), nn.Linear(12, 16), nn.ReLU())
+            self.fc = nn.Linear(16, 3)
+            with torch.no_grad():
+                self.body[1].bias[1:] = -100.0  # off for any input in [0, 1]
+                self.body[1].bias[0] = 10.0  # on for any: 1 value in 16 is not 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.body(x))
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(200, 3, 2, 2, generator=g), torch.randint(0, 3, (200,), generator=g)
+    jm = jem.wrap(MostlyOff().eval())
+    with pytest.raises(jem.errors.NoFeaturesError, match="both 0") as e:
+        ood.detector("vra").fit(jm, (x, y))
+    assert "\n" not in str(e.value) and "upper=99" in str(e.value)
+    # per unit, the live unit has a range of its own: refused only where every unit has none
+    assert ood.detector("vra", per_unit=True).fit(jm, (x, y)).score(jm, x).std() > 0
+    scores = ood.detector("vra", upper=99).fit(jm, (x, y)).score(jm, x)
+    assert scores.std() > 0  # the 99th percentile is above the 93.75% of zeros: the live unit varies
+    rows = ood.evaluate_all(
+        jm, x, {"noise": torch.rand(50, 3, 2, 2, generator=g)}, methods=("vra", "msp"), fit_data=(x, y), progress=False
+    )
+    status = {(r["score"], r["status"]): r["reason"] for r in rows.rows()}
+    assert "NoFeaturesError" in status[("vra", "failed")] and ("msp", "ok") in status  # a row, not the end
+
+
 def test_mcd_equals_pytorch_ood_and_refuses_without_dropout(setup):
     """At the same seed both draw the same dropout masks: MCD's variance and mean modes."""
     jm, model, x_fit, y_fit, x_test = setup

@@ -121,8 +121,9 @@ class VRA(_FittedDetector):
     (0.779 against 0.781), above it only on convnext_atto (0.828 against 0.821): a setting only the
     tuned network favours, so not the default. pytorch-ood's 1/99 did best on lcnet_050 and
     test_vit (0.895, 0.824) and worst on resnet10t; taking it because of that would be choosing on
-    the judged networks. Where the ``upper`` percentile is itself 0 (more of the training
-    activations are 0 than that share), every input scores the same.
+    the judged networks. Where the two percentiles are equal (say both 0: at least ``upper - lower``
+    percent of the training activations are 0), every input would score the same, and ``fit``
+    refuses (:class:`~jem_plugin.errors.NoFeaturesError`, a failed row in ``evaluate_all``).
 
     ``fit`` keeps a uniform sample of at most ``max_values`` activations (``per_unit``: of
     ``max_values / D`` training inputs), all when there are fewer, so the percentiles are exact
@@ -179,6 +180,13 @@ class VRA(_FittedDetector):
         self.low = _quantile(values, self.lower / 100.0)
         self.high = _quantile(values, self.upper / 100.0)
         del self._sample
+        if bool((self.high <= self.low).all()):  # every feature clipped to one value: one score for all
+            both = "equal for every unit" if self.per_unit else f"both {float(self.low):g}"
+            raise NoFeaturesError(
+                f"vra clips the features between the {self.lower:g}th and {self.upper:g}th percentiles of the "
+                f"training activations, and they are {both} (at least {self.upper - self.lower:g}% of the activations "
+                "hold one value): every input would score the same; raise upper (e.g. upper=99), or use react"
+            )
 
     def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
         lo, hi = self.low.to(feats.device), self.high.to(feats.device)
