@@ -132,6 +132,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -997,8 +998,9 @@ def targets_table(entries: Sequence[dict[str, Any]]) -> str:
 
 #: the legend's name of each role's line style
 ROLE_LEGEND = {"default": "jem train's choice"}
-#: the cheap role's lines: thicker, with a triangle per cut, so that they stand apart from the choice's
-CHEAP_MARKERS = ("^", "<", ">")
+#: the cheap role's lines: thicker, with a triangle per cut (the same in every figure), so that they
+#: stand apart from the choice's; a cut not named here gets ">"
+CUT_MARKERS = {"steps5_shared": "^", "chains16_shared": "<"}
 #: the weight role's markers, one per p(x) weight drawn (its lines dash-dot-dotted)
 WEIGHT_MARKERS = ("D", "v", "P", "X")
 WEIGHT_STYLE = (0, (7, 2, 1, 2, 1, 2))
@@ -1009,12 +1011,19 @@ def _cut_text(cut: str) -> str:
     return f"{cut} ({', '.join(f'{k}={v}' for k, v in CUTS[cut].items())})"
 
 
-def _line_kw(e: dict[str, Any], weights: Sequence[str], cuts: Sequence[str] = (CHEAP_CUT,)) -> dict[str, Any]:
+def _px_weight(run: str) -> str:
+    """The p(x) weight in a run's label (``generative[l2_weight=0,px_weight=0.3]``: ``0.3``): one
+    marker per weight, whatever else a network's choice changes."""
+    found = re.search(r"px_weight=([^,\]]+)", run)
+    return found.group(1) if found else run
+
+
+def _line_kw(e: dict[str, Any], weights: Sequence[str]) -> dict[str, Any]:
     """The marker and width of an entry's line: a cut's own triangle, a weight's own marker."""
     if e["role"] == "cheap":
-        return {"lw": 2.2, "marker": CHEAP_MARKERS[cuts.index(cut_of(e) or CHEAP_CUT) % len(CHEAP_MARKERS)], "ms": 4}
+        return {"lw": 2.2, "marker": CUT_MARKERS.get(cut_of(e) or CHEAP_CUT, ">"), "ms": 4}
     if e["role"] == WEIGHT_ROLE:
-        return {"marker": WEIGHT_MARKERS[weights.index(e["run"]) % len(WEIGHT_MARKERS)], "ms": 4}
+        return {"marker": WEIGHT_MARKERS[weights.index(_px_weight(e["run"])) % len(WEIGHT_MARKERS)], "ms": 4}
     return {}
 
 
@@ -1042,7 +1051,7 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
         "cheap": (0, (1, 1.5)),
         WEIGHT_ROLE: WEIGHT_STYLE,
     }
-    weights = sorted({e["run"] for e in mine if e["role"] == WEIGHT_ROLE})
+    weights = sorted({_px_weight(e["run"]) for e in mine if e["role"] == WEIGHT_ROLE})
     cuts = sorted({c for e in mine if (c := cut_of(e))}, key=list(CUTS).index)
     panels = [
         ("acc_gap", "test accuracy - baseline's (points)", -1.0, "within 1 point"),
@@ -1063,7 +1072,7 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
                     ys,
                     ls=styles.get(e["role"], ":"),
                     color=colours.get(e["net"], "k"),
-                    **{"marker": marker, "ms": 3, "lw": 1.5, **_line_kw(e, weights, cuts)},
+                    **{"marker": marker, "ms": 3, "lw": 1.5, **_line_kw(e, weights)},
                 )
         if key == "acc_gap":
             lo = min((p[key] for e in mine for p in e["points"]), default=-5)
@@ -1114,7 +1123,7 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
             color="k",
             ls=styles["cheap"],
             label=f"cheap: the choice with {cut}",
-            **_line_kw({"role": "cheap", "cut": cut}, weights, cuts),
+            **_line_kw({"role": "cheap", "cut": cut}, weights),
         )
         for cut in cuts
     ]
@@ -1124,14 +1133,14 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
             [],
             color="k",
             ls=WEIGHT_STYLE,
-            label=f"weight: {w}",
-            **_line_kw({"role": WEIGHT_ROLE, "run": w}, weights),
+            label=f"weight: p(x) {w}",
+            **_line_kw({"role": WEIGHT_ROLE, "run": f"px_weight={w}"}, weights),
         )
         for w in weights
     ]
     if any("cuda" in e.get("device", "") for e in mine):
         handles.append(Line2D([], [], color="k", ls="", marker="s", ms=4, label="trained on a GPU"))
-    ncol = min(len(handles), 5)  # rows of at most five, so that the legend fits the figure's width
+    ncol = min(len(handles), 4)  # rows of at most four, so that the legend fits the figure's width
     fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
     seeds = sorted({s for e in mine for s in e["seeds"]})
     choices = sorted({e["run"] for e in mine if e["role"] == "default"})
@@ -1139,7 +1148,7 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
     if cuts:
         role_note += f";\ndotted with triangles: the choice with {', '.join(map(_cut_text, cuts))}"
     if weights:
-        role_note += ";\ndash-dot-dotted: the choice at a heavier p(x) weight (weight: ...)"
+        role_note += ";\ndash-dot-dotted: the choice at a heavier p(x) weight (weight: p(x) ...)"
     fig.suptitle(
         f"{dataset} ({'tuned on' if dataset == 'digits32' else 'judged on'}), ~150 per class: each recipe against the "
         f"cross-entropy baseline at the same iteration\n(mean over seeds {','.join(map(str, seeds))} where both ran; "

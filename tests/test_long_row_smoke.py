@@ -374,6 +374,8 @@ def test_a_heavier_weight_that_met_every_target_is_drawn_apart_and_can_become_je
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
     L.curves_figure(entries, "textures", str(tmp_path / "t.png"))
     (fig,) = drawn
-    assert "weight: generative[px_weight=0.3]" in [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "weight: p(x) 0.3" in [t.get_text() for t in fig.legends[0].get_texts()]
+    # one marker per weight: wrn10-1's choice (no energy L2) at 0.3 is drawn as the others' 0.3
+    assert L._px_weight("generative[l2_weight=0,px_weight=0.3]") == L._px_weight("generative[px_weight=0.3]") == "0.3"
     curves = [line for line in fig.axes[0].get_lines() if line.get_marker() not in (None, "None")]
     assert len({(str(line.get_linestyle()), line.get_marker()) for line in curves}) == 2
