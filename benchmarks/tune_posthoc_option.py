@@ -103,6 +103,7 @@ def _score_grid(study: Study, fits: tuple[tuple[Any, Any, dict[str, Any], Any], 
     test inputs, {set: OOD inputs}, fit loader)`` each). Outputs are computed once per model and
     set and handed to every setting, where the detector shares a forward (no input gradient)."""
     from jem_plugin import ood
+    from jem_plugin.errors import NoFeaturesError
 
     out: dict[str, dict[str, float]] = {label(s): {} for s in study.grid}
     for net, x_in, sets, fit in fits:
@@ -110,16 +111,23 @@ def _score_grid(study: Study, fits: tuple[tuple[Any, Any, dict[str, Any], Any], 
         for setting in study.grid:
             det = ood.detector(study.detector, **study.fixed, **setting)
             row = out[label(setting)]
-            if not det.shares_forward or "layers" in det.reads:  # its own passes (or layers known once fitted)
-                det.fit(net, fit, progress=False)
-                s_in = det.score(net, x_in)
-                row.update({k: ood.evaluate(s_in, det.score(net, x))["auroc"] for k, x in sets.items()})
+            try:
+                if not det.shares_forward or "layers" in det.reads:  # its own passes (or layers known once fitted)
+                    det.fit(net, fit, progress=False)
+                    s_in = det.score(net, x_in)
+                    row.update({k: ood.evaluate(s_in, det.score(net, x))["auroc"] for k, x in sets.items()})
+                    continue
+                if det.reads not in cache:  # as det.fit and det.score run them: the loader's batches, each set whole
+                    fit_out = [(ood.outputs(net, x, det.reads), y) for x, y in fit]
+                    outs = {k: ood.outputs(net, x, det.reads) for k, x in {"": x_in, **sets}.items()}
+                    cache[det.reads] = fit_out, outs
+                fit_out, set_out = cache[det.reads]
+                det.fit_outputs(net, fit_out)
+            except NoFeaturesError as exc:  # a setting that would score every input the same (vra at 10/50 on
+                # an untrained net): refused by its fit, counted as the chance it would have scored
+                print(f"  {label(setting)}: refused, counted as AUROC 0.5 ({exc})", flush=True)
+                row.update(dict.fromkeys(sets, 0.5))
                 continue
-            if det.reads not in cache:  # as det.fit and det.score run them: the loader's batches, each set whole
-                fit_out = [(ood.outputs(net, x, det.reads), y) for x, y in fit]
-                cache[det.reads] = fit_out, {k: ood.outputs(net, x, det.reads) for k, x in {"": x_in, **sets}.items()}
-            fit_out, set_out = cache[det.reads]
-            det.fit_outputs(net, fit_out)
             s_in = det.score_outputs(net, set_out[""])
             row.update({k: ood.evaluate(s_in, det.score_outputs(net, set_out[k]))["auroc"] for k in sets})
     return out

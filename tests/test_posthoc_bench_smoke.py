@@ -142,7 +142,7 @@ def test_merge_puts_one_network_runs_together_with_earlier_twins(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_detector_option_is_chosen_on_the_tune_network_alone(tmp_path, monkeypatch):
+def test_a_detector_option_is_chosen_on_the_tune_network_alone(tmp_path, monkeypatch, capsys):
     """benchmarks/tune_posthoc_option.py: every setting on every network, six sets each, and the
     choice read from the tune network's mean AUROC only (the others are judged, never read); the
     default kept unless a setting beats it by more than the study's margin."""
@@ -162,6 +162,10 @@ def test_a_detector_option_is_chosen_on_the_tune_network_alone(tmp_path, monkeyp
     best, default = max(means.values()), means["lower=10,upper=90"]
     assert res["chosen"] == "lower=10,upper=90" if best - default <= 0.002 else means[res["chosen"]] == best
     assert json.loads(out.read_text())["chosen"] == res["chosen"] and res["fixed"] == {"per_unit": False}
+    # at one epoch the 50th percentile of the activations is 0, as the 10th: vra refuses that fit (every
+    # input would score the same), and the study counts it as the chance it would have scored
+    assert set(res["auroc"]["tune_net"]["lower=10,upper=50"].values()) == {0.5}
+    assert "lower=10,upper=50: refused, counted as AUROC 0.5" in capsys.readouterr().out
     # a grid of any detector from the command line; a wide margin keeps the default
     res = T.main(
         ["--detector", "openmax", "--grid", "alpha=1", "alpha=10", "--default", "alpha=10"]
