@@ -720,10 +720,18 @@ def speed_on_the_row(cells_dir: str = os.path.join(RESULTS, "cells")) -> dict[st
     rates: dict[str, list[float]] = {}
     for path in glob.glob(os.path.join(cells_dir, "*.json")):
         r = GB._read_json(path, {})
-        last = (r.get("points") or [None])[-1]
-        if r.get("device", "cpu") == "cpu" and last and last.get("train_cpu_s") and last.get("iteration"):
-            rates.setdefault(f"{r['net']}/{GB.run_label(r)}", []).append(last["train_cpu_s"] / last["iteration"])
+        own = _own_s_per_iteration(r) if r.get("device", "cpu") == "cpu" else None
+        if own is not None:
+            rates.setdefault(f"{r['net']}/{GB.run_label(r)}", []).append(own)
     return {k: statistics.median(v) for k, v in rates.items()}
+
+
+def _own_s_per_iteration(r: dict[str, Any]) -> float | None:
+    """A cell's seconds per training iteration at its last point, on its device's clock: CPU
+    seconds on the CPU, wall seconds on a GPU (None before its first point)."""
+    last = (r.get("points") or [None])[-1]
+    own = last.get({"cpu": "train_cpu_s"}.get(r.get("device", "cpu"), "train_wall_s")) if last else None
+    return own / last["iteration"] if own and last and last.get("iteration") else None
 
 
 def projected_cpu_s(c: dict[str, Any], speed: dict[str, Any], row: dict[str, float] | None = None) -> float | None:
@@ -833,11 +841,9 @@ def curves(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             if b is None:
                 continue
             devices.add(_device_pair(r, b))
-            if r["points"]:  # its own seconds per iteration: CPU seconds on the CPU, wall seconds on a GPU
-                pr = r["points"][-1]
-                own = pr.get({"cpu": "train_cpu_s"}.get(r.get("device", "cpu"), "train_wall_s"))
-                if own and pr["iteration"]:
-                    per_it.append(own / pr["iteration"])
+            own = _own_s_per_iteration(r)
+            if own is not None:
+                per_it.append(own)
             b_points = {p["iteration"]: p for p in b["points"]}
             for p in r["points"]:
                 if p["iteration"] in b_points:
