@@ -746,7 +746,7 @@ def projected_cpu_s(c: dict[str, Any], speed: dict[str, Any], row: dict[str, flo
     if c["role"] == "cheap" and it is not None:
         timed = GB._read_json(TRAIN_STEP_CUTS, {}).get("train_step_cuts", {}).get("networks", {})
         ratios = timed.get(c["net"], {}).get("time", {})
-        cut, choice = ratios.get(cut_of(c) or CHEAP_CUT, {}).get("ratio"), ratios.get("choice", {}).get("ratio")
+        cut, choice = ratios.get(cut_of(c), {}).get("ratio"), ratios.get("choice", {}).get("ratio")
         it = it * cut / choice if cut and choice else None
     it = (row or {}).get(f"{c['net']}/{GB.run_label(c)}", it)
     ev = speed["evaluation"].get(key) or speed["evaluation"].get(key.replace("/generative", "/default"))
@@ -1027,7 +1027,7 @@ def _px_weight(run: str) -> str:
 def _line_kw(e: dict[str, Any], weights: Sequence[str]) -> dict[str, Any]:
     """The marker and width of an entry's line: a cut's own triangle, a weight's own marker."""
     if e["role"] == "cheap":
-        return {"lw": 2.2, "marker": CUT_MARKERS.get(cut_of(e) or CHEAP_CUT, ">"), "ms": 4}
+        return {"lw": 2.2, "marker": CUT_MARKERS.get(cut_of(e) or "", ">"), "ms": 4}
     if e["role"] == WEIGHT_ROLE:
         return {"marker": WEIGHT_MARKERS[weights.index(_px_weight(e["run"])) % len(WEIGHT_MARKERS)], "ms": 4}
     return {}
@@ -1117,7 +1117,6 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
             color="k",
             ls=styles.get(r, ":"),
             label=ROLE_LEGEND.get(r, r),
-            **_line_kw({"role": r}, weights),
         )
         for r in roles
         if r not in (WEIGHT_ROLE, "cheap")
@@ -1310,7 +1309,7 @@ def cheap_table(versus: Sequence[dict[str, Any]]) -> str:
             [
                 v["dataset"],
                 v["net"],
-                v.get("cut") or CHEAP_CUT,
+                v["cut"],
                 ",".join(map(str, v["seeds"])),
                 f"{v['iterations'][-1]} ({len(v['iterations'])} points)" if v["iterations"] else "-",
                 *(_verdict(v["targets"][t]) for t in TARGETS),
@@ -1372,7 +1371,7 @@ def to_markdown(
         lines += [
             "",
             f"**The cheap cuts against the choice** (issue 45 item 3: `cheap` is `jem train`'s choice with one of "
-            f"`bench_train_step`'s cuts: {'; '.join(sorted({_cut_text(v.get('cut') or CHEAP_CUT) for v in versus}))}; "
+            f"`bench_train_step`'s cuts: {'; '.join(sorted({_cut_text(v['cut']) for v in versus}))}; "
             "a cut may become the default only if it is no worse on textures). At the iterations both were evaluated, on the cheap cell's seeds: whether it meets each "
             "target where the choice does; the worst of cheap's gap less the choice's over those points (negative: "
             "cheap worse); seconds per training iteration on each one's device (CPU and GPU seconds do not compare); "
