@@ -83,6 +83,8 @@ BUFFER_SIZE = 1000
 #: ``start_run(negatives="dat")``: what :func:`~jem_plugin.builtins.pgd_negatives.dat_setup` changes
 #: in a recipe, applied to the run's own recipe instead of ``fast``
 DAT_CHANGES = DAT_RECIPE_CHANGES
+#: ``start_run(negatives=...)``: None (the recipe's own), DAT's PGD negatives, or smoothed copies of the data
+NEGATIVES = (None, "dat", "smoothed")
 COND_STEPS, COND_PER_CLASS = 40, 10
 TRACE_ROUNDS = (0, 4, 20)  # the buffer's chains continued for this many more rounds of the recipe's sampler
 
@@ -312,7 +314,9 @@ def start_run(
     the loss then draw from their own generator on that device, seeded with ``seed`` (SGLD wants
     its generator where its chains are), while ``g`` stays on the CPU and shuffles and augments;
     :func:`train_step` moves each batch there. ``negatives="dat"``: the recipe with
-    :data:`DAT_CHANGES` and :func:`use_dat_negatives` (PGD negatives, logistic contrast)."""
+    :data:`DAT_CHANGES` and :func:`use_dat_negatives` (PGD negatives, logistic contrast);
+    ``negatives="smoothed"``: the recipe as it is, plus the ``smoothed_negatives`` term at its
+    defaults (each image likelier than a blurred copy of itself; its sigma drawn from ``g_chains``)."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     model = make_model(S["model"])
@@ -321,11 +325,11 @@ def start_run(
     net = SamplesInEvalMode(model) if bn_mode == "eval" else model
     jm = jem.wrap(net, **S["wrap_kw"])
     r = recipe_for(run, quick, bn_mode, overrides)
-    if negatives not in (None, "dat"):
-        raise ValueError(f"negatives must be None or 'dat', got {negatives!r}")
+    if negatives not in NEGATIVES:
+        raise ValueError(f"negatives must be one of {NEGATIVES}, got {negatives!r}")
+    if negatives is not None and r is None:
+        raise ValueError(f"negatives={negatives!r} needs a recipe (the baseline has no negatives)")
     if negatives == "dat":
-        if r is None:
-            raise ValueError("negatives='dat' needs a recipe (the baseline has no negatives)")
         r = r.replace(**DAT_CHANGES)
     # the baseline trains with the fast preset's optimiser, and the same optimiser overrides
     base = r or get_recipe("fast").replace(**{k: v for k, v in (overrides or {}).items() if k in OPTIM_NAMES})
@@ -340,6 +344,8 @@ def start_run(
     loss_fn = build_loss(r, S, total, batch_size, g_chains, fit_init, bn_mode) if r is not None else None
     if loss_fn is not None and negatives == "dat":
         use_dat_negatives(loss_fn, r, g_chains)
+    if loss_fn is not None and negatives == "smoothed":
+        loss_fn.add_term("smoothed_negatives", generator=g_chains)
     if loss_fn is not None and device is not None:
         loss_fn.to(device)  # its buffer and init with it
     fit_from_batches = FitInitFromBatches(loss_fn.buffer) if loss_fn is not None and fit_init == "loop" else None

@@ -163,23 +163,30 @@ RESULTS = os.path.join(HERE, "results", "long_row")
 DOCS_IMG = os.path.join(os.path.dirname(HERE), "docs", "img")
 DATASETS = ("textures", "digits32")  # judged on first
 NETWORKS = ("resnet10t", "convnext_atto", "wrn10-1", "lcnet_050")
-ROLES = ("baseline", "default", "generative", "dat", "cheap", "weight")
+ROLES = ("baseline", "default", "generative", "dat", "cheap", "weight", "smoothed")
 #: the cut of jem train's choice the ``cheap`` role runs (issue 45 item 3: bench_train_step's
 #: ``steps5_shared``, 5 SGLD steps and the p(x) term's data energies from the classification forward;
 #: ~2.5x a cross-entropy step where the choice is ~4.8x), judged here before it may become the default
 CHEAP_CUT = "steps5_shared"
 #: roles that are candidates, not recipes: shown in the curves and tables, never in jem train's
 #: evidence as a registered recipe it could switch to (:func:`targets_evidence`)
-CANDIDATE_ROLES = ("dat", "cheap")
+CANDIDATE_ROLES = ("dat", "cheap", "smoothed")
 #: ``--px-weights``: the ``weight`` role is jem train's choice with a heavier p(x) term (issue 45: the
 #: buffer FD target, which the choice's 0.03 misses on every normalised textures cell and ``generative``'s 0.75
 #: meets at the cost of ~10 points of accuracy). A registered recipe with changed settings, so jem
 #: train's evidence may switch to it where it meets every target on data it was not tuned on. Tuned on
 #: digits32 first; only the weight chosen there runs on textures.
 WEIGHT_ROLE = "weight"
+#: ``--px-weights W --smoothed``: the weight role's recipe plus the ``smoothed_negatives`` term (each
+#: image likelier than a blurred copy of itself; :mod:`jem_plugin.builtins.smoothed_negatives`), against
+#: the weight role's failure on textures: where its buffer moves, log p(x) ranks the smooth digits
+#: above the textures. A candidate (:data:`CANDIDATE_ROLES`): the term is no recipe setting.
+SMOOTHED_ROLE = "smoothed"
+#: the roles that set the choice's p(x) weight (``px_weight=`` in :func:`cell`)
+PX_ROLES = (WEIGHT_ROLE, SMOOTHED_ROLE)
 #: the roles :func:`probe_speed` times and :func:`speed_from_matrix` reads: the weight role runs the
 #: choice's recipe, at its speed (:func:`projected_cpu_s`)
-TIMED_ROLES = tuple(r for r in ROLES if r != WEIGHT_ROLE)
+TIMED_ROLES = tuple(r for r in ROLES if r not in PX_ROLES)
 #: GPU-only networks (issue 45 item 5), not in the CPU plan; resnet18 at the recipes' 3e-4 as resnet10t
 #: (BatchNorm, the matrix trains it at 3e-4 too), so no ``lr`` entry
 GPU_NETWORKS = ("resnet18",)
@@ -235,29 +242,32 @@ def cell(
     cut: str | None = None,
 ) -> dict[str, Any]:
     """One cell: the matrix's keys (so :func:`bench_generalisation.cell_name` names it) and its role;
-    ``px_weight``: the ``weight`` role's p(x) weight (required there, refused elsewhere); ``cut``:
+    ``px_weight``: the ``weight`` and ``smoothed`` roles' p(x) weight (required there, refused
+    elsewhere); ``cut``:
     the ``cheap`` role's cut of :data:`bench_train_step.CUTS` (default :data:`CHEAP_CUT`; refused
     for any other role)."""
-    if (role == WEIGHT_ROLE) != (px_weight is not None):
-        raise ValueError(f"px_weight goes with the {WEIGHT_ROLE!r} role and only there (role {role!r}, {px_weight})")
+    if (role in PX_ROLES) != (px_weight is not None):
+        raise ValueError(f"px_weight goes with the roles {PX_ROLES} and only there (role {role!r}, {px_weight})")
     if cut is not None and (role != "cheap" or cut not in CUTS):
         raise ValueError(f"cut goes with the 'cheap' role and names one of {sorted(CUTS)} (role {role!r}, {cut!r})")
     per_class = GB.per_class_for(dataset, SIZE, tiny)
     c: dict[str, Any] = dict(dataset=dataset, per_class=per_class, net=net, run="baseline", seed=seed, epochs=epochs)
-    if role in ("default", "dat", "cheap", WEIGHT_ROLE):
+    if role in ("default", "dat", "cheap", *PX_ROLES):
         run, settings = jem_train_choice(per_class, net)
         c["run"] = run
         # the cut, or a heavier p(x) term, on top of the choice: names of their own, so the cells coexist
         on_top: dict[str, Any] = {}
         if role == "cheap":
             on_top = CUTS[cut or CHEAP_CUT]
-        elif px_weight is not None:  # the weight role (checked above)
+        elif px_weight is not None:  # the weight and smoothed roles (checked above)
             on_top = {"px_weight": float(px_weight)}
         settings = tuple(sorted({**dict(settings), **on_top}.items()))
         if settings:
             c["set"] = dict(settings)
         if role == "dat":  # DAT's PGD negatives in place of the choice's SGLD (bench_generative.start_run)
             c["negatives"] = "dat"
+        if role == SMOOTHED_ROLE:  # smoothed copies of the data as negatives, beside SGLD's
+            c["negatives"] = "smoothed"
     elif role == "generative":
         c["run"] = "generative"
     if net in GB.NETWORK_LR:
@@ -331,12 +341,13 @@ def weight_plan(
     seeds: Sequence[int] = (0,),
     iterations: int = ITERATIONS,
     tiny: bool = False,
+    role: str = WEIGHT_ROLE,
 ) -> list[dict[str, Any]]:
-    """``--px-weights``: the ``weight`` role's cells, per data set (judged first), network, seed and
-    weight, in that order."""
+    """``--px-weights``: the ``weight`` role's cells (``role``: or the ``smoothed`` role's), per data
+    set (judged first), network, seed and weight, in that order."""
     ep = {d: epochs_for(d, iterations, tiny) for d in DATASETS if d in datasets}
     return [
-        cell(d, n, WEIGHT_ROLE, s, ep[d], tiny, px_weight=w)
+        cell(d, n, role, s, ep[d], tiny, px_weight=w)
         for d in ep
         for n in [n for n in NETWORKS + GPU_NETWORKS if n in networks]
         for s in seeds
@@ -740,7 +751,7 @@ def projected_cpu_s(c: dict[str, Any], speed: dict[str, Any], row: dict[str, flo
     from the probe (``generative``'s evaluation as ``default``'s; the ``weight`` role at
     ``default``'s speed, the same recipe; a ``cheap`` cut at ``default``'s scaled by the two's
     side-by-side ratio in bench_train_step), plus its evaluation points."""
-    role = "default" if c["role"] in (WEIGHT_ROLE, "cheap") else c["role"]
+    role = "default" if c["role"] in (*PX_ROLES, "cheap") else c["role"]
     key = f"{c['net']}/{role}"
     it = speed["iteration"].get(key)
     if c["role"] == "cheap" and it is not None:
@@ -979,7 +990,7 @@ def targets_table(entries: Sequence[dict[str, Any]]) -> str:
         last = pts[-1] if pts else None
         recipe = {"default": f"**{e['run']}**", "cheap": f"cheap: {e['run']}", WEIGHT_ROLE: f"weight: {e['run']}"}.get(
             e["role"], e["run"]
-        )
+        )  # a smoothed cell's run names its negatives: generative+smoothed[...]
         seeds = ",".join(map(str, e["seeds"])) or "-"
         if e["errors"]:
             seeds += f" (failed: {e['errors'][0][:60]})"
@@ -1003,7 +1014,7 @@ def targets_table(entries: Sequence[dict[str, Any]]) -> str:
 
 
 #: the legend's name of each role's line style
-ROLE_LEGEND = {"default": "jem train's choice"}
+ROLE_LEGEND = {"default": "jem train's choice", SMOOTHED_ROLE: "smoothed: the weight + smoothed negatives"}
 #: the cheap role's lines: thicker, with a triangle per cut (the same in every figure), so that they
 #: stand apart from the choice's; a cut not named here gets ">"
 CUT_MARKERS = {"steps5_shared": "^", "chains16_shared": "<"}
@@ -1028,6 +1039,8 @@ def _line_kw(e: dict[str, Any], weights: Sequence[str]) -> dict[str, Any]:
     """The marker and width of an entry's line: a cut's own triangle, a weight's own marker."""
     if e["role"] == "cheap":
         return {"lw": 2.2, "marker": CUT_MARKERS.get(cut_of(e) or "", ">"), "ms": 4}
+    if e["role"] == SMOOTHED_ROLE:
+        return {"lw": 2.2, "marker": "*", "ms": 6}
     if e["role"] == WEIGHT_ROLE:
         return {"marker": WEIGHT_MARKERS[weights.index(_px_weight(e["run"])) % len(WEIGHT_MARKERS)], "ms": 4}
     return {}
@@ -1056,6 +1069,7 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
         "dat": "-.",
         "cheap": (0, (1, 1.5)),
         WEIGHT_ROLE: WEIGHT_STYLE,
+        SMOOTHED_ROLE: (0, (4, 1)),
     }
     weights = sorted({_px_weight(e["run"]) for e in mine if e["role"] == WEIGHT_ROLE})
     cuts = sorted({c for e in mine if (c := cut_of(e))}, key=list(CUTS).index)
@@ -1117,6 +1131,7 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
             color="k",
             ls=styles.get(r, ":"),
             label=ROLE_LEGEND.get(r, r),
+            **_line_kw({"role": r}, weights),
         )
         for r in roles
         if r not in (WEIGHT_ROLE, "cheap")
@@ -1154,6 +1169,9 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
         role_note += f";\ndotted with triangles: the choice with {', '.join(map(_cut_text, cuts))}"
     if weights:
         role_note += ";\ndash-dot-dotted: the choice at a heavier p(x) weight (weight: p(x) ...)"
+    smoothed = sorted({_px_weight(e["run"]) for e in mine if e["role"] == SMOOTHED_ROLE})
+    if smoothed:
+        role_note += f";\nthick dashed with stars: p(x) {', '.join(smoothed)} plus smoothed copies of the data as negatives"
     fig.suptitle(
         f"{dataset} ({'tuned on' if dataset == 'digits32' else 'judged on'}), ~150 per class: each recipe against the "
         f"cross-entropy baseline at the same iteration\n(mean over seeds {','.join(map(str, seeds))} where both ran; "
@@ -1498,6 +1516,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help="the weight role's plan: jem train's choice at these p(x) weights (--datasets, --networks, --seeds)",
     )
+    p.add_argument(
+        "--smoothed", action="store_true", help="--px-weights: the smoothed role (the weight plus smoothed negatives)"
+    )
     p.add_argument("--seeds", nargs="+", type=int, default=[0], help="--px-weights: the seeds")
     p.add_argument("--tiny", action="store_true", help="the tiny data sets (a smoke test of the plumbing)")
     p.add_argument("--limit", type=int, default=None, help="only the first N cells of the plan")
@@ -1519,7 +1540,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         weights = GPU_PX_WEIGHTS if a.px_weights is None else a.px_weights
         cells = gpu_plan(a.done_dir, a.iterations, a.gpu_iterations, a.tiny, a.skip_started, weights)
     elif a.px_weights:
-        cells = weight_plan(a.datasets, a.networks, a.px_weights, a.seeds, a.iterations, a.tiny)
+        role = SMOOTHED_ROLE if a.smoothed else WEIGHT_ROLE
+        cells = weight_plan(a.datasets, a.networks, a.px_weights, a.seeds, a.iterations, a.tiny, role)
     else:
         tiers = CHEAP_TIERS if a.cheap else TIERS
         cells = plan(a.datasets, a.networks, a.iterations, tiers, tiny=a.tiny, cut=a.cheap_cut if a.cheap else None)

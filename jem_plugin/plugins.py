@@ -32,6 +32,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "jem_plugin.builtins.posthoc",
     "jem_plugin.builtins.energy_bounded",
     "jem_plugin.builtins.pgd_negatives",
+    "jem_plugin.builtins.smoothed_negatives",
 )
 
 _pm: pluggy.PluginManager | None = None
