@@ -335,9 +335,9 @@ def test_the_weight_role_is_jem_trains_choice_at_another_px_weight_and_needs_one
             "px_weight": 0.3,
         }
         assert L.GB.cell_name(heavier) != L.GB.cell_name(default)
-    with pytest.raises(ValueError, match="px_weight goes with the 'weight' role"):
+    with pytest.raises(ValueError, match="px_weight goes with the roles"):
         L.cell("textures", "resnet10t", "weight", 0, 1)
-    with pytest.raises(ValueError, match="px_weight goes with the 'weight' role"):
+    with pytest.raises(ValueError, match="px_weight goes with the roles"):
         L.cell("textures", "resnet10t", "default", 0, 1, px_weight=0.3)
     cells = L.weight_plan(["digits32", "textures"], ["wrn10-1", "resnet10t"], [0.1, 0.3], seeds=[0, 1], tiny=True)
     order = [(c["dataset"], c["net"], c["seed"], c["set"]["px_weight"]) for c in cells]
@@ -379,3 +379,38 @@ def test_a_heavier_weight_that_met_every_target_is_drawn_apart_and_can_become_je
     assert L._px_weight("generative[l2_weight=0,px_weight=0.3]") == L._px_weight("generative[px_weight=0.3]") == "0.3"
     curves = [line for line in fig.axes[0].get_lines() if line.get_marker() not in (None, "None")]
     assert len({(str(line.get_linestyle()), line.get_marker()) for line in curves}) == 2
+
+
+# ---------------------------------------------------------------------------- smoothed negatives (issue 45)
+def test_the_smoothed_role_is_the_weight_plus_smoothed_negatives_shown_but_never_switched_to(tmp_path, monkeypatch):
+    c = L.cell("textures", "resnet10t", "smoothed", 0, 1, px_weight=0.3)
+    weight = L.cell("textures", "resnet10t", "weight", 0, 1, px_weight=0.3)
+    assert c["set"] == weight["set"] and c["negatives"] == "smoothed"
+    assert L.GB.run_label(c) == "generative+smoothed[px_weight=0.3]" != L.GB.run_label(weight)
+    with pytest.raises(ValueError, match="px_weight goes with the roles"):
+        L.cell("textures", "resnet10t", "smoothed", 0, 1)
+    plan = L.weight_plan(["textures", "digits32"], ["resnet10t"], [0.3], role="smoothed")
+    assert [(p["dataset"], p["role"]) for p in plan] == [("textures", "smoothed"), ("digits32", "smoothed")]
+    # the run trains with the term, from the run's own generator
+    S = L.GB.setting(L.GB.dataset("textures", tiny=True), "test_resnet", 6, 0)
+    ctx = L.G.start_run(S, "fast", 2, negatives="smoothed")
+    term = dict(ctx["loss_fn"]._all_terms())["smoothed_negatives"]
+    assert term.generator is ctx["g"]
+
+    rows = _weight_rows()  # the smoothed cell met every target: shown, never a recipe jem train switches to
+    rows[2] = {**rows[2], **c}
+    entries = L.curves(rows)
+    evidence = L.targets_evidence(rows, entries)
+    smoothed = next(x for x in evidence["cells"] if x["role"] == "smoothed")
+    assert smoothed["first"]["all"] == 300 and smoothed["recipe"] not in RECIPES
+    choice = default_choice(150, batchnorm=True)
+    assert generative_half(choice, 10_000, True, table=evidence)[0] == choice
+    drawn = []
+    import matplotlib.figure
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
+    L.curves_figure(entries, "textures", str(tmp_path / "t.png"))
+    (fig,) = drawn
+    legend = {t.get_text(): h for t, h in zip(fig.legends[0].get_texts(), fig.legends[0].legend_handles)}
+    assert legend[L.ROLE_LEGEND["smoothed"]].get_marker() == "*"
+    assert "smoothed copies of the data" in fig._suptitle.get_text()
