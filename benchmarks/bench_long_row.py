@@ -1171,7 +1171,9 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
         role_note += ";\ndash-dot-dotted: the choice at a heavier p(x) weight (weight: p(x) ...)"
     smoothed = sorted({_px_weight(e["run"]) for e in mine if e["role"] == SMOOTHED_ROLE})
     if smoothed:
-        role_note += f";\nthick dashed with stars: p(x) {', '.join(smoothed)} plus smoothed copies of the data as negatives"
+        role_note += (
+            f";\nthick dashed with stars: p(x) {', '.join(smoothed)} plus smoothed copies of the data as negatives"
+        )
     fig.suptitle(
         f"{dataset} ({'tuned on' if dataset == 'digits32' else 'judged on'}), ~150 per class: each recipe against the "
         f"cross-entropy baseline at the same iteration\n(mean over seeds {','.join(map(str, seeds))} where both ran; "

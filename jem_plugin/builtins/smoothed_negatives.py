@@ -125,7 +125,6 @@ class SmoothedNegativesTerm:
         }
         return self.weight * F.softplus(-gap).mean(), metrics
 
-
     def state_dict(self) -> dict[str, Any]:
         g = self.generator
         return {} if g is None else {"generator": g.get_state(), "generator_device": str(g.device)}
