@@ -27,7 +27,7 @@ from .errors import (
 )
 from .plugins import get_plugin_manager
 
-__all__ = ["JEM", "wrap", "as_jem", "input_grad_enabled", "sampling_mode", "frozen_bn_stats"]
+__all__ = ["JEM", "wrap", "as_jem", "input_grad_enabled", "sampling_mode", "frozen_bn_stats", "running_bn_stats"]
 
 
 class _CallableModule(nn.Module):
@@ -470,6 +470,21 @@ def frozen_bn_stats(model: nn.Module | None) -> Iterator[None]:
     finally:
         for m in layers:
             m.track_running_stats = True
+
+
+@contextlib.contextmanager
+def running_bn_stats(model: nn.Module) -> Iterator[None]:
+    """Inside, BatchNorm layers in train mode normalise by their running statistics, as at test
+    time (so they do not update them either); everything else keeps its mode and parameters their
+    gradients. For a term that must score inputs as test time will, inside a training step."""
+    layers = [m for m in model.modules() if isinstance(m, _NormBase) and m.training]
+    for m in layers:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.training = True
 
 
 BATCHNORM_MODES = ("eval", "batch")

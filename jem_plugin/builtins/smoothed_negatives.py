@@ -36,19 +36,18 @@ Metrics: ``win`` (fraction of images likelier than their smoothed copy), ``gap``
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _NormBase
+from torch import Tensor
 from torchvision.transforms.v2 import functional as TF
 
 from .._checks import free_energy, restore_generator
 from ..errors import InvalidInputError
+from ..model import running_bn_stats
 from ..plugins import hookimpl
 
 __all__ = ["SmoothedNegativesTerm", "smoothed_copy", "jem_register_loss_terms"]
@@ -64,20 +63,6 @@ def smoothed_copy(x: Tensor, sigma: float) -> Tensor:
     side = min(x.shape[-2:])
     size = min(2 * math.ceil(3 * sigma) + 1, side if side % 2 else side - 1)
     return TF.gaussian_blur(x, [size, size], [sigma, sigma]) if size >= 3 else x
-
-
-@contextlib.contextmanager
-def _running_statistics(model: nn.Module) -> Iterator[None]:
-    """BatchNorm layers in train mode normalise by their running statistics inside the block (and
-    so do not update them); parameters keep their gradients."""
-    layers = [m for m in model.modules() if isinstance(m, _NormBase) and m.training]
-    for m in layers:
-        m.training = False
-    try:
-        yield
-    finally:
-        for m in layers:
-            m.training = True
 
 
 class SmoothedNegativesTerm:
@@ -115,7 +100,7 @@ class SmoothedNegativesTerm:
     def __call__(self, jm: Any, batch: Any) -> tuple[Tensor, dict[str, Tensor | float]]:
         sigma = self._draw_sigma()
         x = batch.x_data.detach()
-        with _running_statistics(jm):  # one normalisation for both sides of each comparison
+        with running_bn_stats(jm):  # one normalisation for both sides of each comparison
             e_data, e_smooth = free_energy(jm(torch.cat([x, smoothed_copy(x, sigma)]))).chunk(2)
         gap = e_smooth - e_data
         metrics: dict[str, Tensor | float] = {
