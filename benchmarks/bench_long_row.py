@@ -119,6 +119,15 @@ to resume later).
 
     OMP_NUM_THREADS=1 python -m benchmarks.bench_long_row --px-weights 0.3 --datasets digits32 --networks resnet10t
 
+**Smoothed copies of the data as negatives** (``--px-weights W --smoothed``; :data:`SMOOTHED_ROLE`):
+the weight role's recipe plus the ``smoothed_negatives`` loss term
+(:mod:`jem_plugin.builtins.smoothed_negatives`: each training image likelier than a blurred copy of
+itself), against what the weight role showed on textures: where its buffer moves, log p(x) ranks
+the smooth digits above the textures. A candidate, not a recipe (the term is no recipe setting);
+its cells are named ``generative+smoothed[...]`` and drawn thick dashed with stars.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_long_row --px-weights 0.3 --smoothed --datasets textures digits32 --networks resnet10t
+
 ``--report`` writes ``OUT/long-row-<data>.png`` (copied to ``docs/img/``), ``OUT/summary.md`` and the
 table into ``benchmarks/README.md``; a run writes ``OUT/summary.md`` and the PNGs after each cell.
 """
@@ -243,9 +252,8 @@ def cell(
 ) -> dict[str, Any]:
     """One cell: the matrix's keys (so :func:`bench_generalisation.cell_name` names it) and its role;
     ``px_weight``: the ``weight`` and ``smoothed`` roles' p(x) weight (required there, refused
-    elsewhere); ``cut``:
-    the ``cheap`` role's cut of :data:`bench_train_step.CUTS` (default :data:`CHEAP_CUT`; refused
-    for any other role)."""
+    elsewhere); ``cut``: the ``cheap`` role's cut of :data:`bench_train_step.CUTS` (default
+    :data:`CHEAP_CUT`; refused for any other role)."""
     if (role in PX_ROLES) != (px_weight is not None):
         raise ValueError(f"px_weight goes with the roles {PX_ROLES} and only there (role {role!r}, {px_weight})")
     if cut is not None and (role != "cheap" or cut not in CUTS):
