@@ -151,6 +151,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any
 
 import torch
+from torch.optim.swa_utils import update_bn
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -448,9 +449,14 @@ def evaluate_point(S: dict[str, Any], ctx: dict[str, Any], judge, baseline: bool
         model.to("cpu")
         loss_fn = None if loss_fn is None else cpu_copy_of_loss(loss_fn, ctx["seed"])
     res = {"model": model, "jm": jem.wrap(model, **S["wrap_kw"]), "loss_fn": loss_fn, "recipe": ctx["recipe"]}
+    as_trained = copy.deepcopy(model.state_dict())
     try:
         selection = GB.keep_better_bn_statistics(S, res)
         ev = GB.evaluate_cell(S, res, judge, tiny, baseline)
+        if selection is not None:
+            selection["auroc_" + _other_bn(selection["kept"])] = _logpx_auroc_with_other_bn(
+                S, model, as_trained, selection
+            )
     finally:
         set_rng_state(rng)
         ctx["g"].set_state(g_state)
@@ -459,6 +465,31 @@ def evaluate_point(S: dict[str, Any], ctx: dict[str, Any], judge, baseline: bool
     ev["bn_selection"] = selection
     ev["eval_cpu_s"] = time.process_time() - c0
     return ev
+
+
+def _other_bn(kept: str) -> str:
+    return "as_trained" if kept == "from_data" else "from_data"
+
+
+def _logpx_auroc_with_other_bn(
+    S: dict[str, Any], model: torch.nn.Module, as_trained: dict[str, Any], selection: dict[str, Any]
+) -> dict[str, float]:
+    """log p(x) AUROC on the OOD sets with the BatchNorm statistics the selection did not keep (the
+    evaluation's are the kept ones): how much the OOD ranking hangs on that choice, which is made on
+    validation accuracy alone. Leaves ``model`` with its kept statistics."""
+    kept = copy.deepcopy(model.state_dict())
+    if selection["kept"] == "from_data":
+        model.load_state_dict(as_trained)
+    else:
+        update_bn([S["x"][i : i + BATCH] for i in range(0, len(S["x"]), BATCH)], model)
+    model.eval()
+    try:
+        ood = jem.ood.evaluate_all(
+            jem.wrap(model, **S["wrap_kw"]), S["xt"], S["ood"], methods=("logpx",), progress=False
+        )
+        return {s: round(ood["logpx"][s]["auroc"], 4) for s in S["ood"]}
+    finally:
+        model.load_state_dict(kept)
 
 
 def run_cell(

@@ -81,6 +81,11 @@ def test_a_killed_long_row_resumes_to_the_uninterrupted_evaluations(tmp_path, mo
     for c in cells:
         assert _points(killed, c) == _points(whole, c), c["role"]
     assert _points(whole, gen)[0]["cond"]["judge_acc"] is not None  # the recipes' class samples
+    # log p(x) with the BatchNorm statistics the selection did not keep, on every OOD set, beside the kept
+    for p in _points(whole, gen):
+        sel = p["bn_selection"]
+        other = sel["auroc_as_trained" if sel["kept"] == "from_data" else "auroc_from_data"]
+        assert set(other) == set(p["auroc"]["logpx"]) == set(L.OOD_NAMES)
 
     # a finished cell trains nothing
     monkeypatch.setattr(L.G, "start_run", lambda *a, **k: pytest.fail("a finished cell ran again"))
