@@ -453,38 +453,32 @@ def as_jem(obj: Any, what: str = "this") -> JEM:
 
 
 @contextlib.contextmanager
-def frozen_bn_stats(model: nn.Module | None) -> Iterator[None]:
+def _norm_flag_off(model: nn.Module | None, flag: str) -> Iterator[None]:
+    """Every BatchNorm-like layer of ``model`` with ``flag`` on has it off inside the block, on after."""
+    layers = [m for m in model.modules() if isinstance(m, _NormBase) and getattr(m, flag)] if model is not None else []
+    for m in layers:
+        setattr(m, flag, False)
+    try:
+        yield
+    finally:
+        for m in layers:
+            setattr(m, flag, True)
+
+
+def frozen_bn_stats(model: nn.Module | None) -> contextlib.AbstractContextManager[None]:
     """Inside, BatchNorm layers in train mode still normalise with batch statistics but do not
     update their running statistics or batch counters: the pass leaves no trace.
 
     Done by switching ``track_running_stats`` off for the block (nothing is modified in place,
     so a graph built before the block can still be backpropagated after it)."""
-    if model is None:
-        yield
-        return
-    layers = [m for m in model.modules() if isinstance(m, _NormBase) and m.track_running_stats]
-    for m in layers:
-        m.track_running_stats = False
-    try:
-        yield
-    finally:
-        for m in layers:
-            m.track_running_stats = True
+    return _norm_flag_off(model, "track_running_stats")
 
 
-@contextlib.contextmanager
-def running_bn_stats(model: nn.Module) -> Iterator[None]:
+def running_bn_stats(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """Inside, BatchNorm layers in train mode normalise by their running statistics, as at test
     time (so they do not update them either); everything else keeps its mode and parameters their
     gradients. For a term that must score inputs as test time will, inside a training step."""
-    layers = [m for m in model.modules() if isinstance(m, _NormBase) and m.training]
-    for m in layers:
-        m.training = False
-    try:
-        yield
-    finally:
-        for m in layers:
-            m.training = True
+    return _norm_flag_off(model, "training")
 
 
 BATCHNORM_MODES = ("eval", "batch")
