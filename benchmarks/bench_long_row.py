@@ -1397,6 +1397,39 @@ def cheap_table(versus: Sequence[dict[str, Any]]) -> str:
     return md_table(header, rows)
 
 
+def bn_statistics_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Per point of every cell that recorded log p(x) with both BatchNorm statistics
+    (:func:`_logpx_auroc_with_other_bn`): which the validation accuracy kept, the two validation
+    accuracies, and the worst-set log p(x) AUROC gap to the baseline energy with each; "" if none."""
+    base = {
+        (r["dataset"], r["net"], r["seed"]): {p["iteration"]: p for p in r["points"]}
+        for r in rows
+        if r["run"] == "baseline"
+    }
+    lines = []
+    for r in rows:
+        b = base.get((r["dataset"], r["net"], r["seed"]), {})
+        for p in r["points"]:
+            sel, bp = p.get("bn_selection") or {}, b.get(p["iteration"])
+            other = next((k for k in ("auroc_as_trained", "auroc_from_data") if k in sel), None)
+            if other is None or bp is None:
+                continue
+            with_stats = {sel["kept"]: p["auroc"]["logpx"], other[len("auroc_") :]: sel[other]}
+            worst = {k: min(v[s] - bp["auroc"]["logpx"][s] for s in OOD_NAMES) for k, v in with_stats.items()}
+            lines.append(
+                f"| {r['dataset']} | {r['net']} | {GB.run_label(r)} | {r['seed']} | {p['iteration']} | {sel['kept']} | "
+                f"{sel['val_acc_as_trained']:.3f} / {sel['val_acc_from_data']:.3f} | "
+                f"{worst['as_trained']:+.3f} / {worst['from_data']:+.3f} |"
+            )
+    if not lines:
+        return ""
+    head = (
+        "| data | network | recipe | seed | iteration | kept (validation accuracy) | validation accuracy: as trained / "
+        "from data | worst-set log p(x) AUROC - baseline energy's: as trained / from data |\n|---|---|---|---|---|---|---|---|"
+    )
+    return head + "\n" + "\n".join(lines)
+
+
 def to_markdown(
     entries: Sequence[dict[str, Any]],
     refs: dict[str, Any],
@@ -1405,6 +1438,7 @@ def to_markdown(
     cpu_h: float,
     planned: int | None = None,
     versus: Sequence[dict[str, Any]] = (),
+    bn_table: str = "",
 ) -> str:
     of = f" of the plan's {planned}" if planned else ""
     lines = [
@@ -1438,6 +1472,17 @@ def to_markdown(
             "",
             cheap_table(versus),
         ]
+    if bn_table:
+        lines += [
+            "",
+            "**Which BatchNorm statistics log p(x) is read with.** A recipe with `bn_stats_from_data` recomputes "
+            "its BatchNorm statistics from the training data and keeps them only where the validation accuracy "
+            "(300 images on textures) is not lower, else keeps those of training, which the joint pass mixed "
+            "with the samples. Points that recorded log p(x) both ways (the worst-set gap is what the targets "
+            "read; the table above has the kept one's):",
+            "",
+            bn_table,
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -1459,7 +1504,8 @@ def report(
         (r["points"][-1]["train_cpu_s"] + sum(p["eval_cpu_s"] for p in r["points"])) for r in rows if r["points"]
     )
     versus = cheap_against_choice(rows, entries)
-    md = to_markdown(entries, refs, len(rows), sum(bool(r.get("done")) for r in rows), cpu_h / 3600, planned, versus)
+    n_done = sum(bool(r.get("done")) for r in rows)
+    md = to_markdown(entries, refs, len(rows), n_done, cpu_h / 3600, planned, versus, bn_statistics_table(rows))
     for d in DATASETS:
         png = curves_figure(entries, d, os.path.join(out_dir, f"long-row-{d}.png"))
         if png and docs:
@@ -1592,8 +1638,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(plan_table(cells, speed, speed_on_the_row(os.path.join(out_dir, "cells"))))
         return
     if a.report:
-        of_record = out_dir == os.path.abspath(RESULTS)  # only the committed results speak for jem train
-        print(report(out_dir, planned=len(cells), targets=str(LONG_ROW_TARGETS) if of_record else None))
+        of_record = out_dir == os.path.abspath(RESULTS)  # only the committed results speak for jem train and the docs
+        if of_record:
+            print(report(out_dir, planned=len(cells), targets=str(LONG_ROW_TARGETS)))
+        else:
+            print(report(out_dir, readme=None, docs=None, planned=len(cells)))
         return
     run(
         cells,

@@ -419,3 +419,31 @@ def test_the_smoothed_role_is_the_weight_plus_smoothed_negatives_shown_but_never
     legend = {t.get_text(): h for t, h in zip(fig.legends[0].get_texts(), fig.legends[0].legend_handles)}
     assert legend[L.ROLE_LEGEND["smoothed"]].get_marker() == "*"
     assert "smoothed copies of the data" in fig._suptitle.get_text()
+
+
+# ---------------------------------------------------------------------------- which BatchNorm statistics
+def test_the_report_shows_log_px_with_both_batchnorm_statistics_where_a_point_recorded_them(tmp_path, monkeypatch):
+    rows = _weight_rows()
+    rows[1]["points"][1]["bn_selection"] = {
+        "kept": "as_trained",
+        "val_acc_as_trained": 0.824,
+        "val_acc_from_data": 0.821,
+        "auroc_from_data": dict.fromkeys(L.OOD_NAMES, 0.70),  # the kept (as trained) read 0.61, the baseline 0.60
+    }
+    table = L.bn_statistics_table(rows)
+    (row,) = [line for line in table.splitlines() if line.startswith("| textures")]
+    assert "| 600 | as_trained | 0.824 / 0.821 | +0.010 / +0.100 |" in row
+    assert L.bn_statistics_table(_weight_rows()) == ""  # no point recorded both: no table
+    assert "Which BatchNorm statistics" in L.to_markdown(L.curves(rows), {}, 3, 3, 0.1, bn_table=table)
+
+    # --report on another directory writes its own summary, never the README section or the docs' figures
+    monkeypatch.setattr(L.GB, "write_readme", lambda *a, **k: pytest.fail("wrote the README from another directory"))
+    monkeypatch.setattr(L, "DOCS_IMG", str(tmp_path / "docs-img"))
+    monkeypatch.setattr(L.shutil, "copy", lambda *a, **k: pytest.fail("copied a figure into the docs"))
+    os.makedirs(tmp_path / "cells")
+    for r in rows:
+        for p in r["points"]:
+            p["eval_cpu_s"] = 1.0
+        (tmp_path / "cells" / f"{L.GB.cell_name(r)}.json").write_text(json.dumps(r))
+    L.main(["--report", "--out", str(tmp_path)])
+    assert "Which BatchNorm statistics" in (tmp_path / "summary.md").read_text()
