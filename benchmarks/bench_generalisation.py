@@ -417,6 +417,11 @@ def evaluate_cell(S: dict[str, Any], res: dict[str, Any], judge: Any, tiny: bool
     )
 
 
+def recompute_bn_statistics(S: dict[str, Any], model: torch.nn.Module) -> None:
+    """The model's BatchNorm running statistics recomputed from the clean training set (torch's ``update_bn``)."""
+    update_bn([S["x"][i : i + BATCH] for i in range(0, len(S["x"]), BATCH)], model)
+
+
 def keep_better_bn_statistics(S: dict[str, Any], res: dict[str, Any]) -> dict[str, Any] | None:
     """For a recipe with ``bn_stats_from_data`` on a BatchNorm network: recompute the running
     statistics from the clean training set, keep them only when the validation accuracy is not
@@ -429,7 +434,7 @@ def keep_better_bn_statistics(S: dict[str, Any], res: dict[str, Any]) -> dict[st
         "val_acc_as_trained": _accuracy(model, S["xv"], S["yv"]),
         "test_acc_as_trained": _accuracy(model, S["xt"], S["yt"]),
     }
-    update_bn([S["x"][i : i + BATCH] for i in range(0, len(S["x"]), BATCH)], model)
+    recompute_bn_statistics(S, model)
     out["val_acc_from_data"] = _accuracy(model, S["xv"], S["yv"])
     out["test_acc_from_data"] = _accuracy(model, S["xt"], S["yt"])
     out["kept"] = "from_data" if out["val_acc_from_data"] >= out["val_acc_as_trained"] else "as_trained"

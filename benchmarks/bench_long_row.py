@@ -151,7 +151,6 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any
 
 import torch
-from torch.optim.swa_utils import update_bn
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -481,7 +480,7 @@ def _logpx_auroc_with_other_bn(
     if selection["kept"] == "from_data":
         model.load_state_dict(as_trained)
     else:
-        update_bn([S["x"][i : i + BATCH] for i in range(0, len(S["x"]), BATCH)], model)
+        GB.recompute_bn_statistics(S, model)
     model.eval()
     try:
         ood = jem.ood.evaluate_all(

@@ -32,7 +32,7 @@ if __package__ in (None, ""):
 import jem_plugin as jem
 from benchmarks import bench_generalisation as GB
 from benchmarks import bench_generative as G
-from benchmarks.bench_long_row import BATCH, SIZE
+from benchmarks.bench_long_row import SIZE
 from jem_plugin.builtins.smoothed_negatives import smoothed_copy
 
 GREYS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -65,14 +65,12 @@ def check(
     checkpoint: str, dataset: str = "textures", net: str = "resnet10t", seed: int = 0, tiny: bool = False
 ) -> dict[str, Any]:
     """:func:`ranking` with the checkpoint's BatchNorm statistics and with statistics from the data."""
-    from torch.optim.swa_utils import update_bn
-
     ds = GB.dataset(dataset, tiny)
     S = GB.setting(ds, net, GB.per_class_for(dataset, SIZE, tiny), seed)
     model = G.make_model(GB.NETWORKS.get(net, net))
     model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=False)["objects"]["model"])
     out = {"as_trained": ranking(model, S)}
-    update_bn([S["x"][i : i + BATCH] for i in range(0, len(S["x"]), BATCH)], model)
+    GB.recompute_bn_statistics(S, model)
     out["from_data"] = ranking(model, S)
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks import bench_generative as G
@@ -21,6 +22,7 @@ def test_simple_inputs_are_what_they_say_in_the_datas_normalisation():
     assert torch.allclose(grey[:, 0], grey[:, 1], atol=1e-6) and torch.allclose(grey[:, 1], grey[:, 2], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_is_ranked_with_both_batchnorm_statistics(tmp_path, capsys):
     torch.manual_seed(0)
     model = G.make_model("test_resnet")

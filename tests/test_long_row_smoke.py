@@ -387,6 +387,7 @@ def test_a_heavier_weight_that_met_every_target_is_drawn_apart_and_can_become_je
 
 
 # ---------------------------------------------------------------------------- smoothed negatives (issue 45)
+@pytest.mark.slow
 def test_the_smoothed_role_is_the_weight_plus_smoothed_negatives_shown_but_never_switched_to(tmp_path, monkeypatch):
     c = L.cell("textures", "resnet10t", "smoothed", 0, 1, px_weight=0.3)
     weight = L.cell("textures", "resnet10t", "weight", 0, 1, px_weight=0.3)
@@ -422,6 +423,7 @@ def test_the_smoothed_role_is_the_weight_plus_smoothed_negatives_shown_but_never
 
 
 # ---------------------------------------------------------------------------- which BatchNorm statistics
+@pytest.mark.slow
 def test_the_report_shows_log_px_with_both_batchnorm_statistics_where_a_point_recorded_them(tmp_path, monkeypatch):
     rows = _weight_rows()
     rows[1]["points"][1]["bn_selection"] = {

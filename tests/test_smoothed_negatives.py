@@ -53,6 +53,7 @@ def _train(with_term: bool, steps: int = 60) -> tuple[nn.Module, jem.JEM]:
     return jm.eval(), jm
 
 
+@pytest.mark.slow
 def test_training_with_the_term_makes_held_out_images_likelier_than_their_smoothed_copies():
     x, y = _digits()
     held_out = x[1400:]
