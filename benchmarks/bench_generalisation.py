@@ -425,7 +425,8 @@ def recompute_bn_statistics(S: dict[str, Any], model: torch.nn.Module) -> None:
 def keep_better_bn_statistics(S: dict[str, Any], res: dict[str, Any]) -> dict[str, Any] | None:
     """For a recipe with ``bn_stats_from_data`` on a BatchNorm network: recompute the running
     statistics from the clean training set, keep them only when the validation accuracy is not
-    worse, else restore those of training. Both test accuracies are recorded."""
+    worse, else restore those of training (kept as ``res["bn_as_trained"]`` either way). Both test
+    accuracies are recorded."""
     r, model = res["recipe"], res["model"]
     if r is None or not r.bn_stats_from_data or not any(isinstance(m, _BatchNorm) for m in model.modules()):
         return None
@@ -440,6 +441,7 @@ def keep_better_bn_statistics(S: dict[str, Any], res: dict[str, Any]) -> dict[st
     out["kept"] = "from_data" if out["val_acc_from_data"] >= out["val_acc_as_trained"] else "as_trained"
     if out["kept"] == "as_trained":
         model.load_state_dict(before)
+    res["bn_as_trained"] = before  # what training left, for a reader of the other statistics
     model.eval()
     res["jm"] = jem.wrap(model, **S["wrap_kw"])
     return out

@@ -448,14 +448,12 @@ def evaluate_point(S: dict[str, Any], ctx: dict[str, Any], judge, baseline: bool
         model.to("cpu")
         loss_fn = None if loss_fn is None else cpu_copy_of_loss(loss_fn, ctx["seed"])
     res = {"model": model, "jm": jem.wrap(model, **S["wrap_kw"]), "loss_fn": loss_fn, "recipe": ctx["recipe"]}
-    as_trained = copy.deepcopy(model.state_dict())
     try:
         selection = GB.keep_better_bn_statistics(S, res)
         ev = GB.evaluate_cell(S, res, judge, tiny, baseline)
         if selection is not None:
-            selection["auroc_" + _other_bn(selection["kept"])] = _logpx_auroc_with_other_bn(
-                S, model, as_trained, selection
-            )
+            other, auroc = _logpx_auroc_with_other_bn(S, model, res["bn_as_trained"], selection["kept"])
+            selection[f"auroc_{other}"] = auroc
     finally:
         set_rng_state(rng)
         ctx["g"].set_state(g_state)
@@ -466,18 +464,15 @@ def evaluate_point(S: dict[str, Any], ctx: dict[str, Any], judge, baseline: bool
     return ev
 
 
-def _other_bn(kept: str) -> str:
-    return "as_trained" if kept == "from_data" else "from_data"
-
-
 def _logpx_auroc_with_other_bn(
-    S: dict[str, Any], model: torch.nn.Module, as_trained: dict[str, Any], selection: dict[str, Any]
-) -> dict[str, float]:
-    """log p(x) AUROC on the OOD sets with the BatchNorm statistics the selection did not keep (the
-    evaluation's are the kept ones): how much the OOD ranking hangs on that choice, which is made on
-    validation accuracy alone. Leaves ``model`` with its kept statistics."""
-    kept = copy.deepcopy(model.state_dict())
-    if selection["kept"] == "from_data":
+    S: dict[str, Any], model: torch.nn.Module, as_trained: dict[str, Any], kept: str
+) -> tuple[str, dict[str, float]]:
+    """log p(x) AUROC on the OOD sets with the BatchNorm statistics the selection did not keep
+    (``kept``; the evaluation's are those): how much the OOD ranking hangs on that choice, which is
+    made on validation accuracy alone. Returns which statistics (``"as_trained"`` or
+    ``"from_data"``) and the AUROCs; leaves ``model`` with its kept statistics."""
+    kept_state = copy.deepcopy(model.state_dict())
+    if kept == "from_data":
         model.load_state_dict(as_trained)
     else:
         GB.recompute_bn_statistics(S, model)
@@ -486,9 +481,10 @@ def _logpx_auroc_with_other_bn(
         ood = jem.ood.evaluate_all(
             jem.wrap(model, **S["wrap_kw"]), S["xt"], S["ood"], methods=("logpx",), progress=False
         )
-        return {s: round(ood["logpx"][s]["auroc"], 4) for s in S["ood"]}
+        other = "as_trained" if kept == "from_data" else "from_data"
+        return other, {s: round(ood["logpx"][s]["auroc"], 4) for s in S["ood"]}
     finally:
-        model.load_state_dict(kept)
+        model.load_state_dict(kept_state)
 
 
 def run_cell(
