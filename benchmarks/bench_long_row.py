@@ -128,6 +128,19 @@ its cells are named ``generative+smoothed[...]`` and drawn thick dashed with sta
 
     OMP_NUM_THREADS=1 python -m benchmarks.bench_long_row --px-weights 0.3 --smoothed --datasets textures digits32 --networks resnet10t
 
+**Coarse chain starts** (``--px-weights W --coarse``; :data:`COARSE_ROLE`): the weight role's recipe
+with a quarter of its chains started from coarse images (the ``gaussian`` init's ``coarse``:
+constant or low-resolution greys and colours, upsampled), against the simple modes its log p(x)
+grew on textures where no chain went (``check_simple_inputs``: at 1,800 a flat grey image was rated
+likelier than 61% of the test textures). With the recipe's ``reinit_freq`` 0 those chains persist,
+so the p(x) term keeps pushing their energy up. Protocol, fixed before its first point: the share
+0.25, not tuned; judged on textures with resnet10t (the cell its design was read from) and wrn10-1
+(the other network whose buffer moves and whose log p(x) stays below, not looked at for the design);
+it counts only if it meets the targets there where the weight role does not, and it stays a
+candidate until digits32 shows it no worse.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_long_row --px-weights 0.3 --coarse --datasets textures --networks resnet10t wrn10-1 --workers 2 --threads 1
+
 ``--report`` writes ``OUT/long-row-<data>.png`` (copied to ``docs/img/``), ``OUT/summary.md`` and the
 table into ``benchmarks/README.md``; a run writes ``OUT/summary.md`` and the PNGs after each cell.
 """
@@ -172,14 +185,14 @@ RESULTS = os.path.join(HERE, "results", "long_row")
 DOCS_IMG = os.path.join(os.path.dirname(HERE), "docs", "img")
 DATASETS = ("textures", "digits32")  # judged on first
 NETWORKS = ("resnet10t", "convnext_atto", "wrn10-1", "lcnet_050")
-ROLES = ("baseline", "default", "generative", "dat", "cheap", "weight", "smoothed")
+ROLES = ("baseline", "default", "generative", "dat", "cheap", "weight", "smoothed", "coarse")
 #: the cut of jem train's choice the ``cheap`` role runs (issue 45 item 3: bench_train_step's
 #: ``steps5_shared``, 5 SGLD steps and the p(x) term's data energies from the classification forward;
 #: ~2.5x a cross-entropy step where the choice is ~4.8x), judged here before it may become the default
 CHEAP_CUT = "steps5_shared"
 #: roles that are candidates, not recipes: shown in the curves and tables, never in jem train's
 #: evidence as a registered recipe it could switch to (:func:`targets_evidence`)
-CANDIDATE_ROLES = ("dat", "cheap", "smoothed")
+CANDIDATE_ROLES = ("dat", "cheap", "smoothed", "coarse")
 #: ``--px-weights``: the ``weight`` role is jem train's choice with a heavier p(x) term (issue 45: the
 #: buffer FD target, which the choice's 0.03 misses on every normalised textures cell and ``generative``'s 0.75
 #: meets at the cost of ~10 points of accuracy). A registered recipe with changed settings, so jem
@@ -191,8 +204,16 @@ WEIGHT_ROLE = "weight"
 #: the weight role's failure on textures: where its buffer moves, log p(x) ranks the smooth digits
 #: above the textures. A candidate (:data:`CANDIDATE_ROLES`): the term is no recipe setting.
 SMOOTHED_ROLE = "smoothed"
+#: ``--px-weights W --coarse``: the weight role's recipe with a share :data:`COARSE_SHARE` of its chains
+#: started from coarse images (constant or low-resolution greys and colours; the ``gaussian`` init's
+#: ``coarse``), against the simple modes the weight role's log p(x) grew where no chain went (a flat
+#: grey textures image likelier than 61% of the test textures at 1,800). A candidate: its design was read
+#: off the resnet10t textures cell, so it cannot switch jem train's choice on that evidence.
+COARSE_ROLE = "coarse"
+#: the share of chain starts the coarse role draws coarse (fixed before its first run, not tuned)
+COARSE_SHARE = 0.25
 #: the roles that set the choice's p(x) weight (``px_weight=`` in :func:`cell`)
-PX_ROLES = (WEIGHT_ROLE, SMOOTHED_ROLE)
+PX_ROLES = (WEIGHT_ROLE, SMOOTHED_ROLE, COARSE_ROLE)
 #: the roles :func:`probe_speed` times and :func:`speed_from_matrix` reads: the weight role runs the
 #: choice's recipe, at its speed (:func:`projected_cpu_s`)
 TIMED_ROLES = tuple(r for r in ROLES if r not in PX_ROLES)
@@ -267,8 +288,10 @@ def cell(
         on_top: dict[str, Any] = {}
         if role == "cheap":
             on_top = CUTS[cut or CHEAP_CUT]
-        elif px_weight is not None:  # the weight and smoothed roles (checked above)
+        elif px_weight is not None:  # the weight, smoothed and coarse roles (checked above)
             on_top = {"px_weight": float(px_weight)}
+            if role == COARSE_ROLE:
+                on_top["init_coarse"] = COARSE_SHARE
         settings = tuple(sorted({**dict(settings), **on_top}.items()))
         if settings:
             c["set"] = dict(settings)
@@ -1048,7 +1071,11 @@ def targets_table(entries: Sequence[dict[str, Any]]) -> str:
 
 
 #: the legend's name of each role's line style
-ROLE_LEGEND = {"default": "jem train's choice", SMOOTHED_ROLE: "smoothed: the weight + smoothed negatives"}
+ROLE_LEGEND = {
+    "default": "jem train's choice",
+    SMOOTHED_ROLE: "smoothed: the weight + smoothed negatives",
+    COARSE_ROLE: f"coarse: the weight, {COARSE_SHARE:.0%} of chains from coarse images",
+}
 #: the cheap role's lines: thicker, with a triangle per cut (the same in every figure), so that they
 #: stand apart from the choice's; a cut not named here gets ">"
 CUT_MARKERS = {"steps5_shared": "^", "chains16_shared": "<"}
@@ -1075,6 +1102,8 @@ def _line_kw(e: dict[str, Any], weights: Sequence[str]) -> dict[str, Any]:
         return {"lw": 2.2, "marker": CUT_MARKERS.get(cut_of(e) or "", ">"), "ms": 4}
     if e["role"] == SMOOTHED_ROLE:
         return {"lw": 2.2, "marker": "*", "ms": 6}
+    if e["role"] == COARSE_ROLE:
+        return {"lw": 2.2, "marker": "o", "ms": 4}
     if e["role"] == WEIGHT_ROLE:
         return {"marker": WEIGHT_MARKERS[weights.index(_px_weight(e["run"])) % len(WEIGHT_MARKERS)], "ms": 4}
     return {}
@@ -1104,6 +1133,7 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
         "cheap": (0, (1, 1.5)),
         WEIGHT_ROLE: WEIGHT_STYLE,
         SMOOTHED_ROLE: (0, (4, 1)),
+        COARSE_ROLE: (0, (2, 1)),
     }
     weights = sorted({_px_weight(e["run"]) for e in mine if e["role"] == WEIGHT_ROLE})
     cuts = sorted({c for e in mine if (c := cut_of(e))}, key=list(CUTS).index)
@@ -1208,6 +1238,9 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
         role_note += (
             f";\nthick dashed with stars: p(x) {', '.join(smoothed)} plus smoothed copies of the data as negatives"
         )
+    coarse = sorted({_px_weight(e["run"]) for e in mine if e["role"] == COARSE_ROLE})
+    if coarse:
+        role_note += f";\nthick short-dashed with dots: p(x) {', '.join(coarse)}, {COARSE_SHARE:.0%} of chains from coarse images"
     fig.suptitle(
         f"{dataset} ({'tuned on' if dataset == 'digits32' else 'judged on'}), ~150 per class: each recipe against the "
         f"cross-entropy baseline at the same iteration\n(mean over seeds {','.join(map(str, seeds))} where both ran; "
@@ -1601,6 +1634,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--smoothed", action="store_true", help="--px-weights: the smoothed role (the weight plus smoothed negatives)"
     )
+    p.add_argument(
+        "--coarse",
+        action="store_true",
+        help=f"--px-weights: the coarse role (the weight, {COARSE_SHARE:.0%} of chains started from coarse images)",
+    )
     p.add_argument("--seeds", nargs="+", type=int, default=[0], help="--px-weights: the seeds")
     p.add_argument("--tiny", action="store_true", help="the tiny data sets (a smoke test of the plumbing)")
     p.add_argument("--limit", type=int, default=None, help="only the first N cells of the plan")
@@ -1622,7 +1660,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         weights = GPU_PX_WEIGHTS if a.px_weights is None else a.px_weights
         cells = gpu_plan(a.done_dir, a.iterations, a.gpu_iterations, a.tiny, a.skip_started, weights)
     elif a.px_weights:
-        role = SMOOTHED_ROLE if a.smoothed else WEIGHT_ROLE
+        if a.smoothed and a.coarse:
+            p.error("--smoothed and --coarse are two roles: run them one at a time")
+        role = SMOOTHED_ROLE if a.smoothed else COARSE_ROLE if a.coarse else WEIGHT_ROLE
         cells = weight_plan(a.datasets, a.networks, a.px_weights, a.seeds, a.iterations, a.tiny, role)
     else:
         tiers = CHEAP_TIERS if a.cheap else TIERS

@@ -575,5 +575,10 @@ def _saved_init(extra: dict[str, Any]) -> dict[str, Any] | None:
     config = extra.get("config")
     init = config.get("init") if isinstance(config, dict) else None
     if isinstance(init, Mapping):
+        if init.get("kind") in INIT_SPECS:  # a spec's options added since it was saved read as their defaults
+            try:
+                return init_spec_to_dict(init_spec_from_dict(dict(init)))
+            except (TypeError, ValueError, KeyError):
+                pass
         return dict(init)
     return None if init is None else {"kind": init}

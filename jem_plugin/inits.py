@@ -49,11 +49,21 @@ class Uniform:
 class Gaussian:
     """A per-class Gaussian fitted from the data (JEM++): ``covariance`` is one of
     :class:`~jem_plugin.covariance.Diagonal`, ``Full``, ``LowRank(rank, residual)``, ``Stationary``;
-    ``jitter`` is added to the variances; ``scale`` multiplies the standard deviations of draws."""
+    ``jitter`` is added to the variances; ``scale`` multiplies the standard deviations of draws;
+    ``coarse``: the share of draws that are coarse images instead (images only: constant or
+    low-resolution greys and colours, upsampled; :func:`~jem_plugin.builtins.init_distributions.coarse_images`),
+    so that chains also start at the simple inputs a likelihood may rate above the data."""
 
     covariance: Covariance = field(default_factory=Diagonal)
     jitter: float = 1e-4
     scale: float = 1.0
+    coarse: float = field(
+        default=0.0,
+        metadata={
+            "help": "share of chain starts that are coarse images (constant or low-resolution greys and colours) "
+            "instead of Gaussian draws: chains that also visit the simple inputs a likelihood may favour"
+        },
+    )
     kind: ClassVar[str] = "gaussian"
 
     def __post_init__(self) -> None:
@@ -66,6 +76,8 @@ class Gaussian:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"Gaussian {name} must be a finite number >= 0, got {value!r}")
+        if not (isinstance(self.coarse, (int, float)) and not isinstance(self.coarse, bool) and 0 <= self.coarse <= 1):
+            raise ValueError(f"Gaussian coarse is a share in [0, 1], got {self.coarse!r}")
 
 
 @dataclass(frozen=True)

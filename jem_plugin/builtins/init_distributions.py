@@ -13,7 +13,8 @@ Registered through the ``jem_register_init_distributions`` hook:
     one at any image size) or ``Stationary()`` (images: the class's power spectrum, noise as
     smooth as the data and none of its shapes), clamped to the domain. Class-conditional draws
     use the given class; unconditional draws pick a class uniformly at random. Call
-    ``buffer.fit(x, y)`` first.
+    ``buffer.fit(x, y)`` first. ``coarse=`` a share of the draws are :func:`coarse_images`
+    instead: chains that start at the simple inputs a likelihood may rate above the data.
 ``normal``
     ``N(mean, std^2)`` per pixel, clamped to the domain.
 
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._checks import check_labels
@@ -40,7 +42,10 @@ from ..covariance import Covariance, Diagonal, Full, LowRank, Stationary
 from ..errors import InvalidInputError, InvalidLabelError, JEMError
 from ..plugins import hookimpl
 
-__all__ = ["UniformInit", "GaussianInit", "NormalInit", "jem_register_init_distributions"]
+__all__ = ["UniformInit", "GaussianInit", "NormalInit", "coarse_images", "jem_register_init_distributions"]
+
+#: :func:`coarse_images`' grids: a constant image, then 2x2, 4x4 and 8x8 cells of colour
+COARSE_GRIDS = (1, 2, 4, 8)
 
 
 class UniformInit(nn.Module):
@@ -86,6 +91,40 @@ class NormalInit(nn.Module):
         return f"mean={self.mean}, std={self.std}"
 
 
+def coarse_images(
+    n: int,
+    shape: Sequence[int],
+    domain: InputDomain,
+    generator: torch.Generator | None = None,
+    device=None,
+    grids: Sequence[int] = COARSE_GRIDS,
+) -> Tensor:
+    """``n`` coarse images ``[n, C, H, W]`` in ``domain``: each a ``g x g`` grid of random values
+    (``g`` drawn from ``grids``, at most the image's size; ``1``: a constant image) upsampled
+    bilinearly, grey (the same pixel value in every channel) for half of them and coloured for the
+    other half; values uniform over the domain. The simplest inputs an image model meets, which
+    likelihood models tend to rate above their data (Nalisnick et al. 2019; Serra et al. 2020);
+    upsampled low-resolution starts are also how multigrid sampling begins (Gao et al. 2018)."""
+    if len(shape) != 3:
+        raise InvalidInputError(
+            f"coarse images need image inputs [C, H, W], got samples of shape {tuple(shape)}; set the init's coarse=0"
+        )
+    c, h, w = (int(s) for s in shape)
+    out = torch.empty(n, c, h, w, device=device)
+    sizes = torch.tensor([min(int(g), h, w) for g in grids])
+    pick = _draw(lambda s, **kw: torch.randint(0, len(grids), s, **kw), (n,), generator, device).cpu()
+    grey = _draw(torch.rand, (n,), generator, device) < 0.5
+    for i, g in enumerate(sizes.tolist()):
+        rows = (pick == i).nonzero().squeeze(1)
+        if not rows.numel():
+            continue
+        u = _draw(torch.rand, (rows.numel(), c, g, g), generator, device)
+        u = torch.where(grey[rows.to(grey.device)].view(-1, 1, 1, 1), u[:, :1].expand_as(u), u)
+        out[rows.to(out.device)] = F.interpolate(u, size=(h, w), mode="bilinear", align_corners=False)
+    lo, hi = domain.bounds(out)
+    return out.mul_(hi - lo).add_(lo)
+
+
 # Past this, a covariance (full: fp32 Cholesky factors, float64 while fitting; lowrank: the fp32
 # factors) is refused with a one-line error instead of an out-of-memory crash. Full, 10 classes:
 # 0.35 GiB at 3x32x32, 5.6 GiB at 3x64x64, 844 GiB at 3x224x224; lowrank, rank 8 at 3x224x224:
@@ -126,6 +165,8 @@ class GaussianInit(nn.Module):
         constant pixel or a class with one example still gives a valid distribution (stationary:
         not used, its spectrum is valid as it is).
     scale: multiplies the standard deviation (``< 1`` draws closer to the class means).
+    coarse: the share of draws replaced by :func:`coarse_images` (images only; ``0``: none, and no
+        random numbers spent on them, so seeded runs without it are unchanged).
     """
 
     #: ``fit(..., pool_missing=True)`` gives classes without examples the Gaussian of all examples.
@@ -136,8 +177,12 @@ class GaussianInit(nn.Module):
         covariance: Covariance = _DIAGONAL,
         jitter: float = 1e-4,
         scale: float = 1.0,
+        coarse: float = 0.0,
     ) -> None:
         super().__init__()
+        if not 0.0 <= float(coarse) <= 1.0:
+            raise ValueError(f"gaussian init: coarse is a share in [0, 1], got {coarse!r}")
+        self.coarse = float(coarse)
         if not isinstance(covariance, _COVARIANCE_TYPES):
             raise ValueError(
                 "covariance must be Diagonal(), Full(), LowRank(rank, residual) or Stationary() from "
@@ -332,7 +377,12 @@ class GaussianInit(nn.Module):
             x = torch.einsum("cd,ndhw->nchw", self.colour.to(device), torch.fft.ifft2(spectral).real).reshape(n, d)
         else:
             x = _per_class_matmul(z, self.scale_tril.to(device), y)
-        return domain.clamp(x.mul_(self.scale).add_(mean[y]).reshape(n, *shape))
+        x = domain.clamp(x.mul_(self.scale).add_(mean[y]).reshape(n, *shape))
+        if self.coarse > 0:
+            rows = (_draw(torch.rand, (n,), generator, device) < self.coarse).nonzero().squeeze(1)
+            if rows.numel():
+                x[rows] = coarse_images(rows.numel(), shape, domain, generator, device)
+        return x
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The fitted tensors have data-dependent shapes: resize the empty buffers before loading.
@@ -345,7 +395,8 @@ class GaussianInit(nn.Module):
 
     def extra_repr(self) -> str:
         fitted = f"fitted on {self.num_classes} classes of {self.mean.shape[1]} values" if self.fitted else "not fitted"
-        return f"covariance={self.covariance!r}, jitter={self.jitter}, scale={self.scale}, {fitted}"
+        coarse = f", coarse={self.coarse}" if self.coarse else ""
+        return f"covariance={self.covariance!r}, jitter={self.jitter}, scale={self.scale}{coarse}, {fitted}"
 
 
 @hookimpl
