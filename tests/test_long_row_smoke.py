@@ -422,6 +422,35 @@ def test_the_smoothed_role_is_the_weight_plus_smoothed_negatives_shown_but_never
     assert "smoothed copies of the data" in fig._suptitle.get_text()
 
 
+# ---------------------------------------------------------------------------- coarse chain starts (issue 45)
+@pytest.mark.slow
+def test_the_coarse_role_is_the_weight_with_coarse_starts_shown_but_never_switched_to(tmp_path, monkeypatch):
+    c = L.cell("textures", "wrn10-1", "coarse", 0, 1, px_weight=0.3)
+    weight = L.cell("textures", "wrn10-1", "weight", 0, 1, px_weight=0.3)
+    assert c["set"] == {**weight["set"], "init_coarse": L.COARSE_SHARE} and "negatives" not in c
+    assert L.GB.run_label(c) == "generative[init_coarse=0.25,l2_weight=0,px_weight=0.3]"
+    with pytest.raises(SystemExit):
+        L.main(["--px-weights", "0.3", "--smoothed", "--coarse", "--plan", "--out", str(tmp_path)])
+
+    rows = _weight_rows()  # the coarse cell met every target: shown, never a recipe jem train switches to
+    rows[2] = {**rows[2], **L.cell("textures", "resnet10t", "coarse", 0, 1, px_weight=0.3)}
+    entries = L.curves(rows)
+    evidence = L.targets_evidence(rows, entries)
+    coarse = next(x for x in evidence["cells"] if x["role"] == "coarse")
+    assert coarse["first"]["all"] == 300 and coarse["recipe"] not in RECIPES
+    choice = default_choice(150, batchnorm=True)
+    assert generative_half(choice, 10_000, True, table=evidence)[0] == choice
+    drawn = []
+    import matplotlib.figure
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
+    L.curves_figure(entries, "textures", str(tmp_path / "t.png"))
+    (fig,) = drawn
+    legend = {t.get_text(): h for t, h in zip(fig.legends[0].get_texts(), fig.legends[0].legend_handles)}
+    assert legend[L.ROLE_LEGEND["coarse"]].get_marker() == "o"
+    assert "25% of chains from coarse images" in fig._suptitle.get_text()
+
+
 # ---------------------------------------------------------------------------- which BatchNorm statistics
 @pytest.mark.slow
 def test_the_report_shows_log_px_with_both_batchnorm_statistics_where_a_point_recorded_them(tmp_path, monkeypatch):
