@@ -110,7 +110,9 @@ def _train(coarse: float, steps: int = 150) -> jem.JEM:
 def test_coarse_starts_teach_the_energy_that_flat_images_are_unlikely():
     x, _ = _digits()
     held_out = x[1400:]
-    flat = coarse_images(200, (1, 8, 8), InputDomain.from_range(-1.0, 1.0), torch.Generator().manual_seed(9), grids=(1,))
+    flat = coarse_images(
+        200, (1, 8, 8), InputDomain.from_range(-1.0, 1.0), torch.Generator().manual_seed(9), grids=(1,)
+    )
     auroc = {}
     for coarse in (0.0, 0.5):
         jm = _train(coarse)
