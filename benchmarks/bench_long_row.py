@@ -1467,12 +1467,13 @@ def to_markdown(
     planned: int | None = None,
     versus: Sequence[dict[str, Any]] = (),
     bn_table: str = "",
+    cells_dir: str = "benchmarks/results/long_row/cells",
 ) -> str:
     of = f" of the plan's {planned}" if planned else ""
     lines = [
         f"{n_cells} cells started{of}, {n_done} finished "
         f"({cpu_h:.1f} CPU hours so far; "
-        f"`benchmarks/results/long_row/cells`). Per cell, the first evaluated iteration at which each target "
+        f"`{cells_dir}`). Per cell, the first evaluated iteration at which each target "
         "holds on the mean over its seeds, judged against the baseline of the same data, network and seed at "
         'the same iteration ("not yet (at N)": not met up to iteration N, the last evaluated; ", not at N": '
         "met earlier and missed at the last point); then the last point's values. **Bold**: `jem train`'s "
@@ -1533,7 +1534,12 @@ def report(
     )
     versus = cheap_against_choice(rows, entries)
     n_done = sum(bool(r.get("done")) for r in rows)
-    md = to_markdown(entries, refs, len(rows), n_done, cpu_h / 3600, planned, versus, bn_statistics_table(rows))
+    cells_dir = os.path.relpath(os.path.join(out_dir, "cells"), os.path.dirname(HERE))
+    if cells_dir.startswith(".."):  # outside the repository: where it is
+        cells_dir = os.path.join(os.path.abspath(out_dir), "cells")
+    md = to_markdown(
+        entries, refs, len(rows), n_done, cpu_h / 3600, planned, versus, bn_statistics_table(rows), cells_dir
+    )
     for d in DATASETS:
         png = curves_figure(entries, d, os.path.join(out_dir, f"long-row-{d}.png"))
         if png and docs:

@@ -477,4 +477,6 @@ def test_the_report_shows_log_px_with_both_batchnorm_statistics_where_a_point_re
             p["eval_cpu_s"] = 1.0
         (tmp_path / "cells" / f"{L.GB.cell_name(r)}.json").write_text(json.dumps(r))
     L.main(["--report", "--out", str(tmp_path)])
-    assert "Which BatchNorm statistics" in (tmp_path / "summary.md").read_text()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Which BatchNorm statistics" in summary
+    assert f"`{tmp_path / 'cells'}`" in summary and "results/long_row/cells" not in summary  # names its own cells
