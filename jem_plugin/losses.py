@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -274,6 +275,17 @@ class JEMLoss(nn.Module):
         self._term_kwargs: dict[str, dict[str, Any]] = {}  # what add_term built each term from
         self._domain_check = DomainCheck()  # warns once when the data leave the model's domain
         self._replay: SampleReplay | None = None  # set inside reusing_samples()
+        coarse = getattr(getattr(buffer, "init_dist", None), "coarse", 0.0)
+        if coarse and self.l2_weight == 0 and (self.px_weight > 0 or self.pxy_weight > 0):
+            # Chains that stay at flat images are negatives the energy tells apart with no limit:
+            # on the long row, wrn10-1 (no normalisation) diverged to energies of 1e10 by 288
+            # iterations without the L2 and stayed within +-3 with it at 0.1.
+            warnings.warn(
+                f"the buffer starts {coarse:.0%} of its chains from coarse images and l2_weight is 0: the energy "
+                "of chains that stay at flat images can grow without bound; set l2_weight (the recipes' 0.1)",
+                UserWarning,
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------------ configuration
     @property

@@ -73,6 +73,26 @@ def test_the_share_is_a_recipe_setting_and_a_buffer_saved_before_it_existed_stil
         other.load_state_dict(buffer.state_dict())
 
 
+def test_coarse_starts_without_the_energy_l2_warn_once_at_the_loss_and_not_with_it(recwarn):
+    buffer = jem.ReplayBuffer(10, (3, 8, 8), init=Gaussian(coarse=0.25), num_classes=2)
+    with pytest.warns(UserWarning, match="25% of its chains from coarse images"):
+        jem.JEMLoss(jem.SGLD(steps=1), buffer)
+    recwarn.clear()
+    jem.JEMLoss(jem.SGLD(steps=1), buffer, l2_weight=0.1)
+    jem.JEMLoss(jem.SGLD(steps=1), buffer, px_weight=0.0)  # no samples drawn: nothing at risk
+    jem.JEMLoss(jem.SGLD(steps=1), jem.ReplayBuffer(10, (3, 8, 8), init=Gaussian(), num_classes=2))
+    assert not [w for w in recwarn if "coarse" in str(w.message)]
+    with pytest.warns(UserWarning, match="coarse images"):  # what a recipe builds says it too
+        get_recipe("generative").replace(init_coarse=0.25, l2_weight=0.0).build(
+            _tiny_net(), (torch.rand(8, 3, 8, 8), torch.arange(8) % 2), total_iters=10, batch_size=4
+        )
+
+
+def _tiny_net() -> jem.JEM:
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    return jem.wrap(net, input_size=(3, 8, 8), num_classes=2, data_range=(0, 1))
+
+
 def _digits() -> tuple[torch.Tensor, torch.Tensor]:
     d = load_digits()
     return torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 8.0 - 1.0, torch.tensor(d.target)
@@ -94,7 +114,12 @@ def _train(coarse: float, steps: int = 150) -> jem.JEM:
     )
     jm = jem.wrap(net, input_size=(1, 8, 8), num_classes=10, data_range=(-1, 1))
     buffer = jem.ReplayBuffer(256, (1, 8, 8), 0.05, init=Gaussian(coarse=coarse), num_classes=10)
-    loss_fn = jem.JEMLoss(jem.SGLD(steps=5), buffer.fit(x[:1400], y[:1400]), px_weight=1.0)
+    buffer.fit(x[:1400], y[:1400])
+    if coarse:  # without the energy L2 the loss says what it risks (here it did not diverge)
+        with pytest.warns(UserWarning, match="coarse images and l2_weight is 0.*set l2_weight"):
+            loss_fn = jem.JEMLoss(jem.SGLD(steps=5), buffer, px_weight=1.0)
+    else:
+        loss_fn = jem.JEMLoss(jem.SGLD(steps=5), buffer, px_weight=1.0)
     opt = torch.optim.Adam(jm.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):
