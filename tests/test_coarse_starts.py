@@ -147,3 +147,20 @@ def test_coarse_starts_teach_the_energy_that_flat_images_are_unlikely():
     # Without them the chains never visit flat images and the energy rates them near the data or
     # above it (AUROC 0.03-0.51 over seeds 0-2); with half the starts coarse, 0.89-1.0.
     assert auroc[0.5] > 0.85 and auroc[0.5] > auroc[0.0] + 0.2, auroc
+
+
+def test_check_coarse_energy_writes_the_two_l2_weights_side_by_side(tmp_path, monkeypatch):
+    from benchmarks import check_coarse_energy as C
+
+    def fake(l2_weight, iterations, every, net, tiny=False):
+        scale = 1e10 if l2_weight == 0 else 1.0  # what wrn10-1 did without the L2
+        return [
+            {"iteration": i, "acc": 0.1, "energy_data": -scale, "energy_sample": scale, "energy_gap": 2 * scale}
+            for i in range(every, iterations + 1, every)
+        ]
+
+    monkeypatch.setattr(C, "energies", fake)
+    C.main(["--l2-weights", "0", "0.1", "--iterations", "50", "--every", "25", "--out", str(tmp_path)])
+    text = (tmp_path / "coarse_energy.md").read_text()
+    assert "| iteration | acc (L2 0) |" in text and "energy_gap (L2 0.1) |" in text
+    assert "| 50 | 0.1 | -1e+10 | 1e+10 | 2e+10 | 0.1 | -1 | 1 | 2 |" in text
