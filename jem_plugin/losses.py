@@ -279,7 +279,7 @@ class JEMLoss(nn.Module):
         if coarse and self.l2_weight == 0 and (self.px_weight > 0 or self.pxy_weight > 0):
             # Chains that stay at flat images are negatives the energy tells apart with no limit:
             # on the long row, wrn10-1 (no normalisation) diverged to energies of 1e10 by 288
-            # iterations without the L2 and stayed within +-3 with it at 0.1.
+            # iterations without the L2, and within +-1 with it at 0.1 (benchmarks/check_coarse_energy.py).
             warnings.warn(
                 f"the buffer starts {coarse:.0%} of its chains from coarse images and l2_weight is 0: the energy "
                 "of chains that stay at flat images can grow without bound; set l2_weight (the recipes' 0.1)",

@@ -61,6 +61,8 @@ def test_the_share_is_a_recipe_setting_and_a_buffer_saved_before_it_existed_stil
     r = get_recipe("generative").replace(init_coarse=0.25)
     assert r.flat()["init_coarse"] == 0.25 and r.buffer.init == Gaussian(covariance=Stationary(), coarse=0.25)
     assert type(r).from_dict(r.to_dict()) == r
+    flat, notes = r.for_inputs((20,))  # not images: no coarse starts, and the recipe says so
+    assert flat.buffer.init.coarse == 0.0 and any("init_coarse 0.25 -> 0.0" in n for n in notes)
     x, y = torch.rand(20, 3, 8, 8), torch.arange(20) % 2
     buffer = jem.ReplayBuffer(10, (3, 8, 8), init=Gaussian(), num_classes=2).fit(x, y)
     state = buffer.state_dict()

@@ -334,8 +334,9 @@ class Recipe:
     def for_inputs(self, sample_shape: Sequence[int]) -> tuple[Recipe, list[str]]:
         """This recipe for inputs of ``sample_shape``, and what had to change (one line each).
 
-        The image-only pieces (the stationary covariance, steps in the data's colours) need
-        ``[C, H, W]`` inputs; for others they fall back to a diagonal covariance and free steps.
+        The image-only pieces (the stationary covariance, coarse chain starts, steps in the data's
+        colours) need ``[C, H, W]`` inputs; for others they fall back to a diagonal covariance, no
+        coarse starts and free steps.
         """
         if len(tuple(sample_shape)) == 3:
             return self, []
@@ -343,6 +344,8 @@ class Recipe:
         init = self.buffer.init
         if isinstance(init, Gaussian) and isinstance(init.covariance, Stationary):
             changes["init_covariance"] = "diagonal"
+        if isinstance(init, Gaussian) and init.coarse:
+            changes["init_coarse"] = 0.0
         if self.sampler.colours != "all":
             changes["sgld_colours"] = "all"
         flat = self.flat()
