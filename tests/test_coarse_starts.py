@@ -57,6 +57,25 @@ def test_a_coarse_share_replaces_that_share_of_draws_and_leaves_the_others_as_th
             Gaussian(coarse=bad)
 
 
+def test_coarse_starts_for_grey_data_in_an_rgb_model_are_grey_and_older_checkpoints_load():
+    # grey digits-like images, ImageNet-normalised (each channel differently): the data's one colour axis
+    unit = torch.rand(40, 1, 16, 16).expand(40, 3, 16, 16)
+    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    x, y = (unit - mean) / std, torch.arange(40) % 4
+    init = GaussianInit(covariance=Stationary(), coarse=1.0).fit(x, y)
+    starts = init.sample(500, (3, 16, 16), IMAGENET, torch.Generator().manual_seed(0))
+    pixels = starts * std + mean
+    assert float((pixels - pixels.mean(1, keepdim=True)).abs().max()) < 1e-4  # grey, as the data
+    assert float(pixels.flatten(1).std(1).mean()) > 0.05 and float(pixels.amin()) > -1e-4  # varied, in range
+    # colour data: the coarse images as drawn (no projection, nothing stored)
+    assert GaussianInit(coarse=0.5).fit(torch.rand(40, 3, 8, 8), y).coarse_axes.numel() == 0
+    # a state saved before coarse starts existed (no coarse_axes / coarse_centre) loads
+    state = {k: v for k, v in init.state_dict().items() if not k.startswith("coarse_")}
+    again = GaussianInit(covariance=Stationary(), coarse=1.0)
+    again.load_state_dict(state)
+    assert torch.equal(again.mean, init.mean) and again.coarse_axes.numel() == 0
+
+
 def test_the_share_is_a_recipe_setting_and_a_buffer_saved_before_it_existed_still_loads():
     r = get_recipe("generative").replace(init_coarse=0.25)
     assert r.flat()["init_coarse"] == 0.25 and r.buffer.init == Gaussian(covariance=Stationary(), coarse=0.25)

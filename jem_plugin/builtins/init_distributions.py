@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from .._checks import check_labels
 from .._checks import draw as _draw
-from .._colours import channel_axes
+from .._colours import channel_axes, colour_projection, project_colours
 from ..adapter import InputDomain
 from ..covariance import Covariance, Diagonal, Full, LowRank, Stationary
 from ..errors import InvalidInputError, InvalidLabelError, JEMError
@@ -166,7 +166,9 @@ class GaussianInit(nn.Module):
         not used, its spectrum is valid as it is).
     scale: multiplies the standard deviation (``< 1`` draws closer to the class means).
     coarse: the share of draws replaced by :func:`coarse_images` (images only; ``0``: none, and no
-        random numbers spent on them, so seeded runs without it are unchanged).
+        random numbers spent on them, so seeded runs without it are unchanged). For data whose
+        pixels vary along fewer colour axes than the model has (grey digits in an RGB model) the
+        coarse images are projected onto the data's axes, so that they are grey too.
     """
 
     #: ``fit(..., pool_missing=True)`` gives classes without examples the Gaussian of all examples.
@@ -201,6 +203,11 @@ class GaussianInit(nn.Module):
         self.register_buffer("scale_tril", torch.empty(0))  # [K, D, D] (full)
         self.register_buffer("factor", torch.empty(0))  # [K, D, rank] (lowrank): cov = F F^T + std^2 I
         self.register_buffer("colour", torch.empty(0))  # [C, C] (stationary): the residuals' channel axes
+        # [C, C] and [C] (images whose pixels vary along fewer colour axes than the model has, such
+        # as grey digits in an RGB model): coarse starts are projected onto them about the data's
+        # mean colour, since steps confined to the data's colours would never move a coloured start
+        self.register_buffer("coarse_axes", torch.empty(0))
+        self.register_buffer("coarse_centre", torch.empty(0))
 
     @property
     def fitted(self) -> bool:
@@ -284,6 +291,12 @@ class GaussianInit(nn.Module):
             self.std = self.factor = torch.empty(0, device=flat.device)
         if self._kind != Stationary.kind:
             self.colour = torch.empty(0, device=flat.device)
+        self.coarse_axes = self.coarse_centre = torch.empty(0, device=flat.device)
+        if x.dim() == 4:
+            axes = colour_projection(x)
+            if not torch.equal(axes, torch.eye(x.shape[1], device=axes.device)):
+                self.coarse_axes = axes.to(flat.device)
+                self.coarse_centre = x.detach().float().mean((0, 2, 3)).to(flat.device)
         self.mean = means.float()
         return self
 
@@ -381,13 +394,19 @@ class GaussianInit(nn.Module):
         if self.coarse > 0:
             rows = (_draw(torch.rand, (n,), generator, device) < self.coarse).nonzero().squeeze(1)
             if rows.numel():
-                x[rows] = coarse_images(rows.numel(), shape, domain, generator, device)
+                starts = coarse_images(rows.numel(), shape, domain, generator, device)
+                if self.coarse_axes.numel():  # onto the data's colour axes (grey data: grey starts)
+                    centre = self.coarse_centre.to(device).view(1, -1, 1, 1)
+                    starts = domain.clamp(project_colours(starts - centre, self.coarse_axes.to(device)) + centre)
+                x[rows] = starts
         return x
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The fitted tensors have data-dependent shapes: resize the empty buffers before loading.
-        for name in ("mean", "std", "scale_tril", "factor", "colour"):
+        for name in ("mean", "std", "scale_tril", "factor", "colour", "coarse_axes", "coarse_centre"):
             key = prefix + name
+            if key not in state_dict and name.startswith("coarse_") and prefix + "mean" in state_dict:
+                state_dict[key] = torch.empty(0)  # saved before coarse starts existed: none to project
             if key in state_dict:
                 cur = getattr(self, name)
                 setattr(self, name, torch.empty_like(state_dict[key], device=cur.device, dtype=cur.dtype))
