@@ -203,11 +203,6 @@ class GaussianInit(nn.Module):
         self.register_buffer("scale_tril", torch.empty(0))  # [K, D, D] (full)
         self.register_buffer("factor", torch.empty(0))  # [K, D, rank] (lowrank): cov = F F^T + std^2 I
         self.register_buffer("colour", torch.empty(0))  # [C, C] (stationary): the residuals' channel axes
-        # [C, C] and [C] (images whose pixels vary along fewer colour axes than the model has, such
-        # as grey digits in an RGB model): coarse starts are projected onto them about the data's
-        # mean colour, since steps confined to the data's colours would never move a coloured start
-        self.register_buffer("coarse_axes", torch.empty(0))
-        self.register_buffer("coarse_centre", torch.empty(0))
 
     @property
     def fitted(self) -> bool:
@@ -291,12 +286,6 @@ class GaussianInit(nn.Module):
             self.std = self.factor = torch.empty(0, device=flat.device)
         if self._kind != Stationary.kind:
             self.colour = torch.empty(0, device=flat.device)
-        self.coarse_axes = self.coarse_centre = torch.empty(0, device=flat.device)
-        if x.dim() == 4:
-            axes = colour_projection(x)
-            if not torch.equal(axes, torch.eye(x.shape[1], device=axes.device)):
-                self.coarse_axes = axes.to(flat.device)
-                self.coarse_centre = x.detach().float().mean((0, 2, 3)).to(flat.device)
         self.mean = means.float()
         return self
 
@@ -394,19 +383,25 @@ class GaussianInit(nn.Module):
         if self.coarse > 0:
             rows = (_draw(torch.rand, (n,), generator, device) < self.coarse).nonzero().squeeze(1)
             if rows.numel():
-                starts = coarse_images(rows.numel(), shape, domain, generator, device)
-                if self.coarse_axes.numel():  # onto the data's colour axes (grey data: grey starts)
-                    centre = self.coarse_centre.to(device).view(1, -1, 1, 1)
-                    starts = domain.clamp(project_colours(starts - centre, self.coarse_axes.to(device)) + centre)
-                x[rows] = starts
+                x[rows] = self._in_data_colours(coarse_images(rows.numel(), shape, domain, generator, device), domain)
         return x
+
+    def _in_data_colours(self, starts: Tensor, domain: InputDomain) -> Tensor:
+        """``starts`` projected onto the colour axes the class means vary along, about their mean
+        colour, where those are fewer than the model's channels (grey digits in an RGB model: grey
+        starts); else as they are. A coloured start would never move: the recipes confine SGLD's
+        steps to the data's colours. Read from the fitted means, so no state is added to the init."""
+        means = self.mean.to(starts.device).view(-1, *starts.shape[1:])
+        axes = colour_projection(means)
+        if torch.equal(axes, torch.eye(axes.shape[0], device=axes.device)) or not bool(axes.any()):
+            return starts
+        centre = means.mean((0, 2, 3)).view(1, -1, 1, 1)
+        return domain.clamp(project_colours(starts - centre, axes.to(starts.device)) + centre)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The fitted tensors have data-dependent shapes: resize the empty buffers before loading.
-        for name in ("mean", "std", "scale_tril", "factor", "colour", "coarse_axes", "coarse_centre"):
+        for name in ("mean", "std", "scale_tril", "factor", "colour"):
             key = prefix + name
-            if key not in state_dict and name.startswith("coarse_") and prefix + "mean" in state_dict:
-                state_dict[key] = torch.empty(0)  # saved before coarse starts existed: none to project
             if key in state_dict:
                 cur = getattr(self, name)
                 setattr(self, name, torch.empty_like(state_dict[key], device=cur.device, dtype=cur.dtype))
