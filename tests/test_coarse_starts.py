@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sklearn.datasets import load_digits
+from _digits import TRAIN, digits8, train_steps
 from torch import nn
 
 import jem_plugin as jem
@@ -109,16 +109,11 @@ def _tiny_net() -> jem.JEM:
     return jem.wrap(net, input_size=(3, 8, 8), num_classes=2, data_range=(0, 1))
 
 
-def _digits() -> tuple[torch.Tensor, torch.Tensor]:
-    d = load_digits()
-    return torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 8.0 - 1.0, torch.tensor(d.target)
-
-
 def _train(coarse: float, steps: int = 150) -> jem.JEM:
     """A user's small CNN without normalisation (a network the rest of the suite does not name),
     trained with the p(x) term on 8x8 digits, its chains started from the fitted Gaussian."""
     torch.manual_seed(0)
-    x, y = _digits()
+    x, y = digits8()
     net = nn.Sequential(
         nn.Conv2d(1, 16, 3, padding=1),
         nn.SiLU(),
@@ -130,27 +125,19 @@ def _train(coarse: float, steps: int = 150) -> jem.JEM:
     )
     jm = jem.wrap(net, input_size=(1, 8, 8), num_classes=10, data_range=(-1, 1))
     buffer = jem.ReplayBuffer(256, (1, 8, 8), 0.05, init=Gaussian(coarse=coarse), num_classes=10)
-    buffer.fit(x[:1400], y[:1400])
+    buffer.fit(x[:TRAIN], y[:TRAIN])
     if coarse:  # without the energy L2 the loss says what it risks (here it did not diverge)
         with pytest.warns(UserWarning, match="coarse images and l2_weight is 0.*set l2_weight"):
             loss_fn = jem.JEMLoss(jem.SGLD(steps=5), buffer, px_weight=1.0)
     else:
         loss_fn = jem.JEMLoss(jem.SGLD(steps=5), buffer, px_weight=1.0)
-    opt = torch.optim.Adam(jm.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        i = torch.randint(0, 1400, (64,), generator=g)
-        out = loss_fn(jm, x[i], y[i])
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-    return jm.eval()
+    return train_steps(jm, loss_fn, steps, lr=1e-3)
 
 
 @pytest.mark.slow
 def test_coarse_starts_teach_the_energy_that_flat_images_are_unlikely():
-    x, _ = _digits()
-    held_out = x[1400:]
+    x, _ = digits8()
+    held_out = x[TRAIN:]
     flat = coarse_images(
         200, (1, 8, 8), InputDomain.from_range(-1.0, 1.0), torch.Generator().manual_seed(9), grids=(1,)
     )

@@ -386,6 +386,28 @@ def test_a_heavier_weight_that_met_every_target_is_drawn_apart_and_can_become_je
     assert len({(str(line.get_linestyle()), line.get_marker()) for line in curves}) == 2
 
 
+def _candidate_that_met_every_target(cell: dict, tmp_path, monkeypatch) -> tuple:
+    """A candidate role's cell (``cell``) that met every target at 300: it is in jem train's evidence
+    under a name no recipe has, and jem train keeps its choice. Returns its legend handle in the
+    textures curves and the figure's title."""
+    rows = _weight_rows()
+    rows[2] = {**rows[2], **cell}
+    entries = L.curves(rows)
+    evidence = L.targets_evidence(rows, entries)
+    found = next(x for x in evidence["cells"] if x["role"] == cell["role"])
+    assert found["first"]["all"] == 300 and found["recipe"] not in RECIPES
+    choice = default_choice(150, batchnorm=True)
+    assert generative_half(choice, 10_000, True, table=evidence)[0] == choice
+    drawn = []
+    import matplotlib.figure
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
+    L.curves_figure(entries, "textures", str(tmp_path / "t.png"))
+    (fig,) = drawn
+    legend = {t.get_text(): h for t, h in zip(fig.legends[0].get_texts(), fig.legends[0].legend_handles)}
+    return legend[L.ROLE_LEGEND[cell["role"]]], fig._suptitle.get_text()
+
+
 # ---------------------------------------------------------------------------- smoothed negatives (issue 45)
 @pytest.mark.slow
 def test_the_smoothed_role_is_the_weight_plus_smoothed_negatives_shown_but_never_switched_to(tmp_path, monkeypatch):
@@ -403,23 +425,8 @@ def test_the_smoothed_role_is_the_weight_plus_smoothed_negatives_shown_but_never
     term = dict(ctx["loss_fn"]._all_terms())["smoothed_negatives"]
     assert term.generator is ctx["g"]
 
-    rows = _weight_rows()  # the smoothed cell met every target: shown, never a recipe jem train switches to
-    rows[2] = {**rows[2], **c}
-    entries = L.curves(rows)
-    evidence = L.targets_evidence(rows, entries)
-    smoothed = next(x for x in evidence["cells"] if x["role"] == "smoothed")
-    assert smoothed["first"]["all"] == 300 and smoothed["recipe"] not in RECIPES
-    choice = default_choice(150, batchnorm=True)
-    assert generative_half(choice, 10_000, True, table=evidence)[0] == choice
-    drawn = []
-    import matplotlib.figure
-
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
-    L.curves_figure(entries, "textures", str(tmp_path / "t.png"))
-    (fig,) = drawn
-    legend = {t.get_text(): h for t, h in zip(fig.legends[0].get_texts(), fig.legends[0].legend_handles)}
-    assert legend[L.ROLE_LEGEND["smoothed"]].get_marker() == "*"
-    assert "smoothed copies of the data" in fig._suptitle.get_text()
+    handle, title = _candidate_that_met_every_target(c, tmp_path, monkeypatch)
+    assert handle.get_marker() == "*" and "smoothed copies of the data" in title
 
 
 # ---------------------------------------------------------------------------- coarse chain starts (issue 45)
@@ -432,23 +439,9 @@ def test_the_coarse_role_is_the_weight_with_coarse_starts_shown_but_never_switch
     with pytest.raises(SystemExit):
         L.main(["--px-weights", "0.3", "--smoothed", "--coarse", "--plan", "--out", str(tmp_path)])
 
-    rows = _weight_rows()  # the coarse cell met every target: shown, never a recipe jem train switches to
-    rows[2] = {**rows[2], **L.cell("textures", "resnet10t", "coarse", 0, 1, px_weight=0.3)}
-    entries = L.curves(rows)
-    evidence = L.targets_evidence(rows, entries)
-    coarse = next(x for x in evidence["cells"] if x["role"] == "coarse")
-    assert coarse["first"]["all"] == 300 and coarse["recipe"] not in RECIPES
-    choice = default_choice(150, batchnorm=True)
-    assert generative_half(choice, 10_000, True, table=evidence)[0] == choice
-    drawn = []
-    import matplotlib.figure
-
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
-    L.curves_figure(entries, "textures", str(tmp_path / "t.png"))
-    (fig,) = drawn
-    legend = {t.get_text(): h for t, h in zip(fig.legends[0].get_texts(), fig.legends[0].legend_handles)}
-    assert legend[L.ROLE_LEGEND["coarse"]].get_marker() == "o"
-    assert "25% of chains from coarse images" in fig._suptitle.get_text()
+    coarse = L.cell("textures", "resnet10t", "coarse", 0, 1, px_weight=0.3)
+    handle, title = _candidate_that_met_every_target(coarse, tmp_path, monkeypatch)
+    assert handle.get_marker() == "o" and "25% of chains from coarse images" in title
 
 
 # ---------------------------------------------------------------------------- which BatchNorm statistics

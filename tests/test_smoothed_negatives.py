@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sklearn.datasets import load_digits
+from _digits import TRAIN, digits8, train_steps
 from torch import nn
 
 import jem_plugin as jem
@@ -12,12 +12,6 @@ from jem_plugin import plugins
 from jem_plugin.builtins.smoothed_negatives import SmoothedNegativesTerm, smoothed_copy
 from jem_plugin.errors import InvalidInputError
 from jem_plugin.losses import LossBatch
-
-
-def _digits() -> tuple[torch.Tensor, torch.Tensor]:
-    d = load_digits()
-    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 8.0 - 1.0  # [-1, 1], 1x8x8
-    return x, torch.tensor(d.target)
 
 
 def _net() -> nn.Module:
@@ -37,26 +31,18 @@ def _net() -> nn.Module:
 
 def _train(with_term: bool, steps: int = 60) -> tuple[nn.Module, jem.JEM]:
     torch.manual_seed(0)
-    x, y = _digits()
     jm = jem.wrap(_net(), input_size=(1, 8, 8), num_classes=10)
     loss_fn = jem.JEMLoss(jem.SGLD(steps=1), jem.ReplayBuffer(64, (1, 8, 8)), px_weight=0.0)
     if with_term:
         loss_fn.add_term("smoothed_negatives", sigma=1.0)
-    opt = torch.optim.Adam(jm.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        i = torch.randint(0, 1400, (64,), generator=g)
-        out = loss_fn(jm, x[i], y[i])
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-    return jm.eval(), jm
+    train_steps(jm, loss_fn, steps, lr=3e-3)
+    return jm, jm
 
 
 @pytest.mark.slow
 def test_training_with_the_term_makes_held_out_images_likelier_than_their_smoothed_copies():
-    x, y = _digits()
-    held_out = x[1400:]
+    x, _ = digits8()
+    held_out = x[TRAIN:]
     won = {}
     for with_term in (False, True):
         jm, _ = _train(with_term)
@@ -69,7 +55,7 @@ def test_training_with_the_term_makes_held_out_images_likelier_than_their_smooth
 def test_the_smoothed_pass_leaves_batchnorm_statistics_and_modes_alone_and_trains_the_network():
     net = _net()
     jm = jem.wrap(net, input_size=(1, 8, 8), num_classes=10).train()
-    x = _digits()[0][:16]
+    x = digits8()[0][:16]
     logits = jm(x)  # the loss's data forward (it updates the running statistics, as training does)
     bn = net[1]
     before = (bn.running_mean.clone(), bn.running_var.clone(), int(bn.num_batches_tracked))
