@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from _digits import TRAIN, digits8, train_steps
@@ -57,7 +59,7 @@ def test_a_coarse_share_replaces_that_share_of_draws_and_leaves_the_others_as_th
             Gaussian(coarse=bad)
 
 
-def test_coarse_starts_for_grey_data_in_an_rgb_model_are_grey_and_add_no_state():
+def test_coarse_starts_for_grey_data_in_an_rgb_model_are_grey_and_add_no_state(monkeypatch):
     # grey digits-like images, ImageNet-normalised (each channel differently): the data's one colour axis
     unit = torch.rand(40, 1, 16, 16).expand(40, 3, 16, 16)
     mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
@@ -67,6 +69,23 @@ def test_coarse_starts_for_grey_data_in_an_rgb_model_are_grey_and_add_no_state()
     pixels = starts * std + mean
     assert float((pixels - pixels.mean(1, keepdim=True)).abs().max()) < 1e-4  # grey, as the data
     assert float(pixels.flatten(1).std(1).mean()) > 0.05 and float(pixels.amin()) > -1e-4  # varied, in range
+    # read once per fit (not at every restarted chain), and again after a refit on colour data
+    from jem_plugin.builtins import init_distributions
+
+    calls = []
+    real = init_distributions.colour_projection
+    monkeypatch.setattr(init_distributions, "colour_projection", lambda t: calls.append(1) or real(t))
+    init.sample(8, (3, 16, 16), IMAGENET, torch.Generator().manual_seed(1))
+    assert calls == []  # the first draw above read it already
+    init.fit((torch.rand(40, 3, 16, 16) - mean) / std, y)
+    coloured = init.sample(500, (3, 16, 16), IMAGENET, torch.Generator().manual_seed(0)) * std + mean
+    init.sample(8, (3, 16, 16), IMAGENET, torch.Generator().manual_seed(1))
+    assert calls == [1] and float((coloured - coloured.mean(1, keepdim=True)).abs().max()) > 0.1
+    again = pickle.loads(pickle.dumps(init))  # the cache is not state: a pickled init draws the same
+    assert torch.equal(
+        again.sample(4, (3, 16, 16), IMAGENET, torch.Generator().manual_seed(3)),
+        init.sample(4, (3, 16, 16), IMAGENET, torch.Generator().manual_seed(3)),
+    )
     # read from the fitted means, so the init's state is what it was before coarse starts existed
     assert set(init.state_dict()) == set(GaussianInit(covariance=Stationary()).fit(x, y).state_dict())
 

@@ -27,6 +27,7 @@ parameters are buffers: they move with ``.to(device)`` and are saved with the re
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -111,10 +112,10 @@ def coarse_images(
         )
     c, h, w = (int(s) for s in shape)
     out = torch.empty(n, c, h, w, device=device)
-    sizes = torch.tensor([min(int(g), h, w) for g in grids])
+    sizes = [min(int(g), h, w) for g in grids]
     pick = _draw(lambda s, **kw: torch.randint(0, len(grids), s, **kw), (n,), generator, device).cpu()
     grey = _draw(torch.rand, (n,), generator, device) < 0.5
-    for i, g in enumerate(sizes.tolist()):
+    for i, g in enumerate(sizes):
         rows = (pick == i).nonzero().squeeze(1)
         if not rows.numel():
             continue
@@ -185,6 +186,9 @@ class GaussianInit(nn.Module):
         if not 0.0 <= float(coarse) <= 1.0:
             raise ValueError(f"gaussian init: coarse is a share in [0, 1], got {coarse!r}")
         self.coarse = float(coarse)
+        # (weak reference to the means it was read from, axes [C, C] or None, centre [1, C, 1, 1]):
+        # _in_data_colours' projection, read once per fit or load, not at every restarted chain
+        self._coarse_colours: tuple[weakref.ref, Tensor | None, Tensor | None] | None = None
         if not isinstance(covariance, _COVARIANCE_TYPES):
             raise ValueError(
                 "covariance must be Diagonal(), Full(), LowRank(rank, residual) or Stationary() from "
@@ -391,12 +395,22 @@ class GaussianInit(nn.Module):
         colour, where those are fewer than the model's channels (grey digits in an RGB model: grey
         starts); else as they are. A coloured start would never move: the recipes confine SGLD's
         steps to the data's colours. Read from the fitted means, so no state is added to the init."""
-        means = self.mean.to(starts.device).view(-1, *starts.shape[1:])
-        axes = colour_projection(means)
-        if torch.equal(axes, torch.eye(axes.shape[0], device=axes.device)) or not bool(axes.any()):
+        cached = self._coarse_colours
+        if cached is None or cached[0]() is not self.mean:  # fitted, loaded or moved since
+            means = self.mean.view(-1, *starts.shape[1:])
+            projection = colour_projection(means)
+            every_axis = torch.equal(projection, torch.eye(projection.shape[0], device=projection.device))
+            kept = None if every_axis or not bool(projection.any()) else projection
+            cached = self._coarse_colours = (weakref.ref(self.mean), kept, means.mean((0, 2, 3)).view(1, -1, 1, 1))
+        _, axes, mean_colour = cached
+        if axes is None or mean_colour is None:
             return starts
-        centre = means.mean((0, 2, 3)).view(1, -1, 1, 1)
+        centre = mean_colour.to(starts.device)
         return domain.clamp(project_colours(starts - centre, axes.to(starts.device)) + centre)
+
+    def __getstate__(self) -> dict:
+        # The projection cache holds a weak reference, which pickle refuses; it is re-read on use.
+        return {**self.__dict__, "_coarse_colours": None}
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The fitted tensors have data-dependent shapes: resize the empty buffers before loading.
