@@ -865,6 +865,8 @@ def _gaps(p: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
         "wall_s": p.get("train_wall_s"),
         "acc_gap": 100 * (p["accuracy"] - b["accuracy"]),
         "auroc_gap": min(p["auroc"]["logpx"][s] - b["auroc"]["logpx"][s] for s in OOD_NAMES),
+        # each set's, so that which set the worst one is can be read (check_fd_auroc)
+        **{f"auroc_gap_{s}": p["auroc"]["logpx"][s] - b["auroc"]["logpx"][s] for s in OOD_NAMES},
         "fd_ratio": None if fd is None else fd / p["init_fd"],
         "judge_acc": p.get("cond", {}).get("judge_acc"),
         "judge_acc_init": p.get("cond", {}).get("judge_acc_init"),
@@ -1082,6 +1084,8 @@ CUT_MARKERS = {"steps5_shared": "^", "chains16_shared": "<"}
 #: the weight role's markers, one per p(x) weight drawn (its lines dash-dot-dotted)
 WEIGHT_MARKERS = ("D", "v", "P", "X")
 WEIGHT_STYLE = (0, (7, 2, 1, 2, 1, 2))
+#: a colour per network, the same in every long-row figure
+NET_COLOURS = dict(zip(NETWORKS + GPU_NETWORKS, ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red")))
 
 
 def _cut_text(cut: str) -> str:
@@ -1125,7 +1129,7 @@ def curves_figure(entries: Sequence[dict[str, Any]], dataset: str, path: str) ->
         fig.savefig(path, dpi=110)
         return path
     nets = [n for n in NETWORKS + GPU_NETWORKS if any(e["net"] == n for e in mine)]
-    colours = dict(zip(NETWORKS + GPU_NETWORKS, ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red")))
+    colours = NET_COLOURS
     styles: dict[str, Any] = {
         "default": "-",
         "generative": "--",
