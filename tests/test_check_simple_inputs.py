@@ -34,3 +34,24 @@ def test_a_checkpoint_is_ranked_with_both_batchnorm_statistics(tmp_path, capsys)
         assert set(OOD_NAMES) <= set(ranks) and "constant grey 0.5" in ranks
         assert all(0.0 <= v <= 1.0 for v in ranks.values())
     assert out["as_trained"] != out["from_data"]  # the statistics were recomputed
+
+
+def _normalised(u: torch.Tensor) -> torch.Tensor:
+    mean, std = torch.tensor(G.IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(G.IMAGENET_STD).view(1, 3, 1, 1)
+    return (u - mean) / std
+
+
+def test_serra_score_is_the_compressed_length_when_log_px_cannot_tell_the_sets_apart():
+    # a network whose log p(x) is the same everywhere: the corrected score ranks by PNG length alone,
+    # busy images (the test split here) above flat ones
+    g = torch.Generator().manual_seed(0)
+    busy = _normalised(torch.rand(12, 3, 16, 16, generator=g))
+    flat = _normalised(torch.rand(12, 3, 1, 1, generator=g).expand(-1, -1, 16, 16))
+    assert (C.png_bits(flat).max() < C.png_bits(busy).min()).item()
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 4))
+    torch.nn.init.zeros_(net[1].weight)
+    out = C.complexity(net, {"wrap_kw": {}, "xt": busy, "ood": {"flat": flat}})
+    assert out["flat"]["auroc_logpx"] == pytest.approx(0.5)
+    assert out["flat"]["auroc_bits"] == out["flat"]["auroc_serra"] == 1.0
+    assert out["test"]["logpx_sd"] == pytest.approx(0.0, abs=1e-6)
+    assert out["test"]["bits_mean"] > 4 * out["flat"]["bits_mean"]
