@@ -42,20 +42,21 @@ from benchmarks.bench_long_row import SIZE
 from jem_plugin.builtins.smoothed_negatives import smoothed_copy
 
 GREYS = (0.0, 0.25, 0.5, 0.75, 1.0)
+#: the data's normalisation, to go back to [0, 1] pixels
+MEAN = torch.tensor(G.IMAGENET_MEAN).view(1, 3, 1, 1)
+STD = torch.tensor(G.IMAGENET_STD).view(1, 3, 1, 1)
 
 
 def simple_inputs(x: torch.Tensor, seed: int = 0) -> dict[str, torch.Tensor]:
     """Simple images as many as ``x`` (ImageNet-normalised, ``[N, 3, H, W]``), and simple copies of ``x``."""
-    mean = torch.tensor(G.IMAGENET_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(G.IMAGENET_STD).view(1, 3, 1, 1)
     n, shape = len(x), x.shape[1:]
     g = torch.Generator().manual_seed(seed)
-    out = {f"constant grey {v}": ((torch.full((n, *shape), v) - mean) / std) for v in GREYS}
-    out["constant colours"] = (torch.rand(n, 3, 1, 1, generator=g).expand(-1, -1, *shape[1:]) - mean) / std
-    unit = x * std + mean  # back to [0, 1]
-    out["test in grey"] = (unit.mean(1, keepdim=True).expand(-1, 3, -1, -1) - mean) / std
+    out = {f"constant grey {v}": ((torch.full((n, *shape), v) - MEAN) / STD) for v in GREYS}
+    out["constant colours"] = (torch.rand(n, 3, 1, 1, generator=g).expand(-1, -1, *shape[1:]) - MEAN) / STD
+    unit = x * STD + MEAN  # back to [0, 1]
+    out["test in grey"] = (unit.mean(1, keepdim=True).expand(-1, 3, -1, -1) - MEAN) / STD
     out["test blurred (sigma 2)"] = smoothed_copy(x, 2.0)
-    out["test darkened (half)"] = (unit * 0.5 - mean) / std
+    out["test darkened (half)"] = (unit * 0.5 - MEAN) / STD
     return out
 
 
@@ -74,9 +75,7 @@ def png_bits(x: torch.Tensor) -> torch.Tensor:
 
     from PIL import Image
 
-    mean = torch.tensor(G.IMAGENET_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(G.IMAGENET_STD).view(1, 3, 1, 1)
-    u8 = ((x * std + mean).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    u8 = ((x * STD + MEAN).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
 
     def length(img) -> float:
         buf = io.BytesIO()
@@ -86,16 +85,25 @@ def png_bits(x: torch.Tensor) -> torch.Tensor:
     return torch.tensor([length(img) for img in u8])
 
 
+def set_bits(S: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """:func:`png_bits` of ``S``'s test split (``"test"``) and of each OOD set: the model does not
+    enter, so one call serves both BatchNorm passes of :func:`complexity`."""
+    return {k: png_bits(v) for k, v in {"test": S["xt"], **S["ood"]}.items()}
+
+
 @torch.no_grad()
-def complexity(model: torch.nn.Module, S: dict[str, Any]) -> dict[str, dict[str, float]]:
+def complexity(
+    model: torch.nn.Module, S: dict[str, Any], bits: dict[str, torch.Tensor] | None = None
+) -> dict[str, dict[str, float]]:
     """Per OOD set of ``S``: the AUROC (test split in) of log p(x), of the PNG length L(x) alone and
     of Serrà et al.'s ``log p(x) / ln 2 + L(x)`` (bits; higher: more in-distribution), with the
-    means of log p(x) and L(x). ``"test"``: the test split's means and standard deviations."""
+    means of log p(x) and L(x). ``"test"``: the test split's means and standard deviations.
+    ``bits``: :func:`set_bits` of ``S``, if already computed."""
     model.eval()
     jm = jem.wrap(model, **S["wrap_kw"])
     sets = {"test": S["xt"], **S["ood"]}
     logpx = {k: torch.cat([jm.log_px(b) for b in v.split(256)]) for k, v in sets.items()}
-    bits = {k: png_bits(v) for k, v in sets.items()}
+    bits = set_bits(S) if bits is None else bits
     lt, bt = logpx["test"], bits["test"]
     out = {"test": {"logpx_mean": lt.mean().item(), "logpx_sd": lt.std().item(), "bits_mean": bt.mean().item(),
                     "bits_sd": bt.std().item()}}  # fmt: skip
@@ -125,13 +133,14 @@ def check(
     S = GB.setting(ds, net, GB.per_class_for(dataset, SIZE, tiny), seed)
     model = G.make_model(GB.NETWORKS.get(net, net))
     model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=False)["objects"]["model"])
+    bits = set_bits(S) if with_complexity else None
     out: dict[str, Any] = {"as_trained": ranking(model, S)}
-    if with_complexity:
-        out["complexity_as_trained"] = complexity(model, S)
+    if bits is not None:
+        out["complexity_as_trained"] = complexity(model, S, bits)
     GB.recompute_bn_statistics(S, model)
     out["from_data"] = ranking(model, S)
-    if with_complexity:
-        out["complexity_from_data"] = complexity(model, S)
+    if bits is not None:
+        out["complexity_from_data"] = complexity(model, S, bits)
     return out
 
 

@@ -28,8 +28,14 @@ def test_a_checkpoint_is_ranked_with_both_batchnorm_statistics(tmp_path, capsys)
     model = G.make_model("test_resnet")
     path = tmp_path / "cell.pt"
     save_checkpoint(path, model=model)
-    out = C.check(str(path), "textures", "test_resnet", tiny=True)
+    out = C.check(str(path), "textures", "test_resnet", tiny=True, with_complexity=True)
+    complexity = {k: out.pop(k) for k in ("complexity_as_trained", "complexity_from_data")}
     assert set(out) == {"as_trained", "from_data"}
+    # the PNG lengths do not depend on the statistics; log p(x) does
+    first, second = complexity.values()
+    assert all(first[k]["auroc_bits"] == second[k]["auroc_bits"] for k in OOD_NAMES)
+    assert first["test"]["logpx_mean"] != second["test"]["logpx_mean"]
+    assert "| test split (from data) |" in C.complexity_markdown(complexity)
     for ranks in out.values():
         assert set(OOD_NAMES) <= set(ranks) and "constant grey 0.5" in ranks
         assert all(0.0 <= v <= 1.0 for v in ranks.values())
