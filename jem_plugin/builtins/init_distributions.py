@@ -188,7 +188,7 @@ class GaussianInit(nn.Module):
         self.coarse = float(coarse)
         # (weak reference to the means it was read from, axes [C, C] or None, centre [1, C, 1, 1]):
         # _in_data_colours' projection, read once per fit or load, not at every restarted chain
-        self._coarse_colours: tuple[weakref.ref, Tensor | None, Tensor | None] | None = None
+        self._coarse_colours: tuple[weakref.ref, Tensor | None, Tensor] | None = None
         if not isinstance(covariance, _COVARIANCE_TYPES):
             raise ValueError(
                 "covariance must be Diagonal(), Full(), LowRank(rank, residual) or Stationary() from "
@@ -403,7 +403,7 @@ class GaussianInit(nn.Module):
             kept = None if every_axis or not bool(projection.any()) else projection
             cached = self._coarse_colours = (weakref.ref(self.mean), kept, means.mean((0, 2, 3)).view(1, -1, 1, 1))
         _, axes, mean_colour = cached
-        if axes is None or mean_colour is None:
+        if axes is None:
             return starts
         centre = mean_colour.to(starts.device)
         return domain.clamp(project_colours(starts - centre, axes.to(starts.device)) + centre)
