@@ -28,6 +28,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import bench_generalisation as GB
 from benchmarks.bench_long_row import (
     DATASETS,
     DOCS_IMG,
@@ -47,13 +48,8 @@ PAPER_AUROC = {
     "JEM log p(x)": {"SVHN": 0.67, "CIFAR10 interp": 0.65, "CIFAR100": 0.67, "CelebA": 0.75},
     "Wide-ResNet baseline max p(y|x)": {"SVHN": 0.93, "CIFAR10 interp": 0.77, "CIFAR100": 0.85, "CelebA": 0.62},
 }
-#: what each of our OOD sets is, for the table (bench_generalisation's sets on textures)
-SET_NOTES = {
-    "noise": "uniform noise",
-    "photos": "crops of photos",
-    "near": "the test textures with hues turned",
-    "other": "digits, simpler than the data",
-}
+#: how a gap or a correlation is written
+GAP = "{:+.2f}"
 
 
 def points_of(entries: Sequence[dict[str, Any]], dataset: str) -> list[dict[str, Any]]:
@@ -100,10 +96,6 @@ def summarise(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _f(v: float | None, fmt: str = "+.2f") -> str:
-    return "-" if v is None else format(v, fmt)
-
-
 def to_markdown(summaries: dict[str, dict[str, Any]]) -> str:
     lines = [
         "# Where the FD and AUROC targets meet on the long row (check_fd_auroc)",
@@ -130,12 +122,12 @@ def to_markdown(summaries: dict[str, dict[str, Any]]) -> str:
             g = s[key]
             lines.append(
                 f"| {label} | {g['n']} | {g['auroc_met']} | {g['all_met']} | "
-                + " | ".join(f"{g['below'][x]} / {_f(g['median_gap'][x])}" for x in OOD_NAMES)
+                + " | ".join(f"{g['below'][x]} / {GB._f(g['median_gap'][x], GAP)}" for x in OOD_NAMES)
                 + " |"
             )
         lines.append(
             "| Spearman (gap, FD ratio), all points | | | | "
-            + " | ".join(_f(s["spearman_fd"][x]) for x in OOD_NAMES)
+            + " | ".join(GB._f(s["spearman_fd"][x], GAP) for x in OOD_NAMES)
             + " |"
         )
         lines += ["", f"Cells with a point whose buffer moved: {', '.join(s['cells_moved']) or 'none'}.", ""]
@@ -230,8 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=RESULTS, help="the long row's results directory (its cells/ are read)")
     p.add_argument("--docs", default=DOCS_IMG, help="where the figure is copied ('' for nowhere)")
     a = p.parse_args(argv)
-    check(a.out, a.docs or None)
-    print(open(os.path.join(a.out, "fd_auroc.md")).read())
+    print(to_markdown(check(a.out, a.docs or None)))
 
 
 if __name__ == "__main__":
