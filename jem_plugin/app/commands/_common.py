@@ -13,6 +13,7 @@ import torch
 
 from .. import CLIError, doctor
 from ..model_files import held_out_data
+from ..threads import ThreadChoice, use_threads
 
 SKIP_BAD_HELP = (
     "leave out a folder's unreadable images (not images, truncated), saying how many, instead of stopping at the first"
@@ -78,6 +79,14 @@ def _device(name: str):
     return dev
 
 
+def _use_threads(args, model=None, sample_shape=None, speak: bool = True) -> ThreadChoice:
+    """The command's CPU threads, chosen before its work (:func:`..threads.use_threads`: one helper
+    for every command) and said in one line unless ``--quiet`` (or ``speak`` is off: a DDP rank
+    other than the first)."""
+    quiet = getattr(args, "quiet", False) or not speak
+    return use_threads(model, sample_shape, say=(lambda line: None) if quiet else None)
+
+
 def _out_dir(path: str) -> Path:
     """A run directory for --out: never an existing file."""
     out = Path(path)
@@ -136,9 +145,21 @@ def _checkpoint_args(p: argparse.ArgumentParser, own_weights: bool = False) -> N
         _own_weights_args(p)
     else:
         p.add_argument("checkpoint", help="model.pt written by `jem train`")
+    _trust_factory_arg(p)
     p.add_argument("--data", default=None, help="evaluation data (default: what training held out)")
     p.add_argument("--image-size", type=int, default=None, help="folder data resized to this (default: the model's)")
     p.add_argument("--skip-bad-images", action="store_true", help=SKIP_BAD_HELP)
+
+
+def _trust_factory_arg(p: argparse.ArgumentParser) -> None:
+    """``--trust-factory``, for the commands that read a model file (``jem.load``'s ``trust_factory``)."""
+    p.add_argument(
+        "--trust-factory",
+        action="store_true",
+        help="rebuild a model file trained with --model module:factory by importing that module and calling "
+        "its factory (code the file names; without this flag such a file is refused: only built-in nets "
+        "and timm names are built from a file)",
+    )
 
 
 def _own_weights_args(p: argparse.ArgumentParser) -> None:
@@ -198,7 +219,8 @@ def _load_scored_model(args, command: str, openood_benchmark: str | None = None)
     if not own:
         if args.mean or args.std or args.num_classes:
             raise CLIError("--mean, --std and --num-classes describe --model/--weights; a model file carries them")
-        jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device))
+        jm, spec = load_model_checkpoint(args.checkpoint, _device(args.device), args.trust_factory)
+        _use_threads(args, jm.model, spec["sample_shape"])
         return jm, spec, args.checkpoint
     if not (args.model and args.weights):
         raise CLIError("a classifier trained elsewhere needs both --model SPEC and --weights FILE")
@@ -213,4 +235,5 @@ def _load_scored_model(args, command: str, openood_benchmark: str | None = None)
         image_size=args.image_size,
         device=_device(args.device),
     )
+    _use_threads(args, jm.model, spec["sample_shape"])
     return jm, spec, args.weights

@@ -6,9 +6,10 @@ import argparse
 from typing import Any
 
 from .. import CLIError
-from ..experiments import run_digits_demo
+from ..experiments import DigitsConfig, run_digits_demo
+from ..nets import DigitsCNN
 from ..report import headline, metric_label, write_report
-from ._common import _check_install, _device, _out_dir
+from ._common import _check_install, _device, _out_dir, _use_threads
 
 # `jem demo --smoke`: the whole pipeline in seconds (tests, a first look); not a meaningful result.
 SMOKE_DEMO = {"epochs": 1, "sgld_steps": 2, "buffer_capacity": 500, "class_sample_steps": 2, "judge_epochs": 5}
@@ -35,6 +36,7 @@ def run(args) -> int:
             f"--out {out} already holds a report (report.html); use --out elsewhere, or --force to replace it"
         )
     _device(args.device)
+    _use_threads(args, DigitsCNN(10, width=DigitsConfig.width), (1, 8, 8))  # the demo's network, sized
     overrides = SMOKE_DEMO if args.smoke else {}
     result = run_digits_demo(
         out,

@@ -12,12 +12,21 @@ from ...sampling import SGLD
 from .. import CLIError
 from ..model_files import held_out_data, load_model_checkpoint, load_run_sampler, sampler_file, training_data
 from ..sample_checks import samples_against_data
-from ._common import SKIP_BAD_HELP, _beside_checkpoint, _device, _out_file, _positive
+from ._common import (
+    SKIP_BAD_HELP,
+    _beside_checkpoint,
+    _device,
+    _out_file,
+    _positive,
+    _trust_factory_arg,
+    _use_threads,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("sample", parents=[common], help="draw SGLD samples from a trained model")
     p.add_argument("checkpoint", help="model.pt written by `jem train`")
+    _trust_factory_arg(p)
     p.add_argument("--n", type=_positive, default=64, help="how many samples (--per-class: split among the classes)")
     p.add_argument("--per-class", action="store_true", help="class-conditional: one row per class")
     p.add_argument(
@@ -41,9 +50,10 @@ def run(args) -> int:
     from ...viz import save_image_grid  # lazy: matplotlib
 
     dev = _device(args.device)
-    jm, spec = load_model_checkpoint(args.checkpoint, dev)
+    jm, spec = load_model_checkpoint(args.checkpoint, dev, args.trust_factory)
     if len(spec["sample_shape"]) != 3:
         raise CLIError(f"jem sample draws images; this model's inputs have shape {tuple(spec['sample_shape'])}")
+    _use_threads(args, jm.model, spec["sample_shape"])
     out = _image_file(args.out) if args.out else _beside_checkpoint(args.checkpoint, "_samples.png")
     g = torch.Generator().manual_seed(args.seed)
     k, classes = spec["num_classes"], spec.get("classes") or [str(i) for i in range(spec["num_classes"])]

@@ -49,7 +49,7 @@ from ..model_files import (
 )
 from ..report import sample_quality_line
 from ..sample_checks import dataset_sample_quality
-from ._common import SKIP_BAD_HELP, _check_install, _device, _out_dir, _positive
+from ._common import SKIP_BAD_HELP, _check_install, _device, _out_dir, _positive, _use_threads
 
 
 def _dashed(name: str) -> str:
@@ -274,6 +274,7 @@ def _train(args, info) -> int:
     jm = wrap_for_data(build_model(args.model, k, shape[0], options), spec).to(dev)
     x0, y0 = next(iter(DataLoader(ds, batch_size=2)))[:2]
     check_inputs(jm, x0, spec, args.data)
+    _use_threads(args, jm.model, shape, speak=info.is_main)
     # the run's iterations as the loader will make them (drop_last, each rank its shard)
     iterations = epochs * (len(ds) // info.world_size // args.batch_size)
     recipe = _choose_recipe(args, info, ds, jm, iterations)
