@@ -16,14 +16,17 @@ reads both through this module, so Python and the command rebuild a model the sa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from .buffer import ReplayBuffer
-from .checkpoint import CORRUPT, MISMATCH, MISSING, load_checkpoint
+from .checkpoint import CORRUPT, MISMATCH, MISSING, UNSAFE, load_checkpoint
 from .errors import CheckpointError, JEMError
 from .model import JEM, wrap
-from .nets import build_model
+from .nets import build_model, is_factory
 from .sampling import SGLD
 
 __all__ = ["load", "load_sampler"]
@@ -34,14 +37,23 @@ SAMPLER_FORMAT = "jem-plugin/sampler/1"
 # draws (every other SGLD setting travels, a new one included), and the generator.
 SAMPLER_NOT_REUSED = ("cuda_graph", "generator_state", "generator_device")
 _WHICH = "pass the model.pt of a `jem train` run directory (model_JEM.pt or model_baseline.pt from `jem demo`)"
+#: ``trust_factory``: ``False`` (refuse a file whose network is a ``module:factory``), ``True``
+#: (import and call the factory the file names), or the factory itself (called instead).
+TrustFactory = bool | Callable[..., nn.Module]
 
 
-def load(path: str | Path, device: Any = None) -> JEM:
+def load(path: str | Path, device: Any = None, *, trust_factory: TrustFactory = False) -> JEM:
     """The model saved by ``jem train`` or ``jem demo`` at ``path``, as a :class:`JEM` in eval mode.
 
-    The network is rebuilt from the file's spec (a built-in net, a timm name, or the
-    ``module:factory`` it was trained with, which must be importable: run from the directory
-    holding the module, or put it on ``sys.path``) and given the run's weights; ``jm.domain`` is
+    The file is read with ``weights_only`` (tensors, numbers, strings: unpickling runs no code) and
+    the network is rebuilt from its spec: a built-in net or a timm name, constructed by jem-plugin
+    or timm. A network trained with ``--model module:factory`` is code of the user's: the file only
+    names it, and loading it would import that module and call the factory with keyword arguments
+    from the file. It is refused (``.reason`` ``"unsafe"``) unless ``trust_factory`` says so:
+    ``True`` imports and calls the factory the file names (its module must be importable: run from
+    the directory holding it, or put it on ``sys.path``); the factory itself
+    (``trust_factory=mynet.build``) is called instead, and nothing is imported. The command line's
+    ``--trust-factory`` is ``True``. The network is then given the run's weights; ``jm.domain`` is
     the data's domain (normalisation), ``jm.num_classes`` its class count. Also set:
     ``jm.classes``, the class names (``["0", "1", ...]`` when the data had none);
     ``jm.temperature``, the temperature ``jem train`` kept for calibrated probabilities
@@ -53,9 +65,10 @@ def load(path: str | Path, device: Any = None) -> JEM:
     Raises :class:`~jem_plugin.errors.CheckpointError`, one line: a missing file (``.reason``
     ``"missing"``), a file that is not a model file (``"corrupt"``, ``"mismatch"``), weights that do
     not fit the rebuilt network (``"mismatch"``), or a network that cannot be rebuilt (``None``:
-    e.g. a factory module that cannot be imported, named with how to make it importable).
+    e.g. a factory module that cannot be imported, named with how to make it importable), or a
+    ``module:factory`` network without ``trust_factory`` (``"unsafe"``).
     """
-    jm, spec = read_model_file(path, device)
+    jm, spec = read_model_file(path, device, trust_factory)
     # Plain attributes declared on JEM, not module state.
     jm.classes = list(spec.get("classes") or [str(i) for i in range(spec["num_classes"])])
     temperature = spec.get("temperature")
@@ -92,10 +105,13 @@ def load_sampler(path: str | Path, device: Any = None) -> tuple[SGLD, ReplayBuff
     return sgld, buffer
 
 
-def read_model_file(path: str | Path, device: Any = None) -> tuple[JEM, dict[str, Any]]:
-    """``(jm, spec)``: the wrapped model in eval mode and the spec it was rebuilt from."""
+def read_model_file(
+    path: str | Path, device: Any = None, trust_factory: TrustFactory = False
+) -> tuple[JEM, dict[str, Any]]:
+    """``(jm, spec)``: the wrapped model in eval mode and the spec it was rebuilt from
+    (``trust_factory``: as :func:`load`'s)."""
     spec = _read_spec(path)
-    jm = wrap_for_data(_build_network(spec, path), spec)
+    jm = wrap_for_data(_build_network(spec, path, trust_factory), spec)
     jm.settle(num_classes=spec["num_classes"])  # a factory's plain nn.Module: known before a forward
     load_checkpoint(path, rng=False, model=jm.model)  # checks keys and shapes first
     if "trained_px" in spec:  # was log p(x) trained (jem train with the JEM loss)? The JEM-only scores ask
@@ -165,10 +181,28 @@ def _read_spec(path: str | Path) -> dict[str, Any]:
     return stored["spec"]
 
 
-def _build_network(spec: dict[str, Any], path: str | Path):
+def _build_network(spec: dict[str, Any], path: str | Path, trust_factory: TrustFactory) -> nn.Module:
     model = spec["model"]
+    if is_factory(model) and trust_factory is False:
+        # The file only names code: importing and calling it is the user's decision, not the file's.
+        module, _, attr = model.partition(":")
+        raise CheckpointError(
+            f"{str(path)!r} was trained with the network factory {model}: loading it would import {module} and call "
+            f"{attr}() with arguments from the file, which jem does not do unless told to; if you trust that code, "
+            "pass trust_factory=True to jem.load (--trust-factory to jem eval, jem ood and jem sample)",
+            reason=UNSAFE,
+        )
+    factory = trust_factory if callable(trust_factory) else None
+    if factory is not None and not is_factory(model):
+        raise CheckpointError(
+            f"{str(path)!r} holds the network {model}, which jem-plugin builds itself; trust_factory takes a factory "
+            "only for a file trained with --model module:factory (drop it)",
+            reason=MISMATCH,
+        )
     try:
-        return build_model(model, spec["num_classes"], spec["sample_shape"][0], spec.get("model_options"))
+        return build_model(
+            model, spec["num_classes"], spec["sample_shape"][0], spec.get("model_options"), factory=factory
+        )
     except JEMError as exc:
         cause = exc.__cause__
         if ":" in model and isinstance(cause, (ImportError, AttributeError)):

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from .errors import UnknownNameError
 
-__all__ = ["DigitsCNN", "ToyMLP", "WideResNet", "build_model", "BUILTIN_NETS", "WRN_SPEC"]
+__all__ = ["DigitsCNN", "ToyMLP", "WideResNet", "build_model", "is_factory", "BUILTIN_NETS", "WRN_SPEC"]
 
 #: The built-in networks a ``--model`` spec names, besides timm names and ``module:factory``.
 BUILTIN_NETS = ("digits-cnn", "toy-mlp", "wrn28-10", "wrn-D-K")
@@ -189,13 +189,28 @@ class WideResNet(nn.Module):
 
 
 # ---------------------------------------------------------------------- the network a spec names
-def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, Any] | None = None) -> nn.Module:
+def is_factory(spec: str) -> bool:
+    """Whether a ``--model`` spec is a ``module:factory``: building it imports that module and calls
+    the factory (code outside jem-plugin), where a built-in net or a timm name runs only registered
+    constructors."""
+    return ":" in spec
+
+
+def build_model(
+    spec: str,
+    num_classes: int,
+    in_chans: int,
+    options: dict[str, Any] | None = None,
+    *,
+    factory: Callable[..., nn.Module] | None = None,
+) -> nn.Module:
     """An ``nn.Module`` for a ``--model`` spec: a built-in net, a timm name, or ``module:factory``.
 
     ``options``: constructor keywords of a built-in net (e.g. ``{"width": 16}`` for digits-cnn).
     ``wrn28-10`` / ``wrn-D-K``: the JEM paper's Wide-ResNet (depth D, widen factor K, no normalisation).
     ``module:factory`` is called as ``factory(num_classes=K)`` and must return an ``nn.Module``
     whose output is ``[batch, K]`` logits; modules in the current directory are found.
+    ``factory``: the callable to use for a ``module:factory`` spec instead of importing it.
 
     Raises :class:`~jem_plugin.errors.UnknownNameError`, one line saying what to write instead, for
     a spec that names no network that can be built (a factory that cannot be imported keeps the
@@ -211,8 +226,8 @@ def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, A
             return WideResNet(int(wrn[1]), int(wrn[2]), num_classes, in_channels=in_chans, **(options or {}))
         except ValueError as exc:
             raise UnknownNameError(f"--model {spec}: {exc}") from exc
-    if ":" in spec:
-        return _from_factory(spec, num_classes, options)
+    if is_factory(spec):
+        return _call_factory(spec, factory or _import_factory(spec), num_classes, options)
     import timm
 
     if not timm.is_model(spec):
@@ -223,17 +238,23 @@ def build_model(spec: str, num_classes: int, in_chans: int, options: dict[str, A
     return timm.create_model(spec, pretrained=False, num_classes=num_classes, in_chans=in_chans)
 
 
-def _from_factory(spec: str, num_classes: int, options: dict[str, Any] | None) -> nn.Module:
+def _import_factory(spec: str) -> Callable[..., nn.Module]:
     if os.getcwd() not in sys.path:  # `jem train --model mynet:build` run next to mynet.py
         sys.path.insert(0, os.getcwd())
     modname, _, attr = spec.partition(":")
     try:
-        factory = getattr(importlib.import_module(modname), attr)
+        return getattr(importlib.import_module(modname), attr)
     except (ImportError, AttributeError) as exc:
         raise UnknownNameError(
             f"cannot load --model {spec!r}: {exc} (run jem from the directory holding "
             f"{modname.replace('.', '/')}.py, or put it on PYTHONPATH)"
         ) from exc
+
+
+def _call_factory(
+    spec: str, factory: Callable[..., nn.Module], num_classes: int, options: dict[str, Any] | None
+) -> nn.Module:
+    attr = spec.partition(":")[2]
     usage = f"def {attr}(num_classes, **options): return an nn.Module giving [batch, num_classes] logits"
     try:
         params = inspect.signature(factory).parameters

@@ -214,12 +214,12 @@ def test_a_factory_that_cannot_be_imported_names_itself(tmp_path, monkeypatch):
     net = build_model("mynet_for_load:build", 10, 1)
     spec = model_spec("mynet_for_load:build", "digits", 10, (1, 8, 8), D.DIGITS_DOMAIN)
     save_model_checkpoint(tmp_path / "model.pt", wrap_for_data(net, spec), spec)
-    assert jem.load(tmp_path / "model.pt").num_classes == 10  # importable: loads
+    assert jem.load(tmp_path / "model.pt", trust_factory=True).num_classes == 10  # importable: loads
 
     spec = model_spec("no_such_module_xyz:build", "digits", 10, (1, 8, 8), D.DIGITS_DOMAIN)
     save_model_checkpoint(tmp_path / "other.pt", wrap_for_data(net, spec), spec)
     with pytest.raises(jem.CheckpointError) as err:
-        jem.load(tmp_path / "other.pt")
+        jem.load(tmp_path / "other.pt", trust_factory=True)
     msg = str(err.value)
     assert "no_such_module_xyz:build" in msg and "cannot be imported" in msg and "sys.path" in msg
     assert "no_such_module_xyz.py" in msg and "\n" not in msg

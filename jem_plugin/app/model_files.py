@@ -340,10 +340,11 @@ def save_model_checkpoint(path: Path, jm, spec: dict[str, Any]) -> None:
     save_checkpoint(path, rng=False, kind=CKPT_FORMAT, spec=spec, model=jm.model)
 
 
-def load_model_checkpoint(path: str, device=None):
+def load_model_checkpoint(path: str, device=None, trust_factory: bool = False):
     """Rebuild the wrapped model saved by ``jem train`` or ``jem demo``; returns ``(jm, spec)``
-    (:func:`jem_plugin.loading.read_model_file`: a ``CheckpointError`` for a file that is not one)."""
-    return read_model_file(path, device)
+    (:func:`jem_plugin.loading.read_model_file`: a ``CheckpointError`` for a file that is not one,
+    or whose ``module:factory`` network ``--trust-factory`` did not allow)."""
+    return read_model_file(path, device, trust_factory)
 
 
 def resumed_spec(out: Path, no_resume: bool = False) -> dict[str, Any] | None:
