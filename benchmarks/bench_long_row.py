@@ -159,7 +159,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any
 
@@ -424,9 +424,9 @@ def _paths(out_dir: str, c: dict[str, Any]) -> tuple[str, str]:
 
 def _state(ctx: dict[str, Any]) -> dict[str, Any]:
     """The objects whose state a checkpoint holds."""
-    if ctx["sam"] is not None:
-        raise NotImplementedError("the long row does not checkpoint SAM recipes (sadajem)")
     objs = dict(model=ctx["model"], optimizer=ctx["opt"], scheduler=ctx["sched"], generator=ctx["g"])
+    if ctx["sam"] is not None:  # SAM recipes (sadajem): its state beside the base optimiser's
+        objs["sam"] = ctx["sam"]
     if ctx["loss_fn"] is not None:
         objs["loss"] = ctx["loss_fn"]  # its replay buffer and sampler
     return objs
@@ -518,6 +518,7 @@ def run_cell(
     device: str | None = None,
     deadline: float | None = None,
     threads: int = 1,
+    point_hook: Callable[[dict[str, Any], dict[str, Any], dict[str, Any], str, int], None] | None = None,
 ) -> dict[str, Any]:
     """Train one cell to its last epoch, evaluating and checkpointing at :func:`eval_epochs`,
     resuming from its checkpoint; ``stop_after``: return after that many evaluation points of this
@@ -530,7 +531,10 @@ def run_cell(
     its training wall seconds (``train_wall_s``, the device synchronised) beside the CPU seconds.
     ``deadline`` (``time.time()``): the cell stops at its first evaluation point after it, its JSON
     saying ``"stopped": "deadline"`` (not done; a later call resumes it from its checkpoint).
-    ``threads``: ``torch.set_num_threads``."""
+    ``threads``: ``torch.set_num_threads``. ``point_hook(c, S, ctx, ckpt_path, iteration)``: called
+    after each point's JSON is written, with the point's checkpoint on disk (the benefit ledger keeps
+    it and evaluates its own metrics there). ``c["init_from"]``: a checkpoint whose model weights a
+    fresh cell starts from (a fine-tune of another cell's point)."""
     torch.set_num_threads(threads)
     tiny = bool(c.get("tiny"))
     json_path, ckpt_path = _paths(out_dir, c)
@@ -559,7 +563,13 @@ def run_cell(
             negatives=c.get("negatives"),
         )
 
-    ctx = start()
+    def start_from_init() -> dict[str, Any]:
+        ctx = start()
+        if c.get("init_from"):  # the network as another cell's point left it; the rest fresh
+            load_checkpoint(c["init_from"], rng=False, model=ctx["model"])
+        return ctx
+
+    ctx = start_from_init()
     meta: dict[str, Any] = {"epoch": 0, "train_cpu_s": 0.0, "metrics": {}, "train_wall_s": 0.0}
     if os.path.exists(ckpt_path):
         try:
@@ -575,7 +585,7 @@ def run_cell(
                 if os.path.exists(path):
                     os.replace(path, path + ".stale")
             row = {**c, "name": GB.cell_name(c), "points": []}
-            ctx = start()
+            ctx = start_from_init()
     r = ctx["recipe"]
     row.update(
         n_train=len(S["y"]),
@@ -603,6 +613,8 @@ def run_cell(
         }
         row["points"] = sorted([p for p in row["points"] if p["epoch"] != epoch] + [point], key=lambda p: p["epoch"])
         write_json(json_path, row)
+        if point_hook is not None:
+            point_hook(c, S, ctx, ckpt_path, point["iteration"])
         made += 1
         print(
             f"[{time.strftime('%H:%M:%S')}] {row['name']}: point {point['iteration']}/{row['iterations']}, "
@@ -673,10 +685,12 @@ def run(
     device: str | None = None,
     deadline: float | None = None,
     threads: int = 1,
+    point_hook: Callable[[dict[str, Any], dict[str, Any], dict[str, Any], str, int], None] | None = None,
 ) -> None:
     """Run the cells not done under ``out_dir`` in order (``retry_failed``: also those that failed),
     ``workers`` at a time; the summary and curves are rewritten as each cell finishes. ``device``,
-    ``deadline``, ``threads``: :func:`run_cell`'s (no cell starts after the deadline)."""
+    ``deadline``, ``threads``, ``point_hook`` (a module-level function: the workers pickle it):
+    :func:`run_cell`'s (no cell starts after the deadline)."""
     todo = []
     for c in cells:
         row = GB._read_json(_paths(out_dir, c)[0], {})
@@ -696,7 +710,7 @@ def run(
             GB.dataset(name, tiny), GB.judge_for(name, tiny, out_dir)
     write_json(refs_path, refs)
     print(f"{len(cells) - len(todo)} of {len(cells)} cells done before; running {len(todo)}", flush=True)
-    opts = dict(device=device, deadline=deadline, threads=threads)
+    opts = dict(device=device, deadline=deadline, threads=threads, point_hook=point_hook)
     jobs = [(c, out_dir, opts) for c in todo]
     if workers > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(workers) as ex:

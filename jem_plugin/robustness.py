@@ -341,6 +341,7 @@ def robust_accuracy(
     generator: torch.Generator | None = None,
     batch_size: int = 256,
     progress: bool = True,
+    per_example: bool = False,
 ) -> dict[str, Any]:
     """Accuracy under PGD for every ``eps`` in ``eps_list``.
 
@@ -356,7 +357,9 @@ def robust_accuracy(
     ``pgd`` is how PGD runs (:class:`PGD`: norm, steps, objective ``"ce"`` or ``"margin"``, EOT
     samples for BPDA, ...). ``eps = 0`` is not attacked, so its entry is clean accuracy.
 
-    Returns ``{"eps": [...], "accuracy": [...], "norm", "attack", "steps", "n"}``.
+    Returns ``{"eps": [...], "accuracy": [...], "norm", "attack", "steps", "n"}``; with
+    ``per_example=True`` also ``"correct"``: for each ``eps``, whether each input survived (a list
+    of ``n`` bools), for paired comparisons of two models on the same inputs.
     """
     settings = _pgd_settings("robust_accuracy", pgd)
     norm, loss, eot_samples = settings.norm, settings.loss, settings.eot_samples
@@ -390,7 +393,7 @@ def robust_accuracy(
         "worst": [None, bpda_grad],
     }
     plans = plan_table[attack if defense is not None else "transfer"]
-    accs = []
+    accs, survived = [], []
     batches = list(zip(x.split(batch_size), y.split(batch_size)))
     with (
         sampling_mode(jm),
@@ -399,15 +402,19 @@ def robust_accuracy(
         ) as bar,
     ):
         for eps in eps_values:
-            correct = 0
+            oks = []
             for xb, yb in batches:
                 ok = torch.ones_like(yb, dtype=torch.bool)
                 for grad_fn in plans if eps > 0 else [None]:
                     xa = xb if eps == 0 else _pgd(jm, xb, yb, eps, settings, generator, grad_fn=grad_fn)
                     with torch.no_grad():
                         ok &= predict(xa).argmax(1) == yb
-                correct += int(ok.sum())
+                oks.append(ok.cpu())
                 bar.update(1)
-            accs.append(correct / x.shape[0])
+            survived.append(torch.cat(oks))
+            accs.append(int(survived[-1].sum()) / x.shape[0])
     n = int(x.shape[0])
-    return {"eps": eps_values, "accuracy": accs, "norm": norm, "attack": label, "steps": settings.steps, "n": n}
+    out = {"eps": eps_values, "accuracy": accs, "norm": norm, "attack": label, "steps": settings.steps, "n": n}
+    if per_example:
+        out["correct"] = [s.tolist() for s in survived]
+    return out
