@@ -180,7 +180,8 @@ class NCI(_FeatureMean):
     ``alpha`` defaults to pytorch-ood's 0 (the alignment alone): it weighs a norm whose scale
     depends on the network, and the paper tunes it per network (OpenOOD: 1e-4 on its ResNets); it
     was not tuned here. ``fit`` streams the mean (float64). pytorch-ood's ``NCI`` returns minus
-    ours. The head must be linear.
+    ours. The head must be linear. Features at the training mean (features constant across inputs)
+    have alignment 0, where pytorch-ood's gives NaN (or a constant, where its float32 mean rounds).
     """
 
     name = "nci"
@@ -207,7 +208,10 @@ class NCI(_FeatureMean):
     def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
         centred = feats - self.train_mean.to(feats.device)
         w = self._weight.to(feats.device)[logits.argmax(dim=1)]
-        score = (centred * w).sum(dim=1) / centred.norm(dim=1)
+        # features at the training mean (constant features: every input) have no direction; their
+        # alignment is 0, not 0 / 0
+        norm = centred.norm(dim=1).clamp_min(torch.finfo(centred.dtype).tiny)
+        score = (centred * w).sum(dim=1) / norm
         return score + self.alpha * feats.abs().sum(dim=1) if self.alpha > 0 else score
 
 

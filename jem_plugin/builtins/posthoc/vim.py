@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..._checks import user_stacklevel
 from ...errors import NoFeaturesError
 from ._base import (
     _FittedDetector,
@@ -25,7 +28,10 @@ class ViM(_FittedDetector):
     ``R``, known only at the end, so they are measured on a uniform subsample of at most
     ``max_alpha`` training features (all of them when there are fewer; ``None``: always all).
     ``dim`` defaults to the paper's choices: 1000 for ``D >= 2048``, 512 for ``D >= 768``, else
-    ``D // 2``. The head must be linear (``weight``, optional ``bias``).
+    ``D // 2``. The head must be linear (``weight``, optional ``bias``). Where the features vary
+    in ``dim`` directions or fewer (dead units: a unit always 0 adds a direction without variance),
+    the residual holds no training variance and its norms are rounding: the fit warns in one line
+    naming a ``dim`` that fits.
     """
 
     name = "vim"
@@ -69,9 +75,11 @@ class ViM(_FittedDetector):
         dim = self.dim if self.dim is not None else (1000 if d_all >= 2048 else 512 if d_all >= 768 else d_all // 2)
         if not 1 <= dim < d_all:
             raise ValueError(f"vim's principal dimension must be in [1, {d_all}) for {d_all}-d features, got {dim}")
-        _, evecs = torch.linalg.eigh(self._moment / self._n)
+        evals, evecs = torch.linalg.eigh(self._moment / self._n)
         residual = evecs[:, : d_all - dim]  # eigh sorts ascending: the smallest D - dim directions
-        sample = self._sample.values().double() - self._u.to(self._moment.device)
+        raw = self._sample.values()
+        _warn_dead_cut(evals, dim, raw.dtype, self._n)
+        sample = raw.double() - self._u.to(self._moment.device)
         alpha = (self._max_logit_sum / self._n) / (sample @ residual).norm(dim=1).mean()
         self.principal_dim = dim
         self.alpha = float(alpha.item())
@@ -82,3 +90,32 @@ class ViM(_FittedDetector):
     def _score(self, jm: Any, feats: Tensor, logits: Tensor) -> Tensor:
         vlogit = ((feats - self._origin.to(feats.device)) @ self._residual.to(feats.device)).norm(dim=1)
         return torch.logsumexp(logits, dim=1) - self.alpha * vlogit
+
+
+def _warn_dead_cut(evals: Tensor, dim: int, feature_dtype: torch.dtype, n: int) -> None:
+    """Warn where ViM's cut at ``dim`` leaves only near-zero eigenvalues (``evals``, ascending, of
+    the features' moment) in the residual: directions the fit features do not vary in (dead units,
+    units that copy others), whose residual norms are rounding and differ between two fits of the
+    same data (two ranks against one process)."""
+    d = evals.shape[0]
+    top = float(evals[-1].clamp_min(0.0))
+    eps = torch.finfo(feature_dtype if feature_dtype.is_floating_point else torch.float32).eps
+    # Near zero: below the variance the features' own rounding puts in every direction (ten units in
+    # the last place, relative to their mean square, which the largest eigenvalue bounds; times how
+    # far N x D noise's largest singular value exceeds sqrt(N)), or float64's rank tolerance.
+    tol = top * max((10.0 * eps) ** 2 * (1.0 + math.sqrt(d / max(n, 1))) ** 2, d * torch.finfo(torch.float64).eps)
+    live = int((evals > tol).sum())
+    if live > dim:
+        return
+    fix = (
+        f"pass dim={max(1, live // 2)} (any dim below {live})"
+        if live >= 2
+        else "vim needs features that vary in at least two directions"
+    )
+    warnings.warn(
+        f"vim: the fit features vary in {live} of {d} directions (the other {d - live} are dead units or copies "
+        f"of others), so the cut at dim={dim} leaves a residual without training variance, whose norms are "
+        f"rounding and its scores arbitrary; {fix}",
+        RuntimeWarning,
+        stacklevel=user_stacklevel(),
+    )
