@@ -1,4 +1,5 @@
-"""CUDA-graph SGLD: one Langevin step captured once as a CUDA graph, then replayed ``steps`` times.
+"""CUDA-graph chains: one step of a :class:`~jem_plugin.chains.ChainSampler` (SGLD's Langevin step)
+captured once as a CUDA graph, then replayed ``steps`` times.
 
 On a GPU a small or medium network is launch-bound: one SGLD step is hundreds of small kernels
 (forward, input-gradient backward, update, noise, clamp) and the host spends longer launching
@@ -13,8 +14,8 @@ What a graph bakes in, and how this module keeps it correct:
   next run; if a parameter tensor is *replaced* (``model.half()``, a
   ``load_state_dict(assign=True)``), its address changes and the step is captured again.
 - Everything host-side. Graphs are kept per model and per (shape, memory layout, dtype,
-  conditioning, autocast state, TF32 flags, noise, gradient clamp, BatchNorm mode, clamp bounds,
-  generator);
+  conditioning, autocast state, TF32 flags, the sampler's class and its ``graph_key()`` (SGLD:
+  noise, gradient clamp), BatchNorm mode, clamp bounds, generator);
   the step size may change from step to step (a 0-d device tensor refilled between replays).
 - Random numbers. The user's CUDA generator is registered with the graph, so each replay draws
   the next Philox numbers of that generator exactly as the eager loop would: seeded runs
@@ -48,15 +49,14 @@ from tqdm.auto import tqdm
 from . import hookspecs, plugins
 from ._checks import autocast_cache_off, check_label_range, same_device
 from .errors import CUDAGraphError
-from .model import BATCHNORM_MODES as _MODEL_MODES
-from .model import JEM, _CallableModule, sampling_mode
+from .model import JEM, BatchNormMode, _CallableModule, sampling_mode
 
 # Every CUDA call of this module goes through this name: the CPU tests replace it with a stand-in
 # (fake graphs that record the captured step and replay it eagerly), so each line here runs in CI.
 _cuda: Any = torch.cuda
 _DEVICE_TYPE = "cuda"  # the device type whose chains are captured (the CPU tests set "cpu")
 
-__all__ = ["MODES", "check_mode", "clear", "model_batchnorm", "run"]
+__all__ = ["MODES", "check_mode", "clear", "run"]
 
 MODES = ("auto", "off", "require")
 MAX_GRAPHS = 4  # per model; the least recently used graph is dropped
@@ -68,30 +68,37 @@ _pools: dict[torch.device, tuple[Any, Any]] = {}  # device -> (memory pool handl
 
 
 class ChainSettings(Protocol):
-    """What a chain run reads from its sampler (:class:`~jem_plugin.sampling.SGLD` provides it)."""
+    """What a chain run reads from its sampler (:class:`~jem_plugin.chains.ChainSampler` provides
+    it; the protocol keeps this module below that one)."""
 
     cuda_graph: str
-    steps: int
-    noise: float
-    grad_clamp: float | None
     clamp: bool
-    batchnorm: str  # "joint" or "separate"
+    batchnorm: BatchNormMode
     generator: torch.Generator | None
-    colour_projection: Tensor | None
 
-    def step_sizes(self) -> list[float]:
+    def step_sizes(self, jm: Any = None) -> list[float]:
         """The step size of every step (the sampler's schedule, evaluated for its steps)."""
         ...
 
+    def prepare(self, jm: Any, x: Tensor) -> Any:
+        """Per-run state for :meth:`step` (kept alive with the graph)."""
+        ...
 
-# SGLD(batchnorm=...) -> the mode of model.sampling_mode that runs its chains: "joint" samples meet
-# BatchNorm's running statistics, "separate" samples the statistics of their own batch.
-_SAMPLING_MODE = {"joint": "eval", "separate": "batch"}
+    def step(self, x: Tensor, grad: Tensor, size: float | Tensor, state: Any) -> None:
+        """One in-place update of the chain ``x`` (``size`` a 0-d tensor here)."""
+        ...
 
+    def wants_eager(self) -> str | None:
+        """Why the sampler's step cannot be captured, or ``None``."""
+        ...
 
-def model_batchnorm(batchnorm: str) -> str:
-    """The :func:`~jem_plugin.model.sampling_mode` BatchNorm mode for ``SGLD(batchnorm=...)``."""
-    return batchnorm if batchnorm in _MODEL_MODES else _SAMPLING_MODE[batchnorm]
+    def graph_key(self) -> tuple:
+        """The sampler's settings the captured step bakes in."""
+        ...
+
+    def draws_noise(self) -> bool:
+        """Whether the step draws from the sampler's generator."""
+        ...
 
 
 def check_mode(mode: Any) -> str:
@@ -114,9 +121,10 @@ class _Graph:
     a: Tensor  # step size, 0-d
     y: Tensor | None  # [B, 1] labels of class-conditional chains
     score: Tensor  # the last replay's log-density of each chain (before its update)
-    # The noise buffer each replay refills. A graph holds addresses, not tensors: every tensor it
-    # uses that was allocated before capture must be kept alive here, or its memory is reused.
-    noise: Tensor | None
+    # The sampler's per-run state (SGLD: the noise buffer each replay refills). A graph holds
+    # addresses, not tensors: every tensor it uses that was allocated before capture must be kept
+    # alive here, or its memory is reused.
+    state: Any
     num_classes: int
     owners: tuple  # (generator, adapter), kept alive: their ids are in the key
     fingerprint: tuple
@@ -149,8 +157,9 @@ def _blocker(sampler: ChainSettings, jm: JEM, x: Tensor, record: bool) -> str | 
         return "trajectory/energy recording reads the chain after every step"
     if plugins.has_implementations(hookspecs.STEP_HOOK):
         return f"a {hookspecs.STEP_HOOK} plugin hook runs Python after every step"
-    if sampler.colour_projection is not None:
-        return "the colour projection of SGLD(colours='data') on data with fewer colour axes than channels is not part of the captured step yet"
+    reason = sampler.wants_eager()
+    if reason is not None:
+        return reason
     if isinstance(jm.model, _CallableModule):
         return "the model is a plain callable (its tensors cannot be tracked between runs)"
     if any(hasattr(p, "full_tensor") for p in jm.model.parameters()):  # FSDP2's shards are DTensors
@@ -179,7 +188,7 @@ def run(
     once per reason, and only for chains on a CUDA device (on the CPU eager is the only path).
     """
     mode = sampler.cuda_graph
-    if mode == "off" or not sampler.steps:
+    if mode == "off" or not sampler.step_sizes(jm):
         return None
     reason = _blocker(sampler, jm, x, record)
     gen = sampler.generator
@@ -194,12 +203,14 @@ def run(
             return None
     if mode == "require":
         raise CUDAGraphError(
-            f"SGLD(cuda_graph='require') cannot run the chain as a CUDA graph: {reason}; use "
+            f"{type(sampler).__name__}(cuda_graph='require') cannot run the chain as a CUDA graph: {reason}; use "
             "cuda_graph='auto' to fall back to the eager loop"
         )
     if x.device.type == _DEVICE_TYPE and reason not in _warned:
         _warned.add(reason)
-        warnings.warn(f"SGLD runs eagerly, not as a CUDA graph: {reason}", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"{type(sampler).__name__} runs eagerly, not as a CUDA graph: {reason}", RuntimeWarning, stacklevel=3
+        )
     return None
 
 
@@ -217,8 +228,8 @@ def _key(sampler: ChainSettings, jm: JEM, x: Tensor, dtype: torch.dtype, cond: b
         torch.backends.cuda.matmul.allow_tf32,
         torch.backends.cudnn.allow_tf32,
         torch.backends.cudnn.deterministic,
-        sampler.noise,
-        sampler.grad_clamp,
+        type(sampler),
+        sampler.graph_key(),
         # batch or running BatchNorm statistics
         sampler.batchnorm,
         (tuple(domain.low), tuple(domain.high)) if sampler.clamp else None,
@@ -229,7 +240,7 @@ def _key(sampler: ChainSettings, jm: JEM, x: Tensor, dtype: torch.dtype, cond: b
 
 def _run(sampler: ChainSettings, jm: JEM, x: Tensor, y: Tensor | None, progress: bool) -> tuple[Tensor, Tensor]:
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    sizes = sampler.step_sizes()
+    sizes = sampler.step_sizes(jm)
     model = jm.model
     key = _key(sampler, jm, x, dtype, y is not None)
     per_model = _graphs.get(model)
@@ -261,7 +272,7 @@ def _run(sampler: ChainSettings, jm: JEM, x: Tensor, y: Tensor | None, progress:
 
     steps = range(len(sizes))
     if progress:
-        steps = tqdm(steps, desc="SGLD (CUDA graph)", leave=False)
+        steps = tqdm(steps, desc=f"{type(sampler).__name__} (CUDA graph)", leave=False)
     with torch.inference_mode(False), torch.no_grad(), _cuda.device(x.device):
         entry.x.detach().copy_(x)
         if y is not None and entry.y is not None:  # both or neither: the key holds the conditioning
@@ -278,13 +289,14 @@ def _run(sampler: ChainSettings, jm: JEM, x: Tensor, y: Tensor | None, progress:
 
 
 def make_step(
-    jm: JEM, xs: Tensor, a: Tensor, ys: Tensor | None, noise_buf: Tensor | None, sampler: ChainSettings
+    jm: JEM, xs: Tensor, a: Tensor, ys: Tensor | None, state: Any, sampler: ChainSettings
 ) -> Callable[[], tuple[Tensor, Tensor]]:
-    """One SGLD step on the static chain ``xs`` (a leaf that requires grad), as the eager loop
-    makes it but with the step size read from the 0-d tensor ``a``; returns ``(logits, score)``."""
+    """One step on the static chain ``xs`` (a leaf that requires grad), as the eager loop makes it
+    but with the step size read from the 0-d tensor ``a``; returns ``(logits, score)``. ``state``
+    is the sampler's :meth:`prepare` for ``xs``."""
     model, read_logits = jm.model, jm.adapter.logits
     xd = xs.detach()
-    dtype, gen, noise, clip = xs.dtype, sampler.generator, sampler.noise, sampler.grad_clamp
+    dtype, update = xs.dtype, sampler.step
     clamps = jm.domain.clamp_plan(xd) if sampler.clamp else ()
     # Unknown number of classes: the labels are checked at the first forward, as the eager loop
     # does, before a gather reads them (out of range on CUDA: a device-side assert, fatal to the
@@ -304,11 +316,7 @@ def make_step(
         (g,) = torch.autograd.grad(score, xs, torch.ones_like(score))
         if g.dtype != dtype:
             g = g.to(dtype)
-        if clip is not None:
-            g.clamp_(-clip, clip)
-        xd.addcmul_(g, a)
-        if noise_buf is not None:
-            xd.add_(noise_buf.normal_(generator=gen), alpha=noise)
+        update(xd, g, a, state)
         for view, lo, hi in clamps:
             view.clamp_(lo, hi)
         return out.detach(), score.detach()
@@ -328,7 +336,6 @@ def _capture(
     model = jm.model
     dev = x.device
     gen = sampler.generator
-    noise = sampler.noise
     with torch.inference_mode(False), _cuda.device(dev):
         rng = gen if gen is not None else _cuda.default_generators[dev.index]
         rng_state = rng.get_state()
@@ -337,12 +344,12 @@ def _capture(
         xs.requires_grad_(True)
         a = torch.full((), first_size, dtype=dtype, device=dev)
         ys = y.view(-1, 1).clone() if y is not None else None
-        noise_buf = torch.empty_like(xs, requires_grad=False) if noise > 0 else None
-        step = make_step(jm, xs, a, ys, noise_buf, sampler)
+        state = sampler.prepare(jm, xs.detach())
+        step = make_step(jm, xs, a, ys, state, sampler)
         try:
             # Autocast's cast cache off: it would hand later steps (and the capture) stale casts.
             with (
-                sampling_mode(model, model_batchnorm(sampler.batchnorm)),
+                sampling_mode(model, sampler.batchnorm),
                 torch.enable_grad(),
                 autocast_cache_off(dev.type),
             ):
@@ -358,7 +365,7 @@ def _capture(
                     raise _Eager() from exc
                 _cuda.current_stream(dev).wait_stream(side)
                 graph = _cuda.CUDAGraph()
-                if gen is not None and noise > 0:
+                if gen is not None and sampler.draws_noise():
                     if not hasattr(graph, "register_generator_state"):
                         raise _CaptureFailed(
                             f"torch {torch.__version__} cannot register a generator with a "
@@ -379,7 +386,7 @@ def _capture(
         a=a,
         y=ys,
         score=score.reshape(-1),
-        noise=noise_buf,
+        state=state,
         num_classes=int(out.shape[1]),
         owners=(gen, jm.adapter),
         fingerprint=fingerprint,

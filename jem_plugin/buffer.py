@@ -134,10 +134,16 @@ class ReadOnlyBuffer:
         return self.buffer.colour_projection
 
     def sample(
-        self, n: int | None = None, *, domain: InputDomain, y: Tensor | None = None, generator: Any = None
+        self,
+        n: int | None = None,
+        *,
+        domain: InputDomain,
+        y: Tensor | None = None,
+        generator: Any = None,
+        validate: bool = True,
     ) -> tuple[Tensor, Tensor]:
         """:meth:`ReplayBuffer.sample` with this view's generator (``generator`` is ignored)."""
-        return self.buffer.sample(n, domain=domain, y=y, generator=self.generator)
+        return self.buffer.sample(n, domain=domain, y=y, generator=self.generator, validate=validate)
 
     def update(self, idx: Tensor, x: Tensor) -> None:
         """Nothing: the buffer stays as it was."""
@@ -322,12 +328,14 @@ class ReplayBuffer(nn.Module):
             self.initialized.fill_(False)
         self._is_init = False
 
-    def _check_y(self, y: Any, n: int | None) -> Tensor:
+    def _check_y(self, y: Any, n: int | None, validate: bool) -> Tensor:
         if self.num_classes is None:
             raise InvalidLabelError(
                 "class-conditional sampling (y=...) needs a class-conditional buffer: create "
                 "ReplayBuffer(..., num_classes=K)"
             )
+        if not validate:  # checked by the caller (a sampler's public edge): only placed here
+            return y.to(self.data.device)
         return check_labels(
             y, n, num_classes=self.num_classes, device=self.data.device, what="y (one class segment per chain)"
         )
@@ -340,14 +348,16 @@ class ReplayBuffer(nn.Module):
         domain: InputDomain,
         y: Tensor | None = None,
         generator: torch.Generator | None = None,
+        validate: bool = True,
     ) -> tuple[Tensor, Tensor]:
         """Draw ``n`` chain starts: ``(x [n, *shape] fp32, idx [n])``; pass ``idx`` to :meth:`update`.
 
         Slots are drawn uniformly (within the class segments of ``y`` when given); each restarts
-        from the init distribution with probability ``reinit_freq``.
+        from the init distribution with probability ``reinit_freq``. ``validate=False``: ``y`` was
+        checked by the caller (long labels below ``num_classes``), as a sampler's ``sample`` does.
         """
         if y is not None:
-            y = self._check_y(y, n)
+            y = self._check_y(y, n, validate)
             n = y.shape[0]
         if n is None or isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive int (the number of chains), got {n!r}")

@@ -38,7 +38,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +58,9 @@ from ._checks import (
     restore_generator,
 )
 from .buffer import INIT_HOOK, ReplayBuffer
+from .chains import Sampler, label_bound, sample_checked
 from .errors import InvalidInputError
-from .model import JEM, as_jem, frozen_bn_stats, sampling_mode
+from .model import JEM, BatchNormMode, as_jem, check_batchnorm, frozen_bn_stats, sampling_mode
 from .sampling import SGLD
 
 __all__ = ["LossOutput", "LossBatch", "JEMLoss", "SampleReplay", "LOSS_TERMS_HOOK"]
@@ -124,9 +125,6 @@ class LossBatch:
         return torch.cat(parts) if parts else None
 
 
-LOSS_BATCHNORM_MODES = ("joint", "separate")
-
-
 def _batch_statistics_in_use(model: nn.Module) -> bool:
     """Whether some BatchNorm layer normalises with batch statistics now: only then does a
     separate samples' pass differ from the joint one (a model without them keeps one forward)."""
@@ -136,30 +134,6 @@ def _batch_statistics_in_use(model: nn.Module) -> bool:
 def _samples_pass(core: JEM, x: Tensor) -> Tensor:
     with frozen_bn_stats(core.model):
         return core(x)
-
-
-def _default_sampler():
-    return SGLD()
-
-
-def _sampler_batchnorm(sampler: Any) -> str | None:
-    """How the samples pass BatchNorm, as the sampler says (``None``: it does not say)."""
-    mode: Any
-    if isinstance(sampler, SGLD):
-        mode = sampler.batchnorm
-    else:  # a user's sampler may say how its chains meet BatchNorm, or not
-        mode = getattr(sampler, "batchnorm", None)
-        if mode is None:
-            return None
-    if mode not in LOSS_BATCHNORM_MODES:
-        raise InvalidInputError(f"the sampler's batchnorm must be one of {LOSS_BATCHNORM_MODES}, got {mode!r}")
-    return str(mode)
-
-
-def _sampler_clamps(sampler: Any) -> bool:
-    if isinstance(sampler, SGLD):
-        return sampler.clamp
-    return bool(getattr(sampler, "clamp", False))  # a user's sampler: clamped chains only if it says so
 
 
 class SampleReplay:
@@ -192,8 +166,11 @@ class JEMLoss(nn.Module):
 
     Parameters
     ----------
-    sampler: an :class:`~jem_plugin.sampling.SGLD`; default ``SGLD()`` with the paper's settings
-        (20 steps, step size 1, noise 0.01). Its ``batchnorm`` also says how the samples pass the
+    sampler: a :class:`~jem_plugin.chains.Sampler`: :class:`~jem_plugin.sampling.SGLD` (default
+        ``SGLD()`` with the paper's settings: 20 steps, step size 1, noise 0.01),
+        :class:`~jem_plugin.builtins.pgd_negatives.PGDNegatives`, any
+        :class:`~jem_plugin.chains.ChainSampler`, or an object with ``sample(jm, n, buffer=, y=)``
+        and ``sample(jm, x_init=, y=)``. Its ``batchnorm`` also says how the samples pass the
         model's BatchNorm layers in train mode in the loss's forward (:attr:`batchnorm`), and its
         ``clamp`` whether the data noise stays inside the input domain (:meth:`clamps_data`).
     buffer: the :class:`~jem_plugin.buffer.ReplayBuffer` the chains start from and are written
@@ -235,7 +212,7 @@ class JEMLoss(nn.Module):
 
     def __init__(
         self,
-        sampler: Any = None,
+        sampler: Sampler | None = None,
         buffer: nn.Module | None = None,
         *,
         ce_weight: float = 1.0,
@@ -259,7 +236,7 @@ class JEMLoss(nn.Module):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if n_samples is not None and (isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1):
             raise ValueError(f"n_samples must be a positive int or None, got {n_samples!r}")
-        self.sampler = sampler if sampler is not None else _default_sampler()
+        self.sampler = sampler if sampler is not None else SGLD()
         self.buffer = buffer
         self.ce_weight = float(ce_weight)
         self.px_weight = float(px_weight)
@@ -289,32 +266,35 @@ class JEMLoss(nn.Module):
 
     # ------------------------------------------------------------------ configuration
     @property
-    def sampler(self) -> Any:
+    def sampler(self) -> Sampler:
         """The sampler. A plain object (``SGLD``) is not a submodule: its state travels through
         ``get_extra_state``. An ``nn.Module`` sampler is an ordinary submodule (``nn.Module``'s rule;
         ``del loss_fn.sampler`` before replacing it with a plain object)."""
         module = self._modules.get("sampler")
-        return module if module is not None else self.__dict__["_sampler"]
+        return cast(Sampler, module) if module is not None else self.__dict__["_sampler"]
 
     @sampler.setter
-    def sampler(self, value: Any) -> None:  # reached for non-Module values only (nn.Module.__setattr__)
+    def sampler(self, value: Sampler) -> None:  # reached for non-Module values only (nn.Module.__setattr__)
         self._modules.pop("sampler", None)
         self.__dict__["_sampler"] = value
 
     @property
-    def batchnorm(self) -> str:
+    def batchnorm(self) -> BatchNormMode:
         """How the samples pass the model's BatchNorm layers in train mode, read from the sampler's
         ``batchnorm``. ``"joint"``: one forward over data and samples, normalised with shared batch
         statistics that also enter the running statistics. ``"separate"``: the samples in a second
         forward with their own batch statistics, leaving the running statistics to the data
         (JEM++'s passes; the chains then climb the energy this trains). No effect on models
         without BatchNorm. A sampler that does not say is ``"joint"``."""
-        return _sampler_batchnorm(self.sampler) or "joint"
+        # A sampler need not say (the contract, chains.Sampler): one that does not is "joint".
+        return check_batchnorm(
+            getattr(self.sampler, "batchnorm", "joint"), "the sampler's batchnorm", error=InvalidInputError
+        )
 
     def clamps_data(self) -> bool:
         """Whether the data noise is kept inside the model's input domain: when the sampler
         clamps its chains (``SGLD(clamp=True)``, the default)."""
-        return _sampler_clamps(self.sampler)
+        return bool(getattr(self.sampler, "clamp", False))  # a sampler that does not say does not clamp
 
     def add_term(self, name: str, **kwargs: Any) -> Callable:
         """Add the loss term ``name`` from the ``jem_register_loss_terms`` hook; returns it."""
@@ -374,17 +354,24 @@ class JEMLoss(nn.Module):
 
     # ------------------------------------------------------------------ checks
     def _check_batch(self, core: JEM, x: Tensor, y: Any) -> Tensor:
-        """``y`` checked against the (already checked) inputs ``x`` and the replay buffer's shape."""
-        y = check_labels(y, x.shape[0], device=x.device)
-        if self.buffer is not None and tuple(x.shape[1:]) != tuple(self.buffer.sample_shape):
+        """``y`` checked against the (already checked) inputs ``x``, the model's classes and the
+        replay buffer: the one check the labels get on their way to the chains drawn for them."""
+        buffer = self.buffer
+        if buffer is not None and tuple(x.shape[1:]) != tuple(buffer.sample_shape):
             raise InvalidInputError(
                 f"inputs of shape {tuple(x.shape[1:])} do not match the replay buffer's sample_shape "
-                f"{tuple(self.buffer.sample_shape)}; create the buffer with "
+                f"{tuple(buffer.sample_shape)}; create the buffer with "
                 f"ReplayBuffer(sample_shape={tuple(x.shape[1:])})"
             )
-        if self.validate and core.num_classes is not None:
-            check_label_range(y, core.num_classes)
-        return y
+        k, kb = core.num_classes, getattr(buffer, "num_classes", None)
+        if self.class_conditional and k is not None and kb is not None and kb != k:
+            raise InvalidInputError(
+                f"the replay buffer holds chains for {kb} classes and the model has {k}; create it with "
+                f"ReplayBuffer(..., num_classes={k})"
+            )
+        # The chains for y index the buffer's class segments before the model's first forward.
+        bound = label_bound(core, buffer if self.class_conditional else None)
+        return check_labels(y, x.shape[0], num_classes=bound, device=x.device)
 
     def _num_classes(self, core: JEM, x: Tensor) -> int:
         k = core.num_classes
@@ -418,14 +405,15 @@ class JEMLoss(nn.Module):
         return draw(lambda size, **kw: torch.randint(0, k, size, **kw), (n,), self.generator, device)
 
     def _sample(self, core: JEM, n: int, buffer: Any, y: Tensor | None, evaluating: bool) -> Tensor:
-        if not evaluating:
-            return self.sampler.sample(core, n, buffer=buffer, y=y)
         # Validation reads the buffer (starts drawn with the loss's generator) and never writes it.
-        if isinstance(buffer, ReplayBuffer):
-            return self.sampler.sample(core, n, buffer=buffer.read_only(self.generator), y=y)
-        device = model_device(core)  # a user's buffer: its starts, chains run from them
-        x0, _ = buffer.sample(n, domain=core.domain, y=y, generator=self.generator)
-        return self.sampler.sample(core, x_init=x0.to(device or x0.device), y=y)
+        x_init = None
+        if evaluating and isinstance(buffer, ReplayBuffer):
+            buffer = buffer.read_only(self.generator)
+        elif evaluating:  # a user's buffer: its starts, chains run from them
+            device = model_device(core)
+            x0, _ = buffer.sample(n, domain=core.domain, y=y, generator=self.generator)
+            buffer, x_init = None, x0.to(device or x0.device)
+        return sample_checked(self.sampler, core, n, buffer, y, x_init)  # forward checked the batch and labels
 
     def _draw(
         self, core: JEM, x: Tensor, y: Tensor, evaluating: bool

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +27,18 @@ from .errors import (
 )
 from .plugins import get_plugin_manager
 
-__all__ = ["JEM", "wrap", "as_jem", "input_grad_enabled", "sampling_mode", "frozen_bn_stats", "running_bn_stats"]
+__all__ = [
+    "JEM",
+    "wrap",
+    "as_jem",
+    "input_grad_enabled",
+    "sampling_mode",
+    "frozen_bn_stats",
+    "running_bn_stats",
+    "BatchNormMode",
+    "BATCHNORM_MODES",
+    "check_batchnorm",
+]
 
 
 class _CallableModule(nn.Module):
@@ -481,17 +492,29 @@ def running_bn_stats(model: nn.Module) -> contextlib.AbstractContextManager[None
     return _norm_flag_off(model, "training")
 
 
-BATCHNORM_MODES = ("eval", "batch")
+#: How samples meet BatchNorm layers, one spelling everywhere (``sampling_mode``, ``SGLD``,
+#: ``PGDNegatives``, :class:`~jem_plugin.losses.JEMLoss`, the recipes): ``"joint"``, the samples are
+#: normalised as the data are (the running statistics in the chains, the data's batch in the loss);
+#: ``"separate"``, the samples are normalised by the statistics of their own batch.
+BatchNormMode = Literal["joint", "separate"]
+BATCHNORM_MODES: tuple[BatchNormMode, ...] = ("joint", "separate")
+
+
+def check_batchnorm(mode: Any, what: str = "batchnorm", error: type[ValueError] = ValueError) -> BatchNormMode:
+    """``mode`` if it is one of :data:`BATCHNORM_MODES`, else a one-line ``error``."""
+    if mode not in BATCHNORM_MODES:
+        raise error(f"{what} must be one of {BATCHNORM_MODES}, got {mode!r}")
+    return cast(BatchNormMode, mode)
 
 
 @contextlib.contextmanager
-def sampling_mode(module: nn.Module, batchnorm: str = "eval") -> Iterator[nn.Module]:
+def sampling_mode(module: nn.Module, batchnorm: BatchNormMode = "joint") -> Iterator[nn.Module]:
     """Eval mode and frozen parameters inside the block; the exact previous flags after it.
 
-    ``batchnorm``: ``"eval"`` normalises with the running statistics (chains independent of one
-    another); ``"batch"`` makes every BatchNorm layer normalise with the statistics of the batch
-    of chains itself, as JEM++ samples and as the samples' own pass of
-    ``JEMLoss(batchnorm="separate")`` sees them, without updating the running statistics.
+    ``batchnorm``: ``"joint"`` normalises with the running statistics (chains independent of one
+    another); ``"separate"`` makes every BatchNorm layer normalise with the statistics of the batch
+    of chains itself, as JEM++ samples and as the samples' own pass of a loss whose sampler has
+    ``batchnorm="separate"`` sees them, without updating the running statistics.
 
     Cheap: one pass over the modules and parameters on entry and one on exit (it runs once per
     chain, not once per step). The flags are set directly rather than through ``module.eval()``
@@ -501,14 +524,13 @@ def sampling_mode(module: nn.Module, batchnorm: str = "eval") -> Iterator[nn.Mod
     >>> with sampling_mode(model):
     ...     x = sgld_chain(model, x)
     """
-    if batchnorm not in BATCHNORM_MODES:
-        raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
+    check_batchnorm(batchnorm)
     # One traversal; record only what we change, so restoring touches exactly those flags.
     # Flags are written with object.__setattr__: nn.Module.__setattr__ costs ~10x more and
     # `training` is a plain attribute. A parameter shared between modules is recorded once.
     was_training: list[nn.Module] = []
     had_grad: list[nn.Parameter] = []
-    # "batch": every BatchNorm layer normalises with batch statistics (train mode) with tracking
+    # "separate": every BatchNorm layer normalises with batch statistics (train mode) with tracking
     # off (no update), whatever mode the user left it in; restored to its own flags after.
     batch_norms: list[tuple[nn.Module, bool]] = []
     seen: set[int] = set()
@@ -520,7 +542,7 @@ def sampling_mode(module: nn.Module, batchnorm: str = "eval") -> Iterator[nn.Mod
         seen.add(id(m))
         if m.training:
             was_training.append(m)
-        if batchnorm == "batch" and isinstance(m, _NormBase) and m.track_running_stats:
+        if batchnorm == "separate" and isinstance(m, _NormBase) and m.track_running_stats:
             batch_norms.append((m, m.training))
         for p in m._parameters.values():
             if p is not None and p.requires_grad and id(p) not in seen:

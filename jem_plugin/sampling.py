@@ -20,42 +20,28 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from . import _cuda_graph, hookspecs, plugins
-from ._checks import (
-    DomainCheck,
-    autocast_cache_off,
-    check_input,
-    check_label_range,
-    check_labels,
-    follow,
-    model_device,
-    restore_generator,
-    same_device,
-)
+from ._checks import restore_generator
 from ._colours import project_colours
-from .errors import DivergenceError, InvalidInputError, JEMError
-from .model import as_jem, input_grad_enabled, sampling_mode
+from .chains import ChainSampler, SGLDDiagnostics
+from .errors import InvalidInputError, JEMError
+from .model import BATCHNORM_MODES, BatchNormMode
 from .schedules import Constant, Poly, Schedule, as_schedule, schedule_from_dict, schedule_to_dict
 
 if TYPE_CHECKING:  # pragma: no cover
     from .buffer import ReplayBuffer
     from .model import JEM
 
-__all__ = ["SGLD", "SGLDStepState", "SGLDDiagnostics", "Constant", "Poly"]
+__all__ = ["SGLD", "SGLDStepState", "SGLDDiagnostics", "Constant", "Poly", "BATCHNORM_MODES"]
 
 COLOURS = ("all", "data")  # SGLD(colours=...): steps move every channel, or the data's colour axes only
-# SGLD(batchnorm=...): "joint": the samples share BatchNorm with the data in the loss (the chains
-# normalised with the running statistics); "separate": the samples normalised by their own batch
-# statistics, in the chains and in the loss's second pass.
-BATCHNORM_MODES = ("joint", "separate")
 
 STEP_HOOK = hookspecs.STEP_HOOK
 SGLD_REMEDIES: tuple[str, ...] = (
@@ -83,28 +69,15 @@ class SGLDStepState:
     sampler: SGLD
 
 
-@dataclass(frozen=True)
-class SGLDDiagnostics:
-    """What one chain run returns beside the samples (``run(..., return_diagnostics=True)``).
+@dataclass
+class _SGLDRun:
+    """One chain run's scratch: the noise buffer, the colour projection, the plugin hook, and the
+    last gradient as applied (what the hook sees)."""
 
-    A value, not state on the sampler: one ``SGLD`` may be shared by several losses, scores and
-    threads, and each call gets its own diagnostics.
-
-    steps: Langevin steps run. final_step_size: the step size of the last step (``None`` for
-    0 steps). trajectory: the chain before the first and after every step (``steps + 1``
-    tensors) when the call asked for ``record_trajectory=True``, else ``None``.
-    energies: ``E(x)`` (``E(x, y)`` for class-conditional chains) along the chain,
-    ``[steps + 1, B]``, when the call asked for ``record_energies=True``, else ``None``.
-    """
-
-    steps: int
-    final_step_size: float | None
-    trajectory: list[Tensor] | None = None
-    energies: Tensor | None = None
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    noise: Tensor | None
+    colour: Tensor | None
+    hook: Any
+    grad: Tensor | None = None
 
 
 def _positive_float(name: str, v: Any, allow_zero: bool = False) -> float:
@@ -133,8 +106,11 @@ def _spelled(step_size: Any) -> str:
     return repr(step_size)
 
 
-class SGLD:
+class SGLD(ChainSampler):
     """SGLD sampler for a :class:`~jem_plugin.model.JEM` (paper defaults: 20 steps, step 1, noise 0.01).
+
+    A :class:`~jem_plugin.chains.ChainSampler`: :meth:`step` is the Langevin update above; ``run``
+    and ``sample`` (checks, starts, recording, divergence, CUDA graphs) are the base class's.
 
     Parameters
     ----------
@@ -185,6 +161,9 @@ class SGLD:
         yourself to confine chains run from ``x_init``.
     """
 
+    name = "SGLD"
+    remedies = SGLD_REMEDIES
+
     def __init__(
         self,
         steps: int = 20,
@@ -193,32 +172,23 @@ class SGLD:
         *,
         clamp: bool = True,
         grad_clamp: float | None = None,
-        batchnorm: Literal["joint", "separate"] = "joint",
+        batchnorm: BatchNormMode = "joint",
         colours: Literal["all", "data"] = "all",
         max_energy: float | None = None,
         generator: torch.Generator | None = None,
         cuda_graph: str = "auto",
     ) -> None:
         self.cuda_graph = _cuda_graph.check_mode(cuda_graph)
-        if batchnorm not in BATCHNORM_MODES:
-            raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
-        self.batchnorm: str = batchnorm
+        super().__init__(steps, clamp=clamp, batchnorm=batchnorm, generator=generator)
         if colours not in COLOURS:
             raise ValueError(f"colours must be one of {COLOURS}, got {colours!r}")
         self.colours = colours
         self.colour_projection: Tensor | None = None
         self._colours_of: Tensor | None = None  # the buffer projection colour_projection was read from
-        if not _is_int(steps) or steps < 0:
-            raise ValueError(f"steps must be an int >= 0, got {steps!r}")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        self.steps = steps
         self.step_size: float | Schedule | Callable[[int], float] = _step_size(step_size)
         self.noise = _positive_float("noise", noise, allow_zero=True)
-        self.clamp = bool(clamp)
         self.grad_clamp = None if grad_clamp is None else _positive_float("grad_clamp", grad_clamp)
         self.max_energy = None if max_energy is None else _positive_float("max_energy", max_energy)
-        self.generator = generator
 
     def __repr__(self) -> str:
         extra = f", grad_clamp={self.grad_clamp}" if self.grad_clamp is not None else ""
@@ -232,8 +202,8 @@ class SGLD:
         )
 
     # ------------------------------------------------------------------ schedule
-    def step_sizes(self) -> list[float]:
-        """The step size of every step, ``a_0 .. a_{steps-1}``."""
+    def step_sizes(self, jm: Any = None) -> list[float]:
+        """The step size of every step, ``a_0 .. a_{steps-1}`` (the same for every model)."""
         step_size, t_max = self.step_size, self.steps
         schedule = as_schedule(step_size)
         sizes = [float(schedule(t, t_max)) for t in range(t_max)]
@@ -243,189 +213,58 @@ class SGLD:
                 raise ValueError(f"the step_size callable must return finite values > 0; got {bad[:3]}")
         return sizes
 
-    # ------------------------------------------------------------------ chains
-    @staticmethod
-    def _check_y(jm: JEM, y: Any, batch: int, device) -> Tensor:
-        y = check_labels(y, batch, num_classes=jm.num_classes, device=device, what="y (one class per chain)")
-        if y.is_inference():  # labels made under inference_mode cannot be saved for backward
-            with torch.inference_mode(False):
-                y = y.clone()
-        return y
+    # ------------------------------------------------------------------ the step
+    def prepare(self, jm: JEM, x: Tensor) -> _SGLDRun:
+        """The noise buffer (reused every step), the colour projection on the chain's device, and
+        whether a ``jem_sgld_step`` plugin hook runs (checked once per run)."""
+        hook = plugins.get_plugin_manager().hook.jem_sgld_step if plugins.has_implementations(STEP_HOOK) else None
+        noise = torch.empty_like(x) if self.noise > 0 else None
+        return _SGLDRun(noise=noise, colour=self._colour_matrix(x, x.dtype), hook=hook)
 
-    @staticmethod
-    def _check_recording(return_diagnostics: bool, record_trajectory: bool, record_energies: bool) -> None:
-        """A recording asked for without ``return_diagnostics`` would be thrown away: say so."""
-        for name, asked in (("record_trajectory", record_trajectory), ("record_energies", record_energies)):
-            if asked and not return_diagnostics:
-                raise ValueError(f"{name}=True records into the diagnostics: pass return_diagnostics=True too")
+    def step(self, x: Tensor, grad: Tensor, size: float | Tensor, state: _SGLDRun) -> None:
+        """``x <- x + size * grad (clamped to grad_clamp, projected on the colour axes) + noise * N(0, I)``."""
+        if self.grad_clamp is not None:
+            grad.clamp_(-self.grad_clamp, self.grad_clamp)
+        colour = state.colour
+        if colour is not None:
+            grad = project_colours(grad, colour)
+        if isinstance(size, Tensor):  # inside a CUDA graph: the step size is a device scalar
+            x.addcmul_(grad, size)
+        else:
+            x.add_(grad, alpha=size)
+        if state.noise is not None:
+            z = state.noise.normal_(generator=self.generator)
+            x.add_(z if colour is None else project_colours(z, colour), alpha=self.noise)
+        state.grad = grad
 
-    @overload
-    def run(
-        self,
-        jm: JEM,
-        x: Tensor,
-        y: Tensor | None = ...,
-        *,
-        return_diagnostics: Literal[False] = ...,
-        record_trajectory: bool = ...,
-        record_energies: bool = ...,
-        progress: bool = ...,
-    ) -> Tensor: ...
+    def after_step(self, t: int, x: Tensor, size: float, y: Tensor | None, state: _SGLDRun) -> None:
+        """The ``jem_sgld_step`` plugin hook, when a plugin implements it."""
+        if state.hook is None:
+            return
+        assert state.grad is not None  # set by step, which ran before
+        step_state = SGLDStepState(t, x, state.grad, size, self.noise, y, self)
+        state.hook(state=step_state)
+        if step_state.x is not x:
+            x.copy_(step_state.x)
 
-    @overload
-    def run(
-        self,
-        jm: JEM,
-        x: Tensor,
-        y: Tensor | None = ...,
-        *,
-        return_diagnostics: Literal[True],
-        record_trajectory: bool = ...,
-        record_energies: bool = ...,
-        progress: bool = ...,
-    ) -> tuple[Tensor, SGLDDiagnostics]: ...
+    def wants_eager(self) -> str | None:
+        if self.colour_projection is not None:
+            return (
+                "the colour projection of SGLD(colours='data') on data with fewer colour axes than channels is "
+                "not part of the captured step yet"
+            )
+        return None
 
-    @overload
-    def run(
-        self,
-        jm: JEM,
-        x: Tensor,
-        y: Tensor | None = ...,
-        *,
-        return_diagnostics: bool,
-        record_trajectory: bool = ...,
-        record_energies: bool = ...,
-        progress: bool = ...,
-    ) -> Tensor | tuple[Tensor, SGLDDiagnostics]: ...
+    def graph_key(self) -> tuple:
+        return (self.noise, self.grad_clamp)
 
-    def run(
-        self,
-        jm: JEM,
-        x: Tensor,
-        y: Tensor | None = None,
-        *,
-        return_diagnostics: bool = False,
-        record_trajectory: bool = False,
-        record_energies: bool = False,
-        progress: bool = False,
-    ) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
-        """Run ``steps`` Langevin updates from ``x``; returns a new detached fp32 tensor, or
-        ``(x, SGLDDiagnostics)`` with ``return_diagnostics=True``.
+    def draws_noise(self) -> bool:
+        return self.noise > 0
 
-        ``record_trajectory=True``: the chain after every step (``steps + 1`` tensors) in the
-        diagnostics; ``record_energies=True``: ``E(x)`` (or ``E(x, y)``) along the chain,
-        ``[steps + 1, B]`` (one extra forward for the final state); both need
-        ``return_diagnostics=True`` and run the chain eagerly. ``progress=True``: a tqdm progress
-        bar over the steps.
-
-        ``x`` itself is not modified. Works inside ``torch.no_grad()``, ``torch.inference_mode()``
-        and ``torch.autocast`` (the forward runs in the caller's autocast; the chain stays fp32).
-        Raises :class:`~jem_plugin.errors.DivergenceError` if the chain's energies are not finite.
-        """
-        self._check_recording(return_diagnostics, record_trajectory, record_energies)
-        jm = as_jem(jm, "SGLD.run")
-        x = check_input(x, domain=jm.domain, what="chain start")
-        if y is not None:
-            y = self._check_y(jm, y, x.shape[0], x.device)
-        sizes = self.step_sizes()
-        if self.cuda_graph != "off" and self.steps:
-            # None: this chain runs eagerly
-            graphed = _cuda_graph.run(self, jm, x, y, record=record_trajectory or record_energies, progress=progress)
-            if graphed is not None:
-                out, last = graphed
-                self._check_divergence(out, last)
-                if not return_diagnostics:
-                    return out
-                return out, SGLDDiagnostics(steps=len(sizes), final_step_size=sizes[-1] if sizes else None)
-        # fp32 chain whatever the caller's precision (float64 chains stay float64 for float64 models).
-        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        if y is not None:
-            y_index = y.view(-1, 1)
-        noise, clip, gen = self.noise, self.grad_clamp, self.generator
-        colour = self._colour_matrix(x, dtype)
-        domain = jm.domain
-        use_hook = bool(sizes) and plugins.has_implementations(STEP_HOOK)  # checked once per run
-        hook = plugins.get_plugin_manager().hook.jem_sgld_step if use_hook else None
-        trajectory: list[Tensor] = []
-        energies: list[Tensor] = []
-        grad = torch.autograd.grad
-        logsumexp = torch.logsumexp
-        last_score = None
-        # jm(x) is adapter.logits(model(x)): call the two directly (no wrapper-module dispatch per step).
-        model, read_logits = jm.model, jm.adapter.logits
-
-        with (
-            sampling_mode(model, _cuda_graph.model_batchnorm(self.batchnorm)),
-            autocast_cache_off(x.device.type),
-            input_grad_enabled(x.detach().to(dtype)) as xg,
-        ):
-            xd = xg.detach()  # alias of the leaf: in-place updates without autograd bookkeeping
-            if gen is not None and not same_device(gen.device, xd.device):
-                raise InvalidInputError(
-                    f"the SGLD generator is on {gen.device} but the chain is on {xd.device}; create it "
-                    f"with torch.Generator(device={str(xd.device)!r})"
-                )
-            noise_buf = torch.empty_like(xd) if noise > 0 else None
-            clamps = domain.clamp_plan(xd) if self.clamp else ()  # applied after every update
-            if record_trajectory:
-                trajectory.append(xd.clone())
-            steps_iter = range(len(sizes))
-            if progress:
-                steps_iter = tqdm(steps_iter, desc="SGLD", leave=False)
-            check_k = y is not None and jm.num_classes is None  # labels checked at the first forward
-            score = ones = None
-            for t in steps_iter:
-                out = read_logits(model(xg))
-                if y is None:
-                    score = logsumexp(out, 1)
-                else:
-                    if check_k:
-                        check_label_range(y, out.shape[1], what="y (one class per chain)")
-                        check_k = False
-                    score = out.gather(1, y_index)
-                if ones is None:  # d(sum)/d(score) = 1: pass it directly, no sum kernel per step
-                    ones = torch.ones_like(score)
-                (g,) = grad(score, xg, ones)  # frees the graph: nothing outlives the step
-                if g.dtype != dtype:  # only under exotic autocast setups
-                    g = g.to(dtype)
-                if clip is not None:
-                    g.clamp_(-clip, clip)
-                if colour is not None:
-                    g = project_colours(g, colour)
-                xd.add_(g, alpha=sizes[t])
-                if noise_buf is not None:
-                    z = noise_buf.normal_(generator=gen)
-                    xd.add_(z if colour is None else project_colours(z, colour), alpha=noise)
-                for view, lo, hi in clamps:
-                    view.clamp_(lo, hi)
-                if record_energies:
-                    energies.append(-score.detach().reshape(-1).to(dtype))
-                if hook is not None:
-                    state = SGLDStepState(t, xd, g, sizes[t], noise, y, self)
-                    hook(state=state)
-                    if state.x is not xd:
-                        xd.copy_(state.x)
-                if record_trajectory:
-                    trajectory.append(xd.clone())
-            if score is not None:
-                last_score = score.detach()  # the last step's energies, for the divergence check
-            if record_energies:
-                with torch.no_grad():
-                    out = read_logits(model(xd))
-                    final = logsumexp(out, 1) if y is None else out.gather(1, y_index)
-                last_score = final.reshape(-1)
-                energies.append(-last_score.to(dtype))
-
-        if last_score is not None:
-            self._check_divergence(xd, last_score)
-        if not return_diagnostics:
-            return xd
-        return xd, SGLDDiagnostics(
-            steps=len(sizes),
-            final_step_size=sizes[-1] if sizes else None,
-            trajectory=trajectory if record_trajectory else None,
-            energies=torch.stack(energies) if record_energies else None,
-        )
+    def use_buffer(self, buffer: Any) -> None:
+        """With ``colours="data"``, read the colour axes of the buffer's data (:meth:`use_colours_of`)."""
+        if self.colours == "data":
+            self.use_colours_of(buffer)
 
     def use_colours_of(self, buffer: ReplayBuffer) -> None:
         """Confine steps to the colour axes of the data ``buffer`` was fitted on (what
@@ -457,155 +296,6 @@ class SGLD:
                 f"{tuple(x.shape)}: it needs [C, C] with C = {x.shape[1] if x.dim() > 1 else '?'} channels (dim 1)"
             )
         return p.to(device=x.device, dtype=dtype)
-
-    def _check_divergence(self, x: Tensor, score: Tensor) -> None:
-        # One host sync per chain, never per step. A NaN/inf anywhere makes the sum non-finite
-        # (cheaper than an elementwise isfinite); a finite-but-overflowing sum is re-checked exactly.
-        ok = torch.isfinite(x.sum() + score.sum())
-        if not bool(ok):
-            ok = torch.isfinite(x).all() & torch.isfinite(score).all()
-        if self.max_energy is not None:
-            ok &= (score.abs() <= self.max_energy).all()
-        if bool(ok):
-            return
-        finite = torch.isfinite(score)
-        what = (
-            f"{int((~finite).sum())} of {score.numel()} chains have non-finite energies"
-            if not bool(finite.all())
-            else f"|energy| reached {float(score.abs().max()):.3g} (max_energy={self.max_energy})"
-            if bool(torch.isfinite(x).all())
-            else "the chain holds NaN/inf values"
-        )
-        energy = float(score.abs().max()) if bool(finite.all()) else math.nan
-        raise DivergenceError(
-            f"SGLD diverged: {what} after {self.steps} steps (step_size={self.step_size}, noise={self.noise})",
-            remedies=SGLD_REMEDIES,
-            energy=energy,
-        )
-
-    @overload
-    def sample(
-        self,
-        jm: JEM,
-        n: int | None = ...,
-        *,
-        buffer: ReplayBuffer | None = ...,
-        y: Tensor | None = ...,
-        x_init: Tensor | None = ...,
-        shape: Sequence[int] | None = ...,
-        return_diagnostics: Literal[False] = ...,
-        record_trajectory: bool = ...,
-        record_energies: bool = ...,
-        progress: bool = ...,
-    ) -> Tensor: ...
-
-    @overload
-    def sample(
-        self,
-        jm: JEM,
-        n: int | None = ...,
-        *,
-        buffer: ReplayBuffer | None = ...,
-        y: Tensor | None = ...,
-        x_init: Tensor | None = ...,
-        shape: Sequence[int] | None = ...,
-        return_diagnostics: Literal[True],
-        record_trajectory: bool = ...,
-        record_energies: bool = ...,
-        progress: bool = ...,
-    ) -> tuple[Tensor, SGLDDiagnostics]: ...
-
-    @overload
-    def sample(
-        self,
-        jm: JEM,
-        n: int | None = ...,
-        *,
-        buffer: ReplayBuffer | None = ...,
-        y: Tensor | None = ...,
-        x_init: Tensor | None = ...,
-        shape: Sequence[int] | None = ...,
-        return_diagnostics: bool,
-        record_trajectory: bool = ...,
-        record_energies: bool = ...,
-        progress: bool = ...,
-    ) -> Tensor | tuple[Tensor, SGLDDiagnostics]: ...
-
-    def sample(
-        self,
-        jm: JEM,
-        n: int | None = None,
-        *,
-        buffer: ReplayBuffer | None = None,
-        y: Tensor | None = None,
-        x_init: Tensor | None = None,
-        shape: Sequence[int] | None = None,
-        return_diagnostics: bool = False,
-        record_trajectory: bool = False,
-        record_energies: bool = False,
-        progress: bool = False,
-    ) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
-        """Draw ``n`` samples (class-conditional when ``y`` is given); with
-        ``return_diagnostics=True``, ``(samples, SGLDDiagnostics)``; ``record_trajectory``,
-        ``record_energies`` and ``progress`` as in :meth:`run`.
-
-        Chains start from ``buffer`` (and the finished chains are written back), or from
-        ``x_init``, or else uniformly over ``jm.domain``; ``shape`` defaults to the size the model
-        was trained on (:attr:`~jem_plugin.JEM.trained_input_size`), else the domain's
-        ``input_size`` (:meth:`~jem_plugin.JEM.sample_shape`).
-        """
-        # A contradiction fails before the buffer is drawn from.
-        self._check_recording(return_diagnostics, record_trajectory, record_energies)
-
-        def chain(x0: Tensor, y: Tensor | None) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
-            return self.run(
-                jm,
-                x0,
-                y,
-                return_diagnostics=return_diagnostics,
-                record_trajectory=record_trajectory,
-                record_energies=record_energies,
-                progress=progress,
-            )
-
-        jm = as_jem(jm, "SGLD.sample")
-        if buffer is not None and x_init is not None:
-            raise ValueError("pass either buffer= (persistent chains) or x_init= (chain starts), not both")
-        if n is not None and (not _is_int(n) or n < 1):
-            raise ValueError(f"n must be a positive int, got {n!r}")
-        if y is not None:
-            y = check_labels(y, what="y")
-            if n is not None and n != y.shape[0]:
-                raise ValueError(f"n={n} conflicts with y of {y.shape[0]} labels; pass one of them")
-            n = y.shape[0]
-        if x_init is not None:
-            x_init = check_input(x_init, domain=jm.domain, what="x_init")
-            # Out-of-domain starts warn once; only the first calls are checked (one sync each).
-            self.__dict__.setdefault("_x_init_check", DomainCheck())(x_init, jm.domain, "SGLD.sample(x_init=...)")
-            if n is not None and n != x_init.shape[0]:
-                raise ValueError(f"n={n} conflicts with x_init of batch size {x_init.shape[0]}")
-            return chain(x_init, y)
-        if n is None:
-            raise ValueError("say how many samples: sample(jm, n=64, ...) (or pass y= or x_init=)")
-        device = model_device(jm)
-        if buffer is not None:
-            follow(buffer, device)  # the buffer lives where the chains run: no copy per iteration
-            if self.colours == "data":
-                self.use_colours_of(buffer)
-            x0, idx = buffer.sample(n, domain=jm.domain, y=y, generator=self.generator)
-            if device is not None and not same_device(x0.device, device):  # a buffer that is not an nn.Module
-                x0 = x0.to(device)
-            out = chain(x0, y)
-            buffer.update(idx, out[0] if isinstance(out, tuple) else out)
-            return out
-        shape = tuple(shape) if shape is not None else jm.sample_shape()  # the trained size, else the domain's
-        if shape is None:
-            raise ValueError(
-                "the input shape is unknown: pass shape=(C, H, W), x_init=..., or a ReplayBuffer (or train first: "
-                "the model records the size of its first training batch)"
-            )
-        x0 = jm.domain.uniform(n, shape, generator=self.generator, device=device or torch.device("cpu"))
-        return chain(x0, y)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

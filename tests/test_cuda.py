@@ -567,7 +567,7 @@ def test_the_captured_step_is_the_eager_step(conditional):
     xs = x.clone().requires_grad_(True)
     a = torch.zeros(())
     ys = y.view(-1, 1) if conditional else None
-    step = _cuda_graph.make_step(jm, xs, a, ys, torch.empty_like(x), sampler)
+    step = _cuda_graph.make_step(jm, xs, a, ys, sampler.prepare(jm, xs.detach()), sampler)
     with sampling_mode(model):
         for size in sampler.step_sizes():
             a.fill_(size)

@@ -17,7 +17,7 @@ from conftest import TinyCNN
 from torch import nn
 
 import jem_plugin as jem
-from jem_plugin import sampling
+from jem_plugin import chains, sampling
 from jem_plugin.buffer import ReplayBuffer
 from jem_plugin.sampling import SGLD
 from jem_plugin.schedules import Constant, Poly
@@ -153,7 +153,7 @@ def test_recording_is_chosen_per_call(jm):
 
 def test_progress_is_chosen_per_call(jm, monkeypatch):
     bars = []
-    monkeypatch.setattr(sampling, "tqdm", lambda it, **kw: bars.append(kw["desc"]) or it)
+    monkeypatch.setattr(chains, "tqdm", lambda it, **kw: bars.append(kw["desc"]) or it)
     s = SGLD(steps=2)
     s.run(jm, _x(2))
     assert bars == []

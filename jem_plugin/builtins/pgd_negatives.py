@@ -26,9 +26,9 @@ pushing every energy at the same rate: that is the stability the paper reports. 
 - the classifier half trained adversarially (PGD on cross-entropy, L2 ``eps = 0.5``), a robust
   pre-trained classifier as the start and no BatchNorm: not part of this module.
 
-Here the sampler is :class:`PGDNegatives`, with the interface :class:`~jem_plugin.losses.JEMLoss`
-calls on a sampler (``sample(jm, n, buffer=, y=, x_init=, ...)`` and ``run(jm, x, y, ...)``,
-returning the same :class:`~jem_plugin.sampling.SGLDDiagnostics`). Its starts come from the replay
+Here the sampler is :class:`PGDNegatives`, a :class:`~jem_plugin.chains.ChainSampler` like SGLD:
+it writes only its step (and its step size); the checks, the starts, the chain loop, the recording
+and the divergence check are the base class's, shared with SGLD. Its starts come from the replay
 buffer as SGLD's do: ``ReplayBuffer(..., reinit_freq=1.0)`` gives DAT's fresh starts at every draw
 (from the buffer's init distribution: uniform noise, or a per-class Gaussian fitted from the
 data), a smaller ``reinit_freq`` persistent chains. The loss is the ``logistic_contrast`` term
@@ -44,29 +44,18 @@ data), a smaller ``reinit_freq`` persistent chains. The loss is the ``logistic_c
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
-from .._checks import (
-    DomainCheck,
-    autocast_cache_off,
-    check_input,
-    check_label_range,
-    check_labels,
-    follow,
-    model_device,
-    restore_generator,
-    same_device,
-)
-from ..errors import DivergenceError, InvalidInputError
-from ..model import as_jem, input_grad_enabled, sampling_mode
+from .._checks import restore_generator
+from ..chains import ChainSampler
+from ..errors import InvalidInputError
+from ..model import BatchNormMode, as_jem
 from ..plugins import hookimpl
-from ..sampling import SGLDDiagnostics
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..model import JEM
@@ -123,8 +112,9 @@ def _positive(name: str, v: Any, allow_inf: bool = False) -> float:
     return f
 
 
-class PGDNegatives:
-    """Negatives made by projected gradient ascent on ``log p(x)`` (DAT), with SGLD's interface.
+class PGDNegatives(ChainSampler):
+    """Negatives made by projected gradient ascent on ``log p(x)`` (DAT): a
+    :class:`~jem_plugin.chains.ChainSampler`, run, sampled and checked as SGLD is.
 
     Each step moves every chain along the input gradient of its unnormalised log density
     (``logsumexp_y f(x)[y]``; ``f(x)[y]`` for chains drawn for labels ``y``), normalised per chain
@@ -160,6 +150,10 @@ class PGDNegatives:
     left as they were, as SGLD leaves them.
     """
 
+    name = "PGD negatives"
+    remedies = PGD_REMEDIES
+    step_size: float | None
+
     def __init__(
         self,
         steps: int = 20,
@@ -168,22 +162,18 @@ class PGDNegatives:
         eps: float = math.inf,
         norm: Literal["l2", "linf"] = "l2",
         clamp: bool = True,
-        batchnorm: Literal["joint", "separate"] = "joint",
+        batchnorm: BatchNormMode = "joint",
         start_steps: int | None = None,
         auc_threshold: float = 0.8,
         auc_window: int = 8,
         generator: torch.Generator | None = None,
     ) -> None:
-        self.steps = _count("steps", steps, 0)
+        super().__init__(steps, clamp=clamp, batchnorm=batchnorm, generator=generator)
         self.step_size = None if step_size is None else _positive("step_size", step_size)
         self.eps = _positive("eps", eps, allow_inf=True)
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
         self.norm: str = norm
-        self.clamp = bool(clamp)
-        if batchnorm not in ("joint", "separate"):
-            raise ValueError(f"batchnorm must be 'joint' or 'separate', got {batchnorm!r}")
-        self.batchnorm: str = batchnorm
         if start_steps is not None and _count("start_steps", start_steps, 0) > steps:
             raise ValueError(f"start_steps ({start_steps}) must be at most steps ({steps})")
         self.start_steps = start_steps
@@ -191,9 +181,6 @@ class PGDNegatives:
             raise ValueError(f"auc_threshold must be in [0.5, 1], got {auc_threshold!r}")
         self.auc_threshold = float(auc_threshold)
         self.auc_window = _count("auc_window", auc_window, 1)
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        self.generator = generator
         #: The steps the next chains take (``steps`` without a curriculum).
         self.current_steps: int = steps if start_steps is None else start_steps
         self._aucs: list[float] = []
@@ -232,95 +219,26 @@ class PGDNegatives:
         widths = [hi - lo for lo, hi in zip(domain.low, domain.high)]
         return DAT_STEP_SHARE * sum(widths) / len(widths)
 
-    def run(
-        self,
-        jm: JEM,
-        x: Tensor,
-        y: Tensor | None = None,
-        *,
-        return_diagnostics: bool = False,
-        record_trajectory: bool = False,
-        record_energies: bool = False,
-        progress: bool = False,
-    ) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
-        """Run :attr:`current_steps` PGD steps from ``x``; returns a new detached fp32 tensor, or
-        ``(x, SGLDDiagnostics)`` with ``return_diagnostics=True`` (``record_trajectory``,
-        ``record_energies`` and ``progress`` as in :meth:`SGLD.run <jem_plugin.sampling.SGLD.run>`).
+    def step_sizes(self, jm: Any = None) -> list[float]:
+        """:attr:`current_steps` steps of :meth:`step_length` each."""
+        if self.step_size is None and jm is None:
+            raise ValueError("PGDNegatives(step_size=None) scales its step to a model's domain: pass the model")
+        return [self.step_length(jm)] * self.current_steps
 
-        ``x`` itself is not modified. Works inside ``torch.no_grad()`` and ``torch.inference_mode()``.
-        Raises :class:`~jem_plugin.errors.DivergenceError` if the final energies are not finite.
-        """
-        for name, asked in (("record_trajectory", record_trajectory), ("record_energies", record_energies)):
-            if asked and not return_diagnostics:
-                raise ValueError(f"{name}=True records into the diagnostics: pass return_diagnostics=True too")
-        jm = as_jem(jm, "PGDNegatives.run")
-        x = check_input(x, domain=jm.domain, what="chain start")
-        if y is not None:
-            y = self._check_y(jm, y, x.shape[0], x.device)
-        steps, size = self.current_steps, self.step_length(jm)
-        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        model, read_logits, domain = jm.model, jm.adapter.logits, jm.domain
-        trajectory: list[Tensor] = []
-        energies: list[Tensor] = []
-        last_score: Tensor | None = None
-        with (
-            sampling_mode(model, "eval" if self.batchnorm == "joint" else "batch"),
-            autocast_cache_off(x.device.type),
-            input_grad_enabled(x.detach().to(dtype)) as xg,
-        ):
-            xd = xg.detach()  # alias of the leaf: in-place steps without autograd bookkeeping
-            start = xd.clone() if math.isfinite(self.eps) else None
-            clamps = domain.clamp_plan(xd) if self.clamp else ()
-            flat = (-1,) + (1,) * (xd.dim() - 1)  # per-chain scalars broadcast over the chain
-            if record_trajectory:
-                trajectory.append(xd.clone())
-            check_k = y is not None and jm.num_classes is None
-            ones = None
-            steps_iter: Iterable[int] = range(steps)
-            if progress:
-                steps_iter = tqdm(steps_iter, desc="PGD", leave=False)
-            for _ in steps_iter:
-                out = read_logits(model(xg))
-                if y is None:
-                    score = torch.logsumexp(out, 1)
-                else:
-                    if check_k:
-                        check_label_range(y, out.shape[1], what="y (one class per chain)")
-                        check_k = False
-                    score = out.gather(1, y.view(-1, 1)).squeeze(1)
-                if ones is None:
-                    ones = torch.ones_like(score)
-                (g,) = torch.autograd.grad(score, xg, ones)
-                g = g.to(dtype)
-                if self.norm == "l2":
-                    xd.addcdiv_(g, g.flatten(1).norm(dim=1).clamp_min(1e-12).view(flat), value=size)
-                else:
-                    xd.add_(g.sign(), alpha=size)
-                if start is not None:
-                    self._project(xd, start, flat)
-                for view, lo, hi in clamps:
-                    view.clamp_(lo, hi)
-                if record_energies:
-                    energies.append(-score.detach().reshape(-1).to(dtype))
-                if record_trajectory:
-                    trajectory.append(xd.clone())
-                last_score = score.detach()
-            if record_energies:
-                with torch.no_grad():
-                    out = read_logits(model(xd))
-                    final = torch.logsumexp(out, 1) if y is None else out.gather(1, y.view(-1, 1)).squeeze(1)
-                last_score = final.reshape(-1)
-                energies.append(-last_score.to(dtype))
-        if last_score is not None:
-            self._check_finite(xd, last_score)
-        if not return_diagnostics:
-            return xd
-        return xd, SGLDDiagnostics(
-            steps=steps,
-            final_step_size=size if steps else None,
-            trajectory=trajectory if record_trajectory else None,
-            energies=torch.stack(energies) if record_energies else None,
-        )
+    def prepare(self, jm: JEM, x: Tensor) -> Tensor | None:
+        """The starts, when the chains stay in an ``eps`` ball around them."""
+        return x.clone() if math.isfinite(self.eps) else None
+
+    def step(self, x: Tensor, grad: Tensor, size: float | Tensor, state: Tensor | None) -> None:
+        """``x <- x + size * g / ||g||_2`` (``"l2"``) or ``x + size * sign(g)`` (``"linf"``), then
+        back onto the ``eps`` ball around the starts."""
+        flat = (-1,) + (1,) * (x.dim() - 1)  # per-chain scalars broadcast over the chain
+        if self.norm == "l2":
+            x.addcdiv_(grad, grad.flatten(1).norm(dim=1).clamp_min(1e-12).view(flat), value=float(size))
+        else:
+            x.add_(grad.sign(), alpha=float(size))
+        if state is not None:
+            self._project(x, state, flat)
 
     def _project(self, x: Tensor, start: Tensor, flat: tuple[int, ...]) -> None:
         """Pull ``x`` back onto the ``eps`` ball around ``start`` (in place)."""
@@ -331,91 +249,6 @@ class PGDNegatives:
         else:
             delta.clamp_(-self.eps, self.eps)
         x.copy_(start + delta)
-
-    @staticmethod
-    def _check_y(jm: JEM, y: Any, batch: int, device: Any) -> Tensor:
-        y = check_labels(y, batch, num_classes=jm.num_classes, device=device, what="y (one class per chain)")
-        if y.is_inference():  # labels made under inference_mode cannot be saved for backward
-            with torch.inference_mode(False):
-                y = y.clone()
-        return y
-
-    def _check_finite(self, x: Tensor, score: Tensor) -> None:
-        # One host sync per chain run, never per step.
-        if bool(torch.isfinite(x.sum() + score.sum())):
-            return
-        bad = int((~torch.isfinite(score)).sum())
-        raise DivergenceError(
-            f"PGD negatives diverged: {bad} of {score.numel()} chains have non-finite energies after "
-            f"{self.current_steps} steps ({self!r})",
-            remedies=PGD_REMEDIES,
-            energy=math.nan,
-        )
-
-    def sample(
-        self,
-        jm: JEM,
-        n: int | None = None,
-        *,
-        buffer: Any = None,
-        y: Tensor | None = None,
-        x_init: Tensor | None = None,
-        shape: Sequence[int] | None = None,
-        return_diagnostics: bool = False,
-        record_trajectory: bool = False,
-        record_energies: bool = False,
-        progress: bool = False,
-    ) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
-        """Draw ``n`` negatives (class-conditional when ``y`` is given), as
-        :meth:`SGLD.sample <jem_plugin.sampling.SGLD.sample>` does: from ``buffer`` (whose
-        ``reinit_freq`` of the starts come fresh from its init distribution; the finished chains
-        are written back), or from ``x_init``, or else uniformly over ``jm.domain``."""
-
-        def chain(x0: Tensor, labels: Tensor | None) -> Tensor | tuple[Tensor, SGLDDiagnostics]:
-            return self.run(
-                jm,
-                x0,
-                labels,
-                return_diagnostics=return_diagnostics,
-                record_trajectory=record_trajectory,
-                record_energies=record_energies,
-                progress=progress,
-            )
-
-        jm = as_jem(jm, "PGDNegatives.sample")
-        if buffer is not None and x_init is not None:
-            raise ValueError("pass either buffer= (chain starts from the buffer) or x_init= (chain starts), not both")
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"n must be a positive int, got {n!r}")
-        if y is not None:
-            y = check_labels(y, what="y")
-            if n is not None and n != y.shape[0]:
-                raise ValueError(f"n={n} conflicts with y of {y.shape[0]} labels; pass one of them")
-            n = y.shape[0]
-        if x_init is not None:
-            x_init = check_input(x_init, domain=jm.domain, what="x_init")
-            self.__dict__.setdefault("_x_init_check", DomainCheck())(
-                x_init, jm.domain, "PGDNegatives.sample(x_init=...)"
-            )
-            if n is not None and n != x_init.shape[0]:
-                raise ValueError(f"n={n} conflicts with x_init of batch size {x_init.shape[0]}")
-            return chain(x_init, y)
-        if n is None:
-            raise ValueError("say how many negatives: sample(jm, n=64, ...) (or pass y= or x_init=)")
-        device = model_device(jm)
-        if buffer is not None:
-            follow(buffer, device)
-            x0, idx = buffer.sample(n, domain=jm.domain, y=y, generator=self.generator)
-            if device is not None and not same_device(x0.device, device):
-                x0 = x0.to(device)
-            out = chain(x0, y)
-            buffer.update(idx, out[0] if isinstance(out, tuple) else out)
-            return out
-        shape = tuple(shape) if shape is not None else jm.domain.input_size
-        if shape is None:
-            raise ValueError("the input shape is unknown: pass shape=(C, H, W), x_init=..., or a ReplayBuffer")
-        x0 = jm.domain.uniform(n, shape, generator=self.generator, device=device or torch.device("cpu"))
-        return chain(x0, y)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

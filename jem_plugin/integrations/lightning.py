@@ -131,7 +131,7 @@ class JEMLightningMixin(GenerativeLossMixin):
         """
         from ..sampling import SGLD
 
-        base = self.jem_loss.sampler
+        base: Any = self.jem_loss.sampler  # any Sampler; steps= rebuilds an SGLD from SGLD's settings
         sampler = base
         if steps is not None and steps != base.steps:
             sampler = SGLD(

@@ -8,7 +8,7 @@ import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -403,7 +403,7 @@ class Recipe:
             extensions.append(RecomputeBatchNorm())
         return JEMSetup(
             recipe,
-            loss.sampler,
+            cast(SGLD, loss.sampler),  # the SGLD the recipe built (a loss holds any Sampler)
             loss.buffer,
             loss,
             optimizer,
