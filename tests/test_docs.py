@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import sysconfig
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,11 +80,21 @@ def _python_pages() -> list[Path]:
     return [p for p in _pages() if any(b.language in ("python", "py") for b in blocks(p))]
 
 
+def put_jem_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``jem`` command installed with this interpreter first on ``PATH``, for the blocks that run
+    it as a user would (``subprocess.run(["jem", ...])``): ``venv/bin/python -m pytest`` without an
+    activated venv has no ``jem`` on ``PATH`` otherwise. It lies beside ``sys.executable`` (not
+    resolved: a venv's python is a link to the base interpreter), or in the scheme's scripts folder."""
+    found = [str(Path(sys.executable).parent), sysconfig.get_path("scripts"), os.environ.get("PATH", "")]
+    monkeypatch.setenv("PATH", os.pathsep.join(d for d in dict.fromkeys(found) if d))
+
+
 # ---------------------------------------------------------------------------- python blocks
 @pytest.mark.slow
 @pytest.mark.parametrize("page", _python_pages(), ids=_name)
 def test_python_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    put_jem_on_path(monkeypatch)
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.syspath_prepend(str(tmp_path))  # a block may write a module that a later one imports
     threads = torch.get_num_threads()
@@ -110,6 +122,19 @@ def test_python_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
             assert not deprecated, f"{where}: deprecated spelling: {deprecated[0].message}"
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_jem_command_is_found_beside_the_interpreter_without_an_activated_venv(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # a shell that never activated the venv
+    assert shutil.which("jem") is None
+    put_jem_on_path(monkeypatch)
+    found = shutil.which("jem")
+    assert found is not None and Path(found).parent in (
+        Path(sys.executable).parent,
+        Path(sysconfig.get_path("scripts")),
+    )
 
 
 def test_load_examples_run_on_a_model_file_they_make() -> None:
