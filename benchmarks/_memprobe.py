@@ -11,8 +11,95 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
+
+
+class TensorPeak:
+    """The peak of the bytes torch holds in CPU tensors, as the post-hoc detectors' memory
+    estimates count them (``torch.cuda.max_memory_allocated`` on a GPU), read from the profiler's
+    events: every allocation and free of torch's CPU allocator, in order. Exact, and independent
+    of the C allocator's reuse of freed pages, as a resident-memory peak is not.
+
+    Inside :func:`tensor_peak`, each call measured runs in ``with probe.call(caller_bytes):``;
+    :attr:`bytes` is then the largest, over those calls, of the tensor bytes held during the call
+    above the start, less ``caller_bytes`` (what the caller itself holds during it: the batch it
+    passes). Bytes allocated between the calls (the caller drawing its next batch) count only
+    where they are still held during a call."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._callers: list[int] = []
+
+    @contextmanager
+    def call(self, caller_bytes: int = 0) -> Iterator[None]:
+        """Measure the block: a call of the code whose peak is wanted."""
+        from torch.profiler import record_function
+
+        self._callers.append(int(caller_bytes))
+        with record_function(f"tensor_peak:{len(self._callers) - 1}"):
+            yield
+
+    def _read(self, events: list) -> None:
+        windows, memory = [], []
+        for e in events:
+            name = e.name()
+            if name == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU:
+                memory.append((e.start_ns(), e.nbytes()))
+            elif name.startswith("tensor_peak:"):
+                windows.append((e.start_ns(), e.end_ns(), self._callers[int(name.split(":")[1])]))
+        memory.sort()
+        times = [t for t, _ in memory]
+        held, running = [], 0
+        for _, n in memory:
+            running += n
+            held.append(running)
+        import bisect
+
+        peak = 0
+        for start, end, caller in windows:
+            lo, hi = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
+            inside = [held[lo - 1] if lo else 0, *held[lo:hi]]
+            peak = max(peak, max(inside) - caller)
+        self.bytes = peak
+
+
+@contextmanager
+def tensor_peak() -> Iterator[TensorPeak]:
+    """``with tensor_peak() as probe:`` around calls each wrapped in ``probe.call(...)``, then
+    ``probe.bytes`` (see :class:`TensorPeak`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    probe = TensorPeak()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield probe
+    probe._read(list(prof.profiler.kineto_results.events()))  # type: ignore[union-attr]
+
+
+def tensors_bytes(*items: object) -> int:
+    """The bytes of the tensors in ``items`` (tensors, dicts and sequences of them, objects whose
+    attributes hold them, e.g. :class:`jem_plugin.ood.Outputs`), each storage counted once."""
+    seen: dict[int, int] = {}
+
+    def walk(v: object) -> None:
+        if isinstance(v, torch.Tensor):
+            st = v.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+        elif hasattr(v, "__dict__"):
+            for x in vars(v).values():
+                walk(x)
+
+    for item in items:
+        walk(item)
+    return sum(seen.values())
 
 
 def main(argv: list[str]) -> None:

@@ -26,7 +26,11 @@ scoring throughput (rows/s of ``score_outputs`` on ``--score-rows`` rows, batche
 measured size and at full size. The fit is told the full size (``begin_fit(jm,
 rows=1_281_167)``), so a detector that cannot fit ImageNet under ``--limit`` (default 2 GiB, the
 library's default ``memory_limit``) is refused as it would be there, before it allocates; then
-the setting its refusal names runs as a row of its own.
+the setting its refusal names runs as a row of its own. On the CPU each detector is then fitted a
+second time under :func:`benchmarks._memprobe.tensor_peak`: the peak of the bytes torch holds in
+tensors during the detector's own calls (the batch the caller passes left out), which is what the
+estimate counts and must stay under (``tests/test_posthoc_memory.py`` asserts it at small sizes);
+the resident peak adds the stand-in's draws and the C allocator's pages.
 
 ``--rows`` streams fewer rows (this machine: 2 shared cores); memory does not depend on the rows
 for the detectors whose fit keeps moments, bounds or bounded samples (once the sample is full:
@@ -145,6 +149,7 @@ class Stream:
             y = torch.randint(0, self.classes, (n,), generator=g, device=self.device)
             noise = torch.randn(n, self.dim, generator=g, device=self.device)
             z = (self.means[y] + noise + shift).relu_()
+            del noise  # the batch alone is held while a detector takes it
             maps = None
             if layers:  # each stage: the features' first C_l units with noise over P positions
                 maps = {}
@@ -208,6 +213,39 @@ class Peak:
 def _outputs(jem: Any, stream: Stream, z: Tensor, maps: Any) -> Any:
     with torch.no_grad():  # the stand-in's logits, no autograd graph
         return jem.ood.Outputs(stream.net(z), features=z, layers=maps)
+
+
+def tensor_fit_peak(det: Any, jm: Any, stream: Stream, rows_told: int | None) -> tuple[int, int]:
+    """Fit ``det`` on ``stream`` (``begin_fit(jm, rows=rows_told)``, the batches' outputs, the
+    ends of the passes; ``.fit`` for a detector with an input gradient) under
+    :func:`benchmarks._memprobe.tensor_peak`: ``(peak tensor bytes of the detector's own calls
+    above the start, less the batch the caller holds; rows fitted)``. Each batch is drawn before
+    the call that takes it and dropped after, as a streaming caller does, so a detector that
+    keeps a reference to a batch is charged for it."""
+    import jem_plugin as jem
+
+    from ._memprobe import tensor_peak, tensors_bytes
+
+    layers = "layers" in det.reads
+    with tensor_peak() as probe:
+        if not det.shares_forward:  # an input gradient: the data is the caller's, the fit one call
+            data = [(z, y) for z, y, _ in stream.batches()]
+            with probe.call(tensors_bytes(data)):
+                det.fit(jm, data, batch_size=stream.batch)
+            del data
+        else:
+            with probe.call():
+                det.begin_fit(jm, rows=rows_told)
+        done = not det.shares_forward
+        while not done:
+            for z, y, maps in stream.batches(layers):
+                out = _outputs(jem, stream, z, maps)
+                with probe.call(tensors_bytes(out, y)):
+                    det.add_outputs(out, y)
+                del z, y, maps, out
+            with probe.call():
+                done = det.end_fit(jm)
+    return probe.bytes, stream.rows
 
 
 def run_one(label: str, name: str, options: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -290,6 +328,12 @@ def run_one(label: str, name: str, options: dict[str, Any], args: argparse.Names
         t_score += _clock() - t0
         scored += s.shape[0]
     row.update(score_peak_mb=peak.above() / 2**20, score_rows_per_s=scored / t_score)
+    if not args.device.startswith("cuda") and args.tensor_peak:
+        # the fit again, on a fresh detector, measured as the estimate counts: tensor bytes
+        again = jem.ood.detector(name, memory_limit=args.limit, **options)
+        stream = Stream(args.rows, args.batch, args.device, args.positions, dim=args.dim, classes=args.classes)
+        tensor_bytes, _ = tensor_fit_peak(again, jm, stream, args.full_rows)
+        row["fit_tensor_peak_mb"] = tensor_bytes / 2**20
     row["fit_s_full"] = t_fit * args.full_rows / args.rows + t_end  # the streaming part grows with the rows
     if est_n is not None and est_full is not None:
         row["fit_peak_full_mb"] = row["fit_peak_mb"] + (est_full.bytes - est_n.bytes) / 2**20
@@ -407,6 +451,24 @@ def _child(args: argparse.Namespace) -> None:
     print(json.dumps(run_one(label, name, options, args)))
 
 
+def _bound_line(rows: list[dict[str, Any]]) -> str:
+    """Whether every fitted row's tensor peak is within its estimate, in words."""
+    pairs = [
+        (r["detector"], r["fit_tensor_peak_mb"] / r["estimate_mb"])
+        for r in rows
+        if r.get("status") == "fitted" and r.get("fit_tensor_peak_mb") is not None and r.get("estimate_mb")
+    ]
+    over = [f"{d} ({q:.2f}x)" for d, q in pairs if q > 1.0]
+    if not pairs:
+        return "not measured."
+    most = max(q for _, q in pairs)
+    return (
+        f"over it in {len(over)} of {len(pairs)} rows: {', '.join(over)}."
+        if over
+        else f"every one of the {len(pairs)} fitted rows is at or under it (at most {most:.2f}x)."
+    )
+
+
 def _mb(v: Any) -> str:
     return "" if v is None else f"{v:,.0f}"
 
@@ -415,20 +477,21 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace, cuda: bool) -> 
     what = "GPU memory (max_memory_allocated)" if cuda else "resident memory (VmHWM)"
     lines = [
         f"| detector | status | fit peak MB ({'measured' if args.rows == args.full_rows else f'{args.rows:,} rows'}) "
+        "| fit tensor peak MB | estimate MB (rows fitted) "
         "| full-size fit peak MB | estimate at full size MB | score peak MB | fit s (of which the end) "
         f"| fit s at {args.full_rows:,} rows | score rows/s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if r.get("status") == "refused":
             lines.append(
-                f"| {r['detector']} | refused before allocating | {_mb(r.get('fit_peak_mb'))} | | "
+                f"| {r['detector']} | refused before allocating | {_mb(r.get('fit_peak_mb'))} | | | | "
                 f"{_mb(r.get('estimate_full_mb'))} | | | | |"
             )
             continue
         if r.get("status") != "fitted":
             lines.append(
-                f"| {r['detector']} | {r.get('status', 'failed')}: {r.get('reason', '')[:120]} | | | | | | | |"
+                f"| {r['detector']} | {r.get('status', 'failed')}: {r.get('reason', '')[:120]} | | | | | | | | | |"
             )
             continue
         full = r.get("fit_peak_full_mb")
@@ -436,6 +499,7 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace, cuda: bool) -> 
         extra = "" if r.get("rows", args.rows) == args.full_rows else " (extrapolated)"
         lines.append(
             f"| {r['detector']} | fitted | {_mb(r['fit_peak_mb'])}{own} | "
+            f"{_mb(r.get('fit_tensor_peak_mb'))} | {_mb(r.get('estimate_mb'))} | "
             f"{_mb(full)}{extra} | {_mb(r.get('estimate_full_mb'))} | "
             f"{_mb(r['score_peak_mb'])} | {r['fit_s']:.1f} ({r.get('fit_end_s', 0.0):.1f}) | {r['fit_s_full']:,.0f}"
             f"{extra} | {r['score_rows_per_s']:,.0f} |"
@@ -459,7 +523,15 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace, cuda: bool) -> 
             + " Extrapolated fit time: the streaming calls' time x full rows / rows, plus the start and the ends "
             "of the passes (solves, sorts; not per row; the detectors with an input gradient fit through .fit, whose "
             "end is scaled with the rows: an overestimate). Extrapolated memory: measured plus the estimate's growth from "
-            f"{args.rows:,} rows to full size (banks, samples not yet full).",
+            f"{args.rows:,} rows to full size (banks, samples not yet full)."
+            + (
+                ""
+                if cuda
+                else " Fit tensor peak: the fit again, the peak of the bytes torch holds in tensors during the "
+                "detector's own calls, less the batch the caller passes (benchmarks/_memprobe.tensor_peak): what the "
+                "estimate counts, and what max_memory_allocated reports on a GPU; the resident peak adds the stand-in's "
+                "own draws and the C allocator's pages. The estimate is an upper bound of it: " + _bound_line(rows)
+            ),
             "",
             *lines,
             "",
@@ -489,6 +561,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tag", default="", help="suffix of the result files (posthoc_scale<tag>.json)")
     p.add_argument("--time-limit", type=float, default=math.inf, help="skip the detectors left after this many s")
     p.add_argument("--in-process", action="store_true", help="every detector in this process (as --device cuda)")
+    p.add_argument(
+        "--no-tensor-peak",
+        dest="tensor_peak",
+        action="store_false",
+        help="on the CPU, skip the second fit that measures the tensor peak (what the estimate counts)",
+    )
     p.add_argument("--knn-study", action="store_true", help="KNN: exact, faiss and max_fit on --rows rows")
     p.add_argument(
         "--merge", nargs="+", default=None, help="result JSONs of partial runs: later rows replace earlier ones"
@@ -573,6 +651,7 @@ def _spawn(extra: list[str], args: argparse.Namespace) -> dict[str, Any]:
         "--device",
     ]
     argv = [a for k in keep for a in (k, str(getattr(args, k.lstrip("-").replace("-", "_"))))]
+    argv += [] if args.tensor_peak else ["--no-tensor-peak"]
     env = {**os.environ, "_BENCH_CHILD": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_posthoc_scale", *argv, *extra],

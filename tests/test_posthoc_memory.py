@@ -10,6 +10,7 @@ import os
 import pickle
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -225,3 +226,71 @@ def test_a_sample_compacts_to_the_rows_a_concatenation_would_keep(capacity):
     if capacity is not None and r.shape[0] > capacity:
         r = r[torch.topk(torch.cat(keys), capacity, largest=False, sorted=False).indices]
     assert torch.equal(got, r)
+
+
+#: Sizes at which every fitted detector's peak is measured: wide features and few classes (the
+#: ``D x D`` ends of the Gaussian detectors dominate), narrow features and many classes in large
+#: batches (the per-batch scratch and the samples' batches dominate). Seconds each.
+_SIZES = {
+    "wide": dict(dim=768, classes=10, rows=2048, batch=128),
+    "many": dict(dim=256, classes=100, rows=4096, batch=512),
+}
+#: Options that make the bounded samples and banks fill and compact during the fit.
+_CAPPED = {
+    "knn": {"k": 5, "max_fit": 1000},
+    "nnguide": {"k": 5, "max_fit": 1000},
+    "react": {"max_values": 100_000},
+    "vra": {"max_values": 100_000},
+    "vim": {"max_alpha": 1000},
+    "weiper": {"max_fit": 1000},
+}
+#: The slack the measured peak may exceed the estimate by: small allocations the estimates do not
+#: count (indices, counts, scalars).
+_SLACK_BYTES, _SLACK_FRACTION = 256 << 10, 0.01
+
+
+def _fitted_names() -> list[str]:
+    from jem_plugin.builtins.posthoc import DETECTORS
+
+    return [d.name for d in DETECTORS if d.needs_fit]
+
+
+@pytest.mark.parametrize("size", list(_SIZES))
+@pytest.mark.parametrize("name", [*_fitted_names(), *(f"{n} (capped)" for n in _CAPPED)])
+def test_every_fitted_detector_peaks_at_most_at_its_estimate(name, size):
+    """An estimate is an upper bound: the peak of the tensor bytes a fit holds (its own calls,
+    the batch the caller passes left out; a batch it keeps a reference to counted) is at most the
+    estimate plus a small slack, for every fitted detector, with its samples filling and compacting
+    (``(capped)``) or not; the fit is told its true row count."""
+    pytest.importorskip("torch.profiler")
+    from benchmarks.bench_posthoc_scale import Stream, _layers, tensor_fit_peak
+
+    label, capped = name.split(" ")[0], name.endswith("(capped)")
+    s = _SIZES[size]
+    stream = Stream(s["rows"], s["batch"], "cpu", 4, dim=s["dim"], classes=s["classes"])
+    jm = jem.wrap(stream.net, features="fc", data_range=(-50.0, 50.0))
+    options: dict = dict(_CAPPED[label]) if capped else {"k": 5} if label in ("knn", "nnguide") else {}
+    if label in ("gram", "multi_mahalanobis"):
+        options["layers"] = list(_layers(s["dim"]))
+    det = jem.ood.detector(label, memory_limit=None, **options)
+    layers = tuple((c, 4) for c in _layers(s["dim"]).values()) if "layers" in det.reads else None
+    shape = _memory.FitShape(rows=s["rows"], dim=s["dim"], classes=s["classes"], layers=layers, batch=s["batch"])
+    est = _memory.estimate(det, shape)
+    assert est is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # few fit images per feature: the Gaussian detectors say so
+        peak, _ = tensor_fit_peak(det, jm, stream, s["rows"])
+    assert det.fitted
+    assert peak <= est.bytes * (1 + _SLACK_FRACTION) + _SLACK_BYTES, (
+        f"{name} at {size}: measured {peak / 2**20:.2f} MiB, estimate {est.bytes / 2**20:.2f} MiB"
+    )
+
+
+def test_the_refusal_prints_gib_as_gib(jm, data):
+    """2 GiB is printed as ``2.0 GiB`` (it read ``2.0 GB``, which is 7% less)."""
+    det = jem.ood.detector("gmm", memory_limit=2 << 30)
+    with pytest.raises(MemoryLimitError, match=r"memory_limit of 2\.0 GiB") as info:
+        det.begin_fit(jm, rows=1000)
+        det.add_outputs(jem.ood.Outputs(torch.zeros(1, 1000), features=torch.zeros(1, 4096)), torch.zeros(1))
+    assert " GB" not in str(info.value) and " MB" not in str(info.value)
+    assert _memory.human(1536 << 20) == "1.5 GiB" and _memory.human(340 << 20) == "340.0 MiB"

@@ -94,8 +94,8 @@ def set_limit(det: Any, limit: Any) -> None:
 
 
 def human(n: float) -> str:
-    """Bytes for a person: ``1.2 GB``, ``340 MB`` (powers of 1024, as the limit's default)."""
-    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("kB", 1 << 10)):
+    """Bytes for a person in powers of 1024, named as such: ``2.0 GiB``, ``340.0 MiB``."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n:.0f} B"
@@ -124,9 +124,12 @@ def rows_of(data: Any) -> int | None:
 
 # -- the estimates -------------------------------------------------------------------------------
 #
-# Each: (detector, shape) -> Estimate, or None where a width it needs is not known yet. The
-# coefficients count the arrays the code holds at its peak (the running sums, the copies its end
-# of fit makes, one batch's scratch); benchmarks/bench_posthoc_scale.py measures them.
+# Each: (detector, shape) -> Estimate, or None where a width it needs is not known yet. An
+# estimate is an upper bound: its coefficients count the arrays the code holds at its peak (the
+# running sums, the copies its end of fit makes, one batch's scratch, a batch it keeps a reference
+# to), in tensor bytes as torch allocates them; tests/test_posthoc_memory.py measures every fitted
+# detector's peak that way and fails where one is over its estimate, and
+# benchmarks/bench_posthoc_scale.py does at ImageNet's size.
 
 
 def _b(shape: FitShape) -> int:
@@ -134,15 +137,18 @@ def _b(shape: FitShape) -> int:
 
 
 def _gaussian(d: int, k: int, b: int) -> float:
-    # sums K x D and the D x D outer sum (float64); the end: within, eigh's vectors and work
-    # space, the whitener (about five D x D float64); a batch in float64, shifted
-    return k * d * _F8 * 2 + d * d * _F8 * 5 + b * d * _F8 * 2
+    # sums K x D and the D x D outer sum (float64); the end: the outer sum, the within-class
+    # covariance and its symmetrised copy, eigh's vectors and work space, the whitener's columns
+    # and the whitener (measured: six D x D float64 at the peak, counted seven); a batch in
+    # float64, shifted
+    return k * d * _F8 * 2 + d * d * _F8 * 7 + b * d * _F8 * 2
 
 
 def _mahalanobis(det: Any, s: FitShape) -> Estimate | None:
     if s.dim is None or s.classes is None:
         return None
-    extra = 3 * s.dim * s.dim * _F8 if det.name == "relative_mahalanobis" else 0
+    # the relative variant's background whitener is computed once the class one is kept
+    extra = s.dim * s.dim * _F8 if det.name == "relative_mahalanobis" else 0
     return Estimate(
         _gaussian(s.dim, s.classes, _b(s)) + extra,
         f"one {s.dim}x{s.dim} covariance and {s.classes} class means (float64)",
@@ -238,11 +244,18 @@ def _nnguide(det: Any, s: FitShape) -> Estimate | None:
     return _bank(det, s, _F4, "energy-scaled training features")
 
 
-def _sample_bytes(cap: int | None, rows_values: int | None, width: int) -> float:
-    """A bounded uniform sample of ``cap`` rows of ``width`` float32 values: up to twice the
-    capacity held with its keys, and the compaction's copies; ``rows_values``: rows in the data."""
-    held = (rows_values or 0) if cap is None else cap if rows_values is None else min(cap, rows_values)
-    return held * (width * _F4 + _F4) * 3 + held * _I8
+def _sample_bytes(cap: int | None, rows_values: int | None, width: int, added: int) -> float:
+    """A bounded uniform sample (:class:`._base._Sample`) of ``cap`` rows of ``width`` float32
+    values (all rows where ``cap`` is None), ``rows_values`` rows in the data, ``added`` rows per
+    batch: before it compacts it holds up to twice the capacity and the batch just added (the
+    caller's batch itself, kept by reference) with their keys; compacting concatenates the keys,
+    finds the kept ones (values, indices, their order) and copies the kept rows and keys out. All
+    rows: the batches, then their concatenation."""
+    if cap is None:
+        return (rows_values or 0) * width * _F4 * 2
+    held = 2 * cap + added if rows_values is None else min(rows_values, 2 * cap + added)
+    kept = min(cap, held)
+    return held * (width * _F4 + _F4 * 2) + kept * (width * _F4 + _F4 * 2 + _I8 * 3)
 
 
 def _at_most(cap: int | None, n: int | None) -> int:
@@ -254,8 +267,8 @@ def _react(det: Any, s: FitShape) -> Estimate | None:
     if s.dim is None:
         return None
     values = None if s.rows is None else s.rows * s.dim
-    sample = _sample_bytes(det.max_values, values, 1)
-    return Estimate(
+    sample = _sample_bytes(det.max_values, values, 1, _b(s) * s.dim)
+    return Estimate(  # the end sorts the sample: values and indices
         sample + _at_most(det.max_values, values) * (_F4 + _I8),
         "a sample of training activations",
         "pass a smaller max_values",
@@ -267,11 +280,11 @@ def _vra(det: Any, s: FitShape) -> Estimate | None:
         return None
     if det.per_unit:
         cap = None if det.max_values is None else max(1, det.max_values // s.dim)
-        sample = _sample_bytes(cap, s.rows, s.dim)
+        sample = _sample_bytes(cap, s.rows, s.dim, _b(s))
         kept = _at_most(cap, s.rows) * s.dim
     else:
         values = None if s.rows is None else s.rows * s.dim
-        sample = _sample_bytes(det.max_values, values, 1)
+        sample = _sample_bytes(det.max_values, values, 1, _b(s) * s.dim)
         kept = _at_most(det.max_values, values)
     return Estimate(sample + kept * (_F4 + _I8), "a sample of training activations", "pass a smaller max_values")
 
@@ -280,7 +293,7 @@ def _vim(det: Any, s: FitShape) -> Estimate | None:
     if s.dim is None or s.classes is None:
         return None
     d, k = s.dim, s.classes
-    sample = _sample_bytes(det.max_alpha, s.rows, d) + _at_most(det.max_alpha, s.rows) * d * _F8
+    sample = _sample_bytes(det.max_alpha, s.rows, d, _b(s)) + _at_most(det.max_alpha, s.rows) * d * _F8
     return Estimate(
         d * d * _F8 * 5 + k * d * _F8 * 4 + sample + _b(s) * d * _F8 * 2,
         f"one {d}x{d} moment (float64) and a sample of {det.max_alpha} features",
@@ -344,8 +357,12 @@ def _logit_sums(det: Any, s: FitShape) -> Estimate | None:
 
 
 def _adascale(det: Any, s: FitShape) -> Estimate | None:
-    rows = s.rows or 0  # one float64 per fit input, then their sort
-    return Estimate(rows * _F8 * 3, "one statistic per fit input (float64)", "fit on fewer inputs")
+    # one float64 per fit input, then their sort; a batch's input step: the features and the
+    # moved ones, their differences and top units, the gradient, its mask and the moved input
+    # (input-sized: counted at the features' width; the network's own activations for the
+    # gradient are not counted, as for scoring)
+    rows, b, d = s.rows or 0, _b(s), s.dim or 0
+    return Estimate(rows * _F8 * 3 + b * d * _F4 * 8, "one statistic per fit input (float64)", "fit on fewer inputs")
 
 
 def _weiper(det: Any, s: FitShape) -> Estimate | None:
@@ -355,7 +372,7 @@ def _weiper(det: Any, s: FitShape) -> Estimate | None:
     # per repeat: its copy of the head, a batch's perturbed logits (and their softmax), the end's
     # histograms of 256-row chunks (logits, float64, indices); then the head and the sample
     per_repeat = k * d * _F4 + b * k * _F4 * 2 + 256 * k * (_F4 + _F8 + _I8)
-    rest = k * d * _F4 * 3 + _sample_bytes(det.max_fit, s.rows, d)
+    rest = k * d * _F4 * 3 + _sample_bytes(det.max_fit, s.rows, d, _b(s))
     fits = max(1, int(((limit_hint(det) or DEFAULT_LIMIT) - rest) // per_repeat))
     return Estimate(
         r * per_repeat + rest,
