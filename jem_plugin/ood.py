@@ -453,7 +453,39 @@ def evaluate(
 
 
 # ---------------------------------------------------------------------- comparing scores
-__all__ += ["OODTable"]
+__all__ += ["OODTable", "Best"]
+
+
+class Best(str):
+    """One set's best score name in :meth:`OODTable.best`, the first in table order, which says
+    whether others tie with it: :attr:`tied` holds every score at the best value (itself first),
+    ``len(tied) > 1`` on a tie. A ``str``: it indexes the table and compares as the name; its
+    ``repr`` marks a tie (``'fdbd' (tied with 12: msp, ...)``), so a printed ``best()`` shows it."""
+
+    tied: tuple[str, ...]
+
+    def __new__(cls, tied: Sequence[str]) -> Best:
+        if not tied:
+            raise ValueError("Best needs at least one score name")
+        self = super().__new__(cls, tied[0])
+        self.tied = tuple(tied)
+        return self
+
+    @property
+    def is_tie(self) -> bool:
+        """Whether other scores share the best value."""
+        return len(self.tied) > 1
+
+    def __repr__(self) -> str:
+        if not self.is_tie:
+            return super().__repr__()
+        others = self.tied[1:]
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        return f"{super().__repr__()} (tied with {len(others)}: {shown})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Best, (self.tied,))
+
 
 _METRICS = ("auroc", "aupr_in", "aupr_out", "fpr95")
 _LOWER_IS_BETTER = {"fpr95"}
@@ -516,10 +548,13 @@ class OODTable(dict):
                 out[name] = [m for m, v in values.items() if v == top]
         return out
 
-    def best(self, metric: str = "auroc") -> dict[str, str]:
+    def best(self, metric: str = "auroc") -> dict[str, Best]:
         """``{set: score}``: the best score on each OOD set by ``metric`` (highest AUROC / AUPR,
-        lowest FPR95; the first in table order on a tie). Sets no score measured are left out."""
-        return {name: tops[0] for name, tops in self._best_sets(metric).items()}
+        lowest FPR95). Each value is a :class:`Best`, a ``str`` naming the first best score in
+        table order, whose ``tied`` lists every score at exactly that value: on a set where 13
+        scores reach an AUROC of 1.0, ``best()["noise"].tied`` names all 13 and its ``repr``
+        says so. Sets no score measured are left out."""
+        return {name: Best(tops) for name, tops in self._best_sets(metric).items()}
 
     def mean(self, metric: str = "auroc") -> dict[str, float]:
         """``{score: mean of metric over the OOD sets}`` for the scores measured on every set."""
@@ -584,6 +619,9 @@ class OODTable(dict):
             lines.append(f"{m:<{width}}  " + "  ".join(cells) + f"  {mean:>6}  {'-' if t is None else f'{t:.3g}':>7}")
         direction = "lower is better" if metric in _LOWER_IS_BETTER else "in-distribution positive"
         lines.append(f"{metric} ({direction}); * best per set; s/1000: scoring seconds per 1000 images")
+        ties = [f"{len(tops)} on {s}" for s, tops in best.items() if len(tops) > 1]
+        if ties:
+            lines.append(f"  * ties for best (the same {metric}): {', '.join(ties)}")
         lines += [f"  {m}: {why}" for m, why in self.failures().items()]
         return "\n".join(lines)
 

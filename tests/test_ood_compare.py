@@ -255,3 +255,37 @@ def test_detector_objects_are_compared_beside_named_scores(jm, data):
         ood.evaluate_all(jm, x_in, outs, [fitted, 3])
     with pytest.raises(ValueError, match="a detector object takes its options when built"):
         ood.evaluate_all(jm, x_in, outs, [fitted], method_kwargs={"knn": {"k": 2}})
+
+
+def test_best_marks_a_tie_and_names_every_tied_score():
+    """Issue 59: on noise 13 scores tied at an AUROC of 1.0 and best() named the first alone.
+    Now the value still names the first (it indexes the table) and says who ties with it."""
+    import pickle
+
+    def rec(m, s, auroc, fpr):
+        return {
+            "score": m,
+            "set": s,
+            "status": "ok",
+            "reason": "",
+            "auroc": auroc,
+            "aupr_in": auroc,
+            "aupr_out": auroc,
+            "fpr95": fpr,
+        }
+
+    records = [rec("fdbd", "noise", 1.0, 0.0), rec("msp", "noise", 1.0, 0.1), rec("knn", "noise", 1.0, 0.0)]
+    records += [rec("logpx", "noise", 0.9, 0.5), rec("fdbd", "far", 0.7, 0.6), rec("msp", "far", 0.8, 0.4)]
+    records += [rec("knn", "far", 0.6, 0.9), rec("logpx", "far", 0.5, 0.9)]
+    table = ood.OODTable(records)
+    best = table.best()
+    assert best["noise"] == "fdbd" and best["noise"].tied == ("fdbd", "msp", "knn") and best["noise"].is_tie
+    assert best["far"] == "msp" and best["far"].tied == ("msp",) and not best["far"].is_tie
+    assert table[best["noise"]]["noise"]["auroc"] == 1.0  # still a key of the table
+    assert "tied with 2: msp, knn" in repr(best) and repr(best["far"]) == "'msp'"
+    assert table.best("fpr95")["noise"].tied == ("fdbd", "knn")
+    assert pickle.loads(pickle.dumps(best))["noise"].tied == ("fdbd", "msp", "knn")
+    assert json.loads(json.dumps(best)) == {"noise": "fdbd", "far": "msp"}
+    assert "ties for best (the same auroc): 3 on noise" in table.to_text()
+    lines = table.to_text().splitlines()
+    assert [line.split()[0] for line in lines if "1.000*" in line] == ["fdbd", "msp", "knn"]
