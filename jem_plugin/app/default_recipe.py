@@ -15,6 +15,10 @@ from torch import nn
 
 from ..recipes import RECIPES, get_recipe
 
+#: Where the command's lines send a user for the measurements behind its choices: the docs'
+#: Benchmarks page, which includes the benchmarks' full report (the wheel ships no benchmarks/).
+BENCHMARKS_PAGE = "docs/benchmarks.md"
+
 __all__ = [
     "DEFAULT_RECIPE",
     "SMALL_DATA_RECIPE",
@@ -245,18 +249,18 @@ def generative_half(
                     f"of the long row {where} with {best['net']}",
                 )
             return choice, (
-                f"the generative half: on the long row (benchmarks/README.md) {best['run']} met all three targets "
+                f"the generative half: on the long row ({BENCHMARKS_PAGE}) {best['run']} met all three targets "
                 f"({_TARGETS_PHRASE}) after {n} iterations {where} with {best['net']}; this run has {iterations}"
             )
         return choice, (
             f"log p(x) and samples need about {n} iterations at this size ({best['run']} with {best['net']} {where}, "
-            f"the long row in benchmarks/README.md); this run has {iterations}: until then, expect a classifier "
+            f"the long row in {BENCHMARKS_PAGE}); this run has {iterations}: until then, expect a classifier "
             "with a weak energy term"
         )
     measured = max(int(c.get("evaluated_to") or 0) for c in cells)
     nets = ", ".join(sorted({c["net"] for c in cells}))
     head = (
-        f"the generative half: on the long row (benchmarks/README.md) no recipe met all three targets "
+        f"the generative half: on the long row ({BENCHMARKS_PAGE}) no recipe met all three targets "
         f"({_TARGETS_PHRASE}) within the {measured} iterations measured {where} on {nets}; this run has {iterations}"
     )
     if iterations > measured:  # past the measurements: say so, rather than extend them

@@ -23,7 +23,7 @@ RECIPES: dict[str, Recipe] = {
         "5 SGLD steps on 32 chains from a per-class Gaussian fitted from the data, energy L2 0.1, "
         "Adam 3e-4; samples pass BatchNorm on their own (batch statistics, running ones from data only). "
         "About 3-4x the cross-entropy cost; within a point of its accuracy on a BatchNorm ResNet at this "
-        "learning rate, not on every network (benchmarks/README.md)",
+        "learning rate, not on every network (docs/benchmarks.md)",
         sampler=SamplerConfig(steps=5, batchnorm="separate"),
         buffer=BufferConfig(init=Gaussian()),
         loss=LossConfig(n_samples=32, l2_weight=0.1),

@@ -20,6 +20,7 @@ from ...nets import build_model
 from ...recipes import RECIPES, Recipe, flat_names, get_recipe
 from .. import CLIError, post_training
 from ..default_recipe import (
+    BENCHMARKS_PAGE,
     DEFAULT_PX_WEIGHT,
     DEFAULT_RECIPE,
     NO_NORMALISATION_L2_WEIGHT,
@@ -153,7 +154,7 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         f"{SMALL_DATA_PER_CLASS} training images, at no more than {RAISED_LR_FACTOR:g}x the recipe's --lr; "
         f"{DEFAULT_RECIPE} with --px-weight {DEFAULT_PX_WEIGHT:g} otherwise, and --l2-weight "
         f"{NO_NORMALISATION_L2_WEIGHT:g} on a network without normalisation layers: what lost the least accuracy "
-        "in benchmarks/README.md)",
+        f"in the generalisation matrix, {BENCHMARKS_PAGE})",
     )
     p.add_argument(
         "--epochs",
@@ -389,7 +390,7 @@ def interrupted(args) -> str:
 # A learning rate raised more than RAISED_LR_FACTOR-fold above the recipe's is warned about: the
 # recipes were measured at their own rate, and at rates tuned for cross-entropy they lost far more.
 RAISED_LR_EVIDENCE = (
-    "In the generalisation matrix (benchmarks/README.md), at 40 images per class and learning rates "
+    f"In the generalisation matrix ({BENCHMARKS_PAGE}), at 40 images per class and learning rates "
     "tuned for cross-entropy, generative and fast lost 3-67 points of accuracy against a baseline at the "
     "same rate (lcnet_050 at 1e-2, wrn10-1 at 3e-3)."
 )
@@ -410,7 +411,7 @@ def _choose_recipe(args, info, ds, jm, iterations: int) -> Recipe:
     if tell and chosen != DEFAULT_RECIPE:
         print(
             f"jem train: recipe {chosen}: on {choice.reason}, {DEFAULT_RECIPE} lost accuracy and "
-            f"{chosen} held it (benchmarks/README.md); --recipe {DEFAULT_RECIPE} to choose it anyway"
+            f"{chosen} held it ({BENCHMARKS_PAGE}); --recipe {DEFAULT_RECIPE} to choose it anyway"
         )
     given = _given_settings(args)
     told = {k: v for k, v in settings.items() if k not in given} if tell else {}
@@ -420,7 +421,7 @@ def _choose_recipe(args, info, ds, jm, iterations: int) -> Recipe:
         print(
             f"jem train: recipe {chosen} with {flags}: on {choice.reason}, {chosen}'s own p(x) weight "
             f"({get_recipe(chosen).loss.px_weight:g}) lost 0.6-43 points of accuracy against a cross-entropy "
-            f"baseline{l2}, and these settings far less (benchmarks/README.md). Flags you give win; "
+            f"baseline{l2}, and these settings far less ({BENCHMARKS_PAGE}). Flags you give win; "
             f"--recipe {chosen} keeps the recipe's settings"
         )
     if tell and half:
