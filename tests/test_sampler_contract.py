@@ -222,3 +222,22 @@ def test_a_float64_model_trains_with_jemloss_and_samples_in_float64():
 def test_chain_dtype_follows_the_model():
     assert chains.chain_dtype(_jm()) == torch.float32
     assert chains.chain_dtype(_jm(_net().double())) == torch.float64
+
+
+# ------------------------------------------------------------------ one spelling of the BatchNorm modes
+@pytest.mark.parametrize("old", ["eval", "batch"])
+def test_sampling_mode_takes_the_samplers_batchnorm_names_only(old):
+    from jem_plugin.model import BATCHNORM_MODES, sampling_mode
+
+    model = _net().train()
+    bn = model[1]
+    assert BATCHNORM_MODES == jem.sampling.BATCHNORM_MODES == ("joint", "separate")
+    with sampling_mode(model, "joint"):
+        assert not bn.training  # the running statistics
+    with sampling_mode(model, "separate"):
+        assert bn.training and not bn.track_running_stats  # the batch's own, the running ones untouched
+    with pytest.raises(ValueError, match=r"batchnorm must be one of \('joint', 'separate'\)"):
+        with sampling_mode(model, old):
+            pass
+    with pytest.raises(ValueError, match="batchnorm must be one of"):
+        PGDNegatives(batchnorm=old)
