@@ -194,15 +194,14 @@ def merge_from(archive: str, out_dir: str = RESULTS) -> list[str]:
     import tempfile
 
     lines = LR.merge_from(archive, out_dir)
+    taken = {ln.rsplit(": ", 1)[1][: -len(".json")] for ln in lines if ln.startswith(("added", "replaced"))}
     with tempfile.TemporaryDirectory() as tmp:
         with tarfile.open(archive) as tar:
             tar.extractall(tmp, filter="data")
         os.makedirs(os.path.join(out_dir, "points"), exist_ok=True)
         for path in glob.glob(os.path.join(tmp, "**", "points", "*"), recursive=True):
             meta = path[: -len(".npz")] + ".json" if path.endswith(".npz") else path
-            cell = GB._read_json(meta, {}).get("cell")
-            here = GB._read_json(os.path.join(out_dir, "cells", f"{cell}.json"), {})
-            if here and here.get("device", "cpu") != "cpu":
+            if GB._read_json(meta, {}).get("cell") in taken:
                 shutil.copy(path, os.path.join(out_dir, "points", os.path.basename(path)))
     return lines
 

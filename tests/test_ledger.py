@@ -134,3 +134,27 @@ def test_a_tiny_ledger_keeps_its_points_leaves_the_run_as_it_was_and_reports(tmp
     assert "| accuracy (higher is better) |" in md and "finetune at" in md
     assert "**Rule, finetune at" in md and "1 seeds (the rule asks for 3)" in md
     assert os.path.exists(os.path.join(out, "ledger-textures-test_resnet.png"))
+
+
+def test_merging_a_gpu_archive_brings_its_points_with_its_cells_and_never_overwrites_a_done_cell(tmp_path):
+    import tarfile
+
+    work = tmp_path / "work"
+    (work / "cells").mkdir(parents=True)
+    (work / "points").mkdir()
+    for name, done in (("a_cell", True), ("b_cell", True)):
+        (work / "cells" / f"{name}.json").write_text(
+            json.dumps({"name": name, "done": done, "points": [{}], "device": "cuda"})
+        )
+        (work / "points" / f"{name}_it8.json").write_text(json.dumps({"cell": name, "iteration": 8}))
+        np.savez(work / "points" / f"{name}_it8.npz", correct=np.ones(3))
+    archive = tmp_path / "ledger_gpu.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(work / "cells", "cells")
+        tar.add(work / "points", "points")
+    out = tmp_path / "out"
+    (out / "cells").mkdir(parents=True)
+    (out / "cells" / "b_cell.json").write_text(json.dumps({"name": "b_cell", "done": True, "points": [{}]}))
+    lines = L.merge_from(str(archive), str(out))
+    assert lines == ["added (cuda, done): a_cell.json", "kept (done here): b_cell.json"]
+    assert sorted(os.listdir(out / "points")) == ["a_cell_it8.json", "a_cell_it8.npz"]
