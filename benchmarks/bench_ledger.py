@@ -224,6 +224,8 @@ def keep_point(c: dict[str, Any], S: dict[str, Any], ctx: dict[str, Any], ckpt_p
     rng, g_state = get_rng_state(), ctx["g"].get_state()
     try:  # the run goes on bit for bit as without the ledger's evaluation
         evaluate_point(c, S, ctx["model"], ctx["recipe"], iteration, out_dir, last)
+    except Exception as exc:  # the model is kept: --evaluate retries; the training run goes on
+        print(f"ledger {name} at {iteration}: not evaluated ({type(exc).__name__}: {str(exc)[:300]})", flush=True)
     finally:
         set_rng_state(rng)
         ctx["g"].set_state(g_state)
