@@ -65,7 +65,7 @@ def test_cpu_self_test_checks_pass(report):
 
 def test_timing_reports_iterations_per_second_against_the_flop_floor():
     t = doctor.check_timing(torch.device("cpu"), seconds=0.01, batch=16, sgld_steps=1)
-    assert t["status"] == "ok" and t["iterations_timed"] >= 1 and t["iterations_per_s"] > 0
+    assert t["status"] in ("ok", "warning") and t["iterations_timed"] >= 1 and t["iterations_per_s"] > 0
     # 1 chain step (forward + input gradient of 16) and the training step (forward + backward of 32)
     assert t["iteration_gflop"] * 1e9 == doctor.iteration_flops(lambda: WideResNet(10, 1), 16, 16, 1)
     assert t["matmul_tflops"] > 0 and math.isfinite(t["x_floor"]) and t["x_floor"] > 0

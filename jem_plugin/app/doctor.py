@@ -12,7 +12,7 @@ Three parts, one dict (:func:`run_doctor`; ``jem doctor --json PATH`` writes it)
 - **self_test** on one device: the CUDA-graph sampler against the eager one, a bf16-autocast
   channels_last JEM step, a device generator driving ``SGLD.sample``, and the time of one JEM
   training iteration against its FLOP floor. Each check is a function of a device returning
-  ``{"status": "ok" | "failed" | "skipped", "detail": one line, ...}``; one that fails does not
+  ``{"status": "ok" | "warning" | "failed" | "skipped", "detail": one line, ...}``; one that fails does not
   stop the others.
 """
 
@@ -445,12 +445,76 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 1.0
             return 2 * n**3 * reps / elapsed / 1e12
 
 
+#: An iteration this many times its FLOP floor (or more) is called slow: ``jem doctor`` then does not
+#: say "all good" (on 2 cores beside one busy process torch's 2 threads took 10.1x, issue 59).
+SLOW_X_FLOOR = 10.0
+#: One thread must be this much faster than torch's count before the doctor recommends it.
+THREADS_MARGIN = 1.1
+
+
+def _time_iterations(
+    iteration: Callable[[], None], device: torch.device, seconds: float, warmup: int
+) -> tuple[float, int]:
+    """``(ms per iteration, iterations timed)``: ``warmup`` untimed, then for about ``seconds``."""
+    for _ in range(warmup):  # kernels chosen, graph captured, buffer on the device
+        iteration()
+    _synchronize(device)
+    n, t0 = 0, time.perf_counter()
+    while True:
+        iteration()
+        n += 1
+        _synchronize(device)
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return elapsed / n * 1e3, n
+
+
+def thread_advice(ms_by_threads: dict[int, float], current: int) -> tuple[int, str | None]:
+    """``(the faster thread count, one line or None)`` from the iteration's milliseconds at each
+    count timed (torch's ``current`` count and one thread): the line says which is faster here and
+    how to set it, None where ``current`` is as fast (within :data:`THREADS_MARGIN`).
+
+    >>> thread_advice({2: 17300.0, 1: 970.0}, 2)[0]
+    1
+    """
+    best = min(ms_by_threads, key=lambda t: ms_by_threads[t])
+    if best == current or ms_by_threads[current] <= THREADS_MARGIN * ms_by_threads[best]:
+        return current, None
+    ratio = ms_by_threads[current] / ms_by_threads[best]
+    plural = "s" if best != 1 else ""
+    return best, (
+        f"{best} thread{plural} ran it {ratio:.1f}x faster than torch's {current} here (another process busy on a "
+        f"core, or a small model): set OMP_NUM_THREADS={best} or call torch.set_num_threads({best}) in your own "
+        "loops; the jem commands choose their threads themselves"
+    )
+
+
+def timing_status(x_floor: float, advice: str | None) -> tuple[str, str | None]:
+    """``("ok" | "warning", what is wrong or None)`` for an iteration at ``x_floor`` times its FLOP
+    floor, with the thread ``advice`` of :func:`thread_advice`: slow at :data:`SLOW_X_FLOOR` or
+    more, or where another thread count was faster.
+
+    >>> timing_status(10.1, None)[0]
+    'warning'
+    """
+    if x_floor >= SLOW_X_FLOOR:
+        why = f"the iteration takes {x_floor:.1f}x its FLOP floor (slow from {SLOW_X_FLOOR:g}x)"
+        return "warning", f"{why}; {advice}" if advice else f"{why}: is another process busy on this machine?"
+    if advice:
+        return "warning", advice
+    return "ok", None
+
+
 def check_timing(device: torch.device, seconds: float = 20.0, *, batch: int = 64, sgld_steps: int = 20) -> Check:
     """One JEM training iteration (forward, SGLD, backward, step) timed for about ``seconds``.
 
     WRN-10-1 (the paper's network, narrow) at ``batch`` 32x32 images and as many chains. On CUDA in
     the recommended set-up (bf16 autocast, channels_last, the CUDA-graph sampler), elsewhere fp32.
-    Its FLOPs divided by a matmul's throughput measured in the same run give the floor.
+    On the CPU it is timed twice, half the time each: at torch's thread count and at one thread
+    (on a busy machine one thread can be many times faster); the faster is the result, and the
+    detail says which it was and how to set it (:func:`thread_advice`). Its FLOPs divided by a
+    matmul's throughput measured in the same run (at the faster count) give the floor; an iteration
+    at :data:`SLOW_X_FLOOR` times the floor or more is a ``"warning"``, not ``"ok"``.
     """
     from .nets import WideResNet
 
@@ -486,47 +550,62 @@ def check_timing(device: torch.device, seconds: float = 20.0, *, batch: int = 64
         out.loss.backward()
         opt.step()
 
+    current = torch.get_num_threads()
+    counts = [current, 1] if device.type == "cpu" and current > 1 else [current]
+    ms_by_threads: dict[int, float] = {}
+    timed: dict[int, int] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(2 if cuda else 1):  # warm-up: kernels chosen, graph captured, buffer on the device
-            iteration()
-        _synchronize(device)
-        n, t0 = 0, time.perf_counter()
-        while True:
-            iteration()
-            n += 1
-            _synchronize(device)
-            elapsed = time.perf_counter() - t0
-            if elapsed >= seconds:
-                break
-    ms = elapsed / n * 1e3
-    flops = iteration_flops(build, batch, batch, sgld_steps, shape)
-    tflops = matmul_tflops(device, dtype, min(1.0, max(seconds, 0.05)))
+        try:
+            for count in counts:
+                torch.set_num_threads(count)
+                ms_by_threads[count], timed[count] = _time_iterations(
+                    iteration, device, seconds / len(counts), 2 if cuda else 1
+                )
+            best, advice = thread_advice(ms_by_threads, current)
+            torch.set_num_threads(best)  # the floor at the count the iteration ran best at
+            flops = iteration_flops(build, batch, batch, sgld_steps, shape)
+            tflops = matmul_tflops(device, dtype, min(1.0, max(seconds, 0.05)))
+        finally:
+            torch.set_num_threads(current)
+    ms, n = ms_by_threads[best], timed[best]
     floor_ms = flops / (tflops * 1e12) * 1e3
+    status, problem = timing_status(ms / floor_ms, advice)
     dtype_name = str(dtype).removeprefix("torch.")
     setup = "bf16 autocast, channels_last, CUDA-graph sampler" if cuda else "fp32"
+    threads = (
+        ", ".join(f"{_duration(v)} at {t} thread{'s' if t != 1 else ''}" for t, v in ms_by_threads.items())
+        if len(ms_by_threads) > 1
+        else None
+    )
     fallback = [str(w.message) for w in caught if "CUDA graph" in str(w.message)]
     detail = (
-        f"{1e3 / ms:.3g} iterations/s ({_duration(ms)} each, {n} timed) of WRN-10-1, batch {batch} + {batch} "
-        f"chains x {sgld_steps} SGLD steps, {setup}; {flops / 1e9:.3g} GFLOP each, which a {dtype_name} matmul at the "
-        f"{tflops:.3g} TFLOP/s measured here does in {_duration(floor_ms)}: this iteration takes {ms / floor_ms:.1f}x "
-        "its FLOP floor" + (f" ({fallback[0]})" if fallback else "")
+        f"{1e3 / ms:.3g} iterations/s ({_duration(ms)} each, {n} timed"
+        + (f"; {threads}" if threads else "")
+        + f") of WRN-10-1, batch {batch} + {batch} chains x {sgld_steps} SGLD steps, {setup}; {flops / 1e9:.3g} "
+        f"GFLOP each, which a {dtype_name} matmul at the {tflops:.3g} TFLOP/s measured here does in "
+        f"{_duration(floor_ms)}: this iteration takes {ms / floor_ms:.1f}x its FLOP floor"
+        + (f" ({fallback[0]})" if fallback else "")
+        + (f"; {problem}" if problem else "")
     )
-    return _ok(
-        detail,
-        iterations_per_s=1e3 / ms,
-        ms_per_iteration=ms,
-        iterations_timed=n,
-        model="WRN-10-1",
-        batch=batch,
-        chains=batch,
-        sgld_steps=sgld_steps,
-        dtype=dtype_name,
-        iteration_gflop=flops / 1e9,
-        matmul_tflops=tflops,
-        floor_ms=floor_ms,
-        x_floor=ms / floor_ms,
-    )
+    return {
+        "status": status,
+        "detail": detail,
+        "iterations_per_s": 1e3 / ms,
+        "ms_per_iteration": ms,
+        "iterations_timed": n,
+        "ms_per_iteration_by_threads": {str(t): v for t, v in ms_by_threads.items()},
+        "threads": best,
+        "model": "WRN-10-1",
+        "batch": batch,
+        "chains": batch,
+        "sgld_steps": sgld_steps,
+        "dtype": dtype_name,
+        "iteration_gflop": flops / 1e9,
+        "matmul_tflops": tflops,
+        "floor_ms": floor_ms,
+        "x_floor": ms / floor_ms,
+    }
 
 
 def _duration(ms: float) -> str:
@@ -628,10 +707,20 @@ def run_doctor(
     checks = report["self_test"] = self_test(device, seconds, lambda name, c: say(f"  {check_line(name, c)}"))
     failed = [name for name, c in checks.items() if c["status"] == "failed"]
     report["ok"] = not report["install"]["problems"] and not failed
-    say(
-        "all good"
-        if report["ok"]
-        else f"{len(report['install']['problems'])} install problem(s), {len(failed)} failed check(s)"
-        + (f": {', '.join(failed)}" if failed else "")
-    )
+    say(summary_line(report))
     return report
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    """The report's last line: "all good" only when nothing failed and no check warned (a training
+    iteration at :data:`SLOW_X_FLOOR` times its floor, or a faster thread count); else what to read."""
+    checks = report["self_test"]
+    failed = [name for name, c in checks.items() if c["status"] == "failed"]
+    warned = [name for name, c in checks.items() if c["status"] == "warning"]
+    if not report["ok"]:
+        return f"{len(report['install']['problems'])} install problem(s), {len(failed)} failed check(s)" + (
+            f": {', '.join(failed)}" if failed else ""
+        )
+    if warned:
+        return f"works, with {len(warned)} warning(s): {', '.join(warned)} (see above)"
+    return "all good"

@@ -45,6 +45,7 @@ from . import data as D
 from .model_files import model_spec, save_model_checkpoint
 from .nets import DigitsCNN
 from .sample_checks import sample_quality_figures
+from .threads import others_load, slow_cause, usable_cpus
 
 __all__ = [
     "DigitsConfig",
@@ -266,15 +267,21 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
-def truncation_note(truncated: Mapping[str, tuple[int, int]], suggest_seconds: float | None) -> str:
-    """The sentence that says runs were cut short by the time budget, and what to do about it."""
+def truncation_note(
+    truncated: Mapping[str, tuple[int, int]], suggest_seconds: float | None, cause: str | None = None
+) -> str:
+    """The sentence that says runs were cut short by the time budget, and what to do about it: the
+    ``cause`` the run could see first (:func:`~jem_plugin.app.threads.slow_cause`: threads, load),
+    then a longer budget."""
     parts = [f"{tag} stopped after {done} of {planned} epochs" for tag, (done, planned) in truncated.items()]
     fix = (
-        f"rerun with --budget-seconds {int(math.ceil(suggest_seconds / 30.0) * 30)} (or on a less busy machine)"
+        f"rerun with --budget-seconds {int(math.ceil(suggest_seconds / 30.0) * 30)}"
+        + ("" if cause else " (or on a less busy machine)")
         if suggest_seconds
         else "rerun without a time limit"
     )
-    return "; ".join(parts) + ": the results are not representative; " + fix
+    head = "; ".join(parts) + ": the results are not representative; "
+    return head + (f"{cause}; or {fix}" if cause else fix)
 
 
 # ---------------------------------------------------------------------------- the experiment
@@ -459,8 +466,10 @@ def run_digits(
             )
             + DEMO_EVAL_SECONDS
         )
+        busy, _ = others_load()  # training has stopped: the load now is the other processes'
+        cause = slow_cause(torch.get_num_threads(), usable_cpus(), busy)
         result["truncated"] = truncated
-        result["warning"] = truncation_note(truncated, need if budget_seconds is not None else None)
+        result["warning"] = truncation_note(truncated, need if budget_seconds is not None else None, cause)
     (out / "metrics.json").write_text(json.dumps(_jsonable(result), indent=2))
     return result
 

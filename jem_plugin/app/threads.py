@@ -164,3 +164,23 @@ def use_threads(
     _SET_HERE = choice.threads
     (say or (lambda line: print(line, file=sys.stderr, flush=True)))(choice.line())
     return choice
+
+
+def slow_cause(threads: int, cpus: int, busy: float) -> str | None:
+    """What a run that was too slow can see of why, in words: torch's ``threads`` against the
+    ``cpus`` cores other processes left free (``busy``: cores' worth of their load), or the load
+    alone; None where neither shows.
+
+    >>> slow_cause(2, 2, 1.0).startswith("torch ran 2 threads")
+    True
+    """
+    free = max(1, cpus - min(cpus, int(busy + 0.5)))
+    load = f"other processes kept {busy:.1f} of the {cpus} cores busy"
+    if threads > free:
+        return (
+            f"torch ran {threads} threads while {load}, so its threads waited for each other: rerun with "
+            f"OMP_NUM_THREADS={free}"
+        )
+    if busy >= 0.5:
+        return f"{load}: rerun when they are done"
+    return None
