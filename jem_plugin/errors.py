@@ -7,7 +7,8 @@ expect (``ValueError``, ``TypeError``, ``RuntimeError``) so existing ``except`` 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import difflib
+from collections.abc import Iterable, Mapping, Sequence
 
 __all__ = [
     "JEMError",
@@ -122,6 +123,18 @@ class UnknownNameError(JEMError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message and add quotes
         return str(self.args[0]) if self.args else ""
+
+    @staticmethod
+    def did_you_mean(name: str, choices: Iterable[str]) -> str:
+        """``" (did you mean 'x'?)"``: the registered names nearest ``name`` (up to three, by
+        difflib's similarity, the nearest first), or ``""`` when none is near. Every place that
+        resolves a name says it the same way."""
+        near = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.6)
+        if not near:
+            return ""
+        words = [repr(n) for n in near]
+        listed = words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+        return f" (did you mean {listed}?)"
 
 
 class InferenceModeError(JEMError, RuntimeError):

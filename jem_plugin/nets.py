@@ -231,9 +231,11 @@ def build_model(
     import timm
 
     if not timm.is_model(spec):
+        named = [n for n in BUILTIN_NETS if n != "wrn-D-K"] + timm.list_models()
         raise UnknownNameError(
-            f"unknown --model {spec!r}: not a built-in ({', '.join(BUILTIN_NETS)}), not a timm "
-            "model name (see timm.list_models()), and not a module:factory path"
+            f"unknown --model {spec!r}{UnknownNameError.did_you_mean(spec, named)}: not a built-in "
+            f"({', '.join(BUILTIN_NETS)}), not a timm model name (see timm.list_models()), and not a "
+            "module:factory path"
         )
     return timm.create_model(spec, pretrained=False, num_classes=num_classes, in_chans=in_chans)
 

@@ -648,9 +648,9 @@ def _method_names(methods: str | Sequence[str]) -> list[str]:
         raise ValueError("methods is empty: name at least one score, or 'all'")
     unknown = [m for m in dict.fromkeys(names) if m not in available]
     if unknown:
+        named = ", ".join(repr(m) + UnknownNameError.did_you_mean(m, available) for m in unknown)
         raise UnknownNameError(
-            f"unknown OOD score{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-            f"available: {', '.join(available)} (or 'all')"
+            f"unknown OOD score{'s' if len(unknown) > 1 else ''} {named}; available: {', '.join(available)} (or 'all')"
         )
     return list(dict.fromkeys(names))
 

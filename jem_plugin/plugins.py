@@ -131,7 +131,10 @@ def lookup(hook_name: str, name: str, kind: str) -> dict[str, Any]:
     """Return the entry ``name`` of a registry, or raise :class:`UnknownNameError` listing the choices."""
     entries = collect(hook_name)
     if name not in entries:
-        raise UnknownNameError(f"unknown {kind} {name!r}; available: {', '.join(sorted(entries)) or '(none)'}")
+        raise UnknownNameError(
+            f"unknown {kind} {name!r}{UnknownNameError.did_you_mean(name, entries)}; "
+            f"available: {', '.join(sorted(entries)) or '(none)'}"
+        )
     return entries[name]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .. import __version__
-from ..errors import JEMError
+from ..errors import JEMError, UnknownNameError
 from . import CLIError
 from .commands import demo, doctor, evaluate, ood, plugins, sample, train
 from .commands._common import DEFAULT_DEVICE, _positive
@@ -108,6 +108,17 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise CLIError(f"{message} (see `{self.prog} --help`)")
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        # argparse's own check (a private hook, stable since 3.2), with the nearest choice named
+        # as every other unknown name is: `jem trian`, `--recipe fats`
+        if action.choices is not None and value not in action.choices:
+            names = [str(c) for c in action.choices]
+            raise argparse.ArgumentError(
+                action,
+                f"invalid choice: {value!r}{UnknownNameError.did_you_mean(str(value), names)} "
+                f"(choose from {', '.join(names)})",
+            )
 
 
 # ----------------------------------------------------------------------------- parser

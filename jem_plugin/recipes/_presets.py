@@ -73,7 +73,9 @@ def get_recipe(name: str) -> Recipe:
     try:
         return RECIPES[name]
     except KeyError:
-        raise UnknownNameError(f"unknown recipe {name!r}; available: {', '.join(RECIPES)}") from None
+        raise UnknownNameError(
+            f"unknown recipe {name!r}{UnknownNameError.did_you_mean(name, RECIPES)}; available: {', '.join(RECIPES)}"
+        ) from None
 
 
 def list_recipes() -> list[str]:
