@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .. import wrap
 from ..adapter import InputDomain
-from ..nets import build_model
+from ..nets import build_model, is_factory
 from . import CLIError
 from .model_files import model_spec
 from .openood import BENCHMARKS
@@ -82,6 +82,85 @@ def _is_state(d: dict) -> bool:
     return bool(d) and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in d.items())
 
 
+#: Where a training checkpoint may record its input size: top-level keys, or under its hyper-parameters.
+SIZE_KEYS = ("image_size", "img_size", "input_size")
+HPARAM_KEYS = ("args", "hparams", "hyper_parameters", "config", "cfg")
+
+
+def _as_size(value: Any) -> int | None:
+    """An image size as a checkpoint may write it: 32, [32, 32], (3, 32, 32), tensor(32)."""
+    if isinstance(value, Tensor) and value.numel() <= 3:
+        value = value.flatten().tolist()
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) for v in value):
+        value = value[-1]
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def stored_size(path: str) -> tuple[int, str] | None:
+    """``(size, where)``: the input size a training checkpoint records beside its weights (a key
+    of :data:`SIZE_KEYS`, at its top level or under one of :data:`HPARAM_KEYS`), or None. Read
+    ``weights_only`` (memory-mapped where the format allows), as the weights were."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # an old-format file (no mmap) or anything else: read it plainly, or say nothing
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:  # read_state_dict already read it; a size it cannot find is no error
+            return None
+    if not isinstance(obj, dict):
+        return None
+    for holder_key in (None, *HPARAM_KEYS):
+        holder = obj if holder_key is None else obj.get(holder_key)
+        if not isinstance(holder, dict):
+            continue
+        for key in SIZE_KEYS:
+            size = _as_size(holder.get(key))
+            if size is not None:
+                return size, f"the weights file's {key}" if holder_key is None else f"its {holder_key}['{key}']"
+    return None
+
+
+def pos_embed_size(state: dict[str, Tensor], net: torch.nn.Module) -> int | None:
+    """The square input size a ViT's weights were trained at: the grid of their positional
+    embedding (``pos_embed``, less the class/register tokens it holds) times the network's patch
+    size; None for weights without one, or a network without a patch embedding."""
+    patch = getattr(getattr(net, "patch_embed", None), "patch_size", None)
+    embed = next((v for k, v in state.items() if k.rsplit(".", 1)[-1] == "pos_embed"), None)
+    if patch is None or embed is None or embed.dim() != 3:
+        return None
+    prefix = 0 if getattr(net, "no_embed_class", False) else int(getattr(net, "num_prefix_tokens", 1))
+    cells = int(embed.shape[1]) - prefix
+    grid = round(cells**0.5)
+    if grid < 1 or grid * grid != cells:
+        return None
+    return grid * int(patch[0] if isinstance(patch, (tuple, list)) else patch)
+
+
+def _numbers(values: Sequence[float]) -> str:
+    return ",".join(f"{v:.4g}" for v in values)
+
+
+def assumed_line(weights: str, size: int, size_from: str, domain: InputDomain, norm_from: str) -> str:
+    """The one line ``--weights`` says: the input size, mean, std and range it assumed, and where
+    each came from, and how to give others."""
+    mean, std = pixel_normalisation(domain)
+    low, high = min(domain.low), max(domain.high)
+    return (
+        f"jem: --weights {weights}: inputs {size}x{size} ({size_from}), mean {_numbers(mean)} and std "
+        f"{_numbers(std)} ({norm_from}), so [0, 1] pixels become [{low:.3g}, {high:.3g}]; if it was trained "
+        "otherwise, give --image-size, --mean and --std"
+    )
+
+
+def _norm_source(adapter: str, flags: bool) -> str:
+    if flags:
+        return "--mean/--std"
+    return {
+        "timm": "timm's pretrained config",
+        "torchvision": "torchvision's ImageNet normalisation",
+    }.get(adapter, "the default, [-1, 1] pixels")
+
+
 def data_classes(data: str) -> list[str] | None:
     """A folder's class names without reading its images: torchvision's ``find_classes``, which
     ``ImageFolder`` labels by; ``None`` for other specs and folders without class sub-folders."""
@@ -125,10 +204,11 @@ def load_user_model(
     untrained (a cross-entropy model): the JEM-only scores warn."""
     if (mean is None) != (std is None):  # before the weights file is read: a mistake costs nothing
         raise CLIError("give both --mean and --std (the normalisation your training applied)")
+    image_size_from_benchmark: int | None = None
     if openood_benchmark:
         data, classes = f"openood:{openood_benchmark}", None
         k = num_classes or BENCHMARKS[openood_benchmark].num_classes
-        image_size = image_size or (32 if openood_benchmark.startswith("cifar") else None)
+        image_size_from_benchmark = 32 if openood_benchmark.startswith("cifar") else None
     else:
         if not data or not data.startswith(("folder:", "cifar10:")):
             raise CLIError(
@@ -142,6 +222,20 @@ def load_user_model(
         k = num_classes or count
     state = read_state_dict(weights)
     net = build_model(model, k, in_chans=3)
+    # the size the weights were trained at, where they say it: a ViT's positional embedding, a size
+    # stored in the file; a timm ViT built at another size is built again at theirs
+    trained: tuple[int, str] | None = None
+    grid = pos_embed_size(state, net)
+    if grid is not None:
+        trained = grid, "the weights' positional embedding"
+        built = (wrap(net).domain.input_size or (0,))[-1]
+        if grid != built and not is_factory(model):
+            import timm
+
+            if timm.is_model(model):
+                net = timm.create_model(model, pretrained=False, num_classes=k, in_chans=3, img_size=grid)
+    else:
+        trained = stored_size(weights)
     try:
         load_weights(net, state)
     except RuntimeError as exc:
@@ -153,11 +247,29 @@ def load_user_model(
             else f" (built for {k} classes, the folders of --data; --num-classes K if it has another count)"
         )
         raise CLIError(f"--weights {weights} do not fit --model {model}{hint}: {detail[:300]}") from exc
-    if not image_size and data.startswith("cifar10:"):
-        image_size = 32
-    # the size the adapter reads off the model (timm's config, a ViT's patch embedding), else 224
-    said = wrap(net).domain.input_size
-    size = image_size or (int(said[-1]) if said else 224)
+    probe = wrap(net)
+    said = probe.domain.input_size
+    size_from = "--image-size"
+    if not image_size:
+        if openood_benchmark and image_size_from_benchmark:
+            image_size, size_from = image_size_from_benchmark, f"OpenOOD {openood_benchmark}'s size"
+        elif data.startswith("cifar10:"):
+            image_size, size_from = 32, "CIFAR-10's size"
+    if image_size and trained and trained[0] != image_size:
+        if grid is not None:  # a ViT runs at its embedding's size only
+            raise CLIError(
+                f"--weights {weights} were trained at {grid}x{grid} ({trained[1]}), not {size_from} "
+                f"{image_size}: give --image-size {grid}"
+            )
+        size_from += f"; {trained[1]} says {trained[0]}"
+    if image_size:
+        size = image_size
+    elif trained:
+        size, size_from = trained
+    elif said:  # the size the adapter reads off the model (timm's config, a ViT's patch embedding)
+        size, size_from = int(said[-1]), ("timm's pretrained config" if probe.adapter.name == "timm" else "the model's")
+    else:
+        size, size_from = 224, "the default"
     options: dict[str, Any] = {"input_size": (3, size, size)}
     if mean is not None and std is not None:
         options.update(mean=tuple(mean), std=tuple(std))
@@ -172,6 +284,7 @@ def load_user_model(
     # the data's class names where they are the model's; else none (a subset of its classes)
     spec["classes"] = classes if classes and len(classes) == k else None
     spec["weights"] = str(weights)
+    spec["assumed"] = assumed_line(weights, size, size_from, jm.domain, _norm_source(jm.adapter.name, mean is not None))
     if device is not None:
         jm.to(device)
     return jm.eval(), spec

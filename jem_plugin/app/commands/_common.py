@@ -235,5 +235,6 @@ def _load_scored_model(args, command: str, openood_benchmark: str | None = None)
         image_size=args.image_size,
         device=_device(args.device),
     )
+    print(spec["assumed"], file=sys.stderr)  # what was assumed of weights trained elsewhere, never silently
     _use_threads(args, jm.model, spec["sample_shape"])
     return jm, spec, args.weights
