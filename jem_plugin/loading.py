@@ -16,10 +16,12 @@ reads both through this module, so Python and the command rebuild a model the sa
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from .buffer import ReplayBuffer
@@ -37,6 +39,11 @@ SAMPLER_FORMAT = "jem-plugin/sampler/1"
 # draws (every other SGLD setting travels, a new one included), and the generator.
 SAMPLER_NOT_REUSED = ("cuda_graph", "generator_state", "generator_device")
 _WHICH = "pass the model.pt of a `jem train` run directory (model_JEM.pt or model_baseline.pt from `jem demo`)"
+# Where weights trained elsewhere go: the commands that name the network for them.
+_ELSEWHERE = (
+    "name their network: jem eval --model NAME --weights FILE (jem ood too), or in Python build it, "
+    "net.load_state_dict(...), and jem.wrap(net)"
+)
 #: ``trust_factory``: ``False`` (refuse a file whose network is a ``module:factory``), ``True``
 #: (import and call the factory the file names), or the factory itself (called instead).
 TrustFactory = bool | Callable[..., nn.Module]
@@ -166,12 +173,17 @@ def _read_spec(path: str | Path) -> dict[str, Any]:
         if exc.reason == MISSING:
             raise CheckpointError(f"no model file at {str(path)!r}: {_WHICH}", reason=MISSING) from exc
         if exc.reason == CORRUPT:
+            raise CheckpointError(_not_a_model_file(path), reason=CORRUPT) from exc
+        if exc.reason == UNSAFE:
+            found = re.search(r"GLOBAL ([\w.]+)", str(exc))
             raise CheckpointError(
-                f"{str(path)!r} is not a model file written by `jem train` or `jem demo` (not a jem-plugin "
-                f"checkpoint, or damaged); {_WHICH}",
-                reason=CORRUPT,
-            ) from exc
-        raise  # unsafe: its own message says why it was refused
+                f"{str(path)!r} is not a model file written by `jem train` or `jem demo` but pickled Python objects "
+                f"({found[1] + ': ' if found else ''}a whole model saved with torch.save(model)?), which jem does "
+                "not unpickle, since that can run code; save the weights alone, torch.save(model.state_dict(), "
+                f"FILE), and {_ELSEWHERE}",
+                reason=UNSAFE,
+            ) from None
+        raise
     if stored.get("kind") != CKPT_FORMAT:
         what = "the run's sampler file" if stored.get("kind") == SAMPLER_FORMAT else "a jem-plugin checkpoint"
         raise CheckpointError(
@@ -179,6 +191,29 @@ def _read_spec(path: str | Path) -> dict[str, Any]:
             reason=MISMATCH,
         )
     return stored["spec"]
+
+
+def _not_a_model_file(path: str | Path) -> str:
+    """One line for a file ``load_checkpoint`` could not read as a jem-plugin checkpoint: weights
+    trained elsewhere (a state_dict, or a training checkpoint holding one) are pointed to
+    ``--model NAME --weights FILE``; anything else to a model file."""
+    try:  # again, weights_only: only a failed load pays for the second read
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # damaged, or not torch's: any failure means the same to the user
+        obj = None
+    head = f"{str(path)!r} is not a model file written by `jem train` or `jem demo`"
+    if isinstance(obj, dict) and _is_state_dict(obj):
+        held = "a network's weights alone (a state_dict)"
+    elif isinstance(obj, dict) and any(isinstance(v, dict) and _is_state_dict(v) for v in obj.values()):
+        key = next(k for k, v in obj.items() if isinstance(v, dict) and _is_state_dict(v))
+        held = f"a training checkpoint holding a network's weights (under {key!r})"
+    else:
+        return f"{head} (not a jem-plugin checkpoint, or damaged); {_WHICH}"
+    return f"{head} but {held}, which do not say what network they fit; {_ELSEWHERE}"
+
+
+def _is_state_dict(d: dict) -> bool:
+    return bool(d) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in d.items())
 
 
 def _build_network(spec: dict[str, Any], path: str | Path, trust_factory: TrustFactory) -> nn.Module:
