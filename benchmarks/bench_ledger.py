@@ -234,9 +234,7 @@ def keep_point(c: dict[str, Any], S: dict[str, Any], ctx: dict[str, Any], ckpt_p
 def _robust(jm, x, y, defended: bool) -> dict[str, Any]:
     eps = [e / 255 for e in ROBUST_EPS_255]
     gen = torch.Generator().manual_seed(0)
-    out = {
-        "direct": robust_accuracy(jm, x, y, eps, PGD(steps=PGD_STEPS), generator=gen, progress=False, per_example=True)
-    }
+    out = {"direct": robust_accuracy(jm, x, y, eps, PGD(steps=PGD_STEPS), generator=gen, progress=False)}
     if defended:
         defence = SGLDDefense(
             jm, steps=DEFENCE_STEPS, n_chains=DEFENCE_CHAINS, generator=torch.Generator().manual_seed(0)
@@ -251,7 +249,6 @@ def _robust(jm, x, y, defended: bool) -> dict[str, Any]:
             attack="worst",
             generator=gen,
             progress=False,
-            per_example=True,
         )
     return out
 

@@ -341,7 +341,6 @@ def robust_accuracy(
     generator: torch.Generator | None = None,
     batch_size: int = 256,
     progress: bool = True,
-    per_example: bool = False,
 ) -> dict[str, Any]:
     """Accuracy under PGD for every ``eps`` in ``eps_list``.
 
@@ -357,9 +356,9 @@ def robust_accuracy(
     ``pgd`` is how PGD runs (:class:`PGD`: norm, steps, objective ``"ce"`` or ``"margin"``, EOT
     samples for BPDA, ...). ``eps = 0`` is not attacked, so its entry is clean accuracy.
 
-    Returns ``{"eps": [...], "accuracy": [...], "norm", "attack", "steps", "n"}``; with
-    ``per_example=True`` also ``"correct"``: for each ``eps``, whether each input survived (a list
-    of ``n`` bools), for paired comparisons of two models on the same inputs.
+    Returns ``{"eps": [...], "accuracy": [...], "correct": [...], "norm", "attack", "steps", "n"}``;
+    ``"correct"`` holds, for each ``eps``, whether each input survived (a list of ``n`` bools), for
+    paired comparisons of two models on the same inputs.
     """
     settings = _pgd_settings("robust_accuracy", pgd)
     norm, loss, eot_samples = settings.norm, settings.loss, settings.eot_samples
@@ -414,7 +413,13 @@ def robust_accuracy(
             survived.append(torch.cat(oks))
             accs.append(int(survived[-1].sum()) / x.shape[0])
     n = int(x.shape[0])
-    out = {"eps": eps_values, "accuracy": accs, "norm": norm, "attack": label, "steps": settings.steps, "n": n}
-    if per_example:
-        out["correct"] = [s.tolist() for s in survived]
-    return out
+    correct = [s.tolist() for s in survived]
+    return {
+        "eps": eps_values,
+        "accuracy": accs,
+        "correct": correct,
+        "norm": norm,
+        "attack": label,
+        "steps": settings.steps,
+        "n": n,
+    }
