@@ -202,10 +202,10 @@ class ChainsOnRunningStatistics(jem.SGLD):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **{**kwargs, "batchnorm": "separate"})
 
-    def run(self, *args: Any, **kwargs: Any) -> Any:
+    def _chain(self, *args: Any, **kwargs: Any) -> Any:  # the chain driver that run and sample share
         self.batchnorm = "joint"  # the chains: running statistics
         try:
-            return super().run(*args, **kwargs)
+            return super()._chain(*args, **kwargs)
         finally:
             self.batchnorm = "separate"  # what the loss reads
 
