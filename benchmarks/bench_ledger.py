@@ -101,6 +101,7 @@ from benchmarks import bench_generalisation as GB
 from benchmarks import bench_generative as G
 from benchmarks import bench_long_row as LR
 from benchmarks.common import write_json
+from jem_plugin.app.ledger_evidence import LEDGER_EVIDENCE
 from jem_plugin.checkpoint import get_rng_state, load_checkpoint, set_rng_state
 from jem_plugin.errors import UntrainedDensityWarning
 from jem_plugin.robustness import PGD, SGLDDefense, robust_accuracy
@@ -123,6 +124,8 @@ PGD_STEPS = 10
 DEFENCE_STEPS = 10
 DEFENCE_CHAINS = 4
 SCORES = ("logpx", "msp", "grad_norm")
+#: the data set the ledger judges on (digits32 tunes)
+JUDGED = "textures"
 #: the simpler inputs of each data set (reported apart: a likelihood ranks them high, Nalisnick et al.)
 SIMPLER = {"textures": ("other",), "digits32": ()}
 
@@ -688,10 +691,16 @@ def equal_compute(points: Sequence[dict[str, Any]], ratio: dict[str, float], dat
     return rows
 
 
-def report(out_dir: str = RESULTS, docs_page: str | None = DOCS_PAGE, docs_img: str | None = DOCS_IMG) -> str:
+def report(
+    out_dir: str = RESULTS,
+    docs_page: str | None = DOCS_PAGE,
+    docs_img: str | None = DOCS_IMG,
+    evidence: str | None = str(LEDGER_EVIDENCE),
+) -> str:
     """Intervals and verdicts from every evaluated point: ``OUT/ledger.md``, ``OUT/ledger.json``, a
-    figure per data set and network (``OUT/ledger-<data>-<net>.png``, copied to ``docs_img``), and
-    the docs page's tables (``docs_page``, between its markers)."""
+    figure per data set and network (``OUT/ledger-<data>-<net>.png``, copied to ``docs_img``), the
+    docs page's tables (``docs_page``, between its markers) and the table ``jem train`` quotes
+    (``evidence``: :data:`jem_plugin.app.ledger_evidence.LEDGER_EVIDENCE`)."""
     points = load_points(out_dir)
     cost = GB._read_json(os.path.join(out_dir, COST_JSON), {})
     ratio = cost.get("ratio_to_ce", {})
@@ -720,11 +729,68 @@ def report(out_dir: str = RESULTS, docs_page: str | None = DOCS_PAGE, docs_img: 
                 shutil.copyfile(fig, os.path.join(docs_img, os.path.basename(fig)))
     md = "\n\n".join(parts)
     write_json(os.path.join(out_dir, "ledger.json"), {"comparisons": summary, "cost": cost})
+    if evidence is not None:
+        write_json(evidence, evidence_table(points, summary, ratio))
     with open(os.path.join(out_dir, "ledger.md"), "w") as f:
         f.write(md + "\n")
     if docs_page and os.path.exists(docs_page):
         _write_between(docs_page, md)
     return md
+
+
+def evidence_table(
+    points: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]], ratio: dict[str, float]
+) -> dict[str, Any]:
+    """What ``jem train`` may quote (:mod:`jem_plugin.app.ledger_evidence`): for each recipe arm (not
+    the fine-tune: jem train trains from scratch) at its last point against the baseline, on the
+    judged data, the benefits whose interval excludes 0, and how many were measured."""
+    labels = {
+        k: lab
+        for d in {p["dataset"] for p in points}
+        for k, lab, _ in benefit_rows(_sets(points, d), SIMPLER.get(d, ()))
+    }
+    higher = {
+        k: h for d in {p["dataset"] for p in points} for k, _, h in benefit_rows(_sets(points, d), SIMPLER.get(d, ()))
+    }
+    sample = {k for k, _, _ in SAMPLE_METRICS}
+    last: dict[tuple, dict[str, Any]] = {}
+    for e in summary:
+        if (
+            e["against"] == "baseline"
+            and e["arm"] != "finetune"
+            and e["dataset"] in SIMPLER
+            and e["dataset"] == "textures"
+        ):
+            last[(e["dataset"], e["net"], e["arm"])] = e  # in iteration order: the last one stays
+    entries = []
+    for (dataset, net, arm), e in sorted(last.items()):
+        row = next(p["row"] for p in points if p["arm"] == arm and p["net"] == net and p["dataset"] == dataset)
+        res = {k: v for k, v in e["result"].items() if k not in sample}
+        called = [
+            {"label": labels[k], "unit": "points" if k.startswith(("accuracy", "ece", "robust")) else "",
+             "diff": v["diff"], "lo": v["lo"], "hi": v["hi"], "better": (v["lo"] > 0) == higher[k]}
+            for k, v in res.items()
+            if v["lo"] > 0 or v["hi"] < 0
+        ]  # fmt: skip
+        entries.append(
+            {"dataset": dataset, "net": net, "kind": _kind_of(net), "arm": arm, "recipe": row["run"],
+             "settings": row.get("set") or {}, "iteration": e["iteration"], "seeds": len(e["seeds"]),
+             "measured": len(res), "called": called, "cost_ratio": ratio.get(arm)}
+        )  # fmt: skip
+    return {"source": "benchmarks/bench_ledger.py --report", "page": "docs/what-jem-buys.md", "entries": entries}
+
+
+def _sets(points: Sequence[dict[str, Any]], dataset: str) -> list[str]:
+    a0 = next(p["arrays"] for p in points if p["dataset"] == dataset)
+    return [k.split("__")[1] for k in a0 if k.startswith("logpx__") and k != "logpx__in"]
+
+
+def _kind_of(net: str) -> str:
+    """The network kind jem train reads (BatchNorm, another normalisation, none)."""
+    from jem_plugin.app.default_recipe import network_kind
+
+    batchnorm, normalised = network_kind(G.make_model(GB.NETWORKS.get(net, net)))
+    return "BN" if batchnorm else ("other" if normalised else "none")
 
 
 START, END = "<!-- ledger:start -->", "<!-- ledger:end -->"

@@ -32,6 +32,7 @@ from ..default_recipe import (
     lr_raised,
     network_kind,
 )
+from ..ledger_evidence import ledger_line
 from ..model_files import (
     DEFAULT_IMAGE_MODEL,
     check_classes,
@@ -424,8 +425,12 @@ def _choose_recipe(args, info, ds, jm, iterations: int) -> Recipe:
             f"baseline{l2}, and these settings far less ({BENCHMARKS_PAGE}). Flags you give win; "
             f"--recipe {chosen} keeps the recipe's settings"
         )
-    if tell and half:
-        print(f"jem train: {half}")
+    if tell:  # what the benefit ledger measured for this kind of network and recipe, where it did
+        batchnorm, normalised = network_kind(jm)
+        kind = "BN" if batchnorm else ("other" if normalised else "none")
+        measured = ledger_line(kind, chosen, settings, iterations)
+        if measured or half:
+            print(f"jem train: {measured or half}")
     recipe = recipe_from_args(args, name=chosen, defaults=settings)
     if lr_raised(recipe.optim.lr, chosen) and info.is_main and not args.baseline and not told:
         preset_lr = get_recipe(chosen).optim.lr
