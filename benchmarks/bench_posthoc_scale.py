@@ -22,7 +22,7 @@ above the process's baseline (``VmHWM`` after resetting it with ``/proc/self/cle
 the stand-in is built) during the fit, and during scoring (the fitted state and the scoring
 scratch); the fit's time (the detector's own calls: the stand-in's draws are not counted); the
 scoring throughput (rows/s of ``score_outputs`` on ``--score-rows`` rows, batches of
-``--score-batch``); and the estimate :mod:`jem_plugin.builtins.posthoc._memory` makes, at the
+``--score-batch``); and the estimate the detector makes (``memory_estimate``), at the
 measured size and at full size. The fit is told the full size (``begin_fit(jm,
 rows=1_281_167)``), so a detector that cannot fit ImageNet under ``--limit`` (default 2 GiB, the
 library's default ``memory_limit``) is refused as it would be there, before it allocates; then
@@ -251,7 +251,6 @@ def tensor_fit_peak(det: Any, jm: Any, stream: Stream, rows_told: int | None) ->
 def run_one(label: str, name: str, options: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Fit and score one detector at ``args``' size in this process; what was measured."""
     import jem_plugin as jem
-    from jem_plugin.builtins.posthoc import _memory
     from jem_plugin.errors import MemoryLimitError
 
     torch.manual_seed(0)
@@ -268,8 +267,8 @@ def run_one(label: str, name: str, options: dict[str, Any], args: argparse.Names
         layers=tuple((c, args.positions) for c in _layers(args.dim).values()) if layers else None,
         batch=args.batch,
     )
-    est_n = _memory.estimate(det, _memory.FitShape(rows=args.rows, **shape))  # type: ignore[arg-type]
-    est_full = _memory.estimate(det, _memory.FitShape(rows=args.full_rows, **shape))  # type: ignore[arg-type]
+    est_n = det.memory_estimate(jem.ood.FitShape(rows=args.rows, **shape))  # type: ignore[arg-type]
+    est_full = det.memory_estimate(jem.ood.FitShape(rows=args.full_rows, **shape))  # type: ignore[arg-type]
     row: dict[str, Any] = {
         "detector": label,
         "name": name,

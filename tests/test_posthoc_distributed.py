@@ -271,11 +271,11 @@ def test_distributed_false_fits_each_rank_alone(ranks):
 
 def test_every_fitted_detector_says_how_it_combines_across_ranks():
     """A fitted detector added without saying what its fit accumulates would fit each rank
-    alone under torchrun: each says it, in the ways :mod:`._distributed` knows."""
+    alone under torchrun: each says it, in the ways :mod:`jem_plugin.distributed._detectors` knows."""
     import jem_plugin as jem
     from jem_plugin.builtins.posthoc import DETECTORS
     from jem_plugin.builtins.posthoc._base import _FittedDetector
-    from jem_plugin.builtins.posthoc._distributed import KINDS
+    from jem_plugin.distributed._detectors import KINDS
 
     for d in DETECTORS:
         if not d.needs_fit:
@@ -295,7 +295,7 @@ def test_without_a_process_group_a_fit_imports_nothing_more():
     """One process: nothing changes, and the cross-rank code is not even imported."""
     import jem_plugin as jem
 
-    name = "jem_plugin.builtins.posthoc._distributed"
+    name = "jem_plugin.distributed._detectors"
     held = sys.modules.pop(name, None)
     try:
         jm, x, y, _ = _setup()

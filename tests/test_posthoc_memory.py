@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 import jem_plugin as jem
-from jem_plugin.builtins.posthoc import _memory
+from jem_plugin import _detector
+from jem_plugin._detector import ENV, human
 from jem_plugin.builtins.posthoc.knn import _faiss
 from jem_plugin.errors import MemoryLimitError
 
@@ -76,7 +77,7 @@ def test_refused_on_the_first_batch_where_the_width_is_known_only_from_it(jm, da
     """Outputs of a network whose head the fit cannot read: the first batch's widths decide, and
     the detector keeps nothing of it."""
     x, y = data
-    monkeypatch.setattr(_memory, "_head_shape", lambda core: (None, None))
+    monkeypatch.setattr(_detector, "_head_shape", lambda core: (None, None))
     det = jem.ood.detector("gmm", memory_limit=20_000)
     out = jem.ood.Outputs(jm.logits(x), features=x)
     det.begin_fit(jm)  # no width known yet: not refused here
@@ -108,10 +109,10 @@ def test_under_the_limit_fits_and_the_named_setting_fits(jm, data):
 
 
 def test_the_limit_from_the_environment_and_bad_limits(jm, data, monkeypatch):
-    monkeypatch.setenv(_memory.ENV, "20000")
+    monkeypatch.setenv(ENV, "20000")
     with pytest.raises(MemoryLimitError):
         jem.ood.detector("gmm").fit(jm, data)
-    monkeypatch.setenv(_memory.ENV, "none")
+    monkeypatch.setenv(ENV, "none")
     assert jem.ood.detector("gmm").fit(jm, data).fitted
     for bad in (0, -1.0, "lots", True, float("inf")):
         with pytest.raises(ValueError, match="memory_limit"):
@@ -274,8 +275,8 @@ def test_every_fitted_detector_peaks_at_most_at_its_estimate(name, size):
         options["layers"] = list(_layers(s["dim"]))
     det = jem.ood.detector(label, memory_limit=None, **options)
     layers = tuple((c, 4) for c in _layers(s["dim"]).values()) if "layers" in det.reads else None
-    shape = _memory.FitShape(rows=s["rows"], dim=s["dim"], classes=s["classes"], layers=layers, batch=s["batch"])
-    est = _memory.estimate(det, shape)
+    shape = jem.ood.FitShape(rows=s["rows"], dim=s["dim"], classes=s["classes"], layers=layers, batch=s["batch"])
+    est = det.memory_estimate(shape)
     assert est is not None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # few fit images per feature: the Gaussian detectors say so
@@ -293,4 +294,4 @@ def test_the_refusal_prints_gib_as_gib(jm, data):
         det.begin_fit(jm, rows=1000)
         det.add_outputs(jem.ood.Outputs(torch.zeros(1, 1000), features=torch.zeros(1, 4096)), torch.zeros(1))
     assert " GB" not in str(info.value) and " MB" not in str(info.value)
-    assert _memory.human(1536 << 20) == "1.5 GiB" and _memory.human(340 << 20) == "340.0 MiB"
+    assert human(1536 << 20) == "1.5 GiB" and human(340 << 20) == "340.0 MiB"

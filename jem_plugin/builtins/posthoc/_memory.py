@@ -1,125 +1,34 @@
-"""How much memory a fitted detector's fit takes, and the refusal of a fit that would exceed the
-limit, in one line and before the detector allocates its statistics (never an out-of-memory kill
-halfway through the data).
+"""The memory formulas of the post-hoc detectors: each detector's
+:meth:`~jem_plugin.ood.Detector.memory_estimate` (declared on its class) calls one of these with
+itself and the fit's shape (:class:`~jem_plugin.ood.FitShape`: fit rows, feature width, classes,
+layer widths, batch rows): the bytes its running statistics, its end of fit and one fit batch's
+scratch hold at their peak, on the device the features live on. The checks against the limit and
+the refusal are the base class's (:class:`jem_plugin.ood.Detector`): when the fit starts, again
+on the first batch with the outputs' own shapes, and as a bank of data of unknown length grows
+(``knn``, ``nnguide`` without ``max_fit``).
 
-Each detector's estimate (:data:`_ESTIMATES`, by its registered name) is a formula in the fit's
-shape (:class:`FitShape`: fit rows, feature width, classes, layer widths, batch rows): the bytes
-its running statistics, its end of fit and one fit batch's scratch hold at their peak, on the
-device the features live on. It is checked when the fit starts (:func:`check_fit`, from the head's
-shape and the row count where the data has one) and again on the first batch (:func:`check_batch`,
-from the outputs' own shapes), so a detector whose width is known only from its outputs (layer
-outputs, no linear head) is checked before its first statistic is allocated. A bank that grows
-with data of unknown length (``knn``, ``nnguide`` without ``max_fit``) is checked as it grows
-(:func:`check_growth`).
-
-The limit, in bytes (``None``: none): the detector's ``memory_limit`` attribute
-(``jem.ood.detector(name, memory_limit=...)``), else the ``JEM_OOD_MEMORY_LIMIT`` environment
-variable, else :data:`DEFAULT_LIMIT`, 2 GiB: a fixed number, so that whether a fit is refused
-does not depend on the machine it runs on, and the budget of issue 46 (every detector fits an
-ImageNet-size fit in it, or names the setting that does). Most fits stay far under it; short
-of ImageNet, ``gmm``'s full per-class covariances of wide features are the exception.
+The limit (see :meth:`jem_plugin.ood.Detector.memory_limit_bytes`) defaults to 2 GiB: a fixed
+number, so that whether a fit is refused does not depend on the machine it runs on, and the
+budget of issue 46 (every detector fits an ImageNet-size fit in it, or names the setting that
+does). Most fits stay far under it; short of ImageNet, ``gmm``'s full per-class covariances of
+wide features are the exception.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import weakref
-from collections.abc import Callable, Sized
-from dataclasses import dataclass, field, replace
 from typing import Any
 
-from torch import Tensor
-
-from ...errors import MemoryLimitError
-
-#: The default memory limit of a fit, in bytes (2 GiB; see the module's docstring for why).
-DEFAULT_LIMIT = 2 << 30
-
-#: The environment variable that sets the limit for the process (bytes, e.g. ``8e9``; ``none``:
-#: no limit), where the detector has no ``memory_limit`` of its own.
-ENV = "JEM_OOD_MEMORY_LIMIT"
+from ..._detector import DEFAULT_LIMIT, Estimate, FitShape
 
 _F4, _F8, _I8 = 4, 8, 8  # float32, float64, int64 bytes
 
 
-@dataclass(frozen=True)
-class FitShape:
-    """What a fit's memory depends on; ``None`` where not known yet."""
-
-    rows: int | None = None  #: fit rows (inputs)
-    dim: int | None = None  #: penultimate feature width ``D``
-    classes: int | None = None  #: classes ``K`` (the logits' width)
-    layers: tuple[tuple[int, int], ...] | None = None  #: ``(channels, positions)`` per layer read
-    batch: int | None = None  #: rows of one fit batch
-    on: str = "memory"  #: where the statistics live ("memory" or "GPU memory")
-
-
-@dataclass
-class Estimate:
-    """A fit's peak in bytes, what holds most of it, and the setting that shrinks it."""
-
-    bytes: float
-    what: str
-    fix: str
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def limit_of(det: Any) -> float | None:
-    """The memory limit of ``det``'s fit in bytes, ``None`` for none (see the module docstring)."""
-    if "memory_limit" in getattr(det, "__dict__", {}):
-        return _checked_limit(det.__dict__["memory_limit"], "memory_limit")
-    env = os.environ.get(ENV)
-    if env is not None:
-        return _checked_limit(None if env.strip().lower() in ("", "none") else env, ENV)
-    return DEFAULT_LIMIT
-
-
-def _checked_limit(value: Any, what: str) -> float | None:
-    if value is None:
-        return None
+def limit_hint(det: Any) -> float | None:
+    """The limit an estimate's advice sizes itself to (the detector's, without raising)."""
     try:
-        limit = float(value)
-    except (TypeError, ValueError):
-        limit = math.nan
-    if not (limit > 0 and math.isfinite(limit)) or isinstance(value, bool):
-        raise ValueError(f"{what} must be a positive number of bytes (e.g. 8e9) or None, got {value!r}")
-    return limit
-
-
-def set_limit(det: Any, limit: Any) -> None:
-    """Give ``det`` its own memory limit (bytes, or ``None`` for none), checked now."""
-    _checked_limit(limit, "memory_limit")
-    det.memory_limit = limit
-
-
-def human(n: float) -> str:
-    """Bytes for a person in powers of 1024, named as such: ``2.0 GiB``, ``340.0 MiB``."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def rows_of(data: Any) -> int | None:
-    """How many fit rows ``data`` holds where that is known without reading it: a tensor, an
-    ``(x, y)`` pair, a DataLoader over a sized dataset, :class:`~jem_plugin.ood.Outputs` or a list
-    of them (or of ``(outputs, labels)``); ``None`` otherwise (a generator)."""
-    from ..._outputs import Outputs
-
-    if isinstance(data, Tensor):
-        return int(data.shape[0]) if data.dim() else None
-    if isinstance(data, Outputs):
-        return len(data)
-    if isinstance(data, tuple) and data and isinstance(data[0], (Tensor, Outputs)):
-        return rows_of(data[0])
-    if isinstance(data, list):
-        counts = [rows_of(item) for item in data]
-        return sum(c for c in counts if c is not None) if counts and None not in counts else None
-    dataset = getattr(data, "dataset", None)
-    if isinstance(dataset, Sized) and getattr(data, "batch_size", 1) is not None:
-        return len(dataset)
-    return None
+        return det.memory_limit_bytes()
+    except ValueError:
+        return None
 
 
 # -- the estimates -------------------------------------------------------------------------------
@@ -144,7 +53,7 @@ def _gaussian(d: int, k: int, b: int) -> float:
     return k * d * _F8 * 2 + d * d * _F8 * 7 + b * d * _F8 * 2
 
 
-def _mahalanobis(det: Any, s: FitShape) -> Estimate | None:
+def mahalanobis(det: Any, s: FitShape) -> Estimate | None:
     if s.dim is None or s.classes is None:
         return None
     # the relative variant's background whitener is computed once the class one is kept
@@ -156,7 +65,7 @@ def _mahalanobis(det: Any, s: FitShape) -> Estimate | None:
     )
 
 
-def _multi_mahalanobis(det: Any, s: FitShape) -> Estimate | None:
+def multi_mahalanobis(det: Any, s: FitShape) -> Estimate | None:
     if s.layers is None or s.classes is None:
         return None
     widths = [c for c, _ in s.layers]
@@ -168,7 +77,7 @@ def _multi_mahalanobis(det: Any, s: FitShape) -> Estimate | None:
     )
 
 
-def _gram(det: Any, s: FitShape) -> Estimate | None:
+def gram(det: Any, s: FitShape) -> Estimate | None:
     if s.layers is None or s.classes is None:
         return None
     stats = sum(c for c, _ in s.layers) * len(det.powers)
@@ -189,7 +98,7 @@ def _gram(det: Any, s: FitShape) -> Estimate | None:
     )
 
 
-def _gmm(det: Any, s: FitShape) -> Estimate | None:
+def gmm(det: Any, s: FitShape) -> Estimate | None:
     if s.dim is None or s.classes is None:
         return None
     d, k, b = s.dim, s.classes, _b(s)
@@ -228,19 +137,11 @@ def _bank(det: Any, s: FitShape, row_bytes: int, what: str) -> Estimate | None:
     )
 
 
-def limit_hint(det: Any) -> float | None:
-    """The limit an estimate's advice sizes itself to (the detector's, without raising)."""
-    try:
-        return limit_of(det)
-    except ValueError:
-        return None
-
-
-def _knn(det: Any, s: FitShape) -> Estimate | None:
+def knn(det: Any, s: FitShape) -> Estimate | None:
     return _bank(det, s, _F4, "normalised training features")
 
 
-def _nnguide(det: Any, s: FitShape) -> Estimate | None:
+def nnguide(det: Any, s: FitShape) -> Estimate | None:
     return _bank(det, s, _F4, "energy-scaled training features")
 
 
@@ -263,7 +164,7 @@ def _at_most(cap: int | None, n: int | None) -> int:
     return min(c for c in (cap, n) if c is not None) if (cap, n) != (None, None) else 0
 
 
-def _react(det: Any, s: FitShape) -> Estimate | None:
+def react(det: Any, s: FitShape) -> Estimate | None:
     if s.dim is None:
         return None
     values = None if s.rows is None else s.rows * s.dim
@@ -275,7 +176,7 @@ def _react(det: Any, s: FitShape) -> Estimate | None:
     )
 
 
-def _vra(det: Any, s: FitShape) -> Estimate | None:
+def vra(det: Any, s: FitShape) -> Estimate | None:
     if s.dim is None:
         return None
     if det.per_unit:
@@ -289,7 +190,7 @@ def _vra(det: Any, s: FitShape) -> Estimate | None:
     return Estimate(sample + kept * (_F4 + _I8), "a sample of training activations", "pass a smaller max_values")
 
 
-def _vim(det: Any, s: FitShape) -> Estimate | None:
+def vim(det: Any, s: FitShape) -> Estimate | None:
     if s.dim is None or s.classes is None:
         return None
     d, k = s.dim, s.classes
@@ -301,7 +202,7 @@ def _vim(det: Any, s: FitShape) -> Estimate | None:
     )
 
 
-def _pnml(det: Any, s: FitShape) -> Estimate | None:
+def pnml(det: Any, s: FitShape) -> Estimate | None:
     if s.dim is None:
         return None
     return Estimate(
@@ -311,7 +212,7 @@ def _pnml(det: Any, s: FitShape) -> Estimate | None:
     )
 
 
-def _per_class_means(det: Any, s: FitShape) -> Estimate | None:
+def per_class_means(det: Any, s: FitShape) -> Estimate | None:
     if s.dim is None or s.classes is None:
         return None
     return Estimate(
@@ -321,7 +222,7 @@ def _per_class_means(det: Any, s: FitShape) -> Estimate | None:
     )
 
 
-def _head_sized(det: Any, s: FitShape) -> Estimate | None:
+def head_sized(det: Any, s: FitShape) -> Estimate | None:
     # dice's contributions sorted (values and indices), nci's copy of the head; the running mean
     if s.dim is None or s.classes is None:
         return None
@@ -332,7 +233,7 @@ def _head_sized(det: Any, s: FitShape) -> Estimate | None:
     )
 
 
-def _fdbd(det: Any, s: FitShape) -> Estimate | None:
+def fdbd(det: Any, s: FitShape) -> Estimate | None:
     if s.dim is None or s.classes is None:
         return None
     # the distances computed 16 head rows at a time: 16 x K x D differences
@@ -346,7 +247,7 @@ def _fdbd(det: Any, s: FitShape) -> Estimate | None:
     )
 
 
-def _logit_sums(det: Any, s: FitShape) -> Estimate | None:
+def logit_sums(det: Any, s: FitShape) -> Estimate | None:
     if s.classes is None:
         return None
     k, b = s.classes, _b(s)
@@ -356,7 +257,7 @@ def _logit_sums(det: Any, s: FitShape) -> Estimate | None:
     )
 
 
-def _adascale(det: Any, s: FitShape) -> Estimate | None:
+def adascale(det: Any, s: FitShape) -> Estimate | None:
     # one float64 per fit input, then their sort; a batch's input step: the features and the
     # moved ones, their differences and top units, the gradient, its mask and the moved input
     # (input-sized: counted at the features' width; the network's own activations for the
@@ -365,7 +266,7 @@ def _adascale(det: Any, s: FitShape) -> Estimate | None:
     return Estimate(rows * _F8 * 3 + b * d * _F4 * 8, "one statistic per fit input (float64)", "fit on fewer inputs")
 
 
-def _weiper(det: Any, s: FitShape) -> Estimate | None:
+def weiper(det: Any, s: FitShape) -> Estimate | None:
     if s.dim is None or s.classes is None:
         return None
     d, k, r, b = s.dim, s.classes, det.repeats, _b(s)
@@ -379,123 +280,3 @@ def _weiper(det: Any, s: FitShape) -> Estimate | None:
         f"{r} perturbed copies of the {k}x{d} head (float32) and their logits for a batch of {b}",
         f"use fewer repeats (repeats={fits}) or fit in smaller batches",
     )
-
-
-#: The estimate of each fitted detector of the package, by its registered name.
-_ESTIMATES: dict[str, Callable[[Any, FitShape], Estimate | None]] = {
-    "mahalanobis": _mahalanobis,
-    "relative_mahalanobis": _mahalanobis,
-    "mahalanobis_odin": _mahalanobis,
-    "multi_mahalanobis": _multi_mahalanobis,
-    "gram": _gram,
-    "gmm": _gmm,
-    "vim": _vim,
-    "knn": _knn,
-    "nnguide": _nnguide,
-    "react": _react,
-    "vra": _vra,
-    "openmax": _logit_sums,
-    "kl_matching": _logit_sums,
-    "she": _per_class_means,
-    "dice": _head_sized,
-    "nci": _head_sized,
-    "fdbd": _fdbd,
-    "pnml": _pnml,
-    "adascale": _adascale,
-    "weiper": _weiper,
-}
-
-
-def estimate(det: Any, shape: FitShape) -> Estimate | None:
-    """The peak of ``det``'s fit at ``shape`` (bytes, with what holds it and the setting that
-    shrinks it), or ``None`` where the detector has no estimate or a width it needs is unknown."""
-    fn = _ESTIMATES.get(getattr(det, "name", ""))
-    return None if fn is None else fn(det, shape)
-
-
-def _refuse(det: Any, est: Estimate, limit: float, shape: FitShape) -> MemoryLimitError:
-    name = det.name
-    return MemoryLimitError(
-        f"{name}: this fit would need about {human(est.bytes)} of {shape.on} for {est.what}, over its "
-        f"memory_limit of {human(limit)}: {est.fix}, or raise the limit "
-        f"(jem.ood.detector({name!r}, memory_limit=...) or {ENV}=bytes)"
-    )
-
-
-#: What a fit in progress still has to check (kept beside the detectors, not on them: a fitted
-#: detector's state is its statistics alone, the same on every rank and in a pickle): the limit
-#: and shape the first batch checks again, and for a bank of unknown length its limit and shape.
-_PENDING: weakref.WeakKeyDictionary[Any, tuple[float | None, FitShape]] = weakref.WeakKeyDictionary()
-_GROWTH: weakref.WeakKeyDictionary[Any, float | None] = weakref.WeakKeyDictionary()
-_SHAPE: weakref.WeakKeyDictionary[Any, FitShape] = weakref.WeakKeyDictionary()
-
-
-def _head_shape(core: Any) -> tuple[int | None, int | None]:
-    """``(D, K)`` of the network's head where it is a linear layer, else ``(None, None)``."""
-    try:
-        head = core.head()
-    except Exception:  # an adapter that cannot say: the first batch's shapes will
-        return None, None
-    weight = getattr(head, "weight", None)
-    if isinstance(weight, Tensor) and weight.dim() == 2:
-        return int(weight.shape[1]), int(weight.shape[0])
-    return None, None
-
-
-def check_fit(det: Any, core: Any, rows: int | None = None) -> None:
-    """At the start of ``det``'s fit on the network ``core`` (``rows`` fit rows where known):
-    raise :class:`~jem_plugin.errors.MemoryLimitError` where its estimate is over its limit;
-    where a width it needs is known only from the outputs, check on the first batch instead."""
-    limit = limit_of(det)
-    _GROWTH.pop(det, None)
-    d, k = _head_shape(core) if "features" in det.reads or "logits" in det.reads else (None, None)
-    shape = FitShape(rows=rows, dim=d, classes=k)
-    _PENDING[det] = (limit, shape)  # the first batch checks again, with its own shapes
-    _check(det, limit, shape)
-
-
-def check_batch(det: Any, outputs: Any) -> None:
-    """On a fit's first batch (a no-op after it): the check of :func:`check_fit` again, with the
-    widths and batch size of the outputs themselves, before the detector keeps anything of them."""
-    pending = _PENDING.pop(det, None)
-    if pending is None:
-        return
-    limit, shape = pending
-    logits = outputs.logits
-    feats = outputs._features if isinstance(outputs._features, Tensor) else None
-    layers = outputs._layers if isinstance(outputs._layers, dict) else {}
-    names = list(getattr(det, "layers_read", [])) or list(layers)
-    shape = replace(
-        shape,
-        classes=int(logits.shape[1]),
-        dim=int(feats.shape[1]) if feats is not None and feats.dim() == 2 else shape.dim,
-        layers=tuple((int(layers[n].shape[1]), int(math.prod(layers[n].shape[2:]))) for n in names if n in layers)
-        or None,
-        batch=int(logits.shape[0]),
-        on="GPU memory" if logits.is_cuda else "memory",
-    )
-    _SHAPE[det] = shape
-    _check(det, limit, shape)
-
-
-def _check(det: Any, limit: float | None, shape: FitShape) -> None:
-    est = estimate(det, shape)
-    if est is None:
-        return
-    if est.extra.get("grows"):
-        _GROWTH[det] = limit
-        return
-    if limit is not None and est.bytes > limit:
-        _PENDING.pop(det, None)
-        raise _refuse(det, est, limit, shape)
-
-
-def check_growth(det: Any, held_rows: int) -> None:
-    """For a bank of data of unknown length: refuse once holding ``held_rows`` rows (and
-    concatenating them at the end) would exceed the limit, before the bank grows past it."""
-    limit, shape = _GROWTH.get(det), _SHAPE.get(det)
-    if limit is None or shape is None:
-        return
-    est = estimate(det, replace(shape, rows=held_rows))
-    if est is not None and est.bytes > limit:
-        raise _refuse(det, est, limit, replace(shape, rows=held_rows))

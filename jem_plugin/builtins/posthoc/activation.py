@@ -14,6 +14,7 @@ from torch import Tensor
 from ..._outputs import Outputs, forward_outputs
 from ...errors import NoFeaturesError
 from ...model import as_jem, input_grad_enabled
+from . import _memory
 from ._base import _energy, _FittedDetector, _head, _Sample, describe
 from .shaping import _check_percentile, _kept, _ratio
 from .sparsification import _quantile
@@ -131,6 +132,7 @@ class VRA(_FittedDetector):
     """
 
     name = "vra"
+    _memory_formula = staticmethod(_memory.vra)  # the fit's peak
     description = (
         "VRA: energy of the features clipped between two training percentiles "
         "(fit; lower=10, upper=90, OpenOOD's; per_unit=False)"
@@ -226,6 +228,7 @@ class AdaSCALE(_FittedDetector):
     """
 
     name = "adascale"
+    _memory_formula = staticmethod(_memory.adascale)  # the fit's peak
     needs_grad = True
     reads = frozenset({"logits"})  # the fit's own forward: the statistic comes from _saw_inputs
     description = "AdaSCALE: SCALE at a percentile set by how far a small input step moves the features (fit; input grad; variant='a')"

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..._checks import user_stacklevel
 from ...errors import NoFeaturesError
+from . import _memory
 from ._base import _ClassConditional, _FeatureMean, _FittedDetector, _head, _RowBank
 
 
@@ -55,6 +56,7 @@ class SHE(_ClassConditional):
     """
 
     name = "she"
+    _memory_formula = staticmethod(_memory.per_class_means)  # the fit's peak
     description = "SHE: inner product of the features with the mean correctly-classified features of the predicted class (fit; labels=)"
     paper = "Zhang et al. 2023, Out-of-Distribution Detection based on In-Distribution Data Patterns Memorization with Modern Hopfield Energy (ICLR)"
     _rank_stats = (("_sums", "sum"), ("_counts", "sum"))
@@ -120,6 +122,7 @@ class NNGuide(_RowBank):
     """
 
     name = "nnguide"
+    _memory_formula = staticmethod(_memory.nnguide)  # the fit's peak
     description = "NNGuide: energy times the mean similarity to the k nearest energy-scaled training features (fit; k=10, max_fit=)"
     paper = "Park et al. 2023, Nearest Neighbor Guidance for Out-of-Distribution Detection (ICCV)"
 
@@ -149,6 +152,7 @@ class FDBD(_FeatureMean):
     """
 
     name = "fdbd"
+    _memory_formula = staticmethod(_memory.fdbd)  # the fit's peak
     description = "fDBD: mean distance to the decision boundaries over the distance to the training mean (fit)"
     paper = "Liu & Qin 2024, Fast Decision Boundary based Out-of-Distribution Detector (ICML)"
 
@@ -185,6 +189,7 @@ class NCI(_FeatureMean):
     """
 
     name = "nci"
+    _memory_formula = staticmethod(_memory.head_sized)  # the fit's peak
     description = "NCI: alignment of the centred features with the predicted class's weights, plus alpha times their L1 norm (fit; alpha=0)"
     paper = "Liu & Qin 2025, Detecting Out-of-distribution through the Lens of Neural Collapse (CVPR)"
 
@@ -233,6 +238,7 @@ class PNML(_FittedDetector):
     """
 
     name = "pnml"
+    _memory_formula = staticmethod(_memory.pnml)  # the fit's peak
     description = "minus the pNML regret of the head on the normalised features (fit)"
     paper = "Bibas et al. 2021, Single Layer Predictive Normalized Maximum Likelihood for Out-of-Distribution Detection (NeurIPS)"
     _rank_stats = (("_moment", "sum"),)

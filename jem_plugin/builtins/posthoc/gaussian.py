@@ -19,6 +19,7 @@ from ..._checks import (
 )
 from ..._outputs import Outputs
 from ...model import as_jem, input_grad_enabled, sampling_mode
+from . import _memory
 from ._base import (
     _checked_layers,
     _ClassConditional,
@@ -53,6 +54,7 @@ class Mahalanobis(_GaussianDetector):
     """
 
     name = "mahalanobis"
+    _memory_formula = staticmethod(_memory.mahalanobis)  # the fit's peak
     description = "class-conditional Mahalanobis distance, shared covariance (fit; labels=)"
     paper = "Lee et al. 2018, A Simple Unified Framework for Detecting Out-of-Distribution Samples and Adversarial Attacks (NeurIPS)"
     #: warn when the fit features do not vary within their classes or the fit has fewer images
@@ -229,6 +231,7 @@ class MultiMahalanobis(_ClassConditional):
     """
 
     name = "multi_mahalanobis"
+    _memory_formula = staticmethod(_memory.multi_mahalanobis)  # the fit's peak
     reads = frozenset({"logits", "layers"})
     description = (
         "Mahalanobis summed over several depths, Lee et al.'s feature ensemble (fit; layers=, weights='dof', labels=)"

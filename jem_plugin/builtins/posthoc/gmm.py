@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import _memory
 from ._moments import _ClassMoments, _GaussianDetector
 
 
@@ -40,6 +41,7 @@ class GMM(_GaussianDetector):
     """
 
     name = "gmm"
+    _memory_formula = staticmethod(_memory.gmm)  # the fit's peak
     description = "log-likelihood under class-conditional Gaussians, one covariance per class (fit; reg=1e-6, labels=)"
     paper = "class-conditional Gaussian discriminant analysis, as pytorch-ood's GMM (no single paper)"
 

@@ -14,6 +14,7 @@ from torch import Tensor
 from ..._outputs import Outputs
 from ...distributed import rank_seed
 from ...model import as_jem
+from . import _memory
 from ._base import (
     _checked_layers,
     _ClassConditional,
@@ -147,6 +148,7 @@ class Gram(_ClassConditional):
     """
 
     name = "gram"
+    _memory_formula = staticmethod(_memory.gram)  # the fit's peak
     # the scratch bounds the memory estimate reads (_memory, which cannot import this module: _base imports it)
     chunk_entries = _GRAM_CHUNK_ENTRIES
     widen_block = _WIDEN_BLOCK

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _memory
 from ._base import _RowBank
 
 
@@ -39,6 +40,7 @@ class KNN(_RowBank):
     fits; see the post-hoc guide's "Large data")."""
 
     name = "knn"
+    _memory_formula = staticmethod(_memory.knn)  # the fit's peak
     description = "minus the distance to the k-th nearest normalised training feature (fit; k=50, max_fit=)"
     paper = "Sun et al. 2022, Out-of-Distribution Detection with Deep Nearest Neighbors (ICML)"
 

@@ -12,6 +12,7 @@ from ..._checks import unwrap_model
 from ..._outputs import Outputs
 from ...errors import InvalidInputError
 from ...model import as_jem
+from . import _memory
 from ._base import _FittedDetector, describe
 
 
@@ -100,6 +101,7 @@ class KLMatching(_FittedDetector):
     """
 
     name = "kl_matching"
+    _memory_formula = staticmethod(_memory.logit_sums)  # the fit's peak
     description = "minus the KL divergence of the posterior to the mean posterior of its predicted class (fit)"
     paper = "Hendrycks et al. 2022, Scaling Out-of-Distribution Detection for Real-World Settings (ICML)"
     reads = frozenset({"logits"})  # the logits alone: any classifier, whatever its head

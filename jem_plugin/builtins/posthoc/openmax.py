@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from ...errors import InvalidInputError
+from . import _memory
 from ._base import (
     _ClassConditional,
 )
@@ -88,6 +89,7 @@ class OpenMax(_ClassConditional):
     """
 
     name = "openmax"
+    _memory_formula = staticmethod(_memory.logit_sums)  # the fit's peak
     description = "OpenMax: minus the unknown class's probability from Weibull fits of logit distances (fit; tailsize=25, alpha=10)"
     paper = "Bendale & Boult 2016, Towards Open Set Deep Networks (CVPR)"
     reads = frozenset({"logits"})  # the logits alone: any classifier, whatever its head

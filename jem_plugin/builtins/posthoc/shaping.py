@@ -14,6 +14,7 @@ from torch import Tensor
 from ..._outputs import Outputs, forward_outputs
 from ...errors import NotFittedError
 from ...model import as_jem
+from . import _memory
 from ._base import (
     _energy,
     _FittedDetector,
@@ -127,6 +128,7 @@ class ReAct(_FittedDetector):
     """
 
     name = "react"
+    _memory_formula = staticmethod(_memory.react)  # the fit's peak
     description = "ReAct: energy of features clipped at a training percentile (fit; percentile=90)"
     paper = "Sun et al. 2021, ReAct: Out-of-distribution Detection With Rectified Activations (NeurIPS)"
     _rank_stats = (("_sample", "sample"),)

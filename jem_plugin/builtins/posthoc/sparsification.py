@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import _memory
 from ._base import _FeatureMean
 from .feature_space import _linear_head
 from .shaping import _check_percentile
@@ -37,6 +38,7 @@ class DICE(_FeatureMean):
     """
 
     name = "dice"
+    _memory_formula = staticmethod(_memory.head_sized)  # the fit's peak
     description = "DICE: energy of the logits from the head with its p% least contributing weights masked (fit; p=90)"
     paper = "Sun & Li 2022, DICE: Leveraging Sparsification for Out-of-Distribution Detection (ECCV)"
 

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..._checks import user_stacklevel
 from ...errors import NoFeaturesError
+from . import _memory
 from ._base import (
     _FittedDetector,
     _head,
@@ -35,6 +36,7 @@ class ViM(_FittedDetector):
     """
 
     name = "vim"
+    _memory_formula = staticmethod(_memory.vim)  # the fit's peak
     description = "ViM: energy minus the scaled residual norm (fit; dim=, max_alpha=)"
     paper = "Wang et al. 2022, ViM: Out-Of-Distribution with Virtual-logit Matching (CVPR)"
     _rank_stats = (("_moment", "sum"), ("_n", "sum"), ("_max_logit_sum", "sum"), ("_sample", "sample"))

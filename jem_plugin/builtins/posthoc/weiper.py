@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _memory
 from ._base import _FittedDetector, _Sample
 from .feature_space import _linear_head
 
@@ -65,6 +66,7 @@ class WeiPer(_FittedDetector):
     """
 
     name = "weiper"
+    _memory_formula = staticmethod(_memory.weiper)  # the fit's peak
     description = "WeiPer+KLD: histograms of the features and of randomly perturbed logits against the training ones, plus their MSP (fit)"
     paper = "Granz et al. 2024, WeiPer: OOD Detection using Weight Perturbations of Class Projections (NeurIPS)"
     _rank_stats = (("_low", "min"), ("_high", "max"), ("_sample", "sample"))

@@ -3,15 +3,16 @@ own shard of the fit data, and at the end of each pass the fitted detectors comb
 accumulated before they finish, so that every rank ends with the state of one fit on the union
 of the shards (in rank order).
 
-A detector says what it accumulates and how it combines (:attr:`._base._FittedDetector._rank_stats`,
-or :meth:`~._base._FittedDetector._rank_statistics` where it depends on the pass): pairs
+A detector says what it accumulates and how it combines, on its class
+(:attr:`jem_plugin.ood.Detector._rank_stats`, or :meth:`~jem_plugin.ood.Detector._rank_statistics`
+where it depends on the pass): pairs
 ``(path, how)``, ``path`` a dotted attribute path (``"_running._sum"``, ``"_per_layer.0._moments"``)
 or, for the paired kinds, two of them. ``how``:
 
 - ``"sum"``, ``"min"``, ``"max"``: all-reduced (a tensor or a number);
-- ``"moments"``: running class moments (:class:`._moments._ClassMoments`), moved to rank 0's
+- ``"moments"``: running class moments (the post-hoc package's ``_ClassMoments``), moved to rank 0's
   shift, then all-reduced (float64 sums, counts and sums of outer products);
-- ``"sample"``: a bounded uniform sample (:class:`._base._Sample`): every rank's rows (and keys)
+- ``"sample"``: a bounded uniform sample (the post-hoc package's ``_Sample``): every rank's rows (and keys)
   gathered in rank order, then cut to the capacity by the keys;
 - ``"gather"``: rows gathered in rank order (a tensor, or a list of tensors: one tensor after);
 - ``"top"``: the largest values along the last dimension (OpenMax's tails): gathered, the
@@ -33,10 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ...errors import InvalidInputError
-
-#: One statistic of a detector: its attribute path (two for the paired kinds) and how it combines.
-RankStat = tuple[str | tuple[str, str], str]
+from ..errors import InvalidInputError
 
 KINDS = frozenset({"sum", "min", "max", "moments", "sample", "gather", "top", "low2", "high2"})
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
@@ -134,7 +132,7 @@ def _two_smallest(first: Tensor, second: Tensor, sign: float) -> tuple[Tensor, T
 
 
 def _merge_sample(sample: Any) -> None:
-    """A :class:`._base._Sample` of every rank's rows: gathered in rank order, then the
+    """A bounded uniform sample (``_Sample``) of every rank's rows: gathered in rank order, then the
     ``capacity`` smallest keys kept (each rank draws its keys from its own seed,
     :func:`jem_plugin.distributed.rank_seed`, so they are independent across ranks)."""
     # cut to this rank's capacity first: the union's smallest keys are among each rank's smallest
@@ -149,7 +147,7 @@ def _merge_sample(sample: Any) -> None:
 
 
 def _merge_moments(m: Any) -> None:
-    """:class:`._moments._ClassMoments` of every rank's data: each rank's sums moved to rank 0's
+    """Running class moments (``_ClassMoments``) of every rank's data: each rank's sums moved to rank 0's
     shift ``s`` (``delta = s_r - s``: ``sum (z - s) = S + n delta`` and ``sum (z - s)(z - s)^T =
     O + S delta^T + delta S^T + n delta delta^T``, per class where the outer sums are; their
     diagonal alone for gmm's ``covariance="diag"``), then summed."""
@@ -173,7 +171,7 @@ def _merge_moments(m: Any) -> None:
     m.eps = _reduce_value(float(m.eps), "max")
 
 
-def _describe(det: Any, stats: Sequence[RankStat]) -> list[Any]:
+def _describe(det: Any, stats: Sequence[tuple[str | tuple[str, str], str]]) -> list[Any]:
     """What this rank holds of each statistic, for the check that every rank can combine: its path
     and kind, and ``None`` where the rank has nothing (it saw no data)."""
     out = []
