@@ -91,15 +91,6 @@ def _tick() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def _call_callbacks(callbacks, hook: str, state: TrainState) -> None:
-    for cb in callbacks:
-        fn = getattr(cb, hook, None)
-        if fn is not None:
-            fn(state)
-        elif hook == "on_epoch_end" and callable(cb) and not hasattr(cb, "on_step_end"):
-            cb(state)
-
-
 # ---------------------------------------------------------------------------- multi-process agreement
 def _multi_process() -> bool:
     """True under an initialised process group of more than one rank (DDP under torchrun)."""

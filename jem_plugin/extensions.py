@@ -1,10 +1,19 @@
-"""What a recipe adds to training beyond the loss, as explicit objects :func:`~jem_plugin.training.fit` runs.
+"""What a run does beyond the loss, as explicit objects :func:`~jem_plugin.training.fit` runs.
 
 An :class:`Extension` is called at named points of a run: once before the first step
 (:meth:`~Extension.on_fit_start`), before every step with the batch (:meth:`~Extension.on_batch`),
-around the optimiser step (:meth:`~Extension.run_step`, at most one extension per run takes it) and
-once after the last step (:meth:`~Extension.on_fit_end`). Nothing here happens behind the loss's
-back: a loop of your own calls the same methods, or leaves out what it does not want.
+around the optimiser step (:meth:`~Extension.run_step`, at most one extension per run takes it),
+after every step (:meth:`~Extension.on_step_end`), after every epoch
+(:meth:`~Extension.on_epoch_end`) and once after the last step (:meth:`~Extension.on_fit_end`).
+Nothing here happens behind the loss's back: a loop of your own calls the same methods, or leaves
+out what it does not want.
+
+Extensions are training's one extension mechanism: a recipe's (SAM, the BatchNorm statistics
+recomputed from the data) and yours (``fit(..., callbacks=[...])``, turned into extensions by
+:func:`as_extension`) are called alike. Not pluggy hooks: what a run does belongs to that run (an
+extension keeps state, like SAM's optimiser or the init fitted from the first batches), while a
+pluggy hook is process-global and answers every run at once; pluggy stays what registers names
+(adapters, scores, inits, loss terms).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from .sam import SAM
 if TYPE_CHECKING:  # only for annotations: training imports this module
     from ._train_state import TrainState
 
-__all__ = ["Extension", "SharpnessAware", "RecomputeBatchNorm", "Decision", "FitInitFromBatches"]
+__all__ = ["Extension", "as_extension", "SharpnessAware", "RecomputeBatchNorm", "Decision", "FitInitFromBatches"]
 
 
 class Extension:
@@ -48,11 +57,50 @@ class Extension:
         the loss and its gradients and returns the loss output; return that output."""
         raise NotImplementedError(f"{type(self).__name__} does not take the optimiser step")
 
+    def on_step_end(self, state: TrainState) -> None:
+        """After every step (``state.metrics`` holds its metrics; ``state.stop = True`` stops the run)."""
+
+    def on_epoch_end(self, state: TrainState) -> None:
+        """After every epoch (``state.history`` holds its record; ``state.stop = True`` stops the run)."""
+
     def on_fit_end(self, state: TrainState, loader: Iterable) -> None:
         """After the last step of a complete run."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+#: The points of a run an :class:`Extension` is called at (``run_step`` aside: it replaces the step).
+HOOKS = ("on_fit_start", "on_batch", "on_step_end", "on_epoch_end", "on_fit_end")
+
+
+class _Methods(Extension):
+    """An object that is not an :class:`Extension` but has some of its methods: those are called."""
+
+    def __init__(self, obj: Any, methods: dict[str, Callable[..., Any]]) -> None:
+        self.obj = obj
+        for name, method in methods.items():
+            setattr(self, name, method)  # shadows the no-op of the base class
+
+    def __repr__(self) -> str:
+        return repr(self.obj)
+
+
+def as_extension(obj: Any) -> Extension:
+    """``obj`` as an :class:`Extension`: itself if it is one; an object with some of the hook
+    methods (``on_step_end(state)``, ``on_epoch_end(state)``, ... :data:`HOOKS`), called at those
+    points; a plain callable ``fn(state)``, called at every epoch end. Anything else: ``TypeError``."""
+    if isinstance(obj, Extension):
+        return obj
+    methods = {name: getattr(obj, name) for name in HOOKS if callable(getattr(obj, name, None))}
+    if methods:
+        return _Methods(obj, methods)
+    if callable(obj):
+        return _Methods(obj, {"on_epoch_end": obj})
+    raise TypeError(
+        f"a training callback is an Extension, an object with on_step_end(state) or on_epoch_end(state), "
+        f"or a callable fn(state) run at each epoch end; got {type(obj).__name__}"
+    )
 
 
 class SharpnessAware(Extension):

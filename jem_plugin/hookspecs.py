@@ -80,5 +80,7 @@ def jem_sgld_step(state: Any) -> None:
     The hook is process-global, like every pluggy hook: an implementation sees the steps of
     every sampler in the process (every model, every ``SGLD`` instance, OOD scores that refine
     inputs with SGLD too). To act on one sampler only, compare ``state.sampler`` with it, and
-    unregister the plugin when done (:func:`jem_plugin.unregister`).
+    unregister the plugin when done (:func:`jem_plugin.unregister`), or subclass the sampler and
+    override :meth:`~jem_plugin.chains.ChainSampler.after_step`. Not a training hook: training is
+    extended with :class:`~jem_plugin.extensions.Extension` objects.
     """

@@ -37,7 +37,6 @@ from ._checks import model_device, unpack_batch, unwrap_parallel
 from ._train_state import History, TrainState
 from ._training_run import (
     _agree_on_divergence,
-    _call_callbacks,
     _Checkpoints,
     _epoch_batches,
     _epoch_record,
@@ -51,7 +50,7 @@ from ._training_run import (
     _tick,
 )
 from .errors import DivergenceError, InvalidInputError
-from .extensions import Extension
+from .extensions import Extension, as_extension
 from .recipes import JEMSetup, OptimConfig, Recipe
 from .stability import DivergenceGuard
 
@@ -356,8 +355,10 @@ def fit(
     cross-entropy baseline). ``optimizer``: without a recipe, a ``torch.optim`` optimiser or an
     :class:`~jem_plugin.recipes.OptimConfig` (default: Adam 1e-4, a warm-up of 1000 iterations
     capped to a tenth of the run). ``val_data`` (``(x, y)`` tensors or a loader) gives
-    ``val_acc``/``val_nll``. ``callbacks``: objects with ``on_step_end(state)``/``on_epoch_end(state)``,
-    or callables run at epoch ends (:class:`TrainState`; ``state.stop = True`` stops).
+    ``val_acc``/``val_nll``. ``callbacks``: :class:`~jem_plugin.extensions.Extension` objects, run after
+    the recipe's at the same named points; an object with some of their methods
+    (``on_step_end(state)``, ``on_epoch_end(state)``, ...) or a callable ``fn(state)`` (at each epoch
+    end) is one too (:func:`~jem_plugin.extensions.as_extension`; ``state.stop = True`` stops).
     ``options``: :class:`FitOptions` (checkpoints and exact resume, the divergence guard, precision,
     progress, a time limit).
     """
@@ -372,10 +373,8 @@ def fit(
     device, multi = (model_device(jm) or torch.device("cpu")), _multi_process()
     _check_args(epochs, options.guard_policy, options.amp, device, multi)
     iters, start = _iters_per_epoch(train_loader), time.perf_counter()
-    # Extensions given as callbacks (FitInitFromBatches for your own loss) run at their named points.
-    given = list(callbacks or [])
-    callbacks = [c for c in given if not isinstance(c, Extension)]
-    extras = [c for c in given if isinstance(c, Extension)]
+    # Training's one extension mechanism: the callbacks are extensions, after the recipe's.
+    extras = [as_extension(c) for c in callbacks or ()]
     if isinstance(recipe, Recipe):
         recipe = recipe.build(
             jm, train_loader, total_iters=epochs * iters, batch_size=getattr(train_loader, "batch_size", None)
@@ -427,7 +426,8 @@ def fit(
                     continue
                 state.iteration, state.metrics = state.iteration + 1, metrics
                 pos.running.add(metrics, step.batch_size)
-                _call_callbacks(callbacks, "on_step_end", state)
+                for ext in extensions:
+                    ext.on_step_end(state)
                 pos.running.tock(tick)
                 log.step(state, pos.running, last_in_epoch=b == iters - 1)
                 reason = _stop_reason(state, start, options.max_seconds, device) if b + 1 < iters else None
@@ -444,7 +444,8 @@ def fit(
             state.history.epochs.append(record)
             state.epoch, pos.skip, pos.running = state.epoch + 1, 0, _Running()
             log.epoch_end(record, state.epoch)
-            _call_callbacks(callbacks, "on_epoch_end", state)
+            for ext in extensions:
+                ext.on_epoch_end(state)
             reason = _stop_reason(state, start, options.max_seconds, device)
             ckpts.save(state, pos, 0, guard, start)  # every epoch end (a no-op without checkpoint_dir)
             reason = reason if state.epoch < epochs else None
