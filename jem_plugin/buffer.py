@@ -133,6 +133,11 @@ class ReadOnlyBuffer:
         """The buffer's :attr:`ReplayBuffer.colour_projection`."""
         return self.buffer.colour_projection
 
+    @property
+    def num_classes(self) -> int | None:
+        """The buffer's ``num_classes`` (a sampler bounds the labels it draws for by it)."""
+        return self.buffer.num_classes
+
     def sample(
         self,
         n: int | None = None,

@@ -241,3 +241,11 @@ def test_sampling_mode_takes_the_samplers_batchnorm_names_only(old):
             pass
     with pytest.raises(ValueError, match="batchnorm must be one of"):
         PGDNegatives(batchnorm=old)
+
+
+def test_a_read_only_view_bounds_labels_as_its_buffer_does():
+    jm = jem.wrap(_net(), data_range=(-1.0, 1.0))  # the model's classes unknown: the buffer's bound the labels
+    view = jem.ReplayBuffer(16, SHAPE, num_classes=K).read_only()
+    assert view.num_classes == K
+    with pytest.raises(jem.errors.InvalidLabelError, match=r"\[0, 4\)"):
+        jem.SGLD(steps=1).sample(jm, buffer=view, y=torch.tensor([0, 9]))
