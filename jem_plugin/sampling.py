@@ -10,10 +10,11 @@ with the step size ``a_t`` and the noise ``s`` decoupled, as in JEM. Options: a 
 model's input domain, a plugin hook after each step, and per call, trajectories and energies for
 inspection.
 
-The hot loop is written to cost no more than a hand-written loop (one forward, one input-gradient
-backward, one in-place update per step): parameters are frozen for the chain (no parameter graph),
-the chain is updated in place, the noise buffer is reused, and nothing syncs with the device per
-step unless something is recorded.
+SGLD writes only the step; the chain loop is :class:`~jem_plugin.chains.ChainSampler`'s, shared
+with every sampler, and written to cost no more than a hand-written loop (one forward, one
+input-gradient backward, one in-place update per step): parameters are frozen for the chain (no
+parameter graph), the chain is updated in place, the noise buffer is reused, and nothing syncs with
+the device per step unless something is recorded.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ SGLD_REMEDIES: tuple[str, ...] = (
 class SGLDStepState:
     """What the ``jem_sgld_step`` hook sees after each update.
 
-    ``x`` is the chain (fp32, after the update, noise and clamp). Modify it in place, or assign a
+    ``x`` is the chain (in the model's dtype: fp32, or float64 for a float64 model; after the
+    update, noise and clamp). Modify it in place, or assign a
     new tensor of the same shape to ``state.x``: the sampler continues from it.
     """
 
