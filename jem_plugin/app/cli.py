@@ -10,13 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
 from .. import __version__
-from ..errors import JEMError, UnknownNameError
+from ..errors import JEMError, UnknownNameError, UntrainedDensityWarning
 from . import CLIError
 from .commands import demo, doctor, evaluate, ood, plugins, sample, train
 from .commands._common import DEFAULT_DEVICE, _positive
@@ -121,6 +124,38 @@ class _Parser(argparse.ArgumentParser):
             )
 
 
+def warning_line(message: Warning | str, category: type[Warning]) -> str:
+    """A warning as the one ``jem: warning:`` line a command prints: its text on one line, without
+    Python's file, line and source (``bin/jem:8``, ``sys.exit(main())``); the library's warning
+    for a JEM score on an untrained model in the CLI's own words, without its list of every other
+    score."""
+    text = " ".join(str(message).split())
+    if issubclass(category, UntrainedDensityWarning):
+        found = re.search(r"OOD score '([^']+)'", text)
+        name = found.group(1) if found else "this"
+        return (
+            f"jem: warning: the OOD score {name} assumes a JEM-trained model, and this model's log p(x) was not "
+            "trained (a cross-entropy classifier): it can rank OOD inputs above in-distribution ones; leave it "
+            "out of --scores (e.g. --scores logpx,msp), or score a model from jem train"
+        )
+    return f"jem: warning: {text}"
+
+
+@contextmanager
+def warnings_as_lines() -> Iterator[None]:
+    """Within it (one ``jem`` command), every warning shown is one :func:`warning_line` on stderr."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(warning_line(message, category), file=sys.stderr, flush=True)
+
+    before = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = before
+
+
 # ----------------------------------------------------------------------------- parser
 OUT_HELP = (
     "output path (default: train runs/jem, demo jem-report, eval stdout only, ood and sample next to the checkpoint)"
@@ -170,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args: argparse.Namespace | None = None
     try:
         args = parse_args(argv)
-        with notes_once():
+        with notes_once(), warnings_as_lines():
             return args.func(args)
     except (JEMError, FileNotFoundError, ValueError) as exc:
         print(f"jem: error: {exc}", file=sys.stderr)

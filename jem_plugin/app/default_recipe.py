@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from ..recipes import RECIPES, get_recipe
+from ..recipes import RECIPES, Recipe, get_recipe
 
 #: Where the command's lines send a user for the measurements behind its choices: the docs'
 #: Benchmarks page, which includes the benchmarks' full report (the wheel ships no benchmarks/).
@@ -33,6 +33,7 @@ __all__ = [
     "default_settings_for",
     "generative_half",
     "lr_raised",
+    "recipe_record",
     "network_kind",
     "LONG_ROW_TARGETS",
 ]
@@ -164,6 +165,26 @@ def default_settings_for(
 ) -> dict[str, float]:
     """:func:`default_choice`'s changed settings (empty where the recipe runs as registered)."""
     return default_choice(per_class, batchnorm, lr, normalised).settings
+
+
+def recipe_record(recipe: Recipe) -> dict[str, Any]:
+    """``recipe.to_dict()`` labelled as it ran: a recipe changed from its registered one keeps its
+    settings, but its ``name`` says "paper, changed" and its ``summary`` lists each changed setting
+    (registered value -> this one) after the registered summary, so that a report's settings block
+    does not show the paper's summary above other values.
+
+    >>> recipe_record(get_recipe("paper").replace(sgld_steps=5))["summary"].endswith("changed here: sgld_steps 20 -> 5")
+    True
+    """
+    record = recipe.to_dict()
+    if recipe.name not in RECIPES:
+        return record
+    registered = get_recipe(recipe.name).flat()
+    changed = [f"{k} {registered[k]!r} -> {v!r}" for k, v in recipe.flat().items() if registered.get(k) != v]
+    if changed:
+        record["name"] = f"{recipe.name}, changed"
+        record["summary"] = f"{recipe.name}'s recipe ({recipe.summary}), changed here: " + ", ".join(changed)
+    return record
 
 
 def lr_raised(lr: float, recipe: str) -> bool:

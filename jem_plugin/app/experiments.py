@@ -42,6 +42,7 @@ from ..sample_quality import train_judge
 from ..sampling import SGLD
 from ..training import FitOptions, History, fit
 from . import data as D
+from .default_recipe import recipe_record
 from .model_files import model_spec, save_model_checkpoint
 from .nets import DigitsCNN
 from .sample_checks import sample_quality_figures
@@ -94,7 +95,7 @@ class DigitsConfig:
 
     def as_dict(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "recipe"}
-        return {**fields, "recipe": self.recipe.to_dict()}
+        return {**fields, "recipe": recipe_record(self.recipe)}  # labelled as it ran, not as registered
 
 
 #: The reference measurement's setup: :data:`DIGITS_RECIPE` as it is.

@@ -40,11 +40,13 @@ def load_data(
     skip_bad: bool = False,
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
+    channels: int = 3,
 ):
     """``(dataset, domain, num_classes, sample_shape)`` for a ``--data`` spec.
 
     Images (folders, CIFAR-10) are normalised by ``mean``/``std`` where given (a user's own
-    classifier, ``jem ood --weights``), else into ``[-1, 1]`` as ``jem train`` reads them.
+    classifier, ``jem ood --weights``), else into ``[-1, 1]`` as ``jem train`` reads them. A
+    folder's images are read in ``channels`` (a model's: 1 grey, 3 RGB; jem train builds RGB models).
 
     Specs: ``digits``, ``toy2d`` (or ``toy2d:NAME``), ``textures`` (or ``textures:N``, N generated
     images per class, default 500; 100 per class for testing), ``folder:PATH``, ``cifar10:PATH``.
@@ -64,10 +66,10 @@ def load_data(
     if kind == "folder":
         if not arg:
             raise CLIError("--data folder:PATH needs a path, e.g. folder:data/train")
-        # channels=3: the models jem builds and scores read RGB; a grey or RGBA image is converted
-        ds = D.image_folder(arg, image_size=image_size, mean=mean, std=std, skip_bad=skip_bad, channels=3)
+        # the model's channels (jem train's: 3); an image in another mode is converted, and said
+        ds = D.image_folder(arg, image_size=image_size, mean=mean, std=std, skip_bad=skip_bad, channels=channels)
         _say_skipped(ds, spec)
-        return ds, ds.domain, len(ds.classes), (3, image_size, image_size)
+        return ds, ds.domain, len(ds.classes), (channels, image_size, image_size)
     if kind == "textures":  # generated colour shapes on textures (data.textures): train 0.., test 1000000..
         try:
             n = int(arg or 500) if train else 100
@@ -297,8 +299,17 @@ def held_out_data(
     size = image_size or int(spec["sample_shape"][-1])
     own = skip_bad or bool(spec.get("skip_bad_images"))
     if data:
+        # a folder read in the model's channels, as jem ood reads an --ood folder (a grey model, RGB images)
+        channels = int(spec["sample_shape"][0]) if len(spec["sample_shape"]) == 3 else 3
         ds, *_ = load_data(
-            data, train=False, image_size=size, seed=seed, skip_bad=skip_bad, mean=spec.get("mean"), std=spec.get("std")
+            data,
+            train=False,
+            image_size=size,
+            seed=seed,
+            skip_bad=skip_bad,
+            mean=spec.get("mean"),
+            std=spec.get("std"),
+            channels=channels,
         )
         where = data
     else:
