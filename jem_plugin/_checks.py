@@ -7,6 +7,7 @@ same way.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import sys
 import warnings
@@ -25,6 +26,8 @@ __all__ = [
     "draw",
     "check_labels",
     "check_label_range",
+    "check_count",
+    "check_positive",
     "require_num_classes",
     "free_energy",
     "unpack_batch",
@@ -164,6 +167,27 @@ def check_label_range(y: Tensor, num_classes: int, *, what: str = "labels") -> N
         raise InvalidLabelError(
             f"{what} must lie in [0, {num_classes}) for {num_classes} classes; got values from {lo} to {hi}"
         )
+
+
+def check_count(name: str, v: Any, low: int) -> int:
+    """``v`` if it is an int (not a bool) ``>= low``, else a one-line ``ValueError``."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+    return v
+
+
+def check_positive(name: str, v: Any, *, allow_zero: bool = False, allow_inf: bool = False) -> float:
+    """``v`` as a float ``> 0`` (``>= 0`` with ``allow_zero``) and finite (unless ``allow_inf``),
+    else a one-line ``TypeError`` (not a number) or ``ValueError``."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {type(v).__name__}") from None
+    if math.isnan(f) or f < 0 or (f == 0 and not allow_zero) or (math.isinf(f) and not allow_inf):
+        raise ValueError(
+            f"{name} must be {'>= 0' if allow_zero else '> 0'}{'' if allow_inf else ' and finite'}, got {v!r}"
+        )
+    return f
 
 
 @runtime_checkable

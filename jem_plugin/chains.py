@@ -35,11 +35,13 @@ from . import _cuda_graph
 from ._checks import (
     DomainCheck,
     autocast_cache_off,
+    check_count,
     check_input,
     check_label_range,
     check_labels,
     follow,
     model_device,
+    restore_generator,
     same_device,
 )
 from .buffer import ReadOnlyBuffer, ReplayBuffer
@@ -124,10 +126,6 @@ def check_recording(return_diagnostics: bool, record_trajectory: bool, record_en
             raise ValueError(f"{name}=True records into the diagnostics: pass return_diagnostics=True too")
 
 
-def _is_count(v: Any, low: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-
 class ChainSampler:
     """Base class of samplers that move chains along the input gradient of the model's log density.
 
@@ -169,8 +167,7 @@ class ChainSampler:
         batchnorm: BatchNormMode = "joint",
         generator: torch.Generator | None = None,
     ) -> None:
-        if not _is_count(steps, 0):
-            raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+        check_count("steps", steps, 0)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         self.steps = steps
@@ -223,6 +220,23 @@ class ChainSampler:
     def use_buffer(self, buffer: Any) -> None:
         """Called before each draw of starts from ``buffer``; nothing here (SGLD reads the colour
         axes of the buffer's data)."""
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The generator's state (plain tensors: ``weights_only``-loadable), which
+        :class:`~jem_plugin.losses.JEMLoss` saves with its own; a subclass adds its settings."""
+        gen = self.generator
+        return {
+            "generator_state": gen.get_state() if gen is not None else None,
+            "generator_device": str(gen.device) if gen is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the generator :meth:`state_dict` saved (into the current one where there is one)."""
+        if state.get("generator_state") is not None:
+            self.generator = restore_generator(
+                self.generator, state["generator_state"], state.get("generator_device"), type(self).__name__
+            )
 
     # ------------------------------------------------------------------ the public edge
     @overload
@@ -428,8 +442,8 @@ class ChainSampler:
         """``sample``'s arguments checked together, each once: ``(n, y, x_init)``."""
         if buffer is not None and x_init is not None:
             raise ValueError("pass either buffer= (persistent chains) or x_init= (chain starts), not both")
-        if n is not None and not _is_count(n, 1):
-            raise ValueError(f"n must be a positive int, got {n!r}")
+        if n is not None:
+            check_count("n", n, 1)
         if y is not None:
             device = x_init.device if isinstance(x_init, Tensor) else model_device(jm, "cpu")
             y = self._check_y(y, None, label_bound(jm, buffer), device)

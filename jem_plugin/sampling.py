@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from . import _cuda_graph, hookspecs, plugins
-from ._checks import restore_generator
+from ._checks import check_positive
 from ._colours import project_colours
 from .chains import ChainSampler, SGLDDiagnostics
 from .errors import InvalidInputError, JEMError
@@ -82,16 +82,6 @@ class _SGLDRun:
     grad: Tensor | None = None
 
 
-def _positive_float(name: str, v: Any, allow_zero: bool = False) -> float:
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number, got {type(v).__name__}") from None
-    if not math.isfinite(f) or f < 0 or (f == 0 and not allow_zero):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} and finite, got {v!r}")
-    return f
-
-
 def _step_size(step_size: Any) -> Any:
     """``step_size`` checked: a number becomes a float; a schedule or callable is kept; plain data
     as :meth:`SGLD.state_dict` stores a schedule becomes that schedule."""
@@ -99,7 +89,7 @@ def _step_size(step_size: Any) -> Any:
         return schedule_from_dict(step_size)
     if callable(step_size):
         return step_size
-    return _positive_float("step_size", step_size)
+    return check_positive("step_size", step_size)
 
 
 def _spelled(step_size: Any) -> str:
@@ -188,9 +178,9 @@ class SGLD(ChainSampler):
         self.colour_projection: Tensor | None = None
         self._colours_of: Tensor | None = None  # the buffer projection colour_projection was read from
         self.step_size: float | Schedule | Callable[[int], float] = _step_size(step_size)
-        self.noise = _positive_float("noise", noise, allow_zero=True)
-        self.grad_clamp = None if grad_clamp is None else _positive_float("grad_clamp", grad_clamp)
-        self.max_energy = None if max_energy is None else _positive_float("max_energy", max_energy)
+        self.noise = check_positive("noise", noise, allow_zero=True)
+        self.grad_clamp = None if grad_clamp is None else check_positive("grad_clamp", grad_clamp)
+        self.max_energy = None if max_energy is None else check_positive("max_energy", max_energy)
 
     def __repr__(self) -> str:
         extra = f", grad_clamp={self.grad_clamp}" if self.grad_clamp is not None else ""
@@ -300,7 +290,7 @@ class SGLD(ChainSampler):
         return p.to(device=x.device, dtype=dtype)
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Every constructor setting and the generator's state (plain tensors and Python values:
         ``weights_only``-loadable). A :class:`~jem_plugin.schedules.Poly` or ``Constant`` step
         size is saved as plain data (``{"kind": "poly", "start": ..., ...}``); any other callable
@@ -311,12 +301,10 @@ class SGLD(ChainSampler):
             state["step_size"] = schedule_to_dict(step_size)
         elif callable(step_size):
             state["step_size"] = None
-        gen = self.generator
-        state["generator_state"] = gen.get_state() if gen is not None else None
-        state["generator_device"] = str(gen.device) if gen is not None else None
+        state.update(super().state_dict())  # the generator's state
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; settings it lacks (older checkpoints) keep their
         current values, and a callable step size is kept. The settings are validated together,
         as the constructor does."""
@@ -328,10 +316,7 @@ class SGLD(ChainSampler):
         checked = SGLD(**settings)
         for name in _SETTINGS:
             setattr(self, name, getattr(checked, name))
-        if state.get("generator_state") is not None:
-            self.generator = restore_generator(
-                self.generator, state["generator_state"], state.get("generator_device"), "SGLD"
-            )
+        super().load_state_dict(state)  # the generator
 
 
 # The settings a checkpoint carries: every constructor argument but the generator (whose state is

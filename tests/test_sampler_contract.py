@@ -249,3 +249,13 @@ def test_a_read_only_view_bounds_labels_as_its_buffer_does():
     assert view.num_classes == K
     with pytest.raises(jem.errors.InvalidLabelError, match=r"\[0, 4\)"):
         jem.SGLD(steps=1).sample(jm, buffer=view, y=torch.tensor([0, 9]))
+
+
+def test_a_samplers_generator_travels_with_the_loss():
+    src = RandomWalk(steps=2, generator=torch.Generator().manual_seed(5))
+    loss_fn = jem.JEMLoss(src, jem.ReplayBuffer(8, SHAPE))
+    src.sample(_jm(), 3, shape=SHAPE)  # the generator moves on
+    dst = RandomWalk(steps=2, generator=torch.Generator().manual_seed(0))
+    jem.JEMLoss(dst, jem.ReplayBuffer(8, SHAPE)).load_state_dict(loss_fn.state_dict())
+    assert torch.equal(dst.generator.get_state(), src.generator.get_state())
+    assert torch.equal(dst.sample(_jm(), 3, shape=SHAPE), src.sample(_jm(), 3, shape=SHAPE))

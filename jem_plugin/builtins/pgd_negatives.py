@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._checks import restore_generator
+from .._checks import check_count, check_positive
 from ..chains import ChainSampler
 from ..errors import InvalidInputError
 from ..model import BatchNormMode, as_jem
@@ -94,22 +94,6 @@ _SETTINGS = (
     "auc_threshold",
     "auc_window",
 )
-
-
-def _count(name: str, v: Any, low: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
-    return v
-
-
-def _positive(name: str, v: Any, allow_inf: bool = False) -> float:
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number, got {type(v).__name__}") from None
-    if math.isnan(f) or f <= 0 or (math.isinf(f) and not allow_inf):
-        raise ValueError(f"{name} must be > 0{'' if allow_inf else ' and finite'}, got {v!r}")
-    return f
 
 
 class PGDNegatives(ChainSampler):
@@ -169,18 +153,18 @@ class PGDNegatives(ChainSampler):
         generator: torch.Generator | None = None,
     ) -> None:
         super().__init__(steps, clamp=clamp, batchnorm=batchnorm, generator=generator)
-        self.step_size = None if step_size is None else _positive("step_size", step_size)
-        self.eps = _positive("eps", eps, allow_inf=True)
+        self.step_size = None if step_size is None else check_positive("step_size", step_size)
+        self.eps = check_positive("eps", eps, allow_inf=True)
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
         self.norm: str = norm
-        if start_steps is not None and _count("start_steps", start_steps, 0) > steps:
+        if start_steps is not None and check_count("start_steps", start_steps, 0) > steps:
             raise ValueError(f"start_steps ({start_steps}) must be at most steps ({steps})")
         self.start_steps = start_steps
         if not 0.5 <= float(auc_threshold) <= 1.0:
             raise ValueError(f"auc_threshold must be in [0.5, 1], got {auc_threshold!r}")
         self.auc_threshold = float(auc_threshold)
-        self.auc_window = _count("auc_window", auc_window, 1)
+        self.auc_window = check_count("auc_window", auc_window, 1)
         #: The steps the next chains take (``steps`` without a curriculum).
         self.current_steps: int = steps if start_steps is None else start_steps
         self._aucs: list[float] = []
@@ -256,9 +240,7 @@ class PGDNegatives(ChainSampler):
         state: dict[str, Any] = {name: getattr(self, name) for name in _SETTINGS}
         state["current_steps"] = self.current_steps
         state["aucs"] = list(self._aucs)
-        gen = self.generator
-        state["generator_state"] = gen.get_state() if gen is not None else None
-        state["generator_device"] = str(gen.device) if gen is not None else None
+        state.update(super().state_dict())  # the generator's state
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -269,10 +251,7 @@ class PGDNegatives(ChainSampler):
             setattr(self, name, getattr(checked, name))
         self.current_steps = min(int(state.get("current_steps", checked.current_steps)), self.steps)
         self._aucs = [float(a) for a in state.get("aucs", [])]
-        if state.get("generator_state") is not None:
-            self.generator = restore_generator(
-                self.generator, state["generator_state"], state.get("generator_device"), "PGDNegatives"
-            )
+        super().load_state_dict(state)  # the generator
 
 
 # ---------------------------------------------------------------------------- the loss term
