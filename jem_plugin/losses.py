@@ -364,7 +364,7 @@ class JEMLoss(nn.Module):
                 f"ReplayBuffer(sample_shape={tuple(x.shape[1:])})"
             )
         k, kb = core.num_classes, getattr(buffer, "num_classes", None)
-        if self.class_conditional and k is not None and kb is not None and kb != k:
+        if self.class_conditional and k is not None and kb is not None and kb < k:
             raise InvalidInputError(
                 f"the replay buffer holds chains for {kb} classes and the model has {k}; create it with "
                 f"ReplayBuffer(..., num_classes={k})"
