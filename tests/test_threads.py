@@ -148,3 +148,20 @@ def test_the_cut_short_demo_names_the_cause_before_a_longer_budget():
     assert busy is not None and "other processes kept 1.0 of the 2 cores busy" in busy
     assert threads.slow_cause(2, 2, 0.1) is None
     assert "(or on a less busy machine)" in experiments.truncation_note({"JEM": (11, 40)}, 330.0)
+
+
+def test_the_cut_short_demo_never_suggests_the_budget_that_cut_it(monkeypatch, tmp_path):
+    """Beside a busy process the demo suggested `--budget-seconds 240`, its own default: the runs'
+    epochs at their measured speed fit in it, but not with the evaluation that the load slowed."""
+    from jem_plugin._train_state import History
+
+    def fake_fit(jm, loader, setup, epochs, **kw):  # one 10-second epoch of each run, then stopped
+        return History(epochs=[{"epoch": 0, "time": 10.0, "cpu_time": 10.0}], stopped="max_seconds")
+
+    monkeypatch.setattr(experiments, "fit", fake_fit)
+    monkeypatch.setattr(experiments, "others_load", lambda window=0.0: (1.0, "now"))
+    result = experiments.run_digits_demo(tmp_path, progress=False, plots=False, judge_epochs=0, epochs=4)
+    assert result["truncated"] == {"baseline": (1, 4), "JEM": (1, 4)}
+    suggested = int(result["warning"].rsplit("--budget-seconds ", 1)[1].split()[0])
+    assert suggested > 240  # the default budget that cut them, plus the 3 + 3 epochs left out
+    assert result["warning"].index("other processes kept 1.0 of the") < result["warning"].index("--budget-seconds")

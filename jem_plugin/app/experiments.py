@@ -455,18 +455,15 @@ def run_digits(
     if truncated:
         # What the whole training would have taken at the measured speed, plus evaluation time.
         # (a run stopped inside its first epoch: at least its whole wall time per epoch)
-        need = (
-            sum(
-                r["planned_epochs"]
-                * (
-                    r["summary"]["train_seconds"] / r["summary"]["epochs"]
-                    if r["summary"]["epochs"]
-                    else r["summary"]["wall_seconds"]
-                )
-                for r in runs.values()
-            )
-            + DEMO_EVAL_SECONDS
-        )
+        def per_epoch(r: dict[str, Any]) -> float:
+            s = r["summary"]
+            return s["train_seconds"] / s["epochs"] if s["epochs"] else s["wall_seconds"]
+
+        need = sum(r["planned_epochs"] * per_epoch(r) for r in runs.values()) + DEMO_EVAL_SECONDS
+        if budget_seconds is not None:
+            # never the budget that just cut the runs short: it, and the epochs it left out
+            missing = sum((r["planned_epochs"] - r["summary"]["epochs"]) * per_epoch(r) for r in runs.values())
+            need = max(need, float(budget_seconds) + DEMO_EVAL_SECONDS + missing)
         busy, _ = others_load()  # training has stopped: the load now is the other processes'
         cause = slow_cause(torch.get_num_threads(), usable_cpus(), busy)
         result["truncated"] = truncated
