@@ -391,6 +391,8 @@ class ChainSampler:
             raise ValueError("say how many samples: sample(jm, n=64, ...) (or pass y= or x_init=)")
         if buffer is not None:
             follow(buffer, model_device(jm))  # the buffer lives where the chains run: no copy per iteration
+        elif x_init is None and shape is None:
+            shape = jm.sample_shape()  # here: a size conflict is warned at the caller's line
         return self._draw(
             jm, n, buffer, y, x_init, shape, return_diagnostics, record_trajectory, record_energies, progress
         )

@@ -179,10 +179,10 @@ def _train_one_batch(jm: jem.JEM, shape) -> None:
 def test_samples_come_at_the_size_the_model_trained_on(sampler):
     jm = _jm(input_size=(1, 12, 12))  # the declared size, as a pretrained config declares one
     _train_one_batch(jm, SHAPE)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the size conflict is said once, elsewhere tested
+    with pytest.warns(UserWarning, match=r"sampling at \(1, 8, 8\)") as caught:
         x = sampler(steps=1).sample(jm, 3)
     assert x.shape == (3, *SHAPE)
+    assert caught[0].filename == __file__  # the conflict is said at the user's line
 
 
 def test_pgd_negatives_of_a_timm_network_trained_smaller_come_at_the_trained_size():
