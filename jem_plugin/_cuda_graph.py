@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from . import hookspecs, plugins
-from ._checks import autocast_cache_off, check_label_range, same_device
+from ._checks import autocast_cache_off, check_label_range, same_device, user_stacklevel
 from .errors import CUDAGraphError
 from .model import JEM, BatchNormMode, _CallableModule, sampling_mode
 
@@ -209,7 +209,9 @@ def run(
     if x.device.type == _DEVICE_TYPE and reason not in _warned:
         _warned.add(reason)
         warnings.warn(
-            f"{type(sampler).__name__} runs eagerly, not as a CUDA graph: {reason}", RuntimeWarning, stacklevel=3
+            f"{type(sampler).__name__} runs eagerly, not as a CUDA graph: {reason}",
+            RuntimeWarning,
+            stacklevel=user_stacklevel(),  # the user's line, however deep the driver called this
         )
     return None
 
