@@ -259,3 +259,31 @@ def test_a_samplers_generator_travels_with_the_loss():
     jem.JEMLoss(dst, jem.ReplayBuffer(8, SHAPE)).load_state_dict(loss_fn.state_dict())
     assert torch.equal(dst.generator.get_state(), src.generator.get_state())
     assert torch.equal(dst.sample(_jm(), 3, shape=SHAPE), src.sample(_jm(), 3, shape=SHAPE))
+
+
+class ListBuffer:
+    """A user's buffer, written against what a sampler asks of one: sample(n, domain=, y=,
+    generator=) -> (x, idx) and update(idx, x); its chains live on the CPU."""
+
+    def __init__(self, n: int) -> None:
+        self.data = torch.zeros(n, *SHAPE)
+        self.sample_shape = SHAPE
+
+    def sample(self, n, *, domain, y=None, generator=None):
+        idx = torch.randint(0, self.data.shape[0], (n,), generator=generator)
+        return self.data[idx].clone(), idx
+
+    def update(self, idx, x):
+        self.data[idx] = x.detach().cpu()
+
+
+def test_a_users_buffer_gives_starts_and_keeps_the_chains():
+    jm = _jm()
+    buffer = ListBuffer(6)
+    x, y = _data()
+    out = jem.JEMLoss(GradientWalk(steps=2), buffer, n_samples=6)(jm, x, y)
+    assert torch.isfinite(out.loss) and buffer.data.abs().sum() > 0  # the chains were written back
+    drawn = jem.SGLD(steps=1).sample(jm, 4, buffer=buffer)
+    assert drawn.shape == (4, *SHAPE)
+    with pytest.raises(ValueError, match="say how many samples"):
+        jem.SGLD(steps=1).sample(jm)
