@@ -68,6 +68,10 @@ def _energy(head: nn.Module, h: Tensor) -> Tensor:
     return torch.logsumexp(logits.float(), dim=1)
 
 
+#: The most values a bounded sample's compaction copies at a time (:meth:`_Sample._gather`).
+GATHER_VALUES = 1 << 20
+
+
 class _Sample:
     """A uniform sample without replacement of at most ``capacity`` rows of a stream (all rows
     when ``capacity`` is None): each row gets a random key, the ``capacity`` smallest keys are
@@ -106,15 +110,19 @@ class _Sample:
 
     def _gather(self, idx: Tensor) -> Tensor:
         """``torch.cat(self.rows)[idx]`` without concatenating the rows: the kept rows copied
-        chunk by chunk, so compacting holds the rows and the sample, not the rows twice."""
+        chunk by chunk, and at most :data:`GATHER_VALUES` values at a time (indexing a chunk
+        copies what it selects: of the last compaction's sample, up to the whole sample), so
+        compacting holds the rows and the sample, not the rows twice."""
         order = idx.argsort()
         ends = torch.tensor([r.shape[0] for r in self.rows], device=idx.device).cumsum(0)
         cuts = torch.searchsorted(idx[order], ends).tolist()  # the kept rows of each chunk, in order
         out = self.rows[0].new_empty((idx.shape[0], *self.rows[0].shape[1:]))
+        step = max(1, GATHER_VALUES // max(1, out[0].numel())) if out.shape[0] else 1
         lo, start = 0, 0
         for chunk, hi in zip(self.rows, cuts):
-            where = order[lo:hi]
-            out[where] = chunk[idx[where] - start]
+            for a in range(lo, hi, step):
+                where = order[a : min(a + step, hi)]
+                out[where] = chunk[idx[where] - start]
             lo, start = hi, start + chunk.shape[0]
         return out
 

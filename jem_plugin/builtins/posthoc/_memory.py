@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..._detector import DEFAULT_LIMIT, Estimate, FitShape
+from ._base import GATHER_VALUES
 
 _F4, _F8, _I8 = 4, 8, 8  # float32, float64, int64 bytes
 
@@ -128,7 +129,8 @@ def _bank(det: Any, s: FitShape, row_bytes: int, what: str) -> Estimate | None:
     # then copies the rows it keeps; all rows: the batches, then their concatenation
     sampled = cap is not None and s.rows is not None and s.rows > cap
     held = rows * 2 + b if sampled else rows
-    total = (held + rows) * s.dim * row_bytes + held * (_F4 + _I8) + b * s.dim * _F4 * 2
+    gather = _gather_bytes(rows, s.dim) if sampled else 0
+    total = (held + rows) * s.dim * row_bytes + held * (_F4 + _I8) + b * s.dim * _F4 * 2 + gather
     return Estimate(
         total,
         f"a bank of {rows} x {s.dim} {what} (float32)",
@@ -156,7 +158,13 @@ def _sample_bytes(cap: int | None, rows_values: int | None, width: int, added: i
         return (rows_values or 0) * width * _F4 * 2
     held = 2 * cap + added if rows_values is None else min(rows_values, 2 * cap + added)
     kept = min(cap, held)
-    return held * (width * _F4 + _F4 * 2) + kept * (width * _F4 + _F4 * 2 + _I8 * 3)
+    return held * (width * _F4 + _F4 * 2) + kept * (width * _F4 + _F4 * 2 + _I8 * 3) + _gather_bytes(kept, width)
+
+
+def _gather_bytes(kept: int, width: int) -> float:
+    """The compaction's copy of the rows it selects from one chunk, at most ``GATHER_VALUES``
+    values at a time (:meth:`._base._Sample._gather`)."""
+    return min(kept, max(1, GATHER_VALUES // max(1, width))) * width * _F4
 
 
 def _at_most(cap: int | None, n: int | None) -> int:
