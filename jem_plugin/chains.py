@@ -23,6 +23,7 @@ starts of any floating dtype are cast to it.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol, overload, runtime_checkable
@@ -126,10 +127,10 @@ def check_recording(return_diagnostics: bool, record_trajectory: bool, record_en
             raise ValueError(f"{name}=True records into the diagnostics: pass return_diagnostics=True too")
 
 
-class ChainSampler:
+class ChainSampler(ABC):
     """Base class of samplers that move chains along the input gradient of the model's log density.
 
-    A subclass writes :meth:`step`; the base class runs the chains (see the module docstring).
+    A subclass writes :meth:`step` (abstract); the base class runs the chains (see the module docstring).
     The log density is ``logsumexp_y f(x)[y]``, or ``f(x)[y]`` for chains drawn for labels ``y``.
 
     Parameters
@@ -180,6 +181,7 @@ class ChainSampler:
         return f"{type(self).__name__}(steps={self.steps}, batchnorm={self.batchnorm!r}, clamp={self.clamp})"
 
     # ------------------------------------------------------------------ what a subclass writes
+    @abstractmethod
     def step(self, x: Tensor, grad: Tensor, size: float | Tensor, state: Any) -> None:
         """Move the chains ``x`` (``[B, ...]``, updated in place) one step, given ``grad``, the
         input gradient of each chain's log density (the driver's to keep or overwrite).
@@ -188,7 +190,6 @@ class ChainSampler:
         when the step runs inside a CUDA graph. ``state`` is what :meth:`prepare` returned for
         this chain run. The clamp to the domain comes after, from the driver.
         """
-        raise NotImplementedError(f"{type(self).__name__} must implement step(x, grad, size, state)")
 
     def prepare(self, jm: Any, x: Tensor) -> Any:
         """Per-run state handed to every :meth:`step` (noise buffers, the starts); ``None`` here.
@@ -202,6 +203,7 @@ class ChainSampler:
     def after_step(self, t: int, x: Tensor, size: float, y: Tensor | None, state: Any) -> None:
         """Called after step ``t`` (and the clamp) of an eager chain; nothing here. SGLD runs the
         ``jem_sgld_step`` plugin hook from it."""
+        return None  # optional: a sampler overrides it only if it needs it
 
     def wants_eager(self) -> str | None:
         """Why this chain cannot run as a CUDA graph (read before capture), or ``None``."""
@@ -220,6 +222,7 @@ class ChainSampler:
     def use_buffer(self, buffer: Any) -> None:
         """Called before each draw of starts from ``buffer``; nothing here (SGLD reads the colour
         axes of the buffer's data)."""
+        return None  # optional: a sampler overrides it only if it needs it
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
