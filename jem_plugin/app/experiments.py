@@ -46,7 +46,7 @@ from .default_recipe import recipe_record
 from .model_files import model_spec, save_model_checkpoint
 from .nets import DigitsCNN
 from .sample_checks import sample_quality_figures
-from .threads import others_load, slow_cause, usable_cpus
+from .threads import others_load, slow_cause, usable_cpus, use_threads
 
 __all__ = [
     "DigitsConfig",
@@ -530,6 +530,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    # the threads every jem command chooses, for this script's network (said unless --quiet)
+    use_threads(
+        DigitsCNN(10, width=args.width or DigitsConfig.width),
+        (1, 8, 8),
+        say=(lambda line: None) if args.quiet else None,
+    )
     kw: dict[str, Any] = dict(FAST_RECIPE if args.fast else DEMO_RECIPE if args.demo else PAPER_RECIPE)
     names = {"proximal": "sgld_grad_clamp", "clamp": "sgld_clamp"}  # this script's flags -> recipe names
     for name in (
