@@ -511,7 +511,7 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace, cuda: bool) -> 
             f"Peak {what} above the baseline, memory_limit {args.limit / 2**30:.1f} GiB. Fit on {args.rows:,} "
             f"rows (batches of {args.batch}), told the full size; scoring {args.score_rows:,} rows in batches "
             f"of {args.score_batch}; layers at {args.positions} position(s). Device {args.device}; "
-            f"{platform.processor() or platform.machine()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; "
+            f"{platform.processor() or platform.machine()}, OMP_NUM_THREADS={args.omp_num_threads}; "
             f"load average at the start {args.load}. Times: "
             + (
                 "wall seconds (the GPU computes)."
@@ -576,6 +576,7 @@ def main(argv: list[str] | None = None) -> None:
         merge(args.merge, Path(args.out), args.tag)
         return
     args.load = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
+    args.omp_num_threads = os.environ.get("OMP_NUM_THREADS")  # the run's, kept in its settings for --merge
     if args.child is not None or (args.knn_study and args.device == "cpu" and os.environ.get("_BENCH_CHILD")):
         _child(args)
         return
@@ -627,7 +628,7 @@ def merge(paths: list[str], out: Path, tag: str = "") -> None:
             rows[row["detector"]] = {**row, "run": Path(path).name}
     order = [d[0] for d in DETECTORS]
     merged = sorted(rows.values(), key=lambda r: order.index(r["detector"]) if r["detector"] in order else len(order))
-    args = argparse.Namespace(**runs[0]["settings"])
+    args = argparse.Namespace(**{"omp_num_threads": None, **runs[0]["settings"]})
     out.mkdir(parents=True, exist_ok=True)
     _write(out, merged, argparse.Namespace(**{**vars(args), "tag": tag}), args.device.startswith("cuda"))
     meta = json.loads((out / f"posthoc_scale{tag}.json").read_text())
