@@ -33,8 +33,9 @@ _AT_IMPORT = torch.get_num_threads()
 _SET_HERE: int | None = None
 
 #: A forward pass of fewer FLOPs than this per input is too small to share between threads: the
-#: toy 2-D MLP (0.07 MFLOP) trains faster on one thread; the digits CNN (3 MFLOP) on two when the
-#: machine is idle (benchmarks/results/threads.md).
+#: toy 2-D MLP (0.07 MFLOP) took 15-18 ms an iteration on one thread and 133-353 ms on two (load 5,
+#: benchmarks/results/threads_small_model.txt); the digits CNN (3 MFLOP) ran the demo faster on two
+#: than on one on an idle machine (20.6 s against 28.5 s, issue 59).
 SMALL_FORWARD_FLOPS = 0.5e6
 #: How long the other processes' load is measured (``/proc/stat``), in seconds.
 LOAD_WINDOW_S = 0.2
