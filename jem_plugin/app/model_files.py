@@ -41,12 +41,15 @@ def load_data(
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
     channels: int = 3,
+    notes: bool = True,
 ):
     """``(dataset, domain, num_classes, sample_shape)`` for a ``--data`` spec.
 
     Images (folders, CIFAR-10) are normalised by ``mean``/``std`` where given (a user's own
     classifier, ``jem ood --weights``), else into ``[-1, 1]`` as ``jem train`` reads them. A
-    folder's images are read in ``channels`` (a model's: 1 grey, 3 RGB; jem train builds RGB models).
+    folder's images are read in ``channels`` (a model's: 1 grey, 3 RGB; jem train builds RGB models),
+    and what was converted or skipped is said on stderr (``notes=False``: the caller says it once
+    its checks passed, so that a mistake still ends in one line).
 
     Specs: ``digits``, ``toy2d`` (or ``toy2d:NAME``), ``textures`` (or ``textures:N``, N generated
     images per class, default 500; 100 per class for testing), ``folder:PATH``, ``cifar10:PATH``.
@@ -68,7 +71,8 @@ def load_data(
             raise CLIError("--data folder:PATH needs a path, e.g. folder:data/train")
         # the model's channels (jem train's: 3); an image in another mode is converted, and said
         ds = D.image_folder(arg, image_size=image_size, mean=mean, std=std, skip_bad=skip_bad, channels=channels)
-        _say_skipped(ds, spec)
+        if notes:
+            _say_skipped(ds, spec)
         return ds, ds.domain, len(ds.classes), (channels, image_size, image_size)
     if kind == "textures":  # generated colour shapes on textures (data.textures): train 0.., test 1000000..
         try:
@@ -310,6 +314,7 @@ def held_out_data(
             mean=spec.get("mean"),
             std=spec.get("std"),
             channels=channels,
+            notes=False,  # said below, once the shape and classes fit
         )
         where = data
     else:
@@ -340,6 +345,8 @@ def held_out_data(
         check_shape(spec, ds[0][0].shape, data or spec["data"])
     if spec.get("classes") and hasattr(ds, "classes") and (data or "").startswith(("folder:", "cifar10:")):
         check_classes(spec["classes"], [str(c) for c in ds.classes], f"--data {data}")
+    if data and data.startswith("folder:"):
+        _say_skipped(ds, data)
     return ds, where
 
 
