@@ -165,3 +165,33 @@ def test_the_cut_short_demo_never_suggests_the_budget_that_cut_it(monkeypatch, t
     suggested = int(result["warning"].rsplit("--budget-seconds ", 1)[1].split()[0])
     assert suggested > 240  # the default budget that cut them, plus the 3 + 3 epochs left out
     assert result["warning"].index("other processes kept 1.0 of the") < result["warning"].index("--budget-seconds")
+
+
+def test_every_command_that_trains_or_scores_chooses_its_threads(monkeypatch, tmp_path, capsys):
+    """One helper for every command: each calls it with its network and input shape."""
+    from jem_plugin.app.commands import _common
+
+    seen: list[tuple[str, tuple]] = []
+
+    def record(model=None, sample_shape=None, say=None):
+        seen.append((type(model).__name__, tuple(sample_shape or ())))
+        return threads.ThreadChoice(torch.get_num_threads(), "chosen", "recorded")
+
+    monkeypatch.setattr(_common, "use_threads", record)
+    monkeypatch.setattr(demo, "run_digits_demo", lambda out, **kw: {"runs": {}})
+    cfg = experiments.DigitsConfig()
+    model = tmp_path / "model.pt"
+    experiments._save_model(model, experiments._build(cfg, "cpu"), cfg)
+    (tmp_path / "demo").mkdir()
+    runs = {
+        "demo": ["demo", "--out", str(tmp_path / "demo")],
+        "train": ["train", "--data", "toy2d", "--epochs", "1", "--baseline", "--out", str(tmp_path / "run")],
+        "eval": ["eval", str(model)],
+        "ood": ["ood", str(model), "--scores", "msp", "--out", str(tmp_path / "ood.json")],
+        "sample": ["sample", str(model), "--n", "4", "--sgld-steps", "1", "--out", str(tmp_path / "s.png")],
+    }
+    for name, argv in runs.items():
+        seen.clear()
+        assert main([*argv, "--quiet"]) == 0, capsys.readouterr().err
+        assert seen and seen[0][0] in ("DigitsCNN", "ToyMLP"), (name, seen)
+        assert seen[0][1] == ((2,) if name == "train" else (1, 8, 8)), (name, seen)
