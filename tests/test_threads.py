@@ -195,3 +195,20 @@ def test_every_command_that_trains_or_scores_chooses_its_threads(monkeypatch, tm
         assert main([*argv, "--quiet"]) == 0, capsys.readouterr().err
         assert seen and seen[0][0] in ("DigitsCNN", "ToyMLP"), (name, seen)
         assert seen[0][1] == ((2,) if name == "train" else (1, 8, 8)), (name, seen)
+
+
+def test_the_load_is_read_on_the_cores_this_process_may_use(monkeypatch):
+    """A process pinned to cores 0-1 of a larger machine counts the load on those two alone."""
+    import io
+
+    snapshots = iter(
+        [
+            "cpu  0 0 0 300 0\ncpu0 0 0 0 100 0\ncpu1 0 0 0 100 0\ncpu2 0 0 0 100 0\n",
+            # 100 jiffies later: cpu0 busy throughout, cpu1 idle, cpu2 (not ours) busy
+            "cpu  200 0 0 400 0\ncpu0 100 0 0 100 0\ncpu1 0 0 0 200 0\ncpu2 100 0 0 100 0\n",
+        ]
+    )
+    monkeypatch.setattr(threads, "open", lambda path: io.StringIO(next(snapshots)), raising=False)
+    monkeypatch.setattr(threads, "_allowed_cores", lambda: {0, 1})
+    busy, how = threads.others_load(window=0.0)
+    assert how == "now" and busy == pytest.approx(1.0)

@@ -80,29 +80,49 @@ def usable_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _cpu_times() -> tuple[float, float] | None:
-    """``(busy, total)`` jiffies of all cores from ``/proc/stat``; None off Linux."""
+def _allowed_cores() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity mask: every core
+        return None
+
+
+def _cpu_times(cores: set[int] | None) -> tuple[float, float] | None:
+    """``(busy, total)`` jiffies from ``/proc/stat``, summed over ``cores`` (None: all); None off Linux."""
     try:
         with open("/proc/stat") as f:
-            fields = [float(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
+            lines = [ln.split() for ln in f if ln.startswith("cpu")]
+    except OSError:
         return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
-    return sum(fields) - idle, sum(fields)
+    if cores is None:
+        rows = [lines[0][1:]]  # the first line sums every core
+    else:
+        rows = [ln[1:] for ln in lines[1:] if ln[0][3:].isdigit() and int(ln[0][3:]) in cores]
+    busy = total = 0.0
+    try:
+        for row in rows:
+            fields = [float(v) for v in row]
+            idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+            busy, total = busy + sum(fields) - idle, total + sum(fields)
+    except (ValueError, IndexError):
+        return None
+    return (busy, total) if rows else None
 
 
 def others_load(window: float = LOAD_WINDOW_S) -> tuple[float, str]:
-    """``(cores kept busy by other processes, how it was read)``: the machine's busy time over
-    ``window`` seconds while this process sleeps (Linux), else the 1-minute load average."""
-    cores = os.cpu_count() or 1
-    before = _cpu_times()
+    """``(cores' worth of load other processes put on the cores this process may use, how it was
+    read)``: their busy time over ``window`` seconds while this process sleeps (Linux), else the
+    1-minute load average."""
+    cores = _allowed_cores()
+    count = len(cores) if cores else (os.cpu_count() or 1)
+    before = _cpu_times(cores)
     if before is not None:
         time.sleep(window)
-        after = _cpu_times()
+        after = _cpu_times(cores)
         if after is not None and after[1] > before[1]:
-            return cores * (after[0] - before[0]) / (after[1] - before[1]), "now"
+            return count * (after[0] - before[0]) / (after[1] - before[1]), "now"
     try:
-        return os.getloadavg()[0], "1-minute load average"
+        return min(float(count), os.getloadavg()[0]), "1-minute load average"
     except (AttributeError, OSError):  # Windows
         return 0.0, "unknown"
 
