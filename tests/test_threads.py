@@ -7,6 +7,8 @@ timings and the model sizes are injected."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -210,5 +212,11 @@ def test_the_load_is_read_on_the_cores_this_process_may_use(monkeypatch):
     )
     monkeypatch.setattr(threads, "open", lambda path: io.StringIO(next(snapshots)), raising=False)
     monkeypatch.setattr(threads, "_allowed_cores", lambda: {0, 1})
-    busy, how = threads.others_load(window=0.0)
-    assert how == "now" and busy == pytest.approx(1.0)
+    clock = iter([0.0, 1.0])  # a second passes; this process uses 0.25 of a core in it
+    cpu = iter([0.0, 0.25])
+    fake_time = types.SimpleNamespace(
+        perf_counter=lambda: next(clock), process_time=lambda: next(cpu), sleep=lambda s: None
+    )
+    monkeypatch.setattr(threads, "time", fake_time)
+    busy, how = threads.others_load(window=1.0)
+    assert how == "now" and busy == pytest.approx(0.75)  # cpu0's whole core, less this process's quarter

@@ -115,12 +115,14 @@ def others_load(window: float = LOAD_WINDOW_S) -> tuple[float, str]:
     1-minute load average."""
     cores = _allowed_cores()
     count = len(cores) if cores else (os.cpu_count() or 1)
-    before = _cpu_times(cores)
+    before, own, t0 = _cpu_times(cores), time.process_time(), time.perf_counter()
     if before is not None:
         time.sleep(window)
         after = _cpu_times(cores)
         if after is not None and after[1] > before[1]:
-            return count * (after[0] - before[0]) / (after[1] - before[1]), "now"
+            # less this process's own (torch's threads may still spin after its last operation)
+            mine = (time.process_time() - own) / max(time.perf_counter() - t0, 1e-6)
+            return max(0.0, count * (after[0] - before[0]) / (after[1] - before[1]) - mine), "now"
     try:
         return min(float(count), os.getloadavg()[0]), "1-minute load average"
     except (AttributeError, OSError):  # Windows
