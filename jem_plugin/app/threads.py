@@ -4,11 +4,13 @@ command before its work, and :func:`choose_threads`, the rule it applies.
 Torch starts one thread per core. Its threads meet at the end of every operation, so when another
 process keeps one of the cores busy (a browser, a second training run, a shared workstation), every
 operation waits for the thread that lost its core: on 2 cores beside one busy process, ``jem demo``
-took 5 min 30 s with torch's 2 threads and 29 s with one (issue 59; benchmarks/bench_threads.py
-measures it here). A small model has too little work per operation to share out either.
+took 5 min 30 s with torch's 2 threads and 29 s with one (issue 59); here a README-style loop took
+51 s an iteration against 3.8 s (benchmarks/results/threads.md). A small model has too little work
+per operation to share out either.
 
-The rule: a thread per core that other processes leave free (their load measured over a moment,
-not the 1-minute load average, which lags a process that started or stopped seconds ago), at most
+The rule: a thread per core that other processes leave free (their load on the cores this process
+may use, measured over a moment less this process's own; not the 1-minute load average, which lags
+a process that started or stopped seconds ago, and is the fallback off Linux), at most
 torch's own default, and one thread for a model whose forward pass is below
 :data:`SMALL_FORWARD_FLOPS` per input. A user's own choice always wins: ``OMP_NUM_THREADS`` in the
 environment, or a ``torch.set_num_threads`` call before the command's work.
