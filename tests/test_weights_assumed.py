@@ -79,3 +79,12 @@ def test_the_eval_json_is_unchanged_by_the_line(root, capsys):
     argv = ["eval", "--model", "resnet10t", "--weights", str(root / "resnet_args.pth")]
     assert main([*argv, "--data", f"folder:{root / 'test'}", "--quiet"]) == 0
     assert json.loads(capsys.readouterr().out)["n"] == 12
+
+
+def test_a_factory_vit_at_another_size_is_told_the_size_of_its_weights(root, tmp_path, monkeypatch):
+    (tmp_path / "vitnet.py").write_text(
+        "import timm\ndef build(num_classes):\n    return timm.create_model('vit_tiny_patch16_224', num_classes=num_classes)\n"
+    )
+    monkeypatch.chdir(tmp_path)  # module:factory specs are found in the current directory
+    with pytest.raises(CLIError, match=r"positional embedding is for 32x32 inputs: build the network at that size"):
+        _load(root, "vit32.pth", model="vitnet:build")

@@ -246,6 +246,8 @@ def load_user_model(
             if num_classes
             else f" (built for {k} classes, the folders of --data; --num-classes K if it has another count)"
         )
+        if grid is not None and grid != (wrap(net).domain.input_size or (0,))[-1]:
+            hint += f" (their positional embedding is for {grid}x{grid} inputs: build the network at that size)"
         raise CLIError(f"--weights {weights} do not fit --model {model}{hint}: {detail[:300]}") from exc
     probe = wrap(net)
     said = probe.domain.input_size
