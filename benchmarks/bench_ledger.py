@@ -273,16 +273,7 @@ def evaluate_point(
         return _evaluate_point(c, S, model, recipe, iteration, out_dir, last, posthoc)
 
 
-def _evaluate_point(
-    c: dict[str, Any],
-    S: dict[str, Any],
-    model: torch.nn.Module,
-    recipe: Any,
-    iteration: int,
-    out_dir: str,
-    last: bool,
-    posthoc: bool,
-) -> dict[str, Any]:
+def _evaluate_point(c, S, model, recipe, iteration, out_dir, last, posthoc) -> dict[str, Any]:  # evaluate_point's body
     t0 = time.process_time()
     model = copy.deepcopy(model).to("cpu").eval()  # evaluated on the CPU, as the long row evaluates
     res = {"model": model, "jm": jem.wrap(model, **S["wrap_kw"]), "loss_fn": None, "recipe": recipe}
@@ -787,10 +778,9 @@ def _sets(points: Sequence[dict[str, Any]], dataset: str) -> list[str]:
 
 def _kind_of(net: str) -> str:
     """The network kind jem train reads (BatchNorm, another normalisation, none)."""
-    from jem_plugin.app.default_recipe import network_kind
+    from jem_plugin.app.default_recipe import kind_name, network_kind
 
-    batchnorm, normalised = network_kind(G.make_model(GB.NETWORKS.get(net, net)))
-    return "BN" if batchnorm else ("other" if normalised else "none")
+    return kind_name(*network_kind(G.make_model(GB.NETWORKS.get(net, net))))
 
 
 START, END = "<!-- ledger:start -->", "<!-- ledger:end -->"

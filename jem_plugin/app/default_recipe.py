@@ -205,14 +205,16 @@ _TARGETS_PHRASE = (
 
 
 @cache
-def _long_row(path: Path) -> dict[str, Any]:
+def read_table(path: Path) -> dict[str, Any]:
+    """A JSON table the package ships (the long row's targets, the benefit ledger's evidence);
+    ``{}`` where it is missing or unreadable."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):  # a build without the table says nothing rather than fail a run
         return {}
 
 
-def _kind(batchnorm: bool, normalised: bool) -> str:
+def kind_name(batchnorm: bool, normalised: bool) -> str:
     """The long row's network kinds: "BN" (BatchNorm anywhere), "other" (another normalisation), "none"."""
     return "BN" if batchnorm else ("other" if normalised else "none")
 
@@ -245,8 +247,8 @@ def generative_half(
     >>> choice.recipe
     'fast'
     """
-    table = _long_row(LONG_ROW_TARGETS) if table is None else table
-    kind = _kind(batchnorm, normalised)
+    table = read_table(LONG_ROW_TARGETS) if table is None else table
+    kind = kind_name(batchnorm, normalised)
     cells = [
         c for c in table.get("cells", []) if c.get("dataset") in table.get("judged_on", ()) and c.get("kind") == kind
     ]

@@ -10,24 +10,16 @@ changes only with a release (the ledger's report is committed); it never changes
 
 from __future__ import annotations
 
-import json
-from functools import cache
 from pathlib import Path
 from typing import Any
+
+from .default_recipe import read_table
 
 LEDGER_EVIDENCE = Path(__file__).with_name("ledger_evidence.json")
 #: the docs page with the ledger's tables and intervals
 LEDGER_PAGE = "docs/what-jem-buys.md"
 #: the seeds an entry needs before jem train quotes it (the decision rule's)
 MIN_SEEDS = 3
-
-
-@cache
-def _table(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):  # a build without the table says nothing rather than fail a run
-        return {}
 
 
 def _fmt(entry: dict[str, Any]) -> str:
@@ -42,7 +34,7 @@ def ledger_line(
     kind: str, recipe: str, settings: dict[str, float], iterations: int, table: dict[str, Any] | None = None
 ) -> str | None:
     """One line on what the ledger measured for ``recipe`` with ``settings`` on a network of
-    ``kind`` (``"BN"``, ``"other"`` or ``"none"``, as :func:`default_recipe.network_kind` reads it)
+    ``kind`` (:func:`default_recipe.kind_name`: ``"BN"``, ``"other"`` or ``"none"``)
     against a cross-entropy baseline, for a run of ``iterations``; None where it measured nothing
     of the kind.
 
@@ -52,7 +44,7 @@ def ledger_line(
     >>> print(ledger_line("BN", "fast", {}, 1000, t))
     the benefit ledger (docs/what-jem-buys.md) measured this recipe on textures with resnet10t at 1512 iterations, 3 seeds, against cross-entropy: better on raw ECE -2.1 points [-3.0, -1.2]; no difference on the other 19 benefits; 5.3x its CPU cost per iteration
     """
-    table = _table(LEDGER_EVIDENCE) if table is None else table
+    table = read_table(LEDGER_EVIDENCE) if table is None else table
     entries = [e for e in table.get("entries", []) if e.get("kind") == kind]
     if not entries:
         return None

@@ -29,6 +29,7 @@ from ..default_recipe import (
     SMALL_DATA_RECIPE,
     default_choice_for,
     generative_half,
+    kind_name,
     lr_raised,
     network_kind,
 )
@@ -426,9 +427,7 @@ def _choose_recipe(args, info, ds, jm, iterations: int) -> Recipe:
             f"--recipe {chosen} keeps the recipe's settings"
         )
     if tell:  # what the benefit ledger measured for this kind of network and recipe, where it did
-        batchnorm, normalised = network_kind(jm)
-        kind = "BN" if batchnorm else ("other" if normalised else "none")
-        measured = ledger_line(kind, chosen, settings, iterations)
+        measured = ledger_line(kind_name(*network_kind(jm)), chosen, settings, iterations)
         if measured or half:
             print(f"jem train: {measured or half}")
     recipe = recipe_from_args(args, name=chosen, defaults=settings)
