@@ -665,7 +665,7 @@ def equal_compute(points: Sequence[dict[str, Any]], ratio: dict[str, float], dat
     rows = []
     for arm in ARMS[1:]:
         for it in sorted({p["iteration"] for p in points if p["arm"] == arm}):
-            if arm not in ratio:
+            if ("default" if arm == "finetune" else arm) not in ratio:  # the fine-tune runs the default's loss
                 continue
             acc = [float(np.mean(p["arrays"]["correct"])) for p in points if p["arm"] == arm and p["iteration"] == it]
             own = it if arm != "finetune" else None
@@ -929,7 +929,7 @@ def figure(cmps, rows, path: str, title: str) -> str | None:
     ]
     if not last or not keys:
         return None
-    fig, ax = plt.subplots(figsize=(9, 0.42 * len(keys) + 1.6))
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(keys) + 1.6))
     colours = dict(zip(ARMS[1:], ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red", "tab:brown")))
     n = len(last)
     for j, (arm, c) in enumerate(last.items()):
@@ -938,7 +938,7 @@ def figure(cmps, rows, path: str, title: str) -> str | None:
             if r is None:
                 continue
             sign = 1 if higher else -1
-            scale = 100 if k.startswith(("accuracy", "robust", "ece")) else (100 if k.startswith("auroc") else 1)
+            scale = 100  # points of accuracy, ECE, robustness and AUROC; NLL in nats x100
             lo, hi = sorted((sign * r["lo"] * scale, sign * r["hi"] * scale))
             y = i + (j - (n - 1) / 2) * 0.8 / max(n, 1)
             ax.plot([lo, hi], [y, y], color=colours[arm], lw=2)
@@ -950,10 +950,13 @@ def figure(cmps, rows, path: str, title: str) -> str | None:
     )
     ax.set_yticklabels([short(lab) for _, lab, _ in keys], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("difference to the baseline, oriented so that right is better (points; NLL in nats x100)")
+    ax.set_xlabel(
+        "difference to the baseline, right is better (points: accuracy, ECE, AUROC x100, robustness; NLL: nats x100)"
+    )
     ax.set_title(f"What JEM buys on {title}: each arm at its last point, 95% intervals", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
+    fig.subplots_adjust(left=0.3)  # the benefits' names, whole
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
