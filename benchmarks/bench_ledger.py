@@ -951,7 +951,8 @@ def figure(cmps, rows, path: str, title: str) -> str | None:
     ax.set_yticklabels([short(lab) for _, lab, _ in keys], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel(
-        "difference to the baseline, right is better (points: accuracy, ECE, AUROC x100, robustness; NLL: nats x100)"
+        "difference to the baseline x100 (accuracy, ECE, robustness in points; AUROC; NLL in nats); right is better",
+        fontsize=8,
     )
     ax.set_title(f"What JEM buys on {title}: each arm at its last point, 95% intervals", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
