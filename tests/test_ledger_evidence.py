@@ -47,3 +47,24 @@ def test_the_shipped_table_reads():
     assert isinstance(table["entries"], list)
     for e in table["entries"]:
         assert e["seeds"] >= 1 and e["kind"] in ("BN", "other", "none")
+
+
+def test_jem_train_prints_the_ledgers_line_for_its_kind_of_network(tmp_path, monkeypatch, capsys):
+    import json
+
+    import jem_plugin.app.ledger_evidence as evidence
+    from jem_plugin.app.cli import main
+    from jem_plugin.app.default_recipe import kind_name, network_kind
+    from jem_plugin.app.nets import DigitsCNN
+
+    table = tmp_path / "ledger_evidence.json"
+    kind = kind_name(*network_kind(DigitsCNN()))  # jem train's network for the bundled digits
+    table.write_text(json.dumps({"entries": [_entry(kind=kind, recipe="none of these", seeds=3)]}))
+    monkeypatch.setattr(evidence, "LEDGER_EVIDENCE", table)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--epochs", "1", "--out", "run", "--quiet"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "benefit ledger" in ln]
+    assert lines == [
+        "jem train: the benefit ledger (docs/what-jem-buys.md) has not measured this recipe with 3 seeds on textures "
+        "with resnet10t yet; what JEM buys you here is unmeasured"
+    ]
