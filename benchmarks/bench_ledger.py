@@ -839,6 +839,14 @@ def _section(dataset, net, group, cmps, rows, cost, ratio) -> str:
             "the arm's mean, then the difference and its 95% interval (seeds x test inputs, paired). "
             "Accuracy, ECE and robustness in points. **better**/**worse**: the interval excludes 0."
         )
+        if ratio:  # the price of each column, side by side (--cost)
+            cost_cells = [
+                (f"{ratio['default']:.1f}x for its {c['iteration'] - c['group'][min(c['group'])]['row'].get('start_iteration', 0):,} "
+                 "JEM iterations, after the baseline's" if a == "finetune" else f"{ratio[a]:.1f}x")
+                if ("default" if a == "finetune" else a) in ratio else ""
+                for a, c in last.items()
+            ]  # fmt: skip
+            table.append(["CPU cost per iteration, x cross-entropy", "1.0x", *cost_cells])
         lines.append(LR.md_table(header, table))
     ref = posthoc_reference(group)
     if ref:
