@@ -166,17 +166,16 @@ def plan(
     tiny: bool = False,
     out_dir: str = RESULTS,
 ) -> list[dict[str, Any]]:
-    """The cells, most informative first: every seed's baseline, then every seed's fine-tune (they
-    start from the baselines' first points and cost a fifth of a default run: the first comparison
-    with all its seeds), then per seed the default and the cheap cut, then the presets at the first
-    seed."""
+    """The cells, most informative first, each arm with all its seeds before the next: the
+    baselines; the fine-tunes (they start from the baselines' first points and cost a fifth of a
+    default run); the default (what JEM buys, with its intervals); the cheap cut (judged against the
+    default); then the presets at the first seed."""
     cells = []
     for d in datasets:
         for n in networks:
             mk = lambda arm, s: arm_cell(d, n, arm, s, iterations, evals, tiny, out_dir)
-            cells += [mk("baseline", s) for s in seeds] + [mk("finetune", s) for s in seeds]
-            for s in seeds:
-                cells += [mk("default", s), mk("cheap", s)]
+            for arm in ("baseline", "finetune", "default", "cheap"):
+                cells += [mk(arm, s) for s in seeds]
             if presets:
                 cells += [mk(p, seeds[0]) for p in PRESETS]
     return cells
