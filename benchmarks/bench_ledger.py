@@ -739,14 +739,8 @@ def evidence_table(
     """What ``jem train`` may quote (:mod:`jem_plugin.app.ledger_evidence`): for each recipe arm (not
     the fine-tune: jem train trains from scratch) at its last point against the baseline, on the
     judged data, the benefits whose interval excludes 0, and how many were measured."""
-    labels = {
-        k: lab
-        for d in {p["dataset"] for p in points}
-        for k, lab, _ in benefit_rows(_sets(points, d), SIMPLER.get(d, ()))
-    }
-    higher = {
-        k: h for d in {p["dataset"] for p in points} for k, _, h in benefit_rows(_sets(points, d), SIMPLER.get(d, ()))
-    }
+    rows = [r for d in {p["dataset"] for p in points} for r in benefit_rows(_sets(points, d), SIMPLER.get(d, ()))]
+    labels, higher = {k: lab for k, lab, _ in rows}, {k: h for k, _, h in rows}
     last: dict[tuple, dict[str, Any]] = {}
     for e in summary:
         if (
@@ -901,12 +895,8 @@ def posthoc_reference(group: Sequence[dict[str, Any]]) -> dict[str, tuple[str, f
         return {}
     last = max(p["iteration"] for p in base)
     tables = [p["posthoc_auroc"] for p in base if p["iteration"] == last]
-    means = {
-        (m, o): float(np.mean([t[m][o] for t in tables if m in t and o in t[m]]))
-        for t in tables
-        for m in t
-        for o in t[m]
-    }
+    pairs = {(m, o) for t in tables for m in t for o in t[m]}  # each mean once, over the seeds that have it
+    means = {(m, o): float(np.mean([t[m][o] for t in tables if o in t.get(m, {})])) for m, o in pairs}
     out = {}
     for o in sorted({o for _, o in means}):
         m, v = max(((m, v) for (m, oo), v in means.items() if oo == o and np.isfinite(v)), key=lambda mv: mv[1])
