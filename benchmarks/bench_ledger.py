@@ -419,22 +419,26 @@ def _mean_over(out: dict[str, np.ndarray], score: str, sets: Sequence[str]) -> n
 
 
 def paired_bootstrap(
-    arm: dict[int, dict[str, np.ndarray]], base: dict[int, dict[str, np.ndarray]], n_boot: int = N_BOOT, seed: int = 0
+    arm: dict[int, dict[str, np.ndarray]],
+    base: dict[int, dict[str, np.ndarray]],
+    n_boot: int = N_BOOT,
+    seed: int = 0,
+    resample_seeds: bool = True,
 ) -> dict[str, dict[str, float]]:
     """Mean over seeds of ``arm - base`` for every statistic both have, and its 95% percentile
     interval: seeds resampled (scikit-learn's ``resample``), paired, on top of the inputs the
     statistics were already resampled over (``arm[seed][key]``: ``[1 + n_boot]``, row 0 the
-    estimate). Only the seeds both have count. Returns ``{key: {"diff", "lo", "hi", "arm",
-    "base", "seeds"}}``."""
+    estimate). Only the seeds both have count. ``resample_seeds=False`` keeps the seeds fixed: the
+    interval the test inputs alone give (how much more seeds could narrow it). Returns ``{key:
+    {"diff", "lo", "hi", "arm", "base", "seeds"}}``."""
     from sklearn.utils import resample
 
     seeds = sorted(set(arm) & set(base))
     if not seeds:
         return {}
     rs = np.random.RandomState(seed)
-    picks = np.stack(
-        [np.arange(len(seeds))] + [resample(np.arange(len(seeds)), random_state=rs) for _ in range(n_boot)]
-    )
+    every = np.arange(len(seeds))
+    picks = np.stack([every] + [resample(every, random_state=rs) if resample_seeds else every for _ in range(n_boot)])
     out = {}
     for key in sorted(set.intersection(*(set(arm[s]) & set(base[s]) for s in seeds))):
         a = np.stack([arm[s][key] for s in seeds])  # [seeds, 1 + n_boot]
@@ -567,10 +571,30 @@ def comparisons(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"arm": arm, "iteration": it, "against": "default", "against_iteration": default_last,
                         "group": group, "ref": by[("default", default_last)]})  # fmt: skip
     for cmp in out:
-        cmp["result"] = paired_bootstrap(
-            {s: p["stats"] for s, p in cmp["group"].items()}, {s: p["stats"] for s, p in cmp["ref"].items()}
-        )
+        pair = ({s: p["stats"] for s, p in cmp["group"].items()}, {s: p["stats"] for s, p in cmp["ref"].items()})
+        cmp["result"] = paired_bootstrap(*pair)
+        if cmp["against"] == "default":  # the rule's precision: how much of the interval more seeds could remove
+            cmp["inputs_only"] = paired_bootstrap(*pair, resample_seeds=False)
     return out
+
+
+def _seeds_text(n: int) -> str:
+    return f"{n} seed" if n == 1 else f"{n} seeds"
+
+
+def precision_text(cmp: dict[str, Any]) -> str:
+    """One sentence on the accuracy interval of a rule comparison: its half-width, and the half-width
+    the test inputs alone give (seeds held fixed), beside the rule's 1-point margin: whether a
+    non-inferior arm could pass at all with this many seeds and test images."""
+    full, fixed = cmp["result"].get("accuracy"), cmp.get("inputs_only", {}).get("accuracy")
+    if full is None or fixed is None:
+        return ""
+    half, half_inputs = 50 * (full["hi"] - full["lo"]), 50 * (fixed["hi"] - fixed["lo"])
+    return (
+        f"Precision: the accuracy difference's interval reaches {half:.1f} points either side of its mean "
+        f"({_seeds_text(full['seeds'])}), {half_inputs:.1f} from the test inputs alone (seeds held fixed); the rule's "
+        "margin is 1 point."
+    )
 
 
 def _fmt(v: float, key: str) -> str:
@@ -609,7 +633,7 @@ def decide(cmp: dict[str, Any], rows: Sequence[tuple[str, str, bool]]) -> dict[s
             failed.append(f"{k} ({_cell_text(r, k, higher[k])})")
     seeds = min((r["seeds"] for r in res.values()), default=0)
     if seeds < 3:
-        failed.append(f"{seeds} seeds (the rule asks for 3)")
+        failed.append(f"{_seeds_text(seeds)} (the rule asks for 3)")
     return {"passes": not failed, "failed": failed, "seeds": seeds}
 
 
@@ -810,7 +834,7 @@ def _section(dataset, net, group, cmps, rows, cost, ratio) -> str:
         last[c["arm"]] = c
     if last:
         header = ["benefit", "baseline"] + [
-            f"{a} at {c['iteration']:,} ({len(c['group'])} seeds)" for a, c in last.items()
+            f"{a} at {c['iteration']:,} ({_seeds_text(len(c['group']))})" for a, c in last.items()
         ]
         table = []
         for key, label, higher in rows:
@@ -858,7 +882,8 @@ def _section(dataset, net, group, cmps, rows, cost, ratio) -> str:
         d = decide(c, rows)
         verdict = "passes" if d["passes"] else "does not pass: " + "; ".join(d["failed"])
         lines.append(
-            f"**Rule, {c['arm']} at {c['iteration']:,} against the default at {c['against_iteration']:,}:** {verdict}."
+            f"**Rule, {c['arm']} at {c['iteration']:,} against the default at {c['against_iteration']:,}:** {verdict}. "
+            + precision_text(c)
         )
     if cost:
         lines.append(

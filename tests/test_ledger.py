@@ -61,6 +61,20 @@ def test_the_interval_resamples_the_seeds_too():
     assert res["lo"] == 0 and res["hi"] == 1  # some draws have seed 0 never, some only it
 
 
+def test_with_the_seeds_held_fixed_only_the_inputs_widen_the_interval():
+    # seeds that disagree and inputs that do not: the seeds' resampling is the whole interval
+    d = L.draws({"test": 400}, n_boot=500)
+    base = {s: np.zeros(400) for s in range(3)}
+    arm = {0: np.ones(400), 1: np.zeros(400), 2: np.zeros(400)}
+    fixed = L.paired_bootstrap(_stats(arm, d), _stats(base, d), n_boot=500, resample_seeds=False)["accuracy"]
+    assert fixed["lo"] == fixed["hi"] == fixed["diff"] == pytest.approx(1 / 3)
+    full = L.paired_bootstrap(_stats(arm, d), _stats(base, d), n_boot=500)["accuracy"]
+    cmp = {"result": {"accuracy": full}, "inputs_only": {"accuracy": fixed}}
+    assert L.precision_text(cmp).startswith("Precision: the accuracy difference's interval reaches 50.0 points")
+    assert "0.0 from the test inputs alone" in L.precision_text(cmp)
+    assert L.precision_text({"result": {"accuracy": full}}) == ""
+
+
 def _cmp(**diffs):
     rows = L.benefit_rows(["near", "other"], ["other"])
     result = {
