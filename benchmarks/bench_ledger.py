@@ -491,7 +491,7 @@ def _sample_metrics(rp: dict[str, Any] | None) -> dict[str, float]:
 # ---------------------------------------------------------------------------- the report
 DOCS_PAGE = os.path.join(os.path.dirname(HERE), "docs", "what-jem-buys.md")
 DOCS_IMG = os.path.join(os.path.dirname(HERE), "docs", "img")
-COST_JSON = "cost.json"
+COST_JSON = "cost-{net}.json"  # one per network: its arms beside its own cross-entropy
 
 
 def benefit_rows(sets: Sequence[str], simpler: Sequence[str]) -> list[tuple[str, str, bool]]:
@@ -643,7 +643,7 @@ def measure_cost(
     """CPU seconds per training iteration of every arm's recipe beside cross-entropy, in one process:
     ``rounds`` rounds, each running ``per_round`` iterations of every arm in turn (so that the load
     of the machine falls on all alike); medians, and each arm's ratio to cross-entropy. Written to
-    ``OUT/cost.json``."""
+    ``OUT/cost-<net>.json``."""
     torch.set_num_threads(1)
     dataset = "textures"
     ds = GB.dataset(dataset, tiny)
@@ -675,8 +675,13 @@ def measure_cost(
         "load_before": os.getloadavg(),
         "threads": 1,
     }
-    write_json(os.path.join(out_dir, COST_JSON), out)
+    write_json(os.path.join(out_dir, COST_JSON.format(net=net)), out)
     return out
+
+
+def read_cost(out_dir: str, net: str) -> dict[str, Any]:
+    """The network's ``--cost`` measurement (:func:`measure_cost`), ``{}`` where it has none."""
+    return GB._read_json(os.path.join(out_dir, COST_JSON.format(net=net)), {})
 
 
 def equal_compute(points: Sequence[dict[str, Any]], ratio: dict[str, float], dataset: str, net: str) -> list[list[str]]:
@@ -721,12 +726,12 @@ def report(
     docs page's tables (``docs_page``, between its markers) and the table ``jem train`` quotes
     (``evidence``: :data:`jem_plugin.app.ledger_evidence.LEDGER_EVIDENCE`)."""
     points = load_points(out_dir)
-    cost = GB._read_json(os.path.join(out_dir, COST_JSON), {})
-    ratio = cost.get("ratio_to_ce", {})
-    parts, summary = [], []
+    parts, summary, ratios = [], [], {}
     for key in sorted({(p["dataset"], p["net"]) for p in points}):
         dataset, net = key
         group = [p for p in points if (p["dataset"], p["net"]) == key]
+        cost = read_cost(out_dir, net)
+        ratio = ratios[net] = cost.get("ratio_to_ce", {})
         a0 = group[0]["arrays"]
         sets = [k.split("__")[1] for k in a0 if k.startswith("logpx__") and k != "logpx__in"]
         simpler = SIMPLER.get(dataset, ())
@@ -747,9 +752,10 @@ def report(
             if fig and docs_img:
                 shutil.copyfile(fig, os.path.join(docs_img, os.path.basename(fig)))
     md = "\n\n".join(parts)
-    write_json(os.path.join(out_dir, "ledger.json"), {"comparisons": summary, "cost": cost})
+    costs = {n: read_cost(out_dir, n) for n in sorted({p["net"] for p in points})}
+    write_json(os.path.join(out_dir, "ledger.json"), {"comparisons": summary, "cost": costs})
     if evidence is not None:
-        write_json(evidence, evidence_table(points, summary, ratio))
+        write_json(evidence, evidence_table(points, summary, ratios))
     with open(os.path.join(out_dir, "ledger.md"), "w") as f:
         f.write(md + "\n")
     if docs_page and os.path.exists(docs_page):
@@ -758,11 +764,12 @@ def report(
 
 
 def evidence_table(
-    points: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]], ratio: dict[str, float]
+    points: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]], ratios: dict[str, dict[str, float]]
 ) -> dict[str, Any]:
     """What ``jem train`` may quote (:mod:`jem_plugin.app.ledger_evidence`): for each recipe arm (not
     the fine-tune: jem train trains from scratch) at its last point against the baseline, on the
-    judged data, the benefits whose interval excludes 0, and how many were measured."""
+    judged data, the benefits whose interval excludes 0, how many were measured, and its cost ratio
+    on its own network (``ratios[net]``, from :func:`read_cost`)."""
     rows = [r for d in {p["dataset"] for p in points} for r in benefit_rows(_sets(points, d), SIMPLER.get(d, ()))]
     labels, higher = {k: lab for k, lab, _ in rows}, {k: h for k, _, h in rows}
     last: dict[tuple, dict[str, Any]] = {}
@@ -787,7 +794,7 @@ def evidence_table(
         entries.append(
             {"dataset": dataset, "net": net, "kind": _kind_of(net), "arm": arm, "recipe": row["run"],
              "settings": row.get("set") or {}, "iteration": e["iteration"], "seeds": len(e["seeds"]),
-             "measured": len(res), "called": called, "cost_ratio": ratio.get(arm)}
+             "measured": len(res), "called": called, "cost_ratio": ratios.get(net, {}).get(arm)}
         )  # fmt: skip
     return {"source": "benchmarks/bench_ledger.py --report", "page": "docs/what-jem-buys.md", "entries": entries}
 

@@ -144,12 +144,18 @@ def test_a_tiny_ledger_keeps_its_points_leaves_the_run_as_it_was_and_reports(tmp
     assert strip(os.path.join(out, "cells", name)) == strip(os.path.join(plain, "cells", name))
     # the fine-tune started from the baseline's first kept point, not from scratch
     assert loads == [cells[2]["init_from"]] and cells[2]["init_from"].startswith(out)
+    # each network's cost is its own: another network's measurement never prices this one
+    for net, ratio in (("test_resnet", 3.3), ("resnet10t", 9.9)):
+        cost = {"s_per_iteration": {"baseline": 0.1, "default": 0.1 * ratio}, "load_before": [0.5, 0.5, 0.5],
+                "ratio_to_ce": {"baseline": 1.0, "default": ratio}}  # fmt: skip
+        L.write_json(os.path.join(out, L.COST_JSON.format(net=net)), cost)
     md = L.report(out, docs_page=None, docs_img=None, evidence=str(tmp_path / "evidence.json"))
     assert "| accuracy (higher is better) |" in md and "finetune at" in md
-    assert "**Rule, finetune at" in md and "1 seeds (the rule asks for 3)" in md
+    assert "**Rule, finetune at" in md and "1 seed (the rule asks for 3)" in md
+    assert "default 0.33 (3.3x)" in md and "9.9x" not in md
     assert os.path.exists(os.path.join(out, "ledger-textures-test_resnet.png"))
     evidence = json.load(open(tmp_path / "evidence.json"))["entries"]
-    assert [(e["arm"], e["seeds"], e["kind"]) for e in evidence] == [("default", 1, "BN")]  # never the fine-tune
+    assert [(e["arm"], e["seeds"], e["kind"], e["cost_ratio"]) for e in evidence] == [("default", 1, "BN", 3.3)]  # never the fine-tune
 
 
 def test_merging_a_gpu_archive_brings_its_points_with_its_cells_and_never_overwrites_a_done_cell(tmp_path):
