@@ -866,6 +866,12 @@ def _section(dataset, net, group, cmps, rows, cost, ratio) -> str:
             "Each arm at its last point against the baseline (the fine-tune against the baseline's last point): "
             "the arm's mean, then the difference and its 95% interval (seeds x test inputs, paired). "
             "Accuracy, ECE and robustness in points. **better**/**worse**: the interval excludes 0."
+            + (
+                " A column of one seed resamples its test inputs only: its interval leaves out how much "
+                "another seed would differ, and is narrower than a 3-seed column's for that reason."
+                if any(len(c["group"]) == 1 for c in last.values())
+                else ""
+            )
         )
         if ratio:  # the price of each column, side by side (--cost)
             cost_cells = [

@@ -153,6 +153,7 @@ def test_a_tiny_ledger_keeps_its_points_leaves_the_run_as_it_was_and_reports(tmp
     assert "| accuracy (higher is better) |" in md and "finetune at" in md
     assert "**Rule, finetune at" in md and "1 seed (the rule asks for 3)" in md
     assert "default 0.33 (3.3x)" in md and "9.9x" not in md
+    assert "A column of one seed resamples its test inputs only" in md  # its interval is not a 3-seed one
     assert os.path.exists(os.path.join(out, "ledger-textures-test_resnet.png"))
     evidence = json.load(open(tmp_path / "evidence.json"))["entries"]
     assert [(e["arm"], e["seeds"], e["kind"], e["cost_ratio"]) for e in evidence] == [("default", 1, "BN", 3.3)]  # never the fine-tune
