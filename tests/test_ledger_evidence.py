@@ -26,7 +26,7 @@ def test_the_line_names_only_the_called_benefits_and_counts_the_rest():
 
 def test_a_longer_run_is_told_it_is_past_the_measurements():
     line = ledger_line("BN", "generative", {"px_weight": 0.03}, 5000, {"entries": [_entry()]})
-    assert line.endswith("this run has 5000 iterations, past what was measured")
+    assert line.endswith("this run has 5,000 iterations, past what was measured")
     assert "no difference on any of 24" in line
 
 

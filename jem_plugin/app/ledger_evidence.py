@@ -42,7 +42,7 @@ def ledger_line(
     ...     iteration=1512, seeds=3, measured=20, cost_ratio=5.3, called=[dict(label="raw ECE", unit="points",
     ...     diff=-0.021, lo=-0.03, hi=-0.012, better=True)])]}
     >>> print(ledger_line("BN", "fast", {}, 1000, t))
-    the benefit ledger (docs/what-jem-buys.md) measured this recipe on textures with resnet10t at 1512 iterations, 3 seeds, against cross-entropy: better on raw ECE -2.1 points [-3.0, -1.2]; no difference on the other 19 benefits; 5.3x its CPU cost per iteration
+    the benefit ledger (docs/what-jem-buys.md) measured this recipe on textures with resnet10t at 1,512 iterations, 3 seeds, against cross-entropy: better on raw ECE -2.1 points [-3.0, -1.2]; no difference on the other 19 benefits; 5.3x its CPU cost per iteration
     """
     table = read_table(LEDGER_EVIDENCE) if table is None else table
     entries = [e for e in table.get("entries", []) if e.get("kind") == kind]
@@ -70,8 +70,8 @@ def ledger_line(
         parts.append(f"{e['cost_ratio']:.1f}x its CPU cost per iteration")
     line = (
         f"the benefit ledger ({LEDGER_PAGE}) measured this recipe on {e['dataset']} with {e['net']} at "
-        f"{e['iteration']} iterations, {e['seeds']} seeds, against cross-entropy: " + "; ".join(parts)
+        f"{e['iteration']:,} iterations, {e['seeds']} seeds, against cross-entropy: " + "; ".join(parts)
     )
     if iterations > e["iteration"]:
-        line += f"; this run has {iterations} iterations, past what was measured"
+        line += f"; this run has {iterations:,} iterations, past what was measured"
     return line
