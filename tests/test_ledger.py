@@ -156,7 +156,8 @@ def test_a_tiny_ledger_keeps_its_points_leaves_the_run_as_it_was_and_reports(tmp
     assert "A column of one seed resamples its test inputs only" in md  # its interval is not a 3-seed one
     assert os.path.exists(os.path.join(out, "ledger-textures-test_resnet.png"))
     evidence = json.load(open(tmp_path / "evidence.json"))["entries"]
-    assert [(e["arm"], e["seeds"], e["kind"], e["cost_ratio"]) for e in evidence] == [("default", 1, "BN", 3.3)]  # never the fine-tune
+    # never the fine-tune, and priced with its own network's cost
+    assert [(e["arm"], e["seeds"], e["kind"], e["cost_ratio"]) for e in evidence] == [("default", 1, "BN", 3.3)]
 
 
 def test_merging_a_gpu_archive_brings_its_points_with_its_cells_and_never_overwrites_a_done_cell(tmp_path):
