@@ -684,16 +684,22 @@ def read_cost(out_dir: str, net: str) -> dict[str, Any]:
     return GB._read_json(os.path.join(out_dir, COST_JSON.format(net=net)), {})
 
 
-def equal_compute(points: Sequence[dict[str, Any]], ratio: dict[str, float], dataset: str, net: str) -> list[list[str]]:
+def equal_compute(
+    points: Sequence[dict[str, Any]], ratio: dict[str, float], dataset: str, net: str
+) -> tuple[list[list[str]], list[int]]:
     """Each JEM arm at its iterations against the baseline at (cost ratio x N) iterations, read off
-    the long row's baseline curves (seeds 0-1, to 3,000 iterations; the same data, network and
-    seeds, a warm-up of 200 iterations where the ledger's has 151). Means over seeds; no interval."""
+    the long row's baseline curves (to 3,000 iterations; the same data, network and seeds, a warm-up
+    of 200 iterations where the ledger's has 151). Means over the long row's seeds; no interval.
+    Returns the table's rows and the seeds the curves come from."""
     curves: dict[int, list[float]] = {}
+    seeds = set()
     for path in glob.glob(os.path.join(LR.RESULTS, "cells", f"{dataset}_*_{net}_baseline_s*_e*.json")):
-        for q in json.load(open(path)).get("points", []):
+        row = json.load(open(path))
+        seeds.add(int(row["seed"]))
+        for q in row.get("points", []):
             curves.setdefault(q["iteration"], []).append(q["accuracy"])
     if not curves:
-        return []
+        return [], []
     its = sorted(curves)
     rows = []
     for arm in ARMS[1:]:
@@ -712,7 +718,7 @@ def equal_compute(points: Sequence[dict[str, Any]], ratio: dict[str, float], dat
                 continue
             rows.append([arm, f"{it:,}", f"{100 * np.mean(acc):.1f}", f"{budget:,.0f}", f"{at:,}" + (" (its last)" if at == its[-1] and budget > at else ""),
                          f"{100 * np.mean(curves[at]):.1f}"])  # fmt: skip
-    return rows
+    return rows, sorted(seeds)
 
 
 def report(
@@ -904,10 +910,11 @@ def _section(dataset, net, group, cmps, rows, cost, ratio) -> str:
             + ", ".join(f"{a} {v:.2f} ({ratio[a]:.1f}x)" for a, v in cost["s_per_iteration"].items())
             + f"; load average before {cost['load_before'][0]:.1f}."
         )
-        eq = equal_compute(group, ratio, dataset, net)
+        eq, curve_seeds = equal_compute(group, ratio, dataset, net)
         if eq:
             lines.append(
-                "At equal compute (the baseline's accuracy from the long row's curves, seeds 0-1, no interval):"
+                "At equal compute (the baseline's accuracy from the long row's curves, "
+                f"{'seed' if len(curve_seeds) == 1 else 'seeds'} {', '.join(map(str, curve_seeds))}, no interval):"
             )
             lines.append(
                 LR.md_table(

@@ -182,3 +182,15 @@ def test_merging_a_gpu_archive_brings_its_points_with_its_cells_and_never_overwr
     lines = L.merge_from(str(archive), str(out))
     assert lines == ["added (cuda, done): a_cell.json", "kept (done here): b_cell.json"]
     assert sorted(os.listdir(out / "points")) == ["a_cell_it8.json", "a_cell_it8.npz"]
+
+
+def test_equal_compute_reads_the_long_rows_baseline_at_the_arms_cost_and_names_its_seeds(tmp_path, monkeypatch):
+    (tmp_path / "cells").mkdir()
+    curve = {"seed": 0, "points": [{"iteration": i, "accuracy": a} for i, a in ((500, 0.6), (1000, 0.7), (2000, 0.8))]}
+    (tmp_path / "cells" / "textures_150_wrn10-1_baseline_s0_e125_lr0.003.json").write_text(json.dumps(curve))
+    monkeypatch.setattr(LR, "RESULTS", str(tmp_path))
+    point = {"arm": "default", "iteration": 300, "arrays": {"correct": np.array([1, 1, 0, 1])}, "row": {}}
+    rows, seeds = L.equal_compute([point], {"default": 4.0}, "textures", "wrn10-1")
+    # 300 JEM iterations at 4x are 1,200 cross-entropy ones: the curve's point at or below that is 1,000
+    assert rows == [["default", "300", "75.0", "1,200", "1,000", "70.0"]] and seeds == [0]
+    assert L.equal_compute([point], {"default": 4.0}, "textures", "resnet18") == ([], [])
