@@ -732,12 +732,12 @@ def report(
     docs page's tables (``docs_page``, between its markers) and the table ``jem train`` quotes
     (``evidence``: :data:`jem_plugin.app.ledger_evidence.LEDGER_EVIDENCE`)."""
     points = load_points(out_dir)
-    parts, summary, ratios = [], [], {}
+    parts, summary, costs = [], [], {}
     for key in sorted({(p["dataset"], p["net"]) for p in points}):
         dataset, net = key
         group = [p for p in points if (p["dataset"], p["net"]) == key]
-        cost = read_cost(out_dir, net)
-        ratio = ratios[net] = cost.get("ratio_to_ce", {})
+        cost = costs[net] = read_cost(out_dir, net)
+        ratio = cost.get("ratio_to_ce", {})
         a0 = group[0]["arrays"]
         sets = [k.split("__")[1] for k in a0 if k.startswith("logpx__") and k != "logpx__in"]
         simpler = SIMPLER.get(dataset, ())
@@ -758,9 +758,9 @@ def report(
             if fig and docs_img:
                 shutil.copyfile(fig, os.path.join(docs_img, os.path.basename(fig)))
     md = "\n\n".join(parts)
-    costs = {n: read_cost(out_dir, n) for n in sorted({p["net"] for p in points})}
     write_json(os.path.join(out_dir, "ledger.json"), {"comparisons": summary, "cost": costs})
     if evidence is not None:
+        ratios = {n: c.get("ratio_to_ce", {}) for n, c in costs.items()}
         write_json(evidence, evidence_table(points, summary, ratios))
     with open(os.path.join(out_dir, "ledger.md"), "w") as f:
         f.write(md + "\n")
