@@ -103,6 +103,7 @@ def test_the_shipped_table_is_the_long_rows_report_of_the_committed_cells():
 
 
 def test_jem_train_prints_what_the_long_row_says_for_its_run(tmp_path, capsys, monkeypatch):
+    import jem_plugin.app.ledger_evidence as evidence
     from benchmarks.folders import write_digits_folder
     from jem_plugin.app import default_recipe
     from jem_plugin.app.cli import main
@@ -110,6 +111,10 @@ def test_jem_train_prints_what_the_long_row_says_for_its_run(tmp_path, capsys, m
     table = tmp_path / "targets.json"
     table.write_text(json.dumps(_table(_cell(kind="none", all_at=10**6))))
     monkeypatch.setattr(default_recipe, "LONG_ROW_TARGETS", table)
+    ledger = tmp_path / "ledger_evidence.json"  # the ledger measured this kind too: its line must not hide this one
+    ledger.write_text(json.dumps({"entries": [dict(kind="none", recipe="generative", settings={"px_weight": 0.03, "l2_weight": 0.0},
+        dataset="textures", net="wrn10-1", iteration=1512, seeds=3, measured=9, cost_ratio=6.0, called=[])]}))  # fmt: skip
+    monkeypatch.setattr(evidence, "LEDGER_EVIDENCE", ledger)
     (tmp_path / "plain.py").write_text(
         "import torch.nn as nn\n"
         "def build(num_classes, **options):\n"
@@ -124,3 +129,4 @@ def test_jem_train_prints_what_the_long_row_says_for_its_run(tmp_path, capsys, m
     # 2 epochs of 32 training images (20% held out) at batch 8: 2 x 4 iterations
     assert "jem train: log p(x) and samples need about 1000000 iterations at this size" in out, out
     assert "this run has 8:" in out, out
+    assert "jem train: the benefit ledger (docs/what-jem-buys.md) measured this recipe on textures with wrn10-1" in out

@@ -426,10 +426,12 @@ def _choose_recipe(args, info, ds, jm, iterations: int) -> Recipe:
             f"baseline{l2}, and these settings far less ({BENCHMARKS_PAGE}). Flags you give win; "
             f"--recipe {chosen} keeps the recipe's settings"
         )
-    if tell:  # what the benefit ledger measured for this kind of network and recipe, where it did
+    if tell:  # what the benefit ledger measured at its length, and when the long row's generative half pays:
+        # two different facts, so a network kind both measured gets both lines
         measured = ledger_line(kind_name(*network_kind(jm)), chosen, settings, iterations)
-        if measured or half:
-            print(f"jem train: {measured or half}")
+        for line in (measured, half):
+            if line:
+                print(f"jem train: {line}")
     recipe = recipe_from_args(args, name=chosen, defaults=settings)
     if lr_raised(recipe.optim.lr, chosen) and info.is_main and not args.baseline and not told:
         preset_lr = get_recipe(chosen).optim.lr
