@@ -1028,12 +1028,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument(
-        "--deadline-s",
-        type=float,
-        default=None,
-        help="no cell starts, and a running one stops at its next point (a later call resumes it), after S s",
-    )
+    ap.add_argument("--deadline-s", type=float, default=None, help=LR.DEADLINE_HELP)
     ap.add_argument("--tiny", action="store_true", help="tiny data and runs (tests, a first try on a new machine)")
     ap.add_argument("--plan", action="store_true", help="print the cells and exit")
     ap.add_argument("--evaluate", action="store_true", help="evaluate kept point models that lack metrics")

@@ -676,6 +676,10 @@ def _run_cell_job(args: tuple) -> str:
     return name
 
 
+#: what ``deadline`` does to :func:`run`'s cells, as both CLIs that take it (this and bench_ledger) say
+DEADLINE_HELP = "no cell starts, and a running one stops at its next point (a later call resumes it), after S s"
+
+
 def run(
     cells: Sequence[dict[str, Any]],
     out_dir: str,
@@ -1631,9 +1635,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--plan", action="store_true", help="print the plan with its projected CPU time and stop")
     p.add_argument("--report", action="store_true", help="no training: curves, table, README section and docs figure")
     p.add_argument("--device", default=None, help="train on this device (e.g. cuda); evaluation stays on the CPU")
-    p.add_argument(
-        "--deadline-s", type=float, default=None, help="no cell starts, and each stops at its next point, after S s"
-    )
+    p.add_argument("--deadline-s", type=float, default=None, help=DEADLINE_HELP)
     p.add_argument("--deadline-at", type=float, default=None, help="the same, at this time.time() (a script's clock)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument(
