@@ -1663,7 +1663,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--coarse",
         action="store_true",
-        help=f"--px-weights: the coarse role (the weight, {COARSE_SHARE:.0%} of chains started from coarse images)",
+        help=f"--px-weights: the coarse role (the weight, {COARSE_SHARE:.0%}% of chains started from coarse images)",  # %% for argparse
     )
     p.add_argument("--seeds", nargs="+", type=int, default=[0], help="--px-weights: the seeds")
     p.add_argument("--tiny", action="store_true", help="the tiny data sets (a smoke test of the plumbing)")

@@ -3,7 +3,9 @@ correctness check we have for the sampler: it computes exactly the bare loop's c
 
 from __future__ import annotations
 
+import importlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -252,3 +254,19 @@ def test_train_step_cuts_time_each_cut_against_cross_entropy():
     assert all(s["median_s"] > 0 for s in times.values())
     md = bench_train_step.cuts_to_markdown(res)
     assert "| resnet10t | steps5_shared | sgld_steps=5, px_clean_data=False |" in md and "load average" in md
+
+
+_CLIS = sorted(
+    f.stem
+    for f in (Path(__file__).parents[1] / "benchmarks").glob("*.py")
+    if not f.stem.startswith("_") and "argparse" in (text := f.read_text()) and "def main(argv" in text
+)
+
+
+@pytest.mark.parametrize("module", _CLIS)
+def test_every_benchmark_prints_its_help(module, capsys):
+    """--help is how a reader finds a benchmark's options; argparse %-formats each help string, so a
+    bare % in one (bench_long_row's "25% of chains") crashed it."""
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(f"benchmarks.{module}").main(["--help"])
+    assert done.value.code == 0 and "usage:" in capsys.readouterr().out
